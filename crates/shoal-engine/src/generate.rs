@@ -1,0 +1,224 @@
+//! The generation loop: prefill the prompt in large batches, then decode one token at a time
+//! until an end-of-generation token, a stop string, or the token limit. Text is streamed to a
+//! callback as it becomes final: text that might still turn into a stop string is held back
+//! until it cannot.
+
+use std::time::{Duration, Instant};
+
+use crate::kv_cache::KvCache;
+use crate::sampler::Sampler;
+use crate::transformer::Transformer;
+use crate::EngineError;
+
+/// Prompt tokens run in one forward pass at most (bounds the attention scratch memory).
+pub const PREFILL_CHUNK: usize = 512;
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The model produced an end-of-generation token, or a stop string matched.
+    Stop,
+    /// The token limit was reached.
+    Length,
+    /// The caller's callback asked to stop (e.g. the client went away).
+    Cancelled,
+}
+
+/// What a generation produced and how long it took.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// Generated token ids (without the end-of-generation token).
+    pub tokens: Vec<u32>,
+    /// Generated text, cut before a matched stop string.
+    pub text: String,
+    /// Why it ended.
+    pub finish: FinishReason,
+    /// Prompt tokens processed.
+    pub prompt_tokens: usize,
+    /// Time spent on the prompt (up to and including the first sampled token).
+    pub prefill_time: Duration,
+    /// Time spent generating the remaining tokens.
+    pub decode_time: Duration,
+}
+
+impl Generation {
+    /// Prompt tokens per second.
+    pub fn prefill_tok_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_time.as_secs_f64().max(1e-9)
+    }
+
+    /// Generated tokens per second after the first.
+    pub fn decode_tok_s(&self) -> f64 {
+        let n = self.tokens.len().saturating_sub(1);
+        n as f64 / self.decode_time.as_secs_f64().max(1e-9)
+    }
+}
+
+/// How to turn tokens into text during generation, supplied by the caller's tokenizer.
+pub trait Detokenizer {
+    /// Whether `id` ends generation.
+    fn is_eog(&self, id: u32) -> bool;
+    /// Feeds one generated token; returns the text that became complete (may be empty while
+    /// a multi-byte character is still being assembled).
+    fn push(&mut self, id: u32) -> String;
+}
+
+/// Holds back the tail of the text that could be the start of a stop string.
+#[derive(Debug, Default)]
+struct StopMatcher {
+    stops: Vec<String>,
+    pending: String,
+}
+
+impl StopMatcher {
+    /// Adds `text`; returns (text safe to emit, whether a stop string matched).
+    fn push(&mut self, text: &str) -> (String, bool) {
+        self.pending.push_str(text);
+        if self.stops.is_empty() {
+            return (std::mem::take(&mut self.pending), false);
+        }
+        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+            let out = self.pending[..at].to_string();
+            self.pending.clear();
+            return (out, true);
+        }
+        // keep the longest suffix that is a prefix of some stop string
+        let mut keep = 0;
+        for s in &self.stops {
+            for (i, _) in s.char_indices().skip(1) {
+                if self.pending.ends_with(&s[..i]) {
+                    keep = keep.max(i);
+                }
+            }
+        }
+        let cut = self.pending.len() - keep;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (out, false)
+    }
+
+    fn finish(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+/// Settings of one generation.
+#[derive(Debug, Clone)]
+pub struct GenerateParams {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Strings that end generation (not included in the output).
+    pub stop: Vec<String>,
+}
+
+/// Runs the prompt (after whatever `cache` already holds) in chunks of [`PREFILL_CHUNK`]
+/// tokens and returns the logits of its last position.
+///
+/// # Errors
+/// When the prompt does not fit the cache or a forward pass fails.
+pub fn prefill(model: &Transformer, prompt: &[u32], cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
+    if prompt.is_empty() {
+        return Err(EngineError::Unsupported { what: "an empty prompt (no tokens to condition on)".into() });
+    }
+    if cache.len() + prompt.len() > cache.capacity() {
+        return Err(EngineError::ContextFull { prompt: cache.len() + prompt.len(), ctx: cache.capacity() });
+    }
+    let mut logits = Vec::new();
+    for chunk in prompt.chunks(PREFILL_CHUNK) {
+        logits = model.forward_last(chunk, cache)?;
+    }
+    Ok(logits)
+}
+
+/// Generates from `prompt`, calling `on_text` with each piece of final text; `on_text`
+/// returns `false` to cancel.
+///
+/// # Errors
+/// When the prompt does not fit or a forward pass fails.
+pub fn generate(
+    model: &Transformer,
+    prompt: &[u32],
+    cache: &mut KvCache,
+    sampler: &mut Sampler,
+    detok: &mut dyn Detokenizer,
+    params: &GenerateParams,
+    on_text: &mut dyn FnMut(&str) -> bool,
+) -> Result<Generation, EngineError> {
+    let start = Instant::now();
+    sampler.observe(prompt);
+    let mut logits = prefill(model, prompt, cache)?;
+    let mut stops = StopMatcher { stops: params.stop.iter().filter(|s| !s.is_empty()).cloned().collect(), pending: String::new() };
+    let mut out = Generation {
+        tokens: Vec::new(),
+        text: String::new(),
+        finish: FinishReason::Length,
+        prompt_tokens: prompt.len(),
+        prefill_time: Duration::ZERO,
+        decode_time: Duration::ZERO,
+    };
+    let mut decode_start = None;
+    while out.tokens.len() < params.max_tokens {
+        let id = sampler.sample(&mut logits);
+        if decode_start.is_none() {
+            out.prefill_time = start.elapsed();
+            decode_start = Some(Instant::now());
+        }
+        if detok.is_eog(id) {
+            out.finish = FinishReason::Stop;
+            break;
+        }
+        out.tokens.push(id);
+        let (text, matched) = stops.push(&detok.push(id));
+        out.text.push_str(&text);
+        if !text.is_empty() && !on_text(&text) {
+            out.finish = FinishReason::Cancelled;
+            break;
+        }
+        if matched {
+            out.finish = FinishReason::Stop;
+            break;
+        }
+        if out.tokens.len() == params.max_tokens || cache.len() >= cache.capacity() {
+            break;
+        }
+        logits = model.forward_last(&[id], cache)?;
+    }
+    if out.finish != FinishReason::Stop {
+        let rest = stops.finish();
+        if !rest.is_empty() {
+            out.text.push_str(&rest);
+            on_text(&rest);
+        }
+    }
+    if let Some(d) = decode_start {
+        out.decode_time = d.elapsed();
+    } else {
+        out.prefill_time = start.elapsed();
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_matcher_holds_back_partial_matches() {
+        let mut m = StopMatcher { stops: vec!["</end>".into()], pending: String::new() };
+        assert_eq!(m.push("hello <"), ("hello ".into(), false));
+        assert_eq!(m.push("/en"), (String::new(), false));
+        assert_eq!(m.push("d> tail"), (String::new(), true));
+        let mut m = StopMatcher { stops: vec!["</end>".into()], pending: String::new() };
+        assert_eq!(m.push("a <b"), ("a <b".into(), false));
+        assert_eq!(m.push(" <"), (" ".into(), false));
+        assert_eq!(m.finish(), "<");
+    }
+
+    #[test]
+    fn stop_matcher_handles_multibyte() {
+        let mut m = StopMatcher { stops: vec!["é!".into()], pending: String::new() };
+        assert_eq!(m.push("caf"), ("caf".into(), false));
+        assert_eq!(m.push("é"), (String::new(), false));
+        assert_eq!(m.push("!x"), (String::new(), true));
+    }
+}

@@ -1,0 +1,155 @@
+//! The building blocks of every architecture, written for tensor parallelism from the start:
+//! a [`ColumnLinear`] holds a range of output features (free to cut), a [`RowLinear`] holds a
+//! block-aligned range of input features and sums its partial outputs across ranks with one
+//! all-reduce. At world size 1 both are plain linear layers and the all-reduce is skipped.
+
+use std::sync::Arc;
+
+use candle_core::quantized::QMatMul;
+use candle_core::{Module, Tensor};
+use shoal_comm::Communicator;
+
+use crate::error::CandleContext;
+use crate::weights::{Slice, WeightSource};
+use crate::EngineError;
+
+fn check_shape(src: &dyn WeightSource, name: &str, expected: &[usize]) -> Result<(), EngineError> {
+    let found = src.shape(name)?;
+    if found != expected {
+        return Err(EngineError::Shape { tensor: name.into(), found, expected: expected.to_vec() });
+    }
+    Ok(())
+}
+
+/// A linear layer whose output features (rows of the weight) may be a slice of the full
+/// layer: q/k/v, gate and up projections, and the vocabulary-cut output head.
+#[derive(Debug, Clone)]
+pub struct ColumnLinear {
+    weight: QMatMul,
+    bias: Option<Tensor>,
+}
+
+impl ColumnLinear {
+    /// Loads rows `rows` of `{prefix}.weight` (and `{prefix}.bias` when `bias`), checking the
+    /// full tensor is `[out, in]`.
+    ///
+    /// # Errors
+    /// When a tensor is missing or has the wrong shape.
+    pub fn load(
+        src: &dyn WeightSource,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+        rows: std::ops::Range<usize>,
+        bias: bool,
+    ) -> Result<Self, EngineError> {
+        let wname = format!("{prefix}.weight");
+        check_shape(src, &wname, &[out, inp])?;
+        let slice = if rows == (0..out) { Slice::Full } else { Slice::Rows(rows.clone()) };
+        let weight = QMatMul::from_qtensor(src.load(&wname, &slice)?).ctx(&wname)?;
+        let bias = if bias {
+            let bname = format!("{prefix}.bias");
+            check_shape(src, &bname, &[out])?;
+            let bslice = if rows == (0..out) { Slice::Full } else { Slice::Cols(rows) };
+            Some(src.load_f32(&bname, &bslice)?)
+        } else {
+            None
+        };
+        Ok(ColumnLinear { weight, bias })
+    }
+
+    /// Wraps an already-loaded matrix (the tied output head).
+    pub fn from_qmatmul(weight: QMatMul) -> Self {
+        ColumnLinear { weight, bias: None }
+    }
+
+    /// `x @ W^T (+ b)`; x is `(.., in)`, the result `(.., out_slice)`.
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
+        let y = self.weight.forward(x).ctx("column linear")?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(b).ctx("column linear bias"),
+            None => Ok(y),
+        }
+    }
+}
+
+/// A linear layer whose input features (columns of the weight) are a block-aligned slice:
+/// the attention output and FFN down projections. Each rank's product is a partial sum; one
+/// all-reduce makes it whole.
+#[derive(Clone)]
+pub struct RowLinear {
+    weight: QMatMul,
+    comm: Arc<dyn Communicator>,
+}
+
+impl std::fmt::Debug for RowLinear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowLinear").field("weight", &self.weight).finish()
+    }
+}
+
+impl RowLinear {
+    /// Loads columns `cols` of `{prefix}.weight`, checking the full tensor is `[out, in]`.
+    ///
+    /// # Errors
+    /// When the tensor is missing, has the wrong shape, or `cols` is not block aligned.
+    pub fn load(
+        src: &dyn WeightSource,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+        cols: std::ops::Range<usize>,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self, EngineError> {
+        let wname = format!("{prefix}.weight");
+        check_shape(src, &wname, &[out, inp])?;
+        let slice = if cols == (0..inp) { Slice::Full } else { Slice::Cols(cols) };
+        let weight = QMatMul::from_qtensor(src.load(&wname, &slice)?).ctx(&wname)?;
+        Ok(RowLinear { weight, comm })
+    }
+
+    /// `x @ W^T`, summed over ranks.
+    ///
+    /// # Errors
+    /// On a shape mismatch or a failed all-reduce.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
+        let y = self.weight.forward(x).ctx("row linear")?;
+        if self.comm.world_size() == 1 {
+            return Ok(y);
+        }
+        let shape = y.shape().clone();
+        let mut data = y.flatten_all().and_then(|t| t.to_vec1::<f32>()).ctx("row linear gather")?;
+        self.comm.all_reduce_sum(&mut data)?;
+        Tensor::from_vec(data, shape, y.device()).ctx("row linear scatter")
+    }
+}
+
+/// Root-mean-square normalisation with a learned scale.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    /// Loads `{name}` (a 1-D tensor of `dim` elements).
+    ///
+    /// # Errors
+    /// When the tensor is missing or has the wrong shape.
+    pub fn load(src: &dyn WeightSource, name: &str, dim: usize, eps: f64) -> Result<Self, EngineError> {
+        check_shape(src, name, &[dim])?;
+        Ok(RmsNorm { weight: src.load_f32(name, &Slice::Full)?, eps: eps as f32 })
+    }
+
+    /// Normalises over the last dimension.
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
+        let x = if x.is_contiguous() { x.clone() } else { x.contiguous().ctx("rms norm")? };
+        candle_nn::ops::rms_norm(&x, &self.weight, self.eps).ctx("rms norm")
+    }
+}

@@ -1,0 +1,226 @@
+//! Choosing the next token from the logits: greedy, or temperature sampling narrowed by
+//! top-k, top-p and min-p, after a repetition penalty — applied in the order llama.cpp's
+//! default chain uses (penalties, top-k, top-p, min-p, temperature), from a seeded generator
+//! so a given seed always gives the same tokens.
+
+use std::collections::VecDeque;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Sampling settings. The defaults are greedy decoding.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplerConfig {
+    /// Softmax temperature; 0 or less means greedy (argmax).
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens (0 = off).
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches `top_p` (1.0 = off).
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one (0.0 = off).
+    pub min_p: f32,
+    /// Divide positive (multiply negative) logits of recently seen tokens (1.0 = off).
+    pub repeat_penalty: f32,
+    /// How many recent tokens the repetition penalty looks at.
+    pub repeat_last_n: usize,
+    /// Seed of the random generator.
+    pub seed: u64,
+}
+
+impl Default for SamplerConfig {
+    fn default() -> Self {
+        SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
+    }
+}
+
+impl SamplerConfig {
+    /// Checks the settings are in range.
+    ///
+    /// # Errors
+    /// A message naming the setting and its valid range.
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return Err(format!("temperature {} must be a number >= 0", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p {} must be in (0, 1]", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p {} must be in [0, 1]", self.min_p));
+        }
+        if !(self.repeat_penalty.is_finite() && self.repeat_penalty > 0.0) {
+            return Err(format!("repeat_penalty {} must be > 0", self.repeat_penalty));
+        }
+        Ok(())
+    }
+}
+
+/// A sampler with its random state and the recent tokens the penalty looks at.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    cfg: SamplerConfig,
+    rng: StdRng,
+    recent: VecDeque<u32>,
+    candidates: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    /// A sampler with `cfg`'s settings and seed.
+    pub fn new(cfg: SamplerConfig) -> Self {
+        let rng = StdRng::seed_from_u64(cfg.seed);
+        Sampler { cfg, rng, recent: VecDeque::new(), candidates: Vec::new() }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &SamplerConfig {
+        &self.cfg
+    }
+
+    /// Records tokens the penalty should know about (the prompt, or accepted tokens).
+    pub fn observe(&mut self, tokens: &[u32]) {
+        if self.cfg.repeat_last_n == 0 {
+            return;
+        }
+        for &t in tokens {
+            if self.recent.len() == self.cfg.repeat_last_n {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(t);
+        }
+    }
+
+    /// Picks the next token from `logits` (modified in place by the penalty) and records it.
+    pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        if self.cfg.repeat_penalty != 1.0 {
+            let p = self.cfg.repeat_penalty;
+            let mut seen: Vec<u32> = self.recent.iter().copied().collect();
+            seen.sort_unstable();
+            seen.dedup();
+            for t in seen {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 { *l / p } else { *l * p };
+                }
+            }
+        }
+        let id = if self.cfg.temperature <= 0.0 { greedy(logits) } else { self.sample_distribution(logits) };
+        self.observe(&[id]);
+        id
+    }
+
+    fn sample_distribution(&mut self, logits: &[f32]) -> u32 {
+        let c = &mut self.candidates;
+        c.clear();
+        c.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (i as u32, l)));
+        if c.is_empty() {
+            return greedy(logits);
+        }
+        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if self.cfg.top_k > 0 && self.cfg.top_k < c.len() {
+            c.select_nth_unstable_by(self.cfg.top_k - 1, by_logit);
+            c.truncate(self.cfg.top_k);
+        }
+        c.sort_unstable_by(by_logit);
+        // probabilities at temperature 1 for top-p and min-p, as llama.cpp computes them
+        let softmax = |c: &[(u32, f32)], temp: f32| -> Vec<f32> {
+            let max = c[0].1;
+            let e: Vec<f32> = c.iter().map(|&(_, l)| ((l - max) / temp).exp()).collect();
+            let s: f32 = e.iter().sum();
+            e.into_iter().map(|x| x / s).collect()
+        };
+        if self.cfg.top_p < 1.0 {
+            let probs = softmax(c, 1.0);
+            let mut cum = 0.0;
+            let mut keep = c.len();
+            for (i, p) in probs.iter().enumerate() {
+                cum += p;
+                if cum >= self.cfg.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            c.truncate(keep.max(1));
+        }
+        if self.cfg.min_p > 0.0 {
+            let max = c[0].1;
+            // p_i / p_max >= min_p  <=>  l_i - l_max >= ln(min_p)
+            let threshold = max + self.cfg.min_p.ln();
+            let keep = c.iter().take_while(|&&(_, l)| l >= threshold).count();
+            c.truncate(keep.max(1));
+        }
+        let probs = softmax(c, self.cfg.temperature);
+        let r: f32 = self.rng.random();
+        let mut cum = 0.0;
+        for (i, p) in probs.iter().enumerate() {
+            cum += p;
+            if r < cum {
+                return c[i].0;
+            }
+        }
+        c[c.len() - 1].0
+    }
+}
+
+/// Index of the largest logit (the lowest index on ties).
+pub fn greedy(logits: &[f32]) -> u32 {
+    crate::transformer::argmax(logits) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_by_default() {
+        let mut s = Sampler::new(SamplerConfig::default());
+        assert_eq!(s.sample(&mut [0.1, 2.0, -1.0, 1.9]), 1);
+    }
+
+    #[test]
+    fn repeat_penalty_changes_choice() {
+        let mut s = Sampler::new(SamplerConfig { repeat_penalty: 2.0, ..Default::default() });
+        s.observe(&[1]);
+        assert_eq!(s.sample(&mut [0.1, 2.0, -1.0, 1.9]), 3);
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_at_any_temperature() {
+        let mut s = Sampler::new(SamplerConfig { temperature: 5.0, top_k: 1, seed: 9, ..Default::default() });
+        for _ in 0..50 {
+            assert_eq!(s.sample(&mut [0.1, 2.0, -1.0, 1.9]), 1);
+        }
+    }
+
+    #[test]
+    fn min_p_and_top_p_cut_the_tail() {
+        let logits = [5.0, 4.9, -10.0, -10.0];
+        let mut s = Sampler::new(SamplerConfig { temperature: 1.0, min_p: 0.5, seed: 1, ..Default::default() });
+        let mut s2 = Sampler::new(SamplerConfig { temperature: 1.0, top_p: 0.5, seed: 1, ..Default::default() });
+        for _ in 0..100 {
+            assert!(s.sample(&mut logits.clone()) < 2);
+            assert_eq!(s2.sample(&mut logits.clone()), 0);
+        }
+    }
+
+    #[test]
+    fn same_seed_same_tokens() {
+        let cfg = SamplerConfig { temperature: 1.0, seed: 42, ..Default::default() };
+        let logits: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin()).collect();
+        let run = || {
+            let mut s = Sampler::new(cfg.clone());
+            (0..20).map(|_| s.sample(&mut logits.clone())).collect::<Vec<_>>()
+        };
+        assert_eq!(run(), run());
+        let other: Vec<u32> = {
+            let mut s = Sampler::new(SamplerConfig { seed: 43, ..cfg.clone() });
+            (0..20).map(|_| s.sample(&mut logits.clone())).collect()
+        };
+        assert_ne!(run(), other);
+    }
+
+    #[test]
+    fn rejects_bad_settings() {
+        assert!(SamplerConfig { top_p: 0.0, ..Default::default() }.validate().is_err());
+        assert!(SamplerConfig { temperature: f32::NAN, ..Default::default() }.validate().is_err());
+        assert!(SamplerConfig::default().validate().is_ok());
+    }
+}
