@@ -1,1 +1,4 @@
-//! placeholder
+//! Model files for shoal: GGUF and safetensors readers with sliced reads, hyperparameters,
+//! tokenizers and chat templates.
+
+pub mod chat_template;
