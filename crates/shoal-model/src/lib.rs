@@ -1,6 +1,9 @@
 //! Everything about model files that does not need a tensor library: the GGUF reader with
-//! sliced reads, safetensors folders with their `config.json`, the hyperparameters both
-//! describe, tokenizers (from GGUF metadata or `tokenizer.json`), chat templates, and the
-//! catalog of demo models. The engine turns what this crate reads into tensors.
+//! sliced reads, tokenizers (from GGUF metadata or `tokenizer.json`), chat templates, the
+//! catalog of demo models, and resolving a user's MODEL argument to files. The engine turns
+//! what this crate reads into tensors.
 
+pub mod catalog;
+pub mod chat_template;
 pub mod gguf;
+pub mod source;
