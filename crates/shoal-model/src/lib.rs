@@ -1,1 +1,4 @@
 //! placeholder
+
+pub mod catalog;
+pub mod source;
