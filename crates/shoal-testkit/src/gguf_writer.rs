@@ -869,7 +869,11 @@ mod tests {
         assert_eq!(&b[0..4], b"GGUX");
         assert_eq!(u32::from_le_bytes(b[4..8].try_into().unwrap()), 2);
         assert_eq!(
-            u64::from_le_bytes(b[l.tensor_count_at..l.tensor_count_at + 8].try_into().unwrap()),
+            u64::from_le_bytes(
+                b[l.tensor_count_at..l.tensor_count_at + 8]
+                    .try_into()
+                    .unwrap()
+            ),
             u64::MAX
         );
         assert_eq!(
@@ -877,15 +881,24 @@ mod tests {
             7
         );
         let off_at = l.tensor_infos_end - 8;
-        assert_eq!(u64::from_le_bytes(b[off_at..].get(..8).unwrap().try_into().unwrap()), 5);
+        assert_eq!(
+            u64::from_le_bytes(b[off_at..].get(..8).unwrap().try_into().unwrap()),
+            5
+        );
     }
 
     #[test]
     fn checked_adds_reject_bad_input() {
         let mut w = GgufWriter::new();
-        assert!(w.add_tensor("a", &[32, 2], GgmlType::F32, &[0.0; 63]).is_err());
-        assert!(w.add_tensor("a", &[16, 2], GgmlType::Q8_0, &[0.0; 32]).is_err());
-        assert!(w.add_tensor_bytes("a", &[32], GgmlType::Q8_0, vec![0; 33]).is_err());
+        assert!(w
+            .add_tensor("a", &[32, 2], GgmlType::F32, &[0.0; 63])
+            .is_err());
+        assert!(w
+            .add_tensor("a", &[16, 2], GgmlType::Q8_0, &[0.0; 32])
+            .is_err());
+        assert!(w
+            .add_tensor_bytes("a", &[32], GgmlType::Q8_0, vec![0; 33])
+            .is_err());
         assert!(w.set_alignment(0).is_err());
         assert!(w.set_alignment(48).is_err());
         let mut bad = GgufWriter::new();
@@ -922,13 +935,14 @@ mod tests {
         w.add_tensor("w.q41", &[32, 2], GgmlType::Q4_1, &q).unwrap();
         w.add_tensor("w.f32", &[3], GgmlType::F32, &[1.0, -2.0, 3.5])
             .unwrap();
-        w.add_tensor("w.f16", &[2], GgmlType::F16, &[0.5, 4.0]).unwrap();
-        w.add_tensor("w.bf16", &[2], GgmlType::BF16, &[0.5, 4.0]).unwrap();
+        w.add_tensor("w.f16", &[2], GgmlType::F16, &[0.5, 4.0])
+            .unwrap();
+        w.add_tensor("w.bf16", &[2], GgmlType::BF16, &[0.5, 4.0])
+            .unwrap();
         w.write_to(&path).unwrap();
         let expect_q8 = crate::quants::round_trip(GgmlType::Q8_0, &q).unwrap();
         let expect_q4 = crate::quants::round_trip(GgmlType::Q4_0, &q).unwrap();
-        let script = format!(
-            r#"
+        let script = r#"
 import sys, json
 import numpy as np
 from gguf import GGUFReader
@@ -956,8 +970,8 @@ assert list(val("t.arr.bool")) == [True, False]
 assert list(val("t.arr.empty")) == []
 assert val("general.alignment") == 64
 assert r.alignment == 64
-ts = {{t.name: t for t in r.tensors}}
-assert set(ts) == {{"w.q8", "w.q4", "w.q41", "w.f32", "w.f16", "w.bf16"}}, set(ts)
+ts = {t.name: t for t in r.tensors}
+assert set(ts) == {"w.q8", "w.q4", "w.q41", "w.f32", "w.f16", "w.bf16"}, set(ts)
 for t in r.tensors:
     assert t.data_offset % 64 == 0, (t.name, t.data_offset)
 assert list(ts["w.q8"].shape) == [32, 2]
@@ -972,8 +986,7 @@ assert np.array_equal(q8, exp8), (q8, exp8)
 assert np.array_equal(q4, exp4), (q4, exp4)
 assert list(ts["w.f32"].data) == [1.0, -2.0, 3.5]
 print("ok")
-"#
-        );
+"#;
         let out = std::process::Command::new("python3")
             .arg("-c")
             .arg(script)

@@ -93,3 +93,6 @@ pub enum TestkitError {
     #[error("invalid tiny model spec: {0}")]
     InvalidSpec(String),
 }
+
+#[cfg(test)]
+mod model_tests;

@@ -95,7 +95,7 @@ impl GgmlType {
     /// Bytes taken by `n_elements` values of this type; `None` when `n_elements` is not a
     /// whole number of blocks.
     pub fn bytes_for(self, n_elements: usize) -> Option<usize> {
-        if n_elements % self.block_size() != 0 {
+        if !n_elements.is_multiple_of(self.block_size()) {
             return None;
         }
         Some(n_elements / self.block_size() * self.block_bytes())
@@ -120,7 +120,7 @@ impl GgmlType {
 }
 
 fn check_blocks(ty: GgmlType, n: usize) -> Result<(), TestkitError> {
-    if n % ty.block_size() != 0 {
+    if !n.is_multiple_of(ty.block_size()) {
         return Err(TestkitError::NotBlockAligned {
             ty: ty.name(),
             n_elements: n,
@@ -151,11 +151,13 @@ pub fn quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>, TestkitError> {
 
 /// Decodes `n_elements` values of type `ty` from `bytes` (which must hold exactly that many).
 pub fn dequantize(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<Vec<f32>, TestkitError> {
-    let want = ty.bytes_for(n_elements).ok_or(TestkitError::NotBlockAligned {
-        ty: ty.name(),
-        n_elements,
-        block: ty.block_size(),
-    })?;
+    let want = ty
+        .bytes_for(n_elements)
+        .ok_or(TestkitError::NotBlockAligned {
+            ty: ty.name(),
+            n_elements,
+            block: ty.block_size(),
+        })?;
     if bytes.len() != want {
         return Err(TestkitError::ByteLength {
             ty: ty.name(),
@@ -292,7 +294,7 @@ pub fn dequantize_q4_1(bytes: &[u8]) -> Result<Vec<f32>, TestkitError> {
 }
 
 fn check_block_bytes(ty: GgmlType, bytes: &[u8]) -> Result<(), TestkitError> {
-    if bytes.len() % ty.block_bytes() != 0 {
+    if !bytes.len().is_multiple_of(ty.block_bytes()) {
         return Err(TestkitError::ByteLength {
             ty: ty.name(),
             n_elements: bytes.len() / ty.block_bytes() * ty.block_size(),
@@ -362,7 +364,7 @@ mod tests {
         let b = quantize_q4_0(&x).unwrap();
         assert_eq!(b.len(), 18);
         assert_eq!(&b[0..2], &f16::from_f32(1.0).to_le_bytes());
-        assert_eq!(b[2], 0x00 | (11 << 4));
+        assert_eq!(b[2], 11 << 4);
         assert_eq!(b[3], 15 | (7 << 4));
         assert_eq!(b[4], 15 | (8 << 4));
         let y = dequantize_q4_0(&b).unwrap();

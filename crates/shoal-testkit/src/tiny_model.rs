@@ -228,16 +228,18 @@ impl TinyModelSpec {
             ("n_head * head_dim", self.n_head * self.head_dim),
         ] {
             if v == 0 || v % 32 != 0 {
-                return bad(format!("{what} = {v} must be a positive multiple of 32 (quant blocks run along rows)"));
+                return bad(format!(
+                    "{what} = {v} must be a positive multiple of 32 (quant blocks run along rows)"
+                ));
             }
         }
-        if self.n_kv_head == 0 || self.n_head % self.n_kv_head != 0 {
+        if self.n_kv_head == 0 || !self.n_head.is_multiple_of(self.n_kv_head) {
             return bad(format!(
                 "n_kv_head {} must divide n_head {}",
                 self.n_kv_head, self.n_head
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} must be even", self.head_dim));
         }
         if self.n_layers == 0 || self.context_length == 0 {
@@ -500,7 +502,10 @@ impl TinyModel {
             .add_kv("tokenizer.ggml.pre", s.arch.pre_tokenizer().gguf_name())
             .add_kv("tokenizer.ggml.tokens", GgufValue::strings(tokens))
             .add_kv("tokenizer.ggml.token_type", GgufValue::i32s(types))
-            .add_kv("tokenizer.ggml.merges", GgufValue::strings(tok.gguf_merges()))
+            .add_kv(
+                "tokenizer.ggml.merges",
+                GgufValue::strings(tok.gguf_merges()),
+            )
             .add_kv("tokenizer.ggml.bos_token_id", tok.bos_id())
             .add_kv("tokenizer.ggml.eos_token_id", tok.eos_id())
             .add_kv("tokenizer.ggml.padding_token_id", tok.bos_id())

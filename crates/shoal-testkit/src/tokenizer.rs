@@ -228,7 +228,10 @@ impl TinyTokenizer {
 
     /// Merges as GGUF stores them: `"a b"`.
     pub fn gguf_merges(&self) -> Vec<String> {
-        self.merges.iter().map(|(a, b)| format!("{a} {b}")).collect()
+        self.merges
+            .iter()
+            .map(|(a, b)| format!("{a} {b}"))
+            .collect()
     }
 
     /// `tokenizer.json` in the HF `tokenizers` format.
@@ -405,10 +408,7 @@ mod tests {
             let ids = t.encode("the cat", false).unwrap().get_ids().to_vec();
             assert_eq!(
                 ids,
-                vec![
-                    tok.token_id("the").unwrap(),
-                    tok.token_id("Ġcat").unwrap()
-                ],
+                vec![tok.token_id("the").unwrap(), tok.token_id("Ġcat").unwrap()],
                 "{pre:?}"
             );
             let ids = t
