@@ -11,6 +11,7 @@
 
 pub mod gguf_writer;
 pub mod quants;
+pub mod reference;
 pub mod rng;
 pub mod tiny_model;
 pub mod tokenizer;

@@ -550,3 +550,150 @@ print("ok")
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+fn python_has(modules: &str) -> bool {
+    std::process::Command::new("python3")
+        .args(["-c", &format!("import {modules}")])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+fn scripts_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts")
+}
+
+#[test]
+fn reference_logits_are_causal_and_sane() {
+    for spec in [TinyModelSpec::llama(30), TinyModelSpec::qwen2(31)] {
+        let m = spec.build().unwrap();
+        let ids = [267u32, 266, 278, 279, 260, 281, 5, 100];
+        let all = m.reference_logits(&ids);
+        assert_eq!(all.len(), ids.len());
+        assert!(all
+            .iter()
+            .all(|l| l.len() == 320 && l.iter().all(|v| v.is_finite())));
+        // a prefix gives the same logits at its positions
+        let pre = m.reference_logits(&ids[..3]);
+        for t in 0..3 {
+            for (a, b) in pre[t].iter().zip(&all[t]) {
+                assert!((a - b).abs() < 1e-6);
+            }
+        }
+        // logits spread enough for argmax comparisons to be meaningful
+        let last = &all[7];
+        let mean = last.iter().sum::<f32>() / 320.0;
+        let std = (last.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / 320.0).sqrt();
+        assert!((0.5..5.0).contains(&std), "{std}");
+        let mut sorted = last.clone();
+        sorted.sort_by(|a, b| b.partial_cmp(a).unwrap());
+        assert!(sorted[0] - sorted[1] > 1e-3, "top two logits nearly tied");
+    }
+}
+
+/// `TinyModel::reference_logits` against the independent numpy forward pass in
+/// `scripts/hf_reference.py` run on the written HF folder. Skipped without numpy.
+#[test]
+fn reference_matches_numpy() {
+    if !python_has("numpy") {
+        eprintln!("skipped: python3 with numpy not installed");
+        return;
+    }
+    for spec in [
+        TinyModelSpec::llama(40),
+        TinyModelSpec::qwen2(41),
+        TinyModelSpec::qwen2(42).tied(false),
+    ] {
+        let m = spec.build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        m.write_safetensors_dir(dir.path(), SafetensorsDtype::F32)
+            .unwrap();
+        let ids = [294u32, 267, 266, 278, 7, 300, 296];
+        let out = std::process::Command::new("python3")
+            .arg(scripts_dir().join("hf_reference.py"))
+            .arg(dir.path())
+            .args(ids.iter().map(|i| i.to_string()))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let np: Vec<Vec<f64>> = serde_json::from_slice(&out.stdout).unwrap();
+        let ours = m.reference_logits(&ids);
+        for (a, b) in ours.iter().flatten().zip(np.iter().flatten()) {
+            assert!((*a as f64 - b).abs() < 1e-5, "{a} vs {b}");
+        }
+    }
+}
+
+/// Runs llama.cpp (the `scripts/llama_logits.cpp` checker, built and named by the
+/// `SHOAL_LLAMA_LOGITS_BIN` environment variable) on written GGUF files and checks that it
+/// tokenizes like HF `tokenizers`, renders the chat template as ChatML, and computes the
+/// reference logits. Skipped when the variable is unset.
+#[test]
+fn llama_cpp_agrees_with_reference() {
+    let Some(bin) = std::env::var_os("SHOAL_LLAMA_LOGITS_BIN") else {
+        eprintln!("skipped: SHOAL_LLAMA_LOGITS_BIN not set");
+        return;
+    };
+    let text = "the cat sat on the mat<|im_end|> 42";
+    for (spec, ty, tol) in [
+        (TinyModelSpec::llama(50), GgmlType::F32, 1e-4),
+        (TinyModelSpec::llama(51).tied(true), GgmlType::F32, 1e-4),
+        (TinyModelSpec::qwen2(52), GgmlType::F32, 1e-4),
+        (TinyModelSpec::qwen2(53).tied(false), GgmlType::F32, 1e-4),
+        // quantized matmuls also quantize activations to 8 bits: looser
+        (TinyModelSpec::llama(54), GgmlType::Q8_0, 0.15),
+        (TinyModelSpec::qwen2(55), GgmlType::Q4_0, 0.15),
+    ] {
+        let m = spec.snapped_to(ty).build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        m.write_gguf(&path, ty).unwrap();
+        let out = std::process::Command::new(&bin)
+            .arg(&path)
+            .arg(text)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let ids: Vec<u32> = serde_json::from_value(v["ids"].clone()).unwrap();
+        let hf: tokenizers::Tokenizer =
+            serde_json::to_string(&m.tokenizer().tokenizer_json(m.spec().arch.pre_tokenizer()))
+                .unwrap()
+                .parse()
+                .unwrap();
+        let hf_ids = hf.encode(text, false).unwrap().get_ids().to_vec();
+        assert_eq!(ids, hf_ids, "{:?}", m.spec().arch);
+        assert_eq!(v["eos"], m.tokenizer().eos_id());
+        assert_eq!(v["bos"], m.tokenizer().bos_id());
+        assert_eq!(v["n_vocab"], 320);
+        assert_eq!(
+            v["chat"],
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let logits: Vec<f32> = serde_json::from_value(v["logits"].clone()).unwrap();
+        let reference = m.reference_logits(&ids);
+        let last = reference.last().unwrap();
+        let max_diff = logits
+            .iter()
+            .zip(last)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        eprintln!(
+            "{:?} {ty:?}: max |llama.cpp - reference| = {max_diff}",
+            m.spec().arch
+        );
+        assert!(
+            max_diff < tol,
+            "{:?} {ty:?}: llama.cpp logits differ from reference by {max_diff}",
+            m.spec().arch
+        );
+    }
+}
