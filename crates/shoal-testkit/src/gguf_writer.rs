@@ -933,6 +933,15 @@ mod tests {
         w.add_tensor("w.q8", &[32, 2], GgmlType::Q8_0, &q).unwrap();
         w.add_tensor("w.q4", &[32, 2], GgmlType::Q4_0, &q).unwrap();
         w.add_tensor("w.q41", &[32, 2], GgmlType::Q4_1, &q).unwrap();
+        let k: Vec<f32> = (0..512)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 97.0)
+            .collect();
+        w.add_tensor("w.q4k", &[256, 2], GgmlType::Q4_K, &k)
+            .unwrap();
+        w.add_tensor("w.q6k", &[256, 2], GgmlType::Q6_K, &k)
+            .unwrap();
+        let expect_q4k = crate::quants::round_trip(GgmlType::Q4_K, &k).unwrap();
+        let expect_q6k = crate::quants::round_trip(GgmlType::Q6_K, &k).unwrap();
         w.add_tensor("w.f32", &[3], GgmlType::F32, &[1.0, -2.0, 3.5])
             .unwrap();
         w.add_tensor("w.f16", &[2], GgmlType::F16, &[0.5, 4.0])
@@ -971,7 +980,7 @@ assert list(val("t.arr.empty")) == []
 assert val("general.alignment") == 64
 assert r.alignment == 64
 ts = {t.name: t for t in r.tensors}
-assert set(ts) == {"w.q8", "w.q4", "w.q41", "w.f32", "w.f16", "w.bf16"}, set(ts)
+assert set(ts) == {"w.q8", "w.q4", "w.q41", "w.q4k", "w.q6k", "w.f32", "w.f16", "w.bf16"}, set(ts)
 for t in r.tensors:
     assert t.data_offset % 64 == 0, (t.name, t.data_offset)
 assert list(ts["w.q8"].shape) == [32, 2]
@@ -985,6 +994,11 @@ exp4 = np.array(json.loads(sys.argv[3]), dtype=np.float32)
 assert np.array_equal(q8, exp8), (q8, exp8)
 assert np.array_equal(q4, exp4), (q4, exp4)
 assert list(ts["w.f32"].data) == [1.0, -2.0, 3.5]
+for name, arg in (("w.q4k", 4), ("w.q6k", 5)):
+    got = dequantize(ts[name].data, ts[name].tensor_type).reshape(-1)
+    exp = np.array(json.loads(sys.argv[arg]), dtype=np.float32)
+    assert ts[name].tensor_type.name == ("Q4_K" if name == "w.q4k" else "Q6_K")
+    assert np.array_equal(got, exp), (name, np.abs(got - exp).max())
 print("ok")
 "#;
         let out = std::process::Command::new("python3")
@@ -993,6 +1007,8 @@ print("ok")
             .arg(&path)
             .arg(serde_json::to_string(&expect_q8).unwrap())
             .arg(serde_json::to_string(&expect_q4).unwrap())
+            .arg(serde_json::to_string(&expect_q4k).unwrap())
+            .arg(serde_json::to_string(&expect_q6k).unwrap())
             .output()
             .unwrap();
         assert!(

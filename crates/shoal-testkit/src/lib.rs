@@ -8,6 +8,11 @@
 //! [`TinyModel::write_hf_cache`]), and the two represent the same weights. [`GgufWriter`] is
 //! the underlying GGUF writer, which can also produce deliberately broken files, and
 //! [`quants`] holds reference quantizers and dequantizers for the block formats.
+//! [`TinyModel::reference_logits`] is a plain `f64` forward pass to test engines against.
+//!
+//! `scripts/` holds two independent checkers used by optional tests: `hf_reference.py` (a numpy
+//! forward pass of the HF folder) and `llama_logits.cpp` (llama.cpp's tokens and logits for a
+//! GGUF file; set `SHOAL_LLAMA_LOGITS_BIN` to the built binary to run that test).
 
 pub mod gguf_writer;
 pub mod quants;

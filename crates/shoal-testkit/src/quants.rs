@@ -14,6 +14,14 @@
 //!   value = `(nibble - 8) * d`.
 //! - `Q4_1`: 32 values; `d: f16` (= (max - min) / 15), `m: f16` (= min), then 16 bytes of
 //!   nibbles laid out as in `Q4_0`; value = `nibble * d + m`.
+//! - `Q4_K`: 256 values in 8 sub-blocks of 32; `d: f16`, `dmin: f16`, 12 bytes packing eight
+//!   6-bit scales `sc` and mins `m`, then 128 bytes of nibbles (each 32-byte run holds sub-block
+//!   `2k` in its low nibbles and `2k + 1` in its high ones); value = `d*sc * q - dmin*m`.
+//! - `Q6_K`: 256 values in 16 sub-blocks of 16; 128 bytes of low nibbles `ql`, 64 bytes of
+//!   high bit pairs `qh`, 16 × `i8` scales, `d: f16`; value = `d * scale * (q - 32)`.
+//!
+//! The K-quant quantizers here are simple (min/max per sub-block, no search), so they are less
+//! accurate than ggml's, but they write valid blocks and the dequantizers are exact.
 
 use half::{bf16, f16};
 
@@ -27,9 +35,16 @@ pub const Q8_0_BLOCK_BYTES: usize = 2 + QK;
 pub const Q4_0_BLOCK_BYTES: usize = 2 + QK / 2;
 /// Bytes in one `Q4_1` block (f16 scale + f16 min + 16 bytes of nibbles).
 pub const Q4_1_BLOCK_BYTES: usize = 4 + QK / 2;
+/// Elements per super-block of the K-quants.
+pub const QK_K: usize = 256;
+/// Bytes in one `Q4_K` block (d, dmin, 12 scale bytes, 128 nibble bytes).
+pub const Q4_K_BLOCK_BYTES: usize = 4 + 12 + QK_K / 2;
+/// Bytes in one `Q6_K` block (ql, qh, 16 scales, d).
+pub const Q6_K_BLOCK_BYTES: usize = QK_K / 2 + QK_K / 4 + QK_K / 16 + 2;
 
 /// A GGML tensor type, with the numeric id GGUF stores in a tensor info.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types)] // ggml's names
 pub enum GgmlType {
     /// 32-bit float, id 0.
     F32,
@@ -41,18 +56,24 @@ pub enum GgmlType {
     Q4_1,
     /// 8-bit symmetric blocks of 32, id 8.
     Q8_0,
+    /// 4-bit K-quant, super-blocks of 256, id 12.
+    Q4_K,
+    /// 6-bit K-quant, super-blocks of 256, id 14.
+    Q6_K,
     /// bfloat16, id 30.
     BF16,
 }
 
 impl GgmlType {
     /// Every type this module can quantize.
-    pub const ALL: [GgmlType; 6] = [
+    pub const ALL: [GgmlType; 8] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
         GgmlType::Q4_1,
         GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
         GgmlType::BF16,
     ];
 
@@ -64,6 +85,8 @@ impl GgmlType {
             GgmlType::Q4_0 => 2,
             GgmlType::Q4_1 => 3,
             GgmlType::Q8_0 => 8,
+            GgmlType::Q4_K => 12,
+            GgmlType::Q6_K => 14,
             GgmlType::BF16 => 30,
         }
     }
@@ -78,6 +101,7 @@ impl GgmlType {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => QK,
+            GgmlType::Q4_K | GgmlType::Q6_K => QK_K,
         }
     }
 
@@ -89,6 +113,8 @@ impl GgmlType {
             GgmlType::Q4_0 => Q4_0_BLOCK_BYTES,
             GgmlType::Q4_1 => Q4_1_BLOCK_BYTES,
             GgmlType::Q8_0 => Q8_0_BLOCK_BYTES,
+            GgmlType::Q4_K => Q4_K_BLOCK_BYTES,
+            GgmlType::Q6_K => Q6_K_BLOCK_BYTES,
         }
     }
 
@@ -109,6 +135,8 @@ impl GgmlType {
             GgmlType::Q4_0 => "q4_0",
             GgmlType::Q4_1 => "q4_1",
             GgmlType::Q8_0 => "q8_0",
+            GgmlType::Q4_K => "q4_K",
+            GgmlType::Q6_K => "q6_K",
             GgmlType::BF16 => "bf16",
         }
     }
@@ -146,6 +174,8 @@ pub fn quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>, TestkitError> {
         GgmlType::Q4_0 => quantize_q4_0(x)?,
         GgmlType::Q4_1 => quantize_q4_1(x)?,
         GgmlType::Q8_0 => quantize_q8_0(x)?,
+        GgmlType::Q4_K => quantize_q4_k(x)?,
+        GgmlType::Q6_K => quantize_q6_k(x)?,
     })
 }
 
@@ -182,6 +212,8 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<Vec<f
         GgmlType::Q4_0 => dequantize_q4_0(bytes)?,
         GgmlType::Q4_1 => dequantize_q4_1(bytes)?,
         GgmlType::Q8_0 => dequantize_q8_0(bytes)?,
+        GgmlType::Q4_K => dequantize_q4_k(bytes)?,
+        GgmlType::Q6_K => dequantize_q6_k(bytes)?,
     })
 }
 
@@ -293,6 +325,185 @@ pub fn dequantize_q4_1(bytes: &[u8]) -> Result<Vec<f32>, TestkitError> {
     Ok(out)
 }
 
+/// Quantizes `x` (a multiple of 256 long) to `Q4_K` blocks with a simple min/max scheme.
+pub fn quantize_q4_k(x: &[f32]) -> Result<Vec<u8>, TestkitError> {
+    check_blocks(GgmlType::Q4_K, x.len())?;
+    let mut out = Vec::with_capacity(x.len() / QK_K * Q4_K_BLOCK_BYTES);
+    for block in x.chunks_exact(QK_K) {
+        // per sub-block: x ≈ scale * q - minus, q in 0..=15, minus >= 0
+        let mut scales = [0f32; 8];
+        let mut minus = [0f32; 8];
+        for (j, sub) in block.chunks_exact(32).enumerate() {
+            let lo = sub.iter().cloned().fold(0f32, f32::min);
+            let hi = sub.iter().cloned().fold(0f32, f32::max);
+            scales[j] = (hi - lo) / 15.0;
+            minus[j] = -lo;
+        }
+        let d = f16::from_f32(scales.iter().cloned().fold(0f32, f32::max) / 63.0);
+        let dmin = f16::from_f32(minus.iter().cloned().fold(0f32, f32::max) / 63.0);
+        let (df, dminf) = (d.to_f32(), dmin.to_f32());
+        let q6 = |v: f32, s: f32| -> u8 {
+            if s > 0.0 {
+                (v / s).round().clamp(0.0, 63.0) as u8
+            } else {
+                0
+            }
+        };
+        let mut sc = [0u8; 8];
+        let mut mn = [0u8; 8];
+        for j in 0..8 {
+            // round the scale up so the largest value still fits in 15 steps
+            sc[j] = if df > 0.0 {
+                (scales[j] / df).ceil().clamp(0.0, 63.0) as u8
+            } else {
+                0
+            };
+            mn[j] = q6(minus[j], dminf);
+        }
+        let mut packed = [0u8; 12];
+        for j in 0..4 {
+            packed[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
+            packed[j + 4] = (mn[j] & 63) | ((mn[j + 4] >> 4) << 6);
+            packed[j + 8] = (sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4);
+        }
+        let mut q = [0u8; QK_K];
+        for (j, sub) in block.chunks_exact(32).enumerate() {
+            let step = df * sc[j] as f32;
+            let off = dminf * mn[j] as f32;
+            for (l, v) in sub.iter().enumerate() {
+                q[j * 32 + l] = if step > 0.0 {
+                    ((v + off) / step).round().clamp(0.0, 15.0) as u8
+                } else {
+                    0
+                };
+            }
+        }
+        out.extend_from_slice(&d.to_le_bytes());
+        out.extend_from_slice(&dmin.to_le_bytes());
+        out.extend_from_slice(&packed);
+        for pair in 0..4 {
+            for l in 0..32 {
+                out.push(q[pair * 64 + l] | (q[pair * 64 + 32 + l] << 4));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The 6-bit scale and min of sub-block `j` from the 12 packed bytes of a `Q4_K` block.
+fn q4_k_scale_min(j: usize, p: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (p[j] & 63, p[j + 4] & 63)
+    } else {
+        (
+            (p[j + 4] & 0xF) | ((p[j - 4] >> 6) << 4),
+            (p[j + 4] >> 4) | ((p[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Decodes `Q4_K` blocks (144 bytes each) into `f32`, with ggml's arithmetic.
+pub fn dequantize_q4_k(bytes: &[u8]) -> Result<Vec<f32>, TestkitError> {
+    check_block_bytes(GgmlType::Q4_K, bytes)?;
+    let mut out = Vec::with_capacity(bytes.len() / Q4_K_BLOCK_BYTES * QK_K);
+    for block in bytes.chunks_exact(Q4_K_BLOCK_BYTES) {
+        let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+        let dmin = f16::from_le_bytes([block[2], block[3]]).to_f32();
+        let packed = &block[4..16];
+        let qs = &block[16..];
+        for pair in 0..4 {
+            let run = &qs[pair * 32..(pair + 1) * 32];
+            let (sc1, m1) = q4_k_scale_min(2 * pair, packed);
+            let (sc2, m2) = q4_k_scale_min(2 * pair + 1, packed);
+            let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
+            let (d2, m2) = (d * sc2 as f32, dmin * m2 as f32);
+            out.extend(run.iter().map(|b| d1 * (b & 0xF) as f32 - m1));
+            out.extend(run.iter().map(|b| d2 * (b >> 4) as f32 - m2));
+        }
+    }
+    Ok(out)
+}
+
+/// Quantizes `x` (a multiple of 256 long) to `Q6_K` blocks with a simple max-abs scheme.
+pub fn quantize_q6_k(x: &[f32]) -> Result<Vec<u8>, TestkitError> {
+    check_blocks(GgmlType::Q6_K, x.len())?;
+    let mut out = Vec::with_capacity(x.len() / QK_K * Q6_K_BLOCK_BYTES);
+    for block in x.chunks_exact(QK_K) {
+        let mut sub_scale = [0f32; 16];
+        for (s, sub) in block.chunks_exact(16).enumerate() {
+            sub_scale[s] = sub.iter().fold(0f32, |a, v| a.max(v.abs())) / 31.0;
+        }
+        let d = f16::from_f32(sub_scale.iter().cloned().fold(0f32, f32::max) / 127.0);
+        let df = d.to_f32();
+        let mut scales = [0i8; 16];
+        for s in 0..16 {
+            scales[s] = if df > 0.0 {
+                (sub_scale[s] / df).ceil().clamp(0.0, 127.0) as i8
+            } else {
+                0
+            };
+        }
+        // biased quants 0..=63 (value q - 32)
+        let mut q = [32u8; QK_K];
+        for (i, v) in block.iter().enumerate() {
+            let step = df * scales[i / 16] as f32;
+            if step > 0.0 {
+                q[i] = ((v / step).round().clamp(-32.0, 31.0) as i32 + 32) as u8;
+            }
+        }
+        let mut ql = [0u8; QK_K / 2];
+        let mut qh = [0u8; QK_K / 4];
+        for half in 0..2 {
+            let q = &q[half * 128..(half + 1) * 128];
+            let ql = &mut ql[half * 64..(half + 1) * 64];
+            let qh = &mut qh[half * 32..(half + 1) * 32];
+            for l in 0..32 {
+                let (a, b, c, e) = (q[l], q[l + 32], q[l + 64], q[l + 96]);
+                ql[l] = (a & 0xF) | ((c & 0xF) << 4);
+                ql[l + 32] = (b & 0xF) | ((e & 0xF) << 4);
+                qh[l] = (a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6);
+            }
+        }
+        out.extend_from_slice(&ql);
+        out.extend_from_slice(&qh);
+        out.extend(scales.iter().map(|s| *s as u8));
+        out.extend_from_slice(&d.to_le_bytes());
+    }
+    Ok(out)
+}
+
+/// Decodes `Q6_K` blocks (210 bytes each) into `f32`, with ggml's arithmetic.
+pub fn dequantize_q6_k(bytes: &[u8]) -> Result<Vec<f32>, TestkitError> {
+    check_block_bytes(GgmlType::Q6_K, bytes)?;
+    let mut out = Vec::with_capacity(bytes.len() / Q6_K_BLOCK_BYTES * QK_K);
+    for block in bytes.chunks_exact(Q6_K_BLOCK_BYTES) {
+        let ql_all = &block[..128];
+        let qh_all = &block[128..192];
+        let sc_all = &block[192..208];
+        let d = f16::from_le_bytes([block[208], block[209]]).to_f32();
+        let mut y = [0f32; QK_K];
+        for half in 0..2 {
+            let ql = &ql_all[half * 64..];
+            let qh = &qh_all[half * 32..];
+            let sc = &sc_all[half * 8..];
+            let y = &mut y[half * 128..];
+            for l in 0..32 {
+                let is = l / 16;
+                let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+                let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                y[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+                y[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+                y[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+                y[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+            }
+        }
+        out.extend_from_slice(&y);
+    }
+    Ok(out)
+}
+
 fn check_block_bytes(ty: GgmlType, bytes: &[u8]) -> Result<(), TestkitError> {
     if !bytes.len().is_multiple_of(ty.block_bytes()) {
         return Err(TestkitError::ByteLength {
@@ -318,7 +529,10 @@ mod tests {
     #[test]
     fn type_ids_match_ggml() {
         let ids: Vec<u32> = GgmlType::ALL.iter().map(|t| t.id()).collect();
-        assert_eq!(ids, vec![0, 1, 2, 3, 8, 30]);
+        assert_eq!(ids, vec![0, 1, 2, 3, 8, 12, 14, 30]);
+        assert_eq!(GgmlType::Q4_K.bytes_for(512), Some(288));
+        assert_eq!(GgmlType::Q6_K.bytes_for(256), Some(210));
+        assert_eq!(GgmlType::Q6_K.bytes_for(128), None);
         for t in GgmlType::ALL {
             assert_eq!(GgmlType::from_id(t.id()), Some(t));
         }
@@ -398,8 +612,52 @@ mod tests {
     }
 
     #[test]
+    fn k_quants_round_trip_within_bounds() {
+        for seed in 0..10 {
+            let x = random_vec(200 + seed, QK_K * 3, 0.1);
+            for (t, steps) in [(GgmlType::Q4_K, 15.0f32), (GgmlType::Q6_K, 31.0)] {
+                let y = round_trip(t, &x).unwrap();
+                let sub = if t == GgmlType::Q4_K { 32 } else { 16 };
+                for (xs, ys) in x.chunks(sub).zip(y.chunks(sub)) {
+                    let lo = xs.iter().cloned().fold(0f32, f32::min);
+                    let hi = xs.iter().cloned().fold(0f32, f32::max);
+                    let range = if t == GgmlType::Q4_K {
+                        hi - lo
+                    } else {
+                        2.0 * hi.max(-lo)
+                    };
+                    // half a step, plus the scale's 6/8-bit rounding (one step at most)
+                    let bound = range / steps * 1.5 + 1e-6;
+                    for (a, b) in xs.iter().zip(ys) {
+                        assert!((a - b).abs() <= bound, "{t:?}: {a} vs {b} (bound {bound})");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q4_k_scale_packing_round_trips() {
+        // sub-block j holds constant value j+1 → scales differ per sub-block, mins 0
+        let x: Vec<f32> = (0..QK_K).map(|i| (i / 32 + 1) as f32).collect();
+        let y = round_trip(GgmlType::Q4_K, &x).unwrap();
+        // within half a step of sub-block j: step <= (j+1)/15 + d, d = (8/15)/63
+        for (i, (a, b)) in x.iter().zip(&y).enumerate() {
+            let half_step = (((i / 32 + 1) as f32) / 15.0 + 8.0 / 15.0 / 63.0) / 2.0;
+            assert!((a - b).abs() <= half_step, "{a} vs {b}");
+        }
+        let x: Vec<f32> = (0..QK_K).map(|i| -((i / 16) as f32) * 0.5).collect();
+        let y = round_trip(GgmlType::Q6_K, &x).unwrap();
+        // within half a step of sub-block s: step <= (s/2)/31 + d, d = (7.5/31)/127
+        for (i, (a, b)) in x.iter().zip(&y).enumerate() {
+            let half_step = (((i / 16) as f32 * 0.5) / 31.0 + 7.5 / 31.0 / 127.0) / 2.0;
+            assert!((a - b).abs() <= half_step, "{a} vs {b}");
+        }
+    }
+
+    #[test]
     fn zero_block_is_all_zero() {
-        let x = [0.0f32; 64];
+        let x = [0.0f32; 256];
         for t in GgmlType::ALL {
             assert_eq!(round_trip(t, &x).unwrap(), x.to_vec(), "{t:?}");
         }

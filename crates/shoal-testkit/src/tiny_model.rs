@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::gguf_writer::{GgufValue, GgufWriter};
-use crate::quants::{round_trip, GgmlType};
+use crate::quants::{dequantize, quantize, GgmlType};
 use crate::rng::SplitMix64;
 use crate::tokenizer::{PreTokenizer, TinyTokenizer, CHATML_TEMPLATE};
 use crate::TestkitError;
@@ -139,7 +139,7 @@ pub struct TinyModelSpec {
     pub name: String,
     /// Vocabulary size (rows of the embedding); at least the tokenizer's 297 tokens.
     pub vocab_size: usize,
-    /// Hidden size; a multiple of 32.
+    /// Hidden size; a multiple of 32 (of 256 when `snap_to` is a K-quant).
     pub hidden_size: usize,
     /// Attention heads.
     pub n_head: usize,
@@ -147,7 +147,7 @@ pub struct TinyModelSpec {
     pub n_kv_head: usize,
     /// Per-head dimension; even, and `n_head * head_dim` a multiple of 32.
     pub head_dim: usize,
-    /// FFN inner size; a multiple of 32.
+    /// FFN inner size; a multiple of 32 (of 256 when `snap_to` is a K-quant).
     pub ffn_size: usize,
     /// Number of transformer blocks.
     pub n_layers: usize,
@@ -205,6 +205,16 @@ impl TinyModelSpec {
         self
     }
 
+    /// This spec widened so every row is a whole number of 256-element K-quant blocks:
+    /// hidden 256, FFN 512, head_dim 64 (4 heads, 2 KV heads kept).
+    pub fn k_quant_shapes(mut self) -> Self {
+        self.hidden_size = 256;
+        self.ffn_size = 512;
+        self.head_dim = 64;
+        self.n_head = 4;
+        self
+    }
+
     /// This spec with `tied_embeddings` set.
     pub fn tied(mut self, tied: bool) -> Self {
         self.tied_embeddings = tied;
@@ -222,14 +232,16 @@ impl TinyModelSpec {
                 tok.len()
             ));
         }
+        let block = self.snap_to.block_size().max(32);
         for (what, v) in [
             ("hidden_size", self.hidden_size),
             ("ffn_size", self.ffn_size),
             ("n_head * head_dim", self.n_head * self.head_dim),
         ] {
-            if v == 0 || v % 32 != 0 {
+            if v == 0 || !v.is_multiple_of(block) {
                 return bad(format!(
-                    "{what} = {v} must be a positive multiple of 32 (quant blocks run along rows)"
+                    "{what} = {v} must be a positive multiple of {block} (quant blocks of {:?} run along rows)",
+                    self.snap_to
                 ));
             }
         }
@@ -276,6 +288,9 @@ pub struct TinyModel {
     spec: TinyModelSpec,
     tokenizer: TinyTokenizer,
     weights: BTreeMap<String, Weight>,
+    /// For a quantized `snap_to`: the encoded blocks of each 2-D weight (HF row order), so the
+    /// GGUF gets exactly the blocks the values came from (re-quantizing is not always exact).
+    encoded: BTreeMap<String, Vec<u8>>,
 }
 
 /// Stable per-tensor seed (FNV-1a of the name mixed with the model seed).
@@ -297,13 +312,17 @@ impl TinyModel {
         let q_out = s.n_head * s.head_dim;
         let kv_out = s.n_kv_head * s.head_dim;
         let mut weights = BTreeMap::new();
-        // (name, shape, kind): kind = mean/std for normal weights.
+        let mut encoded = BTreeMap::new();
         let mut add = |name: String, shape: Vec<usize>, mean: f32, std: f32| {
             let n: usize = shape.iter().product();
             let mut rng = SplitMix64::new(tensor_seed(s.seed, &name));
             let mut data: Vec<f32> = (0..n).map(|_| mean + std * rng.normal()).collect();
             if shape.len() == 2 && s.snap_to != GgmlType::F32 {
-                data = round_trip(s.snap_to, &data).expect("rows are whole blocks");
+                let bytes = quantize(s.snap_to, &data).expect("rows are whole blocks");
+                data = dequantize(s.snap_to, &bytes, n).expect("whole blocks");
+                if s.snap_to.is_quantized() {
+                    encoded.insert(name.clone(), bytes);
+                }
             }
             weights.insert(name, Weight { shape, data });
         };
@@ -378,6 +397,7 @@ impl TinyModel {
             spec,
             tokenizer: TinyTokenizer::new(),
             weights,
+            encoded,
         })
     }
 
@@ -446,16 +466,51 @@ impl TinyModel {
             .map(|hf| {
                 let w = &self.weights[hf];
                 let name = Self::gguf_name(hf).expect("every weight has a GGUF name");
-                let w = if self.spec.arch.permutes_qk() && hf.ends_with("q_proj.weight") {
-                    permute_rows(w, self.spec.n_head)
-                } else if self.spec.arch.permutes_qk() && hf.ends_with("k_proj.weight") {
-                    permute_rows(w, self.spec.n_kv_head)
-                } else {
-                    w.clone()
+                let w = match self.qk_heads(hf) {
+                    Some(n_head) => permute_rows(w, n_head),
+                    None => w.clone(),
                 };
                 (name, w)
             })
             .collect()
+    }
+
+    /// The head count whose permutation GGUF applies to this HF tensor's rows, if any.
+    fn qk_heads(&self, hf: &str) -> Option<usize> {
+        if !self.spec.arch.permutes_qk() {
+            None
+        } else if hf.ends_with("q_proj.weight") {
+            Some(self.spec.n_head)
+        } else if hf.ends_with("k_proj.weight") {
+            Some(self.spec.n_kv_head)
+        } else {
+            None
+        }
+    }
+
+    /// The blocks the snapped values of GGUF tensor `gguf` came from, in GGUF row order, if
+    /// the model still holds exactly those values.
+    fn snapped_blocks(&self, gguf: &str, weight: &Weight, ty: GgmlType) -> Option<Vec<u8>> {
+        if ty != self.spec.snap_to {
+            return None;
+        }
+        let hf = self
+            .weights
+            .keys()
+            .find(|hf| Self::gguf_name(hf).as_deref() == Some(gguf))?;
+        let bytes = self.encoded.get(hf)?;
+        let rows = weight.shape[0];
+        let row_bytes = bytes.len() / rows;
+        let bytes = match self.qk_heads(hf) {
+            Some(n_head) => permute_row_chunks(bytes, row_bytes, n_head),
+            None => bytes.clone(),
+        };
+        let values = dequantize(ty, &bytes, weight.data.len()).ok()?;
+        let same = values
+            .iter()
+            .zip(&weight.data)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        same.then_some(bytes)
     }
 
     /// `general.file_type` (llama_ftype) for a GGUF whose 2-D weights are `ty`.
@@ -466,6 +521,8 @@ impl TinyModel {
             GgmlType::Q4_0 => 2,
             GgmlType::Q4_1 => 3,
             GgmlType::Q8_0 => 7,
+            GgmlType::Q4_K => 15, // MOSTLY_Q4_K_M
+            GgmlType::Q6_K => 18,
             GgmlType::BF16 => 32,
         }
     }
@@ -473,6 +530,18 @@ impl TinyModel {
     /// A [`GgufWriter`] loaded with this model (metadata, tokenizer, tensors) with 2-D weights
     /// in `ty`, for tests that want to alter it before writing.
     pub fn gguf_writer(&self, ty: GgmlType) -> Result<GgufWriter, TestkitError> {
+        self.gguf_writer_mixed(ty, |_, _| ty)
+    }
+
+    /// Like [`TinyModel::gguf_writer`] but `choose(gguf_name, weight)` picks the type of each
+    /// 2-D weight (a mix like llama.cpp's `Q4_K_M`, which keeps some tensors in `Q6_K`);
+    /// `file_type` sets `general.file_type`. 1-D tensors stay F32.
+    pub fn gguf_writer_mixed(
+        &self,
+        file_type: GgmlType,
+        choose: impl Fn(&str, &Weight) -> GgmlType,
+    ) -> Result<GgufWriter, TestkitError> {
+        let ty = file_type;
         let s = &self.spec;
         let a = s.arch.gguf_name();
         let mut w = GgufWriter::new();
@@ -515,9 +584,12 @@ impl TinyModel {
             let t = if weight.shape.len() == 1 {
                 GgmlType::F32
             } else {
-                ty
+                choose(&name, &weight)
             };
-            w.add_tensor(name, &weight.ne(), t, &weight.data)?;
+            match self.snapped_blocks(&name, &weight, t) {
+                Some(bytes) => w.add_tensor_bytes(name, &weight.ne(), t, bytes)?,
+                None => w.add_tensor(name, &weight.ne(), t, &weight.data)?,
+            };
         }
         Ok(w)
     }
@@ -718,48 +790,45 @@ fn gguf_order_key(hf: &str) -> (usize, usize, usize) {
 /// llama.cpp's converter permutation of q/k rows: rows seen as `(n_head, 2, head_dim/2)` with
 /// the last two axes swapped, i.e. new row `h*hd + 2i + j` = old row `h*hd + j*hd/2 + i`.
 pub fn permute_rows(w: &Weight, n_head: usize) -> Weight {
-    let rows = w.shape[0];
     let cols: usize = w.shape[1..].iter().product();
-    let hd = rows / n_head;
-    let half = hd / 2;
-    let mut data = vec![0.0f32; w.data.len()];
-    for h in 0..n_head {
-        for i in 0..half {
-            for j in 0..2 {
-                let dst = h * hd + 2 * i + j;
-                let src = h * hd + j * half + i;
-                data[dst * cols..(dst + 1) * cols]
-                    .copy_from_slice(&w.data[src * cols..(src + 1) * cols]);
-            }
-        }
-    }
     Weight {
         shape: w.shape.clone(),
-        data,
+        data: permute_row_chunks(&w.data, cols, n_head),
     }
 }
 
 /// The inverse of [`permute_rows`] (GGUF layout back to HF layout).
 pub fn unpermute_rows(w: &Weight, n_head: usize) -> Weight {
-    let rows = w.shape[0];
     let cols: usize = w.shape[1..].iter().product();
+    Weight {
+        shape: w.shape.clone(),
+        data: move_row_chunks(&w.data, cols, n_head, false),
+    }
+}
+
+/// [`permute_rows`] on any row-major data with rows of `row_len` items (e.g. the encoded
+/// blocks of a quantized weight, one run of blocks per row).
+pub fn permute_row_chunks<T: Copy>(data: &[T], row_len: usize, n_head: usize) -> Vec<T> {
+    move_row_chunks(data, row_len, n_head, true)
+}
+
+fn move_row_chunks<T: Copy>(data: &[T], row_len: usize, n_head: usize, forward: bool) -> Vec<T> {
+    let rows = data.len() / row_len;
     let hd = rows / n_head;
     let half = hd / 2;
-    let mut data = vec![0.0f32; w.data.len()];
+    let mut out = data.to_vec();
     for h in 0..n_head {
         for i in 0..half {
             for j in 0..2 {
-                let src = h * hd + 2 * i + j;
-                let dst = h * hd + j * half + i;
-                data[dst * cols..(dst + 1) * cols]
-                    .copy_from_slice(&w.data[src * cols..(src + 1) * cols]);
+                let gguf = h * hd + 2 * i + j;
+                let hf = h * hd + j * half + i;
+                let (dst, src) = if forward { (gguf, hf) } else { (hf, gguf) };
+                out[dst * row_len..(dst + 1) * row_len]
+                    .copy_from_slice(&data[src * row_len..(src + 1) * row_len]);
             }
         }
     }
-    Weight {
-        shape: w.shape.clone(),
-        data,
-    }
+    out
 }
 
 fn hex(bytes: &[u8]) -> String {
