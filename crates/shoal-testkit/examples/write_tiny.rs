@@ -10,7 +10,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = std::env::args().nth(1).ok_or("usage: write_tiny OUT_DIR")?;
     let dir = std::path::Path::new(&dir);
     std::fs::create_dir_all(dir)?;
-    for base in [TinyModelSpec::llama(1), TinyModelSpec::qwen2(1)] {
+    for base in [
+        TinyModelSpec::llama(1),
+        TinyModelSpec::qwen2(1),
+        TinyModelSpec::gemma3(1),
+    ] {
         for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_0] {
             let model = base.clone().snapped_to(ty).build()?;
             let stem = format!("{}-{}", base.arch.gguf_name(), ty.name());

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use crate::gguf_writer::parse::parse;
 use crate::gguf_writer::GgufValue;
 use crate::quants::{dequantize, GgmlType};
-use crate::tiny_model::{permute_rows, unpermute_rows, Arch, SafetensorsDtype, TinyModel, Weight};
+use crate::tiny_model::{permute_rows, unpermute_rows, Arch, SafetensorsDtype, Weight};
 use crate::tokenizer::CHATML_TEMPLATE;
 use crate::TinyModelSpec;
 
@@ -90,6 +90,25 @@ fn kv_str<'a>(g: &'a Gguf, k: &str) -> &'a str {
 fn expected_gguf_names(arch: Arch, n_layers: usize, tied: bool) -> Vec<String> {
     let mut v = vec!["token_embd.weight".to_string()];
     for l in 0..n_layers {
+        if arch == Arch::Gemma3 {
+            let parts = [
+                "attn_norm.weight",
+                "attn_q.weight",
+                "attn_q_norm.weight",
+                "attn_k.weight",
+                "attn_k_norm.weight",
+                "attn_v.weight",
+                "attn_output.weight",
+                "post_attention_norm.weight",
+                "ffn_norm.weight",
+                "ffn_gate.weight",
+                "ffn_up.weight",
+                "ffn_down.weight",
+                "post_ffw_norm.weight",
+            ];
+            v.extend(parts.iter().map(|p| format!("blk.{l}.{p}")));
+            continue;
+        }
         let mut parts = vec!["attn_norm.weight", "attn_q.weight"];
         if arch == Arch::Qwen2 {
             parts.push("attn_q.bias");
@@ -247,7 +266,7 @@ fn check_pair(spec: TinyModelSpec, gguf_ty: GgmlType) {
     assert_eq!(
         kv_str(&g, "tokenizer.ggml.pre"),
         match s.arch {
-            Arch::Llama => "smollm",
+            Arch::Llama | Arch::Gemma3 => "smollm",
             Arch::Qwen2 => "qwen2",
         }
     );
@@ -276,7 +295,7 @@ fn check_pair(spec: TinyModelSpec, gguf_ty: GgmlType) {
                 .all(|(a, b)| a.to_bits() == b.to_bits()),
             "{hf_name}: safetensors differs from weights()"
         );
-        let gname = TinyModel::gguf_name(hf_name).unwrap();
+        let gname = model.gguf_name(hf_name).unwrap();
         let (ne, ty, vals) = &g.tensors[&gname];
         let want_ne: Vec<u64> = w.shape.iter().rev().map(|d| *d as u64).collect();
         assert_eq!(ne, &want_ne, "{gname}");
@@ -293,6 +312,9 @@ fn check_pair(spec: TinyModelSpec, gguf_ty: GgmlType) {
             gw = unpermute_rows(&gw, s.n_head);
         } else if s.arch == Arch::Llama && hf_name.ends_with("k_proj.weight") {
             gw = unpermute_rows(&gw, s.n_kv_head);
+        } else if s.arch == Arch::Gemma3 && hf_name.ends_with("norm.weight") {
+            // GGUF holds w + 1; subtracting 1 again is exact for these values
+            gw.data.iter_mut().for_each(|v| *v -= 1.0);
         }
         let exact = gguf_ty == GgmlType::F32 || gguf_ty == s.snap_to || w.shape.len() == 1;
         if exact {
@@ -356,6 +378,40 @@ fn llama_q4_0_gguf_equals_snapped_safetensors() {
 #[test]
 fn unsnapped_quantized_gguf_is_close_not_equal() {
     check_pair(TinyModelSpec::llama(4), GgmlType::Q8_0);
+}
+
+#[test]
+fn gemma3_pairs() {
+    check_pair(TinyModelSpec::gemma3(70), GgmlType::F32);
+    check_pair(
+        TinyModelSpec::gemma3(71)
+            .snapped_to(GgmlType::Q8_0)
+            .tied(false),
+        GgmlType::Q8_0,
+    );
+    let m = TinyModelSpec::gemma3(70).build().unwrap();
+    let g = read_gguf(&m.gguf_writer(GgmlType::F32).unwrap().bytes().unwrap());
+    assert_eq!(kv_u32(&g, "gemma3.attention.sliding_window"), 4);
+    assert_eq!(kv_u32(&g, "gemma3.attention.sliding_window_pattern"), 2);
+    assert_eq!(kv_u32(&g, "gemma3.attention.key_length"), 16);
+    assert_eq!(g.kv["gemma3.rope.freq_base_swa"], GgufValue::F32(10000.0));
+    // GGUF norm weights are HF's plus one, exactly
+    let hf = &m
+        .weight("model.layers.0.self_attn.q_norm.weight")
+        .unwrap()
+        .data;
+    let gg = &g.tensors["blk.0.attn_q_norm.weight"].2;
+    assert!(hf.iter().zip(gg).all(|(a, b)| a + 1.0 == *b));
+    assert!(hf.iter().all(|v| v.abs() < 0.3));
+    let c = m.config_json(SafetensorsDtype::F32);
+    assert_eq!(c["model_type"], "gemma3_text");
+    assert_eq!(c["architectures"][0], "Gemma3ForCausalLM");
+    assert_eq!(
+        c["layer_types"],
+        serde_json::json!(["sliding_attention", "full_attention"])
+    );
+    assert!(m.spec().is_local_layer(0) && !m.spec().is_local_layer(1));
+    assert!(!TinyModelSpec::llama(1).is_local_layer(0));
 }
 
 #[test]
@@ -630,7 +686,11 @@ fn scripts_dir() -> std::path::PathBuf {
 
 #[test]
 fn reference_logits_are_causal_and_sane() {
-    for spec in [TinyModelSpec::llama(30), TinyModelSpec::qwen2(31)] {
+    for spec in [
+        TinyModelSpec::llama(30),
+        TinyModelSpec::qwen2(31),
+        TinyModelSpec::gemma3(32),
+    ] {
         let m = spec.build().unwrap();
         let ids = [267u32, 266, 278, 279, 260, 281, 5, 100];
         let all = m.reference_logits(&ids);
@@ -668,12 +728,13 @@ fn reference_matches_numpy() {
         TinyModelSpec::llama(40),
         TinyModelSpec::qwen2(41),
         TinyModelSpec::qwen2(42).tied(false),
+        TinyModelSpec::gemma3(43),
     ] {
         let m = spec.build().unwrap();
         let dir = tempfile::tempdir().unwrap();
         m.write_safetensors_dir(dir.path(), SafetensorsDtype::F32)
             .unwrap();
-        let ids = [294u32, 267, 266, 278, 7, 300, 296];
+        let ids = [294u32, 267, 266, 278, 7, 300, 296, 12, 99];
         let out = std::process::Command::new("python3")
             .arg(scripts_dir().join("hf_reference.py"))
             .arg(dir.path())
@@ -709,6 +770,9 @@ fn llama_cpp_agrees_with_reference() {
         (TinyModelSpec::llama(51).tied(true), GgmlType::F32, 1e-4),
         (TinyModelSpec::qwen2(52), GgmlType::F32, 1e-4),
         (TinyModelSpec::qwen2(53).tied(false), GgmlType::F32, 1e-4),
+        // llama.cpp's CPU GELU goes through an f16 lookup table
+        (TinyModelSpec::gemma3(58), GgmlType::F32, 2e-2),
+        (TinyModelSpec::gemma3(59).tied(false), GgmlType::Q8_0, 0.2),
         // quantized matmuls also quantize activations to 8 bits: looser, and more so for
         // the wider K-quant shapes (a Q8_0 model of those shapes is off by ~0.2 as well)
         (TinyModelSpec::llama(54), GgmlType::Q8_0, 0.15),

@@ -6,19 +6,31 @@
 //! (`inv_freq[i] = theta^(-2i/head_dim)`, the first and second halves of each head form the
 //! pairs), causal grouped-query attention scaled by `1/sqrt(head_dim)`, output projection and
 //! residual; RMSNorm, SwiGLU FFN (`down(silu(gate(x)) * up(x))`) and residual; final RMSNorm
-//! and the output head (the embedding when tied). It has been checked against llama.cpp
+//! and the output head (the embedding when tied). For Gemma 3 it follows `Gemma3ForCausalLM`:
+//! embeddings times `sqrt(hidden)`, RMSNorm scaling by `(1 + w)`, q/k RMSNorm per head before
+//! RoPE, local layers (see [`crate::TinyModelSpec::is_local_layer`]) with their own RoPE base
+//! and a sliding window (`t - u < sliding_window`), the attention output and the FFN output
+//! each RMSNormed before their residual add, a pre-FFN norm, and `gelu` (tanh approximation)
+//! in place of SiLU; scale `1/sqrt(head_dim)`. It has been checked against llama.cpp
 //! running the GGUF written by [`TinyModel::write_gguf`] (F32 weights, F32 KV cache, no flash
 //! attention: logits agree to about 1e-6).
 
-use crate::tiny_model::{TinyModel, Weight};
+use crate::tiny_model::{Arch, TinyModel, Weight};
 
-fn rms_norm(x: &[f64], w: &Weight, eps: f64) -> Vec<f64> {
+/// RMSNorm; `offset` is 1 for Gemma's `(1 + w)` weights, 0 otherwise.
+fn rms_norm(x: &[f64], w: &Weight, eps: f64, offset: f64) -> Vec<f64> {
     let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
     let s = 1.0 / (ms + eps).sqrt();
     x.iter()
         .zip(&w.data)
-        .map(|(v, g)| v * s * *g as f64)
+        .map(|(v, g)| v * s * (offset + *g as f64))
         .collect()
+}
+
+/// GELU, tanh approximation (`gelu_pytorch_tanh`).
+fn gelu_tanh(x: f64) -> f64 {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
 }
 
 /// `y = W x (+ b)` for an HF `[out, in]` weight.
@@ -65,7 +77,9 @@ impl TinyModel {
                 .unwrap_or_else(|| panic!("missing weight {n}"))
         };
         let eps = s.rms_eps as f64;
-        let theta = s.rope_theta as f64;
+        let gemma = s.arch == Arch::Gemma3;
+        let off = if gemma { 1.0 } else { 0.0 };
+        let norm = |x: &[f64], name: &str| rms_norm(x, w(name), eps, off);
         let (hd, nh, nkv) = (s.head_dim, s.n_head, s.n_kv_head);
         let group = nh / nkv;
         let emb = w("model.embed_tokens.weight");
@@ -75,28 +89,38 @@ impl TinyModel {
             .map(|&t| {
                 let t = t as usize;
                 assert!(t < s.vocab_size, "token id {t} out of range");
+                let scale = if gemma { (h as f64).sqrt() } else { 1.0 };
                 emb.data[t * h..(t + 1) * h]
                     .iter()
-                    .map(|v| *v as f64)
+                    .map(|v| *v as f64 * scale)
                     .collect()
             })
             .collect();
         for l in 0..s.n_layers {
             let p = format!("model.layers.{l}");
+            let local = s.is_local_layer(l);
+            let theta = if local {
+                s.rope_local_theta as f64
+            } else {
+                s.rope_theta as f64
+            };
             let bias = |n: &str| self.weight(&format!("{p}.self_attn.{n}_proj.bias"));
             let mut qs = Vec::new();
             let mut ks = Vec::new();
             let mut vs = Vec::new();
             for (pos, x) in xs.iter().enumerate() {
-                let hn = rms_norm(x, w(&format!("{p}.input_layernorm.weight")), eps);
+                let hn = norm(x, &format!("{p}.input_layernorm.weight"));
                 let mut q = linear(&hn, w(&format!("{p}.self_attn.q_proj.weight")), bias("q"));
                 let mut k = linear(&hn, w(&format!("{p}.self_attn.k_proj.weight")), bias("k"));
                 let v = linear(&hn, w(&format!("{p}.self_attn.v_proj.weight")), bias("v"));
-                for head in q.chunks_mut(hd) {
-                    rope(head, pos, theta);
-                }
-                for head in k.chunks_mut(hd) {
-                    rope(head, pos, theta);
+                for (v, norm_name) in [(&mut q, "q_norm"), (&mut k, "k_norm")] {
+                    for head in v.chunks_mut(hd) {
+                        if gemma {
+                            let n = norm(head, &format!("{p}.self_attn.{norm_name}.weight"));
+                            head.copy_from_slice(&n);
+                        }
+                        rope(head, pos, theta);
+                    }
                 }
                 qs.push(q);
                 ks.push(k);
@@ -108,7 +132,12 @@ impl TinyModel {
                 for head in 0..nh {
                     let kvh = head / group;
                     let q = &qs[t][head * hd..(head + 1) * hd];
-                    let scores: Vec<f64> = (0..=t)
+                    let first = if local {
+                        (t + 1).saturating_sub(s.sliding_window)
+                    } else {
+                        0
+                    };
+                    let scores: Vec<f64> = (first..=t)
                         .map(|u| {
                             let k = &ks[u][kvh * hd..(kvh + 1) * hd];
                             q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() * scale
@@ -117,30 +146,43 @@ impl TinyModel {
                     let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                     let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
                     let z: f64 = e.iter().sum();
-                    for (u, eu) in e.iter().enumerate() {
-                        let v = &vs[u][kvh * hd..(kvh + 1) * hd];
+                    for (i, eu) in e.iter().enumerate() {
+                        let v = &vs[first + i][kvh * hd..(kvh + 1) * hd];
                         for d in 0..hd {
                             attn[head * hd + d] += eu / z * v[d];
                         }
                     }
                 }
-                let o = linear(&attn, w(&format!("{p}.self_attn.o_proj.weight")), None);
+                let mut o = linear(&attn, w(&format!("{p}.self_attn.o_proj.weight")), None);
+                if gemma {
+                    o = norm(&o, &format!("{p}.post_attention_layernorm.weight"));
+                }
                 for (x, o) in xs[t].iter_mut().zip(o) {
                     *x += o;
                 }
-                let hn = rms_norm(
-                    &xs[t],
-                    w(&format!("{p}.post_attention_layernorm.weight")),
-                    eps,
-                );
+                let ffn_norm = if gemma {
+                    "pre_feedforward_layernorm"
+                } else {
+                    "post_attention_layernorm"
+                };
+                let hn = norm(&xs[t], &format!("{p}.{ffn_norm}.weight"));
                 let g = linear(&hn, w(&format!("{p}.mlp.gate_proj.weight")), None);
                 let u = linear(&hn, w(&format!("{p}.mlp.up_proj.weight")), None);
                 let act: Vec<f64> = g
                     .iter()
                     .zip(&u)
-                    .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                    .map(|(g, u)| {
+                        if gemma {
+                            gelu_tanh(*g) * u
+                        } else {
+                            g / (1.0 + (-g).exp()) * u
+                        }
+                    })
                     .collect();
-                let d = linear(&act, w(&format!("{p}.mlp.down_proj.weight")), None);
+                let mut d = linear(&act, w(&format!("{p}.mlp.down_proj.weight")), None);
+                if gemma {
+                    d = norm(&d, &format!("{p}.post_feedforward_layernorm.weight"));
+                }
                 for (x, d) in xs[t].iter_mut().zip(d) {
                     *x += d;
                 }
@@ -151,7 +193,7 @@ impl TinyModel {
             .unwrap_or_else(|| w("model.embed_tokens.weight"));
         xs.iter()
             .map(|x| {
-                let hn = rms_norm(x, w("model.norm.weight"), eps);
+                let hn = norm(x, "model.norm.weight");
                 linear(&hn, head, None)
                     .into_iter()
                     .map(|v| v as f32)

@@ -1,4 +1,5 @@
-//! Tiny random Llama / Qwen2 models written as a GGUF file and as a Hugging Face folder.
+//! Tiny random Llama / Qwen2 / Gemma 3 models written as a GGUF file and as a Hugging Face
+//! folder.
 //!
 //! A [`TinyModelSpec`] (architecture, seed, hyperparameters) builds a [`TinyModel`] whose
 //! weights come from the kit's fixed SplitMix64 generator, one stream per tensor, so a spec
@@ -13,7 +14,9 @@
 //! `lm_head.weight` unless tied). For `llama`, the GGUF q and k weights have their rows
 //! permuted as the converter does (HF's rotate-half RoPE layout → GGUF's interleaved pairs):
 //! within each head of `head_dim` rows, GGUF row `2i + j` is HF row `j * head_dim/2 + i`.
-//! `qwen2` keeps HF's order. GGUF `ne` lists dimensions innermost first, so an HF weight of
+//! `qwen2` and `gemma3` keep HF's order; `gemma3` norm weights are stored in GGUF as `w + 1`
+//! (HF's Gemma RMSNorm scales by `1 + w`), exact because the kit draws `1 + w` first.
+//! GGUF `ne` lists dimensions innermost first, so an HF weight of
 //! shape `[out, in]` has `ne = [in, out]`.
 
 use std::collections::BTreeMap;
@@ -36,6 +39,10 @@ pub enum Arch {
     Llama,
     /// Qwen2: q/k/v biases, tokenizer pre type `qwen2`.
     Qwen2,
+    /// Gemma 3 (text): q/k norms, post-attention and post-FFN norms, `(1 + w)` RMSNorm
+    /// weights in HF (GGUF stores `w + 1`), embeddings scaled by `sqrt(hidden)`, GELU (tanh)
+    /// FFN, sliding-window layers with their own RoPE base. Tokenizer pre type `smollm`.
+    Gemma3,
 }
 
 impl Arch {
@@ -44,6 +51,7 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Gemma3 => "gemma3",
         }
     }
 
@@ -52,6 +60,7 @@ impl Arch {
         match self {
             Arch::Llama => "LlamaForCausalLM",
             Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -60,6 +69,7 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Gemma3 => "gemma3_text",
         }
     }
 
@@ -76,7 +86,7 @@ impl Arch {
     /// The tokenizer's pre-tokenizer for this architecture.
     pub fn pre_tokenizer(self) -> PreTokenizer {
         match self {
-            Arch::Llama => PreTokenizer::Smollm,
+            Arch::Llama | Arch::Gemma3 => PreTokenizer::Smollm,
             Arch::Qwen2 => PreTokenizer::Qwen2,
         }
     }
@@ -161,6 +171,15 @@ pub struct TinyModelSpec {
     pub tied_embeddings: bool,
     /// Every 2-D weight is made exactly representable in this type.
     pub snap_to: GgmlType,
+    /// Gemma 3 only: sliding-window size of the local layers (a query at position `t` sees
+    /// keys at `u` with `t - u < sliding_window`).
+    pub sliding_window: usize,
+    /// Gemma 3 only: every `sliding_window_pattern`-th layer (1-based) is global, the others
+    /// local (`sliding_window_pattern` in GGUF and `config.json`).
+    pub sliding_window_pattern: usize,
+    /// Gemma 3 only: RoPE base of the local layers (`rope.freq_base_swa`,
+    /// `rope_local_base_freq`).
+    pub rope_local_theta: f32,
 }
 
 impl TinyModelSpec {
@@ -183,6 +202,9 @@ impl TinyModelSpec {
             context_length: 256,
             tied_embeddings: false,
             snap_to: GgmlType::F32,
+            sliding_window: 256,
+            sliding_window_pattern: 1,
+            rope_local_theta: 10000.0,
         }
     }
 
@@ -197,6 +219,31 @@ impl TinyModelSpec {
             tied_embeddings: true,
             ..Self::llama(seed)
         }
+    }
+
+    /// The same shapes as [`TinyModelSpec::llama`] for Gemma 3: eps 1e-6, rope theta 1e6
+    /// (global layers) and 1e4 (local layers), sliding window 4, pattern 2 (layer 0 local,
+    /// layer 1 global), tied output.
+    pub fn gemma3(seed: u64) -> Self {
+        TinyModelSpec {
+            arch: Arch::Gemma3,
+            name: "tiny-gemma3".to_string(),
+            rms_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            tied_embeddings: true,
+            sliding_window: 4,
+            sliding_window_pattern: 2,
+            rope_local_theta: 10000.0,
+            ..Self::llama(seed)
+        }
+    }
+
+    /// Whether layer `il` is a local (sliding-window) layer: Gemma 3 only,
+    /// `il % pattern < pattern - 1`.
+    pub fn is_local_layer(&self, il: usize) -> bool {
+        self.arch == Arch::Gemma3
+            && self.sliding_window_pattern > 0
+            && il % self.sliding_window_pattern < self.sliding_window_pattern - 1
     }
 
     /// This spec with `snap_to` set.
@@ -253,6 +300,11 @@ impl TinyModelSpec {
         }
         if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} must be even", self.head_dim));
+        }
+        if self.arch == Arch::Gemma3
+            && (self.sliding_window == 0 || self.sliding_window_pattern == 0)
+        {
+            return bad("gemma3 needs sliding_window and sliding_window_pattern > 0".to_string());
         }
         if self.n_layers == 0 || self.context_length == 0 {
             return bad("n_layers and context_length must be positive".to_string());
@@ -324,6 +376,15 @@ impl TinyModel {
                     encoded.insert(name.clone(), bytes);
                 }
             }
+            if s.arch == Arch::Gemma3 && name.ends_with("norm.weight") {
+                // HF holds w with the norm scaling by (1 + w); draw 1 + w and subtract 1
+                // (exact for values in [0.5, 2]) so GGUF's w + 1 is exact too.
+                for v in &mut data {
+                    let w = *v - 1.0;
+                    assert_eq!(w + 1.0, *v, "norm weight out of the exact range");
+                    *v = w;
+                }
+            }
             weights.insert(name, Weight { shape, data });
         };
         add(
@@ -353,6 +414,20 @@ impl TinyModel {
                 0.0,
                 0.08,
             );
+            if s.arch == Arch::Gemma3 {
+                add(
+                    format!("{p}.self_attn.q_norm.weight"),
+                    vec![s.head_dim],
+                    1.0,
+                    0.05,
+                );
+                add(
+                    format!("{p}.self_attn.k_norm.weight"),
+                    vec![s.head_dim],
+                    1.0,
+                    0.05,
+                );
+            }
             if s.arch.has_qkv_bias() {
                 add(format!("{p}.self_attn.q_proj.bias"), vec![q_out], 0.0, 0.1);
                 add(format!("{p}.self_attn.k_proj.bias"), vec![kv_out], 0.0, 0.1);
@@ -370,6 +445,20 @@ impl TinyModel {
                 1.0,
                 0.05,
             );
+            if s.arch == Arch::Gemma3 {
+                add(
+                    format!("{p}.pre_feedforward_layernorm.weight"),
+                    vec![h],
+                    1.0,
+                    0.05,
+                );
+                add(
+                    format!("{p}.post_feedforward_layernorm.weight"),
+                    vec![h],
+                    1.0,
+                    0.05,
+                );
+            }
             add(
                 format!("{p}.mlp.gate_proj.weight"),
                 vec![s.ffn_size, h],
@@ -427,37 +516,14 @@ impl TinyModel {
         &mut self.weights
     }
 
-    /// The GGUF name of an HF tensor name, if it is one of this model's tensors.
-    pub fn gguf_name(hf_name: &str) -> Option<String> {
-        match hf_name {
-            "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
-            "model.norm.weight" => return Some("output_norm.weight".into()),
-            "lm_head.weight" => return Some("output.weight".into()),
-            _ => {}
-        }
-        let rest = hf_name.strip_prefix("model.layers.")?;
-        let (layer, rest) = rest.split_once('.')?;
-        let layer: usize = layer.parse().ok()?;
-        let part = match rest {
-            "input_layernorm.weight" => "attn_norm.weight",
-            "self_attn.q_proj.weight" => "attn_q.weight",
-            "self_attn.q_proj.bias" => "attn_q.bias",
-            "self_attn.k_proj.weight" => "attn_k.weight",
-            "self_attn.k_proj.bias" => "attn_k.bias",
-            "self_attn.v_proj.weight" => "attn_v.weight",
-            "self_attn.v_proj.bias" => "attn_v.bias",
-            "self_attn.o_proj.weight" => "attn_output.weight",
-            "post_attention_layernorm.weight" => "ffn_norm.weight",
-            "mlp.gate_proj.weight" => "ffn_gate.weight",
-            "mlp.up_proj.weight" => "ffn_up.weight",
-            "mlp.down_proj.weight" => "ffn_down.weight",
-            _ => return None,
-        };
-        Some(format!("blk.{layer}.{part}"))
+    /// The GGUF name of an HF tensor name of this model's architecture, if it is one.
+    pub fn gguf_name(&self, hf_name: &str) -> Option<String> {
+        gguf_name_for(self.spec.arch, hf_name)
     }
 
     /// The weights as GGUF holds them before encoding: GGUF names, in file order, q/k rows
-    /// permuted for `llama`. Shapes stay outermost-first (`Weight::ne` gives GGUF's order).
+    /// permuted for `llama`, Gemma 3 norm weights stored as `w + 1`. Shapes stay outermost-first
+    /// (`Weight::ne` gives GGUF's order).
     pub fn gguf_weights(&self) -> Vec<(String, Weight)> {
         let mut order: Vec<&String> = self.weights.keys().collect();
         order.sort_by_key(|n| gguf_order_key(n));
@@ -465,11 +531,15 @@ impl TinyModel {
             .into_iter()
             .map(|hf| {
                 let w = &self.weights[hf];
-                let name = Self::gguf_name(hf).expect("every weight has a GGUF name");
-                let w = match self.qk_heads(hf) {
+                let name = self.gguf_name(hf).expect("every weight has a GGUF name");
+                let mut w = match self.qk_heads(hf) {
                     Some(n_head) => permute_rows(w, n_head),
                     None => w.clone(),
                 };
+                if self.spec.arch == Arch::Gemma3 && hf.ends_with("norm.weight") {
+                    // the converter stores Gemma's (1 + w) norm weights as w + 1
+                    w.data.iter_mut().for_each(|v| *v += 1.0);
+                }
                 (name, w)
             })
             .collect()
@@ -497,7 +567,7 @@ impl TinyModel {
         let hf = self
             .weights
             .keys()
-            .find(|hf| Self::gguf_name(hf).as_deref() == Some(gguf))?;
+            .find(|hf| self.gguf_name(hf).as_deref() == Some(gguf))?;
         let bytes = self.encoded.get(hf)?;
         let rows = weight.shape[0];
         let row_bytes = bytes.len() / rows;
@@ -561,9 +631,20 @@ impl TinyModel {
             .add_kv(format!("{a}.rope.freq_base"), s.rope_theta)
             .add_kv(format!("{a}.rope.dimension_count"), s.head_dim as u32)
             .add_kv(format!("{a}.vocab_size"), s.vocab_size as u32);
-        if s.head_dim * s.n_head != s.hidden_size {
+        if s.head_dim * s.n_head != s.hidden_size || s.arch == Arch::Gemma3 {
             w.add_kv(format!("{a}.attention.key_length"), s.head_dim as u32)
                 .add_kv(format!("{a}.attention.value_length"), s.head_dim as u32);
+        }
+        if s.arch == Arch::Gemma3 {
+            w.add_kv(
+                format!("{a}.attention.sliding_window"),
+                s.sliding_window as u32,
+            )
+            .add_kv(
+                format!("{a}.attention.sliding_window_pattern"),
+                s.sliding_window_pattern as u32,
+            )
+            .add_kv(format!("{a}.rope.freq_base_swa"), s.rope_local_theta);
         }
         let tok = &self.tokenizer;
         let (tokens, types) = tok.gguf_tokens(s.vocab_size);
@@ -639,6 +720,31 @@ impl TinyModel {
                 obj.insert("use_sliding_window".into(), json!(false));
                 obj.insert("sliding_window".into(), json!(s.context_length));
                 obj.insert("max_window_layers".into(), json!(s.n_layers));
+                obj.insert("attention_dropout".into(), json!(0.0));
+            }
+            Arch::Gemma3 => {
+                let layer_types: Vec<&str> = (0..s.n_layers)
+                    .map(|il| {
+                        if s.is_local_layer(il) {
+                            "sliding_attention"
+                        } else {
+                            "full_attention"
+                        }
+                    })
+                    .collect();
+                obj.remove("hidden_act");
+                obj.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+                obj.insert("query_pre_attn_scalar".into(), json!(s.head_dim));
+                obj.insert("sliding_window".into(), json!(s.sliding_window));
+                obj.insert(
+                    "sliding_window_pattern".into(),
+                    json!(s.sliding_window_pattern),
+                );
+                obj.insert("layer_types".into(), json!(layer_types));
+                obj.insert("rope_local_base_freq".into(), json!(s.rope_local_theta));
+                obj.insert("final_logit_softcapping".into(), Value::Null);
+                obj.insert("attn_logit_softcapping".into(), Value::Null);
+                obj.insert("attention_bias".into(), json!(false));
                 obj.insert("attention_dropout".into(), json!(0.0));
             }
         }
@@ -755,22 +861,61 @@ impl TinyModel {
     }
 }
 
+/// The GGUF name of HF tensor `hf_name` in architecture `arch` (llama.cpp converter names).
+pub fn gguf_name_for(arch: Arch, hf_name: &str) -> Option<String> {
+    match hf_name {
+        "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
+        "model.norm.weight" => return Some("output_norm.weight".into()),
+        "lm_head.weight" => return Some("output.weight".into()),
+        _ => {}
+    }
+    let rest = hf_name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let gemma = arch == Arch::Gemma3;
+    let part = match rest {
+        "input_layernorm.weight" => "attn_norm.weight",
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.q_proj.bias" => "attn_q.bias",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.k_proj.bias" => "attn_k.bias",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.v_proj.bias" => "attn_v.bias",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "self_attn.q_norm.weight" if gemma => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" if gemma => "attn_k_norm.weight",
+        "post_attention_layernorm.weight" if gemma => "post_attention_norm.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        "pre_feedforward_layernorm.weight" if gemma => "ffn_norm.weight",
+        "post_feedforward_layernorm.weight" if gemma => "post_ffw_norm.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{part}"))
+}
+
 /// Sort key placing tensors as llama.cpp files usually have them: embedding, blocks in
 /// order, then output norm and head.
 fn gguf_order_key(hf: &str) -> (usize, usize, usize) {
-    const PARTS: [&str; 13] = [
+    const PARTS: [&str; 17] = [
         "input_layernorm.weight",
         "self_attn.q_proj.weight",
         "self_attn.q_proj.bias",
+        "self_attn.q_norm.weight",
         "self_attn.k_proj.weight",
         "self_attn.k_proj.bias",
+        "self_attn.k_norm.weight",
         "self_attn.v_proj.weight",
         "self_attn.v_proj.bias",
         "self_attn.o_proj.weight",
         "post_attention_layernorm.weight",
+        "pre_feedforward_layernorm.weight",
         "mlp.gate_proj.weight",
         "mlp.up_proj.weight",
         "mlp.down_proj.weight",
+        "post_feedforward_layernorm.weight",
         "",
     ];
     match hf {
