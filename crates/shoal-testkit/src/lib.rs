@@ -1,7 +1,7 @@
 //! Test kit for shoal: synthetic tiny models written as real files.
 //!
-//! [`TinyModelSpec`] describes a small random Llama, Qwen2 or Gemma 3 model (seeded, so the same spec
-//! always gives the same numbers). [`TinyModel`] writes it both as a GGUF file with
+//! [`TinyModelSpec`] describes a small random Llama, Qwen2 or Gemma 3 model (seeded, so the
+//! same spec always gives the same numbers). [`TinyModel`] writes it both as a GGUF file with
 //! llama.cpp's tensor names and metadata ([`TinyModel::write_gguf`]) and as a Hugging Face
 //! folder (`config.json`, `model.safetensors`, `tokenizer.json`, ...;
 //! [`TinyModel::write_safetensors_dir`], or in the Hub cache layout with
