@@ -1,1 +1,104 @@
-//! placeholder
+//! Test kit for shoal: synthetic tiny models written as real files.
+//!
+//! [`TinyModelSpec`] describes a small random Llama, Qwen2 or Gemma 3 model (seeded, so the
+//! same spec always gives the same numbers). [`TinyModel`] writes it both as a GGUF file with
+//! llama.cpp's tensor names and metadata ([`TinyModel::write_gguf`]) and as a Hugging Face
+//! folder (`config.json`, `model.safetensors`, `tokenizer.json`, ...;
+//! [`TinyModel::write_safetensors_dir`], or in the Hub cache layout with
+//! [`TinyModel::write_hf_cache`]), and the two represent the same weights. [`GgufWriter`] is
+//! the underlying GGUF writer, which can also produce deliberately broken files, and
+//! [`quants`] holds reference quantizers and dequantizers for the block formats.
+//! [`TinyModel::reference_logits`] is a plain `f64` forward pass to test engines against.
+//!
+//! `scripts/` holds two independent checkers used by optional tests: `hf_reference.py` (a numpy
+//! forward pass of the HF folder) and `llama_logits.cpp` (llama.cpp's tokens and logits for a
+//! GGUF file; set `SHOAL_LLAMA_LOGITS_BIN` to the built binary to run that test).
+
+pub mod gguf_writer;
+pub mod quants;
+pub mod reference;
+pub mod rng;
+pub mod tiny_model;
+pub mod tokenizer;
+
+use std::path::PathBuf;
+
+pub use gguf_writer::{
+    GgufLayout, GgufTensor, GgufValue, GgufValueType, GgufWriter, TensorPlacement,
+    GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION,
+};
+pub use quants::{
+    dequantize, dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, quantize, quantize_q4_0,
+    quantize_q4_1, quantize_q8_0, round_trip, GgmlType,
+};
+pub use tiny_model::{Arch, SafetensorsDtype, TinyModel, TinyModelSpec, Weight};
+pub use tokenizer::TinyTokenizer;
+
+/// Everything that can go wrong while building or writing test files.
+#[derive(Debug, thiserror::Error)]
+pub enum TestkitError {
+    /// Reading or writing a file failed.
+    #[error("I/O error at {path}: {source}")]
+    Io {
+        /// The file or folder involved.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A quantized type was asked to hold a count that is not a whole number of blocks.
+    #[error("{ty}: {n_elements} elements is not a whole number of {block}-element blocks (make the row length a multiple of {block})")]
+    NotBlockAligned {
+        /// Type name.
+        ty: &'static str,
+        /// Elements asked for.
+        n_elements: usize,
+        /// Block size of the type.
+        block: usize,
+    },
+    /// Encoded bytes have the wrong length for the element count.
+    #[error("{ty}: {n_elements} elements take {expected} bytes, got {got}")]
+    ByteLength {
+        /// Type name.
+        ty: &'static str,
+        /// Elements.
+        n_elements: usize,
+        /// Bytes expected.
+        expected: usize,
+        /// Bytes given.
+        got: usize,
+    },
+    /// A tensor's data does not match its shape.
+    #[error("tensor {name}: shape ne={ne:?} does not hold {got} values")]
+    ShapeMismatch {
+        /// Tensor name.
+        name: String,
+        /// Dimensions, innermost first.
+        ne: Vec<u64>,
+        /// Values given.
+        got: usize,
+    },
+    /// An array value holds an element of another type than it declares.
+    #[error("metadata {key}: array of {elem:?} holds a {found:?} at index {index}")]
+    ArrayElementType {
+        /// Metadata key.
+        key: String,
+        /// Declared element type.
+        elem: GgufValueType,
+        /// Type found.
+        found: GgufValueType,
+        /// Index of the element.
+        index: usize,
+    },
+    /// The alignment is not a non-zero power of two.
+    #[error("alignment {0} is not a non-zero power of two")]
+    BadAlignment(u64),
+    /// The safetensors crate refused the tensors.
+    #[error("safetensors: {0}")]
+    Safetensors(String),
+    /// A model spec that cannot be built; the message says which field.
+    #[error("invalid tiny model spec: {0}")]
+    InvalidSpec(String),
+}
+
+#[cfg(test)]
+mod model_tests;

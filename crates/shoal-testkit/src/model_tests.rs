@@ -1,0 +1,840 @@
+//! Tests of the tiny models: GGUF and safetensors written from the same model agree.
+
+use std::collections::BTreeMap;
+
+use crate::gguf_writer::parse::parse;
+use crate::gguf_writer::GgufValue;
+use crate::quants::{dequantize, GgmlType};
+use crate::tiny_model::{permute_rows, unpermute_rows, Arch, SafetensorsDtype, Weight};
+use crate::tokenizer::CHATML_TEMPLATE;
+use crate::TinyModelSpec;
+
+/// Parsed GGUF: metadata and tensors (name → (ne, type, dequantized values)).
+struct Gguf {
+    kv: BTreeMap<String, GgufValue>,
+    tensors: BTreeMap<String, (Vec<u64>, GgmlType, Vec<f32>)>,
+    order: Vec<String>,
+}
+
+fn read_gguf(bytes: &[u8]) -> Gguf {
+    let p = parse(bytes).unwrap();
+    let mut tensors = BTreeMap::new();
+    let mut order = Vec::new();
+    for (name, ne, ty, off) in p.tensors {
+        let ty = GgmlType::from_id(ty).unwrap();
+        let n = ne.iter().product::<u64>() as usize;
+        let start = p.data_start + off as usize;
+        let len = ty.bytes_for(n).unwrap();
+        let vals = dequantize(ty, &bytes[start..start + len], n).unwrap();
+        order.push(name.clone());
+        tensors.insert(name, (ne, ty, vals));
+    }
+    Gguf {
+        kv: p.kvs.into_iter().collect(),
+        tensors,
+        order,
+    }
+}
+
+fn read_safetensors(bytes: &[u8]) -> BTreeMap<String, (safetensors::Dtype, Weight)> {
+    let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let data: Vec<f32> = match view.dtype() {
+                safetensors::Dtype::F32 => view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect(),
+                safetensors::Dtype::F16 => view
+                    .data()
+                    .chunks_exact(2)
+                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect(),
+                safetensors::Dtype::BF16 => view
+                    .data()
+                    .chunks_exact(2)
+                    .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect(),
+                d => panic!("unexpected dtype {d:?}"),
+            };
+            (
+                name,
+                (
+                    view.dtype(),
+                    Weight {
+                        shape: view.shape().to_vec(),
+                        data,
+                    },
+                ),
+            )
+        })
+        .collect()
+}
+
+fn kv_u32(g: &Gguf, k: &str) -> u32 {
+    match g.kv.get(k) {
+        Some(GgufValue::U32(v)) => *v,
+        other => panic!("{k}: {other:?}"),
+    }
+}
+
+fn kv_str<'a>(g: &'a Gguf, k: &str) -> &'a str {
+    match g.kv.get(k) {
+        Some(GgufValue::String(v)) => v,
+        other => panic!("{k}: {other:?}"),
+    }
+}
+
+fn expected_gguf_names(arch: Arch, n_layers: usize, tied: bool) -> Vec<String> {
+    let mut v = vec!["token_embd.weight".to_string()];
+    for l in 0..n_layers {
+        if arch == Arch::Gemma3 {
+            let parts = [
+                "attn_norm.weight",
+                "attn_q.weight",
+                "attn_q_norm.weight",
+                "attn_k.weight",
+                "attn_k_norm.weight",
+                "attn_v.weight",
+                "attn_output.weight",
+                "post_attention_norm.weight",
+                "ffn_norm.weight",
+                "ffn_gate.weight",
+                "ffn_up.weight",
+                "ffn_down.weight",
+                "post_ffw_norm.weight",
+            ];
+            v.extend(parts.iter().map(|p| format!("blk.{l}.{p}")));
+            continue;
+        }
+        let mut parts = vec!["attn_norm.weight", "attn_q.weight"];
+        if arch == Arch::Qwen2 {
+            parts.push("attn_q.bias");
+        }
+        parts.push("attn_k.weight");
+        if arch == Arch::Qwen2 {
+            parts.push("attn_k.bias");
+        }
+        parts.push("attn_v.weight");
+        if arch == Arch::Qwen2 {
+            parts.push("attn_v.bias");
+        }
+        parts.extend([
+            "attn_output.weight",
+            "ffn_norm.weight",
+            "ffn_gate.weight",
+            "ffn_up.weight",
+            "ffn_down.weight",
+        ]);
+        v.extend(parts.iter().map(|p| format!("blk.{l}.{p}")));
+    }
+    v.push("output_norm.weight".into());
+    if !tied {
+        v.push("output.weight".into());
+    }
+    v
+}
+
+#[test]
+fn spec_validation_rejects_bad_shapes() {
+    assert!(TinyModelSpec::llama(1).build().is_ok());
+    let mut s = TinyModelSpec::llama(1);
+    s.vocab_size = 100;
+    assert!(s.build().is_err());
+    let mut s = TinyModelSpec::llama(1);
+    s.hidden_size = 48;
+    assert!(s.build().is_err());
+    let mut s = TinyModelSpec::llama(1);
+    s.n_kv_head = 3;
+    assert!(s.build().is_err());
+    let mut s = TinyModelSpec::llama(1);
+    s.ffn_size = 100;
+    assert!(s.build().is_err());
+}
+
+#[test]
+fn weights_are_seeded_and_sane() {
+    let a = TinyModelSpec::llama(7).build().unwrap();
+    let b = TinyModelSpec::llama(7).build().unwrap();
+    let c = TinyModelSpec::llama(8).build().unwrap();
+    assert_eq!(a.weights(), b.weights());
+    assert_ne!(a.weights(), c.weights());
+    let q = a.weight("model.layers.0.self_attn.q_proj.weight").unwrap();
+    assert_eq!(q.shape, vec![64, 64]);
+    let k = a.weight("model.layers.1.self_attn.k_proj.weight").unwrap();
+    assert_eq!(k.shape, vec![32, 64]);
+    assert_eq!(
+        a.weight("model.layers.1.mlp.down_proj.weight")
+            .unwrap()
+            .shape,
+        vec![64, 128]
+    );
+    assert_eq!(
+        a.weight("model.embed_tokens.weight").unwrap().shape,
+        vec![320, 64]
+    );
+    let norm = a.weight("model.norm.weight").unwrap();
+    assert!(norm.data.iter().all(|v| (0.7..1.3).contains(v)));
+    let std = |w: &Weight| (w.data.iter().map(|v| v * v).sum::<f32>() / w.data.len() as f32).sqrt();
+    assert!((0.05..0.11).contains(&std(q)), "{}", std(q));
+    // different tensors get different streams
+    assert_ne!(
+        a.weight("model.layers.0.self_attn.v_proj.weight")
+            .unwrap()
+            .data[..8],
+        a.weight("model.layers.0.self_attn.k_proj.weight")
+            .unwrap()
+            .data[..8]
+    );
+}
+
+#[test]
+fn permutation_matches_converter_formula() {
+    // rows of one head of 8: HF [0..8] → GGUF [0,4,1,5,2,6,3,7]
+    let w = Weight {
+        shape: vec![16, 1],
+        data: (0..16).map(|i| i as f32).collect(),
+    };
+    let p = permute_rows(&w, 2);
+    assert_eq!(
+        p.data,
+        vec![0., 4., 1., 5., 2., 6., 3., 7., 8., 12., 9., 13., 10., 14., 11., 15.]
+    );
+    assert_eq!(unpermute_rows(&p, 2), w);
+}
+
+fn check_pair(spec: TinyModelSpec, gguf_ty: GgmlType) {
+    let model = spec.build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gpath = dir.path().join("m.gguf");
+    model.write_gguf(&gpath, gguf_ty).unwrap();
+    let hf = dir.path().join("hf");
+    model
+        .write_safetensors_dir(&hf, SafetensorsDtype::F32)
+        .unwrap();
+    let g = read_gguf(&std::fs::read(&gpath).unwrap());
+    let st = read_safetensors(&std::fs::read(hf.join("model.safetensors")).unwrap());
+    let s = model.spec();
+    let a = s.arch.gguf_name();
+
+    assert_eq!(
+        g.order,
+        expected_gguf_names(s.arch, s.n_layers, s.tied_embeddings)
+    );
+    assert_eq!(st.len(), g.order.len());
+    assert_eq!(st.contains_key("lm_head.weight"), !s.tied_embeddings);
+
+    assert_eq!(kv_str(&g, "general.architecture"), a);
+    assert_eq!(kv_str(&g, "general.name"), s.name);
+    assert_eq!(kv_u32(&g, &format!("{a}.block_count")), s.n_layers as u32);
+    assert_eq!(
+        kv_u32(&g, &format!("{a}.context_length")),
+        s.context_length as u32
+    );
+    assert_eq!(
+        kv_u32(&g, &format!("{a}.embedding_length")),
+        s.hidden_size as u32
+    );
+    assert_eq!(
+        kv_u32(&g, &format!("{a}.feed_forward_length")),
+        s.ffn_size as u32
+    );
+    assert_eq!(
+        kv_u32(&g, &format!("{a}.attention.head_count")),
+        s.n_head as u32
+    );
+    assert_eq!(
+        kv_u32(&g, &format!("{a}.attention.head_count_kv")),
+        s.n_kv_head as u32
+    );
+    assert_eq!(
+        kv_u32(&g, &format!("{a}.rope.dimension_count")),
+        s.head_dim as u32
+    );
+    assert_eq!(kv_u32(&g, &format!("{a}.vocab_size")), 320);
+    assert_eq!(
+        g.kv[&format!("{a}.attention.layer_norm_rms_epsilon")],
+        GgufValue::F32(s.rms_eps)
+    );
+    assert_eq!(
+        g.kv[&format!("{a}.rope.freq_base")],
+        GgufValue::F32(s.rope_theta)
+    );
+    assert_eq!(kv_str(&g, "tokenizer.ggml.model"), "gpt2");
+    assert_eq!(
+        kv_str(&g, "tokenizer.ggml.pre"),
+        match s.arch {
+            Arch::Llama | Arch::Gemma3 => "smollm",
+            Arch::Qwen2 => "qwen2",
+        }
+    );
+    assert_eq!(kv_str(&g, "tokenizer.chat_template"), CHATML_TEMPLATE);
+    let tok = model.tokenizer();
+    assert_eq!(kv_u32(&g, "tokenizer.ggml.eos_token_id"), tok.eos_id());
+    assert_eq!(kv_u32(&g, "tokenizer.ggml.bos_token_id"), tok.bos_id());
+    assert_eq!(g.kv["tokenizer.ggml.add_bos_token"], GgufValue::Bool(false));
+    match &g.kv["tokenizer.ggml.tokens"] {
+        GgufValue::Array(_, items) => {
+            assert_eq!(items.len(), 320);
+            assert_eq!(items[267], GgufValue::String("the".into()));
+        }
+        other => panic!("{other:?}"),
+    }
+
+    for (hf_name, (dtype, w)) in &st {
+        assert_eq!(*dtype, safetensors::Dtype::F32);
+        let model_w = model.weight(hf_name).unwrap();
+        assert_eq!(&model_w.shape, &w.shape, "{hf_name}");
+        assert!(
+            model_w
+                .data
+                .iter()
+                .zip(&w.data)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{hf_name}: safetensors differs from weights()"
+        );
+        let gname = model.gguf_name(hf_name).unwrap();
+        let (ne, ty, vals) = &g.tensors[&gname];
+        let want_ne: Vec<u64> = w.shape.iter().rev().map(|d| *d as u64).collect();
+        assert_eq!(ne, &want_ne, "{gname}");
+        if w.shape.len() == 1 {
+            assert_eq!(*ty, GgmlType::F32, "{gname}");
+        } else {
+            assert_eq!(*ty, gguf_ty, "{gname}");
+        }
+        let mut gw = Weight {
+            shape: w.shape.clone(),
+            data: vals.clone(),
+        };
+        if s.arch == Arch::Llama && hf_name.ends_with("q_proj.weight") {
+            gw = unpermute_rows(&gw, s.n_head);
+        } else if s.arch == Arch::Llama && hf_name.ends_with("k_proj.weight") {
+            gw = unpermute_rows(&gw, s.n_kv_head);
+        } else if s.arch == Arch::Gemma3 && hf_name.ends_with("norm.weight") {
+            // GGUF holds w + 1; subtracting 1 again is exact for these values
+            gw.data.iter_mut().for_each(|v| *v -= 1.0);
+        }
+        let exact = gguf_ty == GgmlType::F32 || gguf_ty == s.snap_to || w.shape.len() == 1;
+        if exact {
+            assert!(
+                gw.data
+                    .iter()
+                    .zip(&w.data)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{gname} ({gguf_ty:?}) differs from {hf_name}"
+            );
+        } else {
+            let amax = w.data.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(
+                gw.data
+                    .iter()
+                    .zip(&w.data)
+                    .all(|(a, b)| (a - b).abs() <= amax / 7.0),
+                "{gname} far from {hf_name}"
+            );
+            assert!(gw.data != w.data);
+        }
+    }
+    // For llama, q as stored in GGUF really is permuted (not accidentally identical).
+    if s.arch == Arch::Llama && (gguf_ty == GgmlType::F32 || gguf_ty == s.snap_to) {
+        let hf_q = &st["model.layers.0.self_attn.q_proj.weight"].1.data;
+        let g_q = &g.tensors["blk.0.attn_q.weight"].2;
+        let (h, half) = (s.hidden_size, s.head_dim / 2);
+        assert_eq!(&hf_q[..h], &g_q[..h]); // row 0 stays
+        assert_eq!(&hf_q[half * h..(half + 1) * h], &g_q[h..2 * h]); // HF row hd/2 → GGUF row 1
+    }
+}
+
+#[test]
+fn llama_f32_gguf_equals_safetensors() {
+    check_pair(TinyModelSpec::llama(1), GgmlType::F32);
+}
+
+#[test]
+fn llama_q8_0_gguf_equals_snapped_safetensors() {
+    check_pair(
+        TinyModelSpec::llama(2).snapped_to(GgmlType::Q8_0),
+        GgmlType::Q8_0,
+    );
+    // snapped weights still match a F32 GGUF exactly
+    check_pair(
+        TinyModelSpec::llama(2).snapped_to(GgmlType::Q8_0),
+        GgmlType::F32,
+    );
+}
+
+#[test]
+fn llama_q4_0_gguf_equals_snapped_safetensors() {
+    check_pair(
+        TinyModelSpec::llama(3)
+            .snapped_to(GgmlType::Q4_0)
+            .tied(true),
+        GgmlType::Q4_0,
+    );
+}
+
+#[test]
+fn unsnapped_quantized_gguf_is_close_not_equal() {
+    check_pair(TinyModelSpec::llama(4), GgmlType::Q8_0);
+}
+
+#[test]
+fn gemma3_pairs() {
+    check_pair(TinyModelSpec::gemma3(70), GgmlType::F32);
+    check_pair(
+        TinyModelSpec::gemma3(71)
+            .snapped_to(GgmlType::Q8_0)
+            .tied(false),
+        GgmlType::Q8_0,
+    );
+    let m = TinyModelSpec::gemma3(70).build().unwrap();
+    let g = read_gguf(&m.gguf_writer(GgmlType::F32).unwrap().bytes().unwrap());
+    assert_eq!(kv_u32(&g, "gemma3.attention.sliding_window"), 4);
+    assert_eq!(kv_u32(&g, "gemma3.attention.sliding_window_pattern"), 2);
+    assert_eq!(kv_u32(&g, "gemma3.attention.key_length"), 16);
+    assert_eq!(g.kv["gemma3.rope.freq_base_swa"], GgufValue::F32(10000.0));
+    // GGUF norm weights are HF's plus one, exactly
+    let hf = &m
+        .weight("model.layers.0.self_attn.q_norm.weight")
+        .unwrap()
+        .data;
+    let gg = &g.tensors["blk.0.attn_q_norm.weight"].2;
+    assert!(hf.iter().zip(gg).all(|(a, b)| a + 1.0 == *b));
+    assert!(hf.iter().all(|v| v.abs() < 0.3));
+    let c = m.config_json(SafetensorsDtype::F32);
+    assert_eq!(c["model_type"], "gemma3_text");
+    assert_eq!(c["architectures"][0], "Gemma3ForCausalLM");
+    assert_eq!(
+        c["layer_types"],
+        serde_json::json!(["sliding_attention", "full_attention"])
+    );
+    assert!(m.spec().is_local_layer(0) && !m.spec().is_local_layer(1));
+    assert!(!TinyModelSpec::llama(1).is_local_layer(0));
+}
+
+#[test]
+fn k_quant_pairs() {
+    check_pair(
+        TinyModelSpec::llama(7)
+            .k_quant_shapes()
+            .snapped_to(GgmlType::Q4_K),
+        GgmlType::Q4_K,
+    );
+    check_pair(
+        TinyModelSpec::qwen2(8)
+            .k_quant_shapes()
+            .snapped_to(GgmlType::Q6_K),
+        GgmlType::Q6_K,
+    );
+    // the default shapes are too narrow for 256-element blocks
+    assert!(TinyModelSpec::llama(1)
+        .snapped_to(GgmlType::Q4_K)
+        .build()
+        .is_err());
+    let m = TinyModelSpec::llama(1).build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    assert!(m
+        .write_gguf(dir.path().join("x.gguf"), GgmlType::Q6_K)
+        .is_err());
+}
+
+#[test]
+fn mixed_types_per_tensor() {
+    let m = TinyModelSpec::llama(60).k_quant_shapes().build().unwrap();
+    let w = m
+        .gguf_writer_mixed(GgmlType::Q4_K, |name, _| {
+            if name.ends_with("ffn_down.weight") || name == "output.weight" {
+                GgmlType::Q6_K
+            } else {
+                GgmlType::Q4_K
+            }
+        })
+        .unwrap();
+    let g = read_gguf(&w.bytes().unwrap());
+    assert_eq!(g.tensors["blk.1.ffn_down.weight"].1, GgmlType::Q6_K);
+    assert_eq!(g.tensors["output.weight"].1, GgmlType::Q6_K);
+    assert_eq!(g.tensors["blk.1.ffn_up.weight"].1, GgmlType::Q4_K);
+    assert_eq!(g.tensors["blk.1.ffn_norm.weight"].1, GgmlType::F32);
+    assert_eq!(kv_u32(&g, "general.file_type"), 15);
+}
+
+#[test]
+fn qwen2_pairs() {
+    check_pair(TinyModelSpec::qwen2(5), GgmlType::F32);
+    check_pair(
+        TinyModelSpec::qwen2(6)
+            .snapped_to(GgmlType::Q8_0)
+            .tied(false),
+        GgmlType::Q8_0,
+    );
+    let m = TinyModelSpec::qwen2(5).build().unwrap();
+    assert_eq!(
+        m.weight("model.layers.1.self_attn.k_proj.bias")
+            .unwrap()
+            .shape,
+        vec![32]
+    );
+}
+
+#[test]
+fn half_precision_safetensors() {
+    let model = TinyModelSpec::llama(9).build().unwrap();
+    for (dtype, st_dtype, tol) in [
+        (SafetensorsDtype::F16, safetensors::Dtype::F16, 1.0e-3),
+        (SafetensorsDtype::BF16, safetensors::Dtype::BF16, 8.0e-3),
+    ] {
+        let st = read_safetensors(&model.safetensors_bytes(dtype).unwrap());
+        for (name, (d, w)) in &st {
+            assert_eq!(*d, st_dtype);
+            let m = model.weight(name).unwrap();
+            for (a, b) in m.data.iter().zip(&w.data) {
+                assert!((a - b).abs() <= a.abs() * tol + 1e-6, "{name}");
+            }
+        }
+        let c = model.config_json(dtype);
+        assert_eq!(c["torch_dtype"], dtype.torch_dtype());
+    }
+}
+
+#[test]
+fn hf_folder_files_and_config() {
+    let model = TinyModelSpec::qwen2(11).build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    model
+        .write_safetensors_dir(dir.path(), SafetensorsDtype::BF16)
+        .unwrap();
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"][0], "Qwen2ForCausalLM");
+    assert_eq!(config["model_type"], "qwen2");
+    assert_eq!(config["hidden_size"], 64);
+    assert_eq!(config["intermediate_size"], 128);
+    assert_eq!(config["num_hidden_layers"], 2);
+    assert_eq!(config["num_attention_heads"], 4);
+    assert_eq!(config["num_key_value_heads"], 2);
+    assert_eq!(config["rms_norm_eps"].as_f64().unwrap() as f32, 1e-6);
+    assert_eq!(config["rope_theta"].as_f64().unwrap(), 1e6);
+    assert_eq!(config["vocab_size"], 320);
+    assert_eq!(config["max_position_embeddings"], 256);
+    assert_eq!(config["tie_word_embeddings"], true);
+    assert_eq!(config["eos_token_id"], model.tokenizer().eos_id());
+    assert_eq!(config["torch_dtype"], "bfloat16");
+    let tc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(tc["chat_template"], CHATML_TEMPLATE);
+    assert_eq!(tc["eos_token"], "<|im_end|>");
+    assert_eq!(tc["bos_token"], "<|endoftext|>");
+
+    let t = tokenizers::Tokenizer::from_file(dir.path().join("tokenizer.json")).unwrap();
+    let tok = model.tokenizer();
+    let ids = t.encode("the cat", false).unwrap().get_ids().to_vec();
+    assert_eq!(
+        ids,
+        vec![tok.token_id("the").unwrap(), tok.token_id("Ġcat").unwrap()]
+    );
+}
+
+#[test]
+fn hf_cache_layout() {
+    let model = TinyModelSpec::llama(12).build().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let snap = model
+        .write_hf_cache(root.path(), "shoal-test/tiny-llama", SafetensorsDtype::F32)
+        .unwrap();
+    let repo = root.path().join("models--shoal-test--tiny-llama");
+    let commit = std::fs::read_to_string(repo.join("refs/main")).unwrap();
+    assert_eq!(commit.len(), 40);
+    assert!(commit.chars().all(|c| c.is_ascii_hexdigit()));
+    assert_eq!(snap, repo.join("snapshots").join(&commit));
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        let p = snap.join(f);
+        #[cfg(unix)]
+        {
+            let target = std::fs::read_link(&p).unwrap();
+            assert!(target.starts_with("../../blobs"), "{target:?}");
+        }
+        let via_link = std::fs::read(&p).unwrap();
+        let direct = std::fs::read(dir_join_blob(&repo, &p)).unwrap();
+        assert_eq!(via_link, direct);
+    }
+    // identical content → identical commit; writing twice is fine
+    let again = model
+        .write_hf_cache(root.path(), "shoal-test/tiny-llama", SafetensorsDtype::F32)
+        .unwrap();
+    assert_eq!(again, snap);
+    let st = read_safetensors(&std::fs::read(snap.join("model.safetensors")).unwrap());
+    assert_eq!(st.len(), model.weights().len());
+}
+
+fn dir_join_blob(repo: &std::path::Path, link: &std::path::Path) -> std::path::PathBuf {
+    match std::fs::read_link(link) {
+        Ok(t) => repo.join("blobs").join(t.file_name().unwrap()),
+        Err(_) => link.to_path_buf(),
+    }
+}
+
+#[test]
+fn gguf_writer_of_model_can_be_mangled() {
+    let model = TinyModelSpec::llama(13).build().unwrap();
+    let mut w = model.gguf_writer(GgmlType::Q8_0).unwrap();
+    assert_eq!(w.remove_kv("llama.block_count"), 1);
+    let (bytes, layout) = w.build().unwrap();
+    let g = read_gguf(&bytes);
+    assert!(!g.kv.contains_key("llama.block_count"));
+    // truncating inside the data section makes the last tensor unreadable
+    let last = layout.tensors.last().unwrap();
+    let cut = &bytes[..last.data_start + 10];
+    assert!(cut.len() < last.data_start + last.data_len);
+}
+
+/// Reads a model GGUF with the official Python reader and checks, independently of this
+/// crate's permutation code, that `attn_q`/`attn_k` are the HF weights permuted as llama.cpp's
+/// converter does (`reshape(n_head, 2, hd/2, in).swapaxes(1, 2)`). Skipped without `gguf`.
+#[test]
+fn python_reader_sees_converter_layout() {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import gguf, numpy"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !ok {
+        eprintln!("skipped: python3 with the gguf package not installed");
+        return;
+    }
+    let model = TinyModelSpec::llama(21)
+        .snapped_to(GgmlType::Q8_0)
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gpath = dir.path().join("m.gguf");
+    model.write_gguf(&gpath, GgmlType::Q8_0).unwrap();
+    let q = model
+        .weight("model.layers.1.self_attn.q_proj.weight")
+        .unwrap();
+    let k = model
+        .weight("model.layers.1.self_attn.k_proj.weight")
+        .unwrap();
+    let hf = serde_json::json!({"q": q.data, "k": k.data, "emb": model.weight("model.embed_tokens.weight").unwrap().data});
+    let hf_path = dir.path().join("hf.json");
+    std::fs::write(&hf_path, serde_json::to_vec(&hf).unwrap()).unwrap();
+    let script = r#"
+import sys, json
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+r = GGUFReader(sys.argv[1])
+hf = json.load(open(sys.argv[2]))
+t = {x.name: x for x in r.tensors}
+def deq(name):
+    x = t[name]
+    return dequantize(x.data, x.tensor_type).reshape(-1)
+def permute(w, n_head):
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+q = np.array(hf["q"], dtype=np.float32).reshape(64, 64)
+k = np.array(hf["k"], dtype=np.float32).reshape(32, 64)
+assert np.array_equal(deq("blk.1.attn_q.weight"), permute(q, 4).reshape(-1))
+assert np.array_equal(deq("blk.1.attn_k.weight"), permute(k, 2).reshape(-1))
+assert np.array_equal(deq("token_embd.weight"), np.array(hf["emb"], dtype=np.float32))
+assert list(t["blk.1.attn_q.weight"].shape) == [64, 64]
+assert list(t["blk.1.attn_k.weight"].shape) == [64, 32]
+assert list(t["token_embd.weight"].shape) == [64, 320]
+assert t["blk.0.attn_norm.weight"].tensor_type.name == "F32"
+assert t["blk.0.ffn_down.weight"].tensor_type.name == "Q8_0"
+f = r.fields
+assert f["general.architecture"].contents() == "llama"
+toks = f["tokenizer.ggml.tokens"].contents()
+assert len(toks) == 320 and toks[267] == "the" and toks[296] == "<|im_end|>", toks[290:300]
+assert f["tokenizer.ggml.merges"].contents()[0] == "Ġ t"
+assert f["tokenizer.ggml.token_type"].contents()[296] == 3
+assert f["tokenizer.ggml.eos_token_id"].contents() == 296
+print("ok")
+"#;
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .arg(&gpath)
+        .arg(&hf_path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "python check failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn python_has(modules: &str) -> bool {
+    std::process::Command::new("python3")
+        .args(["-c", &format!("import {modules}")])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+fn scripts_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts")
+}
+
+#[test]
+fn reference_logits_are_causal_and_sane() {
+    for spec in [
+        TinyModelSpec::llama(30),
+        TinyModelSpec::qwen2(31),
+        TinyModelSpec::gemma3(32),
+    ] {
+        let m = spec.build().unwrap();
+        let ids = [267u32, 266, 278, 279, 260, 281, 5, 100];
+        let all = m.reference_logits(&ids);
+        assert_eq!(all.len(), ids.len());
+        assert!(all
+            .iter()
+            .all(|l| l.len() == 320 && l.iter().all(|v| v.is_finite())));
+        // a prefix gives the same logits at its positions
+        let pre = m.reference_logits(&ids[..3]);
+        for t in 0..3 {
+            for (a, b) in pre[t].iter().zip(&all[t]) {
+                assert!((a - b).abs() < 1e-6);
+            }
+        }
+        // logits spread enough for argmax comparisons to be meaningful
+        let last = &all[7];
+        let mean = last.iter().sum::<f32>() / 320.0;
+        let std = (last.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / 320.0).sqrt();
+        assert!((0.5..5.0).contains(&std), "{std}");
+        let mut sorted = last.clone();
+        sorted.sort_by(|a, b| b.partial_cmp(a).unwrap());
+        assert!(sorted[0] - sorted[1] > 1e-3, "top two logits nearly tied");
+    }
+}
+
+/// `TinyModel::reference_logits` against the independent numpy forward pass in
+/// `scripts/hf_reference.py` run on the written HF folder. Skipped without numpy.
+#[test]
+fn reference_matches_numpy() {
+    if !python_has("numpy") {
+        eprintln!("skipped: python3 with numpy not installed");
+        return;
+    }
+    for spec in [
+        TinyModelSpec::llama(40),
+        TinyModelSpec::qwen2(41),
+        TinyModelSpec::qwen2(42).tied(false),
+        TinyModelSpec::gemma3(43),
+    ] {
+        let m = spec.build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        m.write_safetensors_dir(dir.path(), SafetensorsDtype::F32)
+            .unwrap();
+        let ids = [294u32, 267, 266, 278, 7, 300, 296, 12, 99];
+        let out = std::process::Command::new("python3")
+            .arg(scripts_dir().join("hf_reference.py"))
+            .arg(dir.path())
+            .args(ids.iter().map(|i| i.to_string()))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let np: Vec<Vec<f64>> = serde_json::from_slice(&out.stdout).unwrap();
+        let ours = m.reference_logits(&ids);
+        for (a, b) in ours.iter().flatten().zip(np.iter().flatten()) {
+            assert!((*a as f64 - b).abs() < 1e-5, "{a} vs {b}");
+        }
+    }
+}
+
+/// Runs llama.cpp (the `scripts/llama_logits.cpp` checker, built and named by the
+/// `SHOAL_LLAMA_LOGITS_BIN` environment variable) on written GGUF files and checks that it
+/// tokenizes like HF `tokenizers`, renders the chat template as ChatML, and computes the
+/// reference logits. Skipped when the variable is unset.
+#[test]
+fn llama_cpp_agrees_with_reference() {
+    let Some(bin) = std::env::var_os("SHOAL_LLAMA_LOGITS_BIN") else {
+        eprintln!("skipped: SHOAL_LLAMA_LOGITS_BIN not set");
+        return;
+    };
+    let text = "the cat sat on the mat<|im_end|> 42";
+    for (spec, ty, tol) in [
+        (TinyModelSpec::llama(50), GgmlType::F32, 1e-4),
+        (TinyModelSpec::llama(51).tied(true), GgmlType::F32, 1e-4),
+        (TinyModelSpec::qwen2(52), GgmlType::F32, 1e-4),
+        (TinyModelSpec::qwen2(53).tied(false), GgmlType::F32, 1e-4),
+        // llama.cpp's CPU GELU goes through an f16 lookup table
+        (TinyModelSpec::gemma3(58), GgmlType::F32, 2e-2),
+        (TinyModelSpec::gemma3(59).tied(false), GgmlType::Q8_0, 0.2),
+        // quantized matmuls also quantize activations to 8 bits: looser, and more so for
+        // the wider K-quant shapes (a Q8_0 model of those shapes is off by ~0.2 as well)
+        (TinyModelSpec::llama(54), GgmlType::Q8_0, 0.15),
+        (TinyModelSpec::qwen2(55), GgmlType::Q4_0, 0.15),
+        (
+            TinyModelSpec::llama(56).k_quant_shapes(),
+            GgmlType::Q4_K,
+            0.5,
+        ),
+        (
+            TinyModelSpec::qwen2(57).k_quant_shapes(),
+            GgmlType::Q6_K,
+            0.5,
+        ),
+    ] {
+        let m = spec.snapped_to(ty).build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        m.write_gguf(&path, ty).unwrap();
+        let out = std::process::Command::new(&bin)
+            .arg(&path)
+            .arg(text)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let ids: Vec<u32> = serde_json::from_value(v["ids"].clone()).unwrap();
+        let hf: tokenizers::Tokenizer =
+            serde_json::to_string(&m.tokenizer().tokenizer_json(m.spec().arch.pre_tokenizer()))
+                .unwrap()
+                .parse()
+                .unwrap();
+        let hf_ids = hf.encode(text, false).unwrap().get_ids().to_vec();
+        assert_eq!(ids, hf_ids, "{:?}", m.spec().arch);
+        assert_eq!(v["eos"], m.tokenizer().eos_id());
+        assert_eq!(v["bos"], m.tokenizer().bos_id());
+        assert_eq!(v["n_vocab"], m.spec().vocab_size);
+        assert_eq!(
+            v["chat"],
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let logits: Vec<f32> = serde_json::from_value(v["logits"].clone()).unwrap();
+        let reference = m.reference_logits(&ids);
+        let last = reference.last().unwrap();
+        let max_diff = logits
+            .iter()
+            .zip(last)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        let scale = last.iter().fold(0f32, |m, v| m.max(v.abs()));
+        eprintln!(
+            "{:?} {ty:?}: max |llama.cpp - reference| = {max_diff} (max |logit| {scale})",
+            m.spec().arch
+        );
+        assert!(
+            max_diff < tol,
+            "{:?} {ty:?}: llama.cpp logits differ from reference by {max_diff}",
+            m.spec().arch
+        );
+    }
+}

@@ -1,0 +1,1008 @@
+//! Tiny random Llama / Qwen2 / Gemma 3 models written as a GGUF file and as a Hugging Face
+//! folder.
+//!
+//! A [`TinyModelSpec`] (architecture, seed, hyperparameters) builds a [`TinyModel`] whose
+//! weights come from the kit's fixed SplitMix64 generator, one stream per tensor, so a spec
+//! always yields the same numbers. Every 2-D weight is first made exactly representable in the
+//! spec's `snap_to` type (it is quantized and dequantized once), so a GGUF file written in that
+//! type (or in F32) and an F32 safetensors file hold the very same values; 1-D tensors (norms,
+//! biases) are always written as F32 to GGUF.
+//!
+//! Names follow llama.cpp's converter on the GGUF side (`token_embd.weight`,
+//! `blk.N.attn_q.weight`, ..., `output.weight` unless tied) and transformers on the HF side
+//! (`model.embed_tokens.weight`, `model.layers.N.self_attn.q_proj.weight`, ...,
+//! `lm_head.weight` unless tied). For `llama`, the GGUF q and k weights have their rows
+//! permuted as the converter does (HF's rotate-half RoPE layout → GGUF's interleaved pairs):
+//! within each head of `head_dim` rows, GGUF row `2i + j` is HF row `j * head_dim/2 + i`.
+//! `qwen2` and `gemma3` keep HF's order; `gemma3` norm weights are stored in GGUF as `w + 1`
+//! (HF's Gemma RMSNorm scales by `1 + w`), exact because the kit draws `1 + w` first.
+//! GGUF `ne` lists dimensions innermost first, so an HF weight of
+//! shape `[out, in]` has `ne = [in, out]`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::gguf_writer::{GgufValue, GgufWriter};
+use crate::quants::{dequantize, quantize, GgmlType};
+use crate::rng::SplitMix64;
+use crate::tokenizer::{PreTokenizer, TinyTokenizer, CHATML_TEMPLATE};
+use crate::TestkitError;
+
+/// Model architecture of a tiny model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Arch {
+    /// Llama (SmolLM-like tokenizer pre type `smollm`), no attention biases.
+    Llama,
+    /// Qwen2: q/k/v biases, tokenizer pre type `qwen2`.
+    Qwen2,
+    /// Gemma 3 (text): q/k norms, post-attention and post-FFN norms, `(1 + w)` RMSNorm
+    /// weights in HF (GGUF stores `w + 1`), embeddings scaled by `sqrt(hidden)`, GELU (tanh)
+    /// FFN, sliding-window layers with their own RoPE base. Tokenizer pre type `smollm`.
+    Gemma3,
+}
+
+impl Arch {
+    /// `general.architecture` and the prefix of the hyperparameter keys.
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+
+    /// `architectures[0]` in `config.json`.
+    pub fn hf_architecture(self) -> &'static str {
+        match self {
+            Arch::Llama => "LlamaForCausalLM",
+            Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Gemma3 => "Gemma3ForCausalLM",
+        }
+    }
+
+    /// `model_type` in `config.json`.
+    pub fn hf_model_type(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Gemma3 => "gemma3_text",
+        }
+    }
+
+    /// Whether q, k and v projections carry biases.
+    pub fn has_qkv_bias(self) -> bool {
+        matches!(self, Arch::Qwen2)
+    }
+
+    /// Whether GGUF stores q/k rows permuted relative to HF.
+    pub fn permutes_qk(self) -> bool {
+        matches!(self, Arch::Llama)
+    }
+
+    /// The tokenizer's pre-tokenizer for this architecture.
+    pub fn pre_tokenizer(self) -> PreTokenizer {
+        match self {
+            Arch::Llama | Arch::Gemma3 => PreTokenizer::Smollm,
+            Arch::Qwen2 => PreTokenizer::Qwen2,
+        }
+    }
+}
+
+/// Element type of the tensors in `model.safetensors`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SafetensorsDtype {
+    /// `F32` (`torch_dtype` `float32`): exactly the model's values.
+    F32,
+    /// `F16` (`float16`): values rounded to nearest half.
+    F16,
+    /// `BF16` (`bfloat16`): values rounded to nearest bfloat16.
+    BF16,
+}
+
+impl SafetensorsDtype {
+    /// The `torch_dtype` string.
+    pub fn torch_dtype(self) -> &'static str {
+        match self {
+            SafetensorsDtype::F32 => "float32",
+            SafetensorsDtype::F16 => "float16",
+            SafetensorsDtype::BF16 => "bfloat16",
+        }
+    }
+
+    fn st(self) -> safetensors::Dtype {
+        match self {
+            SafetensorsDtype::F32 => safetensors::Dtype::F32,
+            SafetensorsDtype::F16 => safetensors::Dtype::F16,
+            SafetensorsDtype::BF16 => safetensors::Dtype::BF16,
+        }
+    }
+
+    /// Encodes values little-endian in this type.
+    pub fn encode(self, data: &[f32]) -> Vec<u8> {
+        match self {
+            SafetensorsDtype::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            SafetensorsDtype::F16 => data
+                .iter()
+                .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+                .collect(),
+            SafetensorsDtype::BF16 => data
+                .iter()
+                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+        }
+    }
+}
+
+/// Hyperparameters and seed of a tiny model. Start from [`TinyModelSpec::llama`] or
+/// [`TinyModelSpec::qwen2`] and change fields as needed; [`TinyModelSpec::build`] checks them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TinyModelSpec {
+    /// Architecture.
+    pub arch: Arch,
+    /// Seed of the weights.
+    pub seed: u64,
+    /// `general.name` and the HF folder's name.
+    pub name: String,
+    /// Vocabulary size (rows of the embedding); at least the tokenizer's 297 tokens.
+    pub vocab_size: usize,
+    /// Hidden size; a multiple of 32 (of 256 when `snap_to` is a K-quant).
+    pub hidden_size: usize,
+    /// Attention heads.
+    pub n_head: usize,
+    /// Key/value heads; divides `n_head`.
+    pub n_kv_head: usize,
+    /// Per-head dimension; even, and `n_head * head_dim` a multiple of 32.
+    pub head_dim: usize,
+    /// FFN inner size; a multiple of 32 (of 256 when `snap_to` is a K-quant).
+    pub ffn_size: usize,
+    /// Number of transformer blocks.
+    pub n_layers: usize,
+    /// RMSNorm epsilon.
+    pub rms_eps: f32,
+    /// RoPE base frequency.
+    pub rope_theta: f32,
+    /// Context length (`context_length` / `max_position_embeddings`).
+    pub context_length: usize,
+    /// Output head shares the token embedding (no `output.weight` / `lm_head.weight`).
+    pub tied_embeddings: bool,
+    /// Every 2-D weight is made exactly representable in this type.
+    pub snap_to: GgmlType,
+    /// Gemma 3 only: sliding-window size of the local layers (a query at position `t` sees
+    /// keys at `u` with `t - u < sliding_window`).
+    pub sliding_window: usize,
+    /// Gemma 3 only: every `sliding_window_pattern`-th layer (1-based) is global, the others
+    /// local (`sliding_window_pattern` in GGUF and `config.json`).
+    pub sliding_window_pattern: usize,
+    /// Gemma 3 only: RoPE base of the local layers (`rope.freq_base_swa`,
+    /// `rope_local_base_freq`).
+    pub rope_local_theta: f32,
+}
+
+impl TinyModelSpec {
+    /// A 2-layer Llama: vocab 320, hidden 64, 4 heads, 2 KV heads, head_dim 16, FFN 128,
+    /// eps 1e-5, rope theta 10000, context 256, untied output, weights snapped to F32.
+    pub fn llama(seed: u64) -> Self {
+        TinyModelSpec {
+            arch: Arch::Llama,
+            seed,
+            name: "tiny-llama".to_string(),
+            vocab_size: 320,
+            hidden_size: 64,
+            n_head: 4,
+            n_kv_head: 2,
+            head_dim: 16,
+            ffn_size: 128,
+            n_layers: 2,
+            rms_eps: 1e-5,
+            rope_theta: 10000.0,
+            context_length: 256,
+            tied_embeddings: false,
+            snap_to: GgmlType::F32,
+            sliding_window: 256,
+            sliding_window_pattern: 1,
+            rope_local_theta: 10000.0,
+        }
+    }
+
+    /// The same shapes as [`TinyModelSpec::llama`] for Qwen2: eps 1e-6, rope theta 1e6,
+    /// q/k/v biases, tied output.
+    pub fn qwen2(seed: u64) -> Self {
+        TinyModelSpec {
+            arch: Arch::Qwen2,
+            name: "tiny-qwen2".to_string(),
+            rms_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            tied_embeddings: true,
+            ..Self::llama(seed)
+        }
+    }
+
+    /// The same shapes as [`TinyModelSpec::llama`] for Gemma 3: eps 1e-6, rope theta 1e6
+    /// (global layers) and 1e4 (local layers), sliding window 4, pattern 2 (layer 0 local,
+    /// layer 1 global), tied output.
+    pub fn gemma3(seed: u64) -> Self {
+        TinyModelSpec {
+            arch: Arch::Gemma3,
+            name: "tiny-gemma3".to_string(),
+            rms_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            tied_embeddings: true,
+            sliding_window: 4,
+            sliding_window_pattern: 2,
+            rope_local_theta: 10000.0,
+            ..Self::llama(seed)
+        }
+    }
+
+    /// Whether layer `il` is a local (sliding-window) layer: Gemma 3 only,
+    /// `il % pattern < pattern - 1`.
+    pub fn is_local_layer(&self, il: usize) -> bool {
+        self.arch == Arch::Gemma3
+            && self.sliding_window_pattern > 0
+            && il % self.sliding_window_pattern < self.sliding_window_pattern - 1
+    }
+
+    /// This spec with `snap_to` set.
+    pub fn snapped_to(mut self, ty: GgmlType) -> Self {
+        self.snap_to = ty;
+        self
+    }
+
+    /// This spec widened so every row is a whole number of 256-element K-quant blocks:
+    /// hidden 256, FFN 512, head_dim 64 (4 heads, 2 KV heads kept).
+    pub fn k_quant_shapes(mut self) -> Self {
+        self.hidden_size = 256;
+        self.ffn_size = 512;
+        self.head_dim = 64;
+        self.n_head = 4;
+        self
+    }
+
+    /// This spec with `tied_embeddings` set.
+    pub fn tied(mut self, tied: bool) -> Self {
+        self.tied_embeddings = tied;
+        self
+    }
+
+    /// Checks the constraints listed on each field.
+    pub fn validate(&self) -> Result<(), TestkitError> {
+        let bad = |m: String| Err(TestkitError::InvalidSpec(m));
+        let tok = TinyTokenizer::new();
+        if self.vocab_size < tok.len() {
+            return bad(format!(
+                "vocab_size {} is below the tokenizer's {} tokens",
+                self.vocab_size,
+                tok.len()
+            ));
+        }
+        let block = self.snap_to.block_size().max(32);
+        for (what, v) in [
+            ("hidden_size", self.hidden_size),
+            ("ffn_size", self.ffn_size),
+            ("n_head * head_dim", self.n_head * self.head_dim),
+        ] {
+            if v == 0 || !v.is_multiple_of(block) {
+                return bad(format!(
+                    "{what} = {v} must be a positive multiple of {block} (quant blocks of {:?} run along rows)",
+                    self.snap_to
+                ));
+            }
+        }
+        if self.n_kv_head == 0 || !self.n_head.is_multiple_of(self.n_kv_head) {
+            return bad(format!(
+                "n_kv_head {} must divide n_head {}",
+                self.n_kv_head, self.n_head
+            ));
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return bad(format!("head_dim {} must be even", self.head_dim));
+        }
+        if self.arch == Arch::Gemma3
+            && (self.sliding_window == 0 || self.sliding_window_pattern == 0)
+        {
+            return bad("gemma3 needs sliding_window and sliding_window_pattern > 0".to_string());
+        }
+        if self.n_layers == 0 || self.context_length == 0 {
+            return bad("n_layers and context_length must be positive".to_string());
+        }
+        Ok(())
+    }
+
+    /// Generates the weights.
+    pub fn build(&self) -> Result<TinyModel, TestkitError> {
+        TinyModel::new(self.clone())
+    }
+}
+
+/// One weight: row-major `f32` values and their HF shape (outermost first).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Weight {
+    /// Shape, outermost first (`[out, in]` for a linear weight).
+    pub shape: Vec<usize>,
+    /// Values, row-major.
+    pub data: Vec<f32>,
+}
+
+impl Weight {
+    /// GGUF `ne` (innermost first).
+    pub fn ne(&self) -> Vec<u64> {
+        self.shape.iter().rev().map(|d| *d as u64).collect()
+    }
+}
+
+/// A generated tiny model; see the module docs.
+#[derive(Debug, Clone)]
+pub struct TinyModel {
+    spec: TinyModelSpec,
+    tokenizer: TinyTokenizer,
+    weights: BTreeMap<String, Weight>,
+    /// For a quantized `snap_to`: the encoded blocks of each 2-D weight (HF row order), so the
+    /// GGUF gets exactly the blocks the values came from (re-quantizing is not always exact).
+    encoded: BTreeMap<String, Vec<u8>>,
+}
+
+/// Stable per-tensor seed (FNV-1a of the name mixed with the model seed).
+fn tensor_seed(seed: u64, name: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+impl TinyModel {
+    /// Generates the model described by `spec`.
+    pub fn new(spec: TinyModelSpec) -> Result<Self, TestkitError> {
+        spec.validate()?;
+        let s = &spec;
+        let h = s.hidden_size;
+        let q_out = s.n_head * s.head_dim;
+        let kv_out = s.n_kv_head * s.head_dim;
+        let mut weights = BTreeMap::new();
+        let mut encoded = BTreeMap::new();
+        let mut add = |name: String, shape: Vec<usize>, mean: f32, std: f32| {
+            let n: usize = shape.iter().product();
+            let mut rng = SplitMix64::new(tensor_seed(s.seed, &name));
+            let mut data: Vec<f32> = (0..n).map(|_| mean + std * rng.normal()).collect();
+            if shape.len() == 2 && s.snap_to != GgmlType::F32 {
+                let bytes = quantize(s.snap_to, &data).expect("rows are whole blocks");
+                data = dequantize(s.snap_to, &bytes, n).expect("whole blocks");
+                if s.snap_to.is_quantized() {
+                    encoded.insert(name.clone(), bytes);
+                }
+            }
+            if s.arch == Arch::Gemma3 && name.ends_with("norm.weight") {
+                // HF holds w with the norm scaling by (1 + w); draw 1 + w and subtract 1
+                // (exact for values in [0.5, 2]) so GGUF's w + 1 is exact too.
+                for v in &mut data {
+                    let w = *v - 1.0;
+                    assert_eq!(w + 1.0, *v, "norm weight out of the exact range");
+                    *v = w;
+                }
+            }
+            weights.insert(name, Weight { shape, data });
+        };
+        add(
+            "model.embed_tokens.weight".into(),
+            vec![s.vocab_size, h],
+            0.0,
+            0.2,
+        );
+        for l in 0..s.n_layers {
+            let p = format!("model.layers.{l}");
+            add(format!("{p}.input_layernorm.weight"), vec![h], 1.0, 0.05);
+            add(
+                format!("{p}.self_attn.q_proj.weight"),
+                vec![q_out, h],
+                0.0,
+                0.08,
+            );
+            add(
+                format!("{p}.self_attn.k_proj.weight"),
+                vec![kv_out, h],
+                0.0,
+                0.08,
+            );
+            add(
+                format!("{p}.self_attn.v_proj.weight"),
+                vec![kv_out, h],
+                0.0,
+                0.08,
+            );
+            if s.arch == Arch::Gemma3 {
+                add(
+                    format!("{p}.self_attn.q_norm.weight"),
+                    vec![s.head_dim],
+                    1.0,
+                    0.05,
+                );
+                add(
+                    format!("{p}.self_attn.k_norm.weight"),
+                    vec![s.head_dim],
+                    1.0,
+                    0.05,
+                );
+            }
+            if s.arch.has_qkv_bias() {
+                add(format!("{p}.self_attn.q_proj.bias"), vec![q_out], 0.0, 0.1);
+                add(format!("{p}.self_attn.k_proj.bias"), vec![kv_out], 0.0, 0.1);
+                add(format!("{p}.self_attn.v_proj.bias"), vec![kv_out], 0.0, 0.1);
+            }
+            add(
+                format!("{p}.self_attn.o_proj.weight"),
+                vec![h, q_out],
+                0.0,
+                0.08,
+            );
+            add(
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![h],
+                1.0,
+                0.05,
+            );
+            if s.arch == Arch::Gemma3 {
+                add(
+                    format!("{p}.pre_feedforward_layernorm.weight"),
+                    vec![h],
+                    1.0,
+                    0.05,
+                );
+                add(
+                    format!("{p}.post_feedforward_layernorm.weight"),
+                    vec![h],
+                    1.0,
+                    0.05,
+                );
+            }
+            add(
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![s.ffn_size, h],
+                0.0,
+                0.08,
+            );
+            add(
+                format!("{p}.mlp.up_proj.weight"),
+                vec![s.ffn_size, h],
+                0.0,
+                0.08,
+            );
+            add(
+                format!("{p}.mlp.down_proj.weight"),
+                vec![h, s.ffn_size],
+                0.0,
+                0.06,
+            );
+        }
+        add("model.norm.weight".into(), vec![h], 1.0, 0.05);
+        if !s.tied_embeddings {
+            add("lm_head.weight".into(), vec![s.vocab_size, h], 0.0, 0.15);
+        }
+        Ok(TinyModel {
+            spec,
+            tokenizer: TinyTokenizer::new(),
+            weights,
+            encoded,
+        })
+    }
+
+    /// The spec this model was built from.
+    pub fn spec(&self) -> &TinyModelSpec {
+        &self.spec
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &TinyTokenizer {
+        &self.tokenizer
+    }
+
+    /// Every weight by HF name, in HF layout (q/k not permuted).
+    pub fn weights(&self) -> &BTreeMap<String, Weight> {
+        &self.weights
+    }
+
+    /// One weight by HF name.
+    pub fn weight(&self, hf_name: &str) -> Option<&Weight> {
+        self.weights.get(hf_name)
+    }
+
+    /// Mutable weights, for tests that plant known values (keep shapes, and keep 2-D values
+    /// representable in `snap_to` if the GGUF must match the safetensors).
+    pub fn weights_mut(&mut self) -> &mut BTreeMap<String, Weight> {
+        &mut self.weights
+    }
+
+    /// The GGUF name of an HF tensor name of this model's architecture, if it is one.
+    pub fn gguf_name(&self, hf_name: &str) -> Option<String> {
+        gguf_name_for(self.spec.arch, hf_name)
+    }
+
+    /// The weights as GGUF holds them before encoding: GGUF names, in file order, q/k rows
+    /// permuted for `llama`, Gemma 3 norm weights stored as `w + 1`. Shapes stay outermost-first
+    /// (`Weight::ne` gives GGUF's order).
+    pub fn gguf_weights(&self) -> Vec<(String, Weight)> {
+        let mut order: Vec<&String> = self.weights.keys().collect();
+        order.sort_by_key(|n| gguf_order_key(n));
+        order
+            .into_iter()
+            .map(|hf| {
+                let w = &self.weights[hf];
+                let name = self.gguf_name(hf).expect("every weight has a GGUF name");
+                let mut w = match self.qk_heads(hf) {
+                    Some(n_head) => permute_rows(w, n_head),
+                    None => w.clone(),
+                };
+                if self.spec.arch == Arch::Gemma3 && hf.ends_with("norm.weight") {
+                    // the converter stores Gemma's (1 + w) norm weights as w + 1
+                    w.data.iter_mut().for_each(|v| *v += 1.0);
+                }
+                (name, w)
+            })
+            .collect()
+    }
+
+    /// The head count whose permutation GGUF applies to this HF tensor's rows, if any.
+    fn qk_heads(&self, hf: &str) -> Option<usize> {
+        if !self.spec.arch.permutes_qk() {
+            None
+        } else if hf.ends_with("q_proj.weight") {
+            Some(self.spec.n_head)
+        } else if hf.ends_with("k_proj.weight") {
+            Some(self.spec.n_kv_head)
+        } else {
+            None
+        }
+    }
+
+    /// The blocks the snapped values of GGUF tensor `gguf` came from, in GGUF row order, if
+    /// the model still holds exactly those values.
+    fn snapped_blocks(&self, gguf: &str, weight: &Weight, ty: GgmlType) -> Option<Vec<u8>> {
+        if ty != self.spec.snap_to {
+            return None;
+        }
+        let hf = self
+            .weights
+            .keys()
+            .find(|hf| self.gguf_name(hf).as_deref() == Some(gguf))?;
+        let bytes = self.encoded.get(hf)?;
+        let rows = weight.shape[0];
+        let row_bytes = bytes.len() / rows;
+        let bytes = match self.qk_heads(hf) {
+            Some(n_head) => permute_row_chunks(bytes, row_bytes, n_head),
+            None => bytes.clone(),
+        };
+        let values = dequantize(ty, &bytes, weight.data.len()).ok()?;
+        let same = values
+            .iter()
+            .zip(&weight.data)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        same.then_some(bytes)
+    }
+
+    /// `general.file_type` (llama_ftype) for a GGUF whose 2-D weights are `ty`.
+    fn file_type(ty: GgmlType) -> u32 {
+        match ty {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q8_0 => 7,
+            GgmlType::Q4_K => 15, // MOSTLY_Q4_K_M
+            GgmlType::Q6_K => 18,
+            GgmlType::BF16 => 32,
+        }
+    }
+
+    /// A [`GgufWriter`] loaded with this model (metadata, tokenizer, tensors) with 2-D weights
+    /// in `ty`, for tests that want to alter it before writing.
+    pub fn gguf_writer(&self, ty: GgmlType) -> Result<GgufWriter, TestkitError> {
+        self.gguf_writer_mixed(ty, |_, _| ty)
+    }
+
+    /// Like [`TinyModel::gguf_writer`] but `choose(gguf_name, weight)` picks the type of each
+    /// 2-D weight (a mix like llama.cpp's `Q4_K_M`, which keeps some tensors in `Q6_K`);
+    /// `file_type` sets `general.file_type`. 1-D tensors stay F32.
+    pub fn gguf_writer_mixed(
+        &self,
+        file_type: GgmlType,
+        choose: impl Fn(&str, &Weight) -> GgmlType,
+    ) -> Result<GgufWriter, TestkitError> {
+        let ty = file_type;
+        let s = &self.spec;
+        let a = s.arch.gguf_name();
+        let mut w = GgufWriter::new();
+        w.add_kv("general.architecture", a)
+            .add_kv("general.name", s.name.as_str())
+            .add_kv("general.file_type", Self::file_type(ty));
+        if ty.is_quantized() {
+            w.add_kv("general.quantization_version", 2u32);
+        }
+        w.add_kv(format!("{a}.block_count"), s.n_layers as u32)
+            .add_kv(format!("{a}.context_length"), s.context_length as u32)
+            .add_kv(format!("{a}.embedding_length"), s.hidden_size as u32)
+            .add_kv(format!("{a}.feed_forward_length"), s.ffn_size as u32)
+            .add_kv(format!("{a}.attention.head_count"), s.n_head as u32)
+            .add_kv(format!("{a}.attention.head_count_kv"), s.n_kv_head as u32)
+            .add_kv(format!("{a}.attention.layer_norm_rms_epsilon"), s.rms_eps)
+            .add_kv(format!("{a}.rope.freq_base"), s.rope_theta)
+            .add_kv(format!("{a}.rope.dimension_count"), s.head_dim as u32)
+            .add_kv(format!("{a}.vocab_size"), s.vocab_size as u32);
+        if s.head_dim * s.n_head != s.hidden_size || s.arch == Arch::Gemma3 {
+            w.add_kv(format!("{a}.attention.key_length"), s.head_dim as u32)
+                .add_kv(format!("{a}.attention.value_length"), s.head_dim as u32);
+        }
+        if s.arch == Arch::Gemma3 {
+            w.add_kv(
+                format!("{a}.attention.sliding_window"),
+                s.sliding_window as u32,
+            )
+            .add_kv(
+                format!("{a}.attention.sliding_window_pattern"),
+                s.sliding_window_pattern as u32,
+            )
+            .add_kv(format!("{a}.rope.freq_base_swa"), s.rope_local_theta);
+        }
+        let tok = &self.tokenizer;
+        let (tokens, types) = tok.gguf_tokens(s.vocab_size);
+        w.add_kv("tokenizer.ggml.model", "gpt2")
+            .add_kv("tokenizer.ggml.pre", s.arch.pre_tokenizer().gguf_name())
+            .add_kv("tokenizer.ggml.tokens", GgufValue::strings(tokens))
+            .add_kv("tokenizer.ggml.token_type", GgufValue::i32s(types))
+            .add_kv(
+                "tokenizer.ggml.merges",
+                GgufValue::strings(tok.gguf_merges()),
+            )
+            .add_kv("tokenizer.ggml.bos_token_id", tok.bos_id())
+            .add_kv("tokenizer.ggml.eos_token_id", tok.eos_id())
+            .add_kv("tokenizer.ggml.padding_token_id", tok.bos_id())
+            .add_kv("tokenizer.ggml.add_bos_token", false)
+            .add_kv("tokenizer.chat_template", CHATML_TEMPLATE);
+        for (name, weight) in self.gguf_weights() {
+            let t = if weight.shape.len() == 1 {
+                GgmlType::F32
+            } else {
+                choose(&name, &weight)
+            };
+            match self.snapped_blocks(&name, &weight, t) {
+                Some(bytes) => w.add_tensor_bytes(name, &weight.ne(), t, bytes)?,
+                None => w.add_tensor(name, &weight.ne(), t, &weight.data)?,
+            };
+        }
+        Ok(w)
+    }
+
+    /// Writes the GGUF file (2-D weights as `ty`, 1-D as F32). Its values equal the
+    /// safetensors' F32 values when `ty` is F32 or the spec's `snap_to`.
+    pub fn write_gguf(&self, path: impl AsRef<Path>, ty: GgmlType) -> Result<(), TestkitError> {
+        self.gguf_writer(ty)?.write_to(path)
+    }
+
+    /// `config.json`.
+    pub fn config_json(&self, dtype: SafetensorsDtype) -> Value {
+        let s = &self.spec;
+        let tok = &self.tokenizer;
+        let mut c = json!({
+            "architectures": [s.arch.hf_architecture()],
+            "model_type": s.arch.hf_model_type(),
+            "hidden_size": s.hidden_size,
+            "intermediate_size": s.ffn_size,
+            "num_hidden_layers": s.n_layers,
+            "num_attention_heads": s.n_head,
+            "num_key_value_heads": s.n_kv_head,
+            "head_dim": s.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": s.rms_eps,
+            "rope_theta": s.rope_theta,
+            "rope_scaling": null,
+            "vocab_size": s.vocab_size,
+            "max_position_embeddings": s.context_length,
+            "tie_word_embeddings": s.tied_embeddings,
+            "bos_token_id": tok.bos_id(),
+            "eos_token_id": tok.eos_id(),
+            "torch_dtype": dtype.torch_dtype(),
+            "use_cache": true,
+            "initializer_range": 0.02,
+            "transformers_version": "4.45.0"
+        });
+        let obj = c.as_object_mut().expect("object");
+        match s.arch {
+            Arch::Llama => {
+                obj.insert("attention_bias".into(), json!(false));
+                obj.insert("mlp_bias".into(), json!(false));
+                obj.insert("attention_dropout".into(), json!(0.0));
+                obj.insert("pretraining_tp".into(), json!(1));
+            }
+            Arch::Qwen2 => {
+                obj.insert("use_sliding_window".into(), json!(false));
+                obj.insert("sliding_window".into(), json!(s.context_length));
+                obj.insert("max_window_layers".into(), json!(s.n_layers));
+                obj.insert("attention_dropout".into(), json!(0.0));
+            }
+            Arch::Gemma3 => {
+                let layer_types: Vec<&str> = (0..s.n_layers)
+                    .map(|il| {
+                        if s.is_local_layer(il) {
+                            "sliding_attention"
+                        } else {
+                            "full_attention"
+                        }
+                    })
+                    .collect();
+                obj.remove("hidden_act");
+                obj.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+                obj.insert("query_pre_attn_scalar".into(), json!(s.head_dim));
+                obj.insert("sliding_window".into(), json!(s.sliding_window));
+                obj.insert(
+                    "sliding_window_pattern".into(),
+                    json!(s.sliding_window_pattern),
+                );
+                obj.insert("layer_types".into(), json!(layer_types));
+                obj.insert("rope_local_base_freq".into(), json!(s.rope_local_theta));
+                obj.insert("final_logit_softcapping".into(), Value::Null);
+                obj.insert("attn_logit_softcapping".into(), Value::Null);
+                obj.insert("attention_bias".into(), json!(false));
+                obj.insert("attention_dropout".into(), json!(0.0));
+            }
+        }
+        c
+    }
+
+    /// `model.safetensors` bytes (HF names and layout, every tensor in `dtype`).
+    pub fn safetensors_bytes(&self, dtype: SafetensorsDtype) -> Result<Vec<u8>, TestkitError> {
+        let encoded: Vec<(String, Vec<usize>, Vec<u8>)> = self
+            .weights
+            .iter()
+            .map(|(n, w)| (n.clone(), w.shape.clone(), dtype.encode(&w.data)))
+            .collect();
+        let mut views = Vec::with_capacity(encoded.len());
+        for (n, shape, bytes) in &encoded {
+            let v = safetensors::tensor::TensorView::new(dtype.st(), shape.clone(), bytes)
+                .map_err(|e| TestkitError::Safetensors(format!("{n}: {e}")))?;
+            views.push((n.clone(), v));
+        }
+        let mut meta = std::collections::HashMap::new();
+        meta.insert("format".to_string(), "pt".to_string());
+        safetensors::serialize(views, Some(meta))
+            .map_err(|e| TestkitError::Safetensors(e.to_string()))
+    }
+
+    /// Every file of the HF folder, by file name, as bytes.
+    pub fn hf_files(
+        &self,
+        dtype: SafetensorsDtype,
+    ) -> Result<Vec<(&'static str, Vec<u8>)>, TestkitError> {
+        let tok = &self.tokenizer;
+        let pretty = |v: &Value| serde_json::to_vec_pretty(v).expect("json");
+        let generation = json!({
+            "bos_token_id": tok.bos_id(),
+            "eos_token_id": tok.eos_id(),
+            "transformers_version": "4.45.0"
+        });
+        Ok(vec![
+            ("config.json", pretty(&self.config_json(dtype))),
+            ("generation_config.json", pretty(&generation)),
+            ("model.safetensors", self.safetensors_bytes(dtype)?),
+            (
+                "tokenizer.json",
+                pretty(&tok.tokenizer_json(self.spec.arch.pre_tokenizer())),
+            ),
+            (
+                "tokenizer_config.json",
+                pretty(&tok.tokenizer_config_json(self.spec.context_length)),
+            ),
+            (
+                "special_tokens_map.json",
+                pretty(&tok.special_tokens_map_json()),
+            ),
+        ])
+    }
+
+    /// Writes the HF folder into `dir` (created if missing): `config.json`,
+    /// `generation_config.json`, `model.safetensors`, `tokenizer.json`,
+    /// `tokenizer_config.json`, `special_tokens_map.json`.
+    pub fn write_safetensors_dir(
+        &self,
+        dir: impl AsRef<Path>,
+        dtype: SafetensorsDtype,
+    ) -> Result<(), TestkitError> {
+        let dir = dir.as_ref();
+        create_dir(dir)?;
+        for (name, bytes) in self.hf_files(dtype)? {
+            write_file(&dir.join(name), &bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Lays the HF folder out as the Hugging Face Hub cache does and returns the snapshot
+    /// folder: `<root>/models--ORG--NAME/blobs/<sha256>` holds each file,
+    /// `snapshots/<commit>/<file>` is a relative symlink to `../../blobs/<sha256>` (a copy on
+    /// systems without symlinks), and `refs/main` holds the 40-hex `<commit>`, which is
+    /// derived from the contents. `repo_id` is `"ORG/NAME"`.
+    pub fn write_hf_cache(
+        &self,
+        root: impl AsRef<Path>,
+        repo_id: &str,
+        dtype: SafetensorsDtype,
+    ) -> Result<PathBuf, TestkitError> {
+        let repo = root
+            .as_ref()
+            .join(format!("models--{}", repo_id.replace('/', "--")));
+        let files = self.hf_files(dtype)?;
+        let mut commit = Sha256::new();
+        let mut blobs = Vec::new();
+        for (name, bytes) in &files {
+            let h = hex(&Sha256::digest(bytes));
+            commit.update(name.as_bytes());
+            commit.update(h.as_bytes());
+            blobs.push((*name, h));
+        }
+        let commit = hex(&commit.finalize())[..40].to_string();
+        create_dir(&repo.join("blobs"))?;
+        create_dir(&repo.join("refs"))?;
+        let snap = repo.join("snapshots").join(&commit);
+        create_dir(&snap)?;
+        for ((name, bytes), (_, h)) in files.iter().zip(&blobs) {
+            write_file(&repo.join("blobs").join(h), bytes)?;
+            let link = snap.join(name);
+            if link.symlink_metadata().is_ok() {
+                std::fs::remove_file(&link).map_err(|source| TestkitError::Io {
+                    path: link.clone(),
+                    source,
+                })?;
+            }
+            link_or_copy(&Path::new("../../blobs").join(h), &link, bytes)?;
+        }
+        write_file(&repo.join("refs").join("main"), commit.as_bytes())?;
+        Ok(snap)
+    }
+}
+
+/// The GGUF name of HF tensor `hf_name` in architecture `arch` (llama.cpp converter names).
+pub fn gguf_name_for(arch: Arch, hf_name: &str) -> Option<String> {
+    match hf_name {
+        "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
+        "model.norm.weight" => return Some("output_norm.weight".into()),
+        "lm_head.weight" => return Some("output.weight".into()),
+        _ => {}
+    }
+    let rest = hf_name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let gemma = arch == Arch::Gemma3;
+    let part = match rest {
+        "input_layernorm.weight" => "attn_norm.weight",
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.q_proj.bias" => "attn_q.bias",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.k_proj.bias" => "attn_k.bias",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.v_proj.bias" => "attn_v.bias",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "self_attn.q_norm.weight" if gemma => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" if gemma => "attn_k_norm.weight",
+        "post_attention_layernorm.weight" if gemma => "post_attention_norm.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        "pre_feedforward_layernorm.weight" if gemma => "ffn_norm.weight",
+        "post_feedforward_layernorm.weight" if gemma => "post_ffw_norm.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{part}"))
+}
+
+/// Sort key placing tensors as llama.cpp files usually have them: embedding, blocks in
+/// order, then output norm and head.
+fn gguf_order_key(hf: &str) -> (usize, usize, usize) {
+    const PARTS: [&str; 17] = [
+        "input_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.q_proj.bias",
+        "self_attn.q_norm.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.k_proj.bias",
+        "self_attn.k_norm.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.v_proj.bias",
+        "self_attn.o_proj.weight",
+        "post_attention_layernorm.weight",
+        "pre_feedforward_layernorm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "post_feedforward_layernorm.weight",
+        "",
+    ];
+    match hf {
+        "model.embed_tokens.weight" => (0, 0, 0),
+        "model.norm.weight" => (2, 0, 0),
+        "lm_head.weight" => (3, 0, 0),
+        _ => {
+            let rest = hf.strip_prefix("model.layers.").unwrap_or(hf);
+            let (l, part) = rest.split_once('.').unwrap_or((rest, ""));
+            let l = l.parse().unwrap_or(usize::MAX);
+            let p = PARTS.iter().position(|x| *x == part).unwrap_or(PARTS.len());
+            (1, l, p)
+        }
+    }
+}
+
+/// llama.cpp's converter permutation of q/k rows: rows seen as `(n_head, 2, head_dim/2)` with
+/// the last two axes swapped, i.e. new row `h*hd + 2i + j` = old row `h*hd + j*hd/2 + i`.
+pub fn permute_rows(w: &Weight, n_head: usize) -> Weight {
+    let cols: usize = w.shape[1..].iter().product();
+    Weight {
+        shape: w.shape.clone(),
+        data: permute_row_chunks(&w.data, cols, n_head),
+    }
+}
+
+/// The inverse of [`permute_rows`] (GGUF layout back to HF layout).
+pub fn unpermute_rows(w: &Weight, n_head: usize) -> Weight {
+    let cols: usize = w.shape[1..].iter().product();
+    Weight {
+        shape: w.shape.clone(),
+        data: move_row_chunks(&w.data, cols, n_head, false),
+    }
+}
+
+/// [`permute_rows`] on any row-major data with rows of `row_len` items (e.g. the encoded
+/// blocks of a quantized weight, one run of blocks per row).
+pub fn permute_row_chunks<T: Copy>(data: &[T], row_len: usize, n_head: usize) -> Vec<T> {
+    move_row_chunks(data, row_len, n_head, true)
+}
+
+fn move_row_chunks<T: Copy>(data: &[T], row_len: usize, n_head: usize, forward: bool) -> Vec<T> {
+    let rows = data.len() / row_len;
+    let hd = rows / n_head;
+    let half = hd / 2;
+    let mut out = data.to_vec();
+    for h in 0..n_head {
+        for i in 0..half {
+            for j in 0..2 {
+                let gguf = h * hd + 2 * i + j;
+                let hf = h * hd + j * half + i;
+                let (dst, src) = if forward { (gguf, hf) } else { (hf, gguf) };
+                out[dst * row_len..(dst + 1) * row_len]
+                    .copy_from_slice(&data[src * row_len..(src + 1) * row_len]);
+            }
+        }
+    }
+    out
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn create_dir(dir: &Path) -> Result<(), TestkitError> {
+    std::fs::create_dir_all(dir).map_err(|source| TestkitError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<(), TestkitError> {
+    std::fs::write(path, bytes).map_err(|source| TestkitError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+#[cfg(unix)]
+fn link_or_copy(target: &Path, link: &Path, _bytes: &[u8]) -> Result<(), TestkitError> {
+    std::os::unix::fs::symlink(target, link).map_err(|source| TestkitError::Io {
+        path: link.to_path_buf(),
+        source,
+    })
+}
+
+#[cfg(not(unix))]
+fn link_or_copy(_target: &Path, link: &Path, bytes: &[u8]) -> Result<(), TestkitError> {
+    write_file(link, bytes)
+}
