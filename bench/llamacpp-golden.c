@@ -41,6 +41,8 @@ int main(int argc, char **argv) {
         cp.n_batch = 1024;
         cp.n_threads = 1;
         cp.n_threads_batch = 1;
+        if (getenv("GOLDEN_KV_F32")) { cp.type_k = GGML_TYPE_F32; cp.type_v = GGML_TYPE_F32; }
+        if (getenv("GOLDEN_NO_FA")) cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
         struct llama_context *ctx = llama_init_from_model(model, cp);
         llama_token toks[1024];
         int n = llama_tokenize(vocab, argv[p], (int)strlen(argv[p]), toks, 1024, true, false);
