@@ -434,7 +434,7 @@ impl Tokenizer {
             };
             let Some(id) = v.as_i64() else {
                 return Err(GgufError::Metadata {
-                    path: String::new(),
+                    path: md.path.clone(),
                     key: key.into(),
                     problem: format!("expected an integer, found {}", v.type_name()),
                 }

@@ -124,6 +124,13 @@ fn spm() -> Tokenizer {
 }
 
 #[test]
+fn shareable_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+    assert_send_sync::<StreamDecoder>();
+}
+
+#[test]
 fn bpe_merges_by_rank() {
     let t = bpe();
     let id = |p: &str| t.token_id(p).expect(p);
