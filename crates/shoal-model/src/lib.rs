@@ -7,3 +7,4 @@ pub mod catalog;
 pub mod chat_template;
 pub mod gguf;
 pub mod source;
+pub mod tokenizer;
