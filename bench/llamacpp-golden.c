@@ -45,7 +45,7 @@ int main(int argc, char **argv) {
         if (getenv("GOLDEN_NO_FA")) cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
         struct llama_context *ctx = llama_init_from_model(model, cp);
         llama_token toks[1024];
-        int n = llama_tokenize(vocab, argv[p], (int)strlen(argv[p]), toks, 1024, true, false);
+        int n = llama_tokenize(vocab, argv[p], (int)strlen(argv[p]), toks, 1024, true, getenv("GOLDEN_PARSE_SPECIAL") != NULL);
         if (n < 0) { fprintf(stderr, "prompt too long\n"); return 1; }
         printf("{\"prompt\":");
         json_string(argv[p]);

@@ -10,6 +10,7 @@ mod error;
 pub mod generate;
 pub mod kv_cache;
 pub mod layers;
+pub mod model;
 pub mod sampler;
 pub mod transformer;
 pub mod weights;

@@ -1,1 +1,83 @@
-fn main() {}
+//! The `shoal` command line: the glue between the library crates and a user. Each
+//! subcommand lives in its own module; this file parses arguments, sets up logging and the
+//! compute thread pool, and turns errors into a message and an exit code.
+
+mod bench;
+mod chat;
+mod models;
+mod run;
+
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+/// shoal: turn the computers you already own into one LLM server.
+#[derive(Parser, Debug)]
+#[command(name = "shoal", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Fetch, list and remove the demo models.
+    #[command(subcommand)]
+    Models(models::ModelsCommand),
+    /// Answer one prompt: the answer on stdout, statistics on stderr.
+    Run(run::RunArgs),
+    /// Chat with a model in the terminal.
+    Chat(chat::ChatArgs),
+    /// Measure prefill and decode speed.
+    Bench(bench::BenchArgs),
+}
+
+/// Options every command that computes shares.
+#[derive(Args, Debug, Clone)]
+pub struct ComputeArgs {
+    /// Compute threads (default: one per core).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+}
+
+impl ComputeArgs {
+    /// Sizes the global compute pool. Must run before any tensor work.
+    pub fn apply(&self) -> anyhow::Result<usize> {
+        let n = self
+            .threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+        if n == 0 || n > 1024 {
+            anyhow::bail!("--threads {n} is out of range (1..=1024)");
+        }
+        // candle reads RAYON_NUM_THREADS for its own kernels; rayon's pool must agree.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().ok();
+        Ok(n)
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SHOAL_LOG").unwrap_or_else(|_| "warn".into());
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+fn main() -> ExitCode {
+    init_logging();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Models(c) => models::main(c),
+        Command::Run(a) => run::main(a),
+        Command::Chat(a) => chat::main(a),
+        Command::Bench(a) => bench::main(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            if e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)) {
+                return ExitCode::SUCCESS;
+            }
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,239 @@
+//! A model ready to talk to: the transformer, its tokenizer and its chat template, loaded
+//! from a GGUF file or a Hugging Face folder. This is what the CLI and the API server hold;
+//! it turns chat messages or raw text into prompt tokens and generated tokens into text.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use shoal_comm::Communicator;
+use shoal_model::chat_template::{ChatTemplate, RenderInput};
+use shoal_model::gguf::GgufFile;
+use shoal_model::source::ModelSource;
+use shoal_model::tokenizer::{StreamDecoder, Tokenizer};
+
+use crate::generate::{self, Detokenizer, GenerateParams, Generation};
+use crate::transformer::Transformer;
+use crate::weights::{GgufWeights, HfNaming, SafetensorsWeights, WeightSource};
+use crate::{arch, Arch, EngineError, KvCache, Sampler};
+
+/// A loaded model with everything needed to chat with it.
+pub struct LoadedModel {
+    /// A short name (the file or folder name).
+    pub name: String,
+    /// Where it was loaded from.
+    pub path: PathBuf,
+    /// The network.
+    pub transformer: Transformer,
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The chat template, when the model has one.
+    pub chat_template: Option<ChatTemplate>,
+    /// Bytes of weights read per generated token (every layer plus the output head), for the
+    /// bandwidth ceiling in benchmarks.
+    pub weight_bytes_per_token: u64,
+}
+
+impl std::fmt::Debug for LoadedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedModel").field("name", &self.name).field("path", &self.path).finish()
+    }
+}
+
+fn tok_err(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Tokenizer(e.to_string())
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| p.display().to_string())
+}
+
+impl LoadedModel {
+    /// Loads whatever `source` points at, on one rank.
+    ///
+    /// # Errors
+    /// When the files are missing, malformed or of an unsupported architecture.
+    pub fn load(source: &ModelSource) -> Result<Self, EngineError> {
+        Self::load_with(source, Arc::new(shoal_comm::Solo))
+    }
+
+    /// Loads `source` as one rank of `comm`.
+    ///
+    /// # Errors
+    /// As [`LoadedModel::load`].
+    pub fn load_with(source: &ModelSource, comm: Arc<dyn Communicator>) -> Result<Self, EngineError> {
+        match source {
+            ModelSource::Gguf(p) => Self::load_gguf(p, comm),
+            ModelSource::HfFolder(p) => Self::load_hf(source, p, comm),
+        }
+    }
+
+    fn load_gguf(path: &Path, comm: Arc<dyn Communicator>) -> Result<Self, EngineError> {
+        let file = GgufFile::open(path)?;
+        let label = path.display().to_string();
+        let md = file.metadata();
+        let tokenizer = Tokenizer::from_gguf(md).map_err(|e| EngineError::Tokenizer(format!("{label}: {e}")))?;
+        let vocab = file.tensor("token_embd.weight")?.shape().first().copied().unwrap_or(0);
+        let cfg = arch::config_from_gguf(md, vocab, &label)?;
+        let template = match md.opt_str("tokenizer.chat_template")? {
+            Some(src) => Some(Self::template(src, &tokenizer).map_err(|e| EngineError::Tokenizer(format!("{label}: chat template: {e}")))?),
+            None => None,
+        };
+        let weight_bytes_per_token = per_token_bytes(&file);
+        let src = GgufWeights::new(file);
+        let transformer = Transformer::load(&src, cfg, comm)?;
+        Ok(LoadedModel {
+            name: file_name(path),
+            path: path.to_path_buf(),
+            transformer,
+            tokenizer,
+            chat_template: template,
+            weight_bytes_per_token,
+        })
+    }
+
+    fn load_hf(source: &ModelSource, dir: &Path, comm: Arc<dyn Communicator>) -> Result<Self, EngineError> {
+        let label = dir.display().to_string();
+        let config_path = source
+            .config_json()
+            .ok_or_else(|| EngineError::Load { what: format!("{label}: no config.json") })?;
+        let text = std::fs::read_to_string(&config_path)
+            .map_err(|e| EngineError::Load { what: format!("{}: {e}", config_path.display()) })?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| EngineError::Load { what: format!("{}: not valid JSON: {e}", config_path.display()) })?;
+        let cfg = arch::config_from_hf(&json, &label)?;
+        let tok_path = source
+            .tokenizer_json()
+            .ok_or_else(|| EngineError::Tokenizer(format!("{label}: no tokenizer.json beside config.json")))?;
+        let tokenizer = Tokenizer::from_tokenizer_json(&tok_path).map_err(tok_err)?;
+        let template = read_hf_template(dir)
+            .map(|src| Self::template(&src, &tokenizer).map_err(|e| EngineError::Tokenizer(format!("{label}: chat template: {e}"))))
+            .transpose()?;
+        let files = source.safetensors_files().map_err(|e| EngineError::Load { what: e.to_string() })?;
+        let naming = HfNaming { permute_qk: (cfg.arch == Arch::Llama).then_some((cfg.n_head, cfg.n_kv_head)) };
+        let src = SafetensorsWeights::open(&files, naming)?;
+        let weight_bytes_per_token = files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum();
+        let transformer = Transformer::load(&src as &dyn WeightSource, cfg, comm)?;
+        Ok(LoadedModel {
+            name: file_name(dir),
+            path: dir.to_path_buf(),
+            transformer,
+            tokenizer,
+            chat_template: template,
+            weight_bytes_per_token,
+        })
+    }
+
+    fn template(src: &str, tok: &Tokenizer) -> Result<ChatTemplate, shoal_model::chat_template::TemplateError> {
+        let piece = |id: Option<u32>| id.and_then(|i| tok.token_str(i)).unwrap_or("").to_string();
+        ChatTemplate::new(src, &piece(tok.bos_id()), &piece(tok.eos_id()))
+    }
+
+    /// Prompt tokens for raw text to continue: BOS when the model asks for it, special-token
+    /// text taken literally (as llama.cpp's completion does).
+    ///
+    /// # Errors
+    /// When tokenization fails.
+    pub fn raw_prompt(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        self.tokenizer.encode(text, true, false).map_err(tok_err)
+    }
+
+    /// Renders `messages` (OpenAI-style JSON) through the chat template with the generation
+    /// prompt, and tokenizes the result with special tokens parsed.
+    ///
+    /// # Errors
+    /// When the model has no chat template, the template fails, or tokenization fails.
+    pub fn chat_prompt(&self, messages: &[serde_json::Value], tools: Option<&[serde_json::Value]>) -> Result<Vec<u32>, EngineError> {
+        let template = self.chat_template.as_ref().ok_or_else(|| {
+            EngineError::Unsupported { what: format!("{} has no chat template; use --raw to give it text to continue", self.name) }
+        })?;
+        let text = template
+            .render(&RenderInput { messages, tools, add_generation_prompt: true, extra: None })
+            .map_err(|e| EngineError::Tokenizer(format!("chat template: {e}")))?;
+        // A template that writes the BOS text itself must not get a second BOS.
+        let bos_text = self.tokenizer.bos_id().and_then(|b| self.tokenizer.token_str(b));
+        let add_bos = !bos_text.is_some_and(|b| !b.is_empty() && text.starts_with(b));
+        self.tokenizer.encode(&text, add_bos, true).map_err(tok_err)
+    }
+
+    /// A KV cache for up to `ctx` tokens (at most the model's trained context).
+    pub fn new_cache(&self, ctx: usize) -> KvCache {
+        self.transformer.new_cache(ctx.min(self.transformer.config().context_len).max(1))
+    }
+
+    /// Generates from `prompt`, streaming text to `on_text` (return `false` to stop).
+    ///
+    /// # Errors
+    /// When the prompt does not fit or a forward pass fails.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        cache: &mut KvCache,
+        sampler: &mut Sampler,
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<Generation, EngineError> {
+        let mut detok = TokenizerDetok { tok: &self.tokenizer, stream: StreamDecoder::new(true) };
+        generate::generate(&self.transformer, prompt, cache, sampler, &mut detok, params, on_text)
+    }
+
+    /// Like [`LoadedModel::generate`] when `cache` already holds `cached` (the start of the
+    /// conversation): only `new` is run, the sampler's repetition window sees both.
+    ///
+    /// # Errors
+    /// As [`LoadedModel::generate`].
+    pub fn generate_continuing(
+        &self,
+        cached: &[u32],
+        new: &[u32],
+        cache: &mut KvCache,
+        sampler: &mut Sampler,
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<Generation, EngineError> {
+        debug_assert_eq!(cache.len(), cached.len());
+        sampler.observe(cached);
+        self.generate(new, cache, sampler, params, on_text)
+    }
+}
+
+struct TokenizerDetok<'a> {
+    tok: &'a Tokenizer,
+    stream: StreamDecoder,
+}
+
+impl Detokenizer for TokenizerDetok<'_> {
+    fn is_eog(&self, id: u32) -> bool {
+        self.tok.is_eog(id)
+    }
+
+    fn push(&mut self, id: u32) -> String {
+        self.stream.push(self.tok, id)
+    }
+}
+
+/// The chat template of a Hugging Face folder: `chat_template.jinja`, or the
+/// `chat_template` field of `tokenizer_config.json` (a string, or the `default` entry of a
+/// list of named templates).
+fn read_hf_template(dir: &Path) -> Option<String> {
+    if let Ok(s) = std::fs::read_to_string(dir.join("chat_template.jinja")) {
+        return Some(s);
+    }
+    let text = std::fs::read_to_string(dir.join("tokenizer_config.json")).ok()?;
+    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+    match json.get("chat_template")? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+        _ => None,
+    }
+}
+
+/// Bytes read from weights for one decoded token: every block tensor plus the output head
+/// (the embedding when tied). The embedding lookup itself reads one row and is ignored.
+fn per_token_bytes(file: &GgufFile) -> u64 {
+    let blocks: u64 = file.tensors().iter().filter(|t| t.name.starts_with("blk.")).map(|t| t.size).sum();
+    let head = file.tensor("output.weight").or_else(|_| file.tensor("token_embd.weight")).map(|t| t.size).unwrap_or(0);
+    blocks + head
+}

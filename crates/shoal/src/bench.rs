@@ -1,0 +1,214 @@
+//! `shoal bench MODEL`: prefill and decode speed the way llama-bench measures them (`-p`
+//! prompt tokens in one batch from an empty context; `-n` tokens decoded one at a time from
+//! an empty context), repeated, with median and spread — and beside the decode figure the
+//! memory-bandwidth ceiling: weight bytes read per token over the measured read bandwidth.
+
+use std::time::Instant;
+
+use clap::Args;
+use serde::Serialize;
+use shoal_engine::generate::prefill;
+use shoal_engine::transformer::argmax;
+
+use crate::ComputeArgs;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// A GGUF file, a Hugging Face folder or cache id, or a fetched catalog key.
+    pub model: String,
+    /// Prompt tokens per prefill run (0 skips prefill).
+    #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
+    pub n_prompt: usize,
+    /// Tokens per decode run (0 skips decode).
+    #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
+    pub n_gen: usize,
+    /// Repetitions of each measurement.
+    #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
+    pub reps: usize,
+    /// One JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
+}
+
+/// Median, minimum and maximum of a set of runs.
+#[derive(Debug, Serialize, Clone, Copy)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    fn of(xs: &[f64]) -> Option<Spread> {
+        if xs.is_empty() {
+            return None;
+        }
+        let mut v = xs.to_vec();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
+        Some(Spread { median, min: v[0], max: v[n - 1] })
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    model: String,
+    threads: usize,
+    n_prompt: usize,
+    n_gen: usize,
+    repetitions: usize,
+    /// Median prefill tokens/s.
+    prefill_tok_s: Option<f64>,
+    prefill: Option<Spread>,
+    /// Median decode tokens/s.
+    decode_tok_s: Option<f64>,
+    decode: Option<Spread>,
+    weight_bytes_per_token: u64,
+    /// Read bandwidth with the benchmark's thread count, GB/s (best of 5 passes).
+    mem_read_gb_s: f64,
+    /// Decode tokens/s if every weight byte were read once at that bandwidth.
+    decode_ceiling_tok_s: f64,
+    /// decode_tok_s / decode_ceiling_tok_s.
+    decode_fraction_of_ceiling: Option<f64>,
+}
+
+/// Deterministic pseudo-random prompt tokens (as llama-bench uses random tokens).
+fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// Read bandwidth in GB/s: sums a buffer much larger than the caches with `threads`
+/// threads, best of several passes.
+pub fn measure_read_bandwidth(threads: usize) -> f64 {
+    const BYTES: usize = 512 << 20;
+    let buf: Vec<u64> = (0..BYTES / 8).map(|i| i as u64).collect();
+    let chunk = buf.len().div_ceil(threads);
+    let mut best = 0.0f64;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        let total: u64 = std::thread::scope(|s| {
+            let handles: Vec<_> = buf
+                .chunks(chunk)
+                .map(|c| s.spawn(move || c.chunks_exact(8).fold([0u64; 8], |mut acc, x| {
+                    for i in 0..8 {
+                        acc[i] = acc[i].wrapping_add(x[i]);
+                    }
+                    acc
+                }).iter().fold(0u64, |a, &b| a.wrapping_add(b))))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or(0)).fold(0u64, u64::wrapping_add)
+        });
+        std::hint::black_box(total);
+        best = best.max(BYTES as f64 / t0.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+pub fn main(args: BenchArgs) -> anyhow::Result<()> {
+    let threads = args.compute.apply()?;
+    if args.reps == 0 {
+        anyhow::bail!("-r/--repetitions must be at least 1");
+    }
+    let model = crate::models::open(&args.model)?;
+    let t = &model.transformer;
+    let vocab = t.config().vocab;
+    let ctx = (args.n_prompt.max(args.n_gen) + 1).min(t.config().context_len);
+    if args.n_prompt > ctx || args.n_gen > ctx {
+        anyhow::bail!("-p {} / -n {} exceed the model's context of {}", args.n_prompt, args.n_gen, t.config().context_len);
+    }
+    let mut cache = t.new_cache(ctx);
+    // warm-up: page the weights in, fill allocator pools
+    prefill(t, &prompt_tokens(16.min(ctx), vocab), &mut cache)?;
+    let mut pp = Vec::new();
+    let mut tg = Vec::new();
+    for rep in 0..args.reps {
+        if args.n_prompt > 0 {
+            cache.clear();
+            let toks = prompt_tokens(args.n_prompt, vocab);
+            let t0 = Instant::now();
+            prefill(t, &toks, &mut cache)?;
+            pp.push(args.n_prompt as f64 / t0.elapsed().as_secs_f64());
+        }
+        if args.n_gen > 0 {
+            cache.clear();
+            let mut tok = prompt_tokens(1 + rep, vocab)[rep];
+            let t0 = Instant::now();
+            for _ in 0..args.n_gen {
+                let logits = t.forward_last(&[tok], &mut cache)?;
+                tok = argmax(&logits) as u32;
+            }
+            tg.push(args.n_gen as f64 / t0.elapsed().as_secs_f64());
+        }
+    }
+    let bw = measure_read_bandwidth(threads);
+    let prefill = Spread::of(&pp);
+    let decode = Spread::of(&tg);
+    let ceiling = bw * 1e9 / model.weight_bytes_per_token.max(1) as f64;
+    let report = Report {
+        model: model.name.clone(),
+        threads,
+        n_prompt: args.n_prompt,
+        n_gen: args.n_gen,
+        repetitions: args.reps,
+        prefill_tok_s: prefill.map(|s| s.median),
+        prefill,
+        decode_tok_s: decode.map(|s| s.median),
+        decode,
+        weight_bytes_per_token: model.weight_bytes_per_token,
+        mem_read_gb_s: bw,
+        decode_ceiling_tok_s: ceiling,
+        decode_fraction_of_ceiling: decode.map(|d| d.median / ceiling),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+    println!("model {}  threads {}  repetitions {}", report.model, threads, args.reps);
+    if let Some(p) = prefill {
+        println!("pp{:<5} {:>9.1} tok/s  (min {:.1}, max {:.1})", args.n_prompt, p.median, p.min, p.max);
+    }
+    if let Some(d) = decode {
+        println!(
+            "tg{:<5} {:>9.1} tok/s  (min {:.1}, max {:.1})  ceiling {:.1} tok/s = {:.1} MB/token at {:.1} GB/s -> {:.0}% of ceiling",
+            args.n_gen,
+            d.median,
+            d.min,
+            d.max,
+            ceiling,
+            model.weight_bytes_per_token as f64 / 1e6,
+            bw,
+            100.0 * d.median / ceiling
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spread_median() {
+        let s = Spread::of(&[3.0, 1.0, 2.0]).unwrap();
+        assert_eq!((s.median, s.min, s.max), (2.0, 1.0, 3.0));
+        assert_eq!(Spread::of(&[1.0, 2.0]).unwrap().median, 1.5);
+        assert!(Spread::of(&[]).is_none());
+    }
+
+    #[test]
+    fn prompt_tokens_in_vocab() {
+        assert!(prompt_tokens(1000, 7).iter().all(|&t| t < 7));
+        assert_eq!(prompt_tokens(5, 100), prompt_tokens(5, 100));
+    }
+}
