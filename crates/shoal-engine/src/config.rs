@@ -94,7 +94,9 @@ pub struct ModelConfig {
 impl ModelConfig {
     /// Whether layer `layer` attends only within the sliding window.
     pub fn is_local_layer(&self, layer: usize) -> bool {
-        self.sliding_window.is_some() && self.sliding_pattern > 0 && (layer + 1) % self.sliding_pattern != 0
+        self.sliding_window.is_some()
+            && self.sliding_pattern > 0
+            && (layer + 1) % self.sliding_pattern != 0
     }
 
     /// Checks the relations the forward pass relies on.
@@ -123,14 +125,30 @@ impl ModelConfig {
             ));
         }
         if self.head_dim % 2 != 0 {
-            return Err(format!("head_dim {} is odd; RoPE needs pairs", self.head_dim));
+            return Err(format!(
+                "head_dim {} is odd; RoPE needs pairs",
+                self.head_dim
+            ));
         }
         const LIMIT: usize = 1 << 24;
-        if [self.n_layer, self.hidden, self.n_head, self.head_dim, self.ffn, self.vocab].iter().any(|&v| v > LIMIT) {
+        if [
+            self.n_layer,
+            self.hidden,
+            self.n_head,
+            self.head_dim,
+            self.ffn,
+            self.vocab,
+        ]
+        .iter()
+        .any(|&v| v > LIMIT)
+        {
             return Err("a dimension is larger than 16M; the file is corrupt".into());
         }
         if !(self.rms_eps > 0.0 && self.rms_eps < 1.0) || !(self.rope_theta > 0.0) {
-            return Err(format!("rms_eps {} or rope_theta {} is out of range", self.rms_eps, self.rope_theta));
+            return Err(format!(
+                "rms_eps {} or rope_theta {} is out of range",
+                self.rms_eps, self.rope_theta
+            ));
         }
         Ok(())
     }

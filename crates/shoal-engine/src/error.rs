@@ -83,7 +83,10 @@ pub enum EngineError {
 impl EngineError {
     /// Wraps a candle error with what the engine was doing.
     pub fn candle(context: impl Into<String>, source: candle_core::Error) -> Self {
-        EngineError::Candle { context: context.into(), source }
+        EngineError::Candle {
+            context: context.into(),
+            source,
+        }
     }
 }
 

@@ -77,7 +77,12 @@ impl StopMatcher {
         if self.stops.is_empty() {
             return (std::mem::take(&mut self.pending), false);
         }
-        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min()
+        {
             let out = self.pending[..at].to_string();
             self.pending.clear();
             return (out, true);
@@ -116,12 +121,21 @@ pub struct GenerateParams {
 ///
 /// # Errors
 /// When the prompt does not fit the cache or a forward pass fails.
-pub fn prefill(model: &Transformer, prompt: &[u32], cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
+pub fn prefill(
+    model: &Transformer,
+    prompt: &[u32],
+    cache: &mut KvCache,
+) -> Result<Vec<f32>, EngineError> {
     if prompt.is_empty() {
-        return Err(EngineError::Unsupported { what: "an empty prompt (no tokens to condition on)".into() });
+        return Err(EngineError::Unsupported {
+            what: "an empty prompt (no tokens to condition on)".into(),
+        });
     }
     if cache.len() + prompt.len() > cache.capacity() {
-        return Err(EngineError::ContextFull { prompt: cache.len() + prompt.len(), ctx: cache.capacity() });
+        return Err(EngineError::ContextFull {
+            prompt: cache.len() + prompt.len(),
+            ctx: cache.capacity(),
+        });
     }
     let mut logits = Vec::new();
     for chunk in prompt.chunks(PREFILL_CHUNK) {
@@ -147,7 +161,15 @@ pub fn generate(
     let start = Instant::now();
     sampler.observe(prompt);
     let mut logits = prefill(model, prompt, cache)?;
-    let mut stops = StopMatcher { stops: params.stop.iter().filter(|s| !s.is_empty()).cloned().collect(), pending: String::new() };
+    let mut stops = StopMatcher {
+        stops: params
+            .stop
+            .iter()
+            .filter(|s| !s.is_empty())
+            .cloned()
+            .collect(),
+        pending: String::new(),
+    };
     let mut out = Generation {
         tokens: Vec::new(),
         text: String::new(),
@@ -204,11 +226,17 @@ mod tests {
 
     #[test]
     fn stop_matcher_holds_back_partial_matches() {
-        let mut m = StopMatcher { stops: vec!["</end>".into()], pending: String::new() };
+        let mut m = StopMatcher {
+            stops: vec!["</end>".into()],
+            pending: String::new(),
+        };
         assert_eq!(m.push("hello <"), ("hello ".into(), false));
         assert_eq!(m.push("/en"), (String::new(), false));
         assert_eq!(m.push("d> tail"), (String::new(), true));
-        let mut m = StopMatcher { stops: vec!["</end>".into()], pending: String::new() };
+        let mut m = StopMatcher {
+            stops: vec!["</end>".into()],
+            pending: String::new(),
+        };
         assert_eq!(m.push("a <b"), ("a <b".into(), false));
         assert_eq!(m.push(" <"), (" ".into(), false));
         assert_eq!(m.finish(), "<");
@@ -216,7 +244,10 @@ mod tests {
 
     #[test]
     fn stop_matcher_handles_multibyte() {
-        let mut m = StopMatcher { stops: vec!["é!".into()], pending: String::new() };
+        let mut m = StopMatcher {
+            stops: vec!["é!".into()],
+            pending: String::new(),
+        };
         assert_eq!(m.push("caf"), ("caf".into(), false));
         assert_eq!(m.push("é"), (String::new(), false));
         assert_eq!(m.push("!x"), (String::new(), true));

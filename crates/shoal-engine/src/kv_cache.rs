@@ -20,7 +20,13 @@ pub struct KvCache {
 impl KvCache {
     /// An empty cache; buffers are allocated on first use of each layer.
     pub fn new(n_layer: usize, n_kv_head: usize, head_dim: usize, capacity: usize) -> Self {
-        KvCache { layers: (0..n_layer).map(|_| None).collect(), n_kv_head, head_dim, len: 0, capacity }
+        KvCache {
+            layers: (0..n_layer).map(|_| None).collect(),
+            n_kv_head,
+            head_dim,
+            len: 0,
+            capacity,
+        }
     }
 
     /// Positions stored.
@@ -54,15 +60,25 @@ impl KvCache {
     ///
     /// # Errors
     /// When the new positions do not fit or the shapes are wrong.
-    pub fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor), EngineError> {
+    pub fn append(
+        &mut self,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor), EngineError> {
         let t = k.dim(2).ctx("kv append")?;
         if self.len + t > self.capacity {
-            return Err(EngineError::ContextFull { prompt: self.len + t, ctx: self.capacity });
+            return Err(EngineError::ContextFull {
+                prompt: self.len + t,
+                ctx: self.capacity,
+            });
         }
         let slot = self
             .layers
             .get_mut(layer)
-            .ok_or_else(|| EngineError::Unsupported { what: format!("kv cache has no layer {layer}") })?;
+            .ok_or_else(|| EngineError::Unsupported {
+                what: format!("kv cache has no layer {layer}"),
+            })?;
         if slot.is_none() {
             let shape = (1, self.n_kv_head, self.capacity, self.head_dim);
             let z = || Tensor::zeros(shape, DType::F32, &Device::Cpu).ctx("kv cache allocation");
@@ -72,7 +88,10 @@ impl KvCache {
         kc.slice_set(k, 2, self.len).ctx("kv cache write k")?;
         vc.slice_set(v, 2, self.len).ctx("kv cache write v")?;
         let total = self.len + t;
-        Ok((kc.narrow(2, 0, total).ctx("kv view")?, vc.narrow(2, 0, total).ctx("kv view")?))
+        Ok((
+            kc.narrow(2, 0, total).ctx("kv view")?,
+            vc.narrow(2, 0, total).ctx("kv view")?,
+        ))
     }
 
     /// Marks `t` more positions as stored (after every layer appended them).

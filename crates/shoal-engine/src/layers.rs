@@ -16,7 +16,11 @@ use crate::EngineError;
 fn check_shape(src: &dyn WeightSource, name: &str, expected: &[usize]) -> Result<(), EngineError> {
     let found = src.shape(name)?;
     if found != expected {
-        return Err(EngineError::Shape { tensor: name.into(), found, expected: expected.to_vec() });
+        return Err(EngineError::Shape {
+            tensor: name.into(),
+            found,
+            expected: expected.to_vec(),
+        });
     }
     Ok(())
 }
@@ -45,12 +49,20 @@ impl ColumnLinear {
     ) -> Result<Self, EngineError> {
         let wname = format!("{prefix}.weight");
         check_shape(src, &wname, &[out, inp])?;
-        let slice = if rows == (0..out) { Slice::Full } else { Slice::Rows(rows.clone()) };
+        let slice = if rows == (0..out) {
+            Slice::Full
+        } else {
+            Slice::Rows(rows.clone())
+        };
         let weight = QMatMul::from_qtensor(src.load(&wname, &slice)?).ctx(&wname)?;
         let bias = if bias {
             let bname = format!("{prefix}.bias");
             check_shape(src, &bname, &[out])?;
-            let bslice = if rows == (0..out) { Slice::Full } else { Slice::Cols(rows) };
+            let bslice = if rows == (0..out) {
+                Slice::Full
+            } else {
+                Slice::Cols(rows)
+            };
             Some(src.load_f32(&bname, &bslice)?)
         } else {
             None
@@ -87,7 +99,9 @@ pub struct RowLinear {
 
 impl std::fmt::Debug for RowLinear {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RowLinear").field("weight", &self.weight).finish()
+        f.debug_struct("RowLinear")
+            .field("weight", &self.weight)
+            .finish()
     }
 }
 
@@ -106,7 +120,11 @@ impl RowLinear {
     ) -> Result<Self, EngineError> {
         let wname = format!("{prefix}.weight");
         check_shape(src, &wname, &[out, inp])?;
-        let slice = if cols == (0..inp) { Slice::Full } else { Slice::Cols(cols) };
+        let slice = if cols == (0..inp) {
+            Slice::Full
+        } else {
+            Slice::Cols(cols)
+        };
         let weight = QMatMul::from_qtensor(src.load(&wname, &slice)?).ctx(&wname)?;
         Ok(RowLinear { weight, comm })
     }
@@ -121,7 +139,10 @@ impl RowLinear {
             return Ok(y);
         }
         let shape = y.shape().clone();
-        let mut data = y.flatten_all().and_then(|t| t.to_vec1::<f32>()).ctx("row linear gather")?;
+        let mut data = y
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .ctx("row linear gather")?;
         self.comm.all_reduce_sum(&mut data)?;
         Tensor::from_vec(data, shape, y.device()).ctx("row linear scatter")
     }
@@ -139,9 +160,17 @@ impl RmsNorm {
     ///
     /// # Errors
     /// When the tensor is missing or has the wrong shape.
-    pub fn load(src: &dyn WeightSource, name: &str, dim: usize, eps: f64) -> Result<Self, EngineError> {
+    pub fn load(
+        src: &dyn WeightSource,
+        name: &str,
+        dim: usize,
+        eps: f64,
+    ) -> Result<Self, EngineError> {
         check_shape(src, name, &[dim])?;
-        Ok(RmsNorm { weight: src.load_f32(name, &Slice::Full)?, eps: eps as f32 })
+        Ok(RmsNorm {
+            weight: src.load_f32(name, &Slice::Full)?,
+            eps: eps as f32,
+        })
     }
 
     /// Normalises over the last dimension.
@@ -149,7 +178,11 @@ impl RmsNorm {
     /// # Errors
     /// On a shape mismatch.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
-        let x = if x.is_contiguous() { x.clone() } else { x.contiguous().ctx("rms norm")? };
+        let x = if x.is_contiguous() {
+            x.clone()
+        } else {
+            x.contiguous().ctx("rms norm")?
+        };
         candle_nn::ops::rms_norm(&x, &self.weight, self.eps).ctx("rms norm")
     }
 }

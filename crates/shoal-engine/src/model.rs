@@ -35,7 +35,10 @@ pub struct LoadedModel {
 
 impl std::fmt::Debug for LoadedModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LoadedModel").field("name", &self.name).field("path", &self.path).finish()
+        f.debug_struct("LoadedModel")
+            .field("name", &self.name)
+            .field("path", &self.path)
+            .finish()
     }
 }
 
@@ -44,7 +47,9 @@ fn tok_err(e: impl std::fmt::Display) -> EngineError {
 }
 
 fn file_name(p: &Path) -> String {
-    p.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| p.display().to_string())
+    p.file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| p.display().to_string())
 }
 
 impl LoadedModel {
@@ -60,7 +65,10 @@ impl LoadedModel {
     ///
     /// # Errors
     /// As [`LoadedModel::load`].
-    pub fn load_with(source: &ModelSource, comm: Arc<dyn Communicator>) -> Result<Self, EngineError> {
+    pub fn load_with(
+        source: &ModelSource,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self, EngineError> {
         match source {
             ModelSource::Gguf(p) => Self::load_gguf(p, comm),
             ModelSource::HfFolder(p) => Self::load_hf(source, p, comm),
@@ -71,11 +79,20 @@ impl LoadedModel {
         let file = GgufFile::open(path)?;
         let label = path.display().to_string();
         let md = file.metadata();
-        let tokenizer = Tokenizer::from_gguf(md).map_err(|e| EngineError::Tokenizer(format!("{label}: {e}")))?;
-        let vocab = file.tensor("token_embd.weight")?.shape().first().copied().unwrap_or(0);
+        let tokenizer = Tokenizer::from_gguf(md)
+            .map_err(|e| EngineError::Tokenizer(format!("{label}: {e}")))?;
+        let vocab = file
+            .tensor("token_embd.weight")?
+            .shape()
+            .first()
+            .copied()
+            .unwrap_or(0);
         let cfg = arch::config_from_gguf(md, vocab, &label)?;
         let template = match md.opt_str("tokenizer.chat_template")? {
-            Some(src) => Some(Self::template(src, &tokenizer).map_err(|e| EngineError::Tokenizer(format!("{label}: chat template: {e}")))?),
+            Some(src) => Some(
+                Self::template(src, &tokenizer)
+                    .map_err(|e| EngineError::Tokenizer(format!("{label}: chat template: {e}")))?,
+            ),
             None => None,
         };
         let weight_bytes_per_token = per_token_bytes(&file);
@@ -91,27 +108,45 @@ impl LoadedModel {
         })
     }
 
-    fn load_hf(source: &ModelSource, dir: &Path, comm: Arc<dyn Communicator>) -> Result<Self, EngineError> {
+    fn load_hf(
+        source: &ModelSource,
+        dir: &Path,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self, EngineError> {
         let label = dir.display().to_string();
-        let config_path = source
-            .config_json()
-            .ok_or_else(|| EngineError::Load { what: format!("{label}: no config.json") })?;
-        let text = std::fs::read_to_string(&config_path)
-            .map_err(|e| EngineError::Load { what: format!("{}: {e}", config_path.display()) })?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| EngineError::Load { what: format!("{}: not valid JSON: {e}", config_path.display()) })?;
+        let config_path = source.config_json().ok_or_else(|| EngineError::Load {
+            what: format!("{label}: no config.json"),
+        })?;
+        let text = std::fs::read_to_string(&config_path).map_err(|e| EngineError::Load {
+            what: format!("{}: {e}", config_path.display()),
+        })?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| EngineError::Load {
+                what: format!("{}: not valid JSON: {e}", config_path.display()),
+            })?;
         let cfg = arch::config_from_hf(&json, &label)?;
-        let tok_path = source
-            .tokenizer_json()
-            .ok_or_else(|| EngineError::Tokenizer(format!("{label}: no tokenizer.json beside config.json")))?;
+        let tok_path = source.tokenizer_json().ok_or_else(|| {
+            EngineError::Tokenizer(format!("{label}: no tokenizer.json beside config.json"))
+        })?;
         let tokenizer = Tokenizer::from_tokenizer_json(&tok_path).map_err(tok_err)?;
         let template = read_hf_template(dir)
-            .map(|src| Self::template(&src, &tokenizer).map_err(|e| EngineError::Tokenizer(format!("{label}: chat template: {e}"))))
+            .map(|src| {
+                Self::template(&src, &tokenizer)
+                    .map_err(|e| EngineError::Tokenizer(format!("{label}: chat template: {e}")))
+            })
             .transpose()?;
-        let files = source.safetensors_files().map_err(|e| EngineError::Load { what: e.to_string() })?;
-        let naming = HfNaming { permute_qk: (cfg.arch == Arch::Llama).then_some((cfg.n_head, cfg.n_kv_head)) };
+        let files = source.safetensors_files().map_err(|e| EngineError::Load {
+            what: e.to_string(),
+        })?;
+        let naming = HfNaming {
+            permute_qk: (cfg.arch == Arch::Llama).then_some((cfg.n_head, cfg.n_kv_head)),
+        };
         let src = SafetensorsWeights::open(&files, naming)?;
-        let weight_bytes_per_token = files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum();
+        let weight_bytes_per_token = files
+            .iter()
+            .filter_map(|f| std::fs::metadata(f).ok())
+            .map(|m| m.len())
+            .sum();
         let transformer = Transformer::load(&src as &dyn WeightSource, cfg, comm)?;
         Ok(LoadedModel {
             name: file_name(dir),
@@ -123,7 +158,10 @@ impl LoadedModel {
         })
     }
 
-    fn template(src: &str, tok: &Tokenizer) -> Result<ChatTemplate, shoal_model::chat_template::TemplateError> {
+    fn template(
+        src: &str,
+        tok: &Tokenizer,
+    ) -> Result<ChatTemplate, shoal_model::chat_template::TemplateError> {
         let piece = |id: Option<u32>| id.and_then(|i| tok.token_str(i)).unwrap_or("").to_string();
         ChatTemplate::new(src, &piece(tok.bos_id()), &piece(tok.eos_id()))
     }
@@ -142,22 +180,41 @@ impl LoadedModel {
     ///
     /// # Errors
     /// When the model has no chat template, the template fails, or tokenization fails.
-    pub fn chat_prompt(&self, messages: &[serde_json::Value], tools: Option<&[serde_json::Value]>) -> Result<Vec<u32>, EngineError> {
-        let template = self.chat_template.as_ref().ok_or_else(|| {
-            EngineError::Unsupported { what: format!("{} has no chat template; use --raw to give it text to continue", self.name) }
-        })?;
+    pub fn chat_prompt(
+        &self,
+        messages: &[serde_json::Value],
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<Vec<u32>, EngineError> {
+        let template = self
+            .chat_template
+            .as_ref()
+            .ok_or_else(|| EngineError::Unsupported {
+                what: format!(
+                    "{} has no chat template; use --raw to give it text to continue",
+                    self.name
+                ),
+            })?;
         let text = template
-            .render(&RenderInput { messages, tools, add_generation_prompt: true, extra: None })
+            .render(&RenderInput {
+                messages,
+                tools,
+                add_generation_prompt: true,
+                extra: None,
+            })
             .map_err(|e| EngineError::Tokenizer(format!("chat template: {e}")))?;
         // A template that writes the BOS text itself must not get a second BOS.
-        let bos_text = self.tokenizer.bos_id().and_then(|b| self.tokenizer.token_str(b));
+        let bos_text = self
+            .tokenizer
+            .bos_id()
+            .and_then(|b| self.tokenizer.token_str(b));
         let add_bos = !bos_text.is_some_and(|b| !b.is_empty() && text.starts_with(b));
         self.tokenizer.encode(&text, add_bos, true).map_err(tok_err)
     }
 
     /// A KV cache for up to `ctx` tokens (at most the model's trained context).
     pub fn new_cache(&self, ctx: usize) -> KvCache {
-        self.transformer.new_cache(ctx.min(self.transformer.config().context_len).max(1))
+        self.transformer
+            .new_cache(ctx.min(self.transformer.config().context_len).max(1))
     }
 
     /// Generates from `prompt`, streaming text to `on_text` (return `false` to stop).
@@ -172,8 +229,19 @@ impl LoadedModel {
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation, EngineError> {
-        let mut detok = TokenizerDetok { tok: &self.tokenizer, stream: StreamDecoder::new(true) };
-        generate::generate(&self.transformer, prompt, cache, sampler, &mut detok, params, on_text)
+        let mut detok = TokenizerDetok {
+            tok: &self.tokenizer,
+            stream: StreamDecoder::new(true),
+        };
+        generate::generate(
+            &self.transformer,
+            prompt,
+            cache,
+            sampler,
+            &mut detok,
+            params,
+            on_text,
+        )
     }
 
     /// Like [`LoadedModel::generate`] when `cache` already holds `cached` (the start of the
@@ -233,7 +301,16 @@ fn read_hf_template(dir: &Path) -> Option<String> {
 /// Bytes read from weights for one decoded token: every block tensor plus the output head
 /// (the embedding when tied). The embedding lookup itself reads one row and is ignored.
 fn per_token_bytes(file: &GgufFile) -> u64 {
-    let blocks: u64 = file.tensors().iter().filter(|t| t.name.starts_with("blk.")).map(|t| t.size).sum();
-    let head = file.tensor("output.weight").or_else(|_| file.tensor("token_embd.weight")).map(|t| t.size).unwrap_or(0);
+    let blocks: u64 = file
+        .tensors()
+        .iter()
+        .filter(|t| t.name.starts_with("blk."))
+        .map(|t| t.size)
+        .sum();
+    let head = file
+        .tensor("output.weight")
+        .or_else(|_| file.tensor("token_embd.weight"))
+        .map(|t| t.size)
+        .unwrap_or(0);
     blocks + head
 }

@@ -29,7 +29,15 @@ pub struct SamplerConfig {
 
 impl Default for SamplerConfig {
     fn default() -> Self {
-        SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
+        SamplerConfig {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+        }
     }
 }
 
@@ -40,7 +48,10 @@ impl SamplerConfig {
     /// A message naming the setting and its valid range.
     pub fn validate(&self) -> Result<(), String> {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return Err(format!("temperature {} must be a number >= 0", self.temperature));
+            return Err(format!(
+                "temperature {} must be a number >= 0",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p {} must be in (0, 1]", self.top_p));
@@ -49,7 +60,10 @@ impl SamplerConfig {
             return Err(format!("min_p {} must be in [0, 1]", self.min_p));
         }
         if !(self.repeat_penalty.is_finite() && self.repeat_penalty > 0.0) {
-            return Err(format!("repeat_penalty {} must be > 0", self.repeat_penalty));
+            return Err(format!(
+                "repeat_penalty {} must be > 0",
+                self.repeat_penalty
+            ));
         }
         Ok(())
     }
@@ -68,7 +82,12 @@ impl Sampler {
     /// A sampler with `cfg`'s settings and seed.
     pub fn new(cfg: SamplerConfig) -> Self {
         let rng = StdRng::seed_from_u64(cfg.seed);
-        Sampler { cfg, rng, recent: VecDeque::new(), candidates: Vec::new() }
+        Sampler {
+            cfg,
+            rng,
+            recent: VecDeque::new(),
+            candidates: Vec::new(),
+        }
     }
 
     /// The settings.
@@ -102,7 +121,11 @@ impl Sampler {
                 }
             }
         }
-        let id = if self.cfg.temperature <= 0.0 { greedy(logits) } else { self.sample_distribution(logits) };
+        let id = if self.cfg.temperature <= 0.0 {
+            greedy(logits)
+        } else {
+            self.sample_distribution(logits)
+        };
         self.observe(&[id]);
         id
     }
@@ -110,7 +133,13 @@ impl Sampler {
     fn sample_distribution(&mut self, logits: &[f32]) -> u32 {
         let c = &mut self.candidates;
         c.clear();
-        c.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (i as u32, l)));
+        c.extend(
+            logits
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.is_finite())
+                .map(|(i, &l)| (i as u32, l)),
+        );
         if c.is_empty() {
             return greedy(logits);
         }
@@ -177,14 +206,22 @@ mod tests {
 
     #[test]
     fn repeat_penalty_changes_choice() {
-        let mut s = Sampler::new(SamplerConfig { repeat_penalty: 2.0, ..Default::default() });
+        let mut s = Sampler::new(SamplerConfig {
+            repeat_penalty: 2.0,
+            ..Default::default()
+        });
         s.observe(&[1]);
         assert_eq!(s.sample(&mut [0.1, 2.0, -1.0, 1.9]), 3);
     }
 
     #[test]
     fn top_k_one_is_greedy_at_any_temperature() {
-        let mut s = Sampler::new(SamplerConfig { temperature: 5.0, top_k: 1, seed: 9, ..Default::default() });
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: 5.0,
+            top_k: 1,
+            seed: 9,
+            ..Default::default()
+        });
         for _ in 0..50 {
             assert_eq!(s.sample(&mut [0.1, 2.0, -1.0, 1.9]), 1);
         }
@@ -193,8 +230,18 @@ mod tests {
     #[test]
     fn min_p_and_top_p_cut_the_tail() {
         let logits = [5.0, 4.9, -10.0, -10.0];
-        let mut s = Sampler::new(SamplerConfig { temperature: 1.0, min_p: 0.5, seed: 1, ..Default::default() });
-        let mut s2 = Sampler::new(SamplerConfig { temperature: 1.0, top_p: 0.5, seed: 1, ..Default::default() });
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: 1.0,
+            min_p: 0.5,
+            seed: 1,
+            ..Default::default()
+        });
+        let mut s2 = Sampler::new(SamplerConfig {
+            temperature: 1.0,
+            top_p: 0.5,
+            seed: 1,
+            ..Default::default()
+        });
         for _ in 0..100 {
             assert!(s.sample(&mut logits.clone()) < 2);
             assert_eq!(s2.sample(&mut logits.clone()), 0);
@@ -203,15 +250,24 @@ mod tests {
 
     #[test]
     fn same_seed_same_tokens() {
-        let cfg = SamplerConfig { temperature: 1.0, seed: 42, ..Default::default() };
+        let cfg = SamplerConfig {
+            temperature: 1.0,
+            seed: 42,
+            ..Default::default()
+        };
         let logits: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin()).collect();
         let run = || {
             let mut s = Sampler::new(cfg.clone());
-            (0..20).map(|_| s.sample(&mut logits.clone())).collect::<Vec<_>>()
+            (0..20)
+                .map(|_| s.sample(&mut logits.clone()))
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(), run());
         let other: Vec<u32> = {
-            let mut s = Sampler::new(SamplerConfig { seed: 43, ..cfg.clone() });
+            let mut s = Sampler::new(SamplerConfig {
+                seed: 43,
+                ..cfg.clone()
+            });
             (0..20).map(|_| s.sample(&mut logits.clone())).collect()
         };
         assert_ne!(run(), other);
@@ -219,8 +275,18 @@ mod tests {
 
     #[test]
     fn rejects_bad_settings() {
-        assert!(SamplerConfig { top_p: 0.0, ..Default::default() }.validate().is_err());
-        assert!(SamplerConfig { temperature: f32::NAN, ..Default::default() }.validate().is_err());
+        assert!(SamplerConfig {
+            top_p: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplerConfig {
+            temperature: f32::NAN,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
         assert!(SamplerConfig::default().validate().is_ok());
     }
 }

@@ -36,14 +36,24 @@ pub struct LayerShard {
 impl LayerShard {
     /// The whole layer (world size 1).
     pub fn full(cfg: &ModelConfig) -> Self {
-        LayerShard { heads: 0..cfg.n_head, kv_heads: 0..cfg.n_kv_head, ffn: 0..cfg.ffn }
+        LayerShard {
+            heads: 0..cfg.n_head,
+            kv_heads: 0..cfg.n_kv_head,
+            ffn: 0..cfg.ffn,
+        }
     }
 }
 
 /// Cosine and sine tables for positions `pos..pos + t`, computed the way ggml does (in f32,
 /// the angle of pair `i` built by repeated multiplication by `base^(-2/hd)`), so positions
 /// match the reference implementation bit for bit where the libm does.
-fn rope_tables(pos: usize, t: usize, head_dim: usize, base: f64, scale: f64) -> Result<(Tensor, Tensor), EngineError> {
+fn rope_tables(
+    pos: usize,
+    t: usize,
+    head_dim: usize,
+    base: f64,
+    scale: f64,
+) -> Result<(Tensor, Tensor), EngineError> {
     let half = head_dim / 2;
     let theta_scale = (base as f32).powf(-2.0 / head_dim as f32);
     let freq_scale = (1.0 / scale) as f32;
@@ -66,7 +76,11 @@ fn rope_tables(pos: usize, t: usize, head_dim: usize, base: f64, scale: f64) -> 
 /// The additive attention mask `(t, T)`: `-inf` where query `i` (at position `p + i`) may not
 /// see key `j`: the future, and with a sliding window keys `window` or more positions back.
 /// `None` when nothing is masked.
-fn attention_mask(p: usize, t: usize, window: Option<usize>) -> Result<Option<Tensor>, EngineError> {
+fn attention_mask(
+    p: usize,
+    t: usize,
+    window: Option<usize>,
+) -> Result<Option<Tensor>, EngineError> {
     let total = p + t;
     let needs_window = window.is_some_and(|w| total > w);
     if t == 1 && !needs_window {
@@ -83,7 +97,9 @@ fn attention_mask(p: usize, t: usize, window: Option<usize>) -> Result<Option<Te
             }
         }
     }
-    Ok(Some(Tensor::from_vec(m, (t, total), &Device::Cpu).ctx("attention mask")?))
+    Ok(Some(
+        Tensor::from_vec(m, (t, total), &Device::Cpu).ctx("attention mask")?,
+    ))
 }
 
 /// Multi-head (grouped-query) self-attention over this rank's heads.
@@ -117,10 +133,38 @@ impl Attention {
         let hd = cfg.head_dim;
         let (q_out, kv_out) = (cfg.n_head * hd, cfg.n_kv_head * hd);
         let rows = |r: &Range<usize>| r.start * hd..r.end * hd;
-        let q = ColumnLinear::load(src, &format!("{p}.attn_q"), q_out, cfg.hidden, rows(&shard.heads), cfg.qkv_bias)?;
-        let k = ColumnLinear::load(src, &format!("{p}.attn_k"), kv_out, cfg.hidden, rows(&shard.kv_heads), cfg.qkv_bias)?;
-        let v = ColumnLinear::load(src, &format!("{p}.attn_v"), kv_out, cfg.hidden, rows(&shard.kv_heads), cfg.qkv_bias)?;
-        let o = RowLinear::load(src, &format!("{p}.attn_output"), cfg.hidden, q_out, rows(&shard.heads), comm)?;
+        let q = ColumnLinear::load(
+            src,
+            &format!("{p}.attn_q"),
+            q_out,
+            cfg.hidden,
+            rows(&shard.heads),
+            cfg.qkv_bias,
+        )?;
+        let k = ColumnLinear::load(
+            src,
+            &format!("{p}.attn_k"),
+            kv_out,
+            cfg.hidden,
+            rows(&shard.kv_heads),
+            cfg.qkv_bias,
+        )?;
+        let v = ColumnLinear::load(
+            src,
+            &format!("{p}.attn_v"),
+            kv_out,
+            cfg.hidden,
+            rows(&shard.kv_heads),
+            cfg.qkv_bias,
+        )?;
+        let o = RowLinear::load(
+            src,
+            &format!("{p}.attn_output"),
+            cfg.hidden,
+            q_out,
+            rows(&shard.heads),
+            comm,
+        )?;
         let norm = |name: &str| -> Result<Option<RmsNorm>, EngineError> {
             let n = format!("{p}.{name}.weight");
             if src.contains(&n) {
@@ -142,7 +186,11 @@ impl Attention {
             head_dim: hd,
             scale: cfg.attn_scale,
             rope_style: cfg.rope_style,
-            rope_base: if local { cfg.rope_theta_local } else { cfg.rope_theta },
+            rope_base: if local {
+                cfg.rope_theta_local
+            } else {
+                cfg.rope_theta
+            },
             rope_scale: if local { 1.0 } else { cfg.rope_scale },
             window: if local { cfg.sliding_window } else { None },
         })
@@ -157,13 +205,21 @@ impl Attention {
     }
 
     /// x `(1, t, d)` → `(1, t, d)` (summed over ranks).
-    fn forward(&self, x: &Tensor, cache: &mut KvCache, layer: usize) -> Result<Tensor, EngineError> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+    ) -> Result<Tensor, EngineError> {
         let (b, t, _) = x.dims3().ctx("attention input")?;
         let (nh, nkv, hd) = (self.n_head, self.n_kv_head, self.head_dim);
         let p = cache.len();
         let heads = |y: Tensor, n: usize| -> Result<Tensor, EngineError> {
             // (b, t, n*hd) -> (b, n, t, hd)
-            y.reshape((b, t, n, hd)).and_then(|y| y.transpose(1, 2)).and_then(|y| y.contiguous()).ctx("split heads")
+            y.reshape((b, t, n, hd))
+                .and_then(|y| y.transpose(1, 2))
+                .and_then(|y| y.contiguous())
+                .ctx("split heads")
         };
         let mut q = heads(self.q.forward(x)?, nh)?;
         let mut k = heads(self.k.forward(x)?, nkv)?;
@@ -183,7 +239,10 @@ impl Attention {
         // Grouped-query attention without copying KV: fold the n_rep query heads that share
         // a KV head into the row dimension. q (b, nh, t, hd) -> (b, nkv, n_rep*t, hd).
         let n_rep = nh / nkv;
-        let q = (q * self.scale).ctx("scale q")?.reshape((b, nkv, n_rep * t, hd)).ctx("group q")?;
+        let q = (q * self.scale)
+            .ctx("scale q")?
+            .reshape((b, nkv, n_rep * t, hd))
+            .ctx("group q")?;
         let att = q.matmul(&k_all.t().ctx("k^T")?).ctx("q k^T")?; // (b, nkv, n_rep*t, T)
         let att = match attention_mask(p, t, self.window)? {
             Some(m) => att
@@ -223,9 +282,30 @@ impl FeedForward {
     ) -> Result<Self, EngineError> {
         let p = format!("blk.{layer}");
         Ok(FeedForward {
-            gate: ColumnLinear::load(src, &format!("{p}.ffn_gate"), cfg.ffn, cfg.hidden, shard.ffn.clone(), false)?,
-            up: ColumnLinear::load(src, &format!("{p}.ffn_up"), cfg.ffn, cfg.hidden, shard.ffn.clone(), false)?,
-            down: RowLinear::load(src, &format!("{p}.ffn_down"), cfg.hidden, cfg.ffn, shard.ffn.clone(), comm)?,
+            gate: ColumnLinear::load(
+                src,
+                &format!("{p}.ffn_gate"),
+                cfg.ffn,
+                cfg.hidden,
+                shard.ffn.clone(),
+                false,
+            )?,
+            up: ColumnLinear::load(
+                src,
+                &format!("{p}.ffn_up"),
+                cfg.ffn,
+                cfg.hidden,
+                shard.ffn.clone(),
+                false,
+            )?,
+            down: RowLinear::load(
+                src,
+                &format!("{p}.ffn_down"),
+                cfg.hidden,
+                cfg.ffn,
+                shard.ffn.clone(),
+                comm,
+            )?,
             activation: cfg.activation,
         })
     }
@@ -266,7 +346,8 @@ impl Block {
         comm: Arc<dyn Communicator>,
     ) -> Result<Self, EngineError> {
         let p = format!("blk.{layer}");
-        let norm = |name: &str| RmsNorm::load(src, &format!("{p}.{name}.weight"), cfg.hidden, cfg.rms_eps);
+        let norm =
+            |name: &str| RmsNorm::load(src, &format!("{p}.{name}.weight"), cfg.hidden, cfg.rms_eps);
         let opt_norm = |name: &str| -> Result<Option<RmsNorm>, EngineError> {
             if src.contains(&format!("{p}.{name}.weight")) {
                 norm(name).map(Some)
@@ -288,9 +369,16 @@ impl Block {
     ///
     /// # Errors
     /// On a tensor or communication failure.
-    pub fn forward(&self, x: &Tensor, cache: &mut KvCache, layer: usize) -> Result<Tensor, EngineError> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+    ) -> Result<Tensor, EngineError> {
         // attention with residual
-        let mut a = self.attn.forward(&self.attn_norm.forward(x)?, cache, layer)?;
+        let mut a = self
+            .attn
+            .forward(&self.attn_norm.forward(x)?, cache, layer)?;
         if let Some(n) = &self.post_attn_norm {
             a = n.forward(&a)?;
         }
@@ -315,7 +403,10 @@ pub struct Transformer {
 
 impl std::fmt::Debug for Transformer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Transformer").field("cfg", &self.cfg).field("blocks", &self.blocks.len()).finish()
+        f.debug_struct("Transformer")
+            .field("cfg", &self.cfg)
+            .field("blocks", &self.blocks.len())
+            .finish()
     }
 }
 
@@ -324,7 +415,11 @@ impl Transformer {
     ///
     /// # Errors
     /// When a tensor is missing or misshapen.
-    pub fn load(src: &dyn WeightSource, cfg: ModelConfig, comm: Arc<dyn Communicator>) -> Result<Self, EngineError> {
+    pub fn load(
+        src: &dyn WeightSource,
+        cfg: ModelConfig,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self, EngineError> {
         let embed_shape = src.shape("token_embd.weight")?;
         if embed_shape != [cfg.vocab, cfg.hidden] {
             return Err(EngineError::Shape {
@@ -345,7 +440,13 @@ impl Transformer {
         } else {
             ColumnLinear::from_qmatmul(QMatMul::from_arc(embed.clone()).ctx("tied output head")?)
         };
-        Ok(Transformer { cfg, embed, blocks, norm, head })
+        Ok(Transformer {
+            cfg,
+            embed,
+            blocks,
+            norm,
+            head,
+        })
     }
 
     /// The model's hyperparameters.
@@ -355,7 +456,12 @@ impl Transformer {
 
     /// A KV cache for up to `capacity` tokens.
     pub fn new_cache(&self, capacity: usize) -> KvCache {
-        KvCache::new(self.cfg.n_layer, self.cfg.n_kv_head, self.cfg.head_dim, capacity)
+        KvCache::new(
+            self.cfg.n_layer,
+            self.cfg.n_kv_head,
+            self.cfg.head_dim,
+            capacity,
+        )
     }
 
     /// Runs `tokens` (appended after what `cache` holds) and returns the logits `(n, vocab)`
@@ -363,19 +469,39 @@ impl Transformer {
     ///
     /// # Errors
     /// When the tokens do not fit the cache, an id is out of range, or a tensor op fails.
-    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, n_logits: usize) -> Result<Tensor, EngineError> {
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        n_logits: usize,
+    ) -> Result<Tensor, EngineError> {
         let t = tokens.len();
         if t == 0 {
-            return Err(EngineError::Unsupported { what: "a forward pass over zero tokens".into() });
+            return Err(EngineError::Unsupported {
+                what: "a forward pass over zero tokens".into(),
+            });
         }
         if cache.len() + t > cache.capacity() {
-            return Err(EngineError::ContextFull { prompt: cache.len() + t, ctx: cache.capacity() });
+            return Err(EngineError::ContextFull {
+                prompt: cache.len() + t,
+                ctx: cache.capacity(),
+            });
         }
         if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= self.cfg.vocab) {
-            return Err(EngineError::Unsupported { what: format!("token id {bad} is outside the vocabulary of {}", self.cfg.vocab) });
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    self.cfg.vocab
+                ),
+            });
         }
         let ids = Tensor::new(tokens, &Device::Cpu).ctx("token ids")?;
-        let mut x = self.embed.embedding(&ids).ctx("embedding")?.unsqueeze(0).ctx("embedding")?; // (1, t, d)
+        let mut x = self
+            .embed
+            .embedding(&ids)
+            .ctx("embedding")?
+            .unsqueeze(0)
+            .ctx("embedding")?; // (1, t, d)
         if self.cfg.embed_scale != 1.0 {
             // ggml scales in f32: round the factor the same way.
             x = (x * (self.cfg.embed_scale as f32) as f64).ctx("embedding scale")?;
@@ -388,14 +514,21 @@ impl Transformer {
         let x = x.narrow(1, t - n, n).ctx("last positions")?;
         let x = self.norm.forward(&x)?;
         let logits = self.head.forward(&x)?; // (1, n, vocab)
-        logits.squeeze(0).and_then(|l| l.to_dtype(DType::F32)).ctx("logits")
+        logits
+            .squeeze(0)
+            .and_then(|l| l.to_dtype(DType::F32))
+            .ctx("logits")
     }
 
     /// Logits of the last position only, as a vector.
     ///
     /// # Errors
     /// As [`Transformer::forward`].
-    pub fn forward_last(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
+    pub fn forward_last(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>, EngineError> {
         let l = self.forward(tokens, cache, 1)?;
         l.squeeze(0).and_then(|l| l.to_vec1::<f32>()).ctx("logits")
     }
@@ -418,12 +551,20 @@ mod tests {
 
     #[test]
     fn mask_causal_and_window() {
-        let m = attention_mask(0, 3, None).unwrap().unwrap().to_vec2::<f32>().unwrap();
+        let m = attention_mask(0, 3, None)
+            .unwrap()
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
         assert_eq!(m[0][1], f32::NEG_INFINITY);
         assert_eq!(m[2][0], 0.0);
         assert!(attention_mask(5, 1, None).unwrap().is_none());
         // window 2: query at position 3 sees keys 2 and 3 only
-        let m = attention_mask(3, 1, Some(2)).unwrap().unwrap().to_vec2::<f32>().unwrap();
+        let m = attention_mask(3, 1, Some(2))
+            .unwrap()
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
         assert_eq!(m[0], vec![f32::NEG_INFINITY, f32::NEG_INFINITY, 0.0, 0.0]);
     }
 

@@ -50,7 +50,8 @@ pub trait WeightSource: Send + Sync {
     /// As [`WeightSource::load`].
     fn load_f32(&self, name: &str, slice: &Slice) -> Result<Tensor, EngineError> {
         let q = self.load(name, slice)?;
-        q.dequantize(&Device::Cpu).map_err(|e| EngineError::candle(format!("dequantizing `{name}`"), e))
+        q.dequantize(&Device::Cpu)
+            .map_err(|e| EngineError::candle(format!("dequantizing `{name}`"), e))
     }
 }
 
@@ -75,7 +76,11 @@ fn candle_dtype(t: GgmlType) -> Option<GgmlDType> {
     })
 }
 
-fn qtensor_from_bytes(bytes: &[u8], dtype: GgmlDType, shape: Vec<usize>) -> candle_core::Result<QTensor> {
+fn qtensor_from_bytes(
+    bytes: &[u8],
+    dtype: GgmlDType,
+    shape: Vec<usize>,
+) -> candle_core::Result<QTensor> {
     let storage = QStorage::from_data(Cow::Borrowed(bytes), &Device::Cpu, dtype)?;
     QTensor::new(storage, shape)
 }
@@ -113,16 +118,26 @@ impl WeightSource for GgufWeights {
     fn load(&self, name: &str, slice: &Slice) -> Result<QTensor, EngineError> {
         let info = self.file.tensor(name)?;
         let dtype = candle_dtype(info.dtype).ok_or_else(|| EngineError::Unsupported {
-            what: format!("{}: tensor `{name}` has type {}, which shoal cannot compute with yet", self.describe(), info.dtype),
+            what: format!(
+                "{}: tensor `{name}` has type {}, which shoal cannot compute with yet",
+                self.describe(),
+                info.dtype
+            ),
         })?;
         let shape = info.shape();
         let (bytes, shape): (Cow<'_, [u8]>, Vec<usize>) = match slice {
             Slice::Full => (Cow::Borrowed(self.file.tensor_data(name)?), shape),
             Slice::Rows(r) => {
                 if shape.len() != 2 {
-                    return Err(EngineError::BadSlice { tensor: name.into(), problem: format!("row slice of a {}-D tensor", shape.len()) });
+                    return Err(EngineError::BadSlice {
+                        tensor: name.into(),
+                        problem: format!("row slice of a {}-D tensor", shape.len()),
+                    });
                 }
-                (Cow::Borrowed(self.file.tensor_rows(name, r.clone())?), vec![r.len(), shape[1]])
+                (
+                    Cow::Borrowed(self.file.tensor_rows(name, r.clone())?),
+                    vec![r.len(), shape[1]],
+                )
             }
             Slice::Cols(c) => {
                 let mut s = shape.clone();
@@ -130,7 +145,8 @@ impl WeightSource for GgufWeights {
                 (Cow::Owned(self.file.tensor_cols(name, c.clone())?), s)
             }
         };
-        qtensor_from_bytes(&bytes, dtype, shape).map_err(|e| EngineError::candle(format!("loading `{name}`"), e))
+        qtensor_from_bytes(&bytes, dtype, shape)
+            .map_err(|e| EngineError::candle(format!("loading `{name}`"), e))
     }
 }
 
@@ -198,54 +214,98 @@ impl SafetensorsWeights {
         let mut maps = Vec::new();
         let mut entries = HashMap::new();
         for (i, p) in paths.iter().enumerate() {
-            let io = |e: std::io::Error| EngineError::Load { what: format!("{}: {e}", p.display()) };
+            let io = |e: std::io::Error| EngineError::Load {
+                what: format!("{}: {e}", p.display()),
+            };
             let f = std::fs::File::open(p).map_err(io)?;
             // SAFETY: read-only private map; see GgufFile::open for the accepted risk of a
             // concurrent writer.
             let map = unsafe { memmap2::Mmap::map(&f) }.map_err(io)?;
-            let (header_len, meta) = safetensors::SafeTensors::read_metadata(&map)
-                .map_err(|e| EngineError::Load { what: format!("{}: bad safetensors header: {e}", p.display()) })?;
+            let (header_len, meta) =
+                safetensors::SafeTensors::read_metadata(&map).map_err(|e| EngineError::Load {
+                    what: format!("{}: bad safetensors header: {e}", p.display()),
+                })?;
             let base = 8 + header_len;
             for (name, info) in meta.tensors() {
                 let (s, e) = info.data_offsets;
                 entries.insert(
                     name.clone(),
-                    StEntry { file: i, dtype: info.dtype, shape: info.shape.clone(), start: base + s, end: base + e },
+                    StEntry {
+                        file: i,
+                        dtype: info.dtype,
+                        shape: info.shape.clone(),
+                        start: base + s,
+                        end: base + e,
+                    },
                 );
             }
             maps.push(map);
         }
-        Ok(SafetensorsWeights { paths: paths.to_vec(), maps, entries, naming })
+        Ok(SafetensorsWeights {
+            paths: paths.to_vec(),
+            maps,
+            entries,
+            naming,
+        })
     }
 
     fn entry(&self, gguf: &str) -> Result<(String, &StEntry), EngineError> {
-        let hf = hf_name(gguf).ok_or_else(|| EngineError::MissingTensor { file: self.describe(), name: gguf.into() })?;
-        let e = self.entries.get(&hf).ok_or_else(|| EngineError::MissingTensor { file: self.describe(), name: hf.clone() })?;
+        let hf = hf_name(gguf).ok_or_else(|| EngineError::MissingTensor {
+            file: self.describe(),
+            name: gguf.into(),
+        })?;
+        let e = self
+            .entries
+            .get(&hf)
+            .ok_or_else(|| EngineError::MissingTensor {
+                file: self.describe(),
+                name: hf.clone(),
+            })?;
         Ok((hf, e))
     }
 
     fn f32_data(&self, hf: &str, e: &StEntry) -> Result<Vec<f32>, EngineError> {
-        let bytes = self.maps[e.file].get(e.start..e.end).ok_or_else(|| EngineError::Load {
-            what: format!("{}: tensor `{hf}` data runs past the end of the file", self.paths[e.file].display()),
-        })?;
+        let bytes = self.maps[e.file]
+            .get(e.start..e.end)
+            .ok_or_else(|| EngineError::Load {
+                what: format!(
+                    "{}: tensor `{hf}` data runs past the end of the file",
+                    self.paths[e.file].display()
+                ),
+            })?;
         let n: usize = e.shape.iter().product();
         let width = match e.dtype {
             safetensors::Dtype::F32 => 4,
             safetensors::Dtype::F16 | safetensors::Dtype::BF16 => 2,
             d => {
-                return Err(EngineError::Unsupported { what: format!("safetensors tensor `{hf}` has dtype {d:?}; supported: F32, F16, BF16") })
+                return Err(EngineError::Unsupported {
+                    what: format!(
+                        "safetensors tensor `{hf}` has dtype {d:?}; supported: F32, F16, BF16"
+                    ),
+                })
             }
         };
         if bytes.len() != n * width {
             return Err(EngineError::Load {
-                what: format!("tensor `{hf}`: {} bytes for shape {:?} of {:?}", bytes.len(), e.shape, e.dtype),
+                what: format!(
+                    "tensor `{hf}`: {} bytes for shape {:?} of {:?}",
+                    bytes.len(),
+                    e.shape,
+                    e.dtype
+                ),
             });
         }
         let c = bytes.chunks_exact(width);
         Ok(match e.dtype {
-            safetensors::Dtype::F32 => c.map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            safetensors::Dtype::F16 => c.map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            _ => c.map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            safetensors::Dtype::F32 => c
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            safetensors::Dtype::F16 => c
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            _ => c
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
         })
     }
 }
@@ -309,21 +369,32 @@ impl WeightSource for SafetensorsWeights {
             Slice::Rows(r) => {
                 let n_rows = data.len() / row_len.max(1);
                 if shape.len() != 2 || r.start >= r.end || r.end > n_rows {
-                    return Err(EngineError::BadSlice { tensor: name.into(), problem: format!("rows {r:?} of shape {shape:?}") });
+                    return Err(EngineError::BadSlice {
+                        tensor: name.into(),
+                        problem: format!("rows {r:?} of shape {shape:?}"),
+                    });
                 }
                 data = data[r.start * row_len..r.end * row_len].to_vec();
                 shape[0] = r.len();
             }
             Slice::Cols(c) => {
                 if c.start >= c.end || c.end > row_len {
-                    return Err(EngineError::BadSlice { tensor: name.into(), problem: format!("columns {c:?} of shape {shape:?}") });
+                    return Err(EngineError::BadSlice {
+                        tensor: name.into(),
+                        problem: format!("columns {c:?} of shape {shape:?}"),
+                    });
                 }
-                data = data.chunks_exact(row_len).flat_map(|row| row[c.clone()].iter().copied()).collect();
+                data = data
+                    .chunks_exact(row_len)
+                    .flat_map(|row| row[c.clone()].iter().copied())
+                    .collect();
                 *shape.last_mut().expect("non-empty shape") = c.len();
             }
         }
-        let t = Tensor::from_vec(data, shape, &Device::Cpu).map_err(|e| EngineError::candle(format!("loading `{hf}`"), e))?;
-        QTensor::quantize(&t, GgmlDType::F32).map_err(|e| EngineError::candle(format!("loading `{hf}`"), e))
+        let t = Tensor::from_vec(data, shape, &Device::Cpu)
+            .map_err(|e| EngineError::candle(format!("loading `{hf}`"), e))?;
+        QTensor::quantize(&t, GgmlDType::F32)
+            .map_err(|e| EngineError::candle(format!("loading `{hf}`"), e))
     }
 }
 
@@ -333,8 +404,14 @@ mod tests {
 
     #[test]
     fn hf_names() {
-        assert_eq!(hf_name("blk.12.attn_q.bias").as_deref(), Some("model.layers.12.self_attn.q_proj.bias"));
-        assert_eq!(hf_name("blk.0.ffn_norm.weight").as_deref(), Some("model.layers.0.post_attention_layernorm.weight"));
+        assert_eq!(
+            hf_name("blk.12.attn_q.bias").as_deref(),
+            Some("model.layers.12.self_attn.q_proj.bias")
+        );
+        assert_eq!(
+            hf_name("blk.0.ffn_norm.weight").as_deref(),
+            Some("model.layers.0.post_attention_layernorm.weight")
+        );
         assert_eq!(hf_name("output.weight").as_deref(), Some("lm_head.weight"));
         assert_eq!(hf_name("blk.x"), None);
     }

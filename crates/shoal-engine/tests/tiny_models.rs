@@ -51,11 +51,14 @@ fn load_gguf(path: &Path) -> Result<Transformer, EngineError> {
 
 fn load_hf(source: &ModelSource) -> Result<Transformer, EngineError> {
     let cfg_path = source.config_json().expect("an HF folder");
-    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
     let label = source.path().display().to_string();
     let cfg = arch::config_from_hf(&json, &label)?;
     let files = source.safetensors_files().unwrap();
-    let naming = HfNaming { permute_qk: (cfg.arch == Arch::Llama).then_some((cfg.n_head, cfg.n_kv_head)) };
+    let naming = HfNaming {
+        permute_qk: (cfg.arch == Arch::Llama).then_some((cfg.n_head, cfg.n_kv_head)),
+    };
     let src = SafetensorsWeights::open(&files, naming)?;
     Transformer::load(&src, cfg, Arc::new(shoal_comm::Solo))
 }
@@ -108,7 +111,15 @@ fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 /// Number of logits whose bits differ.
 fn bit_mismatches(a: &[Vec<f32>], b: &[Vec<f32>]) -> usize {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| x.iter().zip(y).filter(|(p, q)| p.to_bits() != q.to_bits()).count()).sum()
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            x.iter()
+                .zip(y)
+                .filter(|(p, q)| p.to_bits() != q.to_bits())
+                .count()
+        })
+        .sum()
 }
 
 fn argmax(xs: &[f32]) -> u32 {
@@ -124,7 +135,10 @@ fn top2_margin(xs: &[f32]) -> f32 {
 
 fn label(m: &TinyModel) -> String {
     let s = m.spec();
-    format!("{:?} seed {} tied {} snap {:?}", s.arch, s.seed, s.tied_embeddings, s.snap_to)
+    format!(
+        "{:?} seed {} tied {} snap {:?}",
+        s.arch, s.seed, s.tied_embeddings, s.snap_to
+    )
 }
 
 fn write_gguf(m: &TinyModel, dir: &Path, ty: GgmlType) -> PathBuf {
@@ -156,16 +170,32 @@ fn check_f32_gguf(spec: TinyModelSpec) {
          max|chunked-oracle| {d_chk:.2e}, max|prefill-incremental| {d_pi:.2e} (max|logit| {scale:.2})",
         label(&m)
     );
-    for (what, d) in [("prefill", d_pre), ("incremental", d_inc), ("chunked 5+1+6", d_chk)] {
-        assert!(d < F32_TOL, "{}: {what} logits differ from the oracle by {d}", label(&m));
+    for (what, d) in [
+        ("prefill", d_pre),
+        ("incremental", d_inc),
+        ("chunked 5+1+6", d_chk),
+    ] {
+        assert!(
+            d < F32_TOL,
+            "{}: {what} logits differ from the oracle by {d}",
+            label(&m)
+        );
     }
-    assert!(d_pi < F32_TOL, "{}: prefill and incremental differ by {d_pi}", label(&m));
+    assert!(
+        d_pi < F32_TOL,
+        "{}: prefill and incremental differ by {d_pi}",
+        label(&m)
+    );
     // forward_last is the last row of the prefill (not bitwise: the head's matmul over one
     // row may round differently from the same row in a batch of twelve)
     let mut cache = t.new_cache(16);
     let last = t.forward_last(&PROMPT, &mut cache).unwrap();
     let d = max_abs_diff(&[last], &pre[PROMPT.len() - 1..]);
-    assert!(d < F32_TOL, "{}: forward_last differs from the prefill's last row by {d}", label(&m));
+    assert!(
+        d < F32_TOL,
+        "{}: forward_last differs from the prefill's last row by {d}",
+        label(&m)
+    );
 }
 
 #[test]
@@ -228,17 +258,30 @@ fn gemma3_sliding_window() {
     let pre = prefill(&t, &PROMPT);
     let inc = incremental(&t, &PROMPT);
     let chk = chunked(&t, &PROMPT, &[3, 7, 2]);
-    let d = [max_abs_diff(&pre, &oracle), max_abs_diff(&inc, &oracle), max_abs_diff(&chk, &oracle), max_abs_diff(&pre, &inc)];
+    let d = [
+        max_abs_diff(&pre, &oracle),
+        max_abs_diff(&inc, &oracle),
+        max_abs_diff(&chk, &oracle),
+        max_abs_diff(&pre, &inc),
+    ];
     eprintln!("gemma3 window 4: prefill {:.2e}, incremental {:.2e}, chunked {:.2e}, prefill-incremental {:.2e}", d[0], d[1], d[2], d[3]);
     assert!(d.iter().all(|&d| d < F32_TOL), "{d:?}");
 
-    let wide = TinyModelSpec { sliding_window: 256, ..spec }.build().unwrap();
+    let wide = TinyModelSpec {
+        sliding_window: 256,
+        ..spec
+    }
+    .build()
+    .unwrap();
     let wide_oracle = wide.reference_logits(&PROMPT);
     // identical while every key is inside the window, different after
     assert!(max_abs_diff(&wide_oracle[..4], &oracle[..4]) < 1e-6);
     let effect = max_abs_diff(&wide_oracle[4..], &oracle[4..]);
     eprintln!("gemma3: effect of the window on the oracle's logits: {effect:.3}");
-    assert!(effect > 100.0 * F32_TOL, "the window changes the logits by only {effect}");
+    assert!(
+        effect > 100.0 * F32_TOL,
+        "the window changes the logits by only {effect}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -255,28 +298,56 @@ fn check_gguf_equals_safetensors(spec: TinyModelSpec) {
     let want_inc = incremental(&g, &PROMPT);
 
     let folder = dir.path().join("hf");
-    m.write_safetensors_dir(&folder, SafetensorsDtype::F32).unwrap();
+    m.write_safetensors_dir(&folder, SafetensorsDtype::F32)
+        .unwrap();
     let by_folder = source::resolve(folder.to_str().unwrap()).unwrap();
     assert_eq!(by_folder, ModelSource::HfFolder(folder.clone()));
 
     let cache_root = dir.path().join("hub");
-    let snap = m.write_hf_cache(&cache_root, "tiny-org/tiny-model", SafetensorsDtype::F32).unwrap();
-    let ctx = ResolveContext { hf_cache: Some(cache_root.clone()), catalog: None };
+    let snap = m
+        .write_hf_cache(&cache_root, "tiny-org/tiny-model", SafetensorsDtype::F32)
+        .unwrap();
+    let ctx = ResolveContext {
+        hf_cache: Some(cache_root.clone()),
+        catalog: None,
+    };
     let by_id = source::resolve_with("tiny-org/tiny-model", &ctx).unwrap();
     assert_eq!(by_id.path(), snap);
     let repo_dir = cache_root.join("models--tiny-org--tiny-model");
     let by_repo_dir = source::resolve(repo_dir.to_str().unwrap()).unwrap();
     assert!(matches!(by_repo_dir, ModelSource::HfFolder(_)));
 
-    for (how, src) in [("folder", by_folder), ("hf cache id", by_id), ("hf cache repo dir", by_repo_dir)] {
+    for (how, src) in [
+        ("folder", by_folder),
+        ("hf cache id", by_id),
+        ("hf cache repo dir", by_repo_dir),
+    ] {
         let s = load_hf(&src).unwrap();
         assert_eq!(s.config().rope_style, g.config().rope_style, "{how}");
         let pre = prefill(&s, &PROMPT);
         let inc = incremental(&s, &PROMPT);
-        let (bp, bi) = (bit_mismatches(&pre, &want_pre), bit_mismatches(&inc, &want_inc));
-        eprintln!("{} via {how}: {bp} prefill / {bi} incremental logits differ from GGUF's bits", label(&m));
-        assert_eq!(bp, 0, "{} via {how}: prefill logits not bit-identical (max diff {})", label(&m), max_abs_diff(&pre, &want_pre));
-        assert_eq!(bi, 0, "{} via {how}: incremental logits not bit-identical (max diff {})", label(&m), max_abs_diff(&inc, &want_inc));
+        let (bp, bi) = (
+            bit_mismatches(&pre, &want_pre),
+            bit_mismatches(&inc, &want_inc),
+        );
+        eprintln!(
+            "{} via {how}: {bp} prefill / {bi} incremental logits differ from GGUF's bits",
+            label(&m)
+        );
+        assert_eq!(
+            bp,
+            0,
+            "{} via {how}: prefill logits not bit-identical (max diff {})",
+            label(&m),
+            max_abs_diff(&pre, &want_pre)
+        );
+        assert_eq!(
+            bi,
+            0,
+            "{} via {how}: incremental logits not bit-identical (max diff {})",
+            label(&m),
+            max_abs_diff(&inc, &want_inc)
+        );
     }
 }
 
@@ -313,8 +384,15 @@ fn check_half_safetensors(spec: TinyModelSpec, dtype: SafetensorsDtype, tol: f32
     let s = load_hf(&source::resolve(folder.to_str().unwrap()).unwrap()).unwrap();
     let oracle = m.reference_logits(&PROMPT);
     let d = max_abs_diff(&prefill(&s, &PROMPT), &oracle);
-    eprintln!("{} {dtype:?} safetensors: max|logits - oracle| {d:.2e} (tolerance {tol:.0e})", label(&m));
-    assert!(d < tol, "{} {dtype:?}: logits differ from the oracle by {d}", label(&m));
+    eprintln!(
+        "{} {dtype:?} safetensors: max|logits - oracle| {d:.2e} (tolerance {tol:.0e})",
+        label(&m)
+    );
+    assert!(
+        d < tol,
+        "{} {dtype:?}: logits differ from the oracle by {d}",
+        label(&m)
+    );
 
     // (b) round the weights to the dtype first
     let mut r = m.clone();
@@ -332,7 +410,13 @@ fn check_half_safetensors(spec: TinyModelSpec, dtype: SafetensorsDtype, tol: f32
     let s = load_hf(&source::resolve(folder.to_str().unwrap()).unwrap()).unwrap();
     let g = load_gguf(&write_gguf(&r, dir.path(), GgmlType::F32)).unwrap();
     let (a, b) = (prefill(&s, &PROMPT), prefill(&g, &PROMPT));
-    assert_eq!(bit_mismatches(&a, &b), 0, "{} {dtype:?}: rounded model not bit-identical to its F32 GGUF (max diff {})", label(&m), max_abs_diff(&a, &b));
+    assert_eq!(
+        bit_mismatches(&a, &b),
+        0,
+        "{} {dtype:?}: rounded model not bit-identical to its F32 GGUF (max diff {})",
+        label(&m),
+        max_abs_diff(&a, &b)
+    );
 }
 
 #[test]
@@ -340,7 +424,11 @@ fn half_precision_safetensors() {
     check_half_safetensors(TinyModelSpec::llama(15), SafetensorsDtype::F16, 1e-2);
     check_half_safetensors(TinyModelSpec::llama(16), SafetensorsDtype::BF16, 1e-1);
     check_half_safetensors(TinyModelSpec::qwen2(17), SafetensorsDtype::F16, 1e-2);
-    check_half_safetensors(TinyModelSpec::qwen2(18).tied(false), SafetensorsDtype::BF16, 1e-1);
+    check_half_safetensors(
+        TinyModelSpec::qwen2(18).tied(false),
+        SafetensorsDtype::BF16,
+        1e-1,
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -368,8 +456,18 @@ fn check_quantized(spec: TinyModelSpec, ty: GgmlType, tol: f32) {
         min_margin = min_margin.min(top2_margin(&oracle));
         let (e, o) = (argmax(&logits), argmax(&oracle));
         engine_tokens.push(e);
-        assert!(d < tol, "{} {ty:?} step {step}: logits differ from the oracle by {d}", label(&m));
-        assert_eq!(e, o, "{} {ty:?} step {step}: greedy token differs (oracle margin {}, max logit error {d})", label(&m), top2_margin(&oracle));
+        assert!(
+            d < tol,
+            "{} {ty:?} step {step}: logits differ from the oracle by {d}",
+            label(&m)
+        );
+        assert_eq!(
+            e,
+            o,
+            "{} {ty:?} step {step}: greedy token differs (oracle margin {}, max logit error {d})",
+            label(&m),
+            top2_margin(&oracle)
+        );
         ids.push(o);
         logits = t.forward_last(&[o], &mut cache).unwrap();
     }
@@ -385,7 +483,11 @@ fn check_quantized(spec: TinyModelSpec, ty: GgmlType, tol: f32) {
     let inc = incremental(&t, &ids[..ids.len() - 1]);
     let d = max_abs_diff(&pre, &inc);
     eprintln!("{} {ty:?}: max|prefill - incremental| {d:.2e}", label(&m));
-    assert!(d < tol, "{} {ty:?}: prefill and incremental differ by {d}", label(&m));
+    assert!(
+        d < tol,
+        "{} {ty:?}: prefill and incremental differ by {d}",
+        label(&m)
+    );
 }
 
 // Seeds: along each greedy path the oracle's top-1/top-2 margin (printed) is well above
@@ -417,14 +519,30 @@ fn q4_0_gguf_greedy_matches_oracle() {
 // below).
 #[test]
 fn k_quant_gguf_greedy_matches_oracle() {
-    check_quantized(TinyModelSpec::qwen2(127).k_quant_shapes(), GgmlType::Q6_K, 0.5);
-    check_quantized(TinyModelSpec::gemma3(100).k_quant_shapes(), GgmlType::Q4_K, 0.5);
+    check_quantized(
+        TinyModelSpec::qwen2(127).k_quant_shapes(),
+        GgmlType::Q6_K,
+        0.5,
+    );
+    check_quantized(
+        TinyModelSpec::gemma3(100).k_quant_shapes(),
+        GgmlType::Q4_K,
+        0.5,
+    );
 }
 
 #[test]
 fn k_quant_gguf_logits_match_oracle() {
-    check_quantized_logits(TinyModelSpec::llama(147).k_quant_shapes(), GgmlType::Q4_K, 0.5);
-    check_quantized_logits(TinyModelSpec::llama(148).k_quant_shapes(), GgmlType::Q6_K, 0.5);
+    check_quantized_logits(
+        TinyModelSpec::llama(147).k_quant_shapes(),
+        GgmlType::Q4_K,
+        0.5,
+    );
+    check_quantized_logits(
+        TinyModelSpec::llama(148).k_quant_shapes(),
+        GgmlType::Q6_K,
+        0.5,
+    );
 }
 
 /// Prefill and incremental logits of a quantized GGUF within `tol` of the oracle over the
@@ -434,9 +552,16 @@ fn check_quantized_logits(spec: TinyModelSpec, ty: GgmlType, tol: f32) {
     let dir = tempfile::tempdir().unwrap();
     let t = load_gguf(&write_gguf(&m, dir.path(), ty)).unwrap();
     let oracle = m.reference_logits(&PROMPT);
-    let (dp, di) = (max_abs_diff(&prefill(&t, &PROMPT), &oracle), max_abs_diff(&incremental(&t, &PROMPT), &oracle));
+    let (dp, di) = (
+        max_abs_diff(&prefill(&t, &PROMPT), &oracle),
+        max_abs_diff(&incremental(&t, &PROMPT), &oracle),
+    );
     eprintln!("{} {ty:?}: max|prefill - oracle| {dp:.3}, max|incremental - oracle| {di:.3} (tolerance {tol})", label(&m));
-    assert!(dp < tol && di < tol, "{} {ty:?}: logits differ from the oracle by {dp} / {di}", label(&m));
+    assert!(
+        dp < tol && di < tol,
+        "{} {ty:?}: logits differ from the oracle by {dp} / {di}",
+        label(&m)
+    );
 }
 
 /// A weight source that hands out every tensor of another dequantized (by candle) to F32, so
@@ -470,12 +595,26 @@ fn check_quantized_decoding(spec: TinyModelSpec, ty: GgmlType) {
     let file = GgufFile::open(&path).unwrap();
     let vocab = file.tensor("token_embd.weight").unwrap().shape()[0];
     let cfg = arch::config_from_gguf(file.metadata(), vocab, "q").unwrap();
-    let q = Transformer::load(&Dequantized(GgufWeights::new(file)), cfg, Arc::new(shoal_comm::Solo)).unwrap();
+    let q = Transformer::load(
+        &Dequantized(GgufWeights::new(file)),
+        cfg,
+        Arc::new(shoal_comm::Solo),
+    )
+    .unwrap();
     let f = load_gguf(&write_gguf(&m, dir.path(), GgmlType::F32)).unwrap();
     let (a, b) = (prefill(&q, &PROMPT), prefill(&f, &PROMPT));
     let n = bit_mismatches(&a, &b);
-    eprintln!("{} {ty:?} decoded to F32: {n} logits differ from the F32 GGUF's bits (max diff {:.2e})", label(&m), max_abs_diff(&a, &b));
-    assert_eq!(n, 0, "{} {ty:?}: decoded weights differ from the snapped values", label(&m));
+    eprintln!(
+        "{} {ty:?} decoded to F32: {n} logits differ from the F32 GGUF's bits (max diff {:.2e})",
+        label(&m),
+        max_abs_diff(&a, &b)
+    );
+    assert_eq!(
+        n,
+        0,
+        "{} {ty:?}: decoded weights differ from the snapped values",
+        label(&m)
+    );
 }
 
 #[test]
@@ -486,13 +625,21 @@ fn quantized_weights_decode_exactly() {
     check_quantized_decoding(TinyModelSpec::gemma3(44), GgmlType::Q8_0);
     check_quantized_decoding(TinyModelSpec::llama(45).k_quant_shapes(), GgmlType::Q4_K);
     check_quantized_decoding(TinyModelSpec::llama(46).k_quant_shapes(), GgmlType::Q6_K);
-    check_quantized_decoding(TinyModelSpec::gemma3(47).tied(false).k_quant_shapes(), GgmlType::Q4_K);
+    check_quantized_decoding(
+        TinyModelSpec::gemma3(47).tied(false).k_quant_shapes(),
+        GgmlType::Q4_K,
+    );
 }
 
 // ---------------------------------------------------------------------------------------
 // 5. Errors, not panics
 
-fn gguf_with(m: &TinyModel, dir: &Path, name: &str, edit: impl FnOnce(&mut shoal_testkit::GgufWriter)) -> PathBuf {
+fn gguf_with(
+    m: &TinyModel,
+    dir: &Path,
+    name: &str,
+    edit: impl FnOnce(&mut shoal_testkit::GgufWriter),
+) -> PathBuf {
     let mut w = m.gguf_writer(GgmlType::F32).unwrap();
     edit(&mut w);
     let p = dir.join(name);
@@ -511,8 +658,15 @@ fn load_err(path: &Path) -> EngineError {
 fn missing_tensor_is_an_error_naming_it() {
     let m = TinyModelSpec::llama(31).build().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    for name in ["blk.1.ffn_down.weight", "blk.0.attn_norm.weight", "output_norm.weight", "output.weight"] {
-        let p = gguf_with(&m, dir.path(), "missing.gguf", |w| w.tensors_mut().retain(|t| t.name != name));
+    for name in [
+        "blk.1.ffn_down.weight",
+        "blk.0.attn_norm.weight",
+        "output_norm.weight",
+        "output.weight",
+    ] {
+        let p = gguf_with(&m, dir.path(), "missing.gguf", |w| {
+            w.tensors_mut().retain(|t| t.name != name)
+        });
         if name == "output.weight" {
             // an untied model without its head falls back to the tied embedding: legal
             assert!(load_gguf(&p).is_ok());
@@ -524,7 +678,9 @@ fn missing_tensor_is_an_error_naming_it() {
     }
     // and the q/k/v biases of Qwen2
     let m = TinyModelSpec::qwen2(32).build().unwrap();
-    let p = gguf_with(&m, dir.path(), "missing-bias.gguf", |w| w.tensors_mut().retain(|t| t.name != "blk.1.attn_k.bias"));
+    let p = gguf_with(&m, dir.path(), "missing-bias.gguf", |w| {
+        w.tensors_mut().retain(|t| t.name != "blk.1.attn_k.bias")
+    });
     let e = load_err(&p);
     assert!(e.to_string().contains("blk.1.attn_k.bias"), "{e}");
 }
@@ -535,24 +691,39 @@ fn misshapen_tensor_is_an_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     // attn_k with 16 rows instead of n_kv_head * head_dim = 32
     let p = gguf_with(&m, dir.path(), "shape.gguf", |w| {
-        let t = w.tensors_mut().iter_mut().find(|t| t.name == "blk.0.attn_k.weight").unwrap();
+        let t = w
+            .tensors_mut()
+            .iter_mut()
+            .find(|t| t.name == "blk.0.attn_k.weight")
+            .unwrap();
         t.ne = vec![64, 16];
         t.data.truncate(64 * 16 * 4);
     });
     let e = load_err(&p);
     eprintln!("{e}");
-    assert!(matches!(&e, EngineError::Shape { tensor, found, expected } if tensor == "blk.0.attn_k.weight" && found == &[16, 64] && expected == &[32, 64]), "{e:?}");
+    assert!(
+        matches!(&e, EngineError::Shape { tensor, found, expected } if tensor == "blk.0.attn_k.weight" && found == &[16, 64] && expected == &[32, 64]),
+        "{e:?}"
+    );
     assert!(e.to_string().contains("blk.0.attn_k.weight"), "{e}");
     // a norm of the wrong length, and an embedding narrower than the hidden size
     let p = gguf_with(&m, dir.path(), "shape2.gguf", |w| {
-        let t = w.tensors_mut().iter_mut().find(|t| t.name == "blk.1.ffn_norm.weight").unwrap();
+        let t = w
+            .tensors_mut()
+            .iter_mut()
+            .find(|t| t.name == "blk.1.ffn_norm.weight")
+            .unwrap();
         t.ne = vec![32];
         t.data.truncate(32 * 4);
     });
     let e = load_err(&p);
     assert!(e.to_string().contains("blk.1.ffn_norm.weight"), "{e}");
     let p = gguf_with(&m, dir.path(), "shape3.gguf", |w| {
-        let t = w.tensors_mut().iter_mut().find(|t| t.name == "token_embd.weight").unwrap();
+        let t = w
+            .tensors_mut()
+            .iter_mut()
+            .find(|t| t.name == "token_embd.weight")
+            .unwrap();
         t.ne = vec![32, 320];
         t.data.truncate(32 * 320 * 4);
     });
@@ -607,18 +778,26 @@ fn prompt_longer_than_cache_is_an_error() {
     let mut cache = t.new_cache(8);
     let e = t.forward(&PROMPT, &mut cache, 1).unwrap_err();
     eprintln!("{e}");
-    assert!(matches!(e, EngineError::ContextFull { prompt: 12, ctx: 8 }), "{e:?}");
-    assert!(e.to_string().contains("12") && e.to_string().contains('8'), "{e}");
+    assert!(
+        matches!(e, EngineError::ContextFull { prompt: 12, ctx: 8 }),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().contains("12") && e.to_string().contains('8'),
+        "{e}"
+    );
     assert_eq!(cache.len(), 0);
     // filling it exactly works; one more token is refused
     t.forward(&PROMPT[..8], &mut cache, 1).unwrap();
     let e = t.forward(&PROMPT[8..9], &mut cache, 1).unwrap_err();
-    assert!(matches!(e, EngineError::ContextFull { prompt: 9, ctx: 8 }), "{e:?}");
+    assert!(
+        matches!(e, EngineError::ContextFull { prompt: 9, ctx: 8 }),
+        "{e:?}"
+    );
     assert_eq!(cache.len(), 8);
     // an empty step is an error too, not a panic
     assert!(t.forward(&[], &mut cache, 1).is_err());
 }
-
 
 /// The safetensors side: a missing tensor names its Hugging Face name; an architecture the
 /// safetensors loader does not handle (Gemma 3's `gemma3_text`) is an error naming it.
@@ -626,19 +805,29 @@ fn prompt_longer_than_cache_is_an_error() {
 fn safetensors_errors_name_the_problem() {
     let dir = tempfile::tempdir().unwrap();
     let mut m = TinyModelSpec::llama(37).build().unwrap();
-    m.weights_mut().remove("model.layers.1.mlp.down_proj.weight").unwrap();
+    m.weights_mut()
+        .remove("model.layers.1.mlp.down_proj.weight")
+        .unwrap();
     let folder = dir.path().join("hf");
-    m.write_safetensors_dir(&folder, SafetensorsDtype::F32).unwrap();
+    m.write_safetensors_dir(&folder, SafetensorsDtype::F32)
+        .unwrap();
     let e = load_hf(&source::resolve(folder.to_str().unwrap()).unwrap()).unwrap_err();
     eprintln!("{e}");
-    assert!(matches!(&e, EngineError::MissingTensor { name, .. } if name == "model.layers.1.mlp.down_proj.weight"), "{e:?}");
+    assert!(
+        matches!(&e, EngineError::MissingTensor { name, .. } if name == "model.layers.1.mlp.down_proj.weight"),
+        "{e:?}"
+    );
 
     let m = TinyModelSpec::gemma3(38).build().unwrap();
     let folder = dir.path().join("hf-gemma");
-    m.write_safetensors_dir(&folder, SafetensorsDtype::F32).unwrap();
+    m.write_safetensors_dir(&folder, SafetensorsDtype::F32)
+        .unwrap();
     let e = load_hf(&source::resolve(folder.to_str().unwrap()).unwrap()).unwrap_err();
     eprintln!("{e}");
-    assert!(matches!(e, EngineError::Unsupported { .. }) && e.to_string().contains("gemma3_text"), "{e:?}");
+    assert!(
+        matches!(e, EngineError::Unsupported { .. }) && e.to_string().contains("gemma3_text"),
+        "{e:?}"
+    );
 }
 
 /// Gemma 3 config details. 27B (62 layers) scales queries by 1/sqrt(hidden / n_head), not 1/sqrt(head_dim),
@@ -646,7 +835,12 @@ fn safetensors_errors_name_the_problem() {
 /// 1/sqrt(head_dim). Config only: the tiny oracle follows `config.json`'s scalar.
 #[test]
 fn gemma3_config_from_gguf_metadata() {
-    let m = TinyModelSpec { head_dim: 32, ..TinyModelSpec::gemma3(39) }.build().unwrap();
+    let m = TinyModelSpec {
+        head_dim: 32,
+        ..TinyModelSpec::gemma3(39)
+    }
+    .build()
+    .unwrap();
     let dir = tempfile::tempdir().unwrap();
     for (layers, scalar) in [(2u32, 32.0f64), (26, 32.0), (62, 16.0)] {
         let p = gguf_with(&m, dir.path(), "scale.gguf", |w| {
@@ -663,12 +857,14 @@ fn gemma3_config_from_gguf_metadata() {
         w.remove_kv("gemma3.attention.sliding_window_pattern");
         w.set_kv("gemma3.rope.freq_base_swa", 5000.0f32);
     });
-    let cfg = arch::config_from_gguf(GgufFile::open(&p).unwrap().metadata(), 320, "defaults").unwrap();
+    let cfg =
+        arch::config_from_gguf(GgufFile::open(&p).unwrap().metadata(), 320, "defaults").unwrap();
     assert_eq!((cfg.sliding_pattern, cfg.rope_theta_local), (6, 5000.0));
     assert!((0..5).all(|l| cfg.is_local_layer(l)) && !cfg.is_local_layer(5));
     let p = gguf_with(&m, dir.path(), "defaults2.gguf", |w| {
         w.remove_kv("gemma3.rope.freq_base_swa");
     });
-    let cfg = arch::config_from_gguf(GgufFile::open(&p).unwrap().metadata(), 320, "defaults").unwrap();
+    let cfg =
+        arch::config_from_gguf(GgufFile::open(&p).unwrap().metadata(), 320, "defaults").unwrap();
     assert_eq!((cfg.sliding_pattern, cfg.rope_theta_local), (2, 10_000.0));
 }

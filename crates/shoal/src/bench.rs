@@ -48,8 +48,16 @@ impl Spread {
         let mut v = xs.to_vec();
         v.sort_by(f64::total_cmp);
         let n = v.len();
-        let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
-        Some(Spread { median, min: v[0], max: v[n - 1] })
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
+        Some(Spread {
+            median,
+            min: v[0],
+            max: v[n - 1],
+        })
     }
 }
 
@@ -100,14 +108,24 @@ pub fn measure_read_bandwidth(threads: usize) -> f64 {
         let total: u64 = std::thread::scope(|s| {
             let handles: Vec<_> = buf
                 .chunks(chunk)
-                .map(|c| s.spawn(move || c.chunks_exact(8).fold([0u64; 8], |mut acc, x| {
-                    for i in 0..8 {
-                        acc[i] = acc[i].wrapping_add(x[i]);
-                    }
-                    acc
-                }).iter().fold(0u64, |a, &b| a.wrapping_add(b))))
+                .map(|c| {
+                    s.spawn(move || {
+                        c.chunks_exact(8)
+                            .fold([0u64; 8], |mut acc, x| {
+                                for i in 0..8 {
+                                    acc[i] = acc[i].wrapping_add(x[i]);
+                                }
+                                acc
+                            })
+                            .iter()
+                            .fold(0u64, |a, &b| a.wrapping_add(b))
+                    })
+                })
                 .collect();
-            handles.into_iter().map(|h| h.join().unwrap_or(0)).fold(0u64, u64::wrapping_add)
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or(0))
+                .fold(0u64, u64::wrapping_add)
         });
         std::hint::black_box(total);
         best = best.max(BYTES as f64 / t0.elapsed().as_secs_f64() / 1e9);
@@ -125,7 +143,12 @@ pub fn main(args: BenchArgs) -> anyhow::Result<()> {
     let vocab = t.config().vocab;
     let ctx = (args.n_prompt.max(args.n_gen) + 1).min(t.config().context_len);
     if args.n_prompt > ctx || args.n_gen > ctx {
-        anyhow::bail!("-p {} / -n {} exceed the model's context of {}", args.n_prompt, args.n_gen, t.config().context_len);
+        anyhow::bail!(
+            "-p {} / -n {} exceed the model's context of {}",
+            args.n_prompt,
+            args.n_gen,
+            t.config().context_len
+        );
     }
     let mut cache = t.new_cache(ctx);
     // warm-up: page the weights in, fill allocator pools
@@ -174,9 +197,15 @@ pub fn main(args: BenchArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&report)?);
         return Ok(());
     }
-    println!("model {}  threads {}  repetitions {}", report.model, threads, args.reps);
+    println!(
+        "model {}  threads {}  repetitions {}",
+        report.model, threads, args.reps
+    );
     if let Some(p) = prefill {
-        println!("pp{:<5} {:>9.1} tok/s  (min {:.1}, max {:.1})", args.n_prompt, p.median, p.min, p.max);
+        println!(
+            "pp{:<5} {:>9.1} tok/s  (min {:.1}, max {:.1})",
+            args.n_prompt, p.median, p.min, p.max
+        );
     }
     if let Some(d) = decode {
         println!(

@@ -31,7 +31,10 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
     args.compute.apply()?;
     let model = crate::models::open(&args.model)?;
     if model.chat_template.is_none() {
-        anyhow::bail!("{} has no chat template (a base model?); use `shoal run --raw` to continue text", model.name);
+        anyhow::bail!(
+            "{} has no chat template (a base model?); use `shoal run --raw` to continue text",
+            model.name
+        );
     }
     let mut cache = model.new_cache(args.sampling.ctx());
     let mut sampler = args.sampling.sampler(0.7)?;
@@ -42,7 +45,10 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
     }
     // Tokens the cache holds, in order.
     let mut cached: Vec<u32> = Vec::new();
-    eprintln!("chatting with {} — /reset clears the conversation, /exit or Ctrl-D quits", model.name);
+    eprintln!(
+        "chatting with {} — /reset clears the conversation, /exit or Ctrl-D quits",
+        model.name
+    );
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();
     loop {
@@ -66,7 +72,10 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
         messages.push(serde_json::json!({"role": "user", "content": text}));
         let prompt = model.chat_prompt(&messages, None)?;
         if prompt.len() + params.max_tokens > cache.capacity() {
-            eprintln!("(the conversation no longer fits the context of {} tokens; use /reset)", cache.capacity());
+            eprintln!(
+                "(the conversation no longer fits the context of {} tokens; use /reset)",
+                cache.capacity()
+            );
             messages.pop();
             continue;
         }
@@ -74,9 +83,19 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
         let keep = common_prefix(&cached, &prompt).min(prompt.len() - 1);
         cache.truncate(keep);
         let mut stdout = std::io::stdout().lock();
-        let gen = model.generate_continuing(&prompt[..keep], &prompt[keep..], &mut cache, &mut sampler, &params, &mut |t| {
-            stdout.write_all(t.as_bytes()).and_then(|_| stdout.flush()).is_ok()
-        })?;
+        let gen = model.generate_continuing(
+            &prompt[..keep],
+            &prompt[keep..],
+            &mut cache,
+            &mut sampler,
+            &params,
+            &mut |t| {
+                stdout
+                    .write_all(t.as_bytes())
+                    .and_then(|_| stdout.flush())
+                    .is_ok()
+            },
+        )?;
         writeln!(stdout)?;
         cached = prompt;
         cached.extend_from_slice(&gen.tokens);

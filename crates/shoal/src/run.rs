@@ -45,7 +45,10 @@ pub struct SamplingArgs {
 impl SamplingArgs {
     pub fn sampler(&self, default_temp: f32) -> anyhow::Result<Sampler> {
         let seed = self.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
         });
         let cfg = SamplerConfig {
             temperature: self.temp.unwrap_or(default_temp),
@@ -61,7 +64,10 @@ impl SamplingArgs {
     }
 
     pub fn params(&self) -> GenerateParams {
-        GenerateParams { max_tokens: self.max_tokens, stop: self.stop.clone() }
+        GenerateParams {
+            max_tokens: self.max_tokens,
+            stop: self.stop.clone(),
+        }
     }
 
     pub fn ctx(&self) -> usize {
@@ -100,20 +106,30 @@ pub fn main(args: RunArgs) -> anyhow::Result<()> {
         messages.push(serde_json::json!({"role": "user", "content": args.prompt}));
         model.chat_prompt(&messages, None)?
     };
-    let ctx = args.sampling.ctx().max(prompt.len() + args.sampling.max_tokens);
+    let ctx = args
+        .sampling
+        .ctx()
+        .max(prompt.len() + args.sampling.max_tokens);
     let mut cache = model.new_cache(ctx);
     let mut sampler = args.sampling.sampler(0.7)?;
     let mut stdout = std::io::stdout().lock();
     let mut write_err = None;
-    let gen = model.generate(&prompt, &mut cache, &mut sampler, &args.sampling.params(), &mut |text| {
-        match stdout.write_all(text.as_bytes()).and_then(|_| stdout.flush()) {
+    let gen = model.generate(
+        &prompt,
+        &mut cache,
+        &mut sampler,
+        &args.sampling.params(),
+        &mut |text| match stdout
+            .write_all(text.as_bytes())
+            .and_then(|_| stdout.flush())
+        {
             Ok(()) => true,
             Err(e) => {
                 write_err = Some(e);
                 false
             }
-        }
-    })?;
+        },
+    )?;
     if let Some(e) = write_err {
         return Err(e.into());
     }

@@ -24,18 +24,28 @@ const SLIDING_PATTERN: usize = 6;
 pub fn from_gguf(md: &Metadata, vocab: usize) -> Result<ModelConfig, EngineError> {
     let mut c = common_gguf(md, Arch::Gemma3, vocab)?;
     c.rope_style = RopeStyle::Halves;
-    c.rope_theta_local = md.opt_f64("gemma3.rope.freq_base_swa")?.filter(|&t| t > 0.0).unwrap_or(LOCAL_ROPE_THETA);
+    c.rope_theta_local = md
+        .opt_f64("gemma3.rope.freq_base_swa")?
+        .filter(|&t| t > 0.0)
+        .unwrap_or(LOCAL_ROPE_THETA);
     c.tied_embeddings = true;
     c.activation = Activation::GeluTanh;
     c.embed_scale = (c.hidden as f64).sqrt();
     // Queries are scaled by 1/sqrt(query_pre_attn_scalar), which GGUF does not store: it is
     // head_dim except for Gemma 3 27B, where it is hidden / n_head (168, head_dim 128).
     // llama.cpp recognises 27B by its 62 layers; do the same.
-    let pre_attn_scalar = if c.n_layer == 62 && c.n_head > 0 { c.hidden / c.n_head } else { c.head_dim };
+    let pre_attn_scalar = if c.n_layer == 62 && c.n_head > 0 {
+        c.hidden / c.n_head
+    } else {
+        c.head_dim
+    };
     c.attn_scale = 1.0 / (pre_attn_scalar as f64).sqrt();
     c.sliding_window = md.opt_usize_max("gemma3.attention.sliding_window", DIM_MAX)?;
     // An integer period when present (a per-layer array is not supported: keep the default).
-    c.sliding_pattern = match md.get("gemma3.attention.sliding_window_pattern").and_then(|v| v.as_i64()) {
+    c.sliding_pattern = match md
+        .get("gemma3.attention.sliding_window_pattern")
+        .and_then(|v| v.as_i64())
+    {
         Some(p) if p > 0 => usize::try_from(p).unwrap_or(SLIDING_PATTERN),
         _ => SLIDING_PATTERN,
     };

@@ -15,7 +15,9 @@ use crate::EngineError;
 /// When a required key is missing or malformed.
 pub fn from_gguf(md: &Metadata, vocab: usize) -> Result<ModelConfig, EngineError> {
     let mut c = common_gguf(md, Arch::Llama, vocab)?;
-    c.rms_eps = md.opt_f64("llama.attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5);
+    c.rms_eps = md
+        .opt_f64("llama.attention.layer_norm_rms_epsilon")?
+        .unwrap_or(1e-5);
     c.rope_style = RopeStyle::Interleaved;
     Ok(c)
 }

@@ -16,7 +16,11 @@ use crate::EngineError;
 ///
 /// # Errors
 /// When the architecture is unsupported or its hyperparameters are missing or inconsistent.
-pub fn config_from_gguf(md: &Metadata, vocab: usize, source: &str) -> Result<ModelConfig, EngineError> {
+pub fn config_from_gguf(
+    md: &Metadata,
+    vocab: usize,
+    source: &str,
+) -> Result<ModelConfig, EngineError> {
     let arch = md.str("general.architecture")?;
     let cfg = match arch {
         "llama" => llama::from_gguf(md, vocab)?,
@@ -28,7 +32,10 @@ pub fn config_from_gguf(md: &Metadata, vocab: usize, source: &str) -> Result<Mod
             })
         }
     };
-    cfg.validate().map_err(|problem| EngineError::Config { file: source.into(), problem })?;
+    cfg.validate().map_err(|problem| EngineError::Config {
+        file: source.into(),
+        problem,
+    })?;
     Ok(cfg)
 }
 
@@ -37,17 +44,24 @@ pub fn config_from_gguf(md: &Metadata, vocab: usize, source: &str) -> Result<Mod
 /// # Errors
 /// When `model_type` is unsupported or a field is missing.
 pub fn config_from_hf(json: &serde_json::Value, source: &str) -> Result<ModelConfig, EngineError> {
-    let model_type = json.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
-    let cfg = match model_type {
-        "llama" | "mistral" => llama::from_hf(json, source)?,
-        "qwen2" => qwen2::from_hf(json, source)?,
-        other => {
-            return Err(EngineError::Unsupported {
-                what: format!("{source}: safetensors model_type `{other}` (supported: llama, mistral, qwen2)"),
-            })
-        }
-    };
-    cfg.validate().map_err(|problem| EngineError::Config { file: source.into(), problem })?;
+    let model_type = json
+        .get("model_type")
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
+    let cfg =
+        match model_type {
+            "llama" | "mistral" => llama::from_hf(json, source)?,
+            "qwen2" => qwen2::from_hf(json, source)?,
+            other => return Err(EngineError::Unsupported {
+                what: format!(
+                    "{source}: safetensors model_type `{other}` (supported: llama, mistral, qwen2)"
+                ),
+            }),
+        };
+    cfg.validate().map_err(|problem| EngineError::Config {
+        file: source.into(),
+        problem,
+    })?;
     Ok(cfg)
 }
 
@@ -55,12 +69,18 @@ pub fn config_from_hf(json: &serde_json::Value, source: &str) -> Result<ModelCon
 pub(crate) const DIM_MAX: usize = 1 << 24;
 
 /// The fields every GGUF decoder shares, read under the architecture's key prefix.
-pub(crate) fn common_gguf(md: &Metadata, arch: Arch, vocab: usize) -> Result<ModelConfig, EngineError> {
+pub(crate) fn common_gguf(
+    md: &Metadata,
+    arch: Arch,
+    vocab: usize,
+) -> Result<ModelConfig, EngineError> {
     let p = arch.name();
     let k = |s: &str| format!("{p}.{s}");
     let hidden = md.usize_max(&k("embedding_length"), DIM_MAX)?;
     let n_head = md.usize_max(&k("attention.head_count"), DIM_MAX)?;
-    let n_kv_head = md.opt_usize_max(&k("attention.head_count_kv"), DIM_MAX)?.unwrap_or(n_head);
+    let n_kv_head = md
+        .opt_usize_max(&k("attention.head_count_kv"), DIM_MAX)?
+        .unwrap_or(n_head);
     let head_dim = match md.opt_usize_max(&k("attention.key_length"), DIM_MAX)? {
         Some(d) => d,
         None if n_head > 0 => hidden / n_head,
@@ -71,7 +91,9 @@ pub(crate) fn common_gguf(md: &Metadata, arch: Arch, vocab: usize) -> Result<Mod
         Some("linear") => md.opt_f64(&k("rope.scaling.factor"))?.unwrap_or(1.0),
         Some("none") | None => 1.0,
         Some(other) => {
-            return Err(EngineError::Unsupported { what: format!("rope scaling type `{other}` (supported: linear)") })
+            return Err(EngineError::Unsupported {
+                what: format!("rope scaling type `{other}` (supported: linear)"),
+            })
         }
     };
     Ok(ModelConfig {
@@ -83,15 +105,23 @@ pub(crate) fn common_gguf(md: &Metadata, arch: Arch, vocab: usize) -> Result<Mod
         head_dim,
         ffn: md.usize_max(&k("feed_forward_length"), DIM_MAX)?,
         vocab,
-        rms_eps: md.opt_f64(&k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6),
+        rms_eps: md
+            .opt_f64(&k("attention.layer_norm_rms_epsilon"))?
+            .unwrap_or(1e-6),
         rope_theta,
         rope_theta_local: rope_theta,
         rope_scale: if rope_scale > 0.0 { rope_scale } else { 1.0 },
         rope_style: crate::config::RopeStyle::Halves,
-        context_len: md.opt_usize_max(&k("context_length"), 1 << 24)?.unwrap_or(4096),
+        context_len: md
+            .opt_usize_max(&k("context_length"), 1 << 24)?
+            .unwrap_or(4096),
         tied_embeddings: false,
         qkv_bias: false,
-        attn_scale: if head_dim > 0 { 1.0 / (head_dim as f64).sqrt() } else { 1.0 },
+        attn_scale: if head_dim > 0 {
+            1.0 / (head_dim as f64).sqrt()
+        } else {
+            1.0
+        },
         embed_scale: 1.0,
         activation: crate::config::Activation::Silu,
         sliding_window: None,
@@ -100,13 +130,20 @@ pub(crate) fn common_gguf(md: &Metadata, arch: Arch, vocab: usize) -> Result<Mod
 }
 
 /// The fields every Hugging Face decoder config shares.
-pub(crate) fn common_hf(json: &serde_json::Value, arch: Arch, source: &str) -> Result<ModelConfig, EngineError> {
+pub(crate) fn common_hf(
+    json: &serde_json::Value,
+    arch: Arch,
+    source: &str,
+) -> Result<ModelConfig, EngineError> {
     let num = |key: &str| -> Result<usize, EngineError> {
         json.get(key)
             .and_then(|v| v.as_u64())
             .filter(|&v| v as usize <= DIM_MAX)
             .map(|v| v as usize)
-            .ok_or_else(|| EngineError::Config { file: source.into(), problem: format!("`{key}` is missing or not a small integer") })
+            .ok_or_else(|| EngineError::Config {
+                file: source.into(),
+                problem: format!("`{key}` is missing or not a small integer"),
+            })
     };
     let float = |key: &str, default: f64| json.get(key).and_then(|v| v.as_f64()).unwrap_or(default);
     let hidden = num("hidden_size")?;
@@ -129,9 +166,16 @@ pub(crate) fn common_hf(json: &serde_json::Value, arch: Arch, source: &str) -> R
         rope_scale: 1.0,
         rope_style: crate::config::RopeStyle::Halves,
         context_len: num("max_position_embeddings").unwrap_or(4096),
-        tied_embeddings: json.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+        tied_embeddings: json
+            .get("tie_word_embeddings")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false),
         qkv_bias: false,
-        attn_scale: if head_dim > 0 { 1.0 / (head_dim as f64).sqrt() } else { 1.0 },
+        attn_scale: if head_dim > 0 {
+            1.0 / (head_dim as f64).sqrt()
+        } else {
+            1.0
+        },
         embed_scale: 1.0,
         activation: crate::config::Activation::Silu,
         sliding_window: None,

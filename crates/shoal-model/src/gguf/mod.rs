@@ -38,7 +38,9 @@ pub enum GgufError {
         source: std::io::Error,
     },
     /// The file does not start with the GGUF magic.
-    #[error("{path}: not a GGUF file (it starts with {found:02x?}, a GGUF file starts with \"GGUF\")")]
+    #[error(
+        "{path}: not a GGUF file (it starts with {found:02x?}, a GGUF file starts with \"GGUF\")"
+    )]
     BadMagic {
         /// The file.
         path: String,
@@ -152,7 +154,12 @@ impl GgufHeader {
     /// # Errors
     /// Any malformed, truncated or hostile content, as a [`GgufError`].
     pub fn parse(bytes: &[u8], label: &str) -> Result<Self, GgufError> {
-        Parser { bytes, pos: 0, label }.header()
+        Parser {
+            bytes,
+            pos: 0,
+            label,
+        }
+        .header()
     }
 
     /// The info of tensor `name`, if present.
@@ -169,7 +176,11 @@ struct Parser<'a> {
 
 impl<'a> Parser<'a> {
     fn malformed(&self, field: &str, problem: impl Into<String>) -> GgufError {
-        GgufError::Malformed { path: self.label.to_string(), field: field.to_string(), problem: problem.into() }
+        GgufError::Malformed {
+            path: self.label.to_string(),
+            field: field.to_string(),
+            problem: problem.into(),
+        }
     }
 
     fn remaining(&self) -> usize {
@@ -213,7 +224,10 @@ impl<'a> Parser<'a> {
         if n > fits {
             return Err(self.malformed(
                 field,
-                format!("count {n} cannot fit in the {} bytes left in the file", self.remaining()),
+                format!(
+                    "count {n} cannot fit in the {} bytes left in the file",
+                    self.remaining()
+                ),
             ));
         }
         Ok(n as usize)
@@ -250,13 +264,21 @@ impl<'a> Parser<'a> {
             10 => MetaValue::U64(self.u64(field)?),
             11 => MetaValue::I64(i64::from_le_bytes(self.arr(field)?)),
             12 => MetaValue::F64(f64::from_le_bytes(self.arr(field)?)),
-            t => return Err(self.malformed(field, format!("unknown metadata value type {t} (known: 0..=12)"))),
+            t => {
+                return Err(self.malformed(
+                    field,
+                    format!("unknown metadata value type {t} (known: 0..=12)"),
+                ))
+            }
         })
     }
 
     fn array(&mut self, field: &str, depth: usize) -> Result<MetaArray, GgufError> {
         if depth >= MAX_ARRAY_DEPTH {
-            return Err(self.malformed(field, format!("arrays nested deeper than {MAX_ARRAY_DEPTH}")));
+            return Err(self.malformed(
+                field,
+                format!("arrays nested deeper than {MAX_ARRAY_DEPTH}"),
+            ));
         }
         let ty = self.u32(field)?;
         macro_rules! prim {
@@ -265,7 +287,9 @@ impl<'a> Parser<'a> {
                 let raw = self.take(n * std::mem::size_of::<$t>(), field)?;
                 MetaArray::$variant(
                     raw.chunks_exact(std::mem::size_of::<$t>())
-                        .map(|c| <$t>::from_le_bytes(c.try_into().expect("chunk has the element size")))
+                        .map(|c| {
+                            <$t>::from_le_bytes(c.try_into().expect("chunk has the element size"))
+                        })
                         .collect(),
                 )
             }};
@@ -282,7 +306,9 @@ impl<'a> Parser<'a> {
                 let n = self.count(field, 1)?;
                 let raw = self.take(n, field)?;
                 if let Some(b) = raw.iter().find(|&&b| b > 1) {
-                    return Err(self.malformed(field, format!("bool array element {b} is neither 0 nor 1")));
+                    return Err(
+                        self.malformed(field, format!("bool array element {b} is neither 0 nor 1"))
+                    );
                 }
                 MetaArray::Bool(raw.iter().map(|&b| b == 1).collect())
             }
@@ -305,28 +331,47 @@ impl<'a> Parser<'a> {
             10 => prim!(U64, u64),
             11 => prim!(I64, i64),
             12 => prim!(F64, f64),
-            t => return Err(self.malformed(field, format!("unknown array element type {t} (known: 0..=12)"))),
+            t => {
+                return Err(self.malformed(
+                    field,
+                    format!("unknown array element type {t} (known: 0..=12)"),
+                ))
+            }
         })
     }
 
     fn header(mut self) -> Result<GgufHeader, GgufError> {
         let label = self.label.to_string();
         if self.bytes.len() < 4 || self.bytes[..4] != MAGIC {
-            return Err(GgufError::BadMagic { path: label, found: self.bytes[..self.bytes.len().min(4)].to_vec() });
+            return Err(GgufError::BadMagic {
+                path: label,
+                found: self.bytes[..self.bytes.len().min(4)].to_vec(),
+            });
         }
         self.pos = 4;
         let version = self.u32("version")?;
         match version {
             2 | 3 => {}
-            1 => return Err(GgufError::Version { path: label, version, hint: "; convert it with a current llama.cpp" }),
-            v if v.swap_bytes() <= 3 => {
+            1 => {
                 return Err(GgufError::Version {
                     path: label,
                     version,
-                    hint: " (this looks like a big-endian GGUF; only little-endian files are supported)",
+                    hint: "; convert it with a current llama.cpp",
                 })
             }
-            _ => return Err(GgufError::Version { path: label, version, hint: "" }),
+            v if v.swap_bytes() <= 3 => return Err(GgufError::Version {
+                path: label,
+                version,
+                hint:
+                    " (this looks like a big-endian GGUF; only little-endian files are supported)",
+            }),
+            _ => {
+                return Err(GgufError::Version {
+                    path: label,
+                    version,
+                    hint: "",
+                })
+            }
         }
         // Minimum bytes per tensor info: name length + n_dims + one dim + type + offset.
         let n_tensors = self.count("tensor_count", 8 + 4 + 8 + 4 + 8)?;
@@ -362,7 +407,10 @@ impl<'a> Parser<'a> {
             let field = format!("tensor info `{name}`");
             let n_dims = self.u32(&field)? as usize;
             if n_dims == 0 || n_dims > MAX_DIMS {
-                return Err(self.malformed(&field, format!("{n_dims} dimensions (ggml supports 1 to {MAX_DIMS})")));
+                return Err(self.malformed(
+                    &field,
+                    format!("{n_dims} dimensions (ggml supports 1 to {MAX_DIMS})"),
+                ));
             }
             let mut dims = Vec::with_capacity(n_dims);
             for _ in 0..n_dims {
@@ -385,12 +433,21 @@ impl<'a> Parser<'a> {
                     )
                 })?;
             if offset % alignment != 0 {
-                return Err(self.malformed(&field, format!("offset {offset} is not a multiple of the alignment {alignment}")));
+                return Err(self.malformed(
+                    &field,
+                    format!("offset {offset} is not a multiple of the alignment {alignment}"),
+                ));
             }
             if index.insert(name.clone(), i).is_some() {
                 return Err(self.malformed(&field, "a second tensor with the same name"));
             }
-            tensors.push(TensorInfo { name, dims, dtype, offset, size });
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                dtype,
+                offset,
+                size,
+            });
         }
 
         let data_offset = (self.pos as u64).div_ceil(alignment) * alignment;
@@ -407,7 +464,14 @@ impl<'a> Parser<'a> {
                 ));
             }
         }
-        Ok(GgufHeader { version, metadata, tensors, alignment, data_offset, index })
+        Ok(GgufHeader {
+            version,
+            metadata,
+            tensors,
+            alignment,
+            data_offset,
+            index,
+        })
     }
 }
 
@@ -420,7 +484,10 @@ pub struct GgufFile {
 
 impl std::fmt::Debug for GgufFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GgufFile").field("path", &self.path).field("tensors", &self.header.tensors.len()).finish()
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("tensors", &self.header.tensors.len())
+            .finish()
     }
 }
 
@@ -432,7 +499,10 @@ impl GgufFile {
     pub fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {
         let path = path.as_ref().to_path_buf();
         let label = path.display().to_string();
-        let io = |source| GgufError::Io { path: label.clone(), source };
+        let io = |source| GgufError::Io {
+            path: label.clone(),
+            source,
+        };
         let file = File::open(&path).map_err(io)?;
         // SAFETY: the map is read-only and private to this process. Like every mmap-based
         // model loader we accept that another process truncating or rewriting the file while
@@ -463,7 +533,11 @@ impl GgufFile {
     }
 
     fn tensor_err(&self, name: &str, problem: String) -> GgufError {
-        GgufError::Tensor { path: self.path.display().to_string(), name: name.to_string(), problem }
+        GgufError::Tensor {
+            path: self.path.display().to_string(),
+            name: name.to_string(),
+            problem,
+        }
     }
 
     /// The info of tensor `name`.
@@ -471,7 +545,9 @@ impl GgufFile {
     /// # Errors
     /// When the file has no such tensor.
     pub fn tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
-        self.header.tensor(name).ok_or_else(|| self.tensor_err(name, "is not in the file".into()))
+        self.header
+            .tensor(name)
+            .ok_or_else(|| self.tensor_err(name, "is not in the file".into()))
     }
 
     /// Whether the file holds tensor `name`.
@@ -503,7 +579,10 @@ impl GgufFile {
         let t = self.tensor(name)?;
         let n_rows = t.n_rows() as usize;
         if rows.start >= rows.end || rows.end > n_rows {
-            return Err(self.tensor_err(name, format!("row range {rows:?} is empty or outside its {n_rows} rows")));
+            return Err(self.tensor_err(
+                name,
+                format!("row range {rows:?} is empty or outside its {n_rows} rows"),
+            ));
         }
         let rb = t.row_bytes() as usize;
         Ok(&self.bytes_of(t)[rows.start * rb..rows.end * rb])
@@ -520,7 +599,10 @@ impl GgufFile {
         let row_len = t.row_len() as usize;
         let bl = t.dtype.block_len();
         if cols.start >= cols.end || cols.end > row_len {
-            return Err(self.tensor_err(name, format!("column range {cols:?} is empty or outside its {row_len} columns")));
+            return Err(self.tensor_err(
+                name,
+                format!("column range {cols:?} is empty or outside its {row_len} columns"),
+            ));
         }
         if cols.start % bl != 0 || cols.end % bl != 0 {
             return Err(self.tensor_err(
