@@ -96,7 +96,7 @@ impl ModelConfig {
     pub fn is_local_layer(&self, layer: usize) -> bool {
         self.sliding_window.is_some()
             && self.sliding_pattern > 0
-            && (layer + 1) % self.sliding_pattern != 0
+            && !(layer + 1).is_multiple_of(self.sliding_pattern)
     }
 
     /// Checks the relations the forward pass relies on.
@@ -118,13 +118,13 @@ impl ModelConfig {
                 return Err(format!("{name} is 0"));
             }
         }
-        if self.n_head % self.n_kv_head != 0 {
+        if !self.n_head.is_multiple_of(self.n_kv_head) {
             return Err(format!(
                 "head_count {} is not a multiple of head_count_kv {}",
                 self.n_head, self.n_kv_head
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(format!(
                 "head_dim {} is odd; RoPE needs pairs",
                 self.head_dim
@@ -144,7 +144,9 @@ impl ModelConfig {
         {
             return Err("a dimension is larger than 16M; the file is corrupt".into());
         }
-        if !(self.rms_eps > 0.0 && self.rms_eps < 1.0) || !(self.rope_theta > 0.0) {
+        let eps_ok = self.rms_eps > 0.0 && self.rms_eps < 1.0;
+        let theta_ok = self.rope_theta.is_finite() && self.rope_theta > 0.0;
+        if !eps_ok || !theta_ok {
             return Err(format!(
                 "rms_eps {} or rope_theta {} is out of range",
                 self.rms_eps, self.rope_theta

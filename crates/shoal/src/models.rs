@@ -47,10 +47,7 @@ pub fn main(cmd: ModelsCommand) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&list)?);
                 return Ok(());
             }
-            println!(
-                "{:<8} {:<8} {:>10}  {}",
-                "KEY", "CACHED", "SIZE", "PATH / DESCRIPTION"
-            );
+            println!("KEY      CACHED         SIZE  PATH / DESCRIPTION");
             for m in list {
                 let state = if m.cached { "yes" } else { "no" };
                 println!(

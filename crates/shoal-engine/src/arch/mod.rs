@@ -48,16 +48,17 @@ pub fn config_from_hf(json: &serde_json::Value, source: &str) -> Result<ModelCon
         .get("model_type")
         .and_then(|v| v.as_str())
         .unwrap_or("");
-    let cfg =
-        match model_type {
-            "llama" | "mistral" => llama::from_hf(json, source)?,
-            "qwen2" => qwen2::from_hf(json, source)?,
-            other => return Err(EngineError::Unsupported {
+    let cfg = match model_type {
+        "llama" | "mistral" => llama::from_hf(json, source)?,
+        "qwen2" => qwen2::from_hf(json, source)?,
+        other => {
+            return Err(EngineError::Unsupported {
                 what: format!(
                     "{source}: safetensors model_type `{other}` (supported: llama, mistral, qwen2)"
                 ),
-            }),
-        };
+            })
+        }
+    };
     cfg.validate().map_err(|problem| EngineError::Config {
         file: source.into(),
         problem,
@@ -149,7 +150,7 @@ pub(crate) fn common_hf(
     let hidden = num("hidden_size")?;
     let n_head = num("num_attention_heads")?;
     let n_kv_head = num("num_key_value_heads").unwrap_or(n_head);
-    let head_dim = num("head_dim").unwrap_or(if n_head > 0 { hidden / n_head } else { 0 });
+    let head_dim = num("head_dim").unwrap_or(hidden.checked_div(n_head).unwrap_or(0));
     let rope_theta = float("rope_theta", 10_000.0);
     Ok(ModelConfig {
         arch,

@@ -604,7 +604,7 @@ impl GgufFile {
                 format!("column range {cols:?} is empty or outside its {row_len} columns"),
             ));
         }
-        if cols.start % bl != 0 || cols.end % bl != 0 {
+        if !cols.start.is_multiple_of(bl) || !cols.end.is_multiple_of(bl) {
             return Err(self.tensor_err(
                 name,
                 format!("column range {cols:?} does not fall on {} block boundaries (multiples of {bl})", t.dtype),
