@@ -18,7 +18,7 @@ cargo build --release --workspace --all-targets
 echo "== test data"
 scripts/fetch-llamacpp-src.sh
 scripts/fetch-qwen-tokenizer.sh
-target/release/shoal models fetch smollm2 qwen05 gemma3
+cargo run --release --quiet -p shoal -- models fetch smollm2 qwen05 gemma3
 python3 -m pip install --quiet --disable-pip-version-check gguf numpy || echo "(python gguf reader unavailable; its cross-checks will skip)"
 
 echo "== clippy"
