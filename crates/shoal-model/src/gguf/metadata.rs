@@ -172,7 +172,11 @@ impl Metadata {
         for (i, (k, _)) in entries.iter().enumerate() {
             index.insert(k.clone(), i);
         }
-        Metadata { entries, index, path: path.to_string() }
+        Metadata {
+            entries,
+            index,
+            path: path.to_string(),
+        }
     }
 
     /// All entries in file order.
@@ -186,11 +190,16 @@ impl Metadata {
     }
 
     fn err(&self, key: &str, problem: String) -> GgufError {
-        GgufError::Metadata { path: self.path.clone(), key: key.to_string(), problem }
+        GgufError::Metadata {
+            path: self.path.clone(),
+            key: key.to_string(),
+            problem,
+        }
     }
 
     fn required(&self, key: &str) -> Result<&MetaValue, GgufError> {
-        self.get(key).ok_or_else(|| self.err(key, "is missing".into()))
+        self.get(key)
+            .ok_or_else(|| self.err(key, "is missing".into()))
     }
 
     /// An integer value of any width, as `u64`.
@@ -201,7 +210,12 @@ impl Metadata {
         let v = self.required(key)?;
         v.as_i64()
             .and_then(|x| u64::try_from(x).ok())
-            .ok_or_else(|| self.err(key, format!("expected a non-negative integer, found {}", v.type_name())))
+            .ok_or_else(|| {
+                self.err(
+                    key,
+                    format!("expected a non-negative integer, found {}", v.type_name()),
+                )
+            })
     }
 
     /// An integer value as `usize`, checked against `max` (hostile files carry absurd sizes).
@@ -211,7 +225,10 @@ impl Metadata {
     pub fn usize_max(&self, key: &str, max: usize) -> Result<usize, GgufError> {
         let v = self.u64(key)?;
         if v > max as u64 {
-            return Err(self.err(key, format!("value {v} is larger than the supported maximum {max}")));
+            return Err(self.err(
+                key,
+                format!("value {v} is larger than the supported maximum {max}"),
+            ));
         }
         Ok(v as usize)
     }
@@ -233,7 +250,8 @@ impl Metadata {
     /// When the key is missing or not a number.
     pub fn f64(&self, key: &str) -> Result<f64, GgufError> {
         let v = self.required(key)?;
-        v.as_f64().ok_or_else(|| self.err(key, format!("expected a number, found {}", v.type_name())))
+        v.as_f64()
+            .ok_or_else(|| self.err(key, format!("expected a number, found {}", v.type_name())))
     }
 
     /// An optional float value.
@@ -299,7 +317,10 @@ impl Metadata {
     pub fn str_array(&self, key: &str) -> Result<&[String], GgufError> {
         match self.array(key)? {
             MetaArray::String(v) => Ok(v),
-            a => Err(self.err(key, format!("expected an array of string, found {}", a.type_name()))),
+            a => Err(self.err(
+                key,
+                format!("expected an array of string, found {}", a.type_name()),
+            )),
         }
     }
 
@@ -309,8 +330,12 @@ impl Metadata {
     /// When the key is missing or not an integer array.
     pub fn int_array(&self, key: &str) -> Result<Vec<i64>, GgufError> {
         let a = self.array(key)?;
-        a.to_i64_vec()
-            .ok_or_else(|| self.err(key, format!("expected an array of integers, found {}", a.type_name())))
+        a.to_i64_vec().ok_or_else(|| {
+            self.err(
+                key,
+                format!("expected an array of integers, found {}", a.type_name()),
+            )
+        })
     }
 
     /// An array of floats, as `f32`.
@@ -319,7 +344,11 @@ impl Metadata {
     /// When the key is missing or not a float array.
     pub fn f32_array(&self, key: &str) -> Result<Vec<f32>, GgufError> {
         let a = self.array(key)?;
-        a.to_f32_vec()
-            .ok_or_else(|| self.err(key, format!("expected an array of floats, found {}", a.type_name())))
+        a.to_f32_vec().ok_or_else(|| {
+            self.err(
+                key,
+                format!("expected an array of floats, found {}", a.type_name()),
+            )
+        })
     }
 }
