@@ -25,6 +25,11 @@ pub const DEFAULT_ALIGNMENT: u64 = 32;
 pub const MAX_DIMS: usize = 4;
 /// Deepest nesting of arrays accepted in metadata.
 const MAX_ARRAY_DEPTH: usize = 4;
+/// Most items reserved up front for a count read from the file. A count is only checked
+/// against the bytes left, and one item in memory is larger than its smallest encoding, so
+/// reserving the full count would let a hostile header allocate several times the file size
+/// before failing; past this many items vectors grow as items are actually parsed.
+const MAX_PREALLOC: usize = 4096;
 
 /// What can go wrong reading a GGUF file. Every variant names the file.
 #[derive(Debug, thiserror::Error)]
@@ -145,6 +150,7 @@ pub struct GgufHeader {
     /// Absolute file offset of the tensor data section.
     pub data_offset: u64,
     index: std::collections::HashMap<String, usize>,
+    label: String,
 }
 
 impl GgufHeader {
@@ -165,6 +171,114 @@ impl GgufHeader {
     /// The info of tensor `name`, if present.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    fn tensor_err(&self, name: &str, problem: String) -> GgufError {
+        GgufError::Tensor {
+            path: self.label.clone(),
+            name: name.to_string(),
+            problem,
+        }
+    }
+
+    fn info(&self, name: &str) -> Result<&TensorInfo, GgufError> {
+        self.tensor(name)
+            .ok_or_else(|| self.tensor_err(name, "is not in the file".into()))
+    }
+
+    fn bytes_of<'b>(&self, file: &'b [u8], t: &TensorInfo) -> Result<&'b [u8], GgufError> {
+        // Parsing checked the extents against the file length, but `file` may not be the
+        // bytes this header was parsed from, so check again rather than index blindly.
+        let range = self
+            .data_offset
+            .checked_add(t.offset)
+            .and_then(|start| Some(start..start.checked_add(t.size)?))
+            .and_then(|r| Some(usize::try_from(r.start).ok()?..usize::try_from(r.end).ok()?));
+        range.and_then(|r| file.get(r)).ok_or_else(|| {
+            self.tensor_err(
+                &t.name,
+                format!(
+                    "data at offset {} with {} bytes is outside the {} bytes given (not the file this header came from?)",
+                    t.offset,
+                    t.size,
+                    file.len()
+                ),
+            )
+        })
+    }
+
+    /// All bytes of tensor `name`, out of `file`, the bytes this header was parsed from.
+    ///
+    /// # Errors
+    /// When there is no such tensor or `file` is too short to hold it.
+    pub fn tensor_data<'b>(&self, file: &'b [u8], name: &str) -> Result<&'b [u8], GgufError> {
+        let t = self.info(name)?;
+        self.bytes_of(file, t)
+    }
+
+    /// The bytes of rows `rows` of tensor `name` out of `file` (see [`GgufFile::tensor_rows`]).
+    ///
+    /// # Errors
+    /// When the tensor is missing, the range is empty or out of bounds, or `file` is too short.
+    pub fn tensor_rows<'b>(
+        &self,
+        file: &'b [u8],
+        name: &str,
+        rows: Range<usize>,
+    ) -> Result<&'b [u8], GgufError> {
+        let t = self.info(name)?;
+        let n_rows = t.n_rows();
+        if rows.start >= rows.end || rows.end as u64 > n_rows {
+            return Err(self.tensor_err(
+                name,
+                format!("row range {rows:?} is empty or outside its {n_rows} rows"),
+            ));
+        }
+        // `size` is `n_rows * row_bytes` exactly, so these products stay within `size`.
+        let rb = t.row_bytes() as usize;
+        Ok(&self.bytes_of(file, t)?[rows.start * rb..rows.end * rb])
+    }
+
+    /// The bytes of columns `cols` of every row of tensor `name` out of `file`, gathered row
+    /// after row (see [`GgufFile::tensor_cols`]).
+    ///
+    /// # Errors
+    /// When the tensor is missing, the range is empty, out of bounds or not block aligned, or
+    /// `file` is too short.
+    pub fn tensor_cols(
+        &self,
+        file: &[u8],
+        name: &str,
+        cols: Range<usize>,
+    ) -> Result<Vec<u8>, GgufError> {
+        let t = self.info(name)?;
+        let row_len = t.row_len();
+        let bl = t.dtype.block_len();
+        if cols.start >= cols.end || cols.end as u64 > row_len {
+            return Err(self.tensor_err(
+                name,
+                format!("column range {cols:?} is empty or outside its {row_len} columns"),
+            ));
+        }
+        if !cols.start.is_multiple_of(bl) || !cols.end.is_multiple_of(bl) {
+            return Err(self.tensor_err(
+                name,
+                format!("column range {cols:?} does not fall on {} block boundaries (multiples of {bl})", t.dtype),
+            ));
+        }
+        let data = self.bytes_of(file, t)?;
+        let rb = t.row_bytes() as usize;
+        if rb == 0 {
+            // A tensor with no rows (some outer dimension is 0) has no columns to gather.
+            return Ok(Vec::new());
+        }
+        let bb = t.dtype.block_bytes();
+        let (b0, b1) = (cols.start / bl * bb, cols.end / bl * bb);
+        let mut out = Vec::with_capacity((b1 - b0) * (data.len() / rb));
+        for row in data.chunks_exact(rb) {
+            out.extend_from_slice(&row[b0..b1]);
+        }
+        Ok(out)
     }
 }
 
@@ -314,7 +428,7 @@ impl<'a> Parser<'a> {
             }
             8 => {
                 let n = self.count(field, 8)?;
-                let mut v = Vec::with_capacity(n);
+                let mut v = Vec::with_capacity(n.min(MAX_PREALLOC));
                 for _ in 0..n {
                     v.push(self.string(field)?);
                 }
@@ -322,7 +436,7 @@ impl<'a> Parser<'a> {
             }
             9 => {
                 let n = self.count(field, 12)?;
-                let mut v = Vec::with_capacity(n);
+                let mut v = Vec::with_capacity(n.min(MAX_PREALLOC));
                 for _ in 0..n {
                     v.push(self.array(field, depth + 1)?);
                 }
@@ -359,7 +473,7 @@ impl<'a> Parser<'a> {
                     hint: "; convert it with a current llama.cpp",
                 })
             }
-            v if v.swap_bytes() <= 3 => return Err(GgufError::Version {
+            v if matches!(v.swap_bytes(), 1..=3) => return Err(GgufError::Version {
                 path: label,
                 version,
                 hint:
@@ -378,7 +492,7 @@ impl<'a> Parser<'a> {
         // Minimum bytes per metadata entry: key length + type + a one-byte value.
         let n_kv = self.count("metadata_kv_count", 8 + 4 + 1)?;
 
-        let mut entries = Vec::with_capacity(n_kv);
+        let mut entries = Vec::with_capacity(n_kv.min(MAX_PREALLOC));
         for i in 0..n_kv {
             let key = self.string(&format!("metadata entry {i} key"))?;
             let ty = self.u32(&format!("metadata `{key}` type"))?;
@@ -400,8 +514,8 @@ impl<'a> Parser<'a> {
             },
         };
 
-        let mut tensors = Vec::with_capacity(n_tensors);
-        let mut index = std::collections::HashMap::with_capacity(n_tensors);
+        let mut tensors = Vec::with_capacity(n_tensors.min(MAX_PREALLOC));
+        let mut index = std::collections::HashMap::with_capacity(n_tensors.min(MAX_PREALLOC));
         for i in 0..n_tensors {
             let name = self.string(&format!("tensor info {i} name"))?;
             let field = format!("tensor info `{name}`");
@@ -420,9 +534,24 @@ impl<'a> Parser<'a> {
             let dtype = GgmlType::from_id(ty)
                 .ok_or_else(|| self.malformed(&field, format!("unknown tensor type id {ty}")))?;
             let offset = self.u64(&field)?;
-            let n = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
-            let size = n
-                .and_then(|n| if dims[0] % dtype.block_len() as u64 == 0 { dtype.bytes_for(n) } else { None })
+            // ggml counts elements in i64. Check the product of the non-zero dimensions too: a
+            // zero dimension makes the full product 0 while the row count (the product of the
+            // others) could still overflow.
+            let fits = dims
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d.max(1)))
+                .is_some_and(|n| n <= i64::MAX as u64);
+            if !fits {
+                return Err(self.malformed(
+                    &field,
+                    format!(
+                        "dimensions {dims:?} hold more elements than ggml can count (overflow)"
+                    ),
+                ));
+            }
+            let n: u64 = dims.iter().product();
+            let size = Some(n)
+                .and_then(|n| if dims[0].is_multiple_of(dtype.block_len() as u64) { dtype.bytes_for(n) } else { None })
                 .ok_or_else(|| {
                     self.malformed(
                         &field,
@@ -432,7 +561,7 @@ impl<'a> Parser<'a> {
                         ),
                     )
                 })?;
-            if offset % alignment != 0 {
+            if !offset.is_multiple_of(alignment) {
                 return Err(self.malformed(
                     &field,
                     format!("offset {offset} is not a multiple of the alignment {alignment}"),
@@ -451,6 +580,15 @@ impl<'a> Parser<'a> {
         }
 
         let data_offset = (self.pos as u64).div_ceil(alignment) * alignment;
+        if !tensors.is_empty() && data_offset > self.bytes.len() as u64 {
+            return Err(self.malformed(
+                "tensor data",
+                format!(
+                    "the file ends at byte {} inside the padding before the tensor data section at byte {data_offset} (truncated file?)",
+                    self.bytes.len()
+                ),
+            ));
+        }
         let data_len = (self.bytes.len() as u64).saturating_sub(data_offset);
         for t in &tensors {
             let end = t.offset.checked_add(t.size);
@@ -471,6 +609,7 @@ impl<'a> Parser<'a> {
             alignment,
             data_offset,
             index,
+            label,
         })
     }
 }
@@ -532,22 +671,12 @@ impl GgufFile {
         &self.header.tensors
     }
 
-    fn tensor_err(&self, name: &str, problem: String) -> GgufError {
-        GgufError::Tensor {
-            path: self.path.display().to_string(),
-            name: name.to_string(),
-            problem,
-        }
-    }
-
     /// The info of tensor `name`.
     ///
     /// # Errors
     /// When the file has no such tensor.
     pub fn tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
-        self.header
-            .tensor(name)
-            .ok_or_else(|| self.tensor_err(name, "is not in the file".into()))
+        self.header.info(name)
     }
 
     /// Whether the file holds tensor `name`.
@@ -555,19 +684,12 @@ impl GgufFile {
         self.header.tensor(name).is_some()
     }
 
-    fn bytes_of(&self, t: &TensorInfo) -> &[u8] {
-        // Extents were checked against the file length when the header was parsed.
-        let start = (self.header.data_offset + t.offset) as usize;
-        &self.map[start..start + t.size as usize]
-    }
-
     /// All bytes of tensor `name`.
     ///
     /// # Errors
     /// When the file has no such tensor.
     pub fn tensor_data(&self, name: &str) -> Result<&[u8], GgufError> {
-        let t = self.tensor(name)?;
-        Ok(self.bytes_of(t))
+        self.header.tensor_data(&self.map, name)
     }
 
     /// The bytes of rows `rows` of tensor `name` (a row is `dims[0]` elements; for a weight
@@ -576,16 +698,7 @@ impl GgufFile {
     /// # Errors
     /// When the tensor is missing or the range is empty or out of bounds.
     pub fn tensor_rows(&self, name: &str, rows: Range<usize>) -> Result<&[u8], GgufError> {
-        let t = self.tensor(name)?;
-        let n_rows = t.n_rows() as usize;
-        if rows.start >= rows.end || rows.end > n_rows {
-            return Err(self.tensor_err(
-                name,
-                format!("row range {rows:?} is empty or outside its {n_rows} rows"),
-            ));
-        }
-        let rb = t.row_bytes() as usize;
-        Ok(&self.bytes_of(t)[rows.start * rb..rows.end * rb])
+        self.header.tensor_rows(&self.map, name, rows)
     }
 
     /// The bytes of columns `cols` of every row of tensor `name`, gathered row after row
@@ -595,29 +708,6 @@ impl GgufFile {
     /// # Errors
     /// When the tensor is missing, or the range is empty, out of bounds or not block aligned.
     pub fn tensor_cols(&self, name: &str, cols: Range<usize>) -> Result<Vec<u8>, GgufError> {
-        let t = self.tensor(name)?;
-        let row_len = t.row_len() as usize;
-        let bl = t.dtype.block_len();
-        if cols.start >= cols.end || cols.end > row_len {
-            return Err(self.tensor_err(
-                name,
-                format!("column range {cols:?} is empty or outside its {row_len} columns"),
-            ));
-        }
-        if !cols.start.is_multiple_of(bl) || !cols.end.is_multiple_of(bl) {
-            return Err(self.tensor_err(
-                name,
-                format!("column range {cols:?} does not fall on {} block boundaries (multiples of {bl})", t.dtype),
-            ));
-        }
-        let bb = t.dtype.block_bytes();
-        let (b0, b1) = (cols.start / bl * bb, cols.end / bl * bb);
-        let rb = t.row_bytes() as usize;
-        let data = self.bytes_of(t);
-        let mut out = Vec::with_capacity((b1 - b0) * t.n_rows() as usize);
-        for row in data.chunks_exact(rb) {
-            out.extend_from_slice(&row[b0..b1]);
-        }
-        Ok(out)
+        self.header.tensor_cols(&self.map, name, cols)
     }
 }
