@@ -102,6 +102,56 @@ fn attention_mask(
     ))
 }
 
+/// RoPE tables and attention masks of one step, built once and shared by every layer (a
+/// model has at most two kinds of layer: global, and sliding-window with its own RoPE base).
+struct StepTables {
+    p: usize,
+    t: usize,
+    rope: Vec<((u64, u64), (Tensor, Tensor))>,
+    masks: Vec<(Option<usize>, Option<Tensor>)>,
+}
+
+impl StepTables {
+    fn new(p: usize, t: usize) -> Self {
+        StepTables {
+            p,
+            t,
+            rope: Vec::new(),
+            masks: Vec::new(),
+        }
+    }
+
+    fn rope(
+        &mut self,
+        head_dim: usize,
+        base: f64,
+        scale: f64,
+    ) -> Result<&(Tensor, Tensor), EngineError> {
+        let key = (base.to_bits(), scale.to_bits());
+        let i = match self.rope.iter().position(|(k, _)| *k == key) {
+            Some(i) => i,
+            None => {
+                self.rope
+                    .push((key, rope_tables(self.p, self.t, head_dim, base, scale)?));
+                self.rope.len() - 1
+            }
+        };
+        Ok(&self.rope[i].1)
+    }
+
+    fn mask(&mut self, window: Option<usize>) -> Result<Option<&Tensor>, EngineError> {
+        let i = match self.masks.iter().position(|(w, _)| *w == window) {
+            Some(i) => i,
+            None => {
+                self.masks
+                    .push((window, attention_mask(self.p, self.t, window)?));
+                self.masks.len() - 1
+            }
+        };
+        Ok(self.masks[i].1.as_ref())
+    }
+}
+
 /// Multi-head (grouped-query) self-attention over this rank's heads.
 #[derive(Debug)]
 pub struct Attention {
@@ -210,6 +260,7 @@ impl Attention {
         x: &Tensor,
         cache: &mut KvCache,
         layer: usize,
+        tables: &mut StepTables,
     ) -> Result<Tensor, EngineError> {
         let (b, t, _) = x.dims3().ctx("attention input")?;
         let (nh, nkv, hd) = (self.n_head, self.n_kv_head, self.head_dim);
@@ -230,9 +281,9 @@ impl Attention {
         if let Some(n) = &self.k_norm {
             k = n.forward(&k)?;
         }
-        let (cos, sin) = rope_tables(p, t, hd, self.rope_base, self.rope_scale)?;
-        let q = self.rope(&q, &cos, &sin)?;
-        let k = self.rope(&k, &cos, &sin)?;
+        let (cos, sin) = tables.rope(hd, self.rope_base, self.rope_scale)?;
+        let q = self.rope(&q, cos, sin)?;
+        let k = self.rope(&k, cos, sin)?;
         let (k_all, v_all) = cache.append(layer, &k, &v)?; // (b, nkv, T, hd)
         let total = p + t;
 
@@ -244,10 +295,10 @@ impl Attention {
             .reshape((b, nkv, n_rep * t, hd))
             .ctx("group q")?;
         let att = q.matmul(&k_all.t().ctx("k^T")?).ctx("q k^T")?; // (b, nkv, n_rep*t, T)
-        let att = match attention_mask(p, t, self.window)? {
+        let att = match tables.mask(self.window)? {
             Some(m) => att
                 .reshape((b, nkv, n_rep, t, total))
-                .and_then(|a| a.broadcast_add(&m))
+                .and_then(|a| a.broadcast_add(m))
                 .and_then(|a| a.reshape((b, nkv, n_rep * t, total)))
                 .ctx("mask")?,
             None => att,
@@ -369,16 +420,17 @@ impl Block {
     ///
     /// # Errors
     /// On a tensor or communication failure.
-    pub fn forward(
+    fn forward(
         &self,
         x: &Tensor,
         cache: &mut KvCache,
         layer: usize,
+        tables: &mut StepTables,
     ) -> Result<Tensor, EngineError> {
         // attention with residual
         let mut a = self
             .attn
-            .forward(&self.attn_norm.forward(x)?, cache, layer)?;
+            .forward(&self.attn_norm.forward(x)?, cache, layer, tables)?;
         if let Some(n) = &self.post_attn_norm {
             a = n.forward(&a)?;
         }
@@ -506,8 +558,9 @@ impl Transformer {
             // ggml scales in f32: round the factor the same way.
             x = (x * (self.cfg.embed_scale as f32) as f64).ctx("embedding scale")?;
         }
+        let mut tables = StepTables::new(cache.len(), t);
         for (layer, block) in self.blocks.iter().enumerate() {
-            x = block.forward(&x, cache, layer)?;
+            x = block.forward(&x, cache, layer, &mut tables)?;
         }
         cache.advance(t);
         let n = n_logits.clamp(1, t);
