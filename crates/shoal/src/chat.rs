@@ -71,6 +71,9 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
         }
         messages.push(serde_json::json!({"role": "user", "content": text}));
         let prompt = model.chat_prompt(&messages, None)?;
+        if prompt.is_empty() {
+            anyhow::bail!("the chat template rendered an empty prompt");
+        }
         if prompt.len() + params.max_tokens > cache.capacity() {
             eprintln!(
                 "(the conversation no longer fits the context of {} tokens; use /reset)",
