@@ -5,13 +5,77 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::QMatMul;
-use candle_core::{Module, Tensor};
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
 use shoal_comm::Communicator;
 
 use crate::error::CandleContext;
-use crate::weights::{Slice, WeightSource};
+use crate::kernels::QuantMatrix;
+use crate::weights::{quant_matrix, Slice, WeightSource};
 use crate::EngineError;
+
+/// A weight matrix and what multiplies by it: shoal's kernels for the types they cover,
+/// candle's quantized matmul for the rest (Q2_K, Q3_K, BF16, ...).
+#[derive(Debug, Clone)]
+pub enum Matrix {
+    /// Multiplied by [`crate::kernels`].
+    Kernel(Arc<QuantMatrix>),
+    /// Multiplied by candle.
+    Candle(QMatMul),
+}
+
+impl Matrix {
+    /// Wraps a loaded tensor `name`.
+    ///
+    /// # Errors
+    /// When the tensor is not 2-D or its bytes do not fit its shape.
+    pub fn from_qtensor(name: &str, q: QTensor) -> Result<Self, EngineError> {
+        match quant_matrix(name, &q)? {
+            Some(m) => Ok(Matrix::Kernel(Arc::new(m))),
+            None => Ok(Matrix::Candle(QMatMul::from_qtensor(q).ctx(name)?)),
+        }
+    }
+
+    /// `x @ W^T`; x is `(.., in)`, the result `(.., out)`.
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
+        match self {
+            Matrix::Candle(m) => m.forward(x).ctx("quantized matmul"),
+            Matrix::Kernel(m) => {
+                let dims = x.dims().to_vec();
+                let mut out_dims = dims.clone();
+                *out_dims
+                    .last_mut()
+                    .ok_or_else(|| EngineError::Unsupported {
+                        what: "a matmul of a scalar".into(),
+                    })? = m.rows();
+                let x = x.flatten_all().ctx("matmul input")?;
+                let (storage, layout) = x.storage_and_layout();
+                let candle_core::Storage::Cpu(cpu) = &*storage else {
+                    return Err(EngineError::Unsupported {
+                        what: "shoal's kernels run on the CPU only".into(),
+                    });
+                };
+                let all = cpu.as_slice::<f32>().ctx("matmul input")?;
+                let xs = match layout.contiguous_offsets() {
+                    Some((a, b)) => &all[a..b],
+                    None => {
+                        return Err(EngineError::Unsupported {
+                            what: "a non-contiguous matmul input".into(),
+                        })
+                    }
+                };
+                let mut y = vec![0f32; xs.len() / m.cols() * m.rows()];
+                m.matmul(xs, &mut y).map_err(|e| EngineError::Unsupported {
+                    what: e.to_string(),
+                })?;
+                Tensor::from_vec(y, out_dims, &Device::Cpu).ctx("matmul output")
+            }
+        }
+    }
+}
 
 fn check_shape(src: &dyn WeightSource, name: &str, expected: &[usize]) -> Result<(), EngineError> {
     let found = src.shape(name)?;
@@ -29,7 +93,7 @@ fn check_shape(src: &dyn WeightSource, name: &str, expected: &[usize]) -> Result
 /// layer: q/k/v, gate and up projections, and the vocabulary-cut output head.
 #[derive(Debug, Clone)]
 pub struct ColumnLinear {
-    weight: QMatMul,
+    weight: Matrix,
     bias: Option<Tensor>,
 }
 
@@ -54,7 +118,7 @@ impl ColumnLinear {
         } else {
             Slice::Rows(rows.clone())
         };
-        let weight = QMatMul::from_qtensor(src.load(&wname, &slice)?).ctx(&wname)?;
+        let weight = Matrix::from_qtensor(&wname, src.load(&wname, &slice)?)?;
         let bias = if bias {
             let bname = format!("{prefix}.bias");
             check_shape(src, &bname, &[out])?;
@@ -71,7 +135,7 @@ impl ColumnLinear {
     }
 
     /// Wraps an already-loaded matrix (the tied output head).
-    pub fn from_qmatmul(weight: QMatMul) -> Self {
+    pub fn from_matrix(weight: Matrix) -> Self {
         ColumnLinear { weight, bias: None }
     }
 
@@ -80,7 +144,7 @@ impl ColumnLinear {
     /// # Errors
     /// On a shape mismatch.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
-        let y = self.weight.forward(x).ctx("column linear")?;
+        let y = self.weight.forward(x)?;
         match &self.bias {
             Some(b) => y.broadcast_add(b).ctx("column linear bias"),
             None => Ok(y),
@@ -93,7 +157,7 @@ impl ColumnLinear {
 /// all-reduce makes it whole.
 #[derive(Clone)]
 pub struct RowLinear {
-    weight: QMatMul,
+    weight: Matrix,
     comm: Arc<dyn Communicator>,
 }
 
@@ -125,7 +189,7 @@ impl RowLinear {
         } else {
             Slice::Cols(cols)
         };
-        let weight = QMatMul::from_qtensor(src.load(&wname, &slice)?).ctx(&wname)?;
+        let weight = Matrix::from_qtensor(&wname, src.load(&wname, &slice)?)?;
         Ok(RowLinear { weight, comm })
     }
 
@@ -134,7 +198,7 @@ impl RowLinear {
     /// # Errors
     /// On a shape mismatch or a failed all-reduce.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
-        let y = self.weight.forward(x).ctx("row linear")?;
+        let y = self.weight.forward(x)?;
         if self.comm.world_size() == 1 {
             return Ok(y);
         }

@@ -8,6 +8,7 @@ pub mod arch;
 pub mod config;
 mod error;
 pub mod generate;
+pub mod kernels;
 pub mod kv_cache;
 pub mod layers;
 pub mod model;

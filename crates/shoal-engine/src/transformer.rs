@@ -16,9 +16,10 @@ use shoal_comm::Communicator;
 
 use crate::config::{Activation, ModelConfig, RopeStyle};
 use crate::error::CandleContext;
+use crate::kernels::QuantMatrix;
 use crate::kv_cache::KvCache;
-use crate::layers::{ColumnLinear, RmsNorm, RowLinear};
-use crate::weights::{Slice, WeightSource};
+use crate::layers::{ColumnLinear, Matrix, RmsNorm, RowLinear};
+use crate::weights::{quant_matrix, Slice, WeightSource};
 use crate::EngineError;
 
 /// The part of one layer a rank holds.
@@ -444,10 +445,58 @@ impl Block {
     }
 }
 
+/// The token embedding table, which is also the output head when the model ties them.
+enum Embedding {
+    /// Read row by row through the kernels' dequantizer.
+    Kernel(Arc<QuantMatrix>),
+    /// A type the kernels do not cover: candle's lookup.
+    Candle(Arc<QTensor>),
+}
+
+impl Embedding {
+    fn new(q: QTensor) -> Result<Self, EngineError> {
+        Ok(match quant_matrix("token_embd.weight", &q)? {
+            Some(m) => Embedding::Kernel(Arc::new(m)),
+            None => Embedding::Candle(Arc::new(q)),
+        })
+    }
+
+    /// The rows of `tokens` (ids already checked against the vocabulary), `(t, d)`.
+    fn lookup(&self, tokens: &[u32]) -> Result<Tensor, EngineError> {
+        match self {
+            Embedding::Kernel(m) => {
+                let d = m.cols();
+                let mut x = vec![0f32; tokens.len() * d];
+                for (&id, row) in tokens.iter().zip(x.chunks_exact_mut(d)) {
+                    m.dequantize_row(id as usize, row)
+                        .map_err(|e| EngineError::Unsupported {
+                            what: format!("embedding lookup: {e}"),
+                        })?;
+                }
+                Tensor::from_vec(x, (tokens.len(), d), &Device::Cpu).ctx("embedding")
+            }
+            Embedding::Candle(q) => {
+                let ids = Tensor::new(tokens, &Device::Cpu).ctx("token ids")?;
+                q.embedding(&ids).ctx("embedding")
+            }
+        }
+    }
+
+    /// The same table as an output head (tied embeddings).
+    fn as_head(&self) -> Result<Matrix, EngineError> {
+        Ok(match self {
+            Embedding::Kernel(m) => Matrix::Kernel(m.clone()),
+            Embedding::Candle(q) => {
+                Matrix::Candle(QMatMul::from_arc(q.clone()).ctx("tied output head")?)
+            }
+        })
+    }
+}
+
 /// A loaded model (one rank's shard of it).
 pub struct Transformer {
     cfg: ModelConfig,
-    embed: Arc<QTensor>,
+    embed: Embedding,
     blocks: Vec<Block>,
     norm: RmsNorm,
     head: ColumnLinear,
@@ -480,7 +529,7 @@ impl Transformer {
                 expected: vec![cfg.vocab, cfg.hidden],
             });
         }
-        let embed = Arc::new(src.load("token_embd.weight", &Slice::Full)?);
+        let embed = Embedding::new(src.load("token_embd.weight", &Slice::Full)?)?;
         let shard = LayerShard::full(&cfg);
         let mut blocks = Vec::with_capacity(cfg.n_layer);
         for layer in 0..cfg.n_layer {
@@ -490,7 +539,7 @@ impl Transformer {
         let head = if src.contains("output.weight") {
             ColumnLinear::load(src, "output", cfg.vocab, cfg.hidden, 0..cfg.vocab, false)?
         } else {
-            ColumnLinear::from_qmatmul(QMatMul::from_arc(embed.clone()).ctx("tied output head")?)
+            ColumnLinear::from_matrix(embed.as_head()?)
         };
         Ok(Transformer {
             cfg,
@@ -547,13 +596,7 @@ impl Transformer {
                 ),
             });
         }
-        let ids = Tensor::new(tokens, &Device::Cpu).ctx("token ids")?;
-        let mut x = self
-            .embed
-            .embedding(&ids)
-            .ctx("embedding")?
-            .unsqueeze(0)
-            .ctx("embedding")?; // (1, t, d)
+        let mut x = self.embed.lookup(tokens)?.unsqueeze(0).ctx("embedding")?; // (1, t, d)
         if self.cfg.embed_scale != 1.0 {
             // ggml scales in f32: round the factor the same way.
             x = (x * (self.cfg.embed_scale as f32) as f64).ctx("embedding scale")?;

@@ -1,0 +1,272 @@
+//! The byte layouts of the weight types the kernels read (ggml's, as stored in GGUF) and the
+//! two 8-bit formats activations are quantized to once per step: [`BlockQ8`] (32 values, for
+//! the 32-value weight blocks) and [`BlockQ8K`] (256 values with 16-value sums, for the
+//! K-quants). Quantizing an activation rounds its scale through f16 the way ggml does, so
+//! the integer work matches llama.cpp's.
+
+/// Values per block of the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+pub const QK: usize = 32;
+/// Values per super-block of the K-quants.
+pub const QK_K: usize = 256;
+
+/// A weight matrix's element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightType {
+    /// 32-bit float.
+    F32,
+    /// 16-bit IEEE float.
+    F16,
+    /// 4-bit, one f16 scale per 32.
+    Q4_0,
+    /// 4-bit, f16 scale and minimum per 32.
+    Q4_1,
+    /// 5-bit, one f16 scale per 32.
+    Q5_0,
+    /// 5-bit, f16 scale and minimum per 32.
+    Q5_1,
+    /// 8-bit, one f16 scale per 32.
+    Q8_0,
+    /// 4-bit K-quant: 256 values, 6-bit scales and minimums per 32.
+    Q4K,
+    /// 5-bit K-quant.
+    Q5K,
+    /// 6-bit K-quant: 256 values, 8-bit scales per 16.
+    Q6K,
+}
+
+/// What an activation row is turned into before it meets a weight row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActFormat {
+    /// Plain f32 (float weights).
+    F32,
+    /// [`BlockQ8`] per 32 values.
+    Q8,
+    /// [`BlockQ8K`] per 256 values.
+    Q8K,
+}
+
+impl WeightType {
+    /// Values per block.
+    pub fn block_elems(self) -> usize {
+        match self {
+            WeightType::F32 | WeightType::F16 => 1,
+            WeightType::Q4_0
+            | WeightType::Q4_1
+            | WeightType::Q5_0
+            | WeightType::Q5_1
+            | WeightType::Q8_0 => QK,
+            WeightType::Q4K | WeightType::Q5K | WeightType::Q6K => QK_K,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            WeightType::F32 => 4,
+            WeightType::F16 => 2,
+            WeightType::Q4_0 => 18,
+            WeightType::Q4_1 => 20,
+            WeightType::Q5_0 => 22,
+            WeightType::Q5_1 => 24,
+            WeightType::Q8_0 => 34,
+            WeightType::Q4K => 144,
+            WeightType::Q5K => 176,
+            WeightType::Q6K => 210,
+        }
+    }
+
+    /// The activation format this type's dot product takes.
+    pub fn act_format(self) -> ActFormat {
+        match self {
+            WeightType::F32 | WeightType::F16 => ActFormat::F32,
+            WeightType::Q4_0
+            | WeightType::Q4_1
+            | WeightType::Q5_0
+            | WeightType::Q5_1
+            | WeightType::Q8_0 => ActFormat::Q8,
+            WeightType::Q4K | WeightType::Q5K | WeightType::Q6K => ActFormat::Q8K,
+        }
+    }
+
+    /// Every type, for tests and benchmarks.
+    pub const ALL: [WeightType; 10] = [
+        WeightType::F32,
+        WeightType::F16,
+        WeightType::Q4_0,
+        WeightType::Q4_1,
+        WeightType::Q5_0,
+        WeightType::Q5_1,
+        WeightType::Q8_0,
+        WeightType::Q4K,
+        WeightType::Q5K,
+        WeightType::Q6K,
+    ];
+}
+
+/// 32 activations as 8-bit integers: value `i` is `d * qs[i]`; `s` is `d * sum(qs)`
+/// (rounded through f16, as ggml's Q8_1), used by the types with a minimum.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ8 {
+    /// Scale.
+    pub d: f32,
+    /// `d * sum(qs)`.
+    pub s: f32,
+    /// `sum(qs)`, exact, for the offset of unsigned weight codes.
+    pub sum: i32,
+    /// Quantized values.
+    pub qs: [i8; QK],
+}
+
+impl Default for BlockQ8 {
+    fn default() -> Self {
+        BlockQ8 {
+            d: 0.0,
+            s: 0.0,
+            sum: 0,
+            qs: [0; QK],
+        }
+    }
+}
+
+/// 256 activations as 8-bit integers with the sum of each 16, for the K-quants.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ8K {
+    /// Scale.
+    pub d: f32,
+    /// Quantized values.
+    pub qs: [i8; QK_K],
+    /// `sum(qs[16 j .. 16 j + 16])`.
+    pub bsums: [i16; QK_K / 16],
+}
+
+impl Default for BlockQ8K {
+    fn default() -> Self {
+        BlockQ8K {
+            d: 0.0,
+            qs: [0; QK_K],
+            bsums: [0; QK_K / 16],
+        }
+    }
+}
+
+/// Rounds through f16 and back.
+#[inline]
+pub fn round_f16(x: f32) -> f32 {
+    half::f16::from_f32(x).to_f32()
+}
+
+/// The f16 stored little-endian at `b[at..at + 2]`, as f32.
+#[inline]
+pub fn f16_at(b: &[u8], at: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+/// Quantizes `x` (a multiple of 32 long) into `out` (one block per 32).
+pub fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
+    debug_assert_eq!(x.len(), out.len() * QK);
+    for (xs, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in b.qs.iter_mut().zip(xs) {
+            let r = (v * id).round_ties_even() as i32;
+            *q = r as i8;
+            sum += r;
+        }
+        b.d = round_f16(d);
+        b.s = round_f16(d * sum as f32);
+        b.sum = sum;
+    }
+}
+
+/// Quantizes `x` (a multiple of 256 long) into `out` (one block per 256), as ggml's
+/// `quantize_row_q8_K`: the value of largest magnitude maps to -127.
+pub fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
+    debug_assert_eq!(x.len(), out.len() * QK_K);
+    for (xs, b) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in xs {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            *b = BlockQ8K::default();
+            continue;
+        }
+        let iscale = -127.0 / max;
+        for (q, &v) in b.qs.iter_mut().zip(xs) {
+            *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+        }
+        for (s, qs) in b.bsums.iter_mut().zip(b.qs.chunks_exact(16)) {
+            *s = qs.iter().map(|&q| q as i16).sum();
+        }
+        b.d = 1.0 / iscale;
+    }
+}
+
+/// The 6-bit scale and minimum of sub-block `j` (0..8) of a Q4_K or Q5_K super-block, from
+/// its 12 packed bytes.
+#[inline]
+pub fn k4_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// All eight scale/minimum pairs of a Q4_K or Q5_K super-block.
+#[inline]
+pub fn k4_scales(q: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
+    for j in 0..8 {
+        (sc[j], mn[j]) = k4_scale_min(j, q);
+    }
+    (sc, mn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q8_round_trip_within_half_a_step() {
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37)
+            .collect();
+        let mut b = vec![BlockQ8::default(); 2];
+        quantize_q8(&x, &mut b);
+        for (i, v) in x.iter().enumerate() {
+            let blk = &b[i / QK];
+            let back = blk.d * blk.qs[i % QK] as f32;
+            assert!((back - v).abs() <= blk.d * 0.5 + 1e-3, "{i}: {v} vs {back}");
+        }
+        let sum: i32 = b[0].qs.iter().map(|&q| q as i32).sum();
+        assert!((b[0].s - b[0].d * sum as f32).abs() <= b[0].s.abs() * 1e-3 + 1e-3);
+    }
+
+    #[test]
+    fn q8k_sums_and_extreme_value() {
+        let x: Vec<f32> = (0..256).map(|i| (i as f32 - 100.0) * 0.01).collect();
+        let mut b = [BlockQ8K::default()];
+        quantize_q8k(&x, &mut b);
+        // the largest magnitude (1.55, positive) maps to -127 under a negative scale
+        assert_eq!(b[0].qs[255], -127);
+        assert!((b[0].d * -127.0 - 1.55).abs() < 1e-6);
+        for j in 0..16 {
+            let s: i16 = b[0].qs[j * 16..j * 16 + 16].iter().map(|&q| q as i16).sum();
+            assert_eq!(b[0].bsums[j], s);
+        }
+        let mut z = [BlockQ8K::default()];
+        quantize_q8k(&[0.0; 256], &mut z);
+        assert_eq!(z[0].d, 0.0);
+    }
+}

@@ -1,0 +1,571 @@
+//! shoal's own CPU matrix kernels: a weight matrix kept in its file's quantization
+//! ([`QuantMatrix`]) times a batch of f32 activation rows. Activations are quantized once per
+//! call to 8 bits ([`formats`]), then every weight row meets every activation row through an
+//! integer dot product: one activation row at a time for decode, four at a time for prefill
+//! (each weight block decoded once per four tokens). Rows are split across the compute pool.
+//!
+//! The instruction set is chosen at run time ([`Isa`]): AVX-512 VNNI, AVX2, or portable Rust,
+//! so one binary runs at full speed on any x86-64 machine without `-C target-cpu=native`.
+//! `SHOAL_KERNELS=portable|avx2|avx512vnni` caps the choice (for comparisons and tests).
+//! `unsafe` lives only in [`x86`] (the intrinsics) and in the output pointer of the driver.
+
+pub mod formats;
+mod portable;
+pub mod reference;
+mod tiled;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_tiled;
+
+use std::cell::RefCell;
+use std::ops::Range;
+use std::sync::OnceLock;
+
+pub use formats::{quantize_q8, quantize_q8k, ActFormat, BlockQ8, BlockQ8K, WeightType, QK, QK_K};
+
+/// An instruction-set level the kernels are compiled for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Isa {
+    /// Plain Rust, any CPU.
+    Portable,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+    /// x86-64 AVX-512 VL + BW + VNNI (on 256-bit vectors) on top of AVX2.
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// The best level this CPU supports.
+    pub fn detected() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c");
+            let vnni = std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vnni");
+            if avx2 && vnni {
+                return Isa::Avx512Vnni;
+            }
+            if avx2 {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// Every level this CPU can run, lowest first.
+    pub fn available() -> Vec<Isa> {
+        let best = Isa::detected();
+        [Isa::Portable, Isa::Avx2, Isa::Avx512Vnni]
+            .into_iter()
+            .filter(|i| *i <= best)
+            .collect()
+    }
+
+    /// The name `SHOAL_KERNELS` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512Vnni => "avx512vnni",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Isa> {
+        [Isa::Portable, Isa::Avx2, Isa::Avx512Vnni]
+            .into_iter()
+            .find(|i| i.name() == s.trim())
+    }
+}
+
+/// The level every [`QuantMatrix::matmul`] uses: the detected one, capped by
+/// `SHOAL_KERNELS` when that is set.
+pub fn active_isa() -> Isa {
+    static ACTIVE: OnceLock<Isa> = OnceLock::new();
+    *ACTIVE.get_or_init(|| {
+        let best = Isa::detected();
+        match std::env::var("SHOAL_KERNELS") {
+            Err(_) => best,
+            Ok(v) => match Isa::parse(&v) {
+                Some(want) if want <= best => want,
+                Some(want) => {
+                    tracing::warn!(
+                        "SHOAL_KERNELS={} is not supported by this CPU; using {}",
+                        want.name(),
+                        best.name()
+                    );
+                    best
+                }
+                None => {
+                    tracing::warn!(
+                        "SHOAL_KERNELS={v:?} is not one of portable, avx2, avx512vnni; using {}",
+                        best.name()
+                    );
+                    best
+                }
+            },
+        }
+    })
+}
+
+/// A shape or instruction-set mistake in a kernel call.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// The bytes do not make the claimed matrix.
+    #[error("{ty:?} matrix {rows}x{cols}: {problem}")]
+    Matrix {
+        /// Element type.
+        ty: WeightType,
+        /// Rows.
+        rows: usize,
+        /// Columns.
+        cols: usize,
+        /// What is wrong.
+        problem: String,
+    },
+    /// Input or output lengths that do not fit the matrix.
+    #[error("matmul with a {rows}x{cols} matrix: {problem}")]
+    Shape {
+        /// Rows.
+        rows: usize,
+        /// Columns.
+        cols: usize,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A level this CPU cannot run.
+    #[error("this CPU cannot run the {0:?} kernels")]
+    Isa(Isa),
+}
+
+/// A `rows x cols` weight matrix in its storage type, laid out for the instruction-set level
+/// it was built for: rows contiguous (the file's layout), or tiles of eight interleaved rows
+/// ([`tiled`]) for the SIMD kernels of the 32-value block types.
+#[derive(Clone)]
+pub struct QuantMatrix {
+    ty: WeightType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    isa: Isa,
+    tiled: bool,
+    data: Vec<u8>,
+}
+
+impl std::fmt::Debug for QuantMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "QuantMatrix({:?}, {}x{})", self.ty, self.rows, self.cols)
+    }
+}
+
+type Kern<A, const N: usize> = unsafe fn(&[u8], [&[A]; N]) -> [f32; N];
+
+/// The one- and four-row kernels of one weight type at one level.
+struct KernPair<A: 'static> {
+    one: Kern<A, 1>,
+    four: Kern<A, 4>,
+}
+
+macro_rules! pick {
+    ($isa:expr, $f:ident) => {
+        match $isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => KernPair {
+                one: x86::avx512vnni::$f::<1>,
+                four: x86::avx512vnni::$f::<4>,
+            },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => KernPair {
+                one: x86::avx2::$f::<1>,
+                four: x86::avx2::$f::<4>,
+            },
+            _ => KernPair {
+                one: portable::$f::<1>,
+                four: portable::$f::<4>,
+            },
+        }
+    };
+}
+
+macro_rules! portable {
+    ($f:ident) => {
+        KernPair {
+            one: portable::$f::<1>,
+            four: portable::$f::<4>,
+        }
+    };
+}
+
+type TileKern<const N: usize> = unsafe fn(&[u8], [&[BlockQ8]; N]) -> [[f32; tiled::TILE_ROWS]; N];
+
+/// The one- and four-row tiled kernels of one weight type at one level.
+struct TilePair {
+    one: TileKern<1>,
+    four: TileKern<4>,
+}
+
+#[cfg(target_arch = "x86_64")]
+fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair {
+    use x86_tiled::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+    macro_rules! pair {
+        ($m:ident, $k:ident) => {
+            TilePair {
+                one: x86_tiled::$m::tile_dot::<1, $k>,
+                four: x86_tiled::$m::tile_dot::<4, $k>,
+            }
+        };
+    }
+    macro_rules! by_type {
+        ($m:ident) => {
+            match ty {
+                WeightType::Q4_0 => pair!($m, Q4_0),
+                WeightType::Q4_1 => pair!($m, Q4_1),
+                WeightType::Q5_0 => pair!($m, Q5_0),
+                WeightType::Q5_1 => pair!($m, Q5_1),
+                _ => pair!($m, Q8_0),
+            }
+        };
+    }
+    match isa {
+        Isa::Avx512Vnni => by_type!(avx512vnni),
+        _ => by_type!(avx2),
+    }
+}
+
+thread_local! {
+    static SCRATCH_Q8: RefCell<Vec<BlockQ8>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH_Q8K: RefCell<Vec<BlockQ8K>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The output matrix, written by several threads at disjoint positions.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: the driver hands each row range to one thread only; positions never overlap.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above; the pointer is only written through, at disjoint positions.
+unsafe impl Sync for OutPtr {}
+
+impl QuantMatrix {
+    /// Wraps `data`: `rows` rows of `cols` values in type `ty`, in the file's layout, for
+    /// the [`active_isa`].
+    ///
+    /// # Errors
+    /// When `cols` is not a whole number of blocks or `data` has the wrong length.
+    pub fn new(
+        ty: WeightType,
+        rows: usize,
+        cols: usize,
+        data: Vec<u8>,
+    ) -> Result<Self, KernelError> {
+        Self::with_isa(active_isa(), ty, rows, cols, data)
+    }
+
+    /// As [`QuantMatrix::new`], for a given instruction-set level.
+    ///
+    /// # Errors
+    /// As [`QuantMatrix::new`], and when this CPU cannot run `isa`.
+    pub fn with_isa(
+        isa: Isa,
+        ty: WeightType,
+        rows: usize,
+        cols: usize,
+        data: Vec<u8>,
+    ) -> Result<Self, KernelError> {
+        if isa > Isa::detected() {
+            return Err(KernelError::Isa(isa));
+        }
+        let bad = |problem: String| KernelError::Matrix {
+            ty,
+            rows,
+            cols,
+            problem,
+        };
+        if cols == 0 || !cols.is_multiple_of(ty.block_elems()) {
+            return Err(bad(format!(
+                "{cols} columns are not a whole number of {}-value blocks",
+                ty.block_elems()
+            )));
+        }
+        let row_bytes = cols / ty.block_elems() * ty.block_bytes();
+        let want = rows
+            .checked_mul(row_bytes)
+            .ok_or_else(|| bad("size overflows".into()))?;
+        if data.len() != want {
+            return Err(bad(format!(
+                "{} bytes of data, expected {want}",
+                data.len()
+            )));
+        }
+        let tiled = isa >= Isa::Avx2 && tiled::is_tiled_type(ty);
+        let data = if tiled {
+            tiled::tile(ty, rows, cols / ty.block_elems(), &data)
+        } else {
+            data
+        };
+        Ok(QuantMatrix {
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            isa,
+            tiled,
+            data,
+        })
+    }
+
+    /// The instruction-set level the matrix is laid out for.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// Element type.
+    pub fn ty(&self) -> WeightType {
+        self.ty
+    }
+
+    /// Rows (output features).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns (input features).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes of weight data (with the padding of a ragged last tile).
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Row `r` in the file's block layout.
+    ///
+    /// # Panics
+    /// When `r` is out of range.
+    pub fn row(&self, r: usize) -> std::borrow::Cow<'_, [u8]> {
+        assert!(r < self.rows, "row {r} of {}", self.rows);
+        if self.tiled {
+            let blocks = self.cols / self.ty.block_elems();
+            std::borrow::Cow::Owned(tiled::untile_row(self.ty, blocks, &self.data, r))
+        } else {
+            std::borrow::Cow::Borrowed(&self.data[r * self.row_bytes..(r + 1) * self.row_bytes])
+        }
+    }
+
+    /// Row `r` as f32 values (`out` is `cols` long): the embedding lookup.
+    ///
+    /// # Errors
+    /// When `r` is out of range or `out` has the wrong length.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        if r >= self.rows || out.len() != self.cols {
+            return Err(KernelError::Shape {
+                rows: self.rows,
+                cols: self.cols,
+                problem: format!("row {r} into {} values", out.len()),
+            });
+        }
+        reference::dequantize_row(self.ty, &self.row(r), out);
+        Ok(())
+    }
+
+    /// `y = x W^T`: `x` holds `t` rows of `cols` values, `y` gets `t` rows of `rows` values.
+    ///
+    /// # Errors
+    /// When the lengths do not fit the matrix.
+    pub fn matmul(&self, x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
+        let isa = self.isa;
+        let t = x.len() / self.cols;
+        if !x.len().is_multiple_of(self.cols) || y.len() != t * self.rows {
+            return Err(KernelError::Shape {
+                rows: self.rows,
+                cols: self.cols,
+                problem: format!("{} inputs and {} outputs", x.len(), y.len()),
+            });
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        let ty = self.ty;
+        match ty.act_format() {
+            ActFormat::F32 => {
+                let k = match ty {
+                    WeightType::F32 => pick!(isa, f32w),
+                    _ => pick!(isa, f16w),
+                };
+                self.drive(x, self.cols, t, y, &k);
+            }
+            ActFormat::Q8 => SCRATCH_Q8.with(|s| {
+                let mut acts = std::mem::take(&mut *s.borrow_mut());
+                acts.resize(x.len() / QK, BlockQ8::default());
+                quantize_q8(x, &mut acts);
+                if self.tiled {
+                    #[cfg(target_arch = "x86_64")]
+                    self.drive_tiles(&acts, self.cols / QK, t, y, &tile_kernels(ty, isa));
+                } else {
+                    let k = match ty {
+                        WeightType::Q4_0 => portable!(q4_0),
+                        WeightType::Q4_1 => portable!(q4_1),
+                        WeightType::Q5_0 => portable!(q5_0),
+                        WeightType::Q5_1 => portable!(q5_1),
+                        _ => portable!(q8_0),
+                    };
+                    self.drive(&acts, self.cols / QK, t, y, &k);
+                }
+                *s.borrow_mut() = acts;
+            }),
+            ActFormat::Q8K => {
+                let k = match ty {
+                    WeightType::Q4K => pick!(isa, q4k),
+                    WeightType::Q5K => pick!(isa, q5k),
+                    _ => pick!(isa, q6k),
+                };
+                SCRATCH_Q8K.with(|s| {
+                    let mut acts = std::mem::take(&mut *s.borrow_mut());
+                    acts.resize(x.len() / QK_K, BlockQ8K::default());
+                    quantize_q8k(x, &mut acts);
+                    self.drive(&acts, self.cols / QK_K, t, y, &k);
+                    *s.borrow_mut() = acts;
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs kernel pair `k` over every (row, token) pair; `acts` holds `t` rows of
+    /// `per_row` activation blocks. Rows are split across the compute pool.
+    fn drive<A: Sync>(&self, acts: &[A], per_row: usize, t: usize, y: &mut [f32], k: &KernPair<A>) {
+        debug_assert_eq!(acts.len(), per_row * t);
+        debug_assert_eq!(y.len(), t * self.rows);
+        let out = OutPtr(y.as_mut_ptr());
+        let threads = rayon::current_num_threads();
+        if threads <= 1 || self.rows < 16 {
+            self.drive_rows(0..self.rows, acts, per_row, t, out, k);
+            return;
+        }
+        let chunks = (threads * 4).min(self.rows.div_ceil(8));
+        let per_chunk = self.rows.div_ceil(chunks);
+        rayon::scope(|s| {
+            for c in 0..chunks {
+                let rows = c * per_chunk..((c + 1) * per_chunk).min(self.rows);
+                if rows.is_empty() {
+                    continue;
+                }
+                s.spawn(move |_| self.drive_rows(rows, acts, per_row, t, out, k));
+            }
+        });
+    }
+
+    fn drive_rows<A>(
+        &self,
+        rows: Range<usize>,
+        acts: &[A],
+        per_row: usize,
+        t: usize,
+        out: OutPtr,
+        k: &KernPair<A>,
+    ) {
+        let n = self.rows;
+        let act = |tok: usize| &acts[tok * per_row..(tok + 1) * per_row];
+        for r in rows {
+            let w = &self.data[r * self.row_bytes..(r + 1) * self.row_bytes];
+            let mut tok = 0;
+            while tok + 4 <= t {
+                // SAFETY: `matmul_with` checked this CPU runs the kernel's level; `w` is whole
+                // blocks and every activation row has `per_row` blocks (or values), as many as
+                // `w` has.
+                let o =
+                    unsafe { (k.four)(w, [act(tok), act(tok + 1), act(tok + 2), act(tok + 3)]) };
+                for (j, v) in o.into_iter().enumerate() {
+                    // SAFETY: (tok + j) < t and r < n, so the position is inside `y`
+                    // (t * n long); only this thread writes row r.
+                    unsafe { *out.0.add((tok + j) * n + r) = v };
+                }
+                tok += 4;
+            }
+            while tok < t {
+                // SAFETY: as above.
+                let [v] = unsafe { (k.one)(w, [act(tok)]) };
+                // SAFETY: as above.
+                unsafe { *out.0.add(tok * n + r) = v };
+                tok += 1;
+            }
+        }
+    }
+}
+
+impl QuantMatrix {
+    /// As [`QuantMatrix::drive`] for the tiled layout: the units of work are tiles of eight
+    /// rows.
+    fn drive_tiles(&self, acts: &[BlockQ8], per_row: usize, t: usize, y: &mut [f32], k: &TilePair) {
+        debug_assert_eq!(acts.len(), per_row * t);
+        debug_assert_eq!(y.len(), t * self.rows);
+        let out = OutPtr(y.as_mut_ptr());
+        let tiles = self.rows.div_ceil(tiled::TILE_ROWS);
+        let threads = rayon::current_num_threads();
+        if threads <= 1 || tiles < 4 {
+            self.drive_tile_range(0..tiles, acts, per_row, t, out, k);
+            return;
+        }
+        let chunks = (threads * 4).min(tiles);
+        let per_chunk = tiles.div_ceil(chunks);
+        rayon::scope(|s| {
+            for c in 0..chunks {
+                let range = c * per_chunk..((c + 1) * per_chunk).min(tiles);
+                if range.is_empty() {
+                    continue;
+                }
+                s.spawn(move |_| self.drive_tile_range(range, acts, per_row, t, out, k));
+            }
+        });
+    }
+
+    fn drive_tile_range(
+        &self,
+        tiles: Range<usize>,
+        acts: &[BlockQ8],
+        per_row: usize,
+        t: usize,
+        out: OutPtr,
+        k: &TilePair,
+    ) {
+        let n = self.rows;
+        let tile_bytes = self.row_bytes * tiled::TILE_ROWS;
+        let act = |tok: usize| &acts[tok * per_row..(tok + 1) * per_row];
+        for tile in tiles {
+            let w = &self.data[tile * tile_bytes..(tile + 1) * tile_bytes];
+            let r0 = tile * tiled::TILE_ROWS;
+            let live = (n - r0).min(tiled::TILE_ROWS);
+            let mut tok = 0;
+            let write = |tok: usize, vals: &[f32; tiled::TILE_ROWS]| {
+                for (i, &v) in vals[..live].iter().enumerate() {
+                    // SAFETY: tok < t and r0 + i < n, so the position is inside `y` (t * n
+                    // long); only this thread writes the rows of this tile.
+                    unsafe { *out.0.add(tok * n + r0 + i) = v };
+                }
+            };
+            while tok + 4 <= t {
+                // SAFETY: the matrix was tiled for `self.isa`, which `with_isa` checked this
+                // CPU runs; `w` is whole tile blocks and each activation row has `per_row`
+                // blocks, one per block column.
+                let o =
+                    unsafe { (k.four)(w, [act(tok), act(tok + 1), act(tok + 2), act(tok + 3)]) };
+                for (j, vals) in o.iter().enumerate() {
+                    write(tok + j, vals);
+                }
+                tok += 4;
+            }
+            while tok < t {
+                // SAFETY: as above.
+                let [vals] = unsafe { (k.one)(w, [act(tok)]) };
+                write(tok, &vals);
+                tok += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

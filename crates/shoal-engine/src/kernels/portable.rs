@@ -1,0 +1,235 @@
+//! The portable kernels: integer dot products in plain Rust, for CPUs without the SIMD
+//! extensions the fast paths need (and the baseline those are measured against). Each takes
+//! one weight row (whole blocks) and `N` quantized activation rows and returns `N` dot
+//! products; the integer part of every block is exact, only the f32 accumulation rounds.
+
+use super::formats::{f16_at, k4_scales, BlockQ8, BlockQ8K, QK};
+
+/// Q4_0 · Q8.
+pub fn q4_0<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (i, b) in w.chunks_exact(18).enumerate() {
+        let d = f16_at(b, 0);
+        for (o, a) in out.iter_mut().zip(a) {
+            let y = &a[i];
+            let mut s = 0i32;
+            for l in 0..QK / 2 {
+                s += ((b[2 + l] & 0xF) as i32 - 8) * y.qs[l] as i32;
+                s += ((b[2 + l] >> 4) as i32 - 8) * y.qs[l + 16] as i32;
+            }
+            *o += d * y.d * s as f32;
+        }
+    }
+    out
+}
+
+/// Q4_1 · Q8.
+pub fn q4_1<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (i, b) in w.chunks_exact(20).enumerate() {
+        let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+        for (o, a) in out.iter_mut().zip(a) {
+            let y = &a[i];
+            let mut s = 0i32;
+            for l in 0..QK / 2 {
+                s += (b[4 + l] & 0xF) as i32 * y.qs[l] as i32;
+                s += (b[4 + l] >> 4) as i32 * y.qs[l + 16] as i32;
+            }
+            *o += d * y.d * s as f32 + m * y.s;
+        }
+    }
+    out
+}
+
+/// The 5th bits of a Q5 block, as `(low half, high half)` per nibble index.
+#[inline]
+fn q5_high(qh: u32, l: usize) -> (u8, u8) {
+    (
+        (((qh >> l) & 1) << 4) as u8,
+        (((qh >> (l + 16)) & 1) << 4) as u8,
+    )
+}
+
+/// Q5_0 · Q8.
+pub fn q5_0<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (i, b) in w.chunks_exact(22).enumerate() {
+        let d = f16_at(b, 0);
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        for (o, a) in out.iter_mut().zip(a) {
+            let y = &a[i];
+            let mut s = 0i32;
+            for l in 0..QK / 2 {
+                let (h0, h1) = q5_high(qh, l);
+                s += (((b[6 + l] & 0xF) | h0) as i32 - 16) * y.qs[l] as i32;
+                s += (((b[6 + l] >> 4) | h1) as i32 - 16) * y.qs[l + 16] as i32;
+            }
+            *o += d * y.d * s as f32;
+        }
+    }
+    out
+}
+
+/// Q5_1 · Q8.
+pub fn q5_1<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (i, b) in w.chunks_exact(24).enumerate() {
+        let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+        let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        for (o, a) in out.iter_mut().zip(a) {
+            let y = &a[i];
+            let mut s = 0i32;
+            for l in 0..QK / 2 {
+                let (h0, h1) = q5_high(qh, l);
+                s += ((b[8 + l] & 0xF) | h0) as i32 * y.qs[l] as i32;
+                s += ((b[8 + l] >> 4) | h1) as i32 * y.qs[l + 16] as i32;
+            }
+            *o += d * y.d * s as f32 + m * y.s;
+        }
+    }
+    out
+}
+
+/// Q8_0 · Q8.
+pub fn q8_0<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (i, b) in w.chunks_exact(34).enumerate() {
+        let d = f16_at(b, 0);
+        for (o, a) in out.iter_mut().zip(a) {
+            let y = &a[i];
+            let s: i32 = b[2..34]
+                .iter()
+                .zip(&y.qs)
+                .map(|(&q, &y)| q as i8 as i32 * y as i32)
+                .sum();
+            *o += d * y.d * s as f32;
+        }
+    }
+    out
+}
+
+/// `sum over sub-blocks j of mins[j] * (bsums[2j] + bsums[2j + 1])`.
+#[inline]
+fn k4_min_sum(mn: &[u8; 8], bsums: &[i16; 16]) -> i32 {
+    (0..8)
+        .map(|j| mn[j] as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32))
+        .sum()
+}
+
+/// Q4_K · Q8K.
+pub fn q4k<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (i, b) in w.chunks_exact(144).enumerate() {
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+        let (sc, mn) = k4_scales(&b[4..16]);
+        let qs = &b[16..144];
+        for (o, a) in out.iter_mut().zip(a) {
+            let y = &a[i];
+            let mut s = 0i32;
+            for c in 0..4 {
+                let (mut lo, mut hi) = (0i32, 0i32);
+                for l in 0..32 {
+                    let q = qs[32 * c + l];
+                    lo += (q & 0xF) as i32 * y.qs[64 * c + l] as i32;
+                    hi += (q >> 4) as i32 * y.qs[64 * c + 32 + l] as i32;
+                }
+                s += lo * sc[2 * c] as i32 + hi * sc[2 * c + 1] as i32;
+            }
+            *o += d * y.d * s as f32 - dmin * y.d * k4_min_sum(&mn, &y.bsums) as f32;
+        }
+    }
+    out
+}
+
+/// Q5_K · Q8K.
+pub fn q5k<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (i, b) in w.chunks_exact(176).enumerate() {
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+        let (sc, mn) = k4_scales(&b[4..16]);
+        let qh = &b[16..48];
+        let qs = &b[48..176];
+        for (o, a) in out.iter_mut().zip(a) {
+            let y = &a[i];
+            let mut s = 0i32;
+            for c in 0..4 {
+                let (mut lo, mut hi) = (0i32, 0i32);
+                for l in 0..32 {
+                    let q = qs[32 * c + l];
+                    let h0 = ((qh[l] >> (2 * c)) & 1) << 4;
+                    let h1 = ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                    lo += ((q & 0xF) | h0) as i32 * y.qs[64 * c + l] as i32;
+                    hi += ((q >> 4) | h1) as i32 * y.qs[64 * c + 32 + l] as i32;
+                }
+                s += lo * sc[2 * c] as i32 + hi * sc[2 * c + 1] as i32;
+            }
+            *o += d * y.d * s as f32 - dmin * y.d * k4_min_sum(&mn, &y.bsums) as f32;
+        }
+    }
+    out
+}
+
+/// Q6_K · Q8K.
+pub fn q6k<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (i, b) in w.chunks_exact(210).enumerate() {
+        let d = f16_at(b, 208);
+        let sc = &b[192..208];
+        for (o, a) in out.iter_mut().zip(a) {
+            let y = &a[i];
+            let mut s = 0i32;
+            for n in 0..2 {
+                let ql = &b[64 * n..64 * n + 64];
+                let qh = &b[128 + 32 * n..160 + 32 * n];
+                let ys = &y.qs[128 * n..128 * n + 128];
+                let mut sub = [0i32; 8];
+                for l in 0..32 {
+                    let is = l / 16;
+                    let q1 = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+                    let q2 = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+                    let q3 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                    let q4 = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                    sub[is] += q1 as i32 * ys[l] as i32;
+                    sub[is + 2] += q2 as i32 * ys[l + 32] as i32;
+                    sub[is + 4] += q3 as i32 * ys[l + 64] as i32;
+                    sub[is + 6] += q4 as i32 * ys[l + 96] as i32;
+                }
+                for (k, v) in sub.iter().enumerate() {
+                    s += sc[8 * n + k] as i8 as i32 * v;
+                }
+            }
+            // every value carries an offset of -32: subtract 32 * sum(scale * 16-sum)
+            let off: i32 = (0..16)
+                .map(|k| sc[k] as i8 as i32 * y.bsums[k] as i32)
+                .sum();
+            *o += d * y.d * (s - 32 * off) as f32;
+        }
+    }
+    out
+}
+
+/// F32 weights · f32 activations.
+pub fn f32w<const N: usize>(w: &[u8], a: [&[f32]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (o, a) in out.iter_mut().zip(a) {
+        *o = w
+            .chunks_exact(4)
+            .zip(a)
+            .map(|(b, &x)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * x)
+            .sum();
+    }
+    out
+}
+
+/// F16 weights · f32 activations.
+pub fn f16w<const N: usize>(w: &[u8], a: [&[f32]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (o, a) in out.iter_mut().zip(a) {
+        *o = w
+            .chunks_exact(2)
+            .zip(a)
+            .map(|(b, &x)| f16_at(b, 0) * x)
+            .sum();
+    }
+    out
+}

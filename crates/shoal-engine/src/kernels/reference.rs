@@ -1,0 +1,143 @@
+//! Plain, obviously-correct code the fast kernels are checked against: dequantizing a row of
+//! any weight type to f32 (also how the embedding table is read), and a dot product in f64 of
+//! dequantized weights with dequantized activations.
+
+use super::formats::{f16_at, k4_scale_min, BlockQ8, BlockQ8K, WeightType, QK};
+
+/// Dequantizes one row (`bytes` holds whole blocks) into `out` (one value per element).
+///
+/// # Panics
+/// When `bytes` and `out` disagree in length (callers check shapes first).
+pub fn dequantize_row(ty: WeightType, bytes: &[u8], out: &mut [f32]) {
+    let bb = ty.block_bytes();
+    let be = ty.block_elems();
+    assert_eq!(bytes.len() / bb * be, out.len(), "row length");
+    for (b, o) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(be)) {
+        dequantize_block(ty, b, o);
+    }
+}
+
+fn dequantize_block(ty: WeightType, b: &[u8], o: &mut [f32]) {
+    match ty {
+        WeightType::F32 => o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        WeightType::F16 => o[0] = f16_at(b, 0),
+        WeightType::Q4_0 => {
+            let d = f16_at(b, 0);
+            for i in 0..QK / 2 {
+                o[i] = ((b[2 + i] & 0xF) as i32 - 8) as f32 * d;
+                o[i + 16] = ((b[2 + i] >> 4) as i32 - 8) as f32 * d;
+            }
+        }
+        WeightType::Q4_1 => {
+            let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+            for i in 0..QK / 2 {
+                o[i] = (b[4 + i] & 0xF) as f32 * d + m;
+                o[i + 16] = (b[4 + i] >> 4) as f32 * d + m;
+            }
+        }
+        WeightType::Q5_0 => {
+            let d = f16_at(b, 0);
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            for i in 0..QK / 2 {
+                let h0 = ((qh >> i) & 1) << 4;
+                let h1 = ((qh >> (i + 16)) & 1) << 4;
+                o[i] = (((b[6 + i] & 0xF) as u32 | h0) as i32 - 16) as f32 * d;
+                o[i + 16] = (((b[6 + i] >> 4) as u32 | h1) as i32 - 16) as f32 * d;
+            }
+        }
+        WeightType::Q5_1 => {
+            let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+            let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+            for i in 0..QK / 2 {
+                let h0 = ((qh >> i) & 1) << 4;
+                let h1 = ((qh >> (i + 16)) & 1) << 4;
+                o[i] = ((b[8 + i] & 0xF) as u32 | h0) as f32 * d + m;
+                o[i + 16] = ((b[8 + i] >> 4) as u32 | h1) as f32 * d + m;
+            }
+        }
+        WeightType::Q8_0 => {
+            let d = f16_at(b, 0);
+            for i in 0..QK {
+                o[i] = b[2 + i] as i8 as f32 * d;
+            }
+        }
+        WeightType::Q4K => {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let scales = &b[4..16];
+            let qs = &b[16..144];
+            for c in 0..4 {
+                let (sc0, m0) = k4_scale_min(2 * c, scales);
+                let (sc1, m1) = k4_scale_min(2 * c + 1, scales);
+                for l in 0..32 {
+                    let q = qs[32 * c + l];
+                    o[64 * c + l] = d * sc0 as f32 * (q & 0xF) as f32 - dmin * m0 as f32;
+                    o[64 * c + 32 + l] = d * sc1 as f32 * (q >> 4) as f32 - dmin * m1 as f32;
+                }
+            }
+        }
+        WeightType::Q5K => {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let scales = &b[4..16];
+            let qh = &b[16..48];
+            let qs = &b[48..176];
+            for c in 0..4 {
+                let (sc0, m0) = k4_scale_min(2 * c, scales);
+                let (sc1, m1) = k4_scale_min(2 * c + 1, scales);
+                for l in 0..32 {
+                    let q = qs[32 * c + l];
+                    let h0 = ((qh[l] >> (2 * c)) & 1) << 4;
+                    let h1 = ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                    o[64 * c + l] = d * sc0 as f32 * ((q & 0xF) | h0) as f32 - dmin * m0 as f32;
+                    o[64 * c + 32 + l] = d * sc1 as f32 * ((q >> 4) | h1) as f32 - dmin * m1 as f32;
+                }
+            }
+        }
+        WeightType::Q6K => {
+            let d = f16_at(b, 208);
+            for n in 0..2 {
+                let ql = &b[64 * n..64 * n + 64];
+                let qh = &b[128 + 32 * n..128 + 32 * n + 32];
+                let sc = &b[192 + 8 * n..192 + 8 * n + 8];
+                let o = &mut o[128 * n..128 * n + 128];
+                for l in 0..32 {
+                    let is = l / 16;
+                    let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+                    let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                    o[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+                    o[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+                    o[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+                    o[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+                }
+            }
+        }
+    }
+}
+
+/// The values a [`BlockQ8`] row stands for.
+pub fn dequantize_q8(blocks: &[BlockQ8]) -> Vec<f32> {
+    blocks
+        .iter()
+        .flat_map(|b| b.qs.iter().map(move |&q| b.d * q as f32))
+        .collect()
+}
+
+/// The values a [`BlockQ8K`] row stands for.
+pub fn dequantize_q8k(blocks: &[BlockQ8K]) -> Vec<f32> {
+    blocks
+        .iter()
+        .flat_map(|b| b.qs.iter().map(move |&q| b.d * q as f32))
+        .collect()
+}
+
+/// `sum(w[i] * a[i])` in f64, with the weights of row `bytes` dequantized; also returns
+/// `sum(|w[i] * a[i]|)`, the scale a float tolerance is relative to.
+pub fn dot_f64(ty: WeightType, bytes: &[u8], a: &[f32]) -> (f64, f64) {
+    let mut w = vec![0f32; a.len()];
+    dequantize_row(ty, bytes, &mut w);
+    w.iter().zip(a).fold((0f64, 0f64), |(s, m), (&w, &a)| {
+        let p = w as f64 * a as f64;
+        (s + p, m + p.abs())
+    })
+}

@@ -1,0 +1,252 @@
+//! Kernel checks: every weight type at every instruction-set level this CPU has, against the
+//! f64 reference over random blocks and random ragged shapes (the row counts sharding makes),
+//! on one thread and on several; the reference's block layouts against candle's decoder.
+
+use proptest::prelude::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::reference::{dequantize_q8, dequantize_q8k, dequantize_row, dot_f64};
+use super::*;
+
+fn put_f16(b: &mut [u8], at: usize, v: f32) {
+    b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+}
+
+/// `rows` random rows of `blocks` blocks each, with sane scales.
+fn random_matrix(ty: WeightType, rows: usize, blocks: usize, rng: &mut StdRng) -> Vec<u8> {
+    let bb = ty.block_bytes();
+    let mut data = vec![0u8; rows * blocks * bb];
+    rng.fill(&mut data[..]);
+    for b in data.chunks_exact_mut(bb) {
+        match ty {
+            WeightType::F32 => b.copy_from_slice(&rng.random_range(-1f32..1.0).to_le_bytes()),
+            WeightType::F16 => put_f16(b, 0, rng.random_range(-1f32..1.0)),
+            WeightType::Q4_0 | WeightType::Q5_0 | WeightType::Q8_0 => {
+                put_f16(b, 0, rng.random_range(0.001f32..0.1))
+            }
+            WeightType::Q4_1 | WeightType::Q5_1 | WeightType::Q4K | WeightType::Q5K => {
+                put_f16(b, 0, rng.random_range(0.001f32..0.1));
+                put_f16(b, 2, rng.random_range(-0.1f32..0.1));
+            }
+            WeightType::Q6K => put_f16(b, 208, rng.random_range(0.001f32..0.05)),
+        }
+    }
+    data
+}
+
+fn random_acts(n: usize, rng: &mut StdRng) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let v = rng.random_range(-1f32..1.0);
+            if i % 97 == 5 {
+                v * 30.0 // an outlier, as real hidden states have
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+/// The activation values a kernel really sees (after quantization), row by row.
+fn seen_acts(ty: WeightType, x: &[f32], cols: usize) -> Vec<Vec<f32>> {
+    x.chunks_exact(cols)
+        .map(|row| match ty.act_format() {
+            ActFormat::F32 => row.to_vec(),
+            ActFormat::Q8 => {
+                let mut b = vec![BlockQ8::default(); cols / QK];
+                quantize_q8(row, &mut b);
+                dequantize_q8(&b)
+            }
+            ActFormat::Q8K => {
+                let mut b = vec![BlockQ8K::default(); cols / QK_K];
+                quantize_q8k(row, &mut b);
+                dequantize_q8k(&b)
+            }
+        })
+        .collect()
+}
+
+/// Tolerance of one output: f32 accumulation relative to the sum of |products|, plus for the
+/// types with a minimum the f16 rounding of the activation sums they use.
+fn tolerance(ty: WeightType, w_row: &[u8], x_row: &[f32], mag: f64) -> f64 {
+    let mut tol = 2e-5 * mag + 1e-5;
+    if matches!(ty, WeightType::Q4_1 | WeightType::Q5_1) {
+        let mut b = vec![BlockQ8::default(); x_row.len() / QK];
+        quantize_q8(x_row, &mut b);
+        for (wb, ab) in w_row.chunks_exact(ty.block_bytes()).zip(&b) {
+            let m = super::formats::f16_at(wb, 2);
+            tol += (m * ab.s).abs() as f64 * 2e-3;
+        }
+    }
+    tol
+}
+
+fn check(ty: WeightType, isa: Isa, rows: usize, blocks: usize, t: usize, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let cols = blocks * ty.block_elems();
+    let m = QuantMatrix::with_isa(
+        isa,
+        ty,
+        rows,
+        cols,
+        random_matrix(ty, rows, blocks, &mut rng),
+    )
+    .unwrap();
+    let x = random_acts(t * cols, &mut rng);
+    let mut y = vec![f32::NAN; t * rows];
+    m.matmul(&x, &mut y).unwrap();
+    let seen = seen_acts(ty, &x, cols);
+    for tok in 0..t {
+        for r in 0..rows {
+            let w = m.row(r);
+            let (want, mag) = dot_f64(ty, &w, &seen[tok]);
+            let got = y[tok * rows + r] as f64;
+            let tol = tolerance(ty, &w, &x[tok * cols..(tok + 1) * cols], mag);
+            assert!(
+                (got - want).abs() <= tol,
+                "{ty:?} {isa:?} {rows}x{cols} t={t}: y[{tok}][{r}] = {got}, reference {want} (tol {tol})"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_type_at_every_level_matches_the_reference() {
+    for isa in Isa::available() {
+        for ty in WeightType::ALL {
+            let blocks = if ty.block_elems() == 1 { 67 } else { 3 };
+            // t = 6 runs the four-row kernel once and the one-row kernel twice
+            check(ty, isa, 5, blocks, 6, 7);
+            check(ty, isa, 3, blocks, 1, 8);
+        }
+    }
+}
+
+#[test]
+fn levels_agree_with_the_portable_kernels() {
+    let mut rng = StdRng::seed_from_u64(3);
+    for ty in WeightType::ALL {
+        let blocks = if ty.block_elems() == 1 { 300 } else { 4 };
+        let cols = blocks * ty.block_elems();
+        let data = random_matrix(ty, 9, blocks, &mut rng);
+        let x = random_acts(5 * cols, &mut rng);
+        let mut base = vec![0f32; 5 * 9];
+        QuantMatrix::with_isa(Isa::Portable, ty, 9, cols, data.clone())
+            .unwrap()
+            .matmul(&x, &mut base)
+            .unwrap();
+        for isa in Isa::available() {
+            let m = QuantMatrix::with_isa(isa, ty, 9, cols, data.clone()).unwrap();
+            assert_eq!(
+                &*m.row(8),
+                &data[8 * data.len() / 9..],
+                "{ty:?} {isa:?} row 8"
+            );
+            let mut y = vec![0f32; 5 * 9];
+            m.matmul(&x, &mut y).unwrap();
+            for (i, (a, b)) in base.iter().zip(&y).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-4 * a.abs().max(1.0),
+                    "{ty:?} {isa:?} output {i}: portable {a}, got {b}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn many_threads_give_the_same_result_as_one() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let (ty, rows, blocks, t) = (WeightType::Q4K, 77, 2, 5);
+    let cols = blocks * QK_K;
+    let m = QuantMatrix::new(ty, rows, cols, random_matrix(ty, rows, blocks, &mut rng)).unwrap();
+    let x = random_acts(t * cols, &mut rng);
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let mut y = vec![0f32; t * rows];
+        pool.install(|| m.matmul(&x, &mut y)).unwrap();
+        y
+    };
+    let one = run(1);
+    assert_eq!(one, run(3));
+    assert_eq!(one, run(8));
+}
+
+#[test]
+fn bad_shapes_are_errors() {
+    let ty = WeightType::Q8_0;
+    assert!(QuantMatrix::new(ty, 2, 33, vec![0; 68]).is_err());
+    assert!(QuantMatrix::new(ty, 2, 32, vec![0; 67]).is_err());
+    assert!(QuantMatrix::new(ty, usize::MAX, 32, vec![]).is_err());
+    let m = QuantMatrix::new(ty, 2, 32, vec![0; 68]).unwrap();
+    let mut y = vec![0f32; 2];
+    assert!(m.matmul(&[0.0; 31], &mut y).is_err());
+    assert!(m.matmul(&[0.0; 64], &mut y).is_err());
+    assert!(m.dequantize_row(2, &mut [0.0; 32]).is_err());
+    assert!(m.dequantize_row(0, &mut [0.0; 31]).is_err());
+    m.matmul(&[], &mut []).unwrap();
+}
+
+#[test]
+fn reference_layouts_match_candle() {
+    use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+    use candle_core::Device;
+    let mut rng = StdRng::seed_from_u64(5);
+    for ty in WeightType::ALL {
+        let dt = match ty {
+            WeightType::F32 => GgmlDType::F32,
+            WeightType::F16 => GgmlDType::F16,
+            WeightType::Q4_0 => GgmlDType::Q4_0,
+            WeightType::Q4_1 => GgmlDType::Q4_1,
+            WeightType::Q5_0 => GgmlDType::Q5_0,
+            WeightType::Q5_1 => GgmlDType::Q5_1,
+            WeightType::Q8_0 => GgmlDType::Q8_0,
+            WeightType::Q4K => GgmlDType::Q4K,
+            WeightType::Q5K => GgmlDType::Q5K,
+            WeightType::Q6K => GgmlDType::Q6K,
+        };
+        let blocks = if ty.block_elems() == 1 { 512 } else { 2 };
+        let cols = blocks * ty.block_elems();
+        let data = random_matrix(ty, 1, blocks, &mut rng);
+        let storage =
+            QStorage::from_data(std::borrow::Cow::Borrowed(&data[..]), &Device::Cpu, dt).unwrap();
+        let q = QTensor::new(storage, vec![cols]).unwrap();
+        let theirs = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let mut ours = vec![0f32; cols];
+        dequantize_row(ty, &data, &mut ours);
+        for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                "{ty:?} value {i}: ours {a}, candle {b}"
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn random_ragged_shapes(
+        ty_i in 0usize..WeightType::ALL.len(),
+        rows in 1usize..40,
+        blocks in 1usize..7,
+        t in 1usize..10,
+        threads in 1usize..4,
+        seed in any::<u64>(),
+    ) {
+        let ty = WeightType::ALL[ty_i];
+        let blocks = if ty.block_elems() == 1 { blocks * 32 } else { blocks };
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        for isa in Isa::available() {
+            pool.install(|| check(ty, isa, rows, blocks, t, seed));
+        }
+    }
+}

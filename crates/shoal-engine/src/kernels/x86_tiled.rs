@@ -1,0 +1,234 @@
+//! x86-64 kernels over the tiled layout of [`super::tiled`]: eight weight rows against `N`
+//! activation rows per call, one block column at a time. Each 32-byte code vector holds four
+//! codes of each of the eight rows; it meets four activations broadcast to every lane, so
+//! lane `r` accumulates row `r`'s dot product with no horizontal reduction. Codes are
+//! unsigned (nibbles, 5-bit values, or Q8_0 shifted by 128 under VNNI); the offset is taken
+//! back exactly with the activation block's integer sum. Written once, compiled for AVX2 and
+//! for AVX-512 VNNI (+BW, whose byte masks set the 5th bits in one instruction).
+//! Callers must have checked the CPU features and that every activation row has a block per
+//! block column of the tile row.
+
+#![allow(unsafe_op_in_unsafe_fn)]
+
+use std::arch::x86_64::*;
+
+use super::formats::BlockQ8;
+use super::tiled::TILE_ROWS;
+
+/// Type codes for the const parameter of the kernels.
+pub const Q4_0: u8 = 0;
+/// See [`Q4_0`].
+pub const Q4_1: u8 = 1;
+/// See [`Q4_0`].
+pub const Q5_0: u8 = 2;
+/// See [`Q4_0`].
+pub const Q5_1: u8 = 3;
+/// See [`Q4_0`].
+pub const Q8_0: u8 = 4;
+
+const fn block_bytes(kind: u8) -> usize {
+    match kind {
+        Q4_0 => 18,
+        Q4_1 => 20,
+        Q5_0 => 22,
+        Q5_1 => 24,
+        _ => 34,
+    }
+}
+
+const fn has_min(kind: u8) -> bool {
+    matches!(kind, Q4_1 | Q5_1)
+}
+
+const fn has_high_bit(kind: u8) -> bool {
+    matches!(kind, Q5_0 | Q5_1)
+}
+
+/// `(minimums, masks, quants)` offsets in a tile block (as `tiled::tile_offsets`).
+const fn offsets(kind: u8) -> (usize, usize, usize) {
+    let m = 2 * TILE_ROWS;
+    let masks = m + if has_min(kind) { 2 * TILE_ROWS } else { 0 };
+    let qs = masks + if has_high_bit(kind) { 32 } else { 0 };
+    (m, masks, qs)
+}
+
+/// 0xFF in byte `i` where bit `i` of `x` is set, else 0.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn bytes_from_bits(x: u32) -> __m256i {
+    let v = _mm256_set1_epi32(x as i32);
+    let shuf = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let b = _mm256_shuffle_epi8(v, shuf);
+    let b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+    _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1))
+}
+
+/// AVX2: `acc + sums of four u8 x i8 products`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+    _mm256_add_epi32(
+        acc,
+        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)),
+    )
+}
+
+/// VNNI: the same in one instruction, exact.
+#[inline]
+#[target_feature(enable = "avx2,avx512vl,avx512vnni")]
+unsafe fn dot_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(acc, u, s)
+}
+
+/// AVX2: set bit 4 of the bytes whose bit in `mask` is set.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn high_bit_avx2(q: __m256i, mask: u32, c16: __m256i) -> __m256i {
+    _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits(mask), c16))
+}
+
+/// AVX-512 BW: the same with a byte mask register.
+#[inline]
+#[target_feature(enable = "avx2,avx512vl,avx512bw")]
+unsafe fn high_bit_bw(q: __m256i, mask: u32, c16: __m256i) -> __m256i {
+    _mm256_mask_add_epi8(q, mask, q, c16)
+}
+
+/// AVX2 has no exact u8 x i8 product for signed Q8_0 codes: keep them signed and move the
+/// sign onto the activation.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q8_prep_avx2(q: __m256i) -> __m256i {
+    q
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q8_dot_avx2(acc: __m256i, q: __m256i, y: __m256i) -> __m256i {
+    dot_avx2(acc, _mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q))
+}
+
+/// VNNI: shift Q8_0 codes to unsigned (`q + 128`); the kernel subtracts `128 * sum(y)`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q8_prep_vnni(q: __m256i) -> __m256i {
+    _mm256_xor_si256(q, _mm256_set1_epi8(0x80u8 as i8))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,avx512vl,avx512vnni")]
+unsafe fn q8_dot_vnni(acc: __m256i, q: __m256i, y: __m256i) -> __m256i {
+    dot_vnni(acc, q, y)
+}
+
+macro_rules! tiled_kernels {
+    ($name:ident, $features:literal, $dot:ident, $high:ident, $q8prep:ident, $q8dot:ident, $q8off:expr) => {
+        /// Tiled kernels for one x86 feature level.
+        pub mod $name {
+            use super::*;
+
+            /// One tile row (`blocks` tile blocks of type `KIND`) against `N` activation
+            /// rows: `out[j][r]` is row `r`'s dot product with activation row `j`.
+            ///
+            /// # Safety
+            /// The CPU has the features; `w` is whole tile blocks of `KIND`; every
+            /// activation row has at least as many blocks.
+            #[target_feature(enable = $features)]
+            pub unsafe fn tile_dot<const N: usize, const KIND: u8>(
+                w: &[u8],
+                a: [&[BlockQ8]; N],
+            ) -> [[f32; TILE_ROWS]; N] {
+                let tb = block_bytes(KIND) * TILE_ROWS;
+                let (m_off, mask_off, qs_off) = offsets(KIND);
+                let m4 = _mm256_set1_epi8(0x0F);
+                let c16 = _mm256_set1_epi8(0x10);
+                let offset: i32 = match KIND {
+                    Q4_0 => 8,
+                    Q5_0 => 16,
+                    Q8_0 => $q8off,
+                    _ => 0,
+                };
+                let mut acc = [_mm256_setzero_ps(); N];
+                for b in 0..w.len() / tb {
+                    let t = w.as_ptr().add(b * tb);
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i));
+                    let m = if has_min(KIND) {
+                        _mm256_cvtph_ps(_mm_loadu_si128(t.add(m_off) as *const __m128i))
+                    } else {
+                        _mm256_setzero_ps()
+                    };
+                    let mut q = [_mm256_setzero_si256(); 8];
+                    if KIND == Q8_0 {
+                        for (k, qk) in q.iter_mut().enumerate() {
+                            let v = _mm256_loadu_si256(t.add(qs_off + 32 * k) as *const __m256i);
+                            *qk = $q8prep(v);
+                        }
+                    } else {
+                        for g in 0..4 {
+                            let v = _mm256_loadu_si256(t.add(qs_off + 32 * g) as *const __m256i);
+                            q[g] = _mm256_and_si256(v, m4);
+                            q[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        }
+                        if has_high_bit(KIND) {
+                            for (k, qk) in q.iter_mut().enumerate() {
+                                let mask = (t.add(mask_off + 4 * k) as *const u32).read_unaligned();
+                                *qk = $high(*qk, mask, c16);
+                            }
+                        }
+                    }
+                    for j in 0..N {
+                        let y = a[j].get_unchecked(b);
+                        let yp = y.qs.as_ptr() as *const i32;
+                        let mut p = _mm256_setzero_si256();
+                        for (k, qk) in q.iter().enumerate() {
+                            let yb = _mm256_set1_epi32(yp.add(k).read_unaligned());
+                            p = if KIND == Q8_0 {
+                                $q8dot(p, *qk, yb)
+                            } else {
+                                $dot(p, *qk, yb)
+                            };
+                        }
+                        if offset != 0 {
+                            p = _mm256_sub_epi32(p, _mm256_set1_epi32(offset * y.sum));
+                        }
+                        acc[j] = _mm256_fmadd_ps(
+                            _mm256_mul_ps(d, _mm256_set1_ps(y.d)),
+                            _mm256_cvtepi32_ps(p),
+                            acc[j],
+                        );
+                        if has_min(KIND) {
+                            acc[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(y.s), acc[j]);
+                        }
+                    }
+                }
+                let mut out = [[0f32; TILE_ROWS]; N];
+                for j in 0..N {
+                    _mm256_storeu_ps(out[j].as_mut_ptr(), acc[j]);
+                }
+                out
+            }
+        }
+    };
+}
+
+tiled_kernels!(
+    avx2,
+    "avx2,fma,f16c",
+    dot_avx2,
+    high_bit_avx2,
+    q8_prep_avx2,
+    q8_dot_avx2,
+    0
+);
+tiled_kernels!(
+    avx512vnni,
+    "avx2,fma,f16c,avx512vl,avx512vnni,avx512bw",
+    dot_vnni,
+    high_bit_bw,
+    q8_prep_vnni,
+    q8_dot_vnni,
+    128
+);
