@@ -13,9 +13,13 @@ use shoal_engine::transformer::argmax;
 use crate::ComputeArgs;
 
 #[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct BenchArgs {
+    #[command(subcommand)]
+    pub what: Option<BenchWhat>,
     /// A GGUF file, a Hugging Face folder or cache id, or a fetched catalog key.
-    pub model: String,
+    #[arg(required = true)]
+    pub model: Option<String>,
     /// Prompt tokens per prefill run (0 skips prefill).
     #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
     pub n_prompt: usize,
@@ -32,6 +36,13 @@ pub struct BenchArgs {
     pub compute: ComputeArgs,
 }
 
+/// Benchmarks of a part rather than a model.
+#[derive(clap::Subcommand, Debug)]
+pub enum BenchWhat {
+    /// Matrix kernel speed per weight type and instruction set.
+    Kernels(crate::bench_kernels::KernelBenchArgs),
+}
+
 /// Median, minimum and maximum of a set of runs.
 #[derive(Debug, Serialize, Clone, Copy)]
 pub struct Spread {
@@ -41,7 +52,7 @@ pub struct Spread {
 }
 
 impl Spread {
-    fn of(xs: &[f64]) -> Option<Spread> {
+    pub fn of(xs: &[f64]) -> Option<Spread> {
         if xs.is_empty() {
             return None;
         }
@@ -134,11 +145,16 @@ pub fn measure_read_bandwidth(threads: usize) -> f64 {
 }
 
 pub fn main(args: BenchArgs) -> anyhow::Result<()> {
+    let model_arg = match (args.what, &args.model) {
+        (Some(BenchWhat::Kernels(k)), _) => return crate::bench_kernels::main(k),
+        (None, Some(m)) => m.clone(),
+        (None, None) => anyhow::bail!("name a model to benchmark, or `shoal bench kernels`"),
+    };
     let threads = args.compute.apply()?;
     if args.reps == 0 {
         anyhow::bail!("-r/--repetitions must be at least 1");
     }
-    let model = crate::models::open(&args.model)?;
+    let model = crate::models::open(&model_arg)?;
     let t = &model.transformer;
     let vocab = t.config().vocab;
     let ctx = (args.n_prompt.max(args.n_gen) + 1).min(t.config().context_len);

@@ -3,6 +3,7 @@
 //! compute thread pool, and turns errors into a message and an exit code.
 
 mod bench;
+mod bench_kernels;
 mod chat;
 mod models;
 mod run;

@@ -199,16 +199,42 @@ macro_rules! portable {
     };
 }
 
-type TileKern<const N: usize> = unsafe fn(&[u8], [&[BlockQ8]; N]) -> [[f32; tiled::TILE_ROWS]; N];
+type TileKern<A, const N: usize> = unsafe fn(&[u8], [&[A]; N]) -> [[f32; tiled::TILE_ROWS]; N];
 
 /// The one- and four-row tiled kernels of one weight type at one level.
-struct TilePair {
-    one: TileKern<1>,
-    four: TileKern<4>,
+struct TilePair<A: 'static> {
+    one: TileKern<A, 1>,
+    four: TileKern<A, 4>,
 }
 
 #[cfg(target_arch = "x86_64")]
-fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair {
+fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
+    macro_rules! by_type {
+        ($m:ident) => {
+            match ty {
+                WeightType::Q4K => TilePair {
+                    one: x86_tiled::$m::tile_q45k::<1, false>,
+                    four: x86_tiled::$m::tile_q45k::<4, false>,
+                },
+                WeightType::Q5K => TilePair {
+                    one: x86_tiled::$m::tile_q45k::<1, true>,
+                    four: x86_tiled::$m::tile_q45k::<4, true>,
+                },
+                _ => TilePair {
+                    one: x86_tiled::$m::tile_q6k::<1>,
+                    four: x86_tiled::$m::tile_q6k::<4>,
+                },
+            }
+        };
+    }
+    match isa {
+        Isa::Avx512Vnni => by_type!(avx512vnni),
+        _ => by_type!(avx2),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
     use x86_tiled::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     macro_rules! pair {
         ($m:ident, $k:ident) => {
@@ -416,20 +442,23 @@ impl QuantMatrix {
                 }
                 *s.borrow_mut() = acts;
             }),
-            ActFormat::Q8K => {
-                let k = match ty {
-                    WeightType::Q4K => pick!(isa, q4k),
-                    WeightType::Q5K => pick!(isa, q5k),
-                    _ => pick!(isa, q6k),
-                };
-                SCRATCH_Q8K.with(|s| {
-                    let mut acts = std::mem::take(&mut *s.borrow_mut());
-                    acts.resize(x.len() / QK_K, BlockQ8K::default());
-                    quantize_q8k(x, &mut acts);
+            ActFormat::Q8K => SCRATCH_Q8K.with(|s| {
+                let mut acts = std::mem::take(&mut *s.borrow_mut());
+                acts.resize(x.len() / QK_K, BlockQ8K::default());
+                quantize_q8k(x, &mut acts);
+                if self.tiled {
+                    #[cfg(target_arch = "x86_64")]
+                    self.drive_tiles(&acts, self.cols / QK_K, t, y, &tile_kernels_k(ty, isa));
+                } else {
+                    let k = match ty {
+                        WeightType::Q4K => portable!(q4k),
+                        WeightType::Q5K => portable!(q5k),
+                        _ => portable!(q6k),
+                    };
                     self.drive(&acts, self.cols / QK_K, t, y, &k);
-                    *s.borrow_mut() = acts;
-                });
-            }
+                }
+                *s.borrow_mut() = acts;
+            }),
         }
         Ok(())
     }
@@ -499,7 +528,14 @@ impl QuantMatrix {
 impl QuantMatrix {
     /// As [`QuantMatrix::drive`] for the tiled layout: the units of work are tiles of eight
     /// rows.
-    fn drive_tiles(&self, acts: &[BlockQ8], per_row: usize, t: usize, y: &mut [f32], k: &TilePair) {
+    fn drive_tiles<A: Sync>(
+        &self,
+        acts: &[A],
+        per_row: usize,
+        t: usize,
+        y: &mut [f32],
+        k: &TilePair<A>,
+    ) {
         debug_assert_eq!(acts.len(), per_row * t);
         debug_assert_eq!(y.len(), t * self.rows);
         let out = OutPtr(y.as_mut_ptr());
@@ -522,17 +558,17 @@ impl QuantMatrix {
         });
     }
 
-    fn drive_tile_range(
+    fn drive_tile_range<A>(
         &self,
         tiles: Range<usize>,
-        acts: &[BlockQ8],
+        acts: &[A],
         per_row: usize,
         t: usize,
         out: OutPtr,
-        k: &TilePair,
+        k: &TilePair<A>,
     ) {
         let n = self.rows;
-        let tile_bytes = self.row_bytes * tiled::TILE_ROWS;
+        let tile_bytes = self.cols / self.ty.block_elems() * tiled::tile_block_bytes(self.ty);
         let act = |tok: usize| &acts[tok * per_row..(tok + 1) * per_row];
         for tile in tiles {
             let w = &self.data[tile * tile_bytes..(tile + 1) * tile_bytes];

@@ -141,3 +141,32 @@ pub fn dot_f64(ty: WeightType, bytes: &[u8], a: &[f32]) -> (f64, f64) {
         (s + p, m + p.abs())
     })
 }
+
+fn put_f16(b: &mut [u8], at: usize, v: f32) {
+    b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+}
+
+/// `rows` rows of `blocks` random blocks of type `ty` with sane scales (random bytes, then
+/// every f16 field set to a small finite value): test and benchmark data.
+pub fn synthetic_matrix(ty: WeightType, rows: usize, blocks: usize, seed: u64) -> Vec<u8> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let bb = ty.block_bytes();
+    let mut data = vec![0u8; rows * blocks * bb];
+    rng.fill(&mut data[..]);
+    for b in data.chunks_exact_mut(bb) {
+        match ty {
+            WeightType::F32 => b.copy_from_slice(&rng.random_range(-1f32..1.0).to_le_bytes()),
+            WeightType::F16 => put_f16(b, 0, rng.random_range(-1f32..1.0)),
+            WeightType::Q4_0 | WeightType::Q5_0 | WeightType::Q8_0 => {
+                put_f16(b, 0, rng.random_range(0.001f32..0.1))
+            }
+            WeightType::Q4_1 | WeightType::Q5_1 | WeightType::Q4K | WeightType::Q5K => {
+                put_f16(b, 0, rng.random_range(0.001f32..0.1));
+                put_f16(b, 2, rng.random_range(-0.1f32..0.1));
+            }
+            WeightType::Q6K => put_f16(b, 208, rng.random_range(0.001f32..0.05)),
+        }
+    }
+    data
+}

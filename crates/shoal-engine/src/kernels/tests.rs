@@ -6,33 +6,11 @@ use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::reference::{dequantize_q8, dequantize_q8k, dequantize_row, dot_f64};
+use super::reference::{dequantize_q8, dequantize_q8k, dequantize_row, dot_f64, synthetic_matrix};
 use super::*;
 
-fn put_f16(b: &mut [u8], at: usize, v: f32) {
-    b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
-}
-
-/// `rows` random rows of `blocks` blocks each, with sane scales.
 fn random_matrix(ty: WeightType, rows: usize, blocks: usize, rng: &mut StdRng) -> Vec<u8> {
-    let bb = ty.block_bytes();
-    let mut data = vec![0u8; rows * blocks * bb];
-    rng.fill(&mut data[..]);
-    for b in data.chunks_exact_mut(bb) {
-        match ty {
-            WeightType::F32 => b.copy_from_slice(&rng.random_range(-1f32..1.0).to_le_bytes()),
-            WeightType::F16 => put_f16(b, 0, rng.random_range(-1f32..1.0)),
-            WeightType::Q4_0 | WeightType::Q5_0 | WeightType::Q8_0 => {
-                put_f16(b, 0, rng.random_range(0.001f32..0.1))
-            }
-            WeightType::Q4_1 | WeightType::Q5_1 | WeightType::Q4K | WeightType::Q5K => {
-                put_f16(b, 0, rng.random_range(0.001f32..0.1));
-                put_f16(b, 2, rng.random_range(-0.1f32..0.1));
-            }
-            WeightType::Q6K => put_f16(b, 208, rng.random_range(0.001f32..0.05)),
-        }
-    }
-    data
+    synthetic_matrix(ty, rows, blocks, rng.random())
 }
 
 fn random_acts(n: usize, rng: &mut StdRng) -> Vec<f32> {
@@ -158,22 +136,26 @@ fn levels_agree_with_the_portable_kernels() {
 #[test]
 fn many_threads_give_the_same_result_as_one() {
     let mut rng = StdRng::seed_from_u64(11);
-    let (ty, rows, blocks, t) = (WeightType::Q4K, 77, 2, 5);
-    let cols = blocks * QK_K;
-    let m = QuantMatrix::new(ty, rows, cols, random_matrix(ty, rows, blocks, &mut rng)).unwrap();
-    let x = random_acts(t * cols, &mut rng);
-    let run = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap();
-        let mut y = vec![0f32; t * rows];
-        pool.install(|| m.matmul(&x, &mut y)).unwrap();
-        y
-    };
-    let one = run(1);
-    assert_eq!(one, run(3));
-    assert_eq!(one, run(8));
+    for ty in [WeightType::Q4K, WeightType::Q5_0, WeightType::F16] {
+        let (rows, blocks, t) = (77, 2, 5);
+        let blocks = if ty.block_elems() == 1 { 256 } else { blocks };
+        let cols = blocks * ty.block_elems();
+        let m =
+            QuantMatrix::new(ty, rows, cols, random_matrix(ty, rows, blocks, &mut rng)).unwrap();
+        let x = random_acts(t * cols, &mut rng);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let mut y = vec![0f32; t * rows];
+            pool.install(|| m.matmul(&x, &mut y)).unwrap();
+            y
+        };
+        let one = run(1);
+        assert_eq!(one, run(3), "{ty:?}");
+        assert_eq!(one, run(8), "{ty:?}");
+    }
 }
 
 #[test]

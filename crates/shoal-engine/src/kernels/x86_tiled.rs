@@ -12,8 +12,8 @@
 
 use std::arch::x86_64::*;
 
-use super::formats::BlockQ8;
-use super::tiled::TILE_ROWS;
+use super::formats::{BlockQ8, BlockQ8K};
+use super::tiled::{k_offsets, TILE_ROWS};
 
 /// Type codes for the const parameter of the kernels.
 pub const Q4_0: u8 = 0;
@@ -202,6 +202,217 @@ macro_rules! tiled_kernels {
                         if has_min(KIND) {
                             acc[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(y.s), acc[j]);
                         }
+                    }
+                }
+                let mut out = [[0f32; TILE_ROWS]; N];
+                for j in 0..N {
+                    _mm256_storeu_ps(out[j].as_mut_ptr(), acc[j]);
+                }
+                out
+            }
+
+            /// Eight bytes at `p` (one per row), widened to eight i32 lanes, unsigned.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn u8x8(p: *const u8) -> __m256i {
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i))
+            }
+
+            /// Eight bytes at `p` (one per row), widened to eight i32 lanes, signed.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn i8x8(p: *const u8) -> __m256i {
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))
+            }
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn bcast(p: *const i8, at: usize) -> __m256i {
+                _mm256_set1_epi32((p.add(at) as *const i32).read_unaligned())
+            }
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn ld(p: *const u8) -> __m256i {
+                _mm256_loadu_si256(p as *const __m256i)
+            }
+
+            /// Q4_K (`HIGH` false) or Q5_K (`HIGH` true) tile row against `N` rows.
+            ///
+            /// # Safety
+            /// The CPU has the features; `w` is whole tile blocks of the type; every
+            /// activation row has at least as many super-blocks.
+            #[target_feature(enable = $features)]
+            pub unsafe fn tile_q45k<const N: usize, const HIGH: bool>(
+                w: &[u8],
+                a: [&[BlockQ8K]; N],
+            ) -> [[f32; TILE_ROWS]; N] {
+                use k_offsets::*;
+                let tb = if HIGH { 1440 } else { 1184 };
+                let qs_off = if HIGH { QS5 } else { QS4 };
+                let m4 = _mm256_set1_epi8(0x0F);
+                let one = _mm256_set1_epi8(1);
+                let mut acc = [_mm256_setzero_ps(); N];
+                for b in 0..w.len() / tb {
+                    let t = w.as_ptr().add(b * tb);
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i));
+                    let dmin = _mm256_cvtph_ps(_mm_loadu_si128(t.add(16) as *const __m128i));
+                    let mut isum = [_mm256_setzero_si256(); N];
+                    let mut msum = [_mm256_setzero_si256(); N];
+                    for c in 0..4 {
+                        let mut lo = [_mm256_setzero_si256(); 8];
+                        let mut hi = [_mm256_setzero_si256(); 8];
+                        for g in 0..8 {
+                            let v = ld(t.add(qs_off + 1024 / 4 * c + 32 * g));
+                            lo[g] = _mm256_and_si256(v, m4);
+                            hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                            if HIGH {
+                                let h = ld(t.add(QH5 + 32 * g));
+                                let hl = _mm256_and_si256(
+                                    _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c as i32)),
+                                    one,
+                                );
+                                let hh = _mm256_and_si256(
+                                    _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c as i32 + 1)),
+                                    one,
+                                );
+                                lo[g] = _mm256_or_si256(lo[g], _mm256_slli_epi16(hl, 4));
+                                hi[g] = _mm256_or_si256(hi[g], _mm256_slli_epi16(hh, 4));
+                            }
+                        }
+                        let sc_lo = u8x8(t.add(SC + 8 * (2 * c)));
+                        let sc_hi = u8x8(t.add(SC + 8 * (2 * c + 1)));
+                        for j in 0..N {
+                            let y = a[j].get_unchecked(b).qs.as_ptr().add(64 * c);
+                            let mut pl = _mm256_setzero_si256();
+                            let mut ph = _mm256_setzero_si256();
+                            for g in 0..8 {
+                                pl = $dot(pl, lo[g], bcast(y, 4 * g));
+                                ph = $dot(ph, hi[g], bcast(y, 32 + 4 * g));
+                            }
+                            isum[j] = _mm256_add_epi32(isum[j], _mm256_mullo_epi32(pl, sc_lo));
+                            isum[j] = _mm256_add_epi32(isum[j], _mm256_mullo_epi32(ph, sc_hi));
+                        }
+                    }
+                    for s in 0..8 {
+                        let mn = u8x8(t.add(MN + 8 * s));
+                        for j in 0..N {
+                            let y = a[j].get_unchecked(b);
+                            let bs = y.bsums[2 * s] as i32 + y.bsums[2 * s + 1] as i32;
+                            msum[j] = _mm256_add_epi32(
+                                msum[j],
+                                _mm256_mullo_epi32(mn, _mm256_set1_epi32(bs)),
+                            );
+                        }
+                    }
+                    for j in 0..N {
+                        let yd = _mm256_set1_ps(a[j].get_unchecked(b).d);
+                        acc[j] = _mm256_fmadd_ps(
+                            _mm256_mul_ps(d, yd),
+                            _mm256_cvtepi32_ps(isum[j]),
+                            acc[j],
+                        );
+                        acc[j] = _mm256_fnmadd_ps(
+                            _mm256_mul_ps(dmin, yd),
+                            _mm256_cvtepi32_ps(msum[j]),
+                            acc[j],
+                        );
+                    }
+                }
+                let mut out = [[0f32; TILE_ROWS]; N];
+                for j in 0..N {
+                    _mm256_storeu_ps(out[j].as_mut_ptr(), acc[j]);
+                }
+                out
+            }
+
+            /// Q6_K tile row against `N` rows.
+            ///
+            /// # Safety
+            /// As [`tile_q45k`].
+            #[target_feature(enable = $features)]
+            pub unsafe fn tile_q6k<const N: usize>(
+                w: &[u8],
+                a: [&[BlockQ8K]; N],
+            ) -> [[f32; TILE_ROWS]; N] {
+                use k_offsets::*;
+                let tb = 1680;
+                let m4 = _mm256_set1_epi8(0x0F);
+                let m3 = _mm256_set1_epi8(3);
+                let mut acc = [_mm256_setzero_ps(); N];
+                for b in 0..w.len() / tb {
+                    let t = w.as_ptr().add(b * tb);
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i));
+                    let mut isum = [_mm256_setzero_si256(); N];
+                    for n in 0..2 {
+                        for h in 0..2 {
+                            // groups 4h..4h+4 of half n: values 4g..4g+4 of each quarter
+                            let mut q = [[_mm256_setzero_si256(); 4]; 4];
+                            for (gi, qg) in q.iter_mut().enumerate() {
+                                let g = 4 * h + gi;
+                                let l0 = ld(t.add(QL6 + 512 * n + 32 * g));
+                                let l1 = ld(t.add(QL6 + 512 * n + 256 + 32 * g));
+                                let hb = ld(t.add(QH6 + 256 * n + 32 * g));
+                                let h0 = _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4);
+                                let h1 = _mm256_slli_epi16(
+                                    _mm256_and_si256(_mm256_srli_epi16(hb, 2), m3),
+                                    4,
+                                );
+                                let h2 = _mm256_slli_epi16(
+                                    _mm256_and_si256(_mm256_srli_epi16(hb, 4), m3),
+                                    4,
+                                );
+                                let h3 = _mm256_slli_epi16(
+                                    _mm256_and_si256(_mm256_srli_epi16(hb, 6), m3),
+                                    4,
+                                );
+                                qg[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), h0);
+                                qg[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), h1);
+                                qg[2] = _mm256_or_si256(
+                                    _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                    h2,
+                                );
+                                qg[3] = _mm256_or_si256(
+                                    _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                    h3,
+                                );
+                            }
+                            let sc: [__m256i; 4] = core::array::from_fn(|k| {
+                                i8x8(t.add(SC6 + 8 * (8 * n + 2 * k + h)))
+                            });
+                            for j in 0..N {
+                                let y = a[j].get_unchecked(b).qs.as_ptr().add(128 * n);
+                                let mut p = [_mm256_setzero_si256(); 4];
+                                for (gi, qg) in q.iter().enumerate() {
+                                    let g = 4 * h + gi;
+                                    for k in 0..4 {
+                                        p[k] = $dot(p[k], qg[k], bcast(y, 32 * k + 4 * g));
+                                    }
+                                }
+                                for k in 0..4 {
+                                    isum[j] =
+                                        _mm256_add_epi32(isum[j], _mm256_mullo_epi32(p[k], sc[k]));
+                                }
+                            }
+                        }
+                    }
+                    // every code carries an offset of 32: subtract 32 * scale * 16-sum
+                    let mut off = [_mm256_setzero_si256(); N];
+                    for s in 0..16 {
+                        let sc = i8x8(t.add(SC6 + 8 * s));
+                        for j in 0..N {
+                            let bs = a[j].get_unchecked(b).bsums[s] as i32;
+                            off[j] = _mm256_add_epi32(
+                                off[j],
+                                _mm256_mullo_epi32(sc, _mm256_set1_epi32(bs)),
+                            );
+                        }
+                    }
+                    for j in 0..N {
+                        let yd = _mm256_set1_ps(a[j].get_unchecked(b).d);
+                        let p = _mm256_sub_epi32(isum[j], _mm256_slli_epi32(off[j], 5));
+                        acc[j] =
+                            _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(p), acc[j]);
                     }
                 }
                 let mut out = [[0f32; TILE_ROWS]; N];

@@ -1,0 +1,179 @@
+//! `shoal bench kernels`: the speed of each weight type's matrix kernel at each instruction
+//! set this CPU has. Decode is one activation row against a matrix much larger than the
+//! caches, reported as GB/s of weights streamed (beside the machine's read bandwidth: a
+//! kernel at that figure is memory-bound); prefill is a batch of rows against a cache-sized
+//! matrix, reported as billions of multiply-adds per second.
+
+use std::time::Instant;
+
+use clap::Args;
+use serde::Serialize;
+use shoal_engine::kernels::reference::synthetic_matrix;
+use shoal_engine::kernels::{Isa, QuantMatrix, WeightType};
+
+use crate::bench::{measure_read_bandwidth, Spread};
+use crate::ComputeArgs;
+
+#[derive(Args, Debug)]
+pub struct KernelBenchArgs {
+    /// Weight types (comma-separated: f32,f16,q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k).
+    #[arg(long, default_value = "q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k")]
+    pub types: String,
+    /// Instruction sets (comma-separated: portable,avx2,avx512vnni; default all this CPU has).
+    #[arg(long)]
+    pub isa: Option<String>,
+    /// Megabytes of weights in the decode matrix.
+    #[arg(long, default_value_t = 128)]
+    pub decode_mb: usize,
+    /// Activation rows in the prefill batch.
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
+    /// Repetitions of each measurement.
+    #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
+    pub reps: usize,
+    /// One JSON object per line on stdout.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
+}
+
+#[derive(Debug, Serialize)]
+struct Row {
+    ty: String,
+    isa: &'static str,
+    threads: usize,
+    /// Weights streamed per second by the one-row product, GB/s (median).
+    decode_gb_s: f64,
+    decode: Spread,
+    /// Multiply-adds per second of the batched product, billions (median).
+    prefill_gmac_s: f64,
+    prefill: Spread,
+    mem_read_gb_s: f64,
+}
+
+fn parse_type(s: &str) -> anyhow::Result<WeightType> {
+    Ok(match s.trim().to_ascii_lowercase().as_str() {
+        "f32" => WeightType::F32,
+        "f16" => WeightType::F16,
+        "q4_0" => WeightType::Q4_0,
+        "q4_1" => WeightType::Q4_1,
+        "q5_0" => WeightType::Q5_0,
+        "q5_1" => WeightType::Q5_1,
+        "q8_0" => WeightType::Q8_0,
+        "q4_k" => WeightType::Q4K,
+        "q5_k" => WeightType::Q5K,
+        "q6_k" => WeightType::Q6K,
+        other => anyhow::bail!("unknown weight type {other:?} in --types"),
+    })
+}
+
+fn parse_isa(s: &str) -> anyhow::Result<Isa> {
+    let all = [Isa::Portable, Isa::Avx2, Isa::Avx512Vnni];
+    let isa = all
+        .into_iter()
+        .find(|i| i.name() == s.trim())
+        .ok_or_else(|| anyhow::anyhow!("unknown instruction set {s:?} in --isa"))?;
+    if isa > Isa::detected() {
+        anyhow::bail!("this CPU cannot run {}", isa.name());
+    }
+    Ok(isa)
+}
+
+/// A matrix of about `mb` megabytes with `cols` columns.
+fn matrix(isa: Isa, ty: WeightType, mb: usize, cols: usize) -> anyhow::Result<QuantMatrix> {
+    let blocks = cols / ty.block_elems();
+    let row_bytes = blocks * ty.block_bytes();
+    let rows = (mb << 20).div_ceil(row_bytes).max(8);
+    let data = synthetic_matrix(ty, rows, blocks, 1);
+    Ok(QuantMatrix::with_isa(isa, ty, rows, cols, data)?)
+}
+
+fn time_runs(reps: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<Vec<f64>> {
+    f()?; // warm-up
+    (0..reps)
+        .map(|_| {
+            let t0 = Instant::now();
+            f()?;
+            Ok(t0.elapsed().as_secs_f64())
+        })
+        .collect()
+}
+
+pub fn main(args: KernelBenchArgs) -> anyhow::Result<()> {
+    let threads = args.compute.apply()?;
+    if args.reps == 0 || args.batch == 0 || args.decode_mb == 0 {
+        anyhow::bail!("-r, --batch and --decode-mb must be at least 1");
+    }
+    let types = args
+        .types
+        .split(',')
+        .map(parse_type)
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let isas = match &args.isa {
+        Some(s) => s
+            .split(',')
+            .map(parse_isa)
+            .collect::<anyhow::Result<Vec<_>>>()?,
+        None => Isa::available(),
+    };
+    let bw = measure_read_bandwidth(threads);
+    if !args.json {
+        println!(
+            "threads {threads}  read bandwidth {bw:.1} GB/s  decode matrix {} MB  prefill batch {}",
+            args.decode_mb, args.batch
+        );
+        println!(
+            "{:<6} {:<11} {:>14} {:>8} {:>16}",
+            "type", "isa", "decode GB/s", "of bw", "prefill GMAC/s"
+        );
+    }
+    const COLS: usize = 2048;
+    for &ty in &types {
+        for &isa in &isas {
+            let big = matrix(isa, ty, args.decode_mb, COLS)?;
+            let x: Vec<f32> = (0..COLS)
+                .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1)
+                .collect();
+            let mut y = vec![0f32; big.rows()];
+            let dec = time_runs(args.reps, || Ok(big.matmul(&x, &mut y)?))?;
+            let dec_gb: Vec<f64> = dec.iter().map(|s| big.bytes() as f64 / s / 1e9).collect();
+            drop(big);
+            let small = matrix(isa, ty, 4, COLS)?;
+            let xb: Vec<f32> = (0..COLS * args.batch)
+                .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1)
+                .collect();
+            let mut yb = vec![0f32; small.rows() * args.batch];
+            let pre = time_runs(args.reps, || Ok(small.matmul(&xb, &mut yb)?))?;
+            let macs = (small.rows() * COLS * args.batch) as f64;
+            let pre_g: Vec<f64> = pre.iter().map(|s| macs / s / 1e9).collect();
+            let (decode, prefill) = (
+                Spread::of(&dec_gb).expect("reps >= 1"),
+                Spread::of(&pre_g).expect("reps >= 1"),
+            );
+            let row = Row {
+                ty: format!("{ty:?}"),
+                isa: isa.name(),
+                threads,
+                decode_gb_s: decode.median,
+                decode,
+                prefill_gmac_s: prefill.median,
+                prefill,
+                mem_read_gb_s: bw,
+            };
+            if args.json {
+                println!("{}", serde_json::to_string(&row)?);
+            } else {
+                println!(
+                    "{:<6} {:<11} {:>14.2} {:>7.0}% {:>16.2}",
+                    row.ty,
+                    row.isa,
+                    row.decode_gb_s,
+                    100.0 * row.decode_gb_s / bw,
+                    row.prefill_gmac_s
+                );
+            }
+        }
+    }
+    Ok(())
+}
