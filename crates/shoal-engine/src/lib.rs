@@ -12,6 +12,7 @@ pub mod kernels;
 pub mod kv_cache;
 pub mod layers;
 pub mod model;
+pub mod profile;
 pub mod sampler;
 pub mod transformer;
 pub mod weights;

@@ -19,6 +19,7 @@ use crate::error::CandleContext;
 use crate::kernels::QuantMatrix;
 use crate::kv_cache::KvCache;
 use crate::layers::{ColumnLinear, Matrix, RmsNorm, RowLinear};
+use crate::profile::{self, Op};
 use crate::weights::{quant_matrix, Slice, WeightSource};
 use crate::EngineError;
 
@@ -273,9 +274,14 @@ impl Attention {
                 .and_then(|y| y.contiguous())
                 .ctx("split heads")
         };
-        let mut q = heads(self.q.forward(x)?, nh)?;
-        let mut k = heads(self.k.forward(x)?, nkv)?;
-        let v = heads(self.v.forward(x)?, nkv)?;
+        let (q, k, v) = {
+            let _p = profile::scope(Op::Qkv);
+            (self.q.forward(x)?, self.k.forward(x)?, self.v.forward(x)?)
+        };
+        let rope = profile::scope(Op::Rope);
+        let mut q = heads(q, nh)?;
+        let mut k = heads(k, nkv)?;
+        let v = heads(v, nkv)?;
         if let Some(n) = &self.q_norm {
             q = n.forward(&q)?;
         }
@@ -285,6 +291,8 @@ impl Attention {
         let (cos, sin) = tables.rope(hd, self.rope_base, self.rope_scale)?;
         let q = self.rope(&q, cos, sin)?;
         let k = self.rope(&k, cos, sin)?;
+        drop(rope);
+        let attention = profile::scope(Op::Attention);
         let (k_all, v_all) = cache.append(layer, &k, &v)?; // (b, nkv, T, hd)
         let total = p + t;
 
@@ -311,6 +319,8 @@ impl Attention {
             .and_then(|y| y.transpose(1, 2))
             .and_then(|y| y.reshape((b, t, nh * hd)))
             .ctx("merge heads")?;
+        drop(attention);
+        let _p = profile::scope(Op::AttnOut);
         self.o.forward(&y)
     }
 }
@@ -363,13 +373,19 @@ impl FeedForward {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
-        let g = self.gate.forward(x)?;
+        let (g, u) = {
+            let _p = profile::scope(Op::GateUp);
+            (self.gate.forward(x)?, self.up.forward(x)?)
+        };
+        let act = profile::scope(Op::Activation);
         let g = match self.activation {
             Activation::Silu => candle_nn::ops::silu(&g),
             Activation::GeluTanh => g.gelu(),
         }
         .ctx("activation")?;
-        let h = (g * self.up.forward(x)?).ctx("gate * up")?;
+        let h = (g * u).ctx("gate * up")?;
+        drop(act);
+        let _p = profile::scope(Op::Down);
         self.down.forward(&h)
     }
 }
@@ -429,19 +445,19 @@ impl Block {
         tables: &mut StepTables,
     ) -> Result<Tensor, EngineError> {
         // attention with residual
-        let mut a = self
-            .attn
-            .forward(&self.attn_norm.forward(x)?, cache, layer, tables)?;
+        let xn = profiled(Op::Norm, || self.attn_norm.forward(x))?;
+        let mut a = self.attn.forward(&xn, cache, layer, tables)?;
         if let Some(n) = &self.post_attn_norm {
-            a = n.forward(&a)?;
+            a = profiled(Op::Norm, || n.forward(&a))?;
         }
-        let h = (x + a).ctx("attention residual")?;
+        let h = profiled(Op::Residual, || (x + a).ctx("attention residual"))?;
         // feed-forward with residual
-        let mut f = self.ffn.forward(&self.ffn_norm.forward(&h)?)?;
+        let hn = profiled(Op::Norm, || self.ffn_norm.forward(&h))?;
+        let mut f = self.ffn.forward(&hn)?;
         if let Some(n) = &self.post_ffn_norm {
-            f = n.forward(&f)?;
+            f = profiled(Op::Norm, || n.forward(&f))?;
         }
-        (h + f).ctx("ffn residual")
+        profiled(Op::Residual, || (h + f).ctx("ffn residual"))
     }
 }
 
@@ -596,16 +612,19 @@ impl Transformer {
                 ),
             });
         }
+        let embed = profile::scope(Op::Embed);
         let mut x = self.embed.lookup(tokens)?.unsqueeze(0).ctx("embedding")?; // (1, t, d)
         if self.cfg.embed_scale != 1.0 {
             // ggml scales in f32: round the factor the same way.
             x = (x * (self.cfg.embed_scale as f32) as f64).ctx("embedding scale")?;
         }
+        drop(embed);
         let mut tables = StepTables::new(cache.len(), t);
         for (layer, block) in self.blocks.iter().enumerate() {
             x = block.forward(&x, cache, layer, &mut tables)?;
         }
         cache.advance(t);
+        let _p = profile::scope(Op::Head);
         let n = n_logits.clamp(1, t);
         let x = x.narrow(1, t - n, n).ctx("last positions")?;
         let x = self.norm.forward(&x)?;
@@ -628,6 +647,12 @@ impl Transformer {
         let l = self.forward(tokens, cache, 1)?;
         l.squeeze(0).and_then(|l| l.to_vec1::<f32>()).ctx("logits")
     }
+}
+
+/// Runs `f`, timing it as `op`.
+fn profiled<T>(op: Op, f: impl FnOnce() -> T) -> T {
+    let _p = profile::scope(op);
+    f()
 }
 
 /// Index of the largest value (the first one on ties), for greedy decoding and tests.

@@ -32,6 +32,9 @@ pub struct BenchArgs {
     /// One JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Also time each part of the decode step and print where a token's time goes.
+    #[arg(long)]
+    pub profile: bool,
     #[command(flatten)]
     pub compute: ComputeArgs,
 }
@@ -92,6 +95,18 @@ struct Report {
     decode_ceiling_tok_s: f64,
     /// decode_tok_s / decode_ceiling_tok_s.
     decode_fraction_of_ceiling: Option<f64>,
+    /// Where a decoded token's time goes (with `--profile`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    decode_profile: Option<Vec<OpTime>>,
+}
+
+/// One line of the decode profile.
+#[derive(Debug, Serialize)]
+struct OpTime {
+    op: &'static str,
+    ms_per_token: f64,
+    /// Fraction of decode time.
+    share: f64,
 }
 
 /// Deterministic pseudo-random prompt tokens (as llama-bench uses random tokens).
@@ -171,6 +186,8 @@ pub fn main(args: BenchArgs) -> anyhow::Result<()> {
     prefill(t, &prompt_tokens(16.min(ctx), vocab), &mut cache)?;
     let mut pp = Vec::new();
     let mut tg = Vec::new();
+    let mut decode_secs = 0.0;
+    shoal_engine::profile::reset();
     for rep in 0..args.reps {
         if args.n_prompt > 0 {
             cache.clear();
@@ -182,14 +199,36 @@ pub fn main(args: BenchArgs) -> anyhow::Result<()> {
         if args.n_gen > 0 {
             cache.clear();
             let mut tok = prompt_tokens(1 + rep, vocab)[rep];
+            shoal_engine::profile::enable(args.profile);
             let t0 = Instant::now();
             for _ in 0..args.n_gen {
                 let logits = t.forward_last(&[tok], &mut cache)?;
                 tok = argmax(&logits) as u32;
             }
-            tg.push(args.n_gen as f64 / t0.elapsed().as_secs_f64());
+            let secs = t0.elapsed().as_secs_f64();
+            shoal_engine::profile::enable(false);
+            decode_secs += secs;
+            tg.push(args.n_gen as f64 / secs);
         }
     }
+    let profile = args.profile.then(|| {
+        let tokens = (args.n_gen * args.reps).max(1) as f64;
+        let mut ops: Vec<OpTime> = shoal_engine::profile::snapshot()
+            .into_iter()
+            .map(|(op, s)| OpTime {
+                op: op.name(),
+                ms_per_token: s * 1e3 / tokens,
+                share: s / decode_secs.max(1e-12),
+            })
+            .collect();
+        let accounted: f64 = ops.iter().map(|o| o.share).sum();
+        ops.push(OpTime {
+            op: "rest (sampling, glue)",
+            ms_per_token: (1.0 - accounted).max(0.0) * decode_secs * 1e3 / tokens,
+            share: (1.0 - accounted).max(0.0),
+        });
+        ops
+    });
     let bw = measure_read_bandwidth(threads);
     let prefill = Spread::of(&pp);
     let decode = Spread::of(&tg);
@@ -208,6 +247,7 @@ pub fn main(args: BenchArgs) -> anyhow::Result<()> {
         mem_read_gb_s: bw,
         decode_ceiling_tok_s: ceiling,
         decode_fraction_of_ceiling: decode.map(|d| d.median / ceiling),
+        decode_profile: profile,
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -235,6 +275,17 @@ pub fn main(args: BenchArgs) -> anyhow::Result<()> {
             bw,
             100.0 * d.median / ceiling
         );
+    }
+    if let Some(ops) = &report.decode_profile {
+        println!("decode profile (per token):");
+        for o in ops {
+            println!(
+                "  {:<22} {:>8.3} ms  {:>5.1}%",
+                o.op,
+                o.ms_per_token,
+                100.0 * o.share
+            );
+        }
     }
     Ok(())
 }
