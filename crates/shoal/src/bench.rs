@@ -122,36 +122,25 @@ fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-/// Read bandwidth in GB/s: sums a buffer much larger than the caches with `threads`
-/// threads, best of several passes.
+/// Read bandwidth in GB/s: `threads` threads stream disjoint parts of a buffer much larger
+/// than the caches the way the weight kernels do (32-byte loads, prefetch ahead), best of
+/// several passes.
 pub fn measure_read_bandwidth(threads: usize) -> f64 {
     const BYTES: usize = 512 << 20;
-    let buf: Vec<u64> = (0..BYTES / 8).map(|i| i as u64).collect();
+    let buf: Vec<u8> = (0..BYTES).map(|i| (i * 31 % 251) as u8).collect();
     let chunk = buf.len().div_ceil(threads);
     let mut best = 0.0f64;
-    for _ in 0..5 {
+    for _ in 0..7 {
         let t0 = Instant::now();
-        let total: u64 = std::thread::scope(|s| {
+        let total = std::thread::scope(|s| {
             let handles: Vec<_> = buf
                 .chunks(chunk)
-                .map(|c| {
-                    s.spawn(move || {
-                        c.chunks_exact(8)
-                            .fold([0u64; 8], |mut acc, x| {
-                                for i in 0..8 {
-                                    acc[i] = acc[i].wrapping_add(x[i]);
-                                }
-                                acc
-                            })
-                            .iter()
-                            .fold(0u64, |a, &b| a.wrapping_add(b))
-                    })
-                })
+                .map(|c| s.spawn(move || shoal_engine::kernels::stream_checksum(c)))
                 .collect();
             handles
                 .into_iter()
                 .map(|h| h.join().unwrap_or(0))
-                .fold(0u64, u64::wrapping_add)
+                .fold(0u64, |a, b| a ^ b)
         });
         std::hint::black_box(total);
         best = best.max(BYTES as f64 / t0.elapsed().as_secs_f64() / 1e9);

@@ -111,6 +111,23 @@ pub fn active_isa() -> Isa {
     })
 }
 
+/// A checksum of `buf` that reads every byte the way the weight kernels stream weights: the
+/// read-bandwidth probe (`shoal bench` divides bytes by its time).
+pub fn stream_checksum(buf: &[u8]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detected() >= Isa::Avx2 {
+        let whole = buf.len() / 128 * 128;
+        // SAFETY: AVX2 was detected.
+        let head = unsafe { x86::stream_checksum(&buf[..whole]) };
+        return buf[whole..].iter().fold(head, |a, &b| a ^ b as u64);
+    }
+    buf.chunks(8).fold(0u64, |a, c| {
+        let mut w = [0u8; 8];
+        w[..c.len()].copy_from_slice(c);
+        a ^ u64::from_le_bytes(w)
+    })
+}
+
 /// A shape or instruction-set mistake in a kernel call.
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
