@@ -22,7 +22,32 @@ use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::OnceLock;
 
-pub use formats::{quantize_q8, quantize_q8k, ActFormat, BlockQ8, BlockQ8K, WeightType, QK, QK_K};
+pub use formats::{ActFormat, BlockQ8, BlockQ8K, WeightType, QK, QK_K};
+
+/// Quantizes activations `x` (a multiple of 32 long) to [`BlockQ8`], with SIMD where the CPU
+/// has it (the result is the same bit for bit).
+pub fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
+    assert_eq!(x.len(), out.len() * QK, "quantize_q8 lengths");
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detected() >= Isa::Avx2 {
+        // SAFETY: AVX2 was detected; the lengths were checked.
+        unsafe { x86::quantize_q8(x, out) };
+        return;
+    }
+    formats::quantize_q8(x, out)
+}
+
+/// Quantizes activations `x` (a multiple of 256 long) to [`BlockQ8K`], as [`quantize_q8`].
+pub fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
+    assert_eq!(x.len(), out.len() * QK_K, "quantize_q8k lengths");
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detected() >= Isa::Avx2 {
+        // SAFETY: AVX2 was detected; the lengths were checked.
+        unsafe { x86::quantize_q8k(x, out) };
+        return;
+    }
+    formats::quantize_q8k(x, out)
+}
 
 /// An instruction-set level the kernels are compiled for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

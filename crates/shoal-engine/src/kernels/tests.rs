@@ -159,6 +159,30 @@ fn many_threads_give_the_same_result_as_one() {
 }
 
 #[test]
+fn simd_quantization_is_bit_exact() {
+    let mut rng = StdRng::seed_from_u64(21);
+    for case in 0..20 {
+        let mut x = random_acts(4 * QK_K, &mut rng);
+        if case % 4 == 1 {
+            x[..QK_K].iter_mut().for_each(|v| *v = 0.0); // an all-zero block
+        }
+        if case % 4 == 2 {
+            x[7] = 100.0; // equal magnitudes of both signs: the first one wins
+            x[9] = -100.0;
+            x[40] = -100.0;
+        }
+        let (mut a, mut b) = (vec![BlockQ8::default(); 32], vec![BlockQ8::default(); 32]);
+        super::formats::quantize_q8(&x, &mut a);
+        quantize_q8(&x, &mut b);
+        assert_eq!(a, b, "q8 case {case}");
+        let (mut a, mut b) = (vec![BlockQ8K::default(); 4], vec![BlockQ8K::default(); 4]);
+        super::formats::quantize_q8k(&x, &mut a);
+        quantize_q8k(&x, &mut b);
+        assert_eq!(a, b, "q8k case {case}");
+    }
+}
+
+#[test]
 fn bad_shapes_are_errors() {
     let ty = WeightType::Q8_0;
     assert!(QuantMatrix::new(ty, 2, 33, vec![0; 68]).is_err());

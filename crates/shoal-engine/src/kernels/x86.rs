@@ -7,6 +7,8 @@
 
 use std::arch::x86_64::*;
 
+use super::formats::{round_f16, BlockQ8, BlockQ8K, QK, QK_K};
+
 /// Horizontal sum of eight f32 lanes.
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -110,8 +112,113 @@ pub unsafe fn stream_checksum(buf: &[u8]) -> u64 {
         }
         i += 128;
     }
-    let x = _mm256_xor_si256(_mm256_xor_si256(acc[0], acc[1]), _mm256_xor_si256(acc[2], acc[3]));
+    let x = _mm256_xor_si256(
+        _mm256_xor_si256(acc[0], acc[1]),
+        _mm256_xor_si256(acc[2], acc[3]),
+    );
     let mut lanes = [0u64; 4];
     _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, x);
     lanes.iter().fold(0, |a, &b| a ^ b)
+}
+
+/// Largest |x| of 32 values at `p`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn amax32(p: *const f32) -> f32 {
+    let sign = _mm256_set1_ps(-0.0);
+    let mut m = _mm256_setzero_ps();
+    for k in 0..4 {
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(p.add(8 * k))));
+    }
+    let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)))
+}
+
+/// `round_ties_even(x * s)` of eight values at `p`, as i32 lanes.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn scale_round(p: *const f32, s: __m256) -> __m256i {
+    let v = _mm256_mul_ps(_mm256_loadu_ps(p), s);
+    _mm256_cvtps_epi32(_mm256_round_ps::<
+        { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+    >(v))
+}
+
+/// Packs four vectors of eight i32 (each in -128..=127) into 32 bytes, in order.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn pack32(v: [__m256i; 4], out: *mut i8) {
+    let a = _mm256_packs_epi32(v[0], v[1]);
+    let b = _mm256_packs_epi32(v[2], v[3]);
+    let c = _mm256_packs_epi16(a, b);
+    // the packs interleave 128-bit lanes: restore element order
+    let c = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(out as *mut __m256i, c);
+}
+
+/// Sum of eight i32 lanes.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn hsum_epi32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+    _mm_cvtsi128_si32(s)
+}
+
+/// [`super::formats::quantize_q8`] with AVX2, bit for bit.
+///
+/// # Safety
+/// The CPU has AVX2; `x.len() == 32 * out.len()`.
+#[target_feature(enable = "avx2")]
+pub unsafe fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
+    for (i, b) in out.iter_mut().enumerate() {
+        let p = x.as_ptr().add(i * QK);
+        let amax = amax32(p);
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+        let v: [__m256i; 4] = core::array::from_fn(|k| scale_round(p.add(8 * k), id));
+        pack32(v, b.qs.as_mut_ptr());
+        let sum = hsum_epi32(_mm256_add_epi32(
+            _mm256_add_epi32(v[0], v[1]),
+            _mm256_add_epi32(v[2], v[3]),
+        ));
+        b.d = round_f16(d);
+        b.s = round_f16(d * sum as f32);
+        b.sum = sum;
+    }
+}
+
+/// [`super::formats::quantize_q8k`] with AVX2, bit for bit.
+///
+/// # Safety
+/// The CPU has AVX2; `x.len() == 256 * out.len()`.
+#[target_feature(enable = "avx2")]
+pub unsafe fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
+    for (i, b) in out.iter_mut().enumerate() {
+        let xs = &x[i * QK_K..(i + 1) * QK_K];
+        let mut amax = 0f32;
+        for k in 0..QK_K / 32 {
+            amax = amax.max(amax32(xs.as_ptr().add(32 * k)));
+        }
+        if amax == 0.0 {
+            *b = BlockQ8K::default();
+            continue;
+        }
+        // the first value of that magnitude, as the scalar scan finds it
+        let max = *xs.iter().find(|v| v.abs() == amax).unwrap_or(&amax);
+        let iscale = -127.0 / max;
+        let s = _mm256_set1_ps(iscale);
+        let top = _mm256_set1_epi32(127);
+        for k in 0..QK_K / 32 {
+            let p = xs.as_ptr().add(32 * k);
+            let v: [__m256i; 4] =
+                core::array::from_fn(|j| _mm256_min_epi32(scale_round(p.add(8 * j), s), top));
+            pack32(v, b.qs.as_mut_ptr().add(32 * k));
+            b.bsums[2 * k] = hsum_epi32(_mm256_add_epi32(v[0], v[1])) as i16;
+            b.bsums[2 * k + 1] = hsum_epi32(_mm256_add_epi32(v[2], v[3])) as i16;
+        }
+        b.d = 1.0 / iscale;
+    }
 }
