@@ -245,6 +245,21 @@ macro_rules! tiled_kernels {
                 _mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))
             }
 
+            /// Two sub-blocks' per-row bytes at `p` (`p[0..8]`, `p[8..16]`) as 16-bit pairs
+            /// `(first, second)` per row, for `vpmaddwd` against paired activation sums.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn pairs16(p: *const u8, signed: bool) -> __m256i {
+                let a = _mm_loadl_epi64(p as *const __m128i);
+                let b = _mm_loadl_epi64(p.add(8) as *const __m128i);
+                let ab = _mm_unpacklo_epi8(a, b);
+                if signed {
+                    _mm256_cvtepi8_epi16(ab)
+                } else {
+                    _mm256_cvtepu8_epi16(ab)
+                }
+            }
+
             #[inline]
             #[target_feature(enable = $features)]
             unsafe fn bcast(p: *const i8, at: usize) -> __m256i {
@@ -280,7 +295,9 @@ macro_rules! tiled_kernels {
                     }
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i));
                     let dmin = _mm256_cvtph_ps(_mm_loadu_si128(t.add(16) as *const __m128i));
-                    let mut isum = [_mm256_setzero_si256(); N];
+                    // sums scaled per sub-block, in f32 (exact below 2^24, rounding far
+                    // below the tolerance above); d and the activation scale come last
+                    let mut fsum = [_mm256_setzero_ps(); N];
                     let mut msum = [_mm256_setzero_si256(); N];
                     for c in 0..4 {
                         let mut lo = [_mm256_setzero_si256(); 8];
@@ -303,8 +320,8 @@ macro_rules! tiled_kernels {
                                 hi[g] = _mm256_or_si256(hi[g], _mm256_slli_epi16(hh, 4));
                             }
                         }
-                        let sc_lo = u8x8(t.add(SC + 8 * (2 * c)));
-                        let sc_hi = u8x8(t.add(SC + 8 * (2 * c + 1)));
+                        let sc_lo = _mm256_cvtepi32_ps(u8x8(t.add(SC + 8 * (2 * c))));
+                        let sc_hi = _mm256_cvtepi32_ps(u8x8(t.add(SC + 8 * (2 * c + 1))));
                         for j in 0..N {
                             let y = a[j].get_unchecked(b).qs.as_ptr().add(64 * c);
                             let mut pl = _mm256_setzero_si256();
@@ -313,28 +330,25 @@ macro_rules! tiled_kernels {
                                 pl = $dot(pl, lo[g], bcast(y, 4 * g));
                                 ph = $dot(ph, hi[g], bcast(y, 32 + 4 * g));
                             }
-                            isum[j] = _mm256_add_epi32(isum[j], _mm256_mullo_epi32(pl, sc_lo));
-                            isum[j] = _mm256_add_epi32(isum[j], _mm256_mullo_epi32(ph, sc_hi));
+                            fsum[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), sc_lo, fsum[j]);
+                            fsum[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), sc_hi, fsum[j]);
                         }
                     }
-                    for s in 0..8 {
-                        let mn = u8x8(t.add(MN + 8 * s));
+                    // minimums: per row, sum over sub-blocks of min * activation sum, two
+                    // sub-blocks per 16-bit multiply-add
+                    for s2 in 0..4 {
+                        let pair = pairs16(t.add(MN + 16 * s2), false);
                         for j in 0..N {
                             let y = a[j].get_unchecked(b);
-                            let bs = y.bsums[2 * s] as i32 + y.bsums[2 * s + 1] as i32;
-                            msum[j] = _mm256_add_epi32(
-                                msum[j],
-                                _mm256_mullo_epi32(mn, _mm256_set1_epi32(bs)),
-                            );
+                            let b0 = y.bsums[4 * s2] as i32 + y.bsums[4 * s2 + 1] as i32;
+                            let b1 = y.bsums[4 * s2 + 2] as i32 + y.bsums[4 * s2 + 3] as i32;
+                            let bs = _mm256_set1_epi32((b1 << 16) | (b0 & 0xFFFF));
+                            msum[j] = _mm256_add_epi32(msum[j], _mm256_madd_epi16(pair, bs));
                         }
                     }
                     for j in 0..N {
                         let yd = _mm256_set1_ps(a[j].get_unchecked(b).d);
-                        acc[j] = _mm256_fmadd_ps(
-                            _mm256_mul_ps(d, yd),
-                            _mm256_cvtepi32_ps(isum[j]),
-                            acc[j],
-                        );
+                        acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), fsum[j], acc[j]);
                         acc[j] = _mm256_fnmadd_ps(
                             _mm256_mul_ps(dmin, yd),
                             _mm256_cvtepi32_ps(msum[j]),
@@ -369,7 +383,7 @@ macro_rules! tiled_kernels {
                         prefetch_block(t, tb);
                     }
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i));
-                    let mut isum = [_mm256_setzero_si256(); N];
+                    let mut fsum = [_mm256_setzero_ps(); N];
                     for n in 0..2 {
                         for h in 0..2 {
                             // groups 4h..4h+4 of half n: values 4g..4g+4 of each quarter
@@ -403,8 +417,8 @@ macro_rules! tiled_kernels {
                                     h3,
                                 );
                             }
-                            let sc: [__m256i; 4] = core::array::from_fn(|k| {
-                                i8x8(t.add(SC6 + 8 * (8 * n + 2 * k + h)))
+                            let sc: [__m256; 4] = core::array::from_fn(|k| {
+                                _mm256_cvtepi32_ps(i8x8(t.add(SC6 + 8 * (8 * n + 2 * k + h))))
                             });
                             for j in 0..N {
                                 let y = a[j].get_unchecked(b).qs.as_ptr().add(128 * n);
@@ -416,29 +430,31 @@ macro_rules! tiled_kernels {
                                     }
                                 }
                                 for k in 0..4 {
-                                    isum[j] =
-                                        _mm256_add_epi32(isum[j], _mm256_mullo_epi32(p[k], sc[k]));
+                                    fsum[j] =
+                                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[k]), sc[k], fsum[j]);
                                 }
                             }
                         }
                     }
                     // every code carries an offset of 32: subtract 32 * scale * 16-sum
                     let mut off = [_mm256_setzero_si256(); N];
-                    for s in 0..16 {
-                        let sc = i8x8(t.add(SC6 + 8 * s));
+                    for s2 in 0..8 {
+                        let pair = pairs16(t.add(SC6 + 16 * s2), true);
                         for j in 0..N {
-                            let bs = a[j].get_unchecked(b).bsums[s] as i32;
-                            off[j] = _mm256_add_epi32(
-                                off[j],
-                                _mm256_mullo_epi32(sc, _mm256_set1_epi32(bs)),
-                            );
+                            let y = a[j].get_unchecked(b);
+                            let (b0, b1) = (y.bsums[2 * s2] as i32, y.bsums[2 * s2 + 1] as i32);
+                            let bs = _mm256_set1_epi32((b1 << 16) | (b0 & 0xFFFF));
+                            off[j] = _mm256_add_epi32(off[j], _mm256_madd_epi16(pair, bs));
                         }
                     }
                     for j in 0..N {
                         let yd = _mm256_set1_ps(a[j].get_unchecked(b).d);
-                        let p = _mm256_sub_epi32(isum[j], _mm256_slli_epi32(off[j], 5));
-                        acc[j] =
-                            _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(p), acc[j]);
+                        let o = _mm256_cvtepi32_ps(_mm256_slli_epi32(off[j], 5));
+                        acc[j] = _mm256_fmadd_ps(
+                            _mm256_mul_ps(d, yd),
+                            _mm256_sub_ps(fsum[j], o),
+                            acc[j],
+                        );
                     }
                 }
                 let mut out = [[0f32; TILE_ROWS]; N];
