@@ -17,6 +17,8 @@ mod tiled;
 mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_tiled;
+#[cfg(target_arch = "x86_64")]
+mod x86_wide;
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -243,10 +245,14 @@ macro_rules! portable {
 
 type TileKern<A, const N: usize> = unsafe fn(&[u8], [&[A]; N]) -> [[f32; tiled::TILE_ROWS]; N];
 
-/// The one- and four-row tiled kernels of one weight type at one level.
+type PairKern<A> = unsafe fn(&[u8], &[u8], [&[A]; 4]) -> [[f32; 2 * tiled::TILE_ROWS]; 4];
+
+/// The one- and four-row tiled kernels of one weight type at one level, and where the level
+/// has one, a four-row kernel over two tiles at once (512-bit vectors, for prefill).
 struct TilePair<A: 'static> {
     one: TileKern<A, 1>,
     four: TileKern<A, 4>,
+    pair_four: Option<PairKern<A>>,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -257,20 +263,31 @@ fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
                 WeightType::Q4K => TilePair {
                     one: x86_tiled::$m::tile_q45k::<1, false>,
                     four: x86_tiled::$m::tile_q45k::<4, false>,
+                    pair_four: None,
                 },
                 WeightType::Q5K => TilePair {
                     one: x86_tiled::$m::tile_q45k::<1, true>,
                     four: x86_tiled::$m::tile_q45k::<4, true>,
+                    pair_four: None,
                 },
                 _ => TilePair {
                     one: x86_tiled::$m::tile_q6k::<1>,
                     four: x86_tiled::$m::tile_q6k::<4>,
+                    pair_four: None,
                 },
             }
         };
     }
     match isa {
-        Isa::Avx512Vnni => by_type!(avx512vnni),
+        Isa::Avx512Vnni => {
+            let mut k = by_type!(avx512vnni);
+            k.pair_four = match ty {
+                WeightType::Q4K => Some(x86_wide::tile2_q45k::<4, false>),
+                WeightType::Q5K => Some(x86_wide::tile2_q45k::<4, true>),
+                _ => None,
+            };
+            k
+        }
         _ => by_type!(avx2),
     }
 }
@@ -283,6 +300,7 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
             TilePair {
                 one: x86_tiled::$m::tile_dot::<1, $k>,
                 four: x86_tiled::$m::tile_dot::<4, $k>,
+                pair_four: None,
             }
         };
     }
@@ -612,35 +630,82 @@ impl QuantMatrix {
         let n = self.rows;
         let tile_bytes = self.cols / self.ty.block_elems() * tiled::tile_block_bytes(self.ty);
         let act = |tok: usize| &acts[tok * per_row..(tok + 1) * per_row];
+        let mut tiles = tiles;
+        if let (Some(pair), true) = (k.pair_four, t >= 4) {
+            // two tiles at a time for the whole token groups; the rest below
+            while tiles.len() >= 2 {
+                let tile = tiles.start;
+                let w0 = &self.data[tile * tile_bytes..(tile + 1) * tile_bytes];
+                let w1 = &self.data[(tile + 1) * tile_bytes..(tile + 2) * tile_bytes];
+                let r0 = tile * tiled::TILE_ROWS;
+                let live = (n - r0).min(2 * tiled::TILE_ROWS);
+                let mut tok = 0;
+                while tok + 4 <= t {
+                    // SAFETY: as for the one-tile kernels below; `pair` is only offered at a
+                    // level `with_isa` checked, and both tiles have the same block count.
+                    let o = unsafe {
+                        pair(w0, w1, [act(tok), act(tok + 1), act(tok + 2), act(tok + 3)])
+                    };
+                    for (j, vals) in o.iter().enumerate() {
+                        for (i, &v) in vals[..live].iter().enumerate() {
+                            // SAFETY: tok + j < t and r0 + i < n: inside `y`; only this
+                            // thread writes these rows.
+                            unsafe { *out.0.add((tok + j) * n + r0 + i) = v };
+                        }
+                    }
+                    tok += 4;
+                }
+                for tile in [tile, tile + 1] {
+                    self.tile_tokens(tile, tok..t, acts, per_row, out, k);
+                }
+                tiles.start += 2;
+            }
+        }
         for tile in tiles {
-            let w = &self.data[tile * tile_bytes..(tile + 1) * tile_bytes];
-            let r0 = tile * tiled::TILE_ROWS;
-            let live = (n - r0).min(tiled::TILE_ROWS);
-            let mut tok = 0;
-            let write = |tok: usize, vals: &[f32; tiled::TILE_ROWS]| {
-                for (i, &v) in vals[..live].iter().enumerate() {
-                    // SAFETY: tok < t and r0 + i < n, so the position is inside `y` (t * n
-                    // long); only this thread writes the rows of this tile.
-                    unsafe { *out.0.add(tok * n + r0 + i) = v };
-                }
-            };
-            while tok + 4 <= t {
-                // SAFETY: the matrix was tiled for `self.isa`, which `with_isa` checked this
-                // CPU runs; `w` is whole tile blocks and each activation row has `per_row`
-                // blocks, one per block column.
-                let o =
-                    unsafe { (k.four)(w, [act(tok), act(tok + 1), act(tok + 2), act(tok + 3)]) };
-                for (j, vals) in o.iter().enumerate() {
-                    write(tok + j, vals);
-                }
-                tok += 4;
+            self.tile_tokens(tile, 0..t, acts, per_row, out, k);
+        }
+    }
+
+    /// Tokens `toks` of one tile, four at a time, then one at a time.
+    fn tile_tokens<A>(
+        &self,
+        tile: usize,
+        toks: Range<usize>,
+        acts: &[A],
+        per_row: usize,
+        out: OutPtr,
+        k: &TilePair<A>,
+    ) {
+        let n = self.rows;
+        let tile_bytes = self.cols / self.ty.block_elems() * tiled::tile_block_bytes(self.ty);
+        let act = |tok: usize| &acts[tok * per_row..(tok + 1) * per_row];
+        let t = toks.end;
+        let w = &self.data[tile * tile_bytes..(tile + 1) * tile_bytes];
+        let r0 = tile * tiled::TILE_ROWS;
+        let live = (n - r0).min(tiled::TILE_ROWS);
+        let mut tok = toks.start;
+        let write = |tok: usize, vals: &[f32; tiled::TILE_ROWS]| {
+            for (i, &v) in vals[..live].iter().enumerate() {
+                // SAFETY: tok < t and r0 + i < n, so the position is inside `y` (t * n
+                // long); only this thread writes the rows of this tile.
+                unsafe { *out.0.add(tok * n + r0 + i) = v };
             }
-            while tok < t {
-                // SAFETY: as above.
-                let [vals] = unsafe { (k.one)(w, [act(tok)]) };
-                write(tok, &vals);
-                tok += 1;
+        };
+        while tok + 4 <= t {
+            // SAFETY: the matrix was tiled for `self.isa`, which `with_isa` checked this
+            // CPU runs; `w` is whole tile blocks and each activation row has `per_row`
+            // blocks, one per block column.
+            let o = unsafe { (k.four)(w, [act(tok), act(tok + 1), act(tok + 2), act(tok + 3)]) };
+            for (j, vals) in o.iter().enumerate() {
+                write(tok + j, vals);
             }
+            tok += 4;
+        }
+        while tok < t {
+            // SAFETY: as above.
+            let [vals] = unsafe { (k.one)(w, [act(tok)]) };
+            write(tok, &vals);
+            tok += 1;
         }
     }
 }

@@ -1,0 +1,148 @@
+//! AVX-512 kernels that run two adjacent 8-row tiles at once in 512-bit vectors (16 rows per
+//! instruction), for batched products (prefill) where arithmetic, not memory, is the limit.
+//! The layout is the tiled one of [`super::tiled`]; each 512-bit code vector is the same
+//! 32-byte group of both tiles. Callers must have checked AVX-512 F/BW/VL/VNNI and that
+//! every activation row has a super-block per tile block.
+
+#![allow(unsafe_op_in_unsafe_fn)]
+
+use std::arch::x86_64::*;
+
+use super::formats::BlockQ8K;
+use super::tiled::{k_offsets, TILE_ROWS};
+
+/// Rows of a tile pair.
+pub const PAIR_ROWS: usize = 2 * TILE_ROWS;
+
+/// The same 32 bytes of both tiles as one 512-bit vector.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn ld2(t0: *const u8, t1: *const u8, off: usize) -> __m512i {
+    _mm512_inserti64x4::<1>(
+        _mm512_castsi256_si512(_mm256_loadu_si256(t0.add(off) as *const __m256i)),
+        _mm256_loadu_si256(t1.add(off) as *const __m256i),
+    )
+}
+
+/// Eight f16 of each tile at `off`, as 16 f32.
+#[inline]
+#[target_feature(enable = "avx512f,f16c")]
+unsafe fn f16x16(t0: *const u8, t1: *const u8, off: usize) -> __m512 {
+    let h = _mm256_set_m128i(
+        _mm_loadu_si128(t1.add(off) as *const __m128i),
+        _mm_loadu_si128(t0.add(off) as *const __m128i),
+    );
+    _mm512_cvtph_ps(h)
+}
+
+/// Eight bytes of each tile at `off` (one per row), as 16 f32.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn u8x16_ps(t0: *const u8, t1: *const u8, off: usize) -> __m512 {
+    let b = _mm_unpacklo_epi64(
+        _mm_loadl_epi64(t0.add(off) as *const __m128i),
+        _mm_loadl_epi64(t1.add(off) as *const __m128i),
+    );
+    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))
+}
+
+/// Two sub-blocks' per-row bytes of each tile at `off` (`[0..8]`, `[8..16]`) as 16-bit
+/// `(first, second)` pairs per row, rows of tile 0 then tile 1.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pairs16x2(t0: *const u8, t1: *const u8, off: usize) -> __m512i {
+    let pair = |t: *const u8| {
+        _mm_unpacklo_epi8(
+            _mm_loadl_epi64(t.add(off) as *const __m128i),
+            _mm_loadl_epi64(t.add(off + 8) as *const __m128i),
+        )
+    };
+    _mm512_cvtepu8_epi16(_mm256_set_m128i(pair(t1), pair(t0)))
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn bcast(p: *const i8, at: usize) -> __m512i {
+    _mm512_set1_epi32((p.add(at) as *const i32).read_unaligned())
+}
+
+/// Q4_K (`HIGH` false) or Q5_K (`HIGH` true): tiles `w0` and `w1` (the same number of tile
+/// blocks) against `N` activation rows; `out[j][r]` is row `r` of the pair (tile 0's rows
+/// first) against activation row `j`.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/VNNI, F16C; `w0` and `w1` are whole tile blocks of the type,
+/// equally long; every activation row has at least as many super-blocks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn tile2_q45k<const N: usize, const HIGH: bool>(
+    w0: &[u8],
+    w1: &[u8],
+    a: [&[BlockQ8K]; N],
+) -> [[f32; PAIR_ROWS]; N] {
+    use k_offsets::*;
+    let tb = if HIGH { 1440 } else { 1184 };
+    let qs_off = if HIGH { QS5 } else { QS4 };
+    let m4 = _mm512_set1_epi8(0x0F);
+    let one = _mm512_set1_epi8(1);
+    let mut acc = [_mm512_setzero_ps(); N];
+    for b in 0..w0.len() / tb {
+        let (t0, t1) = (w0.as_ptr().add(b * tb), w1.as_ptr().add(b * tb));
+        let d = f16x16(t0, t1, 0);
+        let dmin = f16x16(t0, t1, 16);
+        let mut fsum = [_mm512_setzero_ps(); N];
+        let mut msum = [_mm512_setzero_si512(); N];
+        for c in 0..4 {
+            let mut lo = [_mm512_setzero_si512(); 8];
+            let mut hi = [_mm512_setzero_si512(); 8];
+            for g in 0..8 {
+                let v = ld2(t0, t1, qs_off + 256 * c + 32 * g);
+                lo[g] = _mm512_and_si512(v, m4);
+                hi[g] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+                if HIGH {
+                    let h = ld2(t0, t1, QH5 + 32 * g);
+                    let hl =
+                        _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(2 * c as i32)), one);
+                    let hh = _mm512_and_si512(
+                        _mm512_srl_epi16(h, _mm_cvtsi32_si128(2 * c as i32 + 1)),
+                        one,
+                    );
+                    lo[g] = _mm512_or_si512(lo[g], _mm512_slli_epi16::<4>(hl));
+                    hi[g] = _mm512_or_si512(hi[g], _mm512_slli_epi16::<4>(hh));
+                }
+            }
+            let sc_lo = u8x16_ps(t0, t1, SC + 8 * (2 * c));
+            let sc_hi = u8x16_ps(t0, t1, SC + 8 * (2 * c + 1));
+            for j in 0..N {
+                let y = a[j].get_unchecked(b).qs.as_ptr().add(64 * c);
+                let mut pl = _mm512_setzero_si512();
+                let mut ph = _mm512_setzero_si512();
+                for g in 0..8 {
+                    pl = _mm512_dpbusd_epi32(pl, lo[g], bcast(y, 4 * g));
+                    ph = _mm512_dpbusd_epi32(ph, hi[g], bcast(y, 32 + 4 * g));
+                }
+                fsum[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pl), sc_lo, fsum[j]);
+                fsum[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ph), sc_hi, fsum[j]);
+            }
+        }
+        for s2 in 0..4 {
+            let pair = pairs16x2(t0, t1, MN + 16 * s2);
+            for j in 0..N {
+                let y = a[j].get_unchecked(b);
+                let b0 = y.bsums[4 * s2] as i32 + y.bsums[4 * s2 + 1] as i32;
+                let b1 = y.bsums[4 * s2 + 2] as i32 + y.bsums[4 * s2 + 3] as i32;
+                let bs = _mm512_set1_epi32((b1 << 16) | (b0 & 0xFFFF));
+                msum[j] = _mm512_add_epi32(msum[j], _mm512_madd_epi16(pair, bs));
+            }
+        }
+        for j in 0..N {
+            let yd = _mm512_set1_ps(a[j].get_unchecked(b).d);
+            acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(d, yd), fsum[j], acc[j]);
+            acc[j] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, yd), _mm512_cvtepi32_ps(msum[j]), acc[j]);
+        }
+    }
+    let mut out = [[0f32; PAIR_ROWS]; N];
+    for j in 0..N {
+        _mm512_storeu_ps(out[j].as_mut_ptr(), acc[j]);
+    }
+    out
+}
