@@ -94,6 +94,12 @@ impl KvCache {
         ))
     }
 
+    /// The whole key and value buffers of `layer`, `(1, nkv, capacity, hd)`, once it has
+    /// been appended to.
+    pub fn buffers(&self, layer: usize) -> Option<(&Tensor, &Tensor)> {
+        self.layers.get(layer)?.as_ref().map(|(k, v)| (k, v))
+    }
+
     /// Marks `t` more positions as stored (after every layer appended them).
     pub fn advance(&mut self, t: usize) {
         self.len += t;

@@ -5,6 +5,7 @@
 //! through `shoal_comm::Communicator`.
 
 pub mod arch;
+pub mod attention;
 pub mod config;
 mod error;
 pub mod generate;

@@ -14,6 +14,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
 use shoal_comm::Communicator;
 
+use crate::attention::DecodeAttention;
 use crate::config::{Activation, ModelConfig, RopeStyle};
 use crate::error::CandleContext;
 use crate::kernels::QuantMatrix;
@@ -256,6 +257,37 @@ impl Attention {
         .ctx("rope")
     }
 
+    /// Attention of the one new position at `pos` (already appended to `cache`); q is
+    /// `(1, nh, 1, hd)`, the result `(1, 1, nh * hd)`.
+    fn decode_attention(
+        &self,
+        q: &Tensor,
+        cache: &KvCache,
+        layer: usize,
+        pos: usize,
+    ) -> Result<Tensor, EngineError> {
+        let (kc, vc) = cache
+            .buffers(layer)
+            .ok_or_else(|| EngineError::Unsupported {
+                what: format!("kv cache layer {layer} was not written"),
+            })?;
+        let (nh, hd) = (self.n_head, self.head_dim);
+        let att = DecodeAttention {
+            n_head: nh,
+            n_kv_head: self.n_kv_head,
+            head_dim: hd,
+            capacity: cache.capacity(),
+            pos,
+            window: self.window,
+            scale: self.scale as f32,
+        };
+        let mut out = vec![0f32; nh * hd];
+        with_f32(q, |qs| {
+            with_f32(kc, |ks| with_f32(vc, |vs| att.run(qs, ks, vs, &mut out)))
+        })???;
+        Tensor::from_vec(out, (1, 1, nh * hd), &Device::Cpu).ctx("attention output")
+    }
+
     /// x `(1, t, d)` → `(1, t, d)` (summed over ranks).
     fn forward(
         &self,
@@ -294,6 +326,12 @@ impl Attention {
         drop(rope);
         let attention = profile::scope(Op::Attention);
         let (k_all, v_all) = cache.append(layer, &k, &v)?; // (b, nkv, T, hd)
+        if b == 1 && t == 1 {
+            let y = self.decode_attention(&q, cache, layer, p)?;
+            drop(attention);
+            let _p = profile::scope(Op::AttnOut);
+            return self.o.forward(&y);
+        }
         let total = p + t;
 
         // Grouped-query attention without copying KV: fold the n_rep query heads that share
@@ -647,6 +685,23 @@ impl Transformer {
         let l = self.forward(tokens, cache, 1)?;
         l.squeeze(0).and_then(|l| l.to_vec1::<f32>()).ctx("logits")
     }
+}
+
+/// Runs `f` on the f32 values of contiguous CPU tensor `t`.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, EngineError> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Err(EngineError::Unsupported {
+            what: "attention runs on the CPU only".into(),
+        });
+    };
+    let all = cpu.as_slice::<f32>().ctx("attention input")?;
+    let (a, b) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| EngineError::Unsupported {
+            what: "a non-contiguous attention input".into(),
+        })?;
+    Ok(f(&all[a..b]))
 }
 
 /// Runs `f`, timing it as `op`.

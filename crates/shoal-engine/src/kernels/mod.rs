@@ -155,6 +155,37 @@ pub fn stream_checksum(buf: &[u8]) -> u64 {
     })
 }
 
+/// `sum(a[i] * b[i])`, SIMD where the CPU has it.
+///
+/// # Panics
+/// When the lengths differ.
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot_f32 lengths");
+    #[cfg(target_arch = "x86_64")]
+    if active_isa() >= Isa::Avx2 {
+        // SAFETY: AVX2 and FMA are part of the level; lengths checked.
+        return unsafe { x86::dot_f32(a, b) };
+    }
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// `y[i] += w * x[i]`, SIMD where the CPU has it.
+///
+/// # Panics
+/// When the lengths differ.
+pub fn axpy(y: &mut [f32], w: f32, x: &[f32]) {
+    assert_eq!(y.len(), x.len(), "axpy lengths");
+    #[cfg(target_arch = "x86_64")]
+    if active_isa() >= Isa::Avx2 {
+        // SAFETY: AVX2 and FMA are part of the level; lengths checked.
+        unsafe { x86::axpy(y, w, x) };
+        return;
+    }
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += w * x;
+    }
+}
+
 /// A shape or instruction-set mistake in a kernel call.
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {

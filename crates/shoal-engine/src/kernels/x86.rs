@@ -222,3 +222,55 @@ pub unsafe fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
         b.d = 1.0 / iscale;
     }
 }
+
+/// `sum(a[i] * b[i])` over `a.len()` values (`b` at least as long).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len();
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut i = 0;
+    while i + 16 <= n {
+        acc[0] = _mm256_fmadd_ps(
+            _mm256_loadu_ps(pa.add(i)),
+            _mm256_loadu_ps(pb.add(i)),
+            acc[0],
+        );
+        acc[1] = _mm256_fmadd_ps(
+            _mm256_loadu_ps(pa.add(i + 8)),
+            _mm256_loadu_ps(pb.add(i + 8)),
+            acc[1],
+        );
+        i += 16;
+    }
+    let mut s = hsum_ps(_mm256_add_ps(acc[0], acc[1]));
+    while i < n {
+        s += *pa.add(i) * *pb.add(i);
+        i += 1;
+    }
+    s
+}
+
+/// `y[i] += w * x[i]` over `y.len()` values (`x` at least as long).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn axpy(y: &mut [f32], w: f32, x: &[f32]) {
+    let n = y.len();
+    let (py, px) = (y.as_mut_ptr(), x.as_ptr());
+    let wv = _mm256_set1_ps(w);
+    let mut i = 0;
+    while i + 8 <= n {
+        let v = _mm256_fmadd_ps(wv, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i)));
+        _mm256_storeu_ps(py.add(i), v);
+        i += 8;
+    }
+    while i < n {
+        *py.add(i) += w * *px.add(i);
+        i += 1;
+    }
+}
