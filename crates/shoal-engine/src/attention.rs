@@ -6,7 +6,7 @@
 
 use std::cell::RefCell;
 
-use crate::kernels::{axpy, dot_f32};
+use crate::kernels::{scores, weighted_sum};
 
 /// Shapes and options of one decode attention.
 #[derive(Debug, Clone, Copy)]
@@ -46,28 +46,24 @@ impl DecodeAttention {
         };
         let keys = first..self.pos + 1;
         SCORES.with(|s| {
-            let mut scores = s.borrow_mut();
-            scores.resize(keys.len(), 0.0);
+            let mut scores_buf = s.borrow_mut();
+            scores_buf.resize(keys.len(), 0.0);
             for h in 0..self.n_head {
                 let kvh = h / group;
                 let qh = &q[h * hd..(h + 1) * hd];
                 let base = kvh * self.capacity * hd;
-                let mut max = f32::NEG_INFINITY;
-                for (sc, j) in scores.iter_mut().zip(keys.clone()) {
-                    let kj = &k[base + j * hd..base + (j + 1) * hd];
-                    *sc = dot_f32(qh, kj) * self.scale;
-                    max = max.max(*sc);
-                }
+                let span = base + keys.start * hd..base + keys.end * hd;
+                scores(qh, &k[span.clone()], self.scale, &mut scores_buf[..]);
+                let max = scores_buf.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0f32;
-                for sc in scores.iter_mut() {
+                for sc in scores_buf.iter_mut() {
                     *sc = (*sc - max).exp();
                     sum += *sc;
                 }
-                let o = &mut out[h * hd..(h + 1) * hd];
-                o.fill(0.0);
-                for (sc, j) in scores.iter().zip(keys.clone()) {
-                    axpy(o, sc / sum, &v[base + j * hd..base + (j + 1) * hd]);
+                for sc in scores_buf.iter_mut() {
+                    *sc /= sum;
                 }
+                weighted_sum(&scores_buf[..], &v[span], &mut out[h * hd..(h + 1) * hd]);
             }
         });
     }

@@ -155,34 +155,47 @@ pub fn stream_checksum(buf: &[u8]) -> u64 {
     })
 }
 
-/// `sum(a[i] * b[i])`, SIMD where the CPU has it.
+/// Attention scores: `out[j] = scale * q . rows[j]`, `rows` being `out.len()` rows of
+/// `q.len()` values; SIMD where the CPU has it.
 ///
 /// # Panics
-/// When the lengths differ.
-pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "dot_f32 lengths");
+/// When `rows` is too short.
+pub fn scores(q: &[f32], rows: &[f32], scale: f32, out: &mut [f32]) {
+    assert!(rows.len() >= out.len() * q.len(), "scores: rows too short");
     #[cfg(target_arch = "x86_64")]
     if active_isa() >= Isa::Avx2 {
         // SAFETY: AVX2 and FMA are part of the level; lengths checked.
-        return unsafe { x86::dot_f32(a, b) };
-    }
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
-/// `y[i] += w * x[i]`, SIMD where the CPU has it.
-///
-/// # Panics
-/// When the lengths differ.
-pub fn axpy(y: &mut [f32], w: f32, x: &[f32]) {
-    assert_eq!(y.len(), x.len(), "axpy lengths");
-    #[cfg(target_arch = "x86_64")]
-    if active_isa() >= Isa::Avx2 {
-        // SAFETY: AVX2 and FMA are part of the level; lengths checked.
-        unsafe { x86::axpy(y, w, x) };
+        unsafe { x86::scores(q, rows, scale, out) };
         return;
     }
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += w * x;
+    for (j, o) in out.iter_mut().enumerate() {
+        let r = &rows[j * q.len()..(j + 1) * q.len()];
+        *o = q.iter().zip(r).map(|(a, b)| a * b).sum::<f32>() * scale;
+    }
+}
+
+/// `out = sum over j of w[j] * rows[j]`, `rows` being `w.len()` rows of `out.len()` values;
+/// SIMD where the CPU has it.
+///
+/// # Panics
+/// When `rows` is too short.
+pub fn weighted_sum(w: &[f32], rows: &[f32], out: &mut [f32]) {
+    assert!(
+        rows.len() >= w.len() * out.len(),
+        "weighted_sum: rows too short"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if active_isa() >= Isa::Avx2 {
+        // SAFETY: AVX2 and FMA are part of the level; lengths checked.
+        unsafe { x86::weighted_sum(w, rows, out) };
+        return;
+    }
+    let hd = out.len();
+    out.fill(0.0);
+    for (j, &wj) in w.iter().enumerate() {
+        for (o, v) in out.iter_mut().zip(&rows[j * hd..(j + 1) * hd]) {
+            *o += wj * v;
+        }
     }
 }
 

@@ -223,10 +223,36 @@ pub unsafe fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
     }
 }
 
+/// `out[j] = scale * sum(q[i] * rows[j * q.len() + i])` for every row.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `rows` holds `out.len()` rows of `q.len()` values.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn scores(q: &[f32], rows: &[f32], scale: f32, out: &mut [f32]) {
+    let hd = q.len();
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = dot_f32(q, rows.get_unchecked(j * hd..(j + 1) * hd)) * scale;
+    }
+}
+
+/// `out = sum over j of w[j] * rows[j]`.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `rows` holds `w.len()` rows of `out.len()` values.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn weighted_sum(w: &[f32], rows: &[f32], out: &mut [f32]) {
+    let hd = out.len();
+    out.fill(0.0);
+    for (j, &wj) in w.iter().enumerate() {
+        axpy(out, wj, rows.get_unchecked(j * hd..(j + 1) * hd));
+    }
+}
+
 /// `sum(a[i] * b[i])` over `a.len()` values (`b` at least as long).
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA.
+#[inline]
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len();
@@ -258,6 +284,7 @@ pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA.
+#[inline]
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn axpy(y: &mut [f32], w: f32, x: &[f32]) {
     let n = y.len();
