@@ -328,7 +328,7 @@ fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
             k.pair_four = match ty {
                 WeightType::Q4K => Some(x86_wide::tile2_q45k::<4, false>),
                 WeightType::Q5K => Some(x86_wide::tile2_q45k::<4, true>),
-                _ => None,
+                _ => Some(x86_wide::tile2_q6k::<4>),
             };
             k
         }

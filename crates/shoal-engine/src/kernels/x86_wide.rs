@@ -146,3 +146,108 @@ pub unsafe fn tile2_q45k<const N: usize, const HIGH: bool>(
     }
     out
 }
+
+/// Eight signed bytes of each tile at `off` (one per row), as 16 f32.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn i8x16_ps(t0: *const u8, t1: *const u8, off: usize) -> __m512 {
+    let b = _mm_unpacklo_epi64(
+        _mm_loadl_epi64(t0.add(off) as *const __m128i),
+        _mm_loadl_epi64(t1.add(off) as *const __m128i),
+    );
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))
+}
+
+/// As [`pairs16x2`], sign-extended (Q6_K's scales are signed).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pairs16x2_signed(t0: *const u8, t1: *const u8, off: usize) -> __m512i {
+    let pair = |t: *const u8| {
+        _mm_unpacklo_epi8(
+            _mm_loadl_epi64(t.add(off) as *const __m128i),
+            _mm_loadl_epi64(t.add(off + 8) as *const __m128i),
+        )
+    };
+    _mm512_cvtepi8_epi16(_mm256_set_m128i(pair(t1), pair(t0)))
+}
+
+/// Q6_K: tiles `w0` and `w1` against `N` activation rows, as [`tile2_q45k`].
+///
+/// # Safety
+/// As [`tile2_q45k`].
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn tile2_q6k<const N: usize>(
+    w0: &[u8],
+    w1: &[u8],
+    a: [&[BlockQ8K]; N],
+) -> [[f32; PAIR_ROWS]; N] {
+    use k_offsets::*;
+    let tb = 1680;
+    let m4 = _mm512_set1_epi8(0x0F);
+    let m3 = _mm512_set1_epi8(3);
+    let mut acc = [_mm512_setzero_ps(); N];
+    for b in 0..w0.len() / tb {
+        let (t0, t1) = (w0.as_ptr().add(b * tb), w1.as_ptr().add(b * tb));
+        let d = f16x16(t0, t1, 0);
+        let mut fsum = [_mm512_setzero_ps(); N];
+        for n in 0..2 {
+            for h in 0..2 {
+                // groups 4h..4h+4 of half n: values 4g..4g+4 of each quarter
+                let mut q = [[_mm512_setzero_si512(); 4]; 4];
+                for (gi, qg) in q.iter_mut().enumerate() {
+                    let g = 4 * h + gi;
+                    let l0 = ld2(t0, t1, QL6 + 512 * n + 32 * g);
+                    let l1 = ld2(t0, t1, QL6 + 512 * n + 256 + 32 * g);
+                    let hb = ld2(t0, t1, QH6 + 256 * n + 32 * g);
+                    let h0 = _mm512_slli_epi16::<4>(_mm512_and_si512(hb, m3));
+                    let h1 =
+                        _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srli_epi16::<2>(hb), m3));
+                    let h2 =
+                        _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srli_epi16::<4>(hb), m3));
+                    let h3 =
+                        _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srli_epi16::<6>(hb), m3));
+                    qg[0] = _mm512_or_si512(_mm512_and_si512(l0, m4), h0);
+                    qg[1] = _mm512_or_si512(_mm512_and_si512(l1, m4), h1);
+                    qg[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(l0), m4), h2);
+                    qg[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(l1), m4), h3);
+                }
+                let sc: [__m512; 4] =
+                    core::array::from_fn(|k| i8x16_ps(t0, t1, SC6 + 8 * (8 * n + 2 * k + h)));
+                for j in 0..N {
+                    let y = a[j].get_unchecked(b).qs.as_ptr().add(128 * n);
+                    let mut p = [_mm512_setzero_si512(); 4];
+                    for (gi, qg) in q.iter().enumerate() {
+                        let g = 4 * h + gi;
+                        for k in 0..4 {
+                            p[k] = _mm512_dpbusd_epi32(p[k], qg[k], bcast(y, 32 * k + 4 * g));
+                        }
+                    }
+                    for k in 0..4 {
+                        fsum[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[k]), sc[k], fsum[j]);
+                    }
+                }
+            }
+        }
+        // every code carries an offset of 32: subtract 32 * scale * 16-sum
+        let mut off = [_mm512_setzero_si512(); N];
+        for s2 in 0..8 {
+            let pair = pairs16x2_signed(t0, t1, SC6 + 16 * s2);
+            for j in 0..N {
+                let y = a[j].get_unchecked(b);
+                let (b0, b1) = (y.bsums[2 * s2] as i32, y.bsums[2 * s2 + 1] as i32);
+                let bs = _mm512_set1_epi32((b1 << 16) | (b0 & 0xFFFF));
+                off[j] = _mm512_add_epi32(off[j], _mm512_madd_epi16(pair, bs));
+            }
+        }
+        for j in 0..N {
+            let yd = _mm512_set1_ps(a[j].get_unchecked(b).d);
+            let o = _mm512_cvtepi32_ps(_mm512_slli_epi32::<5>(off[j]));
+            acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(d, yd), _mm512_sub_ps(fsum[j], o), acc[j]);
+        }
+    }
+    let mut out = [[0f32; PAIR_ROWS]; N];
+    for j in 0..N {
+        _mm512_storeu_ps(out[j].as_mut_ptr(), acc[j]);
+    }
+    out
+}
