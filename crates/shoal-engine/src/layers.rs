@@ -10,12 +10,13 @@ use candle_core::{Device, Module, Tensor};
 use shoal_comm::Communicator;
 
 use crate::error::CandleContext;
-use crate::kernels::QuantMatrix;
+use crate::kernels::{Isa, QuantMatrix};
 use crate::weights::{quant_matrix, Slice, WeightSource};
 use crate::EngineError;
 
 /// A weight matrix and what multiplies by it: shoal's kernels for the types they cover,
-/// candle's quantized matmul for the rest (Q2_K, Q3_K, BF16, ...).
+/// candle's quantized matmul for the rest (Q2_K, Q3_K, BF16, ...) and, until shoal has NEON
+/// kernels, for everything on arm64.
 #[derive(Debug, Clone)]
 pub enum Matrix {
     /// Multiplied by [`crate::kernels`].
@@ -24,12 +25,21 @@ pub enum Matrix {
     Candle(QMatMul),
 }
 
+/// Whether every matrix goes to candle: on arm64, where shoal has no NEON kernels yet and
+/// its portable ones are slower than candle's NEON code.
+pub(crate) fn candle_only() -> bool {
+    cfg!(target_arch = "aarch64") && crate::kernels::active_isa() == Isa::Portable
+}
+
 impl Matrix {
     /// Wraps a loaded tensor `name`.
     ///
     /// # Errors
     /// When the tensor is not 2-D or its bytes do not fit its shape.
     pub fn from_qtensor(name: &str, q: QTensor) -> Result<Self, EngineError> {
+        if candle_only() {
+            return Ok(Matrix::Candle(QMatMul::from_qtensor(q).ctx(name)?));
+        }
         match quant_matrix(name, &q)? {
             Some(m) => Ok(Matrix::Kernel(Arc::new(m))),
             None => Ok(Matrix::Candle(QMatMul::from_qtensor(q).ctx(name)?)),

@@ -509,6 +509,9 @@ enum Embedding {
 
 impl Embedding {
     fn new(q: QTensor) -> Result<Self, EngineError> {
+        if crate::layers::candle_only() {
+            return Ok(Embedding::Candle(Arc::new(q)));
+        }
         Ok(match quant_matrix("token_embd.weight", &q)? {
             Some(m) => Embedding::Kernel(Arc::new(m)),
             None => Embedding::Candle(Arc::new(q)),
