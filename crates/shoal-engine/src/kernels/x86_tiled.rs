@@ -324,12 +324,16 @@ macro_rules! tiled_kernels {
                         let sc_hi = _mm256_cvtepi32_ps(u8x8(t.add(SC + 8 * (2 * c + 1))));
                         for j in 0..N {
                             let y = a[j].get_unchecked(b).qs.as_ptr().add(64 * c);
-                            let mut pl = _mm256_setzero_si256();
-                            let mut ph = _mm256_setzero_si256();
+                            // two chains per half: with one activation row the latency
+                            // of eight chained dot products would bound the loop
+                            let mut pl = [_mm256_setzero_si256(); 2];
+                            let mut ph = [_mm256_setzero_si256(); 2];
                             for g in 0..8 {
-                                pl = $dot(pl, lo[g], bcast(y, 4 * g));
-                                ph = $dot(ph, hi[g], bcast(y, 32 + 4 * g));
+                                pl[g & 1] = $dot(pl[g & 1], lo[g], bcast(y, 4 * g));
+                                ph[g & 1] = $dot(ph[g & 1], hi[g], bcast(y, 32 + 4 * g));
                             }
+                            let pl = _mm256_add_epi32(pl[0], pl[1]);
+                            let ph = _mm256_add_epi32(ph[0], ph[1]);
                             fsum[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), sc_lo, fsum[j]);
                             fsum[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), sc_hi, fsum[j]);
                         }
