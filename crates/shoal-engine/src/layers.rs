@@ -54,13 +54,20 @@ impl Matrix {
         match self {
             Matrix::Candle(m) => m.forward(x).ctx("quantized matmul"),
             Matrix::Kernel(m) => {
-                let dims = x.dims().to_vec();
-                let mut out_dims = dims.clone();
-                *out_dims
-                    .last_mut()
-                    .ok_or_else(|| EngineError::Unsupported {
-                        what: "a matmul of a scalar".into(),
-                    })? = m.rows();
+                let mut out_dims = x.dims().to_vec();
+                match out_dims.last_mut() {
+                    Some(last) if *last == m.cols() => *last = m.rows(),
+                    _ => {
+                        return Err(EngineError::Unsupported {
+                            what: format!(
+                                "a matmul of shape {:?} with a {}x{} weight",
+                                x.dims(),
+                                m.rows(),
+                                m.cols()
+                            ),
+                        })
+                    }
+                }
                 let x = x.flatten_all().ctx("matmul input")?;
                 let (storage, layout) = x.storage_and_layout();
                 let candle_core::Storage::Cpu(cpu) = &*storage else {

@@ -2,12 +2,15 @@
 //! ([`QuantMatrix`]) times a batch of f32 activation rows. Activations are quantized once per
 //! call to 8 bits ([`formats`]), then every weight row meets every activation row through an
 //! integer dot product: one activation row at a time for decode, four at a time for prefill
-//! (each weight block decoded once per four tokens). Rows are split across the compute pool.
+//! (each weight block decoded once per four tokens). For SIMD the quantized types are
+//! repacked at load into tiles of eight interleaved rows (`tiled`), so one instruction
+//! serves eight rows. Rows (tiles) are split across the compute pool.
 //!
 //! The instruction set is chosen at run time ([`Isa`]): AVX-512 VNNI, AVX2, or portable Rust,
 //! so one binary runs at full speed on any x86-64 machine without `-C target-cpu=native`.
 //! `SHOAL_KERNELS=portable|avx2|avx512vnni` caps the choice (for comparisons and tests).
-//! `unsafe` lives only in [`x86`] (the intrinsics) and in the output pointer of the driver.
+//! `unsafe` lives only in the intrinsics modules (`x86`, `x86_tiled`, `x86_wide`) and in this
+//! module's calls into them and its output pointer, each with a `SAFETY` line.
 
 pub mod formats;
 mod portable;
