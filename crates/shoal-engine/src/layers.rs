@@ -11,7 +11,7 @@ use shoal_comm::Communicator;
 
 use crate::error::CandleContext;
 use crate::kernels::{Isa, QuantMatrix};
-use crate::weights::{quant_matrix, Slice, WeightSource};
+use crate::weights::{load_quant_matrix, quant_matrix, Slice, WeightSource};
 use crate::EngineError;
 
 /// A weight matrix and what multiplies by it: shoal's kernels for the types they cover,
@@ -32,6 +32,20 @@ pub(crate) fn candle_only() -> bool {
 }
 
 impl Matrix {
+    /// Loads `slice` of matrix `name`: straight from the source's bytes into the kernels'
+    /// layout where it can, else through a candle tensor.
+    ///
+    /// # Errors
+    /// When the tensor is missing, misshapen or cannot be cut that way.
+    pub fn load(src: &dyn WeightSource, name: &str, slice: &Slice) -> Result<Self, EngineError> {
+        if !candle_only() {
+            if let Some(m) = load_quant_matrix(src, name, slice)? {
+                return Ok(Matrix::Kernel(Arc::new(m)));
+            }
+        }
+        Self::from_qtensor(name, src.load(name, slice)?)
+    }
+
     /// Wraps a loaded tensor `name`.
     ///
     /// # Errors
@@ -135,7 +149,7 @@ impl ColumnLinear {
         } else {
             Slice::Rows(rows.clone())
         };
-        let weight = Matrix::from_qtensor(&wname, src.load(&wname, &slice)?)?;
+        let weight = Matrix::load(src, &wname, &slice)?;
         let bias = if bias {
             let bname = format!("{prefix}.bias");
             check_shape(src, &bname, &[out])?;
@@ -206,7 +220,7 @@ impl RowLinear {
         } else {
             Slice::Cols(cols)
         };
-        let weight = Matrix::from_qtensor(&wname, src.load(&wname, &slice)?)?;
+        let weight = Matrix::load(src, &wname, &slice)?;
         Ok(RowLinear { weight, comm })
     }
 

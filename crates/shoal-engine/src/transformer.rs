@@ -21,7 +21,7 @@ use crate::kernels::QuantMatrix;
 use crate::kv_cache::KvCache;
 use crate::layers::{ColumnLinear, Matrix, RmsNorm, RowLinear};
 use crate::profile::{self, Op};
-use crate::weights::{quant_matrix, Slice, WeightSource};
+use crate::weights::{load_quant_matrix, quant_matrix, Slice, WeightSource};
 use crate::EngineError;
 
 /// The part of one layer a rank holds.
@@ -508,11 +508,16 @@ enum Embedding {
 }
 
 impl Embedding {
-    fn new(q: QTensor) -> Result<Self, EngineError> {
+    fn load(src: &dyn WeightSource) -> Result<Self, EngineError> {
+        let name = "token_embd.weight";
         if crate::layers::candle_only() {
-            return Ok(Embedding::Candle(Arc::new(q)));
+            return Ok(Embedding::Candle(Arc::new(src.load(name, &Slice::Full)?)));
         }
-        Ok(match quant_matrix("token_embd.weight", &q)? {
+        if let Some(m) = load_quant_matrix(src, name, &Slice::Full)? {
+            return Ok(Embedding::Kernel(Arc::new(m)));
+        }
+        let q = src.load(name, &Slice::Full)?;
+        Ok(match quant_matrix(name, &q)? {
             Some(m) => Embedding::Kernel(Arc::new(m)),
             None => Embedding::Candle(Arc::new(q)),
         })
@@ -586,7 +591,7 @@ impl Transformer {
                 expected: vec![cfg.vocab, cfg.hidden],
             });
         }
-        let embed = Embedding::new(src.load("token_embd.weight", &Slice::Full)?)?;
+        let embed = Embedding::load(src)?;
         let shard = LayerShard::full(&cfg);
         let mut blocks = Vec::with_capacity(cfg.n_layer);
         for layer in 0..cfg.n_layer {

@@ -28,6 +28,10 @@ pub enum Slice {
     Cols(Range<usize>),
 }
 
+/// A matrix slice as stored: its type, `[rows, cols]`, and its bytes (borrowed from the
+/// file where contiguous).
+pub type RawMatrix<'a> = (GgmlType, [usize; 2], Cow<'a, [u8]>);
+
 /// A file (or set of files) that weights are read from.
 pub trait WeightSource: Send + Sync {
     /// Names the source in error messages.
@@ -44,6 +48,20 @@ pub trait WeightSource: Send + Sync {
     /// # Errors
     /// When the tensor does not exist, the slice is impossible, or its type is unsupported.
     fn load(&self, name: &str, slice: &Slice) -> Result<QTensor, EngineError>;
+
+    /// `slice` of the 2-D tensor `name` as its stored bytes, for sources that can hand them
+    /// out without building a candle tensor (then the kernels repack them with one copy):
+    /// `(type, [rows, cols], bytes)`. `None` when the source cannot.
+    ///
+    /// # Errors
+    /// As [`WeightSource::load`].
+    fn load_bytes(
+        &self,
+        _name: &str,
+        _slice: &Slice,
+    ) -> Result<Option<RawMatrix<'_>>, EngineError> {
+        Ok(None)
+    }
 
     /// Loads `slice` of tensor `name` as a plain f32 tensor (norms, biases).
     ///
@@ -77,6 +95,29 @@ pub fn quant_matrix(name: &str, q: &QTensor) -> Result<Option<QuantMatrix>, Engi
         .map_err(|e| EngineError::candle(format!("reading `{name}`"), e))?
         .into_owned();
     QuantMatrix::new(ty, rows, cols, data)
+        .map(Some)
+        .map_err(|e| EngineError::Load {
+            what: format!("`{name}`: {e}"),
+        })
+}
+
+/// `slice` of matrix `name` straight from the source's bytes into a [`QuantMatrix`] (one
+/// copy), when the source hands out bytes and the type has a kernel; `None` otherwise.
+///
+/// # Errors
+/// As [`WeightSource::load`], and when the bytes do not fit the shape.
+pub fn load_quant_matrix(
+    src: &dyn WeightSource,
+    name: &str,
+    slice: &Slice,
+) -> Result<Option<QuantMatrix>, EngineError> {
+    let Some((dtype, [rows, cols], bytes)) = src.load_bytes(name, slice)? else {
+        return Ok(None);
+    };
+    let Some(ty) = candle_dtype(dtype).and_then(kernel_type) else {
+        return Ok(None);
+    };
+    QuantMatrix::from_bytes(ty, rows, cols, &bytes)
         .map(Some)
         .map_err(|e| EngineError::Load {
             what: format!("`{name}`: {e}"),
@@ -169,7 +210,34 @@ impl WeightSource for GgufWeights {
                 info.dtype
             ),
         })?;
-        let shape = info.shape();
+        let (bytes, shape) = self.slice_bytes(name, slice)?;
+        qtensor_from_bytes(&bytes, dtype, shape)
+            .map_err(|e| EngineError::candle(format!("loading `{name}`"), e))
+    }
+
+    fn load_bytes(
+        &self,
+        name: &str,
+        slice: &Slice,
+    ) -> Result<Option<RawMatrix<'_>>, EngineError> {
+        let dtype = self.file.tensor(name)?.dtype;
+        let (bytes, shape) = self.slice_bytes(name, slice)?;
+        let [rows, cols] = shape[..] else {
+            return Ok(None);
+        };
+        Ok(Some((dtype, [rows, cols], bytes)))
+    }
+}
+
+impl GgufWeights {
+    /// The bytes of `slice` of tensor `name` (borrowed from the mmap where contiguous) and
+    /// the slice's shape.
+    fn slice_bytes(
+        &self,
+        name: &str,
+        slice: &Slice,
+    ) -> Result<(Cow<'_, [u8]>, Vec<usize>), EngineError> {
+        let shape = self.file.tensor(name)?.shape();
         let (bytes, shape): (Cow<'_, [u8]>, Vec<usize>) = match slice {
             Slice::Full => (Cow::Borrowed(self.file.tensor_data(name)?), shape),
             Slice::Rows(r) => {
@@ -190,8 +258,7 @@ impl WeightSource for GgufWeights {
                 (Cow::Owned(self.file.tensor_cols(name, c.clone())?), s)
             }
         };
-        qtensor_from_bytes(&bytes, dtype, shape)
-            .map_err(|e| EngineError::candle(format!("loading `{name}`"), e))
+        Ok((bytes, shape))
     }
 }
 

@@ -396,6 +396,25 @@ impl QuantMatrix {
         Self::with_isa(active_isa(), ty, rows, cols, data)
     }
 
+    /// As [`QuantMatrix::new`], from borrowed bytes (copied once, or straight into tiles).
+    ///
+    /// # Errors
+    /// As [`QuantMatrix::new`].
+    pub fn from_bytes(
+        ty: WeightType,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+    ) -> Result<Self, KernelError> {
+        Self::build(
+            active_isa(),
+            ty,
+            rows,
+            cols,
+            std::borrow::Cow::Borrowed(data),
+        )
+    }
+
     /// As [`QuantMatrix::new`], for a given instruction-set level.
     ///
     /// # Errors
@@ -406,6 +425,16 @@ impl QuantMatrix {
         rows: usize,
         cols: usize,
         data: Vec<u8>,
+    ) -> Result<Self, KernelError> {
+        Self::build(isa, ty, rows, cols, std::borrow::Cow::Owned(data))
+    }
+
+    fn build(
+        isa: Isa,
+        ty: WeightType,
+        rows: usize,
+        cols: usize,
+        data: std::borrow::Cow<'_, [u8]>,
     ) -> Result<Self, KernelError> {
         if isa > Isa::detected() {
             return Err(KernelError::Isa(isa));
@@ -436,7 +465,7 @@ impl QuantMatrix {
         let data = if tiled {
             tiled::tile(ty, rows, cols / ty.block_elems(), &data)
         } else {
-            data
+            data.into_owned()
         };
         Ok(QuantMatrix {
             ty,
