@@ -215,11 +215,7 @@ impl WeightSource for GgufWeights {
             .map_err(|e| EngineError::candle(format!("loading `{name}`"), e))
     }
 
-    fn load_bytes(
-        &self,
-        name: &str,
-        slice: &Slice,
-    ) -> Result<Option<RawMatrix<'_>>, EngineError> {
+    fn load_bytes(&self, name: &str, slice: &Slice) -> Result<Option<RawMatrix<'_>>, EngineError> {
         let dtype = self.file.tensor(name)?.dtype;
         let (bytes, shape) = self.slice_bytes(name, slice)?;
         let [rows, cols] = shape[..] else {
