@@ -587,8 +587,14 @@ impl QuantMatrix {
                     self.drive_tiles(&acts, self.cols / QK_K, t, y, &tile_kernels_k(ty, isa));
                 } else {
                     let k = match ty {
-                        WeightType::Q4K => portable!(q4k),
-                        WeightType::Q5K => portable!(q5k),
+                        WeightType::Q4K => KernPair {
+                            one: portable::q45k::<1, false>,
+                            four: portable::q45k::<4, false>,
+                        },
+                        WeightType::Q5K => KernPair {
+                            one: portable::q45k::<1, true>,
+                            four: portable::q45k::<4, true>,
+                        },
                         _ => portable!(q6k),
                     };
                     self.drive(&acts, self.cols / QK_K, t, y, &k);

@@ -116,13 +116,15 @@ fn k4_min_sum(mn: &[u8; 8], bsums: &[i16; 16]) -> i32 {
         .sum()
 }
 
-/// Q4_K · Q8K.
-pub fn q4k<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+/// Q4_K (`HIGH` false) or Q5_K (`HIGH` true: a 5th bit per value from `qh`) · Q8K.
+pub fn q45k<const N: usize, const HIGH: bool>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    let (bb, qs_at) = if HIGH { (176, 48) } else { (144, 16) };
     let mut out = [0f32; N];
-    for (i, b) in w.chunks_exact(144).enumerate() {
+    for (i, b) in w.chunks_exact(bb).enumerate() {
         let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
         let (sc, mn) = k4_scales(&b[4..16]);
-        let qs = &b[16..144];
+        let qh = &b[16..48]; // read only when HIGH
+        let qs = &b[qs_at..qs_at + 128];
         for (o, a) in out.iter_mut().zip(a) {
             let y = &a[i];
             let mut s = 0i32;
@@ -130,34 +132,14 @@ pub fn q4k<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
                 let (mut lo, mut hi) = (0i32, 0i32);
                 for l in 0..32 {
                     let q = qs[32 * c + l];
-                    lo += (q & 0xF) as i32 * y.qs[64 * c + l] as i32;
-                    hi += (q >> 4) as i32 * y.qs[64 * c + 32 + l] as i32;
-                }
-                s += lo * sc[2 * c] as i32 + hi * sc[2 * c + 1] as i32;
-            }
-            *o += d * y.d * s as f32 - dmin * y.d * k4_min_sum(&mn, &y.bsums) as f32;
-        }
-    }
-    out
-}
-
-/// Q5_K · Q8K.
-pub fn q5k<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
-    let mut out = [0f32; N];
-    for (i, b) in w.chunks_exact(176).enumerate() {
-        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-        let (sc, mn) = k4_scales(&b[4..16]);
-        let qh = &b[16..48];
-        let qs = &b[48..176];
-        for (o, a) in out.iter_mut().zip(a) {
-            let y = &a[i];
-            let mut s = 0i32;
-            for c in 0..4 {
-                let (mut lo, mut hi) = (0i32, 0i32);
-                for l in 0..32 {
-                    let q = qs[32 * c + l];
-                    let h0 = ((qh[l] >> (2 * c)) & 1) << 4;
-                    let h1 = ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                    let (h0, h1) = if HIGH {
+                        (
+                            ((qh[l] >> (2 * c)) & 1) << 4,
+                            ((qh[l] >> (2 * c + 1)) & 1) << 4,
+                        )
+                    } else {
+                        (0, 0)
+                    };
                     lo += ((q & 0xF) | h0) as i32 * y.qs[64 * c + l] as i32;
                     hi += ((q >> 4) | h1) as i32 * y.qs[64 * c + 32 + l] as i32;
                 }
