@@ -17,6 +17,26 @@ pub enum CommError {
         /// The deadline that passed.
         deadline_ms: u64,
     },
+    /// A peer sent something other than what this rank expected (a different protocol
+    /// version, a frame of the wrong length, or ranks running different steps).
+    #[error("rank {rank}: protocol error with rank {peer}: {reason}")]
+    Protocol {
+        /// This rank.
+        rank: usize,
+        /// The peer.
+        peer: usize,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A caller asked for something the communicator cannot do (a rank outside the world,
+    /// buffers of mismatched sizes).
+    #[error("rank {rank}: {reason}")]
+    Usage {
+        /// This rank.
+        rank: usize,
+        /// What was wrong.
+        reason: String,
+    },
     /// The link to a peer failed.
     #[error("rank {rank}: link to rank {peer} failed: {reason}")]
     Link {
@@ -46,6 +66,24 @@ pub trait Communicator: Send + Sync {
     /// # Errors
     /// When a peer fails or misses the deadline.
     fn broadcast(&self, data: &mut [u8], root: usize) -> Result<(), CommError>;
+    /// Concatenates every rank's `mine` (all the same length) in rank order into `out`
+    /// (`world_size() * mine.len()` bytes) on every rank.
+    ///
+    /// # Errors
+    /// When a peer fails or misses the deadline, or `out` has the wrong length.
+    fn all_gather(&self, mine: &[u8], out: &mut [u8]) -> Result<(), CommError>;
+    /// Sends `data` to rank `peer`, which must post a [`Communicator::recv`] of the same
+    /// length. May return before the peer has received it.
+    ///
+    /// # Errors
+    /// When the link fails or the peer does not take the data within the deadline.
+    fn send(&self, peer: usize, data: &[u8]) -> Result<(), CommError>;
+    /// Receives exactly `data.len()` bytes sent by rank `peer` with [`Communicator::send`].
+    ///
+    /// # Errors
+    /// When the link fails, nothing arrives within the deadline, or the peer sent a
+    /// message of another length.
+    fn recv(&self, peer: usize, data: &mut [u8]) -> Result<(), CommError>;
 }
 
 /// The communicator of a single-rank instance: every collective is the identity.
@@ -67,6 +105,35 @@ impl Communicator for Solo {
 
     fn broadcast(&self, _data: &mut [u8], _root: usize) -> Result<(), CommError> {
         Ok(())
+    }
+
+    fn all_gather(&self, mine: &[u8], out: &mut [u8]) -> Result<(), CommError> {
+        if out.len() != mine.len() {
+            return Err(CommError::Usage {
+                rank: 0,
+                reason: format!(
+                    "all_gather output of {} bytes for 1 rank of {} bytes",
+                    out.len(),
+                    mine.len()
+                ),
+            });
+        }
+        out.copy_from_slice(mine);
+        Ok(())
+    }
+
+    fn send(&self, peer: usize, _data: &[u8]) -> Result<(), CommError> {
+        Err(CommError::Usage {
+            rank: 0,
+            reason: format!("send to rank {peer} in a world of 1 rank"),
+        })
+    }
+
+    fn recv(&self, peer: usize, _data: &mut [u8]) -> Result<(), CommError> {
+        Err(CommError::Usage {
+            rank: 0,
+            reason: format!("recv from rank {peer} in a world of 1 rank"),
+        })
     }
 }
 
