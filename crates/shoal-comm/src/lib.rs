@@ -3,6 +3,32 @@
 //! row-parallel layer, the sampled token) go through a [`Communicator`]. A model run on one
 //! rank uses [`Solo`], for which every collective is the identity, so the engine's parallel
 //! layers are plain layers at world size 1.
+//!
+//! Below the [`Communicator`] sits a [`Transport`]: point-to-point byte messages between the
+//! ranks of one world, driven by a single primitive, [`Transport::exchange`], that progresses
+//! several sends and receives at once (so no collective can deadlock on full buffers). The
+//! transports are [`TcpTransport`] (a full mesh of TCP connections, across hosts),
+//! [`ShmTransport`] (rings in one shared-memory file, processes on one host),
+//! [`MemTransport`] (threads of one process, for tests) and [`EmulatedLink`] (wraps another
+//! transport and adds latency and a bandwidth cap). [`Group`] implements the collectives of
+//! [`Communicator`] over any transport, for the whole world or a subset of its ranks.
+
+mod clock;
+mod emulated;
+pub mod frame;
+mod group;
+mod mem;
+mod shm;
+mod stream;
+mod tcp;
+mod transport;
+
+pub use emulated::{EmulatedLink, LinkSpec};
+pub use group::{Group, DEFAULT_ONE_SHOT_LIMIT, DEFAULT_TIMEOUT};
+pub use mem::{mem_mesh, MemTransport};
+pub use shm::{shm_mesh_local, ShmTransport, DEFAULT_RING_BYTES};
+pub use tcp::{connect_mesh, tcp_mesh_local, TcpTransport};
+pub use transport::Transport;
 
 /// What can go wrong in a collective.
 #[derive(Debug, thiserror::Error)]
@@ -136,6 +162,9 @@ impl Communicator for Solo {
         })
     }
 }
+
+#[cfg(test)]
+mod suite;
 
 #[cfg(test)]
 mod tests {
