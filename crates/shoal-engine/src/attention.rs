@@ -1,26 +1,31 @@
-//! Attention of one new position over the KV cache, on plain slices: for each query head,
-//! scores against every visible cached key, a softmax, and the weighted sum of the values.
-//! This is the decode step's attention (candle's batched matmuls serve prefill, where they
-//! are faster); at decode, dispatching several tensor ops per layer cost more than the
-//! arithmetic (16% of a SmolLM2 token, measured with `shoal bench --profile`).
+//! Attention over the KV cache on plain slices: for each query, scores against every visible
+//! cached key, a softmax, and the weighted sum of the values. Decode runs one query per head;
+//! prefill runs `t` queries per head, heads in parallel. Dispatching several candle tensor
+//! ops per layer cost more than the arithmetic at decode (16% of a SmolLM2 token, measured
+//! with `shoal bench --profile`), and slices let a tensor-parallel rank map any range of
+//! query heads onto the KV heads they read, which grouped tensor reshapes cannot.
 
 use std::cell::RefCell;
 
+use rayon::prelude::*;
+
 use crate::kernels::{scores, weighted_sum};
 
-/// Shapes and options of one decode attention.
+/// Shapes and options of attention over one rank's heads.
 #[derive(Debug, Clone, Copy)]
-pub struct DecodeAttention {
-    /// Query heads.
+pub struct AttentionShape {
+    /// Query heads of this rank.
     pub n_head: usize,
-    /// KV heads (each serves `n_head / n_kv_head` query heads).
-    pub n_kv_head: usize,
+    /// Global index of this rank's first query head.
+    pub first_head: usize,
+    /// Global index of this rank's first KV head.
+    pub first_kv: usize,
+    /// Query heads per KV head in the whole model.
+    pub group: usize,
     /// Head dimension.
     pub head_dim: usize,
     /// Positions the cache buffers hold room for.
     pub capacity: usize,
-    /// Position of the query (keys `0..=pos` are cached, the query's own included).
-    pub pos: usize,
     /// Sliding window: keys `window` or more positions back are not seen.
     pub window: Option<usize>,
     /// Score scale.
@@ -31,41 +36,82 @@ thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-impl DecodeAttention {
-    /// `q` is `(n_head, head_dim)`; `k` and `v` are the cache buffers `(n_kv_head, capacity,
-    /// head_dim)`; `out` gets `(n_head, head_dim)`.
+impl AttentionShape {
+    /// The local KV head that local query head `h` reads.
+    fn kv_of(&self, h: usize) -> usize {
+        (self.first_head + h) / self.group - self.first_kv
+    }
+
+    /// The keys a query at `pos` sees.
+    fn visible(&self, pos: usize) -> std::ops::Range<usize> {
+        let first = match self.window {
+            Some(w) => (pos + 1).saturating_sub(w),
+            None => 0,
+        };
+        first..pos + 1
+    }
+
+    /// One query `qh` of head `h` at `pos` into `out`.
+    fn one(&self, h: usize, pos: usize, qh: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+        let hd = self.head_dim;
+        let keys = self.visible(pos);
+        let base = self.kv_of(h) * self.capacity * hd;
+        let span = base + keys.start * hd..base + keys.end * hd;
+        SCORES.with(|s| {
+            let mut buf = s.borrow_mut();
+            buf.resize(keys.len(), 0.0);
+            scores(qh, &k[span.clone()], self.scale, &mut buf[..]);
+            let max = buf.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for sc in buf.iter_mut() {
+                *sc = (*sc - max).exp();
+                sum += *sc;
+            }
+            for sc in buf.iter_mut() {
+                *sc /= sum;
+            }
+            weighted_sum(&buf[..], &v[span], out);
+        });
+    }
+
+    /// Decode: the query at `pos`. `q` is `(n_head, head_dim)`; `k` and `v` are the cache
+    /// buffers `(n_kv_head, capacity, head_dim)`; `out` gets `(n_head, head_dim)`.
     ///
     /// # Panics
     /// When a slice is shorter than the shapes say (the caller sized them).
-    pub fn run(&self, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+    pub fn decode(&self, pos: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
         let hd = self.head_dim;
-        let group = self.n_head / self.n_kv_head;
-        let first = match self.window {
-            Some(w) => (self.pos + 1).saturating_sub(w),
-            None => 0,
-        };
-        let keys = first..self.pos + 1;
-        SCORES.with(|s| {
-            let mut scores_buf = s.borrow_mut();
-            scores_buf.resize(keys.len(), 0.0);
-            for h in 0..self.n_head {
-                let kvh = h / group;
-                let qh = &q[h * hd..(h + 1) * hd];
-                let base = kvh * self.capacity * hd;
-                let span = base + keys.start * hd..base + keys.end * hd;
-                scores(qh, &k[span.clone()], self.scale, &mut scores_buf[..]);
-                let max = scores_buf.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for sc in scores_buf.iter_mut() {
-                    *sc = (*sc - max).exp();
-                    sum += *sc;
+        for h in 0..self.n_head {
+            let o = &mut out[h * hd..(h + 1) * hd];
+            self.one(h, pos, &q[h * hd..(h + 1) * hd], k, v, o);
+        }
+    }
+
+    /// Prefill: `t` queries at positions `p..p + t`, causal. `q` is `(n_head, t, head_dim)`;
+    /// `out` gets `(t, n_head * head_dim)` (heads merged, ready for the output projection).
+    ///
+    /// # Panics
+    /// When a slice is shorter than the shapes say (the caller sized them).
+    pub fn prefill(&self, p: usize, t: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+        let hd = self.head_dim;
+        let mut by_head = vec![0f32; self.n_head * t * hd];
+        by_head
+            .par_chunks_mut(t * hd)
+            .zip(q.par_chunks(t * hd))
+            .enumerate()
+            .for_each(|(h, (oh, qh))| {
+                for i in 0..t {
+                    let r = i * hd..(i + 1) * hd;
+                    self.one(h, p + i, &qh[r.clone()], k, v, &mut oh[r]);
                 }
-                for sc in scores_buf.iter_mut() {
-                    *sc /= sum;
-                }
-                weighted_sum(&scores_buf[..], &v[span], &mut out[h * hd..(h + 1) * hd]);
+            });
+        let width = self.n_head * hd;
+        for (h, oh) in by_head.chunks_exact(t * hd).enumerate() {
+            for i in 0..t {
+                out[i * width + h * hd..i * width + (h + 1) * hd]
+                    .copy_from_slice(&oh[i * hd..(i + 1) * hd]);
             }
-        });
+        }
     }
 }
 
@@ -73,14 +119,14 @@ impl DecodeAttention {
 mod tests {
     use super::*;
 
-    /// Softmax attention written the obvious way, in f64.
-    fn naive(a: &DecodeAttention, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f64> {
+    /// Softmax attention of the query at `pos` written the obvious way, in f64.
+    fn naive(a: &AttentionShape, pos: usize, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f64> {
         let hd = a.head_dim;
         let mut out = vec![0f64; a.n_head * hd];
         for h in 0..a.n_head {
-            let kvh = h / (a.n_head / a.n_kv_head);
-            let visible: Vec<usize> = (0..=a.pos)
-                .filter(|&j| a.window.is_none_or(|w| a.pos - j < w))
+            let kvh = (a.first_head + h) / a.group - a.first_kv;
+            let visible: Vec<usize> = (0..=pos)
+                .filter(|&j| a.window.is_none_or(|w| pos - j < w))
                 .collect();
             let s: Vec<f64> = visible
                 .iter()
@@ -103,29 +149,63 @@ mod tests {
         out
     }
 
+    fn val(i: usize, salt: usize) -> f32 {
+        (((i * 7919 + salt * 104729) % 1000) as f32 - 500.0) / 250.0
+    }
+
+    /// Heads 2..5 of a model with 3 query heads per KV head: local heads read KV heads 0,
+    /// 1, 1 of the rank's two.
+    fn shape(window: Option<usize>) -> AttentionShape {
+        AttentionShape {
+            n_head: 3,
+            first_head: 2,
+            first_kv: 0,
+            group: 3,
+            head_dim: 20,
+            capacity: 17,
+            window,
+            scale: 0.3,
+        }
+    }
+
     #[test]
-    fn matches_naive_attention_with_groups_and_windows() {
-        let val =
-            |i: usize, salt: usize| (((i * 7919 + salt * 104729) % 1000) as f32 - 500.0) / 250.0;
+    fn decode_matches_naive_with_groups_shards_and_windows() {
         for (window, pos) in [(None, 0), (None, 13), (Some(4), 13), (Some(20), 13)] {
-            let a = DecodeAttention {
-                n_head: 6,
-                n_kv_head: 2,
-                head_dim: 20,
-                capacity: 17,
-                pos,
-                window,
-                scale: 0.3,
-            };
-            let q: Vec<f32> = (0..6 * 20).map(|i| val(i, 1)).collect();
+            let a = shape(window);
+            let q: Vec<f32> = (0..3 * 20).map(|i| val(i, 1)).collect();
             let k: Vec<f32> = (0..2 * 17 * 20).map(|i| val(i, 2)).collect();
             let v: Vec<f32> = (0..2 * 17 * 20).map(|i| val(i, 3)).collect();
-            let mut out = vec![0f32; 6 * 20];
-            a.run(&q, &k, &v, &mut out);
-            for (i, (got, want)) in out.iter().zip(naive(&a, &q, &k, &v)).enumerate() {
+            let mut out = vec![0f32; 3 * 20];
+            a.decode(pos, &q, &k, &v, &mut out);
+            for (i, (got, want)) in out.iter().zip(naive(&a, pos, &q, &k, &v)).enumerate() {
                 assert!(
                     (*got as f64 - want).abs() < 1e-5,
                     "{window:?} {pos} {i}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn prefill_is_decode_at_each_position() {
+        for window in [None, Some(3)] {
+            let a = shape(window);
+            let (p, t, hd) = (4, 6, 20);
+            let q: Vec<f32> = (0..3 * t * hd).map(|i| val(i, 4)).collect();
+            let k: Vec<f32> = (0..2 * 17 * hd).map(|i| val(i, 5)).collect();
+            let v: Vec<f32> = (0..2 * 17 * hd).map(|i| val(i, 6)).collect();
+            let mut out = vec![0f32; t * 3 * hd];
+            a.prefill(p, t, &q, &k, &v, &mut out);
+            for i in 0..t {
+                let qi: Vec<f32> = (0..3)
+                    .flat_map(|h| q[(h * t + i) * hd..(h * t + i + 1) * hd].to_vec())
+                    .collect();
+                let mut want = vec![0f32; 3 * hd];
+                a.decode(p + i, &qi, &k, &v, &mut want);
+                assert_eq!(
+                    &out[i * 3 * hd..(i + 1) * 3 * hd],
+                    &want[..],
+                    "{window:?} {i}"
                 );
             }
         }

@@ -114,6 +114,51 @@ pub struct GenerateParams {
     pub max_tokens: usize,
     /// Strings that end generation (not included in the output).
     pub stop: Vec<String>,
+    /// Keep generating through end-of-generation tokens (for benchmarks and tests that need
+    /// a fixed length).
+    pub ignore_eos: bool,
+}
+
+/// What the generation loop runs tokens on: one rank's whole model and its cache
+/// ([`Local`]), or a model split over ranks (`parallel::Lead`).
+pub trait Stepper {
+    /// Positions the sequence's cache holds.
+    fn len(&self) -> usize;
+    /// Whether the cache is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Most positions the cache can hold.
+    fn capacity(&self) -> usize;
+    /// Runs `tokens` after what the cache holds and returns the logits of the last one over
+    /// the whole vocabulary (a split model may leave tokens the sampler cannot pick at
+    /// `-inf`).
+    ///
+    /// # Errors
+    /// When the tokens do not fit or a forward pass fails.
+    fn step(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError>;
+}
+
+/// A whole model on this rank with the cache of one sequence.
+pub struct Local<'a> {
+    /// The model.
+    pub model: &'a Transformer,
+    /// The sequence's cache.
+    pub cache: &'a mut KvCache,
+}
+
+impl Stepper for Local<'_> {
+    fn len(&self) -> usize {
+        self.cache.len()
+    }
+
+    fn capacity(&self) -> usize {
+        self.cache.capacity()
+    }
+
+    fn step(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        self.model.forward_last(tokens, self.cache)
+    }
 }
 
 /// Runs the prompt (after whatever `cache` already holds) in chunks of [`PREFILL_CHUNK`]
@@ -126,20 +171,28 @@ pub fn prefill(
     prompt: &[u32],
     cache: &mut KvCache,
 ) -> Result<Vec<f32>, EngineError> {
+    prefill_on(&mut Local { model, cache }, prompt)
+}
+
+/// [`prefill`] on any [`Stepper`].
+///
+/// # Errors
+/// When the prompt does not fit the cache or a forward pass fails.
+pub fn prefill_on(stepper: &mut dyn Stepper, prompt: &[u32]) -> Result<Vec<f32>, EngineError> {
     if prompt.is_empty() {
         return Err(EngineError::Unsupported {
             what: "an empty prompt (no tokens to condition on)".into(),
         });
     }
-    if cache.len() + prompt.len() > cache.capacity() {
+    if stepper.len() + prompt.len() > stepper.capacity() {
         return Err(EngineError::ContextFull {
-            prompt: cache.len() + prompt.len(),
-            ctx: cache.capacity(),
+            prompt: stepper.len() + prompt.len(),
+            ctx: stepper.capacity(),
         });
     }
     let mut logits = Vec::new();
     for chunk in prompt.chunks(PREFILL_CHUNK) {
-        logits = model.forward_last(chunk, cache)?;
+        logits = stepper.step(chunk)?;
     }
     Ok(logits)
 }
@@ -158,9 +211,31 @@ pub fn generate(
     params: &GenerateParams,
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<Generation, EngineError> {
+    generate_on(
+        &mut Local { model, cache },
+        prompt,
+        sampler,
+        detok,
+        params,
+        on_text,
+    )
+}
+
+/// [`generate`] on any [`Stepper`].
+///
+/// # Errors
+/// When the prompt does not fit or a forward pass fails.
+pub fn generate_on(
+    stepper: &mut dyn Stepper,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    detok: &mut dyn Detokenizer,
+    params: &GenerateParams,
+    on_text: &mut dyn FnMut(&str) -> bool,
+) -> Result<Generation, EngineError> {
     let start = Instant::now();
     sampler.observe(prompt);
-    let mut logits = prefill(model, prompt, cache)?;
+    let mut logits = prefill_on(stepper, prompt)?;
     let mut stops = StopMatcher {
         stops: params
             .stop
@@ -185,7 +260,7 @@ pub fn generate(
             out.prefill_time = start.elapsed();
             decode_start = Some(Instant::now());
         }
-        if detok.is_eog(id) {
+        if detok.is_eog(id) && !params.ignore_eos {
             out.finish = FinishReason::Stop;
             break;
         }
@@ -200,10 +275,10 @@ pub fn generate(
             out.finish = FinishReason::Stop;
             break;
         }
-        if out.tokens.len() == params.max_tokens || cache.len() >= cache.capacity() {
+        if out.tokens.len() == params.max_tokens || stepper.len() >= stepper.capacity() {
             break;
         }
-        logits = model.forward_last(&[id], cache)?;
+        logits = stepper.step(&[id])?;
     }
     if out.finish != FinishReason::Stop {
         let rest = stops.finish();

@@ -13,8 +13,10 @@ pub mod kernels;
 pub mod kv_cache;
 pub mod layers;
 pub mod model;
+pub mod parallel;
 pub mod profile;
 pub mod sampler;
+pub mod shard;
 pub mod transformer;
 pub mod weights;
 

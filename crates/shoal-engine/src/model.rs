@@ -11,10 +11,11 @@ use shoal_model::gguf::GgufFile;
 use shoal_model::source::ModelSource;
 use shoal_model::tokenizer::{StreamDecoder, Tokenizer};
 
-use crate::generate::{self, Detokenizer, GenerateParams, Generation};
+use crate::generate::{self, Detokenizer, GenerateParams, Generation, Stepper};
+use crate::shard::{self, Layout, ShardPlan};
 use crate::transformer::Transformer;
 use crate::weights::{GgufWeights, HfNaming, SafetensorsWeights, WeightSource};
-use crate::{arch, Arch, EngineError, KvCache, Sampler};
+use crate::{arch, Arch, EngineError, KvCache, ModelConfig, Sampler};
 
 /// A loaded model with everything needed to chat with it.
 pub struct LoadedModel {
@@ -41,6 +42,10 @@ impl std::fmt::Debug for LoadedModel {
             .finish()
     }
 }
+
+/// Builds the transformer once the weights and config are open.
+type Builder<'a> =
+    dyn FnMut(&dyn WeightSource, ModelConfig) -> Result<Transformer, EngineError> + 'a;
 
 fn tok_err(e: impl std::fmt::Display) -> EngineError {
     EngineError::Tokenizer(e.to_string())
@@ -69,13 +74,46 @@ impl LoadedModel {
         source: &ModelSource,
         comm: Arc<dyn Communicator>,
     ) -> Result<Self, EngineError> {
+        Self::load_built(source, &mut |src, cfg| {
+            Transformer::load(src, cfg, comm.clone())
+        })
+    }
+
+    /// Loads rank `rank`'s share of `source` split as `layout` (stage `i` holding
+    /// `stage_sizes[i]` layers, or an even split); `tp` is the communicator of the rank's
+    /// pipeline stage. Returns the model and what every rank holds.
+    ///
+    /// # Errors
+    /// As [`LoadedModel::load`], or when the model cannot be split that way.
+    pub fn load_split(
+        source: &ModelSource,
+        layout: Layout,
+        stage_sizes: Option<&[usize]>,
+        rank: usize,
+        tp: Arc<dyn Communicator>,
+    ) -> Result<(Self, Vec<ShardPlan>), EngineError> {
+        let mut plans = Vec::new();
+        let model = Self::load_built(source, &mut |src, cfg| {
+            plans = shard::plan(&cfg, src, layout, stage_sizes)?;
+            let plan = plans
+                .get(rank)
+                .cloned()
+                .ok_or_else(|| EngineError::Unsupported {
+                    what: format!("rank {rank} in a split of {} ranks", layout.world()),
+                })?;
+            Transformer::load_shard(src, cfg, plan, tp.clone())
+        })?;
+        Ok((model, plans))
+    }
+
+    fn load_built(source: &ModelSource, build: &mut Builder<'_>) -> Result<Self, EngineError> {
         match source {
-            ModelSource::Gguf(p) => Self::load_gguf(p, comm),
-            ModelSource::HfFolder(p) => Self::load_hf(source, p, comm),
+            ModelSource::Gguf(p) => Self::load_gguf(p, build),
+            ModelSource::HfFolder(p) => Self::load_hf(source, p, build),
         }
     }
 
-    fn load_gguf(path: &Path, comm: Arc<dyn Communicator>) -> Result<Self, EngineError> {
+    fn load_gguf(path: &Path, build: &mut Builder<'_>) -> Result<Self, EngineError> {
         let file = GgufFile::open(path)?;
         let label = path.display().to_string();
         let md = file.metadata();
@@ -97,7 +135,7 @@ impl LoadedModel {
         };
         let weight_bytes_per_token = per_token_bytes(&file);
         let src = GgufWeights::new(file);
-        let transformer = Transformer::load(&src, cfg, comm)?;
+        let transformer = build(&src, cfg)?;
         Ok(LoadedModel {
             name: file_name(path),
             path: path.to_path_buf(),
@@ -111,7 +149,7 @@ impl LoadedModel {
     fn load_hf(
         source: &ModelSource,
         dir: &Path,
-        comm: Arc<dyn Communicator>,
+        build: &mut Builder<'_>,
     ) -> Result<Self, EngineError> {
         let label = dir.display().to_string();
         let config_path = source.config_json().ok_or_else(|| EngineError::Load {
@@ -147,7 +185,7 @@ impl LoadedModel {
             .filter_map(|f| std::fs::metadata(f).ok())
             .map(|m| m.len())
             .sum();
-        let transformer = Transformer::load(&src as &dyn WeightSource, cfg, comm)?;
+        let transformer = build(&src as &dyn WeightSource, cfg)?;
         Ok(LoadedModel {
             name: file_name(dir),
             path: dir.to_path_buf(),
@@ -242,6 +280,25 @@ impl LoadedModel {
             params,
             on_text,
         )
+    }
+
+    /// Like [`LoadedModel::generate`] on any [`Stepper`] (a split model's lead rank).
+    ///
+    /// # Errors
+    /// When the prompt does not fit or a forward pass fails.
+    pub fn generate_on(
+        &self,
+        stepper: &mut dyn Stepper,
+        prompt: &[u32],
+        sampler: &mut Sampler,
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<Generation, EngineError> {
+        let mut detok = TokenizerDetok {
+            tok: &self.tokenizer,
+            stream: StreamDecoder::new(true),
+        };
+        generate::generate_on(stepper, prompt, sampler, &mut detok, params, on_text)
     }
 
     /// Like [`LoadedModel::generate`] when `cache` already holds `cached` (the start of the

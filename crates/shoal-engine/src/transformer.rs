@@ -2,9 +2,11 @@
 //! blocks (attention, then a gated feed-forward, each with a residual), a final norm and the
 //! output head. Differences between architectures are fields of [`ModelConfig`].
 //!
-//! Each block holds only its rank's [`LayerShard`]: a range of query heads (with the KV heads
-//! they read), and a block-aligned range of feed-forward features. At world size 1 the shard
-//! is everything. Dimension names: `t` tokens in this step, `p` tokens already cached,
+//! A [`Transformer`] holds one rank's [`ShardPlan`]: the layers of its pipeline stage, and in
+//! each a range of query heads (with the KV heads they read) and of feed-forward features;
+//! the first stage embeds tokens and the last holds the final norm and the output head, both
+//! cut by vocabulary across the stage's tensor-parallel ranks. At world size 1 the plan is
+//! everything. Dimension names: `t` tokens in this step, `p` tokens already cached,
 //! `T = p + t`, `nh`/`nkv` local query/KV heads, `hd` head dimension, `d` hidden width.
 
 use std::ops::Range;
@@ -14,38 +16,16 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
 use shoal_comm::Communicator;
 
-use crate::attention::DecodeAttention;
+use crate::attention::AttentionShape;
 use crate::config::{Activation, ModelConfig, RopeStyle};
 use crate::error::CandleContext;
 use crate::kernels::QuantMatrix;
 use crate::kv_cache::KvCache;
 use crate::layers::{ColumnLinear, Matrix, RmsNorm, RowLinear};
 use crate::profile::{self, Op};
+pub use crate::shard::{LayerShard, ShardPlan};
 use crate::weights::{load_quant_matrix, quant_matrix, Slice, WeightSource};
 use crate::EngineError;
-
-/// The part of one layer a rank holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LayerShard {
-    /// Query heads of this rank.
-    pub heads: Range<usize>,
-    /// KV heads of this rank (those its query heads read; replicated across ranks when
-    /// ranks outnumber KV heads).
-    pub kv_heads: Range<usize>,
-    /// Feed-forward features of this rank (block aligned).
-    pub ffn: Range<usize>,
-}
-
-impl LayerShard {
-    /// The whole layer (world size 1).
-    pub fn full(cfg: &ModelConfig) -> Self {
-        LayerShard {
-            heads: 0..cfg.n_head,
-            kv_heads: 0..cfg.n_kv_head,
-            ffn: 0..cfg.ffn,
-        }
-    }
-}
 
 /// Cosine and sine tables for positions `pos..pos + t`, computed the way ggml does (in f32,
 /// the angle of pair `i` built by repeated multiplication by `base^(-2/hd)`), so positions
@@ -76,42 +56,12 @@ fn rope_tables(
     Ok((cos, sin))
 }
 
-/// The additive attention mask `(t, T)`: `-inf` where query `i` (at position `p + i`) may not
-/// see key `j`: the future, and with a sliding window keys `window` or more positions back.
-/// `None` when nothing is masked.
-fn attention_mask(
-    p: usize,
-    t: usize,
-    window: Option<usize>,
-) -> Result<Option<Tensor>, EngineError> {
-    let total = p + t;
-    let needs_window = window.is_some_and(|w| total > w);
-    if t == 1 && !needs_window {
-        return Ok(None);
-    }
-    let mut m = vec![0f32; t * total];
-    for i in 0..t {
-        let q = p + i;
-        for j in 0..total {
-            let future = j > q;
-            let too_old = window.is_some_and(|w| q - j.min(q) >= w);
-            if future || too_old {
-                m[i * total + j] = f32::NEG_INFINITY;
-            }
-        }
-    }
-    Ok(Some(
-        Tensor::from_vec(m, (t, total), &Device::Cpu).ctx("attention mask")?,
-    ))
-}
-
-/// RoPE tables and attention masks of one step, built once and shared by every layer (a
-/// model has at most two kinds of layer: global, and sliding-window with its own RoPE base).
+/// RoPE tables of one step, built once and shared by every layer (a model has at most two
+/// kinds of layer: global, and sliding-window with its own RoPE base).
 struct StepTables {
     p: usize,
     t: usize,
     rope: Vec<((u64, u64), (Tensor, Tensor))>,
-    masks: Vec<(Option<usize>, Option<Tensor>)>,
 }
 
 impl StepTables {
@@ -120,7 +70,6 @@ impl StepTables {
             p,
             t,
             rope: Vec::new(),
-            masks: Vec::new(),
         }
     }
 
@@ -141,18 +90,6 @@ impl StepTables {
         };
         Ok(&self.rope[i].1)
     }
-
-    fn mask(&mut self, window: Option<usize>) -> Result<Option<&Tensor>, EngineError> {
-        let i = match self.masks.iter().position(|(w, _)| *w == window) {
-            Some(i) => i,
-            None => {
-                self.masks
-                    .push((window, attention_mask(self.p, self.t, window)?));
-                self.masks.len() - 1
-            }
-        };
-        Ok(self.masks[i].1.as_ref())
-    }
 }
 
 /// Multi-head (grouped-query) self-attention over this rank's heads.
@@ -166,6 +103,9 @@ pub struct Attention {
     k_norm: Option<RmsNorm>,
     n_head: usize,
     n_kv_head: usize,
+    first_head: usize,
+    first_kv: usize,
+    group: usize,
     head_dim: usize,
     scale: f64,
     rope_style: RopeStyle,
@@ -236,6 +176,9 @@ impl Attention {
             k_norm: norm("attn_k_norm")?,
             n_head: shard.heads.len(),
             n_kv_head: shard.kv_heads.len(),
+            first_head: shard.heads.start,
+            first_kv: shard.kv_heads.start,
+            group: cfg.n_head / cfg.n_kv_head.max(1),
             head_dim: hd,
             scale: cfg.attn_scale,
             rope_style: cfg.rope_style,
@@ -257,35 +200,17 @@ impl Attention {
         .ctx("rope")
     }
 
-    /// Attention of the one new position at `pos` (already appended to `cache`); q is
-    /// `(1, nh, 1, hd)`, the result `(1, 1, nh * hd)`.
-    fn decode_attention(
-        &self,
-        q: &Tensor,
-        cache: &KvCache,
-        layer: usize,
-        pos: usize,
-    ) -> Result<Tensor, EngineError> {
-        let (kc, vc) = cache
-            .buffers(layer)
-            .ok_or_else(|| EngineError::Unsupported {
-                what: format!("kv cache layer {layer} was not written"),
-            })?;
-        let (nh, hd) = (self.n_head, self.head_dim);
-        let att = DecodeAttention {
-            n_head: nh,
-            n_kv_head: self.n_kv_head,
-            head_dim: hd,
-            capacity: cache.capacity(),
-            pos,
+    fn shape(&self, capacity: usize) -> AttentionShape {
+        AttentionShape {
+            n_head: self.n_head,
+            first_head: self.first_head,
+            first_kv: self.first_kv,
+            group: self.group,
+            head_dim: self.head_dim,
+            capacity,
             window: self.window,
             scale: self.scale as f32,
-        };
-        let mut out = vec![0f32; nh * hd];
-        with_f32(q, |qs| {
-            with_f32(kc, |ks| with_f32(vc, |vs| att.run(qs, ks, vs, &mut out)))
-        })???;
-        Tensor::from_vec(out, (1, 1, nh * hd), &Device::Cpu).ctx("attention output")
+        }
     }
 
     /// x `(1, t, d)` → `(1, t, d)` (summed over ranks).
@@ -325,38 +250,26 @@ impl Attention {
         let k = self.rope(&k, cos, sin)?;
         drop(rope);
         let attention = profile::scope(Op::Attention);
-        let (k_all, v_all) = cache.append(layer, &k, &v)?; // (b, nkv, T, hd)
-        if b == 1 && t == 1 {
-            let y = self.decode_attention(&q, cache, layer, p)?;
-            drop(attention);
-            let _p = profile::scope(Op::AttnOut);
-            return self.o.forward(&y);
-        }
-        let total = p + t;
-
-        // Grouped-query attention without copying KV: fold the n_rep query heads that share
-        // a KV head into the row dimension. q (b, nh, t, hd) -> (b, nkv, n_rep*t, hd).
-        let n_rep = nh / nkv;
-        let q = (q * self.scale)
-            .ctx("scale q")?
-            .reshape((b, nkv, n_rep * t, hd))
-            .ctx("group q")?;
-        let att = q.matmul(&k_all.t().ctx("k^T")?).ctx("q k^T")?; // (b, nkv, n_rep*t, T)
-        let att = match tables.mask(self.window)? {
-            Some(m) => att
-                .reshape((b, nkv, n_rep, t, total))
-                .and_then(|a| a.broadcast_add(m))
-                .and_then(|a| a.reshape((b, nkv, n_rep * t, total)))
-                .ctx("mask")?,
-            None => att,
-        };
-        let att = candle_nn::ops::softmax_last_dim(&att).ctx("softmax")?;
-        let y = att.matmul(&v_all).ctx("att v")?; // (b, nkv, n_rep*t, hd)
-        let y = y
-            .reshape((b, nh, t, hd))
-            .and_then(|y| y.transpose(1, 2))
-            .and_then(|y| y.reshape((b, t, nh * hd)))
-            .ctx("merge heads")?;
+        cache.append(layer, &k, &v)?;
+        let (kc, vc) = cache
+            .buffers(layer)
+            .ok_or_else(|| EngineError::Unsupported {
+                what: format!("kv cache layer {layer} was not written"),
+            })?;
+        let shape = self.shape(cache.capacity());
+        let mut out = vec![0f32; t * nh * hd];
+        with_f32(&q, |qs| {
+            with_f32(kc, |ks| {
+                with_f32(vc, |vs| {
+                    if t == 1 {
+                        shape.decode(p, qs, ks, vs, &mut out)
+                    } else {
+                        shape.prefill(p, t, qs, ks, vs, &mut out)
+                    }
+                })
+            })
+        })???;
+        let y = Tensor::from_vec(out, (b, t, nh * hd), &Device::Cpu).ctx("attention output")?;
         drop(attention);
         let _p = profile::scope(Op::AttnOut);
         self.o.forward(&y)
@@ -499,8 +412,15 @@ impl Block {
     }
 }
 
-/// The token embedding table, which is also the output head when the model ties them.
-enum Embedding {
+/// The token embedding table (this rank's vocabulary rows of it), which is also the output
+/// head when the model ties them.
+struct Embedding {
+    table: EmbeddingTable,
+    /// The vocabulary rows held.
+    rows: Range<usize>,
+}
+
+enum EmbeddingTable {
     /// Read row by row through the kernels' dequantizer.
     Kernel(Arc<QuantMatrix>),
     /// A type the kernels do not cover: candle's lookup.
@@ -508,47 +428,71 @@ enum Embedding {
 }
 
 impl Embedding {
-    fn load(src: &dyn WeightSource) -> Result<Self, EngineError> {
+    fn load(src: &dyn WeightSource, rows: Range<usize>, vocab: usize) -> Result<Self, EngineError> {
         let name = "token_embd.weight";
-        if crate::layers::candle_only() {
-            return Ok(Embedding::Candle(Arc::new(src.load(name, &Slice::Full)?)));
-        }
-        if let Some(m) = load_quant_matrix(src, name, &Slice::Full)? {
-            return Ok(Embedding::Kernel(Arc::new(m)));
-        }
-        let q = src.load(name, &Slice::Full)?;
-        Ok(match quant_matrix(name, &q)? {
-            Some(m) => Embedding::Kernel(Arc::new(m)),
-            None => Embedding::Candle(Arc::new(q)),
-        })
+        let slice = if rows == (0..vocab) {
+            Slice::Full
+        } else {
+            Slice::Rows(rows.clone())
+        };
+        let table = if crate::layers::candle_only() {
+            EmbeddingTable::Candle(Arc::new(src.load(name, &slice)?))
+        } else if let Some(m) = load_quant_matrix(src, name, &slice)? {
+            EmbeddingTable::Kernel(Arc::new(m))
+        } else {
+            let q = src.load(name, &slice)?;
+            match quant_matrix(name, &q)? {
+                Some(m) => EmbeddingTable::Kernel(Arc::new(m)),
+                None => EmbeddingTable::Candle(Arc::new(q)),
+            }
+        };
+        Ok(Embedding { table, rows })
     }
 
-    /// The rows of `tokens` (ids already checked against the vocabulary), `(t, d)`.
-    fn lookup(&self, tokens: &[u32]) -> Result<Tensor, EngineError> {
-        match self {
-            Embedding::Kernel(m) => {
-                let d = m.cols();
+    /// The rows of `tokens` (ids already checked against the vocabulary), `(t, d)`; zero
+    /// for ids outside the rows held (another rank of the stage has them).
+    fn lookup(&self, tokens: &[u32], d: usize) -> Result<Tensor, EngineError> {
+        let local = |id: u32| {
+            let id = id as usize;
+            self.rows.contains(&id).then(|| id - self.rows.start)
+        };
+        match &self.table {
+            EmbeddingTable::Kernel(m) => {
                 let mut x = vec![0f32; tokens.len() * d];
                 for (&id, row) in tokens.iter().zip(x.chunks_exact_mut(d)) {
-                    m.dequantize_row(id as usize, row)
-                        .map_err(|e| EngineError::Unsupported {
-                            what: format!("embedding lookup: {e}"),
-                        })?;
+                    if let Some(r) = local(id) {
+                        m.dequantize_row(r, row)
+                            .map_err(|e| EngineError::Unsupported {
+                                what: format!("embedding lookup: {e}"),
+                            })?;
+                    }
                 }
                 Tensor::from_vec(x, (tokens.len(), d), &Device::Cpu).ctx("embedding")
             }
-            Embedding::Candle(q) => {
-                let ids = Tensor::new(tokens, &Device::Cpu).ctx("token ids")?;
-                q.embedding(&ids).ctx("embedding")
+            EmbeddingTable::Candle(q) => {
+                let ids: Vec<u32> = tokens
+                    .iter()
+                    .map(|&id| local(id).unwrap_or(0) as u32)
+                    .collect();
+                let held: Vec<f32> = tokens
+                    .iter()
+                    .map(|&id| if local(id).is_some() { 1.0 } else { 0.0 })
+                    .collect();
+                let ids = Tensor::new(ids, &Device::Cpu).ctx("token ids")?;
+                let held =
+                    Tensor::from_vec(held, (tokens.len(), 1), &Device::Cpu).ctx("token ids")?;
+                q.embedding(&ids)
+                    .and_then(|x| x.broadcast_mul(&held))
+                    .ctx("embedding")
             }
         }
     }
 
     /// The same table as an output head (tied embeddings).
     fn as_head(&self) -> Result<Matrix, EngineError> {
-        Ok(match self {
-            Embedding::Kernel(m) => Matrix::Kernel(m.clone()),
-            Embedding::Candle(q) => {
+        Ok(match &self.table {
+            EmbeddingTable::Kernel(m) => Matrix::Kernel(m.clone()),
+            EmbeddingTable::Candle(q) => {
                 Matrix::Candle(QMatMul::from_arc(q.clone()).ctx("tied output head")?)
             }
         })
@@ -558,30 +502,58 @@ impl Embedding {
 /// A loaded model (one rank's shard of it).
 pub struct Transformer {
     cfg: ModelConfig,
-    embed: Embedding,
+    plan: ShardPlan,
+    /// The ranks of this rank's pipeline stage (sums partial results; world size 1 when the
+    /// stage is not cut).
+    tp: Arc<dyn Communicator>,
+    embed: Option<Embedding>,
     blocks: Vec<Block>,
-    norm: RmsNorm,
-    head: ColumnLinear,
+    norm: Option<RmsNorm>,
+    head: Option<ColumnLinear>,
 }
 
 impl std::fmt::Debug for Transformer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Transformer")
             .field("cfg", &self.cfg)
-            .field("blocks", &self.blocks.len())
+            .field("plan", &self.plan)
             .finish()
     }
 }
 
 impl Transformer {
-    /// Loads every block whole (world size 1).
+    /// Loads the whole model on one rank, or, when `comm` has several ranks, this rank's
+    /// tensor-parallel share of it (every rank one stage).
     ///
     /// # Errors
-    /// When a tensor is missing or misshapen.
+    /// When a tensor is missing or misshapen, or the model cannot be cut that many ways.
     pub fn load(
         src: &dyn WeightSource,
         cfg: ModelConfig,
         comm: Arc<dyn Communicator>,
+    ) -> Result<Self, EngineError> {
+        let plan = if comm.world_size() == 1 {
+            ShardPlan::full(&cfg)
+        } else {
+            let layout = crate::shard::Layout {
+                tp: comm.world_size(),
+                pp: 1,
+            };
+            crate::shard::plan(&cfg, src, layout, None)?.swap_remove(comm.rank())
+        };
+        Self::load_shard(src, cfg, plan, comm)
+    }
+
+    /// Loads what `plan` says this rank holds; `tp` is the communicator of the ranks of its
+    /// pipeline stage.
+    ///
+    /// # Errors
+    /// When a tensor is missing or misshapen.
+    pub fn load_shard(
+        src: &dyn WeightSource,
+        cfg: ModelConfig,
+        plan: ShardPlan,
+        tp: Arc<dyn Communicator>,
     ) -> Result<Self, EngineError> {
         let embed_shape = src.shape("token_embd.weight")?;
         if embed_shape != [cfg.vocab, cfg.hidden] {
@@ -591,20 +563,38 @@ impl Transformer {
                 expected: vec![cfg.vocab, cfg.hidden],
             });
         }
-        let embed = Embedding::load(src)?;
-        let shard = LayerShard::full(&cfg);
-        let mut blocks = Vec::with_capacity(cfg.n_layer);
-        for layer in 0..cfg.n_layer {
-            blocks.push(Block::load(src, &cfg, layer, &shard, comm.clone())?);
-        }
-        let norm = RmsNorm::load(src, "output_norm.weight", cfg.hidden, cfg.rms_eps)?;
-        let head = if src.contains("output.weight") {
-            ColumnLinear::load(src, "output", cfg.vocab, cfg.hidden, 0..cfg.vocab, false)?
+        let tied = !src.contains("output.weight");
+        let embed = if plan.first_stage || (plan.last_stage && tied) {
+            Some(Embedding::load(src, plan.vocab.clone(), cfg.vocab)?)
         } else {
-            ColumnLinear::from_matrix(embed.as_head()?)
+            None
         };
+        let mut blocks = Vec::with_capacity(plan.layers.len());
+        for layer in plan.layers.clone() {
+            blocks.push(Block::load(src, &cfg, layer, &plan.shard, tp.clone())?);
+        }
+        let (norm, head) = if plan.last_stage {
+            let norm = RmsNorm::load(src, "output_norm.weight", cfg.hidden, cfg.rms_eps)?;
+            let head = match &embed {
+                Some(e) if tied => ColumnLinear::from_matrix(e.as_head()?),
+                _ => ColumnLinear::load(
+                    src,
+                    "output",
+                    cfg.vocab,
+                    cfg.hidden,
+                    plan.vocab.clone(),
+                    false,
+                )?,
+            };
+            (Some(norm), Some(head))
+        } else {
+            (None, None)
+        };
+        let embed = if plan.first_stage { embed } else { None };
         Ok(Transformer {
             cfg,
+            plan,
+            tp,
             embed,
             blocks,
             norm,
@@ -617,27 +607,22 @@ impl Transformer {
         &self.cfg
     }
 
-    /// A KV cache for up to `capacity` tokens.
+    /// What this rank holds.
+    pub fn plan(&self) -> &ShardPlan {
+        &self.plan
+    }
+
+    /// A KV cache for up to `capacity` tokens of this rank's layers and KV heads.
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         KvCache::new(
-            self.cfg.n_layer,
-            self.cfg.n_kv_head,
+            self.plan.layers.len(),
+            self.plan.shard.kv_heads.len(),
             self.cfg.head_dim,
             capacity,
         )
     }
 
-    /// Runs `tokens` (appended after what `cache` holds) and returns the logits `(n, vocab)`
-    /// of the last `n_logits` positions.
-    ///
-    /// # Errors
-    /// When the tokens do not fit the cache, an id is out of range, or a tensor op fails.
-    pub fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        n_logits: usize,
-    ) -> Result<Tensor, EngineError> {
+    fn check_step(&self, tokens: &[u32], cache: &KvCache) -> Result<(), EngineError> {
         let t = tokens.len();
         if t == 0 {
             return Err(EngineError::Unsupported {
@@ -658,27 +643,116 @@ impl Transformer {
                 ),
             });
         }
-        let embed = profile::scope(Op::Embed);
-        let mut x = self.embed.lookup(tokens)?.unsqueeze(0).ctx("embedding")?; // (1, t, d)
+        Ok(())
+    }
+
+    /// The hidden states `(1, t, d)` of `tokens` (first stage only): the embedding rows,
+    /// gathered across the stage's ranks when the vocabulary is cut.
+    ///
+    /// # Errors
+    /// When this rank is not in the first stage, an id is out of range, or a peer fails.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Tensor, EngineError> {
+        let Some(embed) = &self.embed else {
+            return Err(EngineError::Unsupported {
+                what: "embedding tokens on a rank that is not in the first pipeline stage".into(),
+            });
+        };
+        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= self.cfg.vocab) {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    self.cfg.vocab
+                ),
+            });
+        }
+        let _p = profile::scope(Op::Embed);
+        let d = self.cfg.hidden;
+        let mut x = embed.lookup(tokens, d)?;
+        if self.tp.world_size() > 1 {
+            let mut data = x
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .ctx("embedding")?;
+            self.tp.all_reduce_sum(&mut data)?;
+            x = Tensor::from_vec(data, (tokens.len(), d), &Device::Cpu).ctx("embedding")?;
+        }
+        let mut x = x.unsqueeze(0).ctx("embedding")?;
         if self.cfg.embed_scale != 1.0 {
             // ggml scales in f32: round the factor the same way.
             x = (x * (self.cfg.embed_scale as f32) as f64).ctx("embedding scale")?;
         }
-        drop(embed);
+        Ok(x)
+    }
+
+    /// Runs this rank's layers over hidden states `x` `(1, t, d)` of the positions after what
+    /// `cache` holds, and moves the cache's end past them.
+    ///
+    /// # Errors
+    /// When the positions do not fit the cache, or a tensor op or peer fails.
+    pub fn forward_layers(&self, x: Tensor, cache: &mut KvCache) -> Result<Tensor, EngineError> {
+        let t = x.dim(1).ctx("hidden states")?;
+        if cache.len() + t > cache.capacity() {
+            return Err(EngineError::ContextFull {
+                prompt: cache.len() + t,
+                ctx: cache.capacity(),
+            });
+        }
+        let mut x = x;
         let mut tables = StepTables::new(cache.len(), t);
         for (layer, block) in self.blocks.iter().enumerate() {
             x = block.forward(&x, cache, layer, &mut tables)?;
         }
         cache.advance(t);
+        Ok(x)
+    }
+
+    /// This rank's vocabulary slice of the logits `(n, vocab slice)` of the last `n_logits`
+    /// positions of `x` `(1, t, d)` (last stage only).
+    ///
+    /// # Errors
+    /// When this rank is not in the last stage, or a tensor op fails.
+    pub fn logits(&self, x: &Tensor, n_logits: usize) -> Result<Tensor, EngineError> {
+        let (Some(norm), Some(head)) = (&self.norm, &self.head) else {
+            return Err(EngineError::Unsupported {
+                what: "logits on a rank that is not in the last pipeline stage".into(),
+            });
+        };
         let _p = profile::scope(Op::Head);
+        let t = x.dim(1).ctx("hidden states")?;
         let n = n_logits.clamp(1, t);
         let x = x.narrow(1, t - n, n).ctx("last positions")?;
-        let x = self.norm.forward(&x)?;
-        let logits = self.head.forward(&x)?; // (1, n, vocab)
+        let x = norm.forward(&x)?;
+        let logits = head.forward(&x)?; // (1, n, vocab slice)
         logits
             .squeeze(0)
             .and_then(|l| l.to_dtype(DType::F32))
             .ctx("logits")
+    }
+
+    /// Runs `tokens` (appended after what `cache` holds) and returns the logits `(n, vocab)`
+    /// of the last `n_logits` positions; a rank that holds the whole model only.
+    ///
+    /// # Errors
+    /// When the tokens do not fit the cache, an id is out of range, a tensor op fails, or
+    /// this rank holds only part of the model.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        n_logits: usize,
+    ) -> Result<Tensor, EngineError> {
+        if !self.plan.is_full(&self.cfg) {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "a whole forward pass on a rank holding only part of the model ({:?})",
+                    self.plan
+                ),
+            });
+        }
+        self.check_step(tokens, cache)?;
+        let x = self.embed(tokens)?;
+        let x = self.forward_layers(x, cache)?;
+        self.logits(&x, n_logits)
     }
 
     /// Logits of the last position only, as a vector.
@@ -732,25 +806,6 @@ pub fn argmax(xs: &[f32]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn mask_causal_and_window() {
-        let m = attention_mask(0, 3, None)
-            .unwrap()
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap();
-        assert_eq!(m[0][1], f32::NEG_INFINITY);
-        assert_eq!(m[2][0], 0.0);
-        assert!(attention_mask(5, 1, None).unwrap().is_none());
-        // window 2: query at position 3 sees keys 2 and 3 only
-        let m = attention_mask(3, 1, Some(2))
-            .unwrap()
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap();
-        assert_eq!(m[0], vec![f32::NEG_INFINITY, f32::NEG_INFINITY, 0.0, 0.0]);
-    }
 
     #[test]
     fn rope_table_position_zero_is_identity() {

@@ -63,6 +63,15 @@ pub trait WeightSource: Send + Sync {
         Ok(None)
     }
 
+    /// Elements per quantization block of tensor `name`: a column cut must fall on a
+    /// multiple of it. 1 for float tensors.
+    ///
+    /// # Errors
+    /// When the tensor does not exist.
+    fn block_len(&self, name: &str) -> Result<usize, EngineError> {
+        self.shape(name).map(|_| 1)
+    }
+
     /// Loads `slice` of tensor `name` as a plain f32 tensor (norms, biases).
     ///
     /// # Errors
@@ -199,6 +208,10 @@ impl WeightSource for GgufWeights {
 
     fn shape(&self, name: &str) -> Result<Vec<usize>, EngineError> {
         Ok(self.file.tensor(name)?.shape())
+    }
+
+    fn block_len(&self, name: &str) -> Result<usize, EngineError> {
+        Ok(self.file.tensor(name)?.dtype.block_len())
     }
 
     fn load(&self, name: &str, slice: &Slice) -> Result<QTensor, EngineError> {

@@ -1,0 +1,537 @@
+//! Running one model split over ranks: the step protocol between the lead rank (rank 0,
+//! which tokenizes, samples and streams text) and every other rank.
+//!
+//! Each step the lead broadcasts a fixed-size [`Header`] (how many tokens, where the
+//! sequence's cache ends, what the sampler needs back) and the token ids. First-stage ranks
+//! embed the tokens; every later stage receives the hidden states from the rank with the same
+//! tensor-parallel index in the stage before, runs its layers (its tensor-parallel group
+//! summing partial results) and sends them on. Last-stage ranks compute their vocabulary
+//! slice of the logits and send the lead only what the sampler needs: their best token for
+//! greedy decoding, their top k for top-k sampling, the whole slice otherwise. The lead
+//! merges them into a vocabulary-length vector (tokens no rank sent are `-inf`), so the
+//! sampler and generation loop are those of one rank, and greedy tokens are exact.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use shoal_comm::{CommError, Communicator, Group, Transport};
+
+use crate::error::CandleContext;
+use crate::generate::Stepper;
+use crate::kv_cache::KvCache;
+use crate::sampler::SamplerConfig;
+use crate::shard::{Layout, ShardPlan};
+use crate::transformer::Transformer;
+use crate::EngineError;
+
+/// Where one rank sits and how it talks to the others.
+#[derive(Clone)]
+pub struct RankContext {
+    /// The split.
+    pub layout: Layout,
+    /// This rank.
+    pub rank: usize,
+    /// Every rank of the instance.
+    pub world: Arc<dyn Communicator>,
+    /// The ranks of this rank's pipeline stage.
+    pub tp: Arc<dyn Communicator>,
+    /// What every rank holds, in rank order.
+    pub plans: Vec<ShardPlan>,
+}
+
+impl RankContext {
+    /// The context of the rank at the end of `transport` (a mesh of `layout.world()` ranks),
+    /// with collectives that wait at most `timeout` for a peer.
+    ///
+    /// # Errors
+    /// When the transport's world does not match the layout.
+    pub fn over(
+        transport: Arc<dyn Transport>,
+        layout: Layout,
+        timeout: Duration,
+    ) -> Result<Self, EngineError> {
+        let rank = transport.rank();
+        if transport.world_size() != layout.world() {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "a split of {} x {} ranks over a transport of {}",
+                    layout.tp,
+                    layout.pp,
+                    transport.world_size()
+                ),
+            });
+        }
+        let world = Group::world(transport.clone()).with_timeout(timeout);
+        let members = layout.stage_ranks(layout.stage(rank)).collect();
+        let tp = Group::new(transport, members)?.with_timeout(timeout);
+        Ok(RankContext {
+            layout,
+            rank,
+            world: Arc::new(world),
+            tp: Arc::new(tp),
+            plans: Vec::new(),
+        })
+    }
+}
+
+impl std::fmt::Debug for RankContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankContext")
+            .field("layout", &self.layout)
+            .field("rank", &self.rank)
+            .finish()
+    }
+}
+
+/// A communicator that adds the wall time of every call to a shared counter: how long a
+/// rank spends exchanging data and waiting for its peers (for `shoal bench --tp/--pp`).
+pub struct Timed {
+    inner: Arc<dyn Communicator>,
+    nanos: Arc<AtomicU64>,
+}
+
+impl Timed {
+    /// Wraps `inner`, adding to `nanos`.
+    pub fn new(inner: Arc<dyn Communicator>, nanos: Arc<AtomicU64>) -> Self {
+        Timed { inner, nanos }
+    }
+
+    fn time<R>(&self, f: impl FnOnce() -> R) -> R {
+        let t0 = Instant::now();
+        let r = f();
+        self.nanos
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+}
+
+impl Communicator for Timed {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn all_reduce_sum(&self, data: &mut [f32]) -> Result<(), CommError> {
+        self.time(|| self.inner.all_reduce_sum(data))
+    }
+
+    fn broadcast(&self, data: &mut [u8], root: usize) -> Result<(), CommError> {
+        self.time(|| self.inner.broadcast(data, root))
+    }
+
+    fn all_gather(&self, mine: &[u8], out: &mut [u8]) -> Result<(), CommError> {
+        self.time(|| self.inner.all_gather(mine, out))
+    }
+
+    fn send(&self, peer: usize, data: &[u8]) -> Result<(), CommError> {
+        self.time(|| self.inner.send(peer, data))
+    }
+
+    fn recv(&self, peer: usize, data: &mut [u8]) -> Result<(), CommError> {
+        self.time(|| self.inner.recv(peer, data))
+    }
+}
+
+/// What the lead needs back from the last stage after a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Want {
+    /// Nothing (a prefill chunk before the last).
+    Nothing,
+    /// Each rank's best token (greedy decoding).
+    Best,
+    /// Each rank's `k` best tokens (top-k sampling).
+    TopK(usize),
+    /// Every logit.
+    All,
+}
+
+impl Want {
+    /// What `cfg`'s sampler needs to choose exactly as it would from the full logits.
+    pub fn for_sampler(cfg: &SamplerConfig) -> Want {
+        if cfg.repeat_penalty != 1.0 {
+            // The penalty reorders tokens before any cut: it needs every logit.
+            Want::All
+        } else if cfg.temperature <= 0.0 {
+            Want::Best
+        } else if cfg.top_k > 0 {
+            Want::TopK(cfg.top_k)
+        } else {
+            Want::All
+        }
+    }
+
+    fn code(self) -> (u32, u32) {
+        match self {
+            Want::Nothing => (0, 0),
+            Want::Best => (1, 0),
+            Want::TopK(k) => (2, k as u32),
+            Want::All => (3, 0),
+        }
+    }
+
+    fn from_code(code: u32, k: u32) -> Option<Want> {
+        Some(match code {
+            0 => Want::Nothing,
+            1 => Want::Best,
+            2 if k > 0 => Want::TopK(k as usize),
+            3 => Want::All,
+            _ => return None,
+        })
+    }
+
+    /// Bytes one last-stage rank holding `slice` vocabulary rows sends.
+    fn reply_bytes(self, slice: usize) -> usize {
+        match self {
+            Want::Nothing => 0,
+            Want::Best => 8,
+            Want::TopK(k) => 8 * k,
+            Want::All => 4 * slice,
+        }
+    }
+}
+
+const OP_STEP: u32 = 1;
+const OP_STOP: u32 = 2;
+const HEADER_BYTES: usize = 20;
+
+/// The fixed-size message that starts every step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Header {
+    op: u32,
+    n_tokens: u32,
+    /// The cache length every rank truncates to before the step.
+    cache_len: u32,
+    want: Want,
+}
+
+impl Header {
+    fn encode(&self) -> [u8; HEADER_BYTES] {
+        let (w, k) = self.want.code();
+        let mut b = [0u8; HEADER_BYTES];
+        for (i, v) in [self.op, self.n_tokens, self.cache_len, w, k]
+            .into_iter()
+            .enumerate()
+        {
+            b[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        b
+    }
+
+    fn decode(b: &[u8; HEADER_BYTES]) -> Result<Header, EngineError> {
+        let word =
+            |i: usize| u32::from_le_bytes([b[i * 4], b[i * 4 + 1], b[i * 4 + 2], b[i * 4 + 3]]);
+        let bad = |what: String| EngineError::Unsupported {
+            what: format!("step header from the lead rank: {what}"),
+        };
+        let op = word(0);
+        if op != OP_STEP && op != OP_STOP {
+            return Err(bad(format!("unknown operation {op}")));
+        }
+        let want = Want::from_code(word(3), word(4))
+            .ok_or_else(|| bad(format!("unknown reply kind {} (k {})", word(3), word(4))))?;
+        Ok(Header {
+            op,
+            n_tokens: word(1),
+            cache_len: word(2),
+            want,
+        })
+    }
+}
+
+/// Runs this rank's part of one step: embed or receive, run the layers, send on or reply.
+/// Returns the reply (last stage only), for the lead to merge or to send it.
+fn run_step(
+    ctx: &RankContext,
+    model: &Transformer,
+    cache: &mut KvCache,
+    tokens: &[u32],
+    want: Want,
+) -> Result<Vec<u8>, EngineError> {
+    let d = model.config().hidden;
+    let t = tokens.len();
+    let stage = ctx.layout.stage(ctx.rank);
+    let x = if stage == 0 {
+        model.embed(tokens)?
+    } else {
+        let mut buf = vec![0u8; t * d * 4];
+        ctx.world.recv(ctx.rank - ctx.layout.tp, &mut buf)?;
+        let v: Vec<f32> = buf
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Tensor::from_vec(v, (1, t, d), &Device::Cpu).ctx("received hidden states")?
+    };
+    let x = model.forward_layers(x, cache)?;
+    if stage + 1 < ctx.layout.pp {
+        let v = x
+            .flatten_all()
+            .and_then(|x| x.to_vec1::<f32>())
+            .ctx("hidden states")?;
+        let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
+        ctx.world.send(ctx.rank + ctx.layout.tp, &bytes)?;
+        return Ok(Vec::new());
+    }
+    if want == Want::Nothing {
+        return Ok(Vec::new());
+    }
+    let logits = model.logits(&x, 1)?;
+    let logits = logits
+        .squeeze(0)
+        .and_then(|l| l.to_vec1::<f32>())
+        .ctx("logits")?;
+    let first = model.plan().vocab.start as u32;
+    Ok(match want {
+        Want::Nothing => Vec::new(),
+        Want::Best => {
+            let i = crate::transformer::argmax(&logits);
+            pairs(&[(logits[i], first + i as u32)])
+        }
+        Want::TopK(k) => {
+            let mut c: Vec<(f32, u32)> = logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (l, first + i as u32))
+                .collect();
+            let by = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+            if k < c.len() {
+                c.select_nth_unstable_by(k - 1, by);
+                c.truncate(k);
+            }
+            c.resize(k, (f32::NEG_INFINITY, u32::MAX));
+            pairs(&c)
+        }
+        Want::All => logits.iter().flat_map(|f| f.to_le_bytes()).collect(),
+    })
+}
+
+fn pairs(c: &[(f32, u32)]) -> Vec<u8> {
+    c.iter()
+        .flat_map(|(l, id)| l.to_le_bytes().into_iter().chain(id.to_le_bytes()))
+        .collect()
+}
+
+/// The lead rank's view of a split model: a [`Stepper`] whose steps run on every rank.
+/// Dropping it tells the other ranks to stop.
+pub struct Lead<'a> {
+    ctx: RankContext,
+    model: &'a Transformer,
+    cache: KvCache,
+    want: Want,
+    stopped: bool,
+}
+
+impl<'a> Lead<'a> {
+    /// The lead over `model` (rank 0's shard) with a cache of `capacity` tokens.
+    ///
+    /// # Errors
+    /// When `ctx` is not rank 0's.
+    pub fn new(
+        ctx: RankContext,
+        model: &'a Transformer,
+        capacity: usize,
+    ) -> Result<Self, EngineError> {
+        if ctx.rank != 0 {
+            return Err(EngineError::Unsupported {
+                what: format!("rank {} cannot lead; rank 0 does", ctx.rank),
+            });
+        }
+        let cache = model.new_cache(capacity);
+        Ok(Lead {
+            ctx,
+            model,
+            cache,
+            want: Want::Best,
+            stopped: false,
+        })
+    }
+
+    /// Sets what each step asks for, to suit `cfg`'s sampler.
+    pub fn set_sampler(&mut self, cfg: &SamplerConfig) {
+        self.want = Want::for_sampler(cfg);
+    }
+
+    /// Forgets positions from `len` on, on every rank (at the next step).
+    pub fn truncate(&mut self, len: usize) {
+        self.cache.truncate(len);
+    }
+
+    /// Runs one step on every rank and returns the merged last-position logits (`-inf`
+    /// where no rank sent a value), or nothing when `want` is [`Want::Nothing`].
+    ///
+    /// # Errors
+    /// When a rank fails or misses the deadline, or the tokens do not fit.
+    pub fn step_with(&mut self, tokens: &[u32], want: Want) -> Result<Vec<f32>, EngineError> {
+        let cfg = self.model.config();
+        if tokens.is_empty() {
+            return Err(EngineError::Unsupported {
+                what: "a forward pass over zero tokens".into(),
+            });
+        }
+        if self.cache.len() + tokens.len() > self.cache.capacity() {
+            return Err(EngineError::ContextFull {
+                prompt: self.cache.len() + tokens.len(),
+                ctx: self.cache.capacity(),
+            });
+        }
+        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= cfg.vocab) {
+            return Err(EngineError::Unsupported {
+                what: format!("token id {bad} is outside the vocabulary of {}", cfg.vocab),
+            });
+        }
+        let vocab = cfg.vocab;
+        let header = Header {
+            op: OP_STEP,
+            n_tokens: tokens.len() as u32,
+            cache_len: self.cache.len() as u32,
+            want,
+        };
+        self.ctx.world.broadcast(&mut header.encode(), 0)?;
+        let mut ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        self.ctx.world.broadcast(&mut ids, 0)?;
+        let mine = run_step(&self.ctx, self.model, &mut self.cache, tokens, want)?;
+        if want == Want::Nothing {
+            return Ok(Vec::new());
+        }
+        let mut logits = vec![f32::NEG_INFINITY; vocab];
+        let last = self.ctx.layout.stage_ranks(self.ctx.layout.pp - 1);
+        for r in last {
+            let slice = self.ctx.plans[r].vocab.clone();
+            let reply = if r == 0 {
+                mine.clone()
+            } else {
+                let mut buf = vec![0u8; want.reply_bytes(slice.len())];
+                self.ctx.world.recv(r, &mut buf)?;
+                buf
+            };
+            merge(&reply, want, slice, &mut logits, r)?;
+        }
+        Ok(logits)
+    }
+
+    /// Tells every other rank to stop serving steps.
+    ///
+    /// # Errors
+    /// When a rank cannot be reached.
+    pub fn stop(&mut self) -> Result<(), EngineError> {
+        if self.stopped {
+            return Ok(());
+        }
+        self.stopped = true;
+        let header = Header {
+            op: OP_STOP,
+            n_tokens: 0,
+            cache_len: 0,
+            want: Want::Nothing,
+        };
+        self.ctx.world.broadcast(&mut header.encode(), 0)?;
+        Ok(())
+    }
+}
+
+impl Drop for Lead<'_> {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+impl Stepper for Lead<'_> {
+    fn len(&self) -> usize {
+        self.cache.len()
+    }
+
+    fn capacity(&self) -> usize {
+        self.cache.capacity()
+    }
+
+    fn step(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        let want = self.want;
+        self.step_with(tokens, want)
+    }
+}
+
+/// Writes one rank's reply into the vocabulary-length `logits`.
+fn merge(
+    reply: &[u8],
+    want: Want,
+    slice: std::ops::Range<usize>,
+    logits: &mut [f32],
+    rank: usize,
+) -> Result<(), EngineError> {
+    let f = |c: &[u8]| f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    match want {
+        Want::Nothing => {}
+        Want::All => {
+            for (l, c) in logits[slice].iter_mut().zip(reply.chunks_exact(4)) {
+                *l = f(c);
+            }
+        }
+        Want::Best | Want::TopK(_) => {
+            for c in reply.chunks_exact(8) {
+                let id = u32::from_le_bytes([c[4], c[5], c[6], c[7]]) as usize;
+                if id == u32::MAX as usize {
+                    continue;
+                }
+                if !slice.contains(&id) {
+                    return Err(EngineError::Unsupported {
+                        what: format!(
+                            "rank {rank} sent token {id}, outside its vocabulary slice {slice:?}"
+                        ),
+                    });
+                }
+                logits[id] = f(c);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Serves steps on a rank other than the lead until the lead says stop.
+///
+/// # Errors
+/// When the lead or a peer fails or misses the deadline, or sends a malformed step.
+pub fn serve(ctx: &RankContext, model: &Transformer, capacity: usize) -> Result<(), EngineError> {
+    let mut cache = model.new_cache(capacity);
+    loop {
+        let mut h = [0u8; HEADER_BYTES];
+        ctx.world.broadcast(&mut h, 0)?;
+        let header = Header::decode(&h)?;
+        if header.op == OP_STOP {
+            return Ok(());
+        }
+        let t = header.n_tokens as usize;
+        if t == 0 || header.cache_len as usize + t > capacity {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "the lead asked for {t} tokens after {} cached, beyond this rank's \
+                     capacity of {capacity}",
+                    header.cache_len
+                ),
+            });
+        }
+        let mut ids = vec![0u8; t * 4];
+        ctx.world.broadcast(&mut ids, 0)?;
+        let tokens: Vec<u32> = ids
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        cache.truncate(header.cache_len as usize);
+        if cache.len() != header.cache_len as usize {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "the lead's cache holds {} positions, this rank's only {}",
+                    header.cache_len,
+                    cache.len()
+                ),
+            });
+        }
+        let reply = run_step(ctx, model, &mut cache, &tokens, header.want)?;
+        if !reply.is_empty() {
+            ctx.world.send(0, &reply)?;
+        }
+    }
+}

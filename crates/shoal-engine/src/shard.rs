@@ -1,0 +1,300 @@
+//! Which part of a model each rank holds. A split is `tp` ranks per pipeline stage times `pp`
+//! stages; rank `r` is tensor-parallel index `r % tp` of stage `r / tp`. A stage holds a
+//! contiguous range of layers; inside a stage each tensor-parallel rank holds a range of query
+//! heads (with the KV heads they read), a range of feed-forward features and a range of the
+//! vocabulary (for the embedding of the first stage and the output head of the last).
+//!
+//! Cuts fall where the weights allow them: a row-parallel matrix (attention output, FFN down)
+//! is cut between its columns, which must be whole quantization blocks, so heads and features
+//! go to ranks in units of blocks. The split is as even as those units permit, and uneven
+//! where it must be, so any rank count up to the number of units works (qwen05's 14 heads
+//! over 3 ranks: 5, 5, 4). When ranks outnumber KV heads, ranks share them: each holds every
+//! KV head its query heads read.
+
+use std::ops::Range;
+
+use crate::config::ModelConfig;
+use crate::weights::WeightSource;
+use crate::EngineError;
+
+/// The part of one layer a rank holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerShard {
+    /// Query heads of this rank.
+    pub heads: Range<usize>,
+    /// KV heads of this rank (those its query heads read; replicated across ranks when
+    /// ranks outnumber KV heads).
+    pub kv_heads: Range<usize>,
+    /// Feed-forward features of this rank (block aligned).
+    pub ffn: Range<usize>,
+}
+
+impl LayerShard {
+    /// The whole layer (world size 1).
+    pub fn full(cfg: &ModelConfig) -> Self {
+        LayerShard {
+            heads: 0..cfg.n_head,
+            kv_heads: 0..cfg.n_kv_head,
+            ffn: 0..cfg.ffn,
+        }
+    }
+}
+
+/// Everything one rank holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardPlan {
+    /// Layers of this rank's pipeline stage.
+    pub layers: Range<usize>,
+    /// The part of each of those layers.
+    pub shard: LayerShard,
+    /// Vocabulary rows of the embedding (first stage) and output head (last stage).
+    pub vocab: Range<usize>,
+    /// Whether this rank's stage is the first (it embeds the tokens).
+    pub first_stage: bool,
+    /// Whether this rank's stage is the last (it holds the final norm and the head).
+    pub last_stage: bool,
+}
+
+impl ShardPlan {
+    /// The whole model on one rank.
+    pub fn full(cfg: &ModelConfig) -> Self {
+        ShardPlan {
+            layers: 0..cfg.n_layer,
+            shard: LayerShard::full(cfg),
+            vocab: 0..cfg.vocab,
+            first_stage: true,
+            last_stage: true,
+        }
+    }
+
+    /// Whether this rank holds everything.
+    pub fn is_full(&self, cfg: &ModelConfig) -> bool {
+        *self == Self::full(cfg)
+    }
+}
+
+/// `tp` ranks per stage times `pp` stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// Tensor-parallel ranks per stage.
+    pub tp: usize,
+    /// Pipeline stages.
+    pub pp: usize,
+}
+
+impl Layout {
+    /// Total ranks.
+    pub fn world(&self) -> usize {
+        self.tp * self.pp
+    }
+
+    /// Pipeline stage of `rank`.
+    pub fn stage(&self, rank: usize) -> usize {
+        rank / self.tp
+    }
+
+    /// Tensor-parallel index of `rank` inside its stage.
+    pub fn tp_index(&self, rank: usize) -> usize {
+        rank % self.tp
+    }
+
+    /// The ranks of `stage`, in tensor-parallel order.
+    pub fn stage_ranks(&self, stage: usize) -> Range<usize> {
+        stage * self.tp..(stage + 1) * self.tp
+    }
+}
+
+/// Cuts `0..len` into `parts` ranges, each a multiple of `unit` long except
+/// possibly the last, as even as that allows. `None` when some range would be empty.
+fn cut(len: usize, unit: usize, parts: usize) -> Option<Vec<Range<usize>>> {
+    let units = len.div_ceil(unit);
+    if parts == 0 || units < parts {
+        return None;
+    }
+    let bound = |i: usize| {
+        if i == parts {
+            len
+        } else {
+            ((i * len + parts * unit / 2) / (parts * unit) * unit).min(len)
+        }
+    };
+    let ranges: Vec<Range<usize>> = (0..parts).map(|i| bound(i)..bound(i + 1)).collect();
+    ranges.iter().all(|r| !r.is_empty()).then_some(ranges)
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    fn gcd(a: usize, b: usize) -> usize {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    a / gcd(a, b) * b
+}
+
+/// The largest block length of tensor `blk.L.{suffix}` over `layers`.
+fn column_block(
+    src: &dyn WeightSource,
+    layers: Range<usize>,
+    suffix: &str,
+) -> Result<usize, EngineError> {
+    let mut b = 1;
+    for l in layers {
+        b = lcm(b, src.block_len(&format!("blk.{l}.{suffix}"))?);
+    }
+    Ok(b)
+}
+
+/// Contiguous layer ranges of `sizes` (one per stage), or as even as possible when `None`
+/// (earlier stages take the extra layer).
+///
+/// # Errors
+/// When the sizes do not add up to the layer count or a stage would be empty.
+pub fn stage_layers(
+    n_layer: usize,
+    pp: usize,
+    sizes: Option<&[usize]>,
+) -> Result<Vec<Range<usize>>, EngineError> {
+    let bad = |what: String| EngineError::Unsupported { what };
+    if pp == 0 || pp > n_layer {
+        return Err(bad(format!(
+            "{pp} pipeline stages for a model of {n_layer} layers (use 1 to {n_layer})"
+        )));
+    }
+    let sizes: Vec<usize> = match sizes {
+        Some(s) => {
+            if s.len() != pp || s.iter().sum::<usize>() != n_layer || s.contains(&0) {
+                return Err(bad(format!(
+                    "stage sizes {s:?} must be {pp} positive layer counts adding up to {n_layer}"
+                )));
+            }
+            s.to_vec()
+        }
+        None => (0..pp)
+            .map(|i| n_layer / pp + usize::from(i < n_layer % pp))
+            .collect(),
+    };
+    let mut start = 0;
+    Ok(sizes
+        .iter()
+        .map(|&n| {
+            start += n;
+            start - n..start
+        })
+        .collect())
+}
+
+/// What every rank of `layout` holds, in rank order; `stage_sizes` gives each stage's layer
+/// count (even when `None`).
+///
+/// # Errors
+/// When the model cannot be cut that finely (more ranks than heads, feature blocks or
+/// layers), naming the limit.
+pub fn plan(
+    cfg: &ModelConfig,
+    src: &dyn WeightSource,
+    layout: Layout,
+    stage_sizes: Option<&[usize]>,
+) -> Result<Vec<ShardPlan>, EngineError> {
+    let Layout { tp, pp } = layout;
+    if tp == 0 {
+        return Err(EngineError::Unsupported {
+            what: "0 tensor-parallel ranks".into(),
+        });
+    }
+    let stages = stage_layers(cfg.n_layer, pp, stage_sizes)?;
+    let mut plans = Vec::with_capacity(tp * pp);
+    for (s, layers) in stages.iter().enumerate() {
+        let o_block = column_block(src, layers.clone(), "attn_output.weight")?;
+        let down_block = column_block(src, layers.clone(), "ffn_down.weight")?;
+        let hd = cfg.head_dim;
+        let group = cfg.n_head / cfg.n_kv_head.max(1);
+        // Heads go in units whose columns of the output projection are whole blocks; whole
+        // KV groups when there are enough of them, so no KV head is held twice.
+        let head_unit = lcm(hd, o_block) / hd;
+        let group_unit = lcm(group, head_unit);
+        let heads = if cfg.n_head / group_unit >= tp && cfg.n_head.is_multiple_of(group_unit) {
+            cut(cfg.n_head, group_unit, tp)
+        } else {
+            cut(cfg.n_head, head_unit, tp)
+        }
+        .ok_or_else(|| EngineError::Unsupported {
+            what: format!(
+                "{tp} tensor-parallel ranks for {} attention heads cut in units of {head_unit} \
+                 (the output projection's {o_block}-column blocks); use at most {} ranks",
+                cfg.n_head,
+                cfg.n_head / head_unit
+            ),
+        })?;
+        let ffn = cut(cfg.ffn, down_block, tp).ok_or_else(|| EngineError::Unsupported {
+            what: format!(
+                "{tp} tensor-parallel ranks for {} feed-forward features in blocks of \
+                 {down_block}; use at most {} ranks",
+                cfg.ffn,
+                cfg.ffn.div_ceil(down_block)
+            ),
+        })?;
+        let vocab = cut(cfg.vocab, 16, tp).ok_or_else(|| EngineError::Unsupported {
+            what: format!("{tp} ranks for a vocabulary of {}", cfg.vocab),
+        })?;
+        for i in 0..tp {
+            let h = heads[i].clone();
+            plans.push(ShardPlan {
+                layers: layers.clone(),
+                shard: LayerShard {
+                    kv_heads: h.start / group..h.end.div_ceil(group),
+                    heads: h,
+                    ffn: ffn[i].clone(),
+                },
+                vocab: vocab[i].clone(),
+                first_stage: s == 0,
+                last_stage: s + 1 == pp,
+            });
+        }
+    }
+    Ok(plans)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuts_are_even_in_units_and_cover_everything() {
+        assert_eq!(cut(14, 1, 3).unwrap(), vec![0..5, 5..9, 9..14]);
+        assert_eq!(
+            cut(4864, 256, 3).unwrap(),
+            vec![0..1536, 1536..3328, 3328..4864]
+        );
+        assert_eq!(cut(100, 32, 3).unwrap(), vec![0..32, 32..64, 64..100]);
+        assert_eq!(cut(10, 1, 1).unwrap(), vec![0..10]);
+        assert!(cut(2, 1, 3).is_none());
+        for len in 1..60 {
+            for unit in [1, 3, 8] {
+                for parts in 1..6 {
+                    if let Some(r) = cut(len, unit, parts) {
+                        assert_eq!(r[0].start, 0);
+                        assert_eq!(r[parts - 1].end, len);
+                        for w in r.windows(2) {
+                            assert_eq!(w[0].end, w[1].start);
+                            assert_eq!(w[0].end % unit, 0);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn stages_split_layers() {
+        assert_eq!(
+            stage_layers(24, 3, None).unwrap(),
+            vec![0..8, 8..16, 16..24]
+        );
+        assert_eq!(stage_layers(5, 2, None).unwrap(), vec![0..3, 3..5]);
+        assert_eq!(stage_layers(5, 2, Some(&[1, 4])).unwrap(), vec![0..1, 1..5]);
+        assert!(stage_layers(5, 2, Some(&[2, 2])).is_err());
+        assert!(stage_layers(2, 3, None).is_err());
+    }
+}
