@@ -37,6 +37,8 @@ pub struct BenchArgs {
     pub profile: bool,
     #[command(flatten)]
     pub compute: ComputeArgs,
+    #[command(flatten)]
+    pub split: crate::ranks::SplitArgs,
 }
 
 /// Benchmarks of a part rather than a model.
@@ -44,6 +46,26 @@ pub struct BenchArgs {
 pub enum BenchWhat {
     /// Matrix kernel speed per weight type and instruction set.
     Kernels(crate::bench_kernels::KernelBenchArgs),
+    /// All-reduce and send/recv latency by size and rank count, over TCP loopback, shared
+    /// memory and in-process channels, next to the raw TCP round trip.
+    Comm(CommBenchArgs),
+}
+
+/// Options of `shoal bench comm`.
+#[derive(Args, Debug)]
+pub struct CommBenchArgs {
+    /// Rank counts to measure, comma separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [2usize, 4])]
+    pub ranks: Vec<usize>,
+    /// Message sizes in bytes, comma separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [64usize, 1024, 8192, 65536, 1 << 20])]
+    pub sizes: Vec<usize>,
+    /// Timed repetitions per measurement.
+    #[arg(long, default_value_t = 2000)]
+    pub iters: usize,
+    /// One JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Median, minimum and maximum of a set of runs.
@@ -110,7 +132,7 @@ struct OpTime {
 }
 
 /// Deterministic pseudo-random prompt tokens (as llama-bench uses random tokens).
-fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
+pub fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
     (0..n)
         .map(|_| {
@@ -148,16 +170,25 @@ pub fn measure_read_bandwidth(threads: usize) -> f64 {
     best
 }
 
-pub fn main(args: BenchArgs) -> anyhow::Result<()> {
-    let model_arg = match (args.what, &args.model) {
+pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
+    let model_arg = match (args.what.take(), &args.model) {
         (Some(BenchWhat::Kernels(k)), _) => return crate::bench_kernels::main(k),
+        (Some(BenchWhat::Comm(c)), _) => {
+            return crate::bench_comm::run(&c.ranks, &c.sizes, c.iters, c.json)
+        }
         (None, Some(m)) => m.clone(),
         (None, None) => anyhow::bail!("name a model to benchmark, or `shoal bench kernels`"),
     };
-    let threads = args.compute.apply()?;
     if args.reps == 0 {
         anyhow::bail!("-r/--repetitions must be at least 1");
     }
+    if args.split.is_split() {
+        if args.profile {
+            anyhow::bail!("--profile times one rank's step; use it without --tp/--pp");
+        }
+        return crate::bench_split::main(&args, &model_arg);
+    }
+    let threads = args.compute.apply()?;
     let model = crate::models::open(&model_arg)?;
     let t = &model.transformer;
     let vocab = t.config().vocab;

@@ -3,10 +3,14 @@
 //! compute thread pool, and turns errors into a message and an exit code.
 
 mod bench;
+mod bench_comm;
 mod bench_kernels;
+mod bench_split;
 mod chat;
 mod models;
+mod ranks;
 mod run;
+mod worker;
 
 use std::process::ExitCode;
 
@@ -31,6 +35,8 @@ enum Command {
     Chat(chat::ChatArgs),
     /// Measure prefill and decode speed.
     Bench(bench::BenchArgs),
+    /// Run one rank of a model split across processes or hosts (see `run --peers`).
+    Worker(worker::WorkerArgs),
 }
 
 /// Options every command that computes shares.
@@ -79,6 +85,7 @@ fn main() -> ExitCode {
         Command::Run(a) => run::main(a),
         Command::Chat(a) => chat::main(a),
         Command::Bench(a) => bench::main(a),
+        Command::Worker(a) => worker::main(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

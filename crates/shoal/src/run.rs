@@ -3,11 +3,17 @@
 //! carries only the continuation.
 
 use std::io::Write;
+use std::time::Duration;
 
+use anyhow::Context;
 use clap::Args;
-use shoal_engine::generate::GenerateParams;
+use shoal_engine::generate::{GenerateParams, Generation};
+use shoal_engine::model::LoadedModel;
+use shoal_engine::parallel::{Lead, RankContext};
+use shoal_engine::shard::Layout;
 use shoal_engine::{Sampler, SamplerConfig};
 
+use crate::ranks::{launch, SplitArgs};
 use crate::ComputeArgs;
 
 /// Sampling and length options shared by `run` and `chat`.
@@ -40,6 +46,9 @@ pub struct SamplingArgs {
     /// Context size in tokens (default: the model's, at most 4096).
     #[arg(long)]
     pub ctx: Option<usize>,
+    /// Keep generating past end-of-generation tokens, to exactly --max-tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
 }
 
 impl SamplingArgs {
@@ -67,6 +76,7 @@ impl SamplingArgs {
         GenerateParams {
             max_tokens: self.max_tokens,
             stop: self.stop.clone(),
+            ignore_eos: self.ignore_eos,
         }
     }
 
@@ -91,21 +101,114 @@ pub struct RunArgs {
     pub sampling: SamplingArgs,
     #[command(flatten)]
     pub compute: ComputeArgs,
+    #[command(flatten)]
+    pub split: SplitArgs,
+}
+
+impl RunArgs {
+    fn prompt(&self, model: &LoadedModel) -> anyhow::Result<Vec<u32>> {
+        Ok(if self.raw {
+            model.raw_prompt(&self.prompt)?
+        } else {
+            let mut messages = Vec::new();
+            if let Some(s) = &self.system {
+                messages.push(serde_json::json!({"role": "system", "content": s}));
+            }
+            messages.push(serde_json::json!({"role": "user", "content": self.prompt}));
+            model.chat_prompt(&messages, None)?
+        })
+    }
+}
+
+/// Streams generated text to stdout; a write error stops generation and is kept.
+fn stdout_sink<'a>(
+    stdout: &'a mut std::io::StdoutLock<'static>,
+    err: &'a mut Option<std::io::Error>,
+) -> impl FnMut(&str) -> bool + 'a {
+    move |text| match stdout
+        .write_all(text.as_bytes())
+        .and_then(|_| stdout.flush())
+    {
+        Ok(()) => true,
+        Err(e) => {
+            *err = Some(e);
+            false
+        }
+    }
+}
+
+fn report(gen: &Generation, threads: usize, ranks: usize) {
+    eprintln!(
+        "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | {} thread(s){}",
+        gen.prompt_tokens,
+        gen.prefill_tok_s(),
+        gen.tokens.len(),
+        gen.decode_tok_s(),
+        threads,
+        if ranks > 1 {
+            format!(" x {ranks} ranks")
+        } else {
+            String::new()
+        }
+    );
+}
+
+/// `run` split over ranks: rank 0 here, the others started locally or waited for.
+fn main_split(args: RunArgs) -> anyhow::Result<()> {
+    let threads = args.compute.apply()?;
+    let source = shoal_model::source::resolve(&args.model)?;
+    let ctx_len = args.sampling.ctx() + args.sampling.max_tokens;
+    let job = args.split.job(ctx_len, threads)?;
+    let mut launched = launch(&args.split, &job, &args.model, source.path())?;
+    let layout = Layout {
+        tp: job.tp,
+        pp: job.pp,
+    };
+    let mut rank = RankContext::over(
+        launched.transport.clone(),
+        layout,
+        Duration::from_millis(job.timeout_ms),
+    )?;
+    let sizes = (!job.stage_sizes.is_empty()).then_some(&job.stage_sizes[..]);
+    let (model, plans) = LoadedModel::load_split(&source, layout, sizes, 0, rank.tp.clone())
+        .with_context(|| format!("rank 0: loading its shard of {}", source.path().display()))?;
+    rank.plans = plans;
+    let prompt = args.prompt(&model)?;
+    let capacity = job.ctx.min(model.transformer.config().context_len).max(1);
+    let mut sampler = args.sampling.sampler(0.7)?;
+    let mut lead = Lead::new(rank, &model.transformer, capacity)?;
+    lead.set_sampler(sampler.config());
+    let mut stdout = std::io::stdout().lock();
+    let mut write_err = None;
+    let gen = model.generate_on(
+        &mut lead,
+        &prompt,
+        &mut sampler,
+        &args.sampling.params(),
+        &mut stdout_sink(&mut stdout, &mut write_err),
+    )?;
+    lead.stop()?;
+    drop(lead);
+    if let Some(w) = launched.workers.as_mut() {
+        w.finish(Duration::from_secs(10));
+    }
+    if let Some(e) = write_err {
+        return Err(e.into());
+    }
+    if !args.raw {
+        writeln!(stdout)?;
+    }
+    report(&gen, threads, layout.world());
+    Ok(())
 }
 
 pub fn main(args: RunArgs) -> anyhow::Result<()> {
+    if args.split.is_split() {
+        return main_split(args);
+    }
     let threads = args.compute.apply()?;
     let model = crate::models::open(&args.model)?;
-    let prompt = if args.raw {
-        model.raw_prompt(&args.prompt)?
-    } else {
-        let mut messages = Vec::new();
-        if let Some(s) = &args.system {
-            messages.push(serde_json::json!({"role": "system", "content": s}));
-        }
-        messages.push(serde_json::json!({"role": "user", "content": args.prompt}));
-        model.chat_prompt(&messages, None)?
-    };
+    let prompt = args.prompt(&model)?;
     let ctx = args
         .sampling
         .ctx()
@@ -119,16 +222,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<()> {
         &mut cache,
         &mut sampler,
         &args.sampling.params(),
-        &mut |text| match stdout
-            .write_all(text.as_bytes())
-            .and_then(|_| stdout.flush())
-        {
-            Ok(()) => true,
-            Err(e) => {
-                write_err = Some(e);
-                false
-            }
-        },
+        &mut stdout_sink(&mut stdout, &mut write_err),
     )?;
     if let Some(e) = write_err {
         return Err(e.into());
@@ -136,13 +230,6 @@ pub fn main(args: RunArgs) -> anyhow::Result<()> {
     if !args.raw {
         writeln!(stdout)?;
     }
-    eprintln!(
-        "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | {} thread(s)",
-        gen.prompt_tokens,
-        gen.prefill_tok_s(),
-        gen.tokens.len(),
-        gen.decode_tok_s(),
-        threads
-    );
+    report(&gen, threads, 1);
     Ok(())
 }

@@ -1,0 +1,173 @@
+//! `shoal bench MODEL --tp N --pp M`: prefill and decode speed of a model split over local
+//! rank processes (or the ranks of a `--peers` table), measured on rank 0 the way the
+//! one-rank benchmark measures (`-p` random prompt tokens from an empty context, `-n` greedy
+//! tokens one at a time), with the share of each step rank 0 spends in collectives — sending,
+//! receiving and waiting for the other ranks — beside the compute.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde::Serialize;
+use shoal_engine::model::LoadedModel;
+use shoal_engine::parallel::{Lead, RankContext, Timed, Want};
+use shoal_engine::shard::Layout;
+use shoal_engine::transformer::argmax;
+
+use crate::bench::{prompt_tokens, BenchArgs, Spread};
+
+#[derive(Debug, Serialize)]
+struct SplitReport {
+    model: String,
+    tp: usize,
+    pp: usize,
+    threads_per_rank: usize,
+    transport: String,
+    link_latency_us: f64,
+    link_gbps: f64,
+    n_prompt: usize,
+    n_gen: usize,
+    repetitions: usize,
+    prefill_tok_s: Option<f64>,
+    prefill: Option<Spread>,
+    decode_tok_s: Option<f64>,
+    decode: Option<Spread>,
+    /// Milliseconds per decoded token rank 0 spends in collectives (including waiting).
+    decode_comm_ms_per_token: Option<f64>,
+    /// Milliseconds per decoded token rank 0 spends on everything else.
+    decode_compute_ms_per_token: Option<f64>,
+}
+
+pub fn main(args: &BenchArgs, model_arg: &str) -> anyhow::Result<()> {
+    let threads = args.compute.apply()?;
+    let source = shoal_model::source::resolve(model_arg)?;
+    let ctx_len = args.n_prompt.max(args.n_gen) + 17;
+    let job = args.split.job(ctx_len, threads)?;
+    let mut launched = crate::ranks::launch(&args.split, &job, model_arg, source.path())?;
+    let layout = Layout {
+        tp: job.tp,
+        pp: job.pp,
+    };
+    let mut rank = RankContext::over(
+        launched.transport.clone(),
+        layout,
+        Duration::from_millis(job.timeout_ms),
+    )?;
+    let comm_ns = Arc::new(AtomicU64::new(0));
+    rank.world = Arc::new(Timed::new(rank.world.clone(), comm_ns.clone()));
+    rank.tp = Arc::new(Timed::new(rank.tp.clone(), comm_ns.clone()));
+    let sizes = (!job.stage_sizes.is_empty()).then_some(&job.stage_sizes[..]);
+    let (model, plans) = LoadedModel::load_split(&source, layout, sizes, 0, rank.tp.clone())
+        .with_context(|| format!("rank 0: loading its shard of {}", source.path().display()))?;
+    rank.plans = plans;
+    let cfg = model.transformer.config().clone();
+    let capacity = job.ctx.min(cfg.context_len);
+    if args.n_prompt >= capacity || args.n_gen >= capacity {
+        anyhow::bail!(
+            "-p {} / -n {} exceed the model's context of {}",
+            args.n_prompt,
+            args.n_gen,
+            cfg.context_len
+        );
+    }
+    let mut lead = Lead::new(rank, &model.transformer, capacity)?;
+    // warm-up: every rank pages its weights in
+    lead.step_with(&prompt_tokens(16, cfg.vocab), Want::Best)?;
+    let (mut pp, mut tg) = (Vec::new(), Vec::new());
+    let (mut decode_secs, mut decode_comm) = (0.0, 0.0);
+    for rep in 0..args.reps {
+        if args.n_prompt > 0 {
+            lead.truncate(0);
+            let toks = prompt_tokens(args.n_prompt, cfg.vocab);
+            let t0 = Instant::now();
+            for (i, chunk) in toks
+                .chunks(shoal_engine::generate::PREFILL_CHUNK)
+                .enumerate()
+            {
+                let last = (i + 1) * shoal_engine::generate::PREFILL_CHUNK >= toks.len();
+                lead.step_with(chunk, if last { Want::Best } else { Want::Nothing })?;
+            }
+            pp.push(args.n_prompt as f64 / t0.elapsed().as_secs_f64());
+        }
+        if args.n_gen > 0 {
+            lead.truncate(0);
+            let mut tok = prompt_tokens(1 + rep, cfg.vocab)[rep];
+            let c0 = comm_ns.load(Ordering::Relaxed);
+            let t0 = Instant::now();
+            for _ in 0..args.n_gen {
+                let logits = lead.step_with(&[tok], Want::Best)?;
+                tok = argmax(&logits) as u32;
+            }
+            let secs = t0.elapsed().as_secs_f64();
+            decode_secs += secs;
+            decode_comm += (comm_ns.load(Ordering::Relaxed) - c0) as f64 / 1e9;
+            tg.push(args.n_gen as f64 / secs);
+        }
+    }
+    lead.stop()?;
+    drop(lead);
+    if let Some(w) = launched.workers.as_mut() {
+        w.finish(Duration::from_secs(10));
+    }
+    let tokens = (args.n_gen * args.reps) as f64;
+    let per_token = |s: f64| (args.n_gen > 0).then(|| s * 1e3 / tokens);
+    let prefill = Spread::of(&pp);
+    let decode = Spread::of(&tg);
+    let report = SplitReport {
+        model: model.name.clone(),
+        tp: job.tp,
+        pp: job.pp,
+        threads_per_rank: threads,
+        transport: job.transport.clone(),
+        link_latency_us: job.link_latency_us,
+        link_gbps: job.link_gbps,
+        n_prompt: args.n_prompt,
+        n_gen: args.n_gen,
+        repetitions: args.reps,
+        prefill_tok_s: prefill.map(|s| s.median),
+        prefill,
+        decode_tok_s: decode.map(|s| s.median),
+        decode,
+        decode_comm_ms_per_token: per_token(decode_comm),
+        decode_compute_ms_per_token: per_token(decode_secs - decode_comm),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+    println!(
+        "model {}  tp {} x pp {}  {} thread(s) per rank  transport {}{}  repetitions {}",
+        report.model,
+        job.tp,
+        job.pp,
+        threads,
+        job.transport,
+        if job.link_latency_us > 0.0 || job.link_gbps > 0.0 {
+            format!(
+                " (emulated link: {} us one way, {} Gbit/s)",
+                job.link_latency_us, job.link_gbps
+            )
+        } else {
+            String::new()
+        },
+        args.reps
+    );
+    if let Some(p) = prefill {
+        println!(
+            "pp{:<5} {:>9.1} tok/s  (min {:.1}, max {:.1})",
+            args.n_prompt, p.median, p.min, p.max
+        );
+    }
+    if let (Some(d), Some(comm), Some(compute)) = (
+        decode,
+        report.decode_comm_ms_per_token,
+        report.decode_compute_ms_per_token,
+    ) {
+        println!(
+            "tg{:<5} {:>9.1} tok/s  (min {:.1}, max {:.1})  per token on rank 0: compute {:.2} ms, collectives and waiting {:.2} ms",
+            args.n_gen, d.median, d.min, d.max, compute, comm
+        );
+    }
+    Ok(())
+}

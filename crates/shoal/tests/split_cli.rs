@@ -1,0 +1,216 @@
+//! `shoal run --tp/--pp` end to end: real processes over loopback TCP and shared memory,
+//! on a tiny model the test kit writes as GGUF. A split answers exactly what one process
+//! answers, and when a rank dies or hangs the others stop with an error naming it within
+//! the communication deadline instead of hanging.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use shoal_testkit::{GgmlType, TinyModelSpec};
+
+fn shoal() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_shoal"))
+}
+
+/// A tiny Llama with a long context, so generation can run long enough to be interrupted,
+/// and heads of one Q8_0 block each, so it splits up to 4 ways.
+fn tiny_model(dir: &Path) -> PathBuf {
+    let m = TinyModelSpec {
+        n_layers: 4,
+        head_dim: 32,
+        context_length: 32768,
+        ..TinyModelSpec::llama(21)
+    }
+    .build()
+    .unwrap();
+    let p = dir.join("tiny.gguf");
+    m.write_gguf(&p, GgmlType::Q8_0).unwrap();
+    p
+}
+
+fn answer(model: &Path, extra: &[&str]) -> String {
+    let out = shoal()
+        .arg("run")
+        .arg(model)
+        .args(["hello world", "--raw", "--temp", "0", "-n", "40", "-t", "1"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "shoal run {extra:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn split_runs_answer_like_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let one = answer(&model, &[]);
+    assert!(!one.is_empty());
+    for extra in [
+        &["--tp", "2"][..],
+        &["--pp", "2"],
+        &["--tp", "2", "--pp", "2"],
+        &["--tp", "3", "--transport", "shm"],
+        &["--tp", "2", "--link-latency-us", "200", "--link-gbps", "1"],
+    ] {
+        assert_eq!(answer(&model, extra), one, "shoal run {extra:?}");
+    }
+}
+
+/// The pids of `parent`'s child processes.
+fn children(parent: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|s| s.parse().ok())
+        .collect()
+}
+
+fn alive(pid: u32) -> bool {
+    // a zombie has exited; only its parent's wait is missing
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.contains(") Z "))
+        .unwrap_or(false)
+}
+
+fn signal(pid: u32, sig: &str) {
+    assert!(Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+}
+
+/// Starts a long TP 2 generation and returns rank 0 (this test's child) once text flows,
+/// with its worker's pid.
+fn start_long_run(model: &Path, timeout_ms: u64) -> (Child, u32) {
+    let mut lead = shoal()
+        .arg("run")
+        .arg(model)
+        .args([
+            "hello", "--raw", "--temp", "0", "-n", "30000", "--ctx", "32000",
+        ])
+        .arg("--ignore-eos")
+        .args([
+            "-t",
+            "1",
+            "--tp",
+            "2",
+            "--comm-timeout-ms",
+            &timeout_ms.to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 16];
+    lead.stdout
+        .as_mut()
+        .unwrap()
+        .read_exact(&mut first)
+        .expect("the split run produced no text");
+    let workers = children(lead.id());
+    assert_eq!(
+        workers.len(),
+        1,
+        "rank 0 should have one worker: {workers:?}"
+    );
+    (lead, workers[0])
+}
+
+/// Waits for `child` to exit, at most `limit`; returns its stderr and how long it took.
+fn wait_exit(mut child: Child, limit: Duration) -> (bool, String, Duration) {
+    let t0 = Instant::now();
+    // drain stdout so a full pipe cannot block the child
+    let mut out = child.stdout.take().unwrap();
+    std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            return (status.success(), err, t0.elapsed());
+        }
+        if t0.elapsed() > limit {
+            child.kill().unwrap();
+            panic!("rank 0 did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn killing_a_worker_stops_rank_zero_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let (lead, worker) = start_long_run(&model, 4000);
+    signal(worker, "-KILL");
+    let (ok, err, took) = wait_exit(lead, Duration::from_secs(30));
+    assert!(!ok, "rank 0 succeeded after its worker was killed");
+    assert!(
+        err.contains("rank 1"),
+        "the error does not name rank 1: {err}"
+    );
+    // a closed socket is noticed without waiting for the deadline
+    assert!(took < Duration::from_secs(4), "took {took:?}");
+    eprintln!(
+        "rank 0 exited {took:?} after its worker died: {}",
+        err.trim()
+    );
+}
+
+#[test]
+fn a_hung_worker_times_out_within_the_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let (lead, worker) = start_long_run(&model, 2000);
+    signal(worker, "-STOP");
+    let (ok, err, took) = wait_exit(lead, Duration::from_secs(30));
+    // rank 0 kills its local workers on the way out; make sure
+    let _ = Command::new("kill")
+        .args(["-KILL", &worker.to_string()])
+        .stderr(Stdio::null())
+        .status();
+    assert!(!ok, "rank 0 succeeded with a hung worker");
+    assert!(
+        err.contains("rank 1"),
+        "the error does not name rank 1: {err}"
+    );
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_secs(10),
+        "took {took:?} for a 2 s deadline"
+    );
+    eprintln!(
+        "rank 0 exited {took:?} after its worker hung: {}",
+        err.trim()
+    );
+}
+
+#[test]
+fn killing_rank_zero_stops_the_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let (mut lead, worker) = start_long_run(&model, 4000);
+    lead.kill().unwrap();
+    lead.wait().unwrap();
+    let t0 = Instant::now();
+    while alive(worker) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(6),
+            "the worker outlived rank 0 by {:?}",
+            t0.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("the worker exited {:?} after rank 0 died", t0.elapsed());
+}
