@@ -564,3 +564,11 @@ pub fn launch(args: &SplitArgs, job: &Job, model: &str, path: &Path) -> anyhow::
     let transport = lead_mesh(listener, world, job, path, deadline)?;
     Ok(Launched { transport, workers })
 }
+
+/// This process's peak resident memory in MB (`VmHWM`), where the OS reports it.
+pub fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}

@@ -189,6 +189,9 @@ fn main_split(args: RunArgs) -> anyhow::Result<()> {
     )?;
     lead.stop()?;
     drop(lead);
+    if let Some(mb) = crate::ranks::peak_rss_mb() {
+        tracing::info!(rank = 0, peak_rss_mb = mb as u64, "done");
+    }
     if let Some(w) = launched.workers.as_mut() {
         w.finish(Duration::from_secs(10));
     }

@@ -62,5 +62,8 @@ pub fn main(args: WorkerArgs) -> anyhow::Result<()> {
     tracing::info!(rank, plan = ?model.transformer.plan(), "serving");
     let capacity = job.ctx.min(model.transformer.config().context_len).max(1);
     serve(&ctx, &model.transformer, capacity).with_context(|| format!("rank {rank}"))?;
+    if let Some(mb) = crate::ranks::peak_rss_mb() {
+        tracing::info!(rank, peak_rss_mb = mb as u64, "done");
+    }
     Ok(())
 }
