@@ -63,6 +63,9 @@ pub trait WeightSource: Send + Sync {
         Ok(None)
     }
 
+    /// Says the caller is done reading tensor `name` (the source may let its pages go).
+    fn release(&self, _name: &str) {}
+
     /// Elements per quantization block of tensor `name`: a column cut must fall on a
     /// multiple of it. 1 for float tensors.
     ///
@@ -126,11 +129,12 @@ pub fn load_quant_matrix(
     let Some(ty) = candle_dtype(dtype).and_then(kernel_type) else {
         return Ok(None);
     };
-    QuantMatrix::from_bytes(ty, rows, cols, &bytes)
-        .map(Some)
-        .map_err(|e| EngineError::Load {
-            what: format!("`{name}`: {e}"),
-        })
+    let m = QuantMatrix::from_bytes(ty, rows, cols, &bytes).map_err(|e| EngineError::Load {
+        what: format!("`{name}`: {e}"),
+    })?;
+    drop(bytes);
+    src.release(name);
+    Ok(Some(m))
 }
 
 /// The kernel type of a candle storage type, where shoal has a kernel for it.
@@ -212,6 +216,10 @@ impl WeightSource for GgufWeights {
 
     fn block_len(&self, name: &str) -> Result<usize, EngineError> {
         Ok(self.file.tensor(name)?.dtype.block_len())
+    }
+
+    fn release(&self, name: &str) {
+        self.file.release(name);
     }
 
     fn load(&self, name: &str, slice: &Slice) -> Result<QTensor, EngineError> {

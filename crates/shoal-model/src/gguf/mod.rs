@@ -684,6 +684,35 @@ impl GgufFile {
         self.header.tensor(name).is_some()
     }
 
+    /// Tells the OS this process is done with tensor `name`'s bytes for now: the whole pages
+    /// inside it leave the process's resident set (they stay in the page cache, and reading
+    /// them again faults them back in). A loader that copies each tensor into its own layout
+    /// calls this after the copy, so its peak memory is the copies, not the copies plus the
+    /// file. Best effort: does nothing where the OS refuses.
+    pub fn release(&self, name: &str) {
+        const PAGE: usize = 4096;
+        let Some(t) = self.header.tensor(name) else {
+            return;
+        };
+        let Some(start) = usize::try_from(self.header.data_offset + t.offset).ok() else {
+            return;
+        };
+        let end = start.saturating_add(usize::try_from(t.size).unwrap_or(0));
+        let (a, b) = (
+            start.div_ceil(PAGE) * PAGE,
+            (end / PAGE * PAGE).min(self.map.len()),
+        );
+        if a < b {
+            // SAFETY: the map is a read-only private file mapping, so dropping its pages
+            // loses nothing: a later read faults the file's bytes back in, and no reference
+            // into the map sees different bytes.
+            let _ = unsafe {
+                self.map
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, a, b - a)
+            };
+        }
+    }
+
     /// All bytes of tensor `name`.
     ///
     /// # Errors
