@@ -11,6 +11,7 @@
 //! merges them into a vocabulary-length vector (tokens no rank sent are `-inf`), so the
 //! sampler and generation loop are those of one rank, and greedy tokens are exact.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -197,12 +198,16 @@ impl Want {
 
 const OP_STEP: u32 = 1;
 const OP_STOP: u32 = 2;
-const HEADER_BYTES: usize = 20;
+const HEADER_BYTES: usize = 24;
+/// Most sequences a split model keeps caches for at once.
+pub const MAX_SEQUENCES: usize = 256;
 
 /// The fixed-size message that starts every step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Header {
     op: u32,
+    /// The sequence (its own KV cache on every rank).
+    seq: u32,
     n_tokens: u32,
     /// The cache length every rank truncates to before the step.
     cache_len: u32,
@@ -213,7 +218,7 @@ impl Header {
     fn encode(&self) -> [u8; HEADER_BYTES] {
         let (w, k) = self.want.code();
         let mut b = [0u8; HEADER_BYTES];
-        for (i, v) in [self.op, self.n_tokens, self.cache_len, w, k]
+        for (i, v) in [self.op, self.n_tokens, self.cache_len, w, k, self.seq]
             .into_iter()
             .enumerate()
         {
@@ -234,8 +239,13 @@ impl Header {
         }
         let want = Want::from_code(word(3), word(4))
             .ok_or_else(|| bad(format!("unknown reply kind {} (k {})", word(3), word(4))))?;
+        let seq = word(5);
+        if seq as usize >= MAX_SEQUENCES {
+            return Err(bad(format!("sequence {seq} (at most {MAX_SEQUENCES})")));
+        }
         Ok(Header {
             op,
+            seq,
             n_tokens: word(1),
             cache_len: word(2),
             want,
@@ -315,18 +325,37 @@ fn pairs(c: &[(f32, u32)]) -> Vec<u8> {
         .collect()
 }
 
+/// A submitted step's state on the lead.
+enum Pending {
+    /// Rank 0's own reply; the others are still to be received.
+    Mine(Vec<u8>),
+    /// Every reply, merged.
+    Merged(Vec<f32>),
+}
+
 /// The lead rank's view of a split model: a [`Stepper`] whose steps run on every rank.
 /// Dropping it tells the other ranks to stop.
+///
+/// Several sequences (each with its own KV cache on every rank) can be in flight at once:
+/// [`Lead::submit`] starts a step and returns once rank 0's own part is done, and
+/// [`Lead::collect`] waits for the oldest submitted step's logits. With pipeline stages that
+/// keeps every stage busy: stage 0 computes one sequence's next token while stage 1 still
+/// works on another's.
 pub struct Lead<'a> {
     ctx: RankContext,
     model: &'a Transformer,
-    cache: KvCache,
+    caches: Vec<KvCache>,
+    /// The sequence [`Stepper`] calls run.
+    current: usize,
+    /// Submitted steps not yet collected: sequence, what was asked, rank 0's own reply
+    /// (or, when rank 0 is in the last stage, the merged logits already).
+    pending: VecDeque<(usize, Want, Pending)>,
     want: Want,
     stopped: bool,
 }
 
 impl<'a> Lead<'a> {
-    /// The lead over `model` (rank 0's shard) with a cache of `capacity` tokens.
+    /// The lead over `model` (rank 0's shard) with one sequence of `capacity` tokens.
     ///
     /// # Errors
     /// When `ctx` is not rank 0's.
@@ -335,16 +364,35 @@ impl<'a> Lead<'a> {
         model: &'a Transformer,
         capacity: usize,
     ) -> Result<Self, EngineError> {
+        Self::with_sequences(ctx, model, capacity, 1)
+    }
+
+    /// The lead with `n` sequences of `capacity` tokens each (`0..n`).
+    ///
+    /// # Errors
+    /// When `ctx` is not rank 0's, or `n` is 0 or above [`MAX_SEQUENCES`].
+    pub fn with_sequences(
+        ctx: RankContext,
+        model: &'a Transformer,
+        capacity: usize,
+        n: usize,
+    ) -> Result<Self, EngineError> {
         if ctx.rank != 0 {
             return Err(EngineError::Unsupported {
                 what: format!("rank {} cannot lead; rank 0 does", ctx.rank),
             });
         }
-        let cache = model.new_cache(capacity);
+        if n == 0 || n > MAX_SEQUENCES {
+            return Err(EngineError::Unsupported {
+                what: format!("{n} sequences (1 to {MAX_SEQUENCES})"),
+            });
+        }
         Ok(Lead {
             ctx,
             model,
-            cache,
+            caches: (0..n).map(|_| model.new_cache(capacity)).collect(),
+            current: 0,
+            pending: VecDeque::new(),
             want: Want::Best,
             stopped: false,
         })
@@ -355,27 +403,64 @@ impl<'a> Lead<'a> {
         self.want = Want::for_sampler(cfg);
     }
 
-    /// Forgets positions from `len` on, on every rank (at the next step).
-    pub fn truncate(&mut self, len: usize) {
-        self.cache.truncate(len);
+    /// Makes `seq` the sequence [`Stepper`] calls run.
+    ///
+    /// # Errors
+    /// When there is no such sequence.
+    pub fn select(&mut self, seq: usize) -> Result<(), EngineError> {
+        if seq >= self.caches.len() {
+            return Err(EngineError::Unsupported {
+                what: format!("sequence {seq} of {}", self.caches.len()),
+            });
+        }
+        self.current = seq;
+        Ok(())
     }
 
-    /// Runs one step on every rank and returns the merged last-position logits (`-inf`
-    /// where no rank sent a value), or nothing when `want` is [`Want::Nothing`].
+    /// Forgets the current sequence's positions from `len` on, on every rank (at its next
+    /// step).
+    pub fn truncate(&mut self, len: usize) {
+        self.caches[self.current].truncate(len);
+    }
+
+    /// Runs one step of the current sequence on every rank and returns the merged
+    /// last-position logits (`-inf` where no rank sent a value), or nothing when `want` is
+    /// [`Want::Nothing`].
+    ///
+    /// # Errors
+    /// When a rank fails or misses the deadline, the tokens do not fit, or steps submitted
+    /// with [`Lead::submit`] are still uncollected.
+    pub fn step_with(&mut self, tokens: &[u32], want: Want) -> Result<Vec<f32>, EngineError> {
+        if !self.pending.is_empty() {
+            return Err(EngineError::Unsupported {
+                what: "a blocking step while submitted steps are uncollected".into(),
+            });
+        }
+        self.submit(self.current, tokens, want)?;
+        Ok(self.collect()?.1)
+    }
+
+    /// Starts a step of sequence `seq` on every rank and runs rank 0's part of it.
     ///
     /// # Errors
     /// When a rank fails or misses the deadline, or the tokens do not fit.
-    pub fn step_with(&mut self, tokens: &[u32], want: Want) -> Result<Vec<f32>, EngineError> {
+    pub fn submit(&mut self, seq: usize, tokens: &[u32], want: Want) -> Result<(), EngineError> {
         let cfg = self.model.config();
+        let cache = self
+            .caches
+            .get_mut(seq)
+            .ok_or_else(|| EngineError::Unsupported {
+                what: format!("sequence {seq} of a lead with fewer"),
+            })?;
         if tokens.is_empty() {
             return Err(EngineError::Unsupported {
                 what: "a forward pass over zero tokens".into(),
             });
         }
-        if self.cache.len() + tokens.len() > self.cache.capacity() {
+        if cache.len() + tokens.len() > cache.capacity() {
             return Err(EngineError::ContextFull {
-                prompt: self.cache.len() + tokens.len(),
-                ctx: self.cache.capacity(),
+                prompt: cache.len() + tokens.len(),
+                ctx: cache.capacity(),
             });
         }
         if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= cfg.vocab) {
@@ -383,21 +468,34 @@ impl<'a> Lead<'a> {
                 what: format!("token id {bad} is outside the vocabulary of {}", cfg.vocab),
             });
         }
-        let vocab = cfg.vocab;
         let header = Header {
             op: OP_STEP,
+            seq: seq as u32,
             n_tokens: tokens.len() as u32,
-            cache_len: self.cache.len() as u32,
+            cache_len: cache.len() as u32,
             want,
         };
         self.ctx.world.broadcast(&mut header.encode(), 0)?;
         let mut ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         self.ctx.world.broadcast(&mut ids, 0)?;
-        let mine = run_step(&self.ctx, self.model, &mut self.cache, tokens, want)?;
+        let mine = run_step(&self.ctx, self.model, cache, tokens, want)?;
+        let pending = if self.ctx.layout.pp == 1 {
+            // The last stage's replies share links with the stage's collectives: take them
+            // before the next step's collectives start.
+            Pending::Merged(self.gather(want, mine)?)
+        } else {
+            Pending::Mine(mine)
+        };
+        self.pending.push_back((seq, want, pending));
+        Ok(())
+    }
+
+    /// Receives the last stage's replies to a step and merges them with rank 0's.
+    fn gather(&self, want: Want, mine: Vec<u8>) -> Result<Vec<f32>, EngineError> {
         if want == Want::Nothing {
             return Ok(Vec::new());
         }
-        let mut logits = vec![f32::NEG_INFINITY; vocab];
+        let mut logits = vec![f32::NEG_INFINITY; self.model.config().vocab];
         let last = self.ctx.layout.stage_ranks(self.ctx.layout.pp - 1);
         for r in last {
             let slice = self.ctx.plans[r].vocab.clone();
@@ -413,6 +511,25 @@ impl<'a> Lead<'a> {
         Ok(logits)
     }
 
+    /// Waits for the oldest submitted step and returns its sequence and merged logits
+    /// (empty when it asked for nothing).
+    ///
+    /// # Errors
+    /// When nothing is pending, or a rank fails or misses the deadline.
+    pub fn collect(&mut self) -> Result<(usize, Vec<f32>), EngineError> {
+        let (seq, want, pending) =
+            self.pending
+                .pop_front()
+                .ok_or_else(|| EngineError::Unsupported {
+                    what: "collecting with no step submitted".into(),
+                })?;
+        let logits = match pending {
+            Pending::Merged(l) => l,
+            Pending::Mine(mine) => self.gather(want, mine)?,
+        };
+        Ok((seq, logits))
+    }
+
     /// Tells every other rank to stop serving steps.
     ///
     /// # Errors
@@ -424,6 +541,7 @@ impl<'a> Lead<'a> {
         self.stopped = true;
         let header = Header {
             op: OP_STOP,
+            seq: 0,
             n_tokens: 0,
             cache_len: 0,
             want: Want::Nothing,
@@ -441,11 +559,11 @@ impl Drop for Lead<'_> {
 
 impl Stepper for Lead<'_> {
     fn len(&self) -> usize {
-        self.cache.len()
+        self.caches[self.current].len()
     }
 
     fn capacity(&self) -> usize {
-        self.cache.capacity()
+        self.caches[self.current].capacity()
     }
 
     fn step(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
@@ -495,7 +613,7 @@ fn merge(
 /// # Errors
 /// When the lead or a peer fails or misses the deadline, or sends a malformed step.
 pub fn serve(ctx: &RankContext, model: &Transformer, capacity: usize) -> Result<(), EngineError> {
-    let mut cache = model.new_cache(capacity);
+    let mut caches: Vec<KvCache> = Vec::new();
     loop {
         let mut h = [0u8; HEADER_BYTES];
         ctx.world.broadcast(&mut h, 0)?;
@@ -519,17 +637,22 @@ pub fn serve(ctx: &RankContext, model: &Transformer, capacity: usize) -> Result<
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
+        let seq = header.seq as usize;
+        while caches.len() <= seq {
+            caches.push(model.new_cache(capacity));
+        }
+        let cache = &mut caches[seq];
         cache.truncate(header.cache_len as usize);
         if cache.len() != header.cache_len as usize {
             return Err(EngineError::Unsupported {
                 what: format!(
-                    "the lead's cache holds {} positions, this rank's only {}",
+                    "the lead's cache of sequence {seq} holds {} positions, this rank's only {}",
                     header.cache_len,
                     cache.len()
                 ),
             });
         }
-        let reply = run_step(ctx, model, &mut cache, &tokens, header.want)?;
+        let reply = run_step(ctx, model, cache, &tokens, header.want)?;
         if !reply.is_empty() {
             ctx.world.send(0, &reply)?;
         }

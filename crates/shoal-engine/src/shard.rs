@@ -147,7 +147,7 @@ fn column_block(
 }
 
 /// Contiguous layer ranges of `sizes` (one per stage), or as even as possible when `None`
-/// (earlier stages take the extra layer).
+/// (earlier stages take the extra layer). [`plan`] balances by bytes instead.
 ///
 /// # Errors
 /// When the sizes do not add up to the layer count or a stage would be empty.
@@ -185,8 +185,52 @@ pub fn stage_layers(
         .collect())
 }
 
+/// Layer counts per stage that balance what each stage reads per decoded token: `layer[l]`
+/// bytes for layer `l`, and `head` bytes more for the last stage (the output head is read
+/// whole every token; the embedding only a row per token). Minimises the largest stage.
+pub fn balanced_stage_sizes(layer: &[u64], head: u64, pp: usize) -> Vec<usize> {
+    let n = layer.len();
+    if pp == 0 || pp > n {
+        return Vec::new();
+    }
+    let prefix: Vec<u64> = std::iter::once(0)
+        .chain(layer.iter().scan(0u64, |a, &b| {
+            *a += b;
+            Some(*a)
+        }))
+        .collect();
+    let cost = |a: usize, b: usize, last: bool| prefix[b] - prefix[a] + if last { head } else { 0 };
+    // best[s][i]: the smallest largest stage of layers 0..i in s + 1 stages; from[s][i]: where
+    // the last of those stages starts
+    let mut best = vec![vec![u64::MAX; n + 1]; pp];
+    let mut from = vec![vec![0usize; n + 1]; pp];
+    for i in 1..=n {
+        best[0][i] = cost(0, i, pp == 1);
+    }
+    for s in 1..pp {
+        let last = s + 1 == pp;
+        for i in s + 1..=n {
+            for j in s..i {
+                let c = best[s - 1][j].max(cost(j, i, last));
+                if c < best[s][i] {
+                    best[s][i] = c;
+                    from[s][i] = j;
+                }
+            }
+        }
+    }
+    let mut sizes = vec![0; pp];
+    let mut end = n;
+    for s in (0..pp).rev() {
+        let start = if s == 0 { 0 } else { from[s][end] };
+        sizes[s] = end - start;
+        end = start;
+    }
+    sizes
+}
+
 /// What every rank of `layout` holds, in rank order; `stage_sizes` gives each stage's layer
-/// count (even when `None`).
+/// count (when `None`, [`balanced_stage_sizes`] by the bytes each stage reads per token).
 ///
 /// # Errors
 /// When the model cannot be cut that finely (more ranks than heads, feature blocks or
@@ -203,6 +247,34 @@ pub fn plan(
             what: "0 tensor-parallel ranks".into(),
         });
     }
+    let balanced;
+    let stage_sizes = match stage_sizes {
+        Some(s) => Some(s),
+        None if pp > 1 && pp <= cfg.n_layer => {
+            let mut layer = vec![0u64; cfg.n_layer];
+            for (l, bytes) in layer.iter_mut().enumerate() {
+                for suffix in [
+                    "attn_q.weight",
+                    "attn_k.weight",
+                    "attn_v.weight",
+                    "attn_output.weight",
+                    "ffn_gate.weight",
+                    "ffn_up.weight",
+                    "ffn_down.weight",
+                ] {
+                    *bytes += src.stored_bytes(&format!("blk.{l}.{suffix}"))?;
+                }
+            }
+            let head_name = if src.contains("output.weight") {
+                "output.weight"
+            } else {
+                "token_embd.weight"
+            };
+            balanced = balanced_stage_sizes(&layer, src.stored_bytes(head_name)?, pp);
+            Some(&balanced[..])
+        }
+        None => None,
+    };
     let stages = stage_layers(cfg.n_layer, pp, stage_sizes)?;
     let mut plans = Vec::with_capacity(tp * pp);
     for (s, layers) in stages.iter().enumerate() {
@@ -283,6 +355,22 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn balanced_stages_carry_the_head() {
+        assert_eq!(balanced_stage_sizes(&[10; 24], 0, 2), vec![12, 12]);
+        // a head as big as 14 layers: the last stage takes fewer layers
+        assert_eq!(balanced_stage_sizes(&[10; 24], 140, 2), vec![19, 5]);
+        assert_eq!(balanced_stage_sizes(&[10; 4], 0, 4), vec![1, 1, 1, 1]);
+        assert_eq!(balanced_stage_sizes(&[10; 4], 1000, 3)[2], 1);
+        assert_eq!(balanced_stage_sizes(&[10; 4], 0, 1), vec![4]);
+        for pp in 1..6 {
+            let s = balanced_stage_sizes(&[3, 9, 1, 4, 4, 7, 2], 5, pp);
+            assert_eq!(s.len(), pp);
+            assert_eq!(s.iter().sum::<usize>(), 7);
+            assert!(s.iter().all(|&n| n > 0));
         }
     }
 

@@ -63,6 +63,14 @@ pub trait WeightSource: Send + Sync {
         Ok(None)
     }
 
+    /// Bytes tensor `name` takes as stored (what a decode step reads of it).
+    ///
+    /// # Errors
+    /// When the tensor does not exist.
+    fn stored_bytes(&self, name: &str) -> Result<u64, EngineError> {
+        Ok(self.shape(name)?.iter().product::<usize>() as u64 * 4)
+    }
+
     /// Says the caller is done reading tensor `name` (the source may let its pages go).
     fn release(&self, _name: &str) {}
 
@@ -220,6 +228,10 @@ impl WeightSource for GgufWeights {
 
     fn release(&self, name: &str) {
         self.file.release(name);
+    }
+
+    fn stored_bytes(&self, name: &str) -> Result<u64, EngineError> {
+        Ok(self.file.tensor(name)?.size)
     }
 
     fn load(&self, name: &str, slice: &Slice) -> Result<QTensor, EngineError> {

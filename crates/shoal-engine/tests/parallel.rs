@@ -259,6 +259,67 @@ fn tiny_k_quant_split() {
     );
 }
 
+/// Three sequences decoded round-robin with all of them in flight (each submitted before
+/// the previous is collected) give the tokens each gives alone on one rank.
+#[test]
+fn sequences_in_flight_match_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinyModelSpec {
+        n_layers: 4,
+        ..TinyModelSpec::llama(8)
+    };
+    let path = tiny(spec, GgmlType::F32, dir.path());
+    let prompts: [&[u32]; 3] = [&PROMPT, &[5, 6, 7], &[300, 2, 99, 41, 8]];
+    let n = 10;
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| one_rank(&path, p, n).0).collect();
+    for (tp, pp) in [(1, 2), (1, 3), (2, 2), (2, 1)] {
+        let layout = Layout { tp, pp };
+        let (src, cfg) = open(&path);
+        let plans = shard::plan(&cfg, &src, layout, None).unwrap();
+        let transports: Vec<Arc<dyn Transport>> = mem_mesh(layout.world())
+            .into_iter()
+            .map(|t| Arc::new(t) as Arc<dyn Transport>)
+            .collect();
+        let mut workers = Vec::new();
+        let mut lead_ctx = None;
+        for (r, t) in transports.into_iter().enumerate() {
+            let mut ctx = RankContext::over(t, layout, Duration::from_secs(60)).unwrap();
+            ctx.plans = plans.clone();
+            if r == 0 {
+                lead_ctx = Some(ctx);
+                continue;
+            }
+            let (path, cfg, plan) = (path.clone(), cfg.clone(), plans[r].clone());
+            workers.push(std::thread::spawn(move || {
+                let (src, _) = open(&path);
+                let m = Transformer::load_shard(&src, cfg, plan, ctx.tp.clone()).unwrap();
+                serve(&ctx, &m, 64)
+            }));
+        }
+        let ctx = lead_ctx.unwrap();
+        let m = Transformer::load_shard(&src, cfg, plans[0].clone(), ctx.tp.clone()).unwrap();
+        let mut lead = Lead::with_sequences(ctx, &m, 64, 3).unwrap();
+        for (seq, p) in prompts.iter().enumerate() {
+            lead.submit(seq, p, Want::Best).unwrap();
+        }
+        let mut got = vec![Vec::new(); 3];
+        while got.iter().any(|g| g.len() < n) {
+            let (seq, logits) = lead.collect().unwrap();
+            let id = shoal_engine::transformer::argmax(&logits) as u32;
+            got[seq].push(id);
+            if got[seq].len() < n {
+                lead.submit(seq, &[id], Want::Best).unwrap();
+            }
+        }
+        lead.stop().unwrap();
+        drop(lead);
+        for w in workers {
+            w.join().unwrap().unwrap();
+        }
+        assert_eq!(got, want, "tp {tp} pp {pp}: interleaved sequences");
+    }
+}
+
 fn model_path(key: &str) -> Option<PathBuf> {
     let found = shoal_model::catalog::Catalog::open_default()
         .ok()

@@ -39,6 +39,10 @@ pub struct BenchArgs {
     pub compute: ComputeArgs,
     #[command(flatten)]
     pub split: crate::ranks::SplitArgs,
+    /// With --tp/--pp: decode this many sequences at once, each submitted before the others
+    /// are collected (keeps pipeline stages busy); decode tokens/s is then the total.
+    #[arg(long, default_value_t = 1)]
+    pub seqs: usize,
 }
 
 /// Benchmarks of a part rather than a model.
@@ -181,6 +185,9 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
     };
     if args.reps == 0 {
         anyhow::bail!("-r/--repetitions must be at least 1");
+    }
+    if args.seqs != 1 && !args.split.is_split() {
+        anyhow::bail!("--seqs needs --tp or --pp (one rank decodes one sequence at a time)");
     }
     if args.split.is_split() {
         if args.profile {

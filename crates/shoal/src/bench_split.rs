@@ -28,6 +28,8 @@ struct SplitReport {
     link_gbps: f64,
     n_prompt: usize,
     n_gen: usize,
+    /// Sequences decoded at once (decode tokens/s is their total).
+    sequences: usize,
     repetitions: usize,
     prefill_tok_s: Option<f64>,
     prefill: Option<Spread>,
@@ -71,7 +73,8 @@ pub fn main(args: &BenchArgs, model_arg: &str) -> anyhow::Result<()> {
             cfg.context_len
         );
     }
-    let mut lead = Lead::new(rank, &model.transformer, capacity)?;
+    let seqs = args.seqs;
+    let mut lead = Lead::with_sequences(rank, &model.transformer, capacity, seqs)?;
     // warm-up: every rank pages its weights in
     lead.step_with(&prompt_tokens(16, cfg.vocab), Want::Best)?;
     let (mut pp, mut tg) = (Vec::new(), Vec::new());
@@ -91,18 +94,28 @@ pub fn main(args: &BenchArgs, model_arg: &str) -> anyhow::Result<()> {
             pp.push(args.n_prompt as f64 / t0.elapsed().as_secs_f64());
         }
         if args.n_gen > 0 {
-            lead.truncate(0);
-            let mut tok = prompt_tokens(1 + rep, cfg.vocab)[rep];
+            let first = prompt_tokens(seqs + rep, cfg.vocab);
             let c0 = comm_ns.load(Ordering::Relaxed);
             let t0 = Instant::now();
-            for _ in 0..args.n_gen {
-                let logits = lead.step_with(&[tok], Want::Best)?;
-                tok = argmax(&logits) as u32;
+            // every sequence in flight: collect the oldest, submit its next token
+            let mut done = vec![0usize; seqs];
+            for (seq, &tok) in first[rep..].iter().enumerate() {
+                lead.select(seq)?;
+                lead.truncate(0);
+                lead.submit(seq, &[tok], Want::Best)?;
             }
+            while done.iter().any(|&d| d < args.n_gen) {
+                let (seq, logits) = lead.collect()?;
+                done[seq] += 1;
+                if done[seq] < args.n_gen {
+                    lead.submit(seq, &[argmax(&logits) as u32], Want::Best)?;
+                }
+            }
+            lead.select(0)?;
             let secs = t0.elapsed().as_secs_f64();
             decode_secs += secs;
             decode_comm += (comm_ns.load(Ordering::Relaxed) - c0) as f64 / 1e9;
-            tg.push(args.n_gen as f64 / secs);
+            tg.push((seqs * args.n_gen) as f64 / secs);
         }
     }
     lead.stop()?;
@@ -110,7 +123,7 @@ pub fn main(args: &BenchArgs, model_arg: &str) -> anyhow::Result<()> {
     if let Some(w) = launched.workers.as_mut() {
         w.finish(Duration::from_secs(10));
     }
-    let tokens = (args.n_gen * args.reps) as f64;
+    let tokens = (seqs * args.n_gen * args.reps) as f64;
     let per_token = |s: f64| (args.n_gen > 0).then(|| s * 1e3 / tokens);
     let prefill = Spread::of(&pp);
     let decode = Spread::of(&tg);
@@ -124,6 +137,7 @@ pub fn main(args: &BenchArgs, model_arg: &str) -> anyhow::Result<()> {
         link_gbps: job.link_gbps,
         n_prompt: args.n_prompt,
         n_gen: args.n_gen,
+        sequences: seqs,
         repetitions: args.reps,
         prefill_tok_s: prefill.map(|s| s.median),
         prefill,
@@ -165,8 +179,18 @@ pub fn main(args: &BenchArgs, model_arg: &str) -> anyhow::Result<()> {
         report.decode_compute_ms_per_token,
     ) {
         println!(
-            "tg{:<5} {:>9.1} tok/s  (min {:.1}, max {:.1})  per token on rank 0: compute {:.2} ms, collectives and waiting {:.2} ms",
-            args.n_gen, d.median, d.min, d.max, compute, comm
+            "tg{:<5} {:>9.1} tok/s  (min {:.1}, max {:.1}){}  per token on rank 0: compute {:.2} ms, collectives and waiting {:.2} ms",
+            args.n_gen,
+            d.median,
+            d.min,
+            d.max,
+            if seqs > 1 {
+                format!(" total over {seqs} sequences in flight")
+            } else {
+                String::new()
+            },
+            compute,
+            comm
         );
     }
     Ok(())
