@@ -204,8 +204,8 @@ pub fn balanced_stage_sizes(layer: &[u64], head: u64, pp: usize) -> Vec<usize> {
     // the last of those stages starts
     let mut best = vec![vec![u64::MAX; n + 1]; pp];
     let mut from = vec![vec![0usize; n + 1]; pp];
-    for i in 1..=n {
-        best[0][i] = cost(0, i, pp == 1);
+    for (i, b) in best[0].iter_mut().enumerate().skip(1) {
+        *b = cost(0, i, pp == 1);
     }
     for s in 1..pp {
         let last = s + 1 == pp;
