@@ -20,6 +20,10 @@ scripts/fetch-llamacpp-src.sh
 scripts/fetch-qwen-tokenizer.sh
 cargo run --release --quiet -p shoal -- models fetch smollm2 qwen05 gemma3
 python3 -m pip install --quiet --disable-pip-version-check gguf numpy || echo "(python gguf reader unavailable; its cross-checks will skip)"
+# network namespaces stand in for hosts in the multi-host tests (root and iproute2)
+command -v ip >/dev/null || { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null &&
+  { apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null; } ; } ||
+  echo "(iproute2 unavailable; the multi-host tests will skip)"
 
 echo "== clippy"
 cargo clippy --release --workspace --all-targets -- -D warnings

@@ -214,3 +214,110 @@ fn killing_rank_zero_stops_the_worker() {
     }
     eprintln!("the worker exited {:?} after rank 0 died", t0.elapsed());
 }
+
+/// Two network namespaces joined by a veth pair, removed on drop.
+struct Netns {
+    names: [String; 2],
+}
+
+impl Netns {
+    /// `None` where namespaces cannot be made (not root, no `ip`).
+    fn new() -> Option<Self> {
+        let id = std::process::id() % 10000;
+        let names = [format!("shoal-t{id}a"), format!("shoal-t{id}b")];
+        let (va, vb) = (format!("sht{id}a"), format!("sht{id}b"));
+        let ip = |args: &[&str]| {
+            Command::new("ip")
+                .args(args)
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !ip(&["netns", "add", &names[0]]) {
+            return None;
+        }
+        let ns = Netns { names };
+        let [a, b] = [ns.names[0].as_str(), ns.names[1].as_str()];
+        let ok = ip(&["netns", "add", b])
+            && ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])
+            && ip(&["link", "set", &va, "netns", a])
+            && ip(&["link", "set", &vb, "netns", b])
+            && ip(&["-n", a, "addr", "add", "10.78.0.1/24", "dev", &va])
+            && ip(&["-n", b, "addr", "add", "10.78.0.2/24", "dev", &vb])
+            && ip(&["-n", a, "link", "set", &va, "up"])
+            && ip(&["-n", b, "link", "set", &vb, "up"])
+            && ip(&["-n", a, "link", "set", "lo", "up"])
+            && ip(&["-n", b, "link", "set", "lo", "up"]);
+        ok.then_some(ns)
+    }
+
+    fn exec(&self, i: usize) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.names[i], env!("CARGO_BIN_EXE_shoal")]);
+        c
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = Command::new("ip")
+                .args(["netns", "del", n])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
+/// Two "hosts" (network namespaces on a veth pair) from a rank table: rank 1 runs `shoal
+/// worker` in one, rank 0 `shoal run --peers` in the other; the answer is one process's.
+/// Skips where namespaces cannot be made unless `SHOAL_REQUIRE_NETNS=1`.
+#[test]
+fn ranks_on_two_hosts_from_a_rank_table() {
+    let Some(ns) = Netns::new() else {
+        assert!(
+            std::env::var("SHOAL_REQUIRE_NETNS").as_deref() != Ok("1"),
+            "cannot create network namespaces (needs root and iproute2)"
+        );
+        eprintln!("skipping: cannot create network namespaces (needs root and iproute2)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let table = dir.path().join("ranks.txt");
+    std::fs::write(&table, "10.78.0.1:47123  # rank 0\n10.78.0.2:0  # rank 1\n").unwrap();
+    let mut worker = ns
+        .exec(1)
+        .arg("worker")
+        .arg(&model)
+        .args(["--rank", "1", "--peers"])
+        .arg(&table)
+        .args(["--join-timeout-s", "30"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = ns
+        .exec(0)
+        .arg("run")
+        .arg(&model)
+        .args(["hello world", "--raw", "--temp", "0", "-n", "40", "-t", "1"])
+        .args(["--tp", "2", "--peers"])
+        .arg(&table)
+        .output()
+        .unwrap();
+    let status = worker.wait().unwrap();
+    let mut werr = String::new();
+    worker
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut werr)
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "rank 0 failed: {}\nworker: {werr}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(status.success(), "the worker failed: {werr}");
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), answer(&model, &[]));
+}
