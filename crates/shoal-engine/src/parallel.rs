@@ -446,6 +446,11 @@ impl<'a> Lead<'a> {
     /// When a rank fails or misses the deadline, or the tokens do not fit.
     pub fn submit(&mut self, seq: usize, tokens: &[u32], want: Want) -> Result<(), EngineError> {
         let cfg = self.model.config();
+        // more candidates than the vocabulary holds change nothing
+        let want = match want {
+            Want::TopK(k) => Want::TopK(k.clamp(1, cfg.vocab)),
+            w => w,
+        };
         let cache = self
             .caches
             .get_mut(seq)
@@ -637,6 +642,16 @@ pub fn serve(ctx: &RankContext, model: &Transformer, capacity: usize) -> Result<
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
+        if let Want::TopK(k) = header.want {
+            if k > model.config().vocab {
+                return Err(EngineError::Unsupported {
+                    what: format!(
+                        "the lead asked for the top {k} of a vocabulary of {}",
+                        model.config().vocab
+                    ),
+                });
+            }
+        }
         let seq = header.seq as usize;
         while caches.len() <= seq {
             caches.push(model.new_cache(capacity));

@@ -55,6 +55,55 @@ fn one_rank(path: &Path, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) 
     (tokens, all)
 }
 
+/// Rank threads of a split: rank 0's context and model (for a [`Lead`]) and the other ranks
+/// serving steps with caches of `capacity` tokens.
+struct Ranks {
+    ctx: RankContext,
+    model: Transformer,
+    workers: Vec<std::thread::JoinHandle<Result<(), shoal_engine::EngineError>>>,
+}
+
+impl Ranks {
+    fn start(path: &Path, layout: Layout, capacity: usize) -> Ranks {
+        let (src, cfg) = open(path);
+        let plans = shard::plan(&cfg, &src, layout, None).unwrap();
+        let transports: Vec<Arc<dyn Transport>> = mem_mesh(layout.world())
+            .into_iter()
+            .map(|t| Arc::new(t) as Arc<dyn Transport>)
+            .collect();
+        let mut workers = Vec::new();
+        let mut lead_ctx = None;
+        for (r, t) in transports.into_iter().enumerate() {
+            let mut ctx = RankContext::over(t, layout, Duration::from_secs(60)).unwrap();
+            ctx.plans = plans.clone();
+            if r == 0 {
+                lead_ctx = Some(ctx);
+                continue;
+            }
+            let (path, cfg, plan) = (path.to_path_buf(), cfg.clone(), plans[r].clone());
+            workers.push(std::thread::spawn(move || {
+                let (src, _) = open(&path);
+                let m = Transformer::load_shard(&src, cfg, plan, ctx.tp.clone()).unwrap();
+                serve(&ctx, &m, capacity)
+            }));
+        }
+        let ctx = lead_ctx.unwrap();
+        let model = Transformer::load_shard(&src, cfg, plans[0].clone(), ctx.tp.clone()).unwrap();
+        Ranks {
+            ctx,
+            model,
+            workers,
+        }
+    }
+
+    /// Stops the other ranks (the lead must be dropped first) and checks they ended well.
+    fn join(self) {
+        for w in self.workers {
+            w.join().unwrap().unwrap();
+        }
+    }
+}
+
 /// Greedy generation split as `layout`: tokens and full logits (asking every rank for all
 /// of its logits), and the tokens again asking only for each rank's best (the fast path).
 fn split(
@@ -63,32 +112,8 @@ fn split(
     prompt: &[u32],
     n: usize,
 ) -> (Vec<u32>, Vec<Vec<f32>>, Vec<u32>) {
-    let (src, cfg) = open(path);
-    let plans = shard::plan(&cfg, &src, layout, None).unwrap();
-    let capacity = prompt.len() + n + 1;
-    let transports: Vec<Arc<dyn Transport>> = mem_mesh(layout.world())
-        .into_iter()
-        .map(|t| Arc::new(t) as Arc<dyn Transport>)
-        .collect();
-    let mut workers = Vec::new();
-    let mut lead_ctx = None;
-    for (r, t) in transports.into_iter().enumerate() {
-        let mut ctx = RankContext::over(t, layout, Duration::from_secs(60)).unwrap();
-        ctx.plans = plans.clone();
-        if r == 0 {
-            lead_ctx = Some(ctx);
-            continue;
-        }
-        let (path, cfg, plan) = (path.to_path_buf(), cfg.clone(), plans[r].clone());
-        workers.push(std::thread::spawn(move || {
-            let (src, _) = open(&path);
-            let m = Transformer::load_shard(&src, cfg, plan, ctx.tp.clone()).unwrap();
-            serve(&ctx, &m, capacity)
-        }));
-    }
-    let ctx = lead_ctx.unwrap();
-    let m = Transformer::load_shard(&src, cfg, plans[0].clone(), ctx.tp.clone()).unwrap();
-    let mut lead = Lead::new(ctx, &m, capacity).unwrap();
+    let ranks = Ranks::start(path, layout, prompt.len() + n + 1);
+    let mut lead = Lead::new(ranks.ctx.clone(), &ranks.model, prompt.len() + n + 1).unwrap();
     let greedy = |want: Want, lead: &mut Lead| {
         lead.truncate(0);
         let mut logits = lead.step_with(prompt, want).unwrap();
@@ -105,9 +130,7 @@ fn split(
     let (fast, _) = greedy(Want::Best, &mut lead);
     lead.stop().unwrap();
     drop(lead);
-    for w in workers {
-        w.join().unwrap().unwrap();
-    }
+    ranks.join();
     (tokens, logits, fast)
 }
 
@@ -259,6 +282,71 @@ fn tiny_k_quant_split() {
     );
 }
 
+/// Sampling through a split: top-k sampling (each last-stage rank sends its top k) and
+/// sampling with a repetition penalty (every logit is sent) draw the tokens one rank draws
+/// with the same seed.
+#[test]
+fn sampled_tokens_match_one_rank() {
+    use shoal_engine::{Sampler, SamplerConfig};
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinyModelSpec {
+        n_layers: 4,
+        ..TinyModelSpec::qwen2(9)
+    };
+    let path = tiny(spec, GgmlType::F32, dir.path());
+    let configs = [
+        SamplerConfig {
+            temperature: 1.0,
+            top_k: 20,
+            seed: 5,
+            ..Default::default()
+        },
+        SamplerConfig {
+            temperature: 0.8,
+            top_p: 0.9,
+            repeat_penalty: 1.3,
+            seed: 6,
+            ..Default::default()
+        },
+    ];
+    let n = 16;
+    for cfg_s in configs {
+        let want = {
+            let (src, cfg) = open(&path);
+            let m = Transformer::load(&src, cfg, Arc::new(shoal_comm::Solo)).unwrap();
+            let mut cache = m.new_cache(64);
+            let mut sampler = Sampler::new(cfg_s.clone());
+            sampler.observe(&PROMPT);
+            let mut logits = m.forward_last(&PROMPT, &mut cache).unwrap();
+            let mut out = Vec::new();
+            for _ in 0..n {
+                let id = sampler.sample(&mut logits);
+                out.push(id);
+                logits = m.forward_last(&[id], &mut cache).unwrap();
+            }
+            out
+        };
+        for (tp, pp) in [(2, 1), (1, 2), (2, 2)] {
+            let ranks = Ranks::start(&path, Layout { tp, pp }, 64);
+            let mut lead = Lead::new(ranks.ctx.clone(), &ranks.model, 64).unwrap();
+            lead.set_sampler(&cfg_s);
+            let mut sampler = Sampler::new(cfg_s.clone());
+            sampler.observe(&PROMPT);
+            let mut logits = shoal_engine::generate::Stepper::step(&mut lead, &PROMPT).unwrap();
+            let mut got = Vec::new();
+            for _ in 0..n {
+                let id = sampler.sample(&mut logits);
+                got.push(id);
+                logits = shoal_engine::generate::Stepper::step(&mut lead, &[id]).unwrap();
+            }
+            lead.stop().unwrap();
+            drop(lead);
+            ranks.join();
+            assert_eq!(got, want, "tp {tp} pp {pp}, {cfg_s:?}");
+        }
+    }
+}
+
 /// Three sequences decoded round-robin with all of them in flight (each submitted before
 /// the previous is collected) give the tokens each gives alone on one rank.
 #[test]
@@ -273,32 +361,8 @@ fn sequences_in_flight_match_one_rank() {
     let n = 10;
     let want: Vec<Vec<u32>> = prompts.iter().map(|p| one_rank(&path, p, n).0).collect();
     for (tp, pp) in [(1, 2), (1, 3), (2, 2), (2, 1)] {
-        let layout = Layout { tp, pp };
-        let (src, cfg) = open(&path);
-        let plans = shard::plan(&cfg, &src, layout, None).unwrap();
-        let transports: Vec<Arc<dyn Transport>> = mem_mesh(layout.world())
-            .into_iter()
-            .map(|t| Arc::new(t) as Arc<dyn Transport>)
-            .collect();
-        let mut workers = Vec::new();
-        let mut lead_ctx = None;
-        for (r, t) in transports.into_iter().enumerate() {
-            let mut ctx = RankContext::over(t, layout, Duration::from_secs(60)).unwrap();
-            ctx.plans = plans.clone();
-            if r == 0 {
-                lead_ctx = Some(ctx);
-                continue;
-            }
-            let (path, cfg, plan) = (path.clone(), cfg.clone(), plans[r].clone());
-            workers.push(std::thread::spawn(move || {
-                let (src, _) = open(&path);
-                let m = Transformer::load_shard(&src, cfg, plan, ctx.tp.clone()).unwrap();
-                serve(&ctx, &m, 64)
-            }));
-        }
-        let ctx = lead_ctx.unwrap();
-        let m = Transformer::load_shard(&src, cfg, plans[0].clone(), ctx.tp.clone()).unwrap();
-        let mut lead = Lead::with_sequences(ctx, &m, 64, 3).unwrap();
+        let ranks = Ranks::start(&path, Layout { tp, pp }, 64);
+        let mut lead = Lead::with_sequences(ranks.ctx.clone(), &ranks.model, 64, 3).unwrap();
         for (seq, p) in prompts.iter().enumerate() {
             lead.submit(seq, p, Want::Best).unwrap();
         }
@@ -313,9 +377,7 @@ fn sequences_in_flight_match_one_rank() {
         }
         lead.stop().unwrap();
         drop(lead);
-        for w in workers {
-            w.join().unwrap().unwrap();
-        }
+        ranks.join();
         assert_eq!(got, want, "tp {tp} pp {pp}: interleaved sequences");
     }
 }
