@@ -4,6 +4,7 @@
 //! [`weights::WeightSource`] in their file's quantization and talks to other ranks only
 //! through `shoal_comm::Communicator`.
 
+pub mod activation;
 pub mod arch;
 pub mod attention;
 pub mod config;

@@ -16,6 +16,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
 use shoal_comm::Communicator;
 
+use crate::activation;
 use crate::attention::AttentionShape;
 use crate::config::{Activation, ModelConfig, RopeStyle};
 use crate::error::CandleContext;
@@ -329,12 +330,11 @@ impl FeedForward {
             (self.gate.forward(x)?, self.up.forward(x)?)
         };
         let act = profile::scope(Op::Activation);
-        let g = match self.activation {
-            Activation::Silu => candle_nn::ops::silu(&g),
-            Activation::GeluTanh => g.gelu(),
-        }
-        .ctx("activation")?;
-        let h = (g * u).ctx("gate * up")?;
+        let mut h = vec![0f32; g.elem_count()];
+        with_f32(&g, |gs| {
+            with_f32(&u, |us| activation::gated(self.activation, gs, us, &mut h))
+        })??;
+        let h = Tensor::from_vec(h, g.shape(), &Device::Cpu).ctx("gate * up")?;
         drop(act);
         let _p = profile::scope(Op::Down);
         self.down.forward(&h)
@@ -774,14 +774,14 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, EngineError
     let (storage, layout) = t.storage_and_layout();
     let candle_core::Storage::Cpu(cpu) = &*storage else {
         return Err(EngineError::Unsupported {
-            what: "attention runs on the CPU only".into(),
+            what: "attention and activations run on the CPU only".into(),
         });
     };
-    let all = cpu.as_slice::<f32>().ctx("attention input")?;
+    let all = cpu.as_slice::<f32>().ctx("f32 activations")?;
     let (a, b) = layout
         .contiguous_offsets()
         .ok_or_else(|| EngineError::Unsupported {
-            what: "a non-contiguous attention input".into(),
+            what: "non-contiguous activations".into(),
         })?;
     Ok(f(&all[a..b]))
 }
