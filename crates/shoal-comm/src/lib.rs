@@ -18,6 +18,8 @@ mod emulated;
 pub mod frame;
 mod group;
 mod mem;
+#[cfg(feature = "rdma")]
+mod rdma;
 mod shm;
 mod stream;
 mod tcp;
@@ -26,6 +28,8 @@ mod transport;
 pub use emulated::{EmulatedLink, LinkSpec};
 pub use group::{Group, DEFAULT_ONE_SHOT_LIMIT, DEFAULT_TIMEOUT};
 pub use mem::{mem_mesh, MemTransport};
+#[cfg(feature = "rdma")]
+pub use rdma::{RdmaConfig, RdmaTransport, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES};
 pub use shm::{shm_mesh_local, ShmTransport, DEFAULT_RING_BYTES};
 pub use tcp::{connect_mesh, tcp_mesh_local, TcpTransport};
 pub use transport::Transport;
