@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A model split over two ranks: shoal TP2 and PP2 (two local processes, 1 thread each)
+# A model split over two ranks: shoal TP2 (TCP and shared memory) and PP2 (one sequence, and
+# two sequences in flight, total tokens/s), two local processes with 1 thread each,
 # against llama.cpp RPC (two ggml-rpc-server processes on loopback, 1 thread each, layers
 # split between them by llama-bench -ngl 99 --rpc), and both engines on one rank with 1
 # thread. The runs take turns for R rounds, one repetition each, so machine noise hits all
@@ -37,7 +38,9 @@ for i in $(seq "$r"); do
   "$bin/llama-bench" -m "$path" -p "$p" -n "$n" -t 1 -r 1 -o json \
     --rpc "127.0.0.1:${ports[0]},127.0.0.1:${ports[1]}" -ngl 99 2>/dev/null >"$out/rpc-$i.json"
   "$shoal" bench "$path" -p "$p" -n "$n" -t 1 -r 1 --tp 2 --json 2>/dev/null >"$out/tp2-$i.json"
+  "$shoal" bench "$path" -p "$p" -n "$n" -t 1 -r 1 --tp 2 --transport shm --json 2>/dev/null >"$out/tp2shm-$i.json"
   "$shoal" bench "$path" -p "$p" -n "$n" -t 1 -r 1 --pp 2 --json 2>/dev/null >"$out/pp2-$i.json"
+  "$shoal" bench "$path" -p "$p" -n "$n" -t 1 -r 1 --pp 2 --seqs 2 --json 2>/dev/null >"$out/pp2x2-$i.json"
   "$bin/llama-bench" -m "$path" -p "$p" -n "$n" -t 1 -r 1 -o json 2>/dev/null >"$out/llama-$i.json"
   "$shoal" bench "$path" -p "$p" -n "$n" -t 1 -r 1 --json 2>/dev/null >"$out/one-$i.json"
 done
@@ -55,13 +58,14 @@ def shoal(kind):
     return (statistics.median(x["prefill_tok_s"] for x in rows),
             statistics.median(x["decode_tok_s"] for x in rows))
 res = {"llama.cpp 1 rank": llama("llama"), "llama.cpp RPC x2": llama("rpc"),
-       "shoal 1 rank": shoal("one"), "shoal TP2": shoal("tp2"), "shoal PP2": shoal("pp2")}
+       "shoal 1 rank": shoal("one"), "shoal TP2": shoal("tp2"), "shoal TP2 shm": shoal("tp2shm"),
+       "shoal PP2": shoal("pp2"), "shoal PP2 2 seqs": shoal("pp2x2")}
 print(f"model {model}  pp{p} / tg{n} tokens/s, medians of {r} alternating rounds, 1 thread per rank")
 print(f"{'':18} {'pp':>8} {'tg':>8}")
 for k, (a, b) in res.items():
     print(f"{k:18} {a:8.1f} {b:8.1f}")
 one, rpc = res["shoal 1 rank"], res["llama.cpp RPC x2"]
-for k in ("shoal TP2", "shoal PP2"):
+for k in ("shoal TP2", "shoal TP2 shm", "shoal PP2", "shoal PP2 2 seqs"):
     v = res[k]
     print(f"{k} / shoal 1 rank: pp {v[0]/one[0]:.2f}  tg {v[1]/one[1]:.2f}   "
           f"{k} / llama.cpp RPC x2: pp {v[0]/rpc[0]:.2f}  tg {v[1]/rpc[1]:.2f}")
