@@ -284,8 +284,20 @@ pub fn join_mesh(
         Welcome::Job { addrs, job } => (addrs, job),
         Welcome::Refused(why) => bail!("rank 0 refused this rank: {why}"),
     };
-    if addrs.len() != world {
-        bail!("rank 0 sent {} addresses for {world} ranks", addrs.len());
+    if addrs.len() != world || job.tp * job.pp != world {
+        bail!(
+            "rank 0 sent {} addresses and a {} x {} split for a table of {world} ranks",
+            addrs.len(),
+            job.tp,
+            job.pp
+        );
+    }
+    if job.threads == 0 || job.threads > 1024 || job.ctx == 0 {
+        bail!(
+            "rank 0 asked for {} threads and a context of {} (not a valid job)",
+            job.threads,
+            job.ctx
+        );
     }
     let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
     streams[0] = Some(lead);
