@@ -27,26 +27,15 @@
 //! Models are looked up in the catalog cache (`shoal models fetch KEY`); a missing model
 //! skips the test unless `SHOAL_REQUIRE_MODELS=1`, which CI sets.
 
+mod common;
+
+use common::model_path;
 use serde_json::Value;
 use shoal_engine::model::LoadedModel;
 use shoal_engine::transformer::argmax;
 
 /// Largest gap between the two best logits that counts as a near-tie.
 const NEAR_TIE: f32 = 0.15;
-
-fn model_path(key: &str) -> Option<std::path::PathBuf> {
-    let found = shoal_model::catalog::Catalog::open_default()
-        .ok()
-        .and_then(|c| c.cached_path(key).ok().flatten());
-    if found.is_none() {
-        assert!(
-            std::env::var("SHOAL_REQUIRE_MODELS").as_deref() != Ok("1"),
-            "model `{key}` is not cached; run `shoal models fetch {key}`"
-        );
-        eprintln!("skipping: model `{key}` is not cached (shoal models fetch {key})");
-    }
-    found
-}
 
 /// Our greedy tokens and, per step, (best, gap to second best).
 fn greedy(model: &LoadedModel, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {

@@ -9,10 +9,13 @@
 //! relative to the largest logit (observed: about 1e-6 on the tiny models, 1e-5 on the real
 //! ones; a wrong head mapping, cut or merge moves logits by 1e-1 or more).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::model_path;
 use shoal_comm::{mem_mesh, Transport};
 use shoal_engine::parallel::{serve, Lead, RankContext, Want};
 use shoal_engine::shard::{self, Layout};
@@ -380,20 +383,6 @@ fn sequences_in_flight_match_one_rank() {
         ranks.join();
         assert_eq!(got, want, "tp {tp} pp {pp}: interleaved sequences");
     }
-}
-
-fn model_path(key: &str) -> Option<PathBuf> {
-    let found = shoal_model::catalog::Catalog::open_default()
-        .ok()
-        .and_then(|c| c.cached_path(key).ok().flatten());
-    if found.is_none() {
-        assert!(
-            std::env::var("SHOAL_REQUIRE_MODELS").as_deref() != Ok("1"),
-            "model `{key}` is not cached; run `shoal models fetch {key}`"
-        );
-        eprintln!("skipping: model `{key}` is not cached (shoal models fetch {key})");
-    }
-    found
 }
 
 /// The real demo models at TP 2 and 3, PP 2 and 3, and TP 2 x PP 2: 24 greedy tokens after a
