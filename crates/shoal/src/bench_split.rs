@@ -8,14 +8,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use serde::Serialize;
-use shoal_engine::model::LoadedModel;
-use shoal_engine::parallel::{Lead, RankContext, Timed, Want};
-use shoal_engine::shard::Layout;
+use shoal_engine::parallel::{Lead, Want};
 use shoal_engine::transformer::argmax;
 
 use crate::bench::{prompt_tokens, BenchArgs, Spread};
+use crate::ranks::LeadRank;
 
 #[derive(Debug, Serialize)]
 struct SplitReport {
@@ -43,28 +41,19 @@ struct SplitReport {
 
 pub fn main(args: &BenchArgs, model_arg: &str) -> anyhow::Result<()> {
     let threads = args.compute.apply()?;
-    let source = shoal_model::source::resolve(model_arg)?;
     let ctx_len = args.n_prompt.max(args.n_gen) + 17;
-    let job = args.split.job(ctx_len, threads)?;
-    let mut launched = crate::ranks::launch(&args.split, &job, model_arg, source.path())?;
-    let layout = Layout {
-        tp: job.tp,
-        pp: job.pp,
-    };
-    let mut rank = RankContext::over(
-        launched.transport.clone(),
-        layout,
-        Duration::from_millis(job.timeout_ms),
-    )?;
     let comm_ns = Arc::new(AtomicU64::new(0));
-    rank.world = Arc::new(Timed::new(rank.world.clone(), comm_ns.clone()));
-    rank.tp = Arc::new(Timed::new(rank.tp.clone(), comm_ns.clone()));
-    let sizes = (!job.stage_sizes.is_empty()).then_some(&job.stage_sizes[..]);
-    let (model, plans) = LoadedModel::load_split(&source, layout, sizes, 0, rank.tp.clone())
-        .with_context(|| format!("rank 0: loading its shard of {}", source.path().display()))?;
-    rank.plans = plans;
+    let mut lead_rank = LeadRank::start(
+        &args.split,
+        model_arg,
+        ctx_len,
+        threads,
+        Some(comm_ns.clone()),
+    )?;
+    let job = lead_rank.job.clone();
+    let capacity = lead_rank.capacity();
+    let model = &lead_rank.model;
     let cfg = model.transformer.config().clone();
-    let capacity = job.ctx.min(cfg.context_len);
     if args.n_prompt >= capacity || args.n_gen >= capacity {
         anyhow::bail!(
             "-p {} / -n {} exceed the model's context of {}",
@@ -74,7 +63,7 @@ pub fn main(args: &BenchArgs, model_arg: &str) -> anyhow::Result<()> {
         );
     }
     let seqs = args.seqs;
-    let mut lead = Lead::with_sequences(rank, &model.transformer, capacity, seqs)?;
+    let mut lead = Lead::with_sequences(lead_rank.ctx.clone(), &model.transformer, capacity, seqs)?;
     // warm-up: every rank pages its weights in
     lead.step_with(&prompt_tokens(16, cfg.vocab), Want::Best)?;
     let (mut pp, mut tg) = (Vec::new(), Vec::new());
@@ -120,9 +109,7 @@ pub fn main(args: &BenchArgs, model_arg: &str) -> anyhow::Result<()> {
     }
     lead.stop()?;
     drop(lead);
-    if let Some(w) = launched.workers.as_mut() {
-        w.finish(Duration::from_secs(10));
-    }
+    lead_rank.launched.finish(Duration::from_secs(10));
     let tokens = (seqs * args.n_gen * args.reps) as f64;
     let per_token = |s: f64| (args.n_gen > 0).then(|| s * 1e3 / tokens);
     let prefill = Spread::of(&pp);

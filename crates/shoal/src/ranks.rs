@@ -22,9 +22,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::sync::atomic::AtomicU64;
+
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use shoal_comm::{EmulatedLink, LinkSpec, ShmTransport, TcpTransport, Transport};
+use shoal_engine::model::LoadedModel;
+use shoal_engine::parallel::{RankContext, Timed};
+use shoal_engine::shard::Layout;
 
 /// Version of the assembly protocol; ranks of another version are refused.
 const PROTOCOL: u32 = 1;
@@ -544,6 +549,15 @@ pub struct Launched {
     pub workers: Option<LocalWorkers>,
 }
 
+impl Launched {
+    /// Waits (up to `grace`) for local workers to finish after the lead stopped them.
+    pub fn finish(&mut self, grace: Duration) {
+        if let Some(w) = self.workers.as_mut() {
+            w.finish(grace);
+        }
+    }
+}
+
 /// Starts (or, with `--peers`, waits for) every other rank of `job` and assembles the mesh.
 ///
 /// # Errors
@@ -575,6 +589,69 @@ pub fn launch(args: &SplitArgs, job: &Job, model: &str, path: &Path) -> anyhow::
     };
     let transport = lead_mesh(listener, world, job, path, deadline)?;
     Ok(Launched { transport, workers })
+}
+
+/// Rank 0 of a split, ready to lead: the job, the other ranks, its context and its shard.
+pub struct LeadRank {
+    /// What every rank runs.
+    pub job: Job,
+    /// The mesh and any local workers.
+    pub launched: Launched,
+    /// Rank 0's place in the split (plans filled in).
+    pub ctx: RankContext,
+    /// Rank 0's shard, with the tokenizer and template.
+    pub model: LoadedModel,
+}
+
+impl LeadRank {
+    /// Starts or joins every rank for `model_arg` (a context of `ctx_len` tokens, `threads`
+    /// per rank) and loads rank 0's shard. With `comm_nanos`, rank 0's collectives add their
+    /// wall time to it.
+    ///
+    /// # Errors
+    /// When a rank cannot start or join, or the model cannot be loaded or split that way.
+    pub fn start(
+        args: &SplitArgs,
+        model_arg: &str,
+        ctx_len: usize,
+        threads: usize,
+        comm_nanos: Option<Arc<AtomicU64>>,
+    ) -> anyhow::Result<Self> {
+        let source = shoal_model::source::resolve(model_arg)?;
+        let job = args.job(ctx_len, threads)?;
+        let launched = launch(args, &job, model_arg, source.path())?;
+        let layout = Layout {
+            tp: job.tp,
+            pp: job.pp,
+        };
+        let mut ctx = RankContext::over(
+            launched.transport.clone(),
+            layout,
+            Duration::from_millis(job.timeout_ms),
+        )?;
+        if let Some(ns) = comm_nanos {
+            ctx.world = Arc::new(Timed::new(ctx.world.clone(), ns.clone()));
+            ctx.tp = Arc::new(Timed::new(ctx.tp.clone(), ns));
+        }
+        let sizes = (!job.stage_sizes.is_empty()).then_some(&job.stage_sizes[..]);
+        let (model, plans) = LoadedModel::load_split(&source, layout, sizes, 0, ctx.tp.clone())
+            .with_context(|| format!("rank 0: loading its shard of {}", source.path().display()))?;
+        ctx.plans = plans;
+        Ok(LeadRank {
+            job,
+            launched,
+            ctx,
+            model,
+        })
+    }
+
+    /// Tokens each sequence's cache holds: the job's context, at most the model's.
+    pub fn capacity(&self) -> usize {
+        self.job
+            .ctx
+            .min(self.model.transformer.config().context_len)
+            .max(1)
+    }
 }
 
 /// This process's peak resident memory in MB (`VmHWM`), where the OS reports it.

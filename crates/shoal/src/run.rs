@@ -5,15 +5,13 @@
 use std::io::Write;
 use std::time::Duration;
 
-use anyhow::Context;
 use clap::Args;
 use shoal_engine::generate::{GenerateParams, Generation};
 use shoal_engine::model::LoadedModel;
-use shoal_engine::parallel::{Lead, RankContext};
-use shoal_engine::shard::Layout;
+use shoal_engine::parallel::Lead;
 use shoal_engine::{Sampler, SamplerConfig};
 
-use crate::ranks::{launch, SplitArgs};
+use crate::ranks::{LeadRank, SplitArgs};
 use crate::ComputeArgs;
 
 /// Sampling and length options shared by `run` and `chat`.
@@ -156,27 +154,14 @@ fn report(gen: &Generation, threads: usize, ranks: usize) {
 /// `run` split over ranks: rank 0 here, the others started locally or waited for.
 fn main_split(args: RunArgs) -> anyhow::Result<()> {
     let threads = args.compute.apply()?;
-    let source = shoal_model::source::resolve(&args.model)?;
     let ctx_len = args.sampling.ctx() + args.sampling.max_tokens;
-    let job = args.split.job(ctx_len, threads)?;
-    let mut launched = launch(&args.split, &job, &args.model, source.path())?;
-    let layout = Layout {
-        tp: job.tp,
-        pp: job.pp,
-    };
-    let mut rank = RankContext::over(
-        launched.transport.clone(),
-        layout,
-        Duration::from_millis(job.timeout_ms),
-    )?;
-    let sizes = (!job.stage_sizes.is_empty()).then_some(&job.stage_sizes[..]);
-    let (model, plans) = LoadedModel::load_split(&source, layout, sizes, 0, rank.tp.clone())
-        .with_context(|| format!("rank 0: loading its shard of {}", source.path().display()))?;
-    rank.plans = plans;
-    let prompt = args.prompt(&model)?;
-    let capacity = job.ctx.min(model.transformer.config().context_len).max(1);
+    let mut lead_rank = LeadRank::start(&args.split, &args.model, ctx_len, threads, None)?;
+    let capacity = lead_rank.capacity();
+    let world = lead_rank.job.tp * lead_rank.job.pp;
+    let model = &lead_rank.model;
+    let prompt = args.prompt(model)?;
     let mut sampler = args.sampling.sampler(0.7)?;
-    let mut lead = Lead::new(rank, &model.transformer, capacity)?;
+    let mut lead = Lead::new(lead_rank.ctx.clone(), &model.transformer, capacity)?;
     lead.set_sampler(sampler.config());
     let mut stdout = std::io::stdout().lock();
     let mut write_err = None;
@@ -192,16 +177,14 @@ fn main_split(args: RunArgs) -> anyhow::Result<()> {
     if let Some(mb) = crate::ranks::peak_rss_mb() {
         tracing::info!(rank = 0, peak_rss_mb = mb as u64, "done");
     }
-    if let Some(w) = launched.workers.as_mut() {
-        w.finish(Duration::from_secs(10));
-    }
+    lead_rank.launched.finish(Duration::from_secs(10));
     if let Some(e) = write_err {
         return Err(e.into());
     }
     if !args.raw {
         writeln!(stdout)?;
     }
-    report(&gen, threads, layout.world());
+    report(&gen, threads, world);
     Ok(())
 }
 
