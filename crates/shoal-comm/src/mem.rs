@@ -87,8 +87,7 @@ impl Transport for MemTransport {
         let start = Instant::now();
         let mut st = self.world.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(why) = &st.closed[me] {
-            let peer = sends.first().map(|s| s.0).or(recvs.first().map(|r| r.0));
-            return Err(broken(me, peer.unwrap_or(me), why));
+            return Err(broken(me, why, sends, recvs));
         }
         for (peer, data) in sends {
             st.queues[me * n + peer].push_back(data.to_vec());

@@ -647,8 +647,7 @@ impl Transport for ShmTransport {
             last_liveness,
         } = &mut *guard;
         if let Some(why) = why {
-            let peer = sends.first().map(|s| s.0).or(recvs.first().map(|r| r.0));
-            return Err(broken(self.rank, peer.unwrap_or(self.rank), why));
+            return Err(broken(self.rank, why, sends, recvs));
         }
         let mut io = ShmIo {
             t: self,

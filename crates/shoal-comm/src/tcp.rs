@@ -122,8 +122,7 @@ impl Transport for TcpTransport {
         let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let inner = &mut *guard;
         if let Some(why) = &inner.broken {
-            let peer = sends.first().map(|s| s.0).or(recvs.first().map(|r| r.0));
-            return Err(broken(self.rank, peer.unwrap_or(self.rank), why));
+            return Err(broken(self.rank, why, sends, recvs));
         }
         let result =
             inner

@@ -107,10 +107,17 @@ pub(crate) fn check_peers(
 }
 
 /// The error every call on a transport broken by an earlier failure returns.
-pub(crate) fn broken(rank: usize, peer: usize, why: &str) -> CommError {
+pub(crate) fn broken(
+    rank: usize,
+    why: &str,
+    sends: &[(usize, &[u8])],
+    recvs: &[(usize, &mut [u8])],
+) -> CommError {
+    // name the first peer the refused exchange wanted
+    let peer = sends.first().map(|s| s.0).or(recvs.first().map(|r| r.0));
     CommError::Link {
         rank,
-        peer,
+        peer: peer.unwrap_or(rank),
         reason: format!(
             "the transport is closed after an earlier error ({why}); build a new world to recover"
         ),

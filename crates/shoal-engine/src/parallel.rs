@@ -501,17 +501,17 @@ impl<'a> Lead<'a> {
             return Ok(Vec::new());
         }
         let mut logits = vec![f32::NEG_INFINITY; self.model.config().vocab];
-        let last = self.ctx.layout.stage_ranks(self.ctx.layout.pp - 1);
-        for r in last {
+        let mut buf = Vec::new();
+        for r in self.ctx.layout.stage_ranks(self.ctx.layout.pp - 1) {
             let slice = self.ctx.plans[r].vocab.clone();
             let reply = if r == 0 {
-                mine.clone()
+                &mine
             } else {
-                let mut buf = vec![0u8; want.reply_bytes(slice.len())];
+                buf.resize(want.reply_bytes(slice.len()), 0);
                 self.ctx.world.recv(r, &mut buf)?;
-                buf
+                &buf
             };
-            merge(&reply, want, slice, &mut logits, r)?;
+            merge(reply, want, slice, &mut logits, r)?;
         }
         Ok(logits)
     }

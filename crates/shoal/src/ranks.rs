@@ -382,7 +382,8 @@ fn barrier(t: &mut TcpTransport, deadline: Instant) -> anyhow::Result<()> {
 /// The local worker processes of a `shoal run --tp/--pp`, killed if rank 0 leaves early.
 pub struct LocalWorkers {
     children: Vec<std::process::Child>,
-    _table: tempfile::NamedTempFile,
+    /// The rank table the workers read (deleted with this).
+    table: tempfile::NamedTempFile,
 }
 
 impl LocalWorkers {
@@ -407,7 +408,11 @@ impl LocalWorkers {
         }
         table.flush()?;
         let exe = std::env::current_exe().context("finding the shoal executable")?;
-        let mut children = Vec::new();
+        // pushed one by one, so dropping it on an error kills the ranks already started
+        let mut workers = LocalWorkers {
+            children: Vec::new(),
+            table,
+        };
         for r in 1..world {
             let child = std::process::Command::new(&exe)
                 .arg("worker")
@@ -415,19 +420,16 @@ impl LocalWorkers {
                 .arg("--rank")
                 .arg(r.to_string())
                 .arg("--peers")
-                .arg(table.path())
+                .arg(workers.table.path())
                 .arg("--threads")
                 .arg(threads.to_string())
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::null())
                 .spawn()
                 .with_context(|| format!("starting rank {r}"))?;
-            children.push(child);
+            workers.children.push(child);
         }
-        Ok(LocalWorkers {
-            children,
-            _table: table,
-        })
+        Ok(workers)
     }
 
     /// Waits up to `grace` for the workers to exit on their own, then kills the rest.
