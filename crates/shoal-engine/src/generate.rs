@@ -65,24 +65,41 @@ pub trait Detokenizer {
 
 /// Holds back the tail of the text that could be the start of a stop string.
 #[derive(Debug, Default)]
-struct StopMatcher {
+pub(crate) struct StopMatcher {
     stops: Vec<String>,
     pending: String,
+    matched: Option<usize>,
 }
 
 impl StopMatcher {
+    /// A matcher for `stops` (empty strings are ignored).
+    pub(crate) fn new(stops: &[String]) -> Self {
+        StopMatcher {
+            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            pending: String::new(),
+            matched: None,
+        }
+    }
+
+    /// The stop string that matched, if one did.
+    pub(crate) fn matched(&self) -> Option<&str> {
+        self.matched.map(|i| self.stops[i].as_str())
+    }
+
     /// Adds `text`; returns (text safe to emit, whether a stop string matched).
-    fn push(&mut self, text: &str) -> (String, bool) {
+    pub(crate) fn push(&mut self, text: &str) -> (String, bool) {
         self.pending.push_str(text);
         if self.stops.is_empty() {
             return (std::mem::take(&mut self.pending), false);
         }
-        if let Some(at) = self
+        if let Some((at, i)) = self
             .stops
             .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
+            .enumerate()
+            .filter_map(|(i, s)| self.pending.find(s.as_str()).map(|at| (at, i)))
             .min()
         {
+            self.matched = Some(i);
             let out = self.pending[..at].to_string();
             self.pending.clear();
             return (out, true);
@@ -102,7 +119,7 @@ impl StopMatcher {
         (out, false)
     }
 
-    fn finish(&mut self) -> String {
+    pub(crate) fn finish(&mut self) -> String {
         std::mem::take(&mut self.pending)
     }
 }
@@ -236,15 +253,7 @@ pub fn generate_on(
     let start = Instant::now();
     sampler.observe(prompt);
     let mut logits = prefill_on(stepper, prompt)?;
-    let mut stops = StopMatcher {
-        stops: params
-            .stop
-            .iter()
-            .filter(|s| !s.is_empty())
-            .cloned()
-            .collect(),
-        pending: String::new(),
-    };
+    let mut stops = StopMatcher::new(&params.stop);
     let mut out = Generation {
         tokens: Vec::new(),
         text: String::new(),
@@ -301,17 +310,12 @@ mod tests {
 
     #[test]
     fn stop_matcher_holds_back_partial_matches() {
-        let mut m = StopMatcher {
-            stops: vec!["</end>".into()],
-            pending: String::new(),
-        };
+        let mut m = StopMatcher::new(&["</end>".into()]);
         assert_eq!(m.push("hello <"), ("hello ".into(), false));
         assert_eq!(m.push("/en"), (String::new(), false));
         assert_eq!(m.push("d> tail"), (String::new(), true));
-        let mut m = StopMatcher {
-            stops: vec!["</end>".into()],
-            pending: String::new(),
-        };
+        assert_eq!(m.matched(), Some("</end>"));
+        let mut m = StopMatcher::new(&["</end>".into()]);
         assert_eq!(m.push("a <b"), ("a <b".into(), false));
         assert_eq!(m.push(" <"), (" ".into(), false));
         assert_eq!(m.finish(), "<");
@@ -319,10 +323,7 @@ mod tests {
 
     #[test]
     fn stop_matcher_handles_multibyte() {
-        let mut m = StopMatcher {
-            stops: vec!["é!".into()],
-            pending: String::new(),
-        };
+        let mut m = StopMatcher::new(&["é!".into()]);
         assert_eq!(m.push("caf"), ("caf".into(), false));
         assert_eq!(m.push("é"), (String::new(), false));
         assert_eq!(m.push("!x"), (String::new(), true));

@@ -148,33 +148,42 @@ impl Sampler {
             c.select_nth_unstable_by(self.cfg.top_k - 1, by_logit);
             c.truncate(self.cfg.top_k);
         }
-        c.sort_unstable_by(by_logit);
+        let max_of = |c: &[(u32, f32)]| c.iter().map(|x| x.1).fold(f32::NEG_INFINITY, f32::max);
         // probabilities at temperature 1 for top-p and min-p, as llama.cpp computes them
         let softmax = |c: &[(u32, f32)], temp: f32| -> Vec<f32> {
-            let max = c[0].1;
+            let max = max_of(c);
             let e: Vec<f32> = c.iter().map(|&(_, l)| ((l - max) / temp).exp()).collect();
             let s: f32 = e.iter().sum();
             e.into_iter().map(|x| x / s).collect()
         };
         if self.cfg.top_p < 1.0 {
-            let probs = softmax(c, 1.0);
-            let mut cum = 0.0;
-            let mut keep = c.len();
-            for (i, p) in probs.iter().enumerate() {
-                cum += p;
-                if cum >= self.cfg.top_p {
-                    keep = i + 1;
-                    break;
+            // The smallest most-likely set reaching top_p, found by sorting only as many of
+            // the best candidates as it takes (a vocabulary of 150k is rarely sorted whole).
+            let max = max_of(c);
+            let total: f32 = c.iter().map(|&(_, l)| (l - max).exp()).sum();
+            let mut k = c.len().min(64);
+            let keep = loop {
+                if k < c.len() {
+                    c.select_nth_unstable_by(k - 1, by_logit);
                 }
-            }
+                c[..k].sort_unstable_by(by_logit);
+                let mut cum = 0.0;
+                let found = c[..k].iter().position(|&(_, l)| {
+                    cum += (l - max).exp() / total;
+                    cum >= self.cfg.top_p
+                });
+                match found {
+                    Some(i) => break i + 1,
+                    None if k == c.len() => break c.len(),
+                    None => k = (k * 4).min(c.len()),
+                }
+            };
             c.truncate(keep.max(1));
         }
         if self.cfg.min_p > 0.0 {
-            let max = c[0].1;
             // p_i / p_max >= min_p  <=>  l_i - l_max >= ln(min_p)
-            let threshold = max + self.cfg.min_p.ln();
-            let keep = c.iter().take_while(|&&(_, l)| l >= threshold).count();
-            c.truncate(keep.max(1));
+            let threshold = max_of(c) + self.cfg.min_p.ln();
+            c.retain(|&(_, l)| l >= threshold);
         }
         let probs = softmax(c, self.cfg.temperature);
         let r: f32 = self.rng.random();

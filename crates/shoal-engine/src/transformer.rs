@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
 use shoal_comm::Communicator;
 
 use crate::activation;
@@ -28,22 +29,22 @@ pub use crate::shard::{LayerShard, ShardPlan};
 use crate::weights::{load_quant_matrix, quant_matrix, Slice, WeightSource};
 use crate::EngineError;
 
-/// Cosine and sine tables for positions `pos..pos + t`, computed the way ggml does (in f32,
-/// the angle of pair `i` built by repeated multiplication by `base^(-2/hd)`), so positions
-/// match the reference implementation bit for bit where the libm does.
+/// Cosine and sine tables for `positions` (one row each), computed the way ggml does (in
+/// f32, the angle of pair `i` built by repeated multiplication by `base^(-2/hd)`), so
+/// positions match the reference implementation bit for bit where the libm does.
 fn rope_tables(
-    pos: usize,
-    t: usize,
+    positions: &[usize],
     head_dim: usize,
     base: f64,
     scale: f64,
 ) -> Result<(Tensor, Tensor), EngineError> {
     let half = head_dim / 2;
+    let t = positions.len();
     let theta_scale = (base as f32).powf(-2.0 / head_dim as f32);
     let freq_scale = (1.0 / scale) as f32;
     let mut cos = Vec::with_capacity(t * half);
     let mut sin = Vec::with_capacity(t * half);
-    for p in pos..pos + t {
+    for &p in positions {
         let mut theta = p as f32;
         for _ in 0..half {
             let a = theta * freq_scale;
@@ -60,16 +61,21 @@ fn rope_tables(
 /// RoPE tables of one step, built once and shared by every layer (a model has at most two
 /// kinds of layer: global, and sliding-window with its own RoPE base).
 struct StepTables {
-    p: usize,
-    t: usize,
+    /// The position of each row of the step.
+    positions: Vec<usize>,
     rope: Vec<((u64, u64), (Tensor, Tensor))>,
 }
 
 impl StepTables {
+    /// Rows at positions `p..p + t` (one sequence).
     fn new(p: usize, t: usize) -> Self {
+        Self::at((p..p + t).collect())
+    }
+
+    /// Rows at the given positions (one row per sequence of a batch).
+    fn at(positions: Vec<usize>) -> Self {
         StepTables {
-            p,
-            t,
+            positions,
             rope: Vec::new(),
         }
     }
@@ -85,12 +91,19 @@ impl StepTables {
             Some(i) => i,
             None => {
                 self.rope
-                    .push((key, rope_tables(self.p, self.t, head_dim, base, scale)?));
+                    .push((key, rope_tables(&self.positions, head_dim, base, scale)?));
                 self.rope.len() - 1
             }
         };
         Ok(&self.rope[i].1)
     }
+}
+
+/// The KV caches a step writes: one sequence's (its rows are consecutive positions), or one
+/// per row (a batched decode step, each row the next token of its own sequence).
+enum StepCaches<'a, 'b> {
+    One(&'a mut KvCache),
+    Batch(&'a mut [&'b mut KvCache]),
 }
 
 /// Multi-head (grouped-query) self-attention over this rank's heads.
@@ -216,6 +229,102 @@ impl Attention {
 
     /// x `(1, t, d)` → `(1, t, d)` (summed over ranks).
     fn forward(
+        &self,
+        x: &Tensor,
+        caches: &mut StepCaches<'_, '_>,
+        layer: usize,
+        tables: &mut StepTables,
+    ) -> Result<Tensor, EngineError> {
+        match caches {
+            StepCaches::One(cache) => self.forward_one(x, cache, layer, tables),
+            StepCaches::Batch(caches) => self.forward_batch(x, caches, layer, tables),
+        }
+    }
+
+    /// Rows `(1, B, d)`, row `i` the next token of the sequence of `caches[i]`.
+    fn forward_batch(
+        &self,
+        x: &Tensor,
+        caches: &mut [&mut KvCache],
+        layer: usize,
+        tables: &mut StepTables,
+    ) -> Result<Tensor, EngineError> {
+        let (_, rows, _) = x.dims3().ctx("attention input")?;
+        let (nh, nkv, hd) = (self.n_head, self.n_kv_head, self.head_dim);
+        let (q, k, v) = {
+            let _p = profile::scope(Op::Qkv);
+            (self.q.forward(x)?, self.k.forward(x)?, self.v.forward(x)?)
+        };
+        let rope = profile::scope(Op::Rope);
+        // (1, B, n*hd) -> (1, n, B, hd): the layout RoPE and the norms take
+        let heads = |y: Tensor, n: usize| -> Result<Tensor, EngineError> {
+            y.reshape((1, rows, n, hd))
+                .and_then(|y| y.transpose(1, 2))
+                .and_then(|y| y.contiguous())
+                .ctx("split heads")
+        };
+        // (1, n, B, hd) -> (1, B, n, hd): each row's heads together again
+        let rows_first = |y: Tensor| -> Result<Tensor, EngineError> {
+            y.transpose(1, 2)
+                .and_then(|y| y.contiguous())
+                .ctx("merge heads")
+        };
+        let mut q = heads(q, nh)?;
+        let mut k = heads(k, nkv)?;
+        if let Some(n) = &self.q_norm {
+            q = n.forward(&q)?;
+        }
+        if let Some(n) = &self.k_norm {
+            k = n.forward(&k)?;
+        }
+        let (cos, sin) = tables.rope(hd, self.rope_base, self.rope_scale)?;
+        let q = rows_first(self.rope(&q, cos, sin)?)?;
+        let k = rows_first(self.rope(&k, cos, sin)?)?;
+        let v = v.reshape((1, rows, nkv, hd)).ctx("split heads")?;
+        drop(rope);
+        let attention = profile::scope(Op::Attention);
+        for (i, cache) in caches.iter_mut().enumerate() {
+            // row i as (1, nkv, 1, hd): with one position, the same bytes as (1, 1, nkv, hd)
+            let ki = k.narrow(1, i, 1).and_then(|t| t.reshape((1, nkv, 1, hd)));
+            let vi = v.narrow(1, i, 1).and_then(|t| t.reshape((1, nkv, 1, hd)));
+            let (ki, vi) = (ki.ctx("kv row")?, vi.ctx("kv row")?);
+            cache.append(layer, &ki, &vi)?;
+        }
+        let width = nh * hd;
+        let mut out = vec![0f32; rows * width];
+        let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
+        let positions = &tables.positions;
+        let failed = with_f32(&q, |qs| {
+            out.par_chunks_mut(width)
+                .zip(qs.par_chunks(width))
+                .enumerate()
+                .map(|(i, (o, qi))| -> Result<(), EngineError> {
+                    let cache = caches[i];
+                    let (kc, vc) =
+                        cache
+                            .buffers(layer)
+                            .ok_or_else(|| EngineError::Unsupported {
+                                what: format!("kv cache layer {layer} was not written"),
+                            })?;
+                    let shape = self.shape(cache.capacity());
+                    with_f32(kc, |ks| {
+                        with_f32(vc, |vs| shape.decode(positions[i], qi, ks, vs, o))
+                    })??;
+                    Ok(())
+                })
+                .find_any(|r| r.is_err())
+        })?;
+        if let Some(Err(e)) = failed {
+            return Err(e);
+        }
+        let y = Tensor::from_vec(out, (1, rows, width), &Device::Cpu).ctx("attention output")?;
+        drop(attention);
+        let _p = profile::scope(Op::AttnOut);
+        self.o.forward(&y)
+    }
+
+    /// Rows `(1, t, d)` of one sequence at consecutive positions after what `cache` holds.
+    fn forward_one(
         &self,
         x: &Tensor,
         cache: &mut KvCache,
@@ -391,13 +500,13 @@ impl Block {
     fn forward(
         &self,
         x: &Tensor,
-        cache: &mut KvCache,
+        caches: &mut StepCaches<'_, '_>,
         layer: usize,
         tables: &mut StepTables,
     ) -> Result<Tensor, EngineError> {
         // attention with residual
         let xn = profiled(Op::Norm, || self.attn_norm.forward(x))?;
-        let mut a = self.attn.forward(&xn, cache, layer, tables)?;
+        let mut a = self.attn.forward(&xn, caches, layer, tables)?;
         if let Some(n) = &self.post_attn_norm {
             a = profiled(Op::Norm, || n.forward(&a))?;
         }
@@ -699,11 +808,59 @@ impl Transformer {
         }
         let mut x = x;
         let mut tables = StepTables::new(cache.len(), t);
+        let mut caches = StepCaches::One(cache);
         for (layer, block) in self.blocks.iter().enumerate() {
-            x = block.forward(&x, cache, layer, &mut tables)?;
+            x = block.forward(&x, &mut caches, layer, &mut tables)?;
         }
         cache.advance(t);
         Ok(x)
+    }
+
+    /// One decode step for several independent sequences at once: `tokens[i]` goes after
+    /// what `caches[i]` holds (each sequence at its own position), and the result is the
+    /// logits `(B, vocab)` of each sequence's new token, row `i` for sequence `i`. The
+    /// matrices see all `B` rows at once, so the weights are read once for the batch;
+    /// attention runs per sequence over its own cache. A rank holding the whole model only.
+    ///
+    /// # Errors
+    /// When the lengths differ, the batch is empty, a cache is full, an id is out of range,
+    /// or a tensor op fails (the caches of a failed step are unusable).
+    pub fn forward_batch(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Tensor, EngineError> {
+        if !self.plan.is_full(&self.cfg) {
+            return Err(EngineError::Unsupported {
+                what: "a batched forward pass on a rank holding only part of the model".into(),
+            });
+        }
+        if tokens.len() != caches.len() {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "a batch of {} tokens for {} sequences",
+                    tokens.len(),
+                    caches.len()
+                ),
+            });
+        }
+        for (tok, cache) in tokens.iter().zip(caches.iter()) {
+            self.check_step(std::slice::from_ref(tok), cache)?;
+        }
+        let rows = tokens.len();
+        let mut x = self.embed(tokens)?;
+        let mut tables = StepTables::at(caches.iter().map(|c| c.len()).collect());
+        let mut step = StepCaches::Batch(caches);
+        for (layer, block) in self.blocks.iter().enumerate() {
+            x = block.forward(&x, &mut step, layer, &mut tables)?;
+        }
+        let StepCaches::Batch(caches) = step else {
+            unreachable!("constructed as a batch above")
+        };
+        for c in caches.iter_mut() {
+            c.advance(1);
+        }
+        self.logits(&x, rows)
     }
 
     /// This rank's vocabulary slice of the logits `(n, vocab slice)` of the last `n_logits`
@@ -809,7 +966,7 @@ mod tests {
 
     #[test]
     fn rope_table_position_zero_is_identity() {
-        let (c, s) = rope_tables(0, 1, 8, 10000.0, 1.0).unwrap();
+        let (c, s) = rope_tables(&[0], 8, 10000.0, 1.0).unwrap();
         assert_eq!(c.to_vec2::<f32>().unwrap()[0], vec![1.0; 4]);
         assert_eq!(s.to_vec2::<f32>().unwrap()[0], vec![0.0; 4]);
     }

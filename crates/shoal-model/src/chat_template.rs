@@ -111,6 +111,7 @@ pub struct ChatTemplate {
     bos_token: String,
     eos_token: String,
     limits: Limits,
+    source: String,
 }
 
 impl ChatTemplate {
@@ -157,6 +158,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
 
+        let original = source.to_owned();
         let source = rewrite_generation_tags(source).into_owned();
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|err| TemplateError::Syntax {
@@ -168,7 +170,14 @@ impl ChatTemplate {
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
             limits,
+            source: original,
         })
+    }
+
+    /// The template's source text (to recognise a model family's conventions, such as its
+    /// tool-call format).
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The limits every render runs under.

@@ -39,8 +39,9 @@ pub struct BenchArgs {
     pub compute: ComputeArgs,
     #[command(flatten)]
     pub split: crate::ranks::SplitArgs,
-    /// With --tp/--pp: decode this many sequences at once, each submitted before the others
-    /// are collected (keeps pipeline stages busy); decode tokens/s is then the total.
+    /// Decode this many sequences at once; decode tokens/s is then the total. On one rank,
+    /// one batched step runs a token of every sequence (continuous batching); with --tp/--pp
+    /// each sequence is submitted before the others are collected (keeps stages busy).
     #[arg(long, default_value_t = 1)]
     pub seqs: usize,
 }
@@ -53,6 +54,8 @@ pub enum BenchWhat {
     /// All-reduce and send/recv latency by size and rank count, over TCP loopback, shared
     /// memory and in-process channels, next to the raw TCP round trip.
     Comm(CommBenchArgs),
+    /// Throughput of a running `shoal serve` as concurrent streaming clients grow.
+    Serve(crate::bench_serve::ServeBenchArgs),
 }
 
 /// Options of `shoal bench comm`.
@@ -177,6 +180,7 @@ pub fn measure_read_bandwidth(threads: usize) -> f64 {
 pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
     let model_arg = match (args.what.take(), &args.model) {
         (Some(BenchWhat::Kernels(k)), _) => return crate::bench_kernels::main(k),
+        (Some(BenchWhat::Serve(s)), _) => return crate::bench_serve::main(s),
         (Some(BenchWhat::Comm(c)), _) => {
             return crate::bench_comm::run(&c.ranks, &c.sizes, c.iters, c.json)
         }
@@ -186,8 +190,12 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
     if args.reps == 0 {
         anyhow::bail!("-r/--repetitions must be at least 1");
     }
-    if args.seqs != 1 && !args.split.is_split() {
-        anyhow::bail!("--seqs needs --tp or --pp (one rank decodes one sequence at a time)");
+    if args.seqs == 0 || args.seqs > shoal_engine::parallel::MAX_SEQUENCES {
+        anyhow::bail!(
+            "--seqs {} is out of range (1..={})",
+            args.seqs,
+            shoal_engine::parallel::MAX_SEQUENCES
+        );
     }
     if args.split.is_split() {
         if args.profile {
@@ -223,7 +231,24 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
             prefill(t, &toks, &mut cache)?;
             pp.push(args.n_prompt as f64 / t0.elapsed().as_secs_f64());
         }
-        if args.n_gen > 0 {
+        if args.n_gen > 0 && args.seqs > 1 {
+            // one batched step decodes a token of every sequence (continuous batching)
+            let mut caches: Vec<_> = (0..args.seqs).map(|_| t.new_cache(ctx)).collect();
+            let mut toks: Vec<u32> = prompt_tokens(args.seqs + rep, vocab)[rep..].to_vec();
+            shoal_engine::profile::enable(args.profile);
+            let t0 = Instant::now();
+            for _ in 0..args.n_gen {
+                let mut refs: Vec<_> = caches.iter_mut().collect();
+                let logits = t.forward_batch(&toks, &mut refs)?.to_vec2::<f32>()?;
+                for (tok, row) in toks.iter_mut().zip(&logits) {
+                    *tok = argmax(row) as u32;
+                }
+            }
+            let secs = t0.elapsed().as_secs_f64();
+            shoal_engine::profile::enable(false);
+            decode_secs += secs;
+            tg.push((args.n_gen * args.seqs) as f64 / secs);
+        } else if args.n_gen > 0 {
             cache.clear();
             let mut tok = prompt_tokens(1 + rep, vocab)[rep];
             shoal_engine::profile::enable(args.profile);

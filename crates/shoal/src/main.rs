@@ -5,11 +5,15 @@
 mod bench;
 mod bench_comm;
 mod bench_kernels;
+mod bench_serve;
 mod bench_split;
 mod chat;
+mod client;
+mod keys;
 mod models;
 mod ranks;
 mod run;
+mod serve;
 mod worker;
 
 use std::process::ExitCode;
@@ -35,6 +39,10 @@ enum Command {
     Chat(chat::ChatArgs),
     /// Measure prefill and decode speed.
     Bench(bench::BenchArgs),
+    /// Serve models over the OpenAI, Anthropic and Ollama HTTP APIs.
+    Serve(serve::ServeArgs),
+    /// Manage a node's API keys.
+    Keys(keys::KeysArgs),
     /// Run one rank of a model split across processes or hosts (see `run --peers`).
     Worker(worker::WorkerArgs),
 }
@@ -86,6 +94,8 @@ fn main() -> ExitCode {
         Command::Chat(a) => chat::main(a),
         Command::Bench(a) => bench::main(a),
         Command::Worker(a) => worker::main(a),
+        Command::Serve(a) => serve::main(a),
+        Command::Keys(a) => keys::main(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,469 @@
+//! Anthropic-compatible `POST /v1/messages`: system prompt, text / `tool_use` / `tool_result`
+//! content blocks, `tool_choice` (auto, any, tool, none), `stop_sequences`, `stop_reason`,
+//! and the streaming event sequence (`message_start`, `content_block_*`, `message_delta`,
+//! `message_stop`), with Anthropic's error shape. Keys may come as `x-api-key`.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::error::{parse_body, ApiError, Flavor};
+use crate::generation::{
+    self, Finish, GenRequest, Input, Message, Out, OutputFormat, Tool, ToolChoice,
+};
+use crate::openai::OneOrMany;
+use crate::state::AppState;
+use crate::tools::ToolCall;
+
+#[derive(Debug, Deserialize)]
+struct WireMessage {
+    role: String,
+    content: Value,
+}
+
+#[derive(Debug, Deserialize)]
+struct WireTool {
+    name: String,
+    #[serde(default)]
+    description: Option<String>,
+    #[serde(default)]
+    input_schema: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct MessagesRequest {
+    model: String,
+    max_tokens: u64,
+    messages: Vec<WireMessage>,
+    #[serde(default)]
+    system: Option<Value>,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    top_k: Option<u32>,
+    #[serde(default)]
+    stop_sequences: Option<OneOrMany>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    tools: Option<Vec<WireTool>>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+    #[serde(default)]
+    output_config: Option<Value>,
+}
+
+/// Text of a string or of a list of text blocks.
+fn block_text(v: &Value, field: &str) -> Result<String, ApiError> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(blocks) => {
+            let mut out = String::new();
+            for b in blocks {
+                match b.get("type").and_then(Value::as_str) {
+                    Some("text") => {
+                        out.push_str(b.get("text").and_then(Value::as_str).unwrap_or(""))
+                    }
+                    Some(t) => {
+                        return Err(ApiError::invalid_param(
+                            field,
+                            format!("a block of type '{t}' is not supported here; send text"),
+                        ))
+                    }
+                    None => return Err(ApiError::invalid_param(field, "a block needs a 'type'")),
+                }
+            }
+            Ok(out)
+        }
+        Value::Null => Ok(String::new()),
+        _ => Err(ApiError::invalid_param(
+            field,
+            "must be a string or a list of blocks",
+        )),
+    }
+}
+
+/// Canonical messages from Anthropic's: `tool_use` blocks become the assistant's tool
+/// calls, `tool_result` blocks become tool messages.
+fn canonical_messages(
+    system: Option<Value>,
+    wire: Vec<WireMessage>,
+) -> Result<Vec<Message>, ApiError> {
+    let mut out = Vec::new();
+    if let Some(s) = system {
+        let text = block_text(&s, "system")?;
+        if !text.is_empty() {
+            out.push(Message::text("system", text));
+        }
+    }
+    if wire.is_empty() {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "messages is empty; send at least one message",
+        ));
+    }
+    for (i, m) in wire.into_iter().enumerate() {
+        let field = format!("messages.{i}.content");
+        if m.role != "user" && m.role != "assistant" {
+            return Err(ApiError::invalid_param(
+                &format!("messages.{i}.role"),
+                format!("role '{}' must be user or assistant", m.role),
+            ));
+        }
+        let blocks = match m.content {
+            Value::String(s) => {
+                out.push(Message::text(&m.role, s));
+                continue;
+            }
+            Value::Array(b) => b,
+            _ => {
+                return Err(ApiError::invalid_param(
+                    &field,
+                    "content must be a string or a list of blocks",
+                ))
+            }
+        };
+        let mut msg = Message::text(&m.role, String::new());
+        let mut results = Vec::new();
+        for (j, b) in blocks.iter().enumerate() {
+            let bf = format!("{field}.{j}");
+            match b.get("type").and_then(Value::as_str) {
+                Some("text") => {
+                    msg.content
+                        .push_str(b.get("text").and_then(Value::as_str).unwrap_or(""));
+                }
+                Some("tool_use") if m.role == "assistant" => {
+                    let (Some(id), Some(name)) = (
+                        b.get("id").and_then(Value::as_str),
+                        b.get("name").and_then(Value::as_str),
+                    ) else {
+                        return Err(ApiError::invalid_param(
+                            &bf,
+                            "tool_use needs 'id' and 'name'",
+                        ));
+                    };
+                    msg.tool_calls.push(ToolCall {
+                        id: id.to_string(),
+                        name: name.to_string(),
+                        arguments: b.get("input").cloned().unwrap_or_else(|| json!({})),
+                    });
+                }
+                Some("tool_result") if m.role == "user" => {
+                    let id = b
+                        .get("tool_use_id")
+                        .and_then(Value::as_str)
+                        .ok_or_else(|| {
+                            ApiError::invalid_param(&bf, "tool_result needs 'tool_use_id'")
+                        })?;
+                    let content = block_text(b.get("content").unwrap_or(&Value::Null), &bf)?;
+                    let mut r = Message::text("tool", content);
+                    r.tool_call_id = Some(id.to_string());
+                    results.push(r);
+                }
+                Some(t) => {
+                    return Err(ApiError::invalid_param(
+                        &bf,
+                        format!("a {} block of type '{t}' is not supported", m.role),
+                    ))
+                }
+                None => return Err(ApiError::invalid_param(&bf, "a block needs a 'type'")),
+            }
+        }
+        // Tool results answer the previous assistant turn; any text after them is the user's.
+        out.extend(results);
+        if !msg.content.is_empty() || !msg.tool_calls.is_empty() {
+            out.push(msg);
+        }
+    }
+    Ok(out)
+}
+
+fn tool_choice(v: Option<Value>) -> Result<ToolChoice, ApiError> {
+    let Some(v) = v else {
+        return Ok(ToolChoice::Auto);
+    };
+    match v.get("type").and_then(Value::as_str) {
+        Some("auto") => Ok(ToolChoice::Auto),
+        Some("none") => Ok(ToolChoice::None),
+        Some("any") => Ok(ToolChoice::Required),
+        Some("tool") => v
+            .get("name")
+            .and_then(Value::as_str)
+            .map(|n| ToolChoice::Named(n.to_string()))
+            .ok_or_else(|| {
+                ApiError::invalid_param(
+                    "tool_choice.name",
+                    "tool_choice of type 'tool' needs a 'name'",
+                )
+            }),
+        _ => Err(ApiError::invalid_param(
+            "tool_choice.type",
+            "tool_choice.type must be auto, any, tool or none",
+        )),
+    }
+}
+
+fn stop_reason(f: Finish, stop: &Option<String>) -> &'static str {
+    match f {
+        Finish::Stop if stop.is_some() => "stop_sequence",
+        Finish::Stop => "end_turn",
+        Finish::Length => "max_tokens",
+        Finish::ToolCalls => "tool_use",
+    }
+}
+
+fn msg_id() -> String {
+    format!("msg_{:024x}", rand::random::<u128>() >> 32)
+}
+
+/// `POST /v1/messages`, errors returned for the caller to render.
+async fn messages_route(
+    state: Arc<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    state.keys.authorize(&headers)?;
+    let body = crate::body_bytes(body)?;
+    let r: MessagesRequest = parse_body(&body)?;
+    let tools: Vec<Tool> = r
+        .tools
+        .unwrap_or_default()
+        .into_iter()
+        .map(|t| Tool {
+            name: t.name,
+            description: t.description,
+            parameters: t
+                .input_schema
+                .unwrap_or_else(|| json!({"type": "object", "properties": {}})),
+        })
+        .collect();
+    let mut req = GenRequest::new(
+        r.model,
+        Input::Chat {
+            messages: canonical_messages(r.system, r.messages)?,
+            tools,
+        },
+    );
+    if r.max_tokens == 0 {
+        return Err(ApiError::invalid_param(
+            "max_tokens",
+            "max_tokens must be at least 1",
+        ));
+    }
+    req.max_tokens = Some(r.max_tokens.min(u32::MAX as u64) as usize);
+    let temperature = r.temperature.unwrap_or(1.0);
+    if !(0.0..=1.0).contains(&temperature) {
+        return Err(ApiError::invalid_param(
+            "temperature",
+            format!("temperature {temperature} must be between 0 and 1"),
+        ));
+    }
+    req.sampling.temperature = temperature;
+    req.sampling.top_p = r.top_p.unwrap_or(1.0);
+    req.sampling.top_k = r.top_k.unwrap_or(0) as usize;
+    req.stop = r
+        .stop_sequences
+        .map(OneOrMany::into_vec)
+        .unwrap_or_default();
+    req.tool_choice = tool_choice(r.tool_choice)?;
+    if let Some(format) = r.output_config.as_ref().and_then(|c| c.get("format")) {
+        if !format.is_null() {
+            match (
+                format.get("type").and_then(Value::as_str),
+                format.get("schema"),
+            ) {
+                (Some("json_schema"), Some(schema)) => {
+                    req.format = OutputFormat::JsonSchema(schema.clone())
+                }
+                _ => return Err(ApiError::invalid_param(
+                    "output_config.format",
+                    "output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                )),
+            }
+        }
+    }
+    let running = generation::start(&state, req)?;
+    let id = msg_id();
+    let model = running.model.id.clone();
+    if r.stream.unwrap_or(false) {
+        return Ok(stream_messages(running, id, model).into_response());
+    }
+    let done = running.collect().await?;
+    let mut content = Vec::new();
+    if !done.text.is_empty() {
+        content.push(json!({"type": "text", "text": done.text}));
+    }
+    for c in &done.calls {
+        content.push(json!({"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments}));
+    }
+    Ok(Json(json!({
+        "id": id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason(done.reason, &done.stop),
+        "stop_sequence": done.stop,
+        "usage": {"input_tokens": done.usage.prompt_tokens, "output_tokens": done.usage.completion_tokens},
+    }))
+    .into_response())
+}
+
+/// Axum handler for `POST /v1/messages`.
+pub async fn messages(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match messages_route(state, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.flavor(Flavor::Anthropic).into_response(),
+    }
+}
+
+type Item = Result<SseEvent, Infallible>;
+
+fn event(name: &str, data: Value) -> Item {
+    Ok(SseEvent::default().event(name).data(data.to_string()))
+}
+
+fn stream_messages(
+    running: generation::Running,
+    id: String,
+    model: String,
+) -> Sse<impl futures_util::Stream<Item = Item>> {
+    struct St {
+        running: generation::Running,
+        queue: VecDeque<Item>,
+        started: bool,
+        ended: bool,
+        /// Index of the next content block, and whether a text block is open.
+        block: usize,
+        text_open: bool,
+    }
+    let st = St {
+        running,
+        queue: VecDeque::new(),
+        started: false,
+        ended: false,
+        block: 0,
+        text_open: false,
+    };
+    let s = stream::unfold(st, move |mut st| {
+        let (id, model) = (id.clone(), model.clone());
+        async move {
+            loop {
+                if let Some(i) = st.queue.pop_front() {
+                    return Some((i, st));
+                }
+                if st.ended {
+                    return None;
+                }
+                if !st.started {
+                    st.started = true;
+                    st.queue.push_back(event(
+                        "message_start",
+                        json!({"type": "message_start", "message": {
+                            "id": id, "type": "message", "role": "assistant", "model": model,
+                            "content": [], "stop_reason": null, "stop_sequence": null,
+                            "usage": {"input_tokens": st.running.prompt_tokens, "output_tokens": 0},
+                        }}),
+                    ));
+                    st.queue.push_back(event("ping", json!({"type": "ping"})));
+                    continue;
+                }
+                match st.running.next().await {
+                    Some(Out::Text { text, .. }) => {
+                        if text.is_empty() {
+                            continue;
+                        }
+                        if !st.text_open {
+                            st.text_open = true;
+                            st.queue.push_back(event(
+                                "content_block_start",
+                                json!({"type": "content_block_start", "index": st.block,
+                                       "content_block": {"type": "text", "text": ""}}),
+                            ));
+                        }
+                        st.queue.push_back(event(
+                            "content_block_delta",
+                            json!({"type": "content_block_delta", "index": st.block,
+                                   "delta": {"type": "text_delta", "text": text}}),
+                        ));
+                    }
+                    Some(Out::Call { call, .. }) => {
+                        if st.text_open {
+                            st.text_open = false;
+                            st.queue.push_back(event(
+                                "content_block_stop",
+                                json!({"type": "content_block_stop", "index": st.block}),
+                            ));
+                            st.block += 1;
+                        }
+                        st.queue.push_back(event(
+                            "content_block_start",
+                            json!({"type": "content_block_start", "index": st.block,
+                                   "content_block": {"type": "tool_use", "id": call.id,
+                                                     "name": call.name, "input": {}}}),
+                        ));
+                        st.queue.push_back(event(
+                            "content_block_delta",
+                            json!({"type": "content_block_delta", "index": st.block,
+                                   "delta": {"type": "input_json_delta",
+                                             "partial_json": call.arguments.to_string()}}),
+                        ));
+                        st.queue.push_back(event(
+                            "content_block_stop",
+                            json!({"type": "content_block_stop", "index": st.block}),
+                        ));
+                        st.block += 1;
+                    }
+                    Some(Out::Finished {
+                        reason,
+                        stop,
+                        usage,
+                    }) => {
+                        if st.text_open {
+                            st.text_open = false;
+                            st.queue.push_back(event(
+                                "content_block_stop",
+                                json!({"type": "content_block_stop", "index": st.block}),
+                            ));
+                        }
+                        st.queue.push_back(event(
+                            "message_delta",
+                            json!({"type": "message_delta",
+                                   "delta": {"stop_reason": stop_reason(reason, &stop), "stop_sequence": stop},
+                                   "usage": {"output_tokens": usage.completion_tokens}}),
+                        ));
+                        st.queue
+                            .push_back(event("message_stop", json!({"type": "message_stop"})));
+                        st.ended = true;
+                    }
+                    Some(Out::Failed(msg)) => {
+                        st.queue.push_back(event(
+                            "error",
+                            ApiError::internal(msg).flavor(Flavor::Anthropic).body(),
+                        ));
+                        st.ended = true;
+                    }
+                    None => return None,
+                }
+            }
+        }
+    });
+    Sse::new(s).keep_alive(KeepAlive::default())
+}

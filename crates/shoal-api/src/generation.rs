@@ -1,0 +1,603 @@
+//! The one internal request every API adapter produces ([`GenRequest`]) and what running it
+//! yields ([`Running`] → [`Out`]): the prompt is rendered through the model's own chat
+//! template (tools and tool results included), tokenized, checked against the context, and
+//! queued on the model's scheduler; the scheduler's token events come back as text, tool calls
+//! parsed in the model family's format, and a final reason with usage. Adapters only translate
+//! to and from their wire format.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use shoal_engine::generate::FinishReason;
+use shoal_engine::scheduler::{Event, SequenceRequest, Ticket, TokenConstraint};
+use shoal_engine::SamplerConfig;
+use tokio::sync::mpsc;
+
+use crate::error::{ApiError, ErrorKind};
+use crate::state::{AppState, ServedModel};
+use crate::tools::{StreamEvent, ToolCall, ToolStream};
+
+/// A function the model may call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tool {
+    /// Its name.
+    pub name: String,
+    /// What it does.
+    pub description: Option<String>,
+    /// JSON schema of its arguments.
+    pub parameters: Value,
+}
+
+/// Whether and which tools the model must call.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum ToolChoice {
+    /// The model decides.
+    #[default]
+    Auto,
+    /// No tool calls (tools are still shown to the model).
+    None,
+    /// At least one tool call, enforced.
+    Required,
+    /// A call of this function, enforced.
+    Named(String),
+}
+
+/// The shape the output must have.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum OutputFormat {
+    /// Free text.
+    #[default]
+    Text,
+    /// Any JSON object, enforced.
+    JsonObject,
+    /// JSON valid against this schema, enforced.
+    JsonSchema(Value),
+}
+
+/// A chat message in the canonical form the chat templates read (OpenAI's, with tool call
+/// arguments as JSON objects).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Message {
+    /// system, developer, user, assistant or tool.
+    pub role: String,
+    /// The text.
+    pub content: String,
+    /// Calls an assistant message made.
+    pub tool_calls: Vec<ToolCall>,
+    /// For a tool message: the call it answers.
+    pub tool_call_id: Option<String>,
+    /// For a tool message: the function's name, when known.
+    pub name: Option<String>,
+}
+
+impl Message {
+    /// A message with only a role and text.
+    pub fn text(role: &str, content: impl Into<String>) -> Self {
+        Message {
+            role: role.to_string(),
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
+        }
+    }
+
+    fn to_template(&self) -> Value {
+        let mut m = json!({"role": self.role, "content": self.content});
+        if !self.tool_calls.is_empty() {
+            m["tool_calls"] = self
+                .tool_calls
+                .iter()
+                .map(|c| {
+                    json!({"id": c.id, "type": "function",
+                           "function": {"name": c.name, "arguments": c.arguments}})
+                })
+                .collect();
+        }
+        if let Some(id) = &self.tool_call_id {
+            m["tool_call_id"] = json!(id);
+        }
+        if let Some(n) = &self.name {
+            m["name"] = json!(n);
+        }
+        m
+    }
+}
+
+/// What to run the model on.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    /// A conversation, rendered by the model's chat template.
+    Chat {
+        /// The messages, oldest first.
+        messages: Vec<Message>,
+        /// Tools offered.
+        tools: Vec<Tool>,
+    },
+    /// Text to continue as it is.
+    Text(String),
+}
+
+/// One generation request, whatever API it came from.
+#[derive(Debug, Clone)]
+pub struct GenRequest {
+    /// The model id asked for.
+    pub model: String,
+    /// What to run.
+    pub input: Input,
+    /// Most tokens to generate (`None`: up to the end of the context).
+    pub max_tokens: Option<usize>,
+    /// Sampling settings (the seed is random when `seed` is `None`).
+    pub sampling: SamplerConfig,
+    /// The client's seed, if it gave one.
+    pub seed: Option<u64>,
+    /// OpenAI's presence penalty.
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty.
+    pub frequency_penalty: f32,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Log-probabilities with this many alternatives.
+    pub logprobs: Option<usize>,
+    /// Tool policy.
+    pub tool_choice: ToolChoice,
+    /// Output shape.
+    pub format: OutputFormat,
+    /// Generate through end-of-generation tokens (benchmarks; vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
+}
+
+impl GenRequest {
+    /// A request for `model` on `input` with greedy sampling and no limits.
+    pub fn new(model: impl Into<String>, input: Input) -> Self {
+        GenRequest {
+            model: model.into(),
+            input,
+            max_tokens: None,
+            sampling: SamplerConfig::default(),
+            seed: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            stop: Vec::new(),
+            logprobs: None,
+            tool_choice: ToolChoice::Auto,
+            format: OutputFormat::Text,
+            ignore_eos: false,
+        }
+    }
+
+    fn tools(&self) -> &[Tool] {
+        match &self.input {
+            Input::Chat { tools, .. } => tools,
+            Input::Text(_) => &[],
+        }
+    }
+}
+
+/// Why a generation ended, as the APIs see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// End of generation or a stop string.
+    Stop,
+    /// The token limit or the end of the context.
+    Length,
+    /// The model called tools.
+    ToolCalls,
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// From arrival to the first generated token.
+    pub time_to_first_token: Duration,
+    /// From arrival to the end.
+    pub total: Duration,
+}
+
+/// One generated token's log-probability, with its text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its bytes (the text may be a partial character).
+    pub bytes: Vec<u8>,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely alternatives, best first.
+    pub top: Vec<(String, Vec<u8>, f32)>,
+}
+
+/// What a running request yields, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Out {
+    /// Text to show, with the log-probabilities of the tokens that produced it (when asked).
+    Text {
+        /// The text.
+        text: String,
+        /// Per token, when asked for.
+        logprobs: Vec<TokenLogprob>,
+    },
+    /// A complete tool call.
+    Call {
+        /// Its position among this response's calls.
+        index: usize,
+        /// The call.
+        call: ToolCall,
+    },
+    /// The end.
+    Finished {
+        /// Why.
+        reason: Finish,
+        /// The stop string that ended it, if one did.
+        stop: Option<String>,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The request failed after it started; the message says why.
+    Failed(String),
+}
+
+/// A request queued or running on a model.
+pub struct Running {
+    /// The model serving it.
+    pub model: Arc<ServedModel>,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Unix seconds at creation.
+    pub created: u64,
+    state: Arc<AppState>,
+    rx: mpsc::UnboundedReceiver<Event>,
+    _ticket: Ticket,
+    parser: Option<ToolStream>,
+    calls: usize,
+    logprobs: bool,
+    pending: std::collections::VecDeque<Out>,
+    last_token: Instant,
+    first: bool,
+    done: bool,
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running")
+            .field("model", &self.model.id)
+            .field("prompt_tokens", &self.prompt_tokens)
+            .finish()
+    }
+}
+
+/// A finished request collected whole.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completed {
+    /// The text (outside tool calls).
+    pub text: String,
+    /// The tool calls.
+    pub calls: Vec<ToolCall>,
+    /// Why it ended.
+    pub reason: Finish,
+    /// The stop string that ended it, if one did.
+    pub stop: Option<String>,
+    /// Token counts.
+    pub usage: Usage,
+    /// Per-token log-probabilities, when asked for.
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Renders, tokenizes and queues `req`.
+///
+/// # Errors
+/// 404 for an unknown model, 400 for a request the model cannot take (no chat template, a
+/// prompt longer than the context, bad sampling values, a bad schema), 503 when the queue is
+/// full.
+pub fn start(state: &Arc<AppState>, req: GenRequest) -> Result<Running, ApiError> {
+    let served = state.model(&req.model)?;
+    let model = served.scheduler.model().clone();
+    let tools = req.tools();
+    if let ToolChoice::Named(name) = &req.tool_choice {
+        if !tools.iter().any(|t| &t.name == name) {
+            return Err(ApiError::invalid_param(
+                "tool_choice",
+                format!("tool_choice names function '{name}', which is not among the tools"),
+            ));
+        }
+    }
+    if matches!(req.tool_choice, ToolChoice::Required) && tools.is_empty() {
+        return Err(ApiError::invalid_param(
+            "tool_choice",
+            "tool_choice is 'required' but no tools were given",
+        ));
+    }
+    let prompt = match &req.input {
+        Input::Text(text) => model
+            .raw_prompt(text)
+            .map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e}")))?,
+        Input::Chat { messages, tools } => {
+            let msgs: Vec<Value> = messages.iter().map(Message::to_template).collect();
+            let tool_values: Vec<Value> = tools
+                .iter()
+                .map(|t| {
+                    let mut f = json!({"name": t.name});
+                    if let Some(d) = &t.description {
+                        f["description"] = json!(d);
+                    }
+                    f["parameters"] = t.parameters.clone();
+                    json!({"type": "function", "function": f})
+                })
+                .collect();
+            let tools_arg = (!tool_values.is_empty()).then_some(&tool_values[..]);
+            model
+                .chat_prompt(&msgs, tools_arg)
+                .map_err(|e| ApiError::invalid(format!("cannot build the prompt: {e}")))?
+        }
+    };
+    if tracing::enabled!(tracing::Level::TRACE) {
+        let text = model.tokenizer.decode(&prompt, false);
+        tracing::trace!(model = %served.id, tokens = prompt.len(), %text, "prompt");
+    }
+    let ctx = served.ctx;
+    if prompt.is_empty() {
+        return Err(ApiError::invalid("the prompt is empty"));
+    }
+    if prompt.len() >= ctx {
+        return Err(ApiError::invalid_param(
+            "messages",
+            format!(
+                "the prompt is {} tokens, but {} is served with a context of {ctx} tokens \
+                 (prompt plus output); shorten the prompt",
+                prompt.len(),
+                served.id
+            ),
+        ));
+    }
+    let room = ctx - prompt.len();
+    let max_tokens = match req.max_tokens {
+        Some(0) => {
+            return Err(ApiError::invalid_param(
+                "max_tokens",
+                "max_tokens must be at least 1",
+            ))
+        }
+        Some(n) => n.min(room),
+        None => room,
+    };
+    let mut sampling = req.sampling.clone();
+    sampling.seed = req.seed.unwrap_or_else(rand::random);
+    sampling
+        .validate()
+        .map_err(|e| ApiError::invalid(format!("bad sampling setting: {e}")))?;
+    let tools_active = !tools.is_empty() && req.tool_choice != ToolChoice::None;
+    let constraint = constraint_for(&served, &req)?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let sink = Box::new(move |ev: Event| tx.send(ev).is_ok());
+    let prompt_tokens = prompt.len();
+    let ticket = served
+        .scheduler
+        .submit(
+            SequenceRequest {
+                prompt,
+                max_tokens,
+                sampler: sampling,
+                presence_penalty: req.presence_penalty,
+                frequency_penalty: req.frequency_penalty,
+                stop: req.stop.clone(),
+                logprobs: req.logprobs,
+                constraint,
+                ignore_eos: req.ignore_eos,
+            },
+            sink,
+        )
+        .map_err(|busy| {
+            ApiError::new(
+                ErrorKind::Overloaded,
+                format!(
+                    "{} is at capacity ({} requests queued); retry shortly",
+                    served.id, busy.queued
+                ),
+            )
+        })?;
+    state.metrics.prompt(&served.id, prompt_tokens);
+    let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+    Ok(Running {
+        parser: tools_active.then(|| ToolStream::new(served.tool_format, &names)),
+        model: served,
+        prompt_tokens,
+        created: unix_now(),
+        state: state.clone(),
+        rx,
+        _ticket: ticket,
+        calls: 0,
+        logprobs: req.logprobs.is_some(),
+        pending: Default::default(),
+        last_token: Instant::now(),
+        first: true,
+        done: false,
+    })
+}
+
+/// The constraint enforcing `req`'s output format or forced tool call, if any.
+fn constraint_for(
+    served: &ServedModel,
+    req: &GenRequest,
+) -> Result<Option<Box<dyn TokenConstraint>>, ApiError> {
+    crate::constrain::for_request(served, req)
+}
+
+impl Running {
+    fn lp(&self, id: u32, lp: Option<shoal_engine::scheduler::TokenLogprob>) -> Vec<TokenLogprob> {
+        let Some(lp) = lp else {
+            return Vec::new();
+        };
+        let tok = &self.model.scheduler.model().tokenizer;
+        let text = |id: u32| {
+            let b = tok.token_bytes(id).to_vec();
+            (String::from_utf8_lossy(&b).into_owned(), b)
+        };
+        let (token, bytes) = text(id);
+        vec![TokenLogprob {
+            token,
+            bytes,
+            logprob: lp.logprob,
+            top: lp
+                .top
+                .iter()
+                .map(|&(t, l)| {
+                    let (s, b) = text(t);
+                    (s, b, l)
+                })
+                .collect(),
+        }]
+    }
+
+    fn push_text(&mut self, text: String, logprobs: Vec<TokenLogprob>) {
+        match &mut self.parser {
+            None => {
+                if !text.is_empty() || !logprobs.is_empty() {
+                    self.pending.push_back(Out::Text { text, logprobs });
+                }
+            }
+            Some(p) => {
+                let events = p.push(&text);
+                self.push_events(events);
+            }
+        }
+    }
+
+    fn push_events(&mut self, events: Vec<StreamEvent>) {
+        for e in events {
+            match e {
+                StreamEvent::Content(text) if !text.is_empty() => {
+                    self.pending.push_back(Out::Text {
+                        text,
+                        logprobs: Vec::new(),
+                    })
+                }
+                StreamEvent::Content(_) => {}
+                StreamEvent::ToolCall { call, .. } => {
+                    self.pending.push_back(Out::Call {
+                        index: self.calls,
+                        call,
+                    });
+                    self.calls += 1;
+                }
+            }
+        }
+    }
+
+    /// The next piece of output; `None` after [`Out::Finished`] or [`Out::Failed`].
+    pub async fn next(&mut self) -> Option<Out> {
+        loop {
+            if let Some(o) = self.pending.pop_front() {
+                return Some(o);
+            }
+            if self.done {
+                return None;
+            }
+            let Some(ev) = self.rx.recv().await else {
+                self.done = true;
+                return Some(Out::Failed("the model stopped serving this request".into()));
+            };
+            match ev {
+                Event::Token { id, text, logprob } => {
+                    let now = Instant::now();
+                    self.state.metrics.token(
+                        &self.model.id,
+                        self.first,
+                        if self.first {
+                            Duration::ZERO
+                        } else {
+                            now - self.last_token
+                        },
+                    );
+                    self.first = false;
+                    self.last_token = now;
+                    let lps = if self.logprobs {
+                        self.lp(id, logprob)
+                    } else {
+                        Vec::new()
+                    };
+                    self.push_text(text, lps);
+                }
+                Event::Text(text) => self.push_text(text, Vec::new()),
+                Event::Done(f) => {
+                    if let Some(p) = self.parser.take() {
+                        let events = p.finish();
+                        self.push_events(events);
+                    }
+                    let reason = if self.calls > 0 {
+                        Finish::ToolCalls
+                    } else {
+                        match f.reason {
+                            FinishReason::Length => Finish::Length,
+                            _ => Finish::Stop,
+                        }
+                    };
+                    self.pending.push_back(Out::Finished {
+                        reason,
+                        stop: f.stop,
+                        usage: Usage {
+                            prompt_tokens: f.prompt_tokens,
+                            completion_tokens: f.completion_tokens,
+                            time_to_first_token: f.time_to_first_token,
+                            total: f.total,
+                        },
+                    });
+                    self.done = true;
+                }
+                Event::Failed(msg) => {
+                    self.pending.push_back(Out::Failed(msg));
+                    self.done = true;
+                }
+            }
+        }
+    }
+
+    /// Runs to the end and returns everything at once.
+    ///
+    /// # Errors
+    /// When the request failed after it started (500).
+    pub async fn collect(mut self) -> Result<Completed, ApiError> {
+        let mut out = Completed {
+            text: String::new(),
+            calls: Vec::new(),
+            reason: Finish::Stop,
+            stop: None,
+            usage: Usage::default(),
+            logprobs: Vec::new(),
+        };
+        while let Some(o) = self.next().await {
+            match o {
+                Out::Text { text, logprobs } => {
+                    out.text.push_str(&text);
+                    out.logprobs.extend(logprobs);
+                }
+                Out::Call { call, .. } => out.calls.push(call),
+                Out::Finished {
+                    reason,
+                    stop,
+                    usage,
+                } => {
+                    out.reason = reason;
+                    out.stop = stop;
+                    out.usage = usage;
+                }
+                Out::Failed(msg) => return Err(ApiError::internal(msg)),
+            }
+        }
+        if !out.calls.is_empty() {
+            out.text = out.text.trim().to_string();
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,447 @@
+//! API keys: created with a random secret that is shown once, stored only as its SHA-256
+//! hash (in `keys.json` in the node's data directory, written atomically, mode 0600), checked
+//! on every model route once any key exists, with a per-key request rate limit (a token
+//! bucket refilled continuously, so a client learns exactly when to retry).
+//!
+//! The first key created is an administrator key, and only administrator keys may manage
+//! keys. While no key exists, the server is open, and keys may be managed from the loopback
+//! interface only.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::http::HeaderMap;
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::error::{ApiError, ErrorKind};
+
+/// Prefix of every secret, so leaked keys are recognisable.
+const SECRET_PREFIX: &str = "sk-shoal-";
+
+/// A stored key (never the secret itself).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct KeyRecord {
+    /// Public identifier, used to revoke.
+    pub id: String,
+    /// A label given at creation.
+    pub name: String,
+    /// SHA-256 of the secret, hex.
+    #[serde(skip_serializing_if = "String::is_empty", default)]
+    pub hash: String,
+    /// May manage keys.
+    pub admin: bool,
+    /// Requests per minute allowed (none = the server's default).
+    pub rpm: Option<u32>,
+    /// Unix seconds of creation.
+    pub created: u64,
+}
+
+impl KeyRecord {
+    /// The record without its hash, for listings.
+    pub fn public(&self) -> KeyRecord {
+        KeyRecord {
+            hash: String::new(),
+            ..self.clone()
+        }
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize, Default)]
+struct KeyFile {
+    keys: Vec<KeyRecord>,
+}
+
+#[derive(Debug)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    keys: Vec<KeyRecord>,
+    buckets: HashMap<String, Bucket>,
+}
+
+/// The key store of one node.
+#[derive(Debug)]
+pub struct KeyStore {
+    path: Option<PathBuf>,
+    default_rpm: Option<u32>,
+    inner: Mutex<Inner>,
+}
+
+/// What can go wrong loading or saving keys.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    /// The key file cannot be read or written.
+    #[error("key file {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The key file is not what shoal writes.
+    #[error(
+        "key file {path} is damaged ({why}); fix or remove it (removing it deletes every key)"
+    )]
+    Damaged {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        why: String,
+    },
+}
+
+fn sha256_hex(s: &str) -> String {
+    let digest = Sha256::digest(s.as_bytes());
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn same(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn random_hex(bytes: usize) -> String {
+    let mut rng = rand::rng();
+    (0..bytes)
+        .map(|_| format!("{:02x}", rng.random::<u8>()))
+        .collect()
+}
+
+impl KeyStore {
+    /// A store kept in `path` (loaded now when it exists), or in memory only when `None`;
+    /// `default_rpm` limits keys created without their own limit.
+    ///
+    /// # Errors
+    /// When the file exists but cannot be read or parsed.
+    pub fn open(path: Option<&Path>, default_rpm: Option<u32>) -> Result<Self, KeyError> {
+        let mut keys = Vec::new();
+        if let Some(p) = path {
+            match std::fs::read(p) {
+                Ok(bytes) => {
+                    let file: KeyFile =
+                        serde_json::from_slice(&bytes).map_err(|e| KeyError::Damaged {
+                            path: p.to_path_buf(),
+                            why: e.to_string(),
+                        })?;
+                    keys = file.keys;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(source) => {
+                    return Err(KeyError::Io {
+                        path: p.to_path_buf(),
+                        source,
+                    })
+                }
+            }
+        }
+        Ok(KeyStore {
+            path: path.map(Path::to_path_buf),
+            default_rpm,
+            inner: Mutex::new(Inner {
+                keys,
+                buckets: HashMap::new(),
+            }),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether no key exists (the server is open).
+    pub fn is_empty(&self) -> bool {
+        self.lock().keys.is_empty()
+    }
+
+    /// Every key, without hashes.
+    pub fn list(&self) -> Vec<KeyRecord> {
+        self.lock().keys.iter().map(KeyRecord::public).collect()
+    }
+
+    /// Creates a key; returns its record and its secret (shown once). The first key is
+    /// always an administrator key.
+    ///
+    /// # Errors
+    /// When the key file cannot be written.
+    pub fn create(
+        &self,
+        name: &str,
+        admin: bool,
+        rpm: Option<u32>,
+    ) -> Result<(KeyRecord, String), KeyError> {
+        let secret = format!("{SECRET_PREFIX}{}", random_hex(24));
+        let mut inner = self.lock();
+        let record = KeyRecord {
+            id: format!("key_{}", random_hex(6)),
+            name: name.to_string(),
+            hash: sha256_hex(&secret),
+            admin: admin || inner.keys.is_empty(),
+            rpm,
+            created: now_s(),
+        };
+        inner.keys.push(record.clone());
+        if let Err(e) = self.save(&inner.keys) {
+            inner.keys.pop();
+            return Err(e);
+        }
+        Ok((record.public(), secret))
+    }
+
+    /// Revokes key `id`; returns whether it existed.
+    ///
+    /// # Errors
+    /// When the key file cannot be written.
+    pub fn revoke(&self, id: &str) -> Result<bool, KeyError> {
+        let mut inner = self.lock();
+        let Some(at) = inner.keys.iter().position(|k| k.id == id) else {
+            return Ok(false);
+        };
+        let removed = inner.keys.remove(at);
+        if let Err(e) = self.save(&inner.keys) {
+            inner.keys.insert(at, removed);
+            return Err(e);
+        }
+        inner.buckets.remove(id);
+        Ok(true)
+    }
+
+    fn save(&self, keys: &[KeyRecord]) -> Result<(), KeyError> {
+        let Some(path) = &self.path else {
+            return Ok(());
+        };
+        let io = |source| KeyError::Io {
+            path: path.clone(),
+            source,
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        let text = serde_json::to_vec_pretty(&KeyFile {
+            keys: keys.to_vec(),
+        })
+        .map_err(|e| io(std::io::Error::other(e)))?;
+        let tmp = path.with_extension("json.tmp");
+        {
+            use std::io::Write;
+            let mut opts = std::fs::OpenOptions::new();
+            opts.write(true).create(true).truncate(true);
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::OpenOptionsExt;
+                opts.mode(0o600);
+            }
+            let mut f = opts.open(&tmp).map_err(io)?;
+            f.write_all(&text).map_err(io)?;
+            f.sync_all().map_err(io)?;
+        }
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+
+    /// The key whose secret is `secret`.
+    pub fn verify(&self, secret: &str) -> Option<KeyRecord> {
+        let hash = sha256_hex(secret);
+        self.lock()
+            .keys
+            .iter()
+            .find(|k| same(&k.hash, &hash))
+            .cloned()
+    }
+
+    /// Takes one request from `key`'s budget.
+    ///
+    /// # Errors
+    /// A 429 with the seconds until the next request is allowed.
+    pub fn take(&self, key: &KeyRecord) -> Result<(), ApiError> {
+        let Some(rpm) = key.rpm.or(self.default_rpm).filter(|&r| r > 0) else {
+            return Ok(());
+        };
+        let per_s = rpm as f64 / 60.0;
+        let mut inner = self.lock();
+        let now = Instant::now();
+        let b = inner.buckets.entry(key.id.clone()).or_insert(Bucket {
+            tokens: rpm as f64,
+            at: now,
+        });
+        b.tokens = (b.tokens + now.duration_since(b.at).as_secs_f64() * per_s).min(rpm as f64);
+        b.at = now;
+        if b.tokens >= 1.0 {
+            b.tokens -= 1.0;
+            return Ok(());
+        }
+        let wait = ((1.0 - b.tokens) / per_s).ceil() as u64;
+        Err(ApiError::new(
+            ErrorKind::RateLimited { retry_after: wait },
+            format!(
+                "rate limit of {rpm} requests per minute reached for key {}; retry in {wait} s",
+                key.id
+            ),
+        ))
+    }
+
+    /// Checks a model route's credentials: open while no key exists, else a known key
+    /// (bearer token or `x-api-key`) within its rate limit.
+    ///
+    /// # Errors
+    /// 401 without a valid key, 429 over the rate limit.
+    pub fn authorize(&self, headers: &HeaderMap) -> Result<Option<KeyRecord>, ApiError> {
+        if self.is_empty() {
+            return Ok(None);
+        }
+        let Some(secret) = presented_secret(headers) else {
+            return Err(ApiError::new(
+                ErrorKind::Authentication,
+                "this server requires an API key: send it as `Authorization: Bearer KEY` (or `x-api-key: KEY`)",
+            ));
+        };
+        let Some(key) = self.verify(secret) else {
+            return Err(ApiError::new(
+                ErrorKind::Authentication,
+                "the API key is not valid (unknown or revoked); ask the server's operator for a key (`shoal keys create`)",
+            ));
+        };
+        self.take(&key)?;
+        Ok(Some(key))
+    }
+
+    /// Checks credentials for managing keys: from loopback while no key exists, else an
+    /// administrator key.
+    ///
+    /// # Errors
+    /// 401 without a valid key, 403 for a non-administrator key or a remote client of an
+    /// open server.
+    pub fn authorize_admin(&self, headers: &HeaderMap, loopback: bool) -> Result<(), ApiError> {
+        if self.is_empty() {
+            if loopback {
+                return Ok(());
+            }
+            return Err(ApiError::new(
+                ErrorKind::Permission,
+                "keys can only be managed from the server's own machine until the first key exists",
+            ));
+        }
+        let key = self.authorize(headers)?.ok_or_else(|| {
+            ApiError::new(
+                ErrorKind::Authentication,
+                "an administrator key is required",
+            )
+        })?;
+        if !key.admin {
+            return Err(ApiError::new(
+                ErrorKind::Permission,
+                format!(
+                    "key {} is not an administrator key; managing keys needs one",
+                    key.id
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The secret a request presents: `Authorization: Bearer X` or `x-api-key: X`.
+fn presented_secret(headers: &HeaderMap) -> Option<&str> {
+    if let Some(v) = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    {
+        let v = v.trim();
+        if let Some(rest) = v
+            .strip_prefix("Bearer ")
+            .or_else(|| v.strip_prefix("bearer "))
+        {
+            return Some(rest.trim());
+        }
+    }
+    headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bearer(s: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(
+            axum::http::header::AUTHORIZATION,
+            format!("Bearer {s}").parse().unwrap(),
+        );
+        h
+    }
+
+    #[test]
+    fn keys_are_hashed_persisted_and_revocable() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.json");
+        let store = KeyStore::open(Some(&path), None).unwrap();
+        assert!(store.authorize(&HeaderMap::new()).unwrap().is_none());
+        let (first, secret) = store.create("ops", false, None).unwrap();
+        assert!(first.admin, "the first key is an administrator key");
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(!text.contains(&secret), "the secret itself is never stored");
+        let reopened = KeyStore::open(Some(&path), None).unwrap();
+        assert_eq!(reopened.verify(&secret).unwrap().id, first.id);
+        assert!(reopened.authorize(&HeaderMap::new()).is_err());
+        assert!(reopened.authorize(&bearer("sk-shoal-wrong")).is_err());
+        assert!(reopened.authorize(&bearer(&secret)).is_ok());
+        let (user, user_secret) = reopened.create("app", false, None).unwrap();
+        assert!(!user.admin);
+        let e = reopened
+            .authorize_admin(&bearer(&user_secret), true)
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Permission);
+        assert!(reopened.authorize_admin(&bearer(&secret), false).is_ok());
+        assert!(reopened.revoke(&user.id).unwrap());
+        assert!(!reopened.revoke(&user.id).unwrap());
+        assert!(reopened.authorize(&bearer(&user_secret)).is_err());
+    }
+
+    #[test]
+    fn open_server_admin_only_from_loopback() {
+        let store = KeyStore::open(None, None).unwrap();
+        assert!(store.authorize_admin(&HeaderMap::new(), true).is_ok());
+        assert!(store.authorize_admin(&HeaderMap::new(), false).is_err());
+    }
+
+    #[test]
+    fn rate_limit_refuses_with_retry_after() {
+        let store = KeyStore::open(None, None).unwrap();
+        let (_, secret) = store.create("x", false, Some(2)).unwrap();
+        assert!(store.authorize(&bearer(&secret)).is_ok());
+        assert!(store.authorize(&bearer(&secret)).is_ok());
+        let e = store.authorize(&bearer(&secret)).unwrap_err();
+        match e.kind {
+            ErrorKind::RateLimited { retry_after } => assert!((1..=30).contains(&retry_after)),
+            k => panic!("{k:?}"),
+        }
+    }
+
+    #[test]
+    fn damaged_file_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.json");
+        std::fs::write(&path, "{not json").unwrap();
+        let e = KeyStore::open(Some(&path), None).unwrap_err();
+        assert!(e.to_string().contains("damaged"), "{e}");
+    }
+}

@@ -1,0 +1,219 @@
+//! Prometheus metrics of one server, in its own registry (no process-global recorder, so
+//! several servers in one test process do not mix): requests by route and status, prompt and
+//! generated tokens, time to first token, inter-token latency, and, read from each model's
+//! scheduler at scrape time, queue depth, active sequences and the last decode batch size.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// Labels of the request counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabels {
+    /// The route pattern (`/v1/chat/completions`), never the raw path.
+    pub route: String,
+    /// The HTTP method.
+    pub method: String,
+    /// The response status code.
+    pub status: String,
+}
+
+/// Labels of per-model series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabels {
+    /// The model id.
+    pub model: String,
+}
+
+fn latency_histogram() -> Histogram {
+    Histogram::new([
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    ])
+}
+
+/// The server's metrics.
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    requests: Family<RouteLabels, Counter>,
+    prompt_tokens: Family<ModelLabels, Counter>,
+    generated_tokens: Family<ModelLabels, Counter>,
+    ttft: Family<ModelLabels, Histogram, fn() -> Histogram>,
+    itl: Family<ModelLabels, Histogram, fn() -> Histogram>,
+    queue_depth: Family<ModelLabels, Gauge>,
+    active: Family<ModelLabels, Gauge>,
+    batch_size: Family<ModelLabels, Gauge>,
+    decode_steps: Family<ModelLabels, Gauge<u64, AtomicU64>>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// A registry with every series described.
+    pub fn new() -> Self {
+        let mut r = Registry::with_prefix("shoal");
+        let requests = Family::<RouteLabels, Counter>::default();
+        r.register(
+            "http_requests",
+            "HTTP requests answered, by route, method and status",
+            requests.clone(),
+        );
+        let prompt_tokens = Family::<ModelLabels, Counter>::default();
+        r.register(
+            "prompt_tokens",
+            "Prompt tokens of admitted requests",
+            prompt_tokens.clone(),
+        );
+        let generated_tokens = Family::<ModelLabels, Counter>::default();
+        r.register(
+            "generated_tokens",
+            "Tokens generated",
+            generated_tokens.clone(),
+        );
+        let ttft: Family<ModelLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_histogram);
+        r.register(
+            "time_to_first_token_seconds",
+            "Time from a request's arrival to its first generated token",
+            ttft.clone(),
+        );
+        let itl: Family<ModelLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_histogram);
+        r.register(
+            "inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request",
+            itl.clone(),
+        );
+        let queue_depth = Family::<ModelLabels, Gauge>::default();
+        r.register(
+            "queue_depth",
+            "Requests waiting for a batch slot",
+            queue_depth.clone(),
+        );
+        let active = Family::<ModelLabels, Gauge>::default();
+        r.register(
+            "active_sequences",
+            "Requests holding a batch slot",
+            active.clone(),
+        );
+        let batch_size = Family::<ModelLabels, Gauge>::default();
+        r.register(
+            "batch_size",
+            "Sequences in the most recent decode step",
+            batch_size.clone(),
+        );
+        let decode_steps = Family::<ModelLabels, Gauge<u64, AtomicU64>>::default();
+        r.register(
+            "decode_steps",
+            "Batched decode steps run since start",
+            decode_steps.clone(),
+        );
+        Metrics {
+            registry: Mutex::new(r),
+            requests,
+            prompt_tokens,
+            generated_tokens,
+            ttft,
+            itl,
+            queue_depth,
+            active,
+            batch_size,
+            decode_steps,
+        }
+    }
+
+    /// Counts an answered request.
+    pub fn request(&self, route: &str, method: &str, status: u16) {
+        self.requests
+            .get_or_create(&RouteLabels {
+                route: route.to_string(),
+                method: method.to_string(),
+                status: status.to_string(),
+            })
+            .inc();
+    }
+
+    fn model(model: &str) -> ModelLabels {
+        ModelLabels {
+            model: model.to_string(),
+        }
+    }
+
+    /// Counts an admitted request's prompt.
+    pub fn prompt(&self, model: &str, tokens: usize) {
+        self.prompt_tokens
+            .get_or_create(&Self::model(model))
+            .inc_by(tokens as u64);
+    }
+
+    /// Records one generated token, and the latency since the previous one (or since
+    /// arrival for the first).
+    pub fn token(&self, model: &str, first: bool, since: Duration) {
+        let m = Self::model(model);
+        self.generated_tokens.get_or_create(&m).inc();
+        let h = if first { &self.ttft } else { &self.itl };
+        h.get_or_create(&m).observe(since.as_secs_f64());
+    }
+
+    /// Sets the scheduler gauges of `model`.
+    pub fn scheduler(&self, model: &str, queued: usize, active: usize, batch: usize, steps: u64) {
+        let m = Self::model(model);
+        self.queue_depth.get_or_create(&m).set(queued as i64);
+        self.active.get_or_create(&m).set(active as i64);
+        self.batch_size.get_or_create(&m).set(batch as i64);
+        self.decode_steps.get_or_create(&m).set(steps);
+    }
+
+    /// The exposition text.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let r = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        if encode(&mut out, &r).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_series_with_labels() {
+        let m = Metrics::new();
+        m.request("/v1/chat/completions", "POST", 200);
+        m.prompt("smollm2", 12);
+        m.token("smollm2", true, Duration::from_millis(30));
+        m.token("smollm2", false, Duration::from_millis(10));
+        m.scheduler("smollm2", 1, 2, 2, 5);
+        let text = m.render();
+        assert!(text.contains(
+            "shoal_http_requests_total{route=\"/v1/chat/completions\",method=\"POST\",status=\"200\"} 1"
+        ), "{text}");
+        assert!(
+            text.contains("shoal_prompt_tokens_total{model=\"smollm2\"} 12"),
+            "{text}"
+        );
+        assert!(text.contains("shoal_time_to_first_token_seconds_count{model=\"smollm2\"} 1"));
+        assert!(text.contains("shoal_batch_size{model=\"smollm2\"} 2"));
+        assert!(text.ends_with("# EOF\n"));
+    }
+}

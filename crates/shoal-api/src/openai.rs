@@ -1,0 +1,812 @@
+//! OpenAI-compatible routes: `POST /v1/chat/completions` (streaming server-sent events and
+//! not; tools, `tool_choice`, streamed tool-call deltas, `response_format`, logprobs, usage),
+//! `POST /v1/completions` and `GET /v1/models`, with OpenAI's field names, defaults and error
+//! shape.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream::{self, Stream};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::error::{parse_body, ApiError, Flavor};
+use crate::generation::{
+    self, Finish, GenRequest, Input, Message, Out, OutputFormat, TokenLogprob, Tool, ToolChoice,
+    Usage,
+};
+use crate::state::AppState;
+use crate::tools::ToolCall;
+
+/// A string or a list of strings (`stop`, `prompt`).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    pub(crate) fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct WireFunctionCall {
+    name: String,
+    #[serde(default)]
+    arguments: Value,
+}
+
+#[derive(Debug, Deserialize)]
+struct WireToolCall {
+    #[serde(default)]
+    id: Option<String>,
+    function: WireFunctionCall,
+}
+
+#[derive(Debug, Deserialize)]
+struct WireMessage {
+    role: String,
+    #[serde(default)]
+    content: Option<Value>,
+    #[serde(default)]
+    tool_calls: Option<Vec<WireToolCall>>,
+    #[serde(default)]
+    tool_call_id: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct WireFunction {
+    name: String,
+    #[serde(default)]
+    description: Option<String>,
+    #[serde(default)]
+    parameters: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct WireTool {
+    #[serde(rename = "type", default)]
+    kind: Option<String>,
+    function: WireFunction,
+}
+
+#[derive(Debug, Deserialize, Default)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    model: String,
+    messages: Vec<WireMessage>,
+    #[serde(default)]
+    tools: Option<Vec<WireTool>>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    seed: Option<i64>,
+    #[serde(default)]
+    stop: Option<OneOrMany>,
+    #[serde(default)]
+    n: Option<u32>,
+    #[serde(default)]
+    logprobs: Option<bool>,
+    #[serde(default)]
+    top_logprobs: Option<u32>,
+    #[serde(default)]
+    presence_penalty: Option<f32>,
+    #[serde(default)]
+    frequency_penalty: Option<f32>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    response_format: Option<Value>,
+    #[serde(default)]
+    ignore_eos: Option<bool>,
+}
+
+/// Text of a message's `content`: a string, or the text parts of a list of parts.
+pub(crate) fn content_text(content: Option<Value>, field: &str) -> Result<String, ApiError> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s),
+        Some(Value::Array(parts)) => {
+            let mut out = String::new();
+            for p in parts {
+                match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => out.push_str(t),
+                    (Some(kind), _) => {
+                        return Err(ApiError::invalid_param(
+                            field,
+                            format!("content parts of type '{kind}' are not supported; send text"),
+                        ))
+                    }
+                    _ => {
+                        return Err(ApiError::invalid_param(
+                            field,
+                            "every content part needs a 'type' (and 'text' for text parts)",
+                        ))
+                    }
+                }
+            }
+            Ok(out)
+        }
+        Some(_) => Err(ApiError::invalid_param(
+            field,
+            "content must be a string or a list of content parts",
+        )),
+    }
+}
+
+/// Tool call arguments as a JSON value: clients send them as a JSON-encoded string.
+pub(crate) fn arguments_value(args: Value, field: &str) -> Result<Value, ApiError> {
+    match args {
+        Value::String(s) if s.trim().is_empty() => Ok(json!({})),
+        Value::String(s) => serde_json::from_str(&s).map_err(|e| {
+            ApiError::invalid_param(
+                field,
+                format!("tool call arguments are not valid JSON: {e}"),
+            )
+        }),
+        Value::Null => Ok(json!({})),
+        v => Ok(v),
+    }
+}
+
+fn messages(wire: Vec<WireMessage>) -> Result<Vec<Message>, ApiError> {
+    if wire.is_empty() {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "messages is empty; send at least one message",
+        ));
+    }
+    let mut out = Vec::with_capacity(wire.len());
+    for (i, m) in wire.into_iter().enumerate() {
+        let field = format!("messages[{i}]");
+        let role = match m.role.as_str() {
+            "system" | "user" | "assistant" | "tool" => m.role.clone(),
+            "developer" => "system".to_string(),
+            "function" => "tool".to_string(),
+            other => {
+                return Err(ApiError::invalid_param(
+                    &format!("{field}.role"),
+                    format!(
+                        "unknown role '{other}'; use system, developer, user, assistant or tool"
+                    ),
+                ))
+            }
+        };
+        let mut msg = Message::text(&role, content_text(m.content, &format!("{field}.content"))?);
+        for (j, c) in m.tool_calls.unwrap_or_default().into_iter().enumerate() {
+            msg.tool_calls.push(ToolCall {
+                id: c.id.unwrap_or_else(|| format!("call_{i}_{j}")),
+                name: c.function.name,
+                arguments: arguments_value(
+                    c.function.arguments,
+                    &format!("{field}.tool_calls[{j}].function.arguments"),
+                )?,
+            });
+        }
+        msg.tool_call_id = m.tool_call_id;
+        msg.name = m.name;
+        out.push(msg);
+    }
+    Ok(out)
+}
+
+fn tools(wire: Option<Vec<WireTool>>) -> Result<Vec<Tool>, ApiError> {
+    let mut out = Vec::new();
+    for (i, t) in wire.unwrap_or_default().into_iter().enumerate() {
+        if let Some(k) = &t.kind {
+            if k != "function" {
+                return Err(ApiError::invalid_param(
+                    &format!("tools[{i}].type"),
+                    format!("tool type '{k}' is not supported; use 'function'"),
+                ));
+            }
+        }
+        if t.function.name.is_empty() {
+            return Err(ApiError::invalid_param(
+                &format!("tools[{i}].function.name"),
+                "a function needs a name",
+            ));
+        }
+        out.push(Tool {
+            name: t.function.name,
+            description: t.function.description,
+            parameters: t
+                .function
+                .parameters
+                .unwrap_or_else(|| json!({"type": "object", "properties": {}})),
+        });
+    }
+    Ok(out)
+}
+
+fn tool_choice(v: Option<Value>) -> Result<ToolChoice, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(ToolChoice::Auto),
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => Ok(ToolChoice::Auto),
+            "none" => Ok(ToolChoice::None),
+            "required" | "any" => Ok(ToolChoice::Required),
+            other => Err(ApiError::invalid_param(
+                "tool_choice",
+                format!("tool_choice '{other}' is not one of auto, none, required"),
+            )),
+        },
+        Some(v) => match v
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+        {
+            Some(name) => Ok(ToolChoice::Named(name.to_string())),
+            None => Err(ApiError::invalid_param(
+                "tool_choice",
+                "tool_choice must be a string or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            )),
+        },
+    }
+}
+
+fn response_format(v: Option<Value>) -> Result<OutputFormat, ApiError> {
+    let Some(v) = v else {
+        return Ok(OutputFormat::Text);
+    };
+    match v.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(OutputFormat::Text),
+        Some("json_object") => Ok(OutputFormat::JsonObject),
+        Some("json_schema") => {
+            let schema = v
+                .get("json_schema")
+                .and_then(|s| s.get("schema"))
+                .cloned()
+                .ok_or_else(|| {
+                    ApiError::invalid_param(
+                        "response_format.json_schema.schema",
+                        "json_schema needs a 'schema'",
+                    )
+                })?;
+            Ok(OutputFormat::JsonSchema(schema))
+        }
+        _ => Err(ApiError::invalid_param(
+            "response_format.type",
+            "response_format.type must be text, json_object or json_schema",
+        )),
+    }
+}
+
+/// Sampling fields shared by chat and completions.
+pub(crate) struct Sampling {
+    pub(crate) temperature: Option<f32>,
+    pub(crate) top_p: Option<f32>,
+    pub(crate) seed: Option<i64>,
+    pub(crate) presence_penalty: Option<f32>,
+    pub(crate) frequency_penalty: Option<f32>,
+}
+
+pub(crate) fn apply_sampling(req: &mut GenRequest, s: Sampling) -> Result<(), ApiError> {
+    let temperature = s.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid_param(
+            "temperature",
+            format!("temperature {temperature} must be between 0 and 2"),
+        ));
+    }
+    req.sampling.temperature = temperature;
+    req.sampling.top_p = s.top_p.unwrap_or(1.0);
+    req.seed = s.seed.map(|v| v as u64);
+    for (name, v) in [
+        ("presence_penalty", s.presence_penalty),
+        ("frequency_penalty", s.frequency_penalty),
+    ] {
+        if let Some(v) = v {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(ApiError::invalid_param(
+                    name,
+                    format!("{name} {v} must be between -2 and 2"),
+                ));
+            }
+        }
+    }
+    req.presence_penalty = s.presence_penalty.unwrap_or(0.0);
+    req.frequency_penalty = s.frequency_penalty.unwrap_or(0.0);
+    Ok(())
+}
+
+fn check_n(n: Option<u32>) -> Result<(), ApiError> {
+    match n {
+        None | Some(1) => Ok(()),
+        Some(n) => Err(ApiError::invalid_param(
+            "n",
+            format!("n = {n} is not supported; shoal returns one choice (n = 1)"),
+        )),
+    }
+}
+
+fn stops(stop: Option<OneOrMany>) -> Result<Vec<String>, ApiError> {
+    let v = stop.map(OneOrMany::into_vec).unwrap_or_default();
+    if v.len() > 16 {
+        return Err(ApiError::invalid_param("stop", "at most 16 stop strings"));
+    }
+    Ok(v)
+}
+
+fn finish_str(f: Finish) -> &'static str {
+    match f {
+        Finish::Stop => "stop",
+        Finish::Length => "length",
+        Finish::ToolCalls => "tool_calls",
+    }
+}
+
+fn usage_json(u: Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    })
+}
+
+fn logprob_content(lps: &[TokenLogprob]) -> Value {
+    lps.iter()
+        .map(|l| {
+            json!({
+                "token": l.token,
+                "logprob": l.logprob,
+                "bytes": l.bytes,
+                "top_logprobs": l.top.iter().map(|(t, b, p)| json!({
+                    "token": t, "logprob": p, "bytes": b,
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect()
+}
+
+fn call_json(index: usize, c: &ToolCall, with_index: bool) -> Value {
+    let mut v = json!({
+        "id": c.id,
+        "type": "function",
+        "function": {"name": c.name, "arguments": c.arguments.to_string()},
+    });
+    if with_index {
+        v["index"] = json!(index);
+    }
+    v
+}
+
+fn request_id(prefix: &str) -> String {
+    let n: u64 = rand::random();
+    format!("{prefix}-{n:016x}")
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let body = match crate::body_bytes(body) {
+        Ok(b) => b,
+        Err(e) => return e.flavor(Flavor::OpenAi).into_response(),
+    };
+    match chat_inner(state, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.flavor(Flavor::OpenAi).into_response(),
+    }
+}
+
+async fn chat_inner(
+    state: Arc<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    state.keys.authorize(&headers)?;
+    let r: ChatRequest = parse_body(&body)?;
+    check_n(r.n)?;
+    let mut req = GenRequest::new(
+        r.model,
+        Input::Chat {
+            messages: messages(r.messages)?,
+            tools: tools(r.tools)?,
+        },
+    );
+    req.max_tokens = r
+        .max_completion_tokens
+        .or(r.max_tokens)
+        .map(|n| n.min(u32::MAX as u64) as usize);
+    apply_sampling(
+        &mut req,
+        Sampling {
+            temperature: r.temperature,
+            top_p: r.top_p,
+            seed: r.seed,
+            presence_penalty: r.presence_penalty,
+            frequency_penalty: r.frequency_penalty,
+        },
+    )?;
+    req.stop = stops(r.stop)?;
+    if r.logprobs.unwrap_or(false) {
+        let k = r.top_logprobs.unwrap_or(0);
+        if k > 20 {
+            return Err(ApiError::invalid_param(
+                "top_logprobs",
+                "top_logprobs must be between 0 and 20",
+            ));
+        }
+        req.logprobs = Some(k as usize);
+    }
+    req.tool_choice = tool_choice(r.tool_choice)?;
+    req.format = response_format(r.response_format)?;
+    req.ignore_eos = r.ignore_eos.unwrap_or(false);
+    let running = generation::start(&state, req)?;
+    let id = request_id("chatcmpl");
+    let model = running.model.id.clone();
+    let created = running.created;
+    if r.stream.unwrap_or(false) {
+        let include_usage = r.stream_options.unwrap_or_default().include_usage;
+        return Ok(chat_stream(running, id, model, created, include_usage).into_response());
+    }
+    let done = running.collect().await?;
+    let mut message = json!({
+        "role": "assistant",
+        "content": if done.text.is_empty() && !done.calls.is_empty() { Value::Null } else { json!(done.text) },
+        "refusal": Value::Null,
+    });
+    if !done.calls.is_empty() {
+        message["tool_calls"] = done
+            .calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| call_json(i, c, false))
+            .collect();
+    }
+    let logprobs = if r.logprobs.unwrap_or(false) {
+        json!({"content": logprob_content(&done.logprobs), "refusal": Value::Null})
+    } else {
+        Value::Null
+    };
+    Ok(Json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": concat!("shoal-", env!("CARGO_PKG_VERSION")),
+        "choices": [{
+            "index": 0,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish_str(done.reason),
+        }],
+        "usage": usage_json(done.usage),
+    }))
+    .into_response())
+}
+
+type SseItem = Result<SseEvent, std::convert::Infallible>;
+
+fn data(v: &Value) -> SseItem {
+    Ok(SseEvent::default().data(v.to_string()))
+}
+
+/// Server-sent events of a chat completion, ending with `[DONE]`.
+fn chat_stream(
+    running: generation::Running,
+    id: String,
+    model: String,
+    created: u64,
+    include_usage: bool,
+) -> Sse<impl Stream<Item = SseItem>> {
+    struct St {
+        running: generation::Running,
+        queue: std::collections::VecDeque<SseItem>,
+        started: bool,
+        ended: bool,
+    }
+    let chunk = move |delta: Value, finish: Option<&str>, logprobs: Value| {
+        let mut c = json!({
+            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": concat!("shoal-", env!("CARGO_PKG_VERSION")),
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        });
+        if include_usage {
+            c["usage"] = Value::Null;
+        }
+        c
+    };
+    let st = St {
+        running,
+        queue: Default::default(),
+        started: false,
+        ended: false,
+    };
+    let s = stream::unfold(st, move |mut st| {
+        let chunk = chunk.clone();
+        async move {
+            loop {
+                if let Some(item) = st.queue.pop_front() {
+                    return Some((item, st));
+                }
+                if st.ended {
+                    return None;
+                }
+                if !st.started {
+                    st.started = true;
+                    st.queue.push_back(data(&chunk(
+                        json!({"role": "assistant", "content": ""}),
+                        None,
+                        Value::Null,
+                    )));
+                    continue;
+                }
+                match st.running.next().await {
+                    Some(Out::Text { text, logprobs }) => {
+                        let lp = if logprobs.is_empty() {
+                            Value::Null
+                        } else {
+                            json!({"content": logprob_content(&logprobs)})
+                        };
+                        st.queue
+                            .push_back(data(&chunk(json!({"content": text}), None, lp)));
+                    }
+                    Some(Out::Call { index, call }) => {
+                        st.queue.push_back(data(&chunk(
+                            json!({"tool_calls": [call_json(index, &call, true)]}),
+                            None,
+                            Value::Null,
+                        )));
+                    }
+                    Some(Out::Finished { reason, usage, .. }) => {
+                        st.queue.push_back(data(&chunk(
+                            json!({}),
+                            Some(finish_str(reason)),
+                            Value::Null,
+                        )));
+                        if include_usage {
+                            let mut u = chunk(json!({}), None, Value::Null);
+                            u["choices"] = json!([]);
+                            u["usage"] = usage_json(usage);
+                            st.queue.push_back(data(&u));
+                        }
+                        st.queue.push_back(Ok(SseEvent::default().data("[DONE]")));
+                        st.ended = true;
+                    }
+                    Some(Out::Failed(msg)) => {
+                        st.queue.push_back(data(&ApiError::internal(msg).body()));
+                        st.queue.push_back(Ok(SseEvent::default().data("[DONE]")));
+                        st.ended = true;
+                    }
+                    None => return None,
+                }
+            }
+        }
+    });
+    Sse::new(s).keep_alive(KeepAlive::default())
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    model: String,
+    prompt: OneOrMany,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    seed: Option<i64>,
+    #[serde(default)]
+    stop: Option<OneOrMany>,
+    #[serde(default)]
+    n: Option<u32>,
+    #[serde(default)]
+    logprobs: Option<u32>,
+    #[serde(default)]
+    presence_penalty: Option<f32>,
+    #[serde(default)]
+    frequency_penalty: Option<f32>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    echo: Option<bool>,
+    #[serde(default)]
+    ignore_eos: Option<bool>,
+}
+
+fn legacy_logprobs(lps: &[TokenLogprob]) -> Value {
+    let mut offset = 0usize;
+    let mut offsets = Vec::new();
+    for l in lps {
+        offsets.push(offset);
+        offset += l.token.len();
+    }
+    json!({
+        "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+        "top_logprobs": lps.iter().map(|l| {
+            l.top.iter().map(|(t, _, p)| (t.clone(), json!(p))).collect::<serde_json::Map<_, _>>()
+        }).collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let body = match crate::body_bytes(body) {
+        Ok(b) => b,
+        Err(e) => return e.flavor(Flavor::OpenAi).into_response(),
+    };
+    match completions_inner(state, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.flavor(Flavor::OpenAi).into_response(),
+    }
+}
+
+async fn completions_inner(
+    state: Arc<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    state.keys.authorize(&headers)?;
+    let r: CompletionRequest = parse_body(&body)?;
+    check_n(r.n)?;
+    if r.echo.unwrap_or(false) {
+        return Err(ApiError::invalid_param("echo", "echo is not supported"));
+    }
+    let mut prompts = r.prompt.into_vec();
+    if prompts.len() != 1 {
+        return Err(ApiError::invalid_param(
+            "prompt",
+            format!(
+                "send one prompt per request (got {}); batch by sending requests concurrently",
+                prompts.len()
+            ),
+        ));
+    }
+    let prompt = prompts.pop().unwrap_or_default();
+    let mut req = GenRequest::new(r.model, Input::Text(prompt));
+    req.max_tokens = Some(r.max_tokens.unwrap_or(16).min(u32::MAX as u64) as usize);
+    apply_sampling(
+        &mut req,
+        Sampling {
+            temperature: r.temperature,
+            top_p: r.top_p,
+            seed: r.seed,
+            presence_penalty: r.presence_penalty,
+            frequency_penalty: r.frequency_penalty,
+        },
+    )?;
+    req.stop = stops(r.stop)?;
+    if let Some(k) = r.logprobs {
+        if k > 5 {
+            return Err(ApiError::invalid_param(
+                "logprobs",
+                "logprobs must be between 0 and 5",
+            ));
+        }
+        req.logprobs = Some(k as usize);
+    }
+    req.ignore_eos = r.ignore_eos.unwrap_or(false);
+    let want_lp = r.logprobs.is_some();
+    let running = generation::start(&state, req)?;
+    let id = request_id("cmpl");
+    let model = running.model.id.clone();
+    let created = running.created;
+    if r.stream.unwrap_or(false) {
+        let include_usage = r.stream_options.unwrap_or_default().include_usage;
+        let chunk = move |text: &str, finish: Option<&str>, lp: Value| {
+            json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                   "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]})
+        };
+        let s = stream::unfold(
+            (running, false, std::collections::VecDeque::<SseItem>::new()),
+            move |(mut running, mut ended, mut queue)| {
+                let chunk = chunk.clone();
+                async move {
+                    loop {
+                        if let Some(item) = queue.pop_front() {
+                            return Some((item, (running, ended, queue)));
+                        }
+                        if ended {
+                            return None;
+                        }
+                        match running.next().await {
+                            Some(Out::Text { text, logprobs }) => {
+                                let lp = if logprobs.is_empty() {
+                                    Value::Null
+                                } else {
+                                    legacy_logprobs(&logprobs)
+                                };
+                                queue.push_back(data(&chunk(&text, None, lp)));
+                            }
+                            Some(Out::Call { .. }) => {}
+                            Some(Out::Finished { reason, usage, .. }) => {
+                                queue.push_back(data(&chunk(
+                                    "",
+                                    Some(finish_str(reason)),
+                                    Value::Null,
+                                )));
+                                if include_usage {
+                                    let mut u = chunk("", None, Value::Null);
+                                    u["choices"] = json!([]);
+                                    u["usage"] = usage_json(usage);
+                                    queue.push_back(data(&u));
+                                }
+                                queue.push_back(Ok(SseEvent::default().data("[DONE]")));
+                                ended = true;
+                            }
+                            Some(Out::Failed(msg)) => {
+                                queue.push_back(data(&ApiError::internal(msg).body()));
+                                queue.push_back(Ok(SseEvent::default().data("[DONE]")));
+                                ended = true;
+                            }
+                            None => return None,
+                        }
+                    }
+                }
+            },
+        );
+        return Ok(Sse::new(s).keep_alive(KeepAlive::default()).into_response());
+    }
+    let done = running.collect().await?;
+    Ok(Json(json!({
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": concat!("shoal-", env!("CARGO_PKG_VERSION")),
+        "choices": [{
+            "index": 0,
+            "text": done.text,
+            "logprobs": if want_lp { legacy_logprobs(&done.logprobs) } else { Value::Null },
+            "finish_reason": finish_str(done.reason),
+        }],
+        "usage": usage_json(done.usage),
+    }))
+    .into_response())
+}
+
+/// `GET /v1/models`.
+pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = state.keys.authorize(&headers) {
+        return e.flavor(Flavor::OpenAi).into_response();
+    }
+    let data: Vec<Value> = state
+        .models
+        .iter()
+        .map(|m| json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "shoal"}))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}

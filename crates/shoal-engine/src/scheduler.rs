@@ -1,0 +1,693 @@
+//! Continuous batching: many requests share one model, and every decode step runs one token of
+//! every active sequence through the weights together ([`Transformer::forward_batch`]), so the
+//! weights are read once per step instead of once per sequence.
+//!
+//! A [`Scheduler`] owns a loaded model on its own thread. [`Scheduler::submit`] queues a
+//! sequence (refusing with [`Busy`] when the bounded queue is full) and hands back a
+//! [`Ticket`]; the thread admits queued sequences while there are free slots, runs at most one
+//! prompt chunk per iteration (so a long prompt delays running streams by one chunk, not by
+//! the whole prompt), then one batched decode step over every sequence that is generating.
+//! Each sequence samples with its own sampler, penalties, optional [`TokenConstraint`] and stop
+//! strings, and reports through its [`Sink`]. A sequence leaves the batch the step after its
+//! sink refuses an event or its ticket is dropped (the client went away), so its slot is free
+//! at once.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use shoal_model::tokenizer::StreamDecoder;
+
+use crate::generate::{FinishReason, StopMatcher};
+use crate::model::LoadedModel;
+use crate::sampler::{Sampler, SamplerConfig};
+use crate::{EngineError, KvCache};
+
+/// Prompt tokens run per scheduler iteration at most.
+pub const PROMPT_CHUNK: usize = 256;
+
+/// Restricts which tokens may come next (constrained decoding: JSON schemas, forced tool
+/// calls). Implemented by the constraint engine; the scheduler only calls it.
+pub trait TokenConstraint: Send {
+    /// Sets the logit of every token that may not come next to `-inf`.
+    ///
+    /// # Errors
+    /// When the constraint cannot continue (nothing is allowed).
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), EngineError>;
+    /// Records the chosen token.
+    ///
+    /// # Errors
+    /// When `token` was not allowed.
+    fn commit(&mut self, token: u32) -> Result<(), EngineError>;
+    /// Whether the output is complete and nothing more may follow.
+    fn is_finished(&self) -> bool;
+}
+
+/// What one sequence asks for.
+pub struct SequenceRequest {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Temperature, top-k/p, min-p, repetition penalty and seed.
+    pub sampler: SamplerConfig,
+    /// Subtracted from the logit of every token generated at least once (OpenAI's
+    /// `presence_penalty`).
+    pub presence_penalty: f32,
+    /// Subtracted once per earlier occurrence in the generated text (OpenAI's
+    /// `frequency_penalty`).
+    pub frequency_penalty: f32,
+    /// Strings that end generation (not included in the text).
+    pub stop: Vec<String>,
+    /// Report each token's log-probability and this many most likely alternatives.
+    pub logprobs: Option<usize>,
+    /// What the output must follow, if anything.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
+    /// Keep going through end-of-generation tokens.
+    pub ignore_eos: bool,
+}
+
+impl std::fmt::Debug for SequenceRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SequenceRequest")
+            .field("prompt_tokens", &self.prompt.len())
+            .field("max_tokens", &self.max_tokens)
+            .field("sampler", &self.sampler)
+            .field("constrained", &self.constraint.is_some())
+            .finish()
+    }
+}
+
+/// A token's log-probability and the most likely alternatives at its position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// The chosen token's log-probability.
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// How a sequence ended, with its counts and timings.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    /// Why it ended.
+    pub reason: FinishReason,
+    /// The stop string that ended it, if one did.
+    pub stop: Option<String>,
+    /// Prompt tokens processed.
+    pub prompt_tokens: usize,
+    /// Tokens generated (an end-of-generation token is not counted).
+    pub completion_tokens: usize,
+    /// From submission to the first sampled token.
+    pub time_to_first_token: Duration,
+    /// From submission to the end.
+    pub total: Duration,
+}
+
+/// What a sequence reports, in order: tokens, then exactly one `Done` or `Failed`.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// A generated token (`id`), the text that became final with it (possibly empty while a
+    /// character or a possible stop string is incomplete), and its log-probabilities when
+    /// asked for.
+    Token {
+        /// The token id.
+        id: u32,
+        /// Text that became final.
+        text: String,
+        /// Log-probabilities, when the request asked for them.
+        logprob: Option<TokenLogprob>,
+    },
+    /// Text released at the end without a token of its own (held back for a stop string that
+    /// did not match).
+    Text(String),
+    /// The sequence ended normally.
+    Done(Finished),
+    /// The sequence failed; the message says why.
+    Failed(String),
+}
+
+/// Receives a sequence's events; returns `false` when nobody is listening any more, which
+/// cancels the sequence.
+pub type Sink = Box<dyn FnMut(Event) -> bool + Send>;
+
+/// The queue is full: the caller should answer "overloaded" and let the client retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Busy {
+    /// Sequences waiting.
+    pub queued: usize,
+}
+
+/// Held by whoever waits for a sequence; dropping it cancels the sequence.
+#[derive(Debug)]
+pub struct Ticket {
+    cancelled: Arc<AtomicBool>,
+    shared: Arc<Shared>,
+}
+
+impl Ticket {
+    /// Cancels the sequence now.
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Release);
+        self.shared.wake.notify_all();
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
+/// Limits of a scheduler.
+#[derive(Debug, Clone, Copy)]
+pub struct SchedulerConfig {
+    /// Sequences generating at once at most (the batch size).
+    pub max_batch: usize,
+    /// Sequences waiting for a slot at most (beyond the free slots); more are refused with
+    /// [`Busy`].
+    pub max_queue: usize,
+    /// Context length of each sequence (prompt plus generated tokens).
+    pub ctx: usize,
+}
+
+/// Counters the scheduler keeps for metrics.
+#[derive(Debug, Default)]
+pub struct SchedulerStats {
+    /// Sequences waiting for a slot.
+    pub queued: AtomicUsize,
+    /// Sequences holding a slot.
+    pub active: AtomicUsize,
+    /// Sequences in the last decode step.
+    pub last_batch: AtomicUsize,
+    /// Decode steps run.
+    pub decode_steps: AtomicU64,
+    /// Tokens decoded in those steps (their sum of batch sizes).
+    pub decoded_tokens: AtomicU64,
+    /// Prompt tokens run.
+    pub prompt_tokens: AtomicU64,
+}
+
+struct Job {
+    request: SequenceRequest,
+    sink: Sink,
+    cancelled: Arc<AtomicBool>,
+    submitted: Instant,
+}
+
+#[derive(Default)]
+struct Queue {
+    waiting: VecDeque<Job>,
+    shutdown: bool,
+}
+
+#[derive(Default)]
+struct Shared {
+    queue: Mutex<Queue>,
+    wake: Condvar,
+    stats: SchedulerStats,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+/// A model served to many sequences at once from one thread.
+#[derive(Debug)]
+pub struct Scheduler {
+    model: Arc<LoadedModel>,
+    config: SchedulerConfig,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Scheduler {
+    /// Starts the scheduler thread for `model`.
+    ///
+    /// # Errors
+    /// When the thread cannot be started or the limits are zero.
+    pub fn start(model: Arc<LoadedModel>, config: SchedulerConfig) -> Result<Self, EngineError> {
+        if config.max_batch == 0 || config.ctx < 2 {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "a scheduler with {} slots and a context of {} tokens (need at least 1 slot and 2 tokens)",
+                    config.max_batch, config.ctx
+                ),
+            });
+        }
+        let shared = Arc::new(Shared::default());
+        let thread = {
+            let (model, shared) = (model.clone(), shared.clone());
+            std::thread::Builder::new()
+                .name(format!("shoal-sched-{}", model.name))
+                .spawn(move || Worker::new(model, config, shared).run())
+                .map_err(|e| EngineError::Unsupported {
+                    what: format!("starting the scheduler thread: {e}"),
+                })?
+        };
+        Ok(Scheduler {
+            model,
+            config,
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// The model served.
+    pub fn model(&self) -> &Arc<LoadedModel> {
+        &self.model
+    }
+
+    /// The limits.
+    pub fn config(&self) -> SchedulerConfig {
+        self.config
+    }
+
+    /// Live counters.
+    pub fn stats(&self) -> &SchedulerStats {
+        &self.shared.stats
+    }
+
+    /// Queues a sequence; its events go to `sink` from the scheduler thread.
+    ///
+    /// # Errors
+    /// [`Busy`] when the queue is full.
+    pub fn submit(&self, request: SequenceRequest, sink: Sink) -> Result<Ticket, Busy> {
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let active = self.shared.stats.active.load(Ordering::Relaxed);
+        let free_slots = self.config.max_batch.saturating_sub(active);
+        if q.waiting.len() >= self.config.max_queue + free_slots {
+            return Err(Busy {
+                queued: q.waiting.len(),
+            });
+        }
+        q.waiting.push_back(Job {
+            request,
+            sink,
+            cancelled: cancelled.clone(),
+            submitted: Instant::now(),
+        });
+        self.shared
+            .stats
+            .queued
+            .store(q.waiting.len(), Ordering::Relaxed);
+        drop(q);
+        self.shared.wake.notify_all();
+        Ok(Ticket {
+            cancelled,
+            shared: self.shared.clone(),
+        })
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.shared
+            .queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .shutdown = true;
+        self.shared.wake.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One sequence holding a slot.
+struct Sequence {
+    job: Job,
+    cache: KvCache,
+    sampler: Sampler,
+    /// Prompt tokens run so far.
+    prefilled: usize,
+    decoder: StreamDecoder,
+    stops: StopMatcher,
+    generated: usize,
+    counts: HashMap<u32, u32>,
+    /// The last sampled token, to run in the next decode step.
+    next: Option<u32>,
+    first_token: Option<Duration>,
+}
+
+struct Worker {
+    model: Arc<LoadedModel>,
+    config: SchedulerConfig,
+    shared: Arc<Shared>,
+    active: Vec<Sequence>,
+}
+
+impl Worker {
+    fn new(model: Arc<LoadedModel>, config: SchedulerConfig, shared: Arc<Shared>) -> Self {
+        Worker {
+            model,
+            config,
+            shared,
+            active: Vec::new(),
+        }
+    }
+
+    fn run(mut self) {
+        loop {
+            if !self.admit() {
+                break;
+            }
+            self.drop_cancelled();
+            self.prefill_one_chunk();
+            self.decode_step();
+            self.shared
+                .stats
+                .active
+                .store(self.active.len(), Ordering::Relaxed);
+        }
+        for seq in self.active.drain(..) {
+            let mut sink = seq.job.sink;
+            sink(Event::Failed("the server is shutting down".into()));
+        }
+    }
+
+    /// Moves queued sequences into free slots; waits while there is nothing to do. Returns
+    /// `false` on shutdown.
+    fn admit(&mut self) -> bool {
+        let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if q.shutdown {
+                for job in q.waiting.drain(..) {
+                    let mut sink = job.sink;
+                    sink(Event::Failed("the server is shutting down".into()));
+                }
+                return false;
+            }
+            while self.active.len() < self.config.max_batch {
+                let Some(job) = q.waiting.pop_front() else {
+                    break;
+                };
+                if job.cancelled.load(Ordering::Acquire) {
+                    continue;
+                }
+                if let Some(seq) = self.start_sequence(job) {
+                    self.active.push(seq);
+                }
+            }
+            self.shared
+                .stats
+                .queued
+                .store(q.waiting.len(), Ordering::Relaxed);
+            self.shared
+                .stats
+                .active
+                .store(self.active.len(), Ordering::Relaxed);
+            if !self.active.is_empty() {
+                return true;
+            }
+            q = self.shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn start_sequence(&self, job: Job) -> Option<Sequence> {
+        let mut job = job;
+        let r = &job.request;
+        let ctx = self.config.ctx;
+        let fail = |job: &mut Job, msg: String| {
+            (job.sink)(Event::Failed(msg));
+        };
+        if r.prompt.is_empty() {
+            fail(&mut job, "the prompt is empty".into());
+            return None;
+        }
+        if r.prompt.len() >= ctx {
+            let msg = format!(
+                "the prompt is {} tokens; this model is served with a context of {ctx} tokens",
+                r.prompt.len()
+            );
+            fail(&mut job, msg);
+            return None;
+        }
+        if let Err(e) = r.sampler.validate() {
+            fail(&mut job, e);
+            return None;
+        }
+        let capacity = (r.prompt.len() + r.max_tokens.max(1)).min(ctx);
+        let cache = self.model.new_cache(capacity);
+        let mut sampler = Sampler::new(r.sampler.clone());
+        sampler.observe(&r.prompt);
+        let stops = StopMatcher::new(&r.stop);
+        Some(Sequence {
+            job,
+            cache,
+            sampler,
+            prefilled: 0,
+            decoder: StreamDecoder::new(true),
+            stops,
+            generated: 0,
+            counts: HashMap::new(),
+            next: None,
+            first_token: None,
+        })
+    }
+
+    fn drop_cancelled(&mut self) {
+        self.active
+            .retain(|s| !s.job.cancelled.load(Ordering::Acquire));
+    }
+
+    /// Runs the next chunk of the oldest sequence still reading its prompt; when its prompt is
+    /// done, samples its first token.
+    fn prefill_one_chunk(&mut self) {
+        let Some(i) = self
+            .active
+            .iter()
+            .position(|s| s.prefilled < s.job.request.prompt.len())
+        else {
+            return;
+        };
+        let model = self.model.clone();
+        let seq = &mut self.active[i];
+        let prompt_len = seq.job.request.prompt.len();
+        let end = (seq.prefilled + PROMPT_CHUNK).min(prompt_len);
+        let chunk = &seq.job.request.prompt[seq.prefilled..end];
+        let result = model.transformer.forward_last(chunk, &mut seq.cache);
+        self.shared
+            .stats
+            .prompt_tokens
+            .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        seq.prefilled = end;
+        let keep = match result {
+            Err(e) => {
+                (seq.job.sink)(Event::Failed(format!("prompt processing failed: {e}")));
+                false
+            }
+            Ok(mut logits) if end == prompt_len => accept(&model, seq, &mut logits),
+            Ok(_) => true,
+        };
+        if !keep {
+            self.active.swap_remove(i);
+        }
+    }
+
+    /// One token for every sequence that has a sampled token to run.
+    fn decode_step(&mut self) {
+        let ready: Vec<usize> = (0..self.active.len())
+            .filter(|&i| self.active[i].next.is_some())
+            .collect();
+        if ready.is_empty() {
+            return;
+        }
+        let tokens: Vec<u32> = ready.iter().filter_map(|&i| self.active[i].next).collect();
+        let stats = &self.shared.stats;
+        stats.last_batch.store(ready.len(), Ordering::Relaxed);
+        stats.decode_steps.fetch_add(1, Ordering::Relaxed);
+        stats
+            .decoded_tokens
+            .fetch_add(ready.len() as u64, Ordering::Relaxed);
+        let model = self.model.clone();
+        let result = {
+            let mut caches: Vec<&mut KvCache> = self
+                .active
+                .iter_mut()
+                .filter(|s| s.next.is_some())
+                .map(|s| &mut s.cache)
+                .collect();
+            model.transformer.forward_batch(&tokens, &mut caches)
+        };
+        let rows = match result.and_then(|l| {
+            l.to_vec2::<f32>().map_err(|e| EngineError::Unsupported {
+                what: format!("reading batched logits: {e}"),
+            })
+        }) {
+            Ok(rows) => rows,
+            Err(e) => {
+                // A failed batch step leaves the caches of every sequence in it unusable.
+                let msg = format!("decoding failed: {e}");
+                let mut i = 0;
+                self.active.retain_mut(|s| {
+                    let in_batch = ready.contains(&i);
+                    i += 1;
+                    if in_batch {
+                        (s.job.sink)(Event::Failed(msg.clone()));
+                    }
+                    !in_batch
+                });
+                return;
+            }
+        };
+        let mut keep = vec![true; self.active.len()];
+        for (&i, mut row) in ready.iter().zip(rows) {
+            let seq = &mut self.active[i];
+            seq.next = None;
+            keep[i] = accept(&model, seq, &mut row);
+        }
+        let mut i = 0;
+        self.active.retain(|_| {
+            let k = keep[i];
+            i += 1;
+            k
+        });
+    }
+}
+
+/// Samples the next token of `seq` from `logits` and reports it. Returns whether the
+/// sequence goes on.
+fn accept(model: &LoadedModel, seq: &mut Sequence, logits: &mut [f32]) -> bool {
+    if seq.first_token.is_none() {
+        seq.first_token = Some(seq.job.submitted.elapsed());
+    }
+    let (presence, frequency) = (
+        seq.job.request.presence_penalty,
+        seq.job.request.frequency_penalty,
+    );
+    if presence != 0.0 || frequency != 0.0 {
+        for (&t, &n) in &seq.counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= presence + frequency * n as f32;
+            }
+        }
+    }
+    if let Some(c) = seq.job.request.constraint.as_mut() {
+        if let Err(e) = c.mask(logits) {
+            (seq.job.sink)(Event::Failed(format!("constrained decoding: {e}")));
+            return false;
+        }
+    }
+    // The distribution the token is drawn from, before the sampler's own penalty edits it.
+    let scored = seq
+        .job
+        .request
+        .logprobs
+        .map(|k| (log_softmax_top(logits, k), logits.to_vec()));
+    let id = seq.sampler.sample(logits);
+    if let Some(c) = seq.job.request.constraint.as_mut() {
+        if let Err(e) = c.commit(id) {
+            (seq.job.sink)(Event::Failed(format!("constrained decoding: {e}")));
+            return false;
+        }
+    }
+    let tok = &model.tokenizer;
+    if tok.is_eog(id) && !seq.job.request.ignore_eos {
+        return finish(seq, FinishReason::Stop);
+    }
+    seq.generated += 1;
+    *seq.counts.entry(id).or_insert(0) += 1;
+    let piece = seq.decoder.push(tok, id);
+    let (text, matched) = seq.stops.push(&piece);
+    let logprob = scored.map(|((log_z, top), raw)| TokenLogprob {
+        logprob: raw
+            .get(id as usize)
+            .map_or(f32::NEG_INFINITY, |&l| l - log_z),
+        top,
+    });
+    if !(seq.job.sink)(Event::Token { id, text, logprob }) {
+        return false;
+    }
+    let constrained_done = seq
+        .job
+        .request
+        .constraint
+        .as_ref()
+        .is_some_and(|c| c.is_finished());
+    if matched || constrained_done {
+        return finish(seq, FinishReason::Stop);
+    }
+    if seq.generated >= seq.job.request.max_tokens || seq.cache.len() >= seq.cache.capacity() {
+        return finish(seq, FinishReason::Length);
+    }
+    seq.next = Some(id);
+    true
+}
+
+/// Reports the end of `seq` (with any text still held back, unless a stop string matched).
+/// Returns `false`: the sequence leaves the batch.
+fn finish(seq: &mut Sequence, reason: FinishReason) -> bool {
+    let rest = seq.stops.finish() + &seq.decoder.finish();
+    if !rest.is_empty() && reason != FinishReason::Stop && !(seq.job.sink)(Event::Text(rest)) {
+        return false;
+    }
+    (seq.job.sink)(Event::Done(Finished {
+        reason,
+        stop: seq.stops.matched().map(str::to_string),
+        prompt_tokens: seq.job.request.prompt.len(),
+        completion_tokens: seq.generated,
+        time_to_first_token: seq.first_token.unwrap_or_default(),
+        total: seq.job.submitted.elapsed(),
+    }));
+    false
+}
+
+/// The log of the softmax's normalizer over the finite `logits`, and the `k` largest
+/// log-probabilities (best first).
+fn log_softmax_top(logits: &[f32], k: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|l| l.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits
+        .iter()
+        .filter(|l| l.is_finite())
+        .map(|&l| ((l - max) as f64).exp())
+        .sum();
+    let log_z = max + sum.ln() as f32;
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    if k > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if !l.is_finite() {
+                continue;
+            }
+            if top.len() < k || top.last().is_some_and(|&(_, x)| l > x) {
+                let at = top.partition_point(|&(_, x)| x >= l);
+                top.insert(at, (i as u32, l));
+                top.truncate(k);
+            }
+        }
+    }
+    for e in &mut top {
+        e.1 -= log_z;
+    }
+    (log_z, top)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_softmax_top_is_normalized_and_sorted() {
+        let logits = [1.0f32, 3.0, f32::NEG_INFINITY, 2.0];
+        let (log_z, top) = log_softmax_top(&logits, 2);
+        let total: f32 = logits
+            .iter()
+            .filter(|l| l.is_finite())
+            .map(|l| (l - log_z).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3]);
+        assert!(top[0].1 > top[1].1);
+    }
+}

@@ -1,0 +1,187 @@
+//! `shoal bench serve`: how a running server's throughput grows with concurrent clients.
+//! For each concurrency level it opens that many streaming chat completions at once (each
+//! asked for exactly `-n` tokens, `ignore_eos`), and reports per level the aggregate
+//! generated tokens/s over the wall time of the whole level (prefill included), the median
+//! time to first token and per-stream decode rate, and the aggregate's ratio to one stream.
+
+use std::io::BufRead;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use serde_json::json;
+
+/// Options of `shoal bench serve`.
+#[derive(Args, Debug)]
+pub struct ServeBenchArgs {
+    /// The server's HTTP API.
+    #[arg(long, env = "SHOAL_URL", default_value = "http://127.0.0.1:7337")]
+    pub url: String,
+    /// An API key, when the server has keys.
+    #[arg(long, env = "SHOAL_API_KEY", hide_env_values = true)]
+    pub key: Option<String>,
+    /// The model id to ask for.
+    #[arg(long)]
+    pub model: String,
+    /// Concurrency levels, comma separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 4, 16])]
+    pub streams: Vec<usize>,
+    /// Tokens generated per stream.
+    #[arg(short = 'n', long = "n-gen", default_value_t = 64)]
+    pub n_gen: usize,
+    /// One JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct StreamResult {
+    tokens: usize,
+    ttft: Duration,
+    end: Duration,
+}
+
+fn one_stream(
+    agent: &ureq::Agent,
+    args: &ServeBenchArgs,
+    i: usize,
+    t0: Instant,
+) -> anyhow::Result<StreamResult> {
+    let body = json!({
+        "model": args.model,
+        "messages": [{"role": "user", "content": format!("Tell me story number {i} about a lighthouse keeper.")}],
+        "max_tokens": args.n_gen,
+        "ignore_eos": true,
+        "temperature": 0.7,
+        "seed": i,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let mut req = agent.post(&format!(
+        "{}/v1/chat/completions",
+        args.url.trim_end_matches('/')
+    ));
+    if let Some(k) = &args.key {
+        req = req.header("Authorization", &format!("Bearer {k}"));
+    }
+    let mut resp = req.send_json(&body).context("sending a request")?;
+    if !resp.status().is_success() {
+        let text = resp.body_mut().read_to_string().unwrap_or_default();
+        anyhow::bail!("the server answered {}: {text}", resp.status());
+    }
+    let reader = std::io::BufReader::new(resp.body_mut().as_reader());
+    let mut ttft = None;
+    let mut tokens = 0;
+    for line in reader.lines() {
+        let line = line.context("reading the stream")?;
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: serde_json::Value = serde_json::from_str(data).context("a stream event")?;
+        if v["choices"][0]["delta"]["content"]
+            .as_str()
+            .is_some_and(|s| !s.is_empty())
+            && ttft.is_none()
+        {
+            ttft = Some(t0.elapsed());
+        }
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            tokens = n as usize;
+        }
+        if v.get("error").is_some() {
+            anyhow::bail!("the stream failed: {v}");
+        }
+    }
+    Ok(StreamResult {
+        tokens,
+        ttft: ttft.unwrap_or_default(),
+        end: t0.elapsed(),
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+pub fn main(args: ServeBenchArgs) -> anyhow::Result<()> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(1800)))
+        .max_idle_connections_per_host(256)
+        .build()
+        .into();
+    // warm-up: one short request (first-use costs are not the server's steady state)
+    one_stream(
+        &agent,
+        &ServeBenchArgs {
+            n_gen: 4,
+            streams: vec![1],
+            json: false,
+            model: args.model.clone(),
+            url: args.url.clone(),
+            key: args.key.clone(),
+        },
+        0,
+        Instant::now(),
+    )?;
+    let mut rows = Vec::new();
+    let mut base = None;
+    for &k in &args.streams {
+        let t0 = Instant::now();
+        let results: Vec<anyhow::Result<StreamResult>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..k)
+                .map(|i| {
+                    let (agent, args) = (&agent, &args);
+                    s.spawn(move || one_stream(agent, args, i, t0))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("a client thread panicked")))
+                })
+                .collect()
+        });
+        let results = results.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+        let wall = results.iter().map(|r| r.end).max().unwrap_or_default();
+        let tokens: usize = results.iter().map(|r| r.tokens).sum();
+        let aggregate = tokens as f64 / wall.as_secs_f64().max(1e-9);
+        let per_stream = median(
+            results
+                .iter()
+                .map(|r| {
+                    r.tokens.saturating_sub(1) as f64 / (r.end - r.ttft).as_secs_f64().max(1e-9)
+                })
+                .collect(),
+        );
+        let ttft = median(results.iter().map(|r| r.ttft.as_secs_f64() * 1e3).collect());
+        let base_rate = *base.get_or_insert(aggregate);
+        rows.push(json!({
+            "streams": k,
+            "tokens": tokens,
+            "wall_s": wall.as_secs_f64(),
+            "aggregate_tok_s": aggregate,
+            "per_stream_decode_tok_s": per_stream,
+            "ttft_ms_median": ttft,
+            "vs_first_level": aggregate / base_rate,
+        }));
+        if !args.json {
+            eprintln!(
+                "{k:>3} streams: {tokens:>5} tokens in {:>6.2} s = {aggregate:>7.1} tok/s aggregate ({:.2}x), per stream {per_stream:>6.1} tok/s, TTFT median {ttft:>6.0} ms",
+                wall.as_secs_f64(),
+                aggregate / base_rate
+            );
+        }
+    }
+    if args.json {
+        println!(
+            "{}",
+            json!({"model": args.model, "n_gen": args.n_gen, "levels": rows})
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The official Python clients (openai, anthropic, ollama from PyPI) against `shoal serve`:
+# starts an open server with smollm2 and qwen05 and a second one for API keys and rate
+# limits, runs crates/shoal-api/tests/clients/test_clients.py, and exits non-zero when any
+# test fails. The clients live in a virtual environment in $SHOAL_HOME (outside the clone).
+# Needs a release build and the fetched models (scripts/test.sh does both first).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export SHOAL_HOME=${SHOAL_HOME:-$HOME/.cache/shoal}
+VENV=$SHOAL_HOME/py-clients
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/pip" install --quiet --disable-pip-version-check openai anthropic ollama jsonschema httpx
+
+BIN=target/release/shoal
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+# start NAME ARGS...: runs `shoal serve ARGS` and waits for its ready line; sets URL.
+start() {
+  local name=$1; shift
+  "$BIN" serve --api 127.0.0.1:0 --data-dir "$WORK/$name" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err" &
+  PIDS+=($!)
+  for _ in $(seq 1 600); do
+    if [ -s "$WORK/$name.out" ]; then
+      URL=http://$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["api"])' "$WORK/$name.out")
+      return 0
+    fi
+    kill -0 "${PIDS[-1]}" 2>/dev/null || { cat "$WORK/$name.err" >&2; echo "shoal serve ($name) exited" >&2; exit 1; }
+    sleep 0.2
+  done
+  echo "shoal serve ($name) did not become ready" >&2
+  exit 1
+}
+
+start open --model smollm2 --model qwen05 --parallel 4 --ctx 2048
+OPEN=$URL
+start keyed --model smollm2 --parallel 2 --ctx 512
+KEYED=$URL
+echo "servers: open $OPEN, keyed $KEYED"
+status=0
+"$VENV/bin/python" crates/shoal-api/tests/clients/test_clients.py --open "$OPEN" --keyed "$KEYED" "$@" || status=$?
+if [ $status -ne 0 ]; then
+  echo "--- open server log (tail)"; tail -20 "$WORK/open.err"
+  echo "--- keyed server log (tail)"; tail -20 "$WORK/keyed.err"
+fi
+exit $status
