@@ -30,3 +30,6 @@ cargo clippy --release --workspace --all-targets -- -D warnings
 
 echo "== tests"
 cargo test --release --workspace
+
+echo "== API clients (openai, anthropic, ollama from PyPI against shoal serve)"
+scripts/api-clients.sh

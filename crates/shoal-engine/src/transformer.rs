@@ -844,6 +844,11 @@ impl Transformer {
                 ),
             });
         }
+        if tokens.is_empty() {
+            return Err(EngineError::Unsupported {
+                what: "a batched forward pass over no sequences".into(),
+            });
+        }
         for (tok, cache) in tokens.iter().zip(caches.iter()) {
             self.check_step(std::slice::from_ref(tok), cache)?;
         }

@@ -1,0 +1,312 @@
+//! Continuous batching is exact: a batched decode step (`Transformer::forward_batch`, every
+//! sequence at its own position with its own cache) gives each sequence the logits it gets
+//! decoded alone, on the test kit's tiny models (F32, Q8_0, Q4_K, Gemma 3 with a sliding
+//! window shorter than the positions reached) and on SmolLM2; and the scheduler, with
+//! sequences joining and leaving the batch, gives every request the greedy tokens it gets
+//! alone, cancels on a dropped ticket, and refuses when full.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use shoal_engine::generate::{FinishReason, GenerateParams};
+use shoal_engine::model::LoadedModel;
+use shoal_engine::scheduler::{Event, Scheduler, SchedulerConfig, SequenceRequest};
+use shoal_engine::transformer::argmax;
+use shoal_engine::{KvCache, Sampler, SamplerConfig, Transformer};
+use shoal_model::source::ModelSource;
+use shoal_testkit::{GgmlType, TinyModelSpec};
+
+fn tiny(spec: TinyModelSpec, ty: GgmlType, dir: &Path) -> PathBuf {
+    let p = dir.join(format!("{}-{ty:?}.gguf", spec.name));
+    spec.build().unwrap().write_gguf(&p, ty).unwrap();
+    p
+}
+
+fn load(path: &Path) -> LoadedModel {
+    LoadedModel::load(&ModelSource::Gguf(path.to_path_buf())).unwrap()
+}
+
+/// Largest |a - b| over the largest |b|.
+fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// Prefills `prompts` one by one, then decodes `steps` greedy tokens for all of them with
+/// batched steps, sequence 1 joining after two steps and sequence 0 leaving after four;
+/// each sequence's tokens and logits are compared with decoding it alone.
+fn batched_matches_alone(t: &Transformer, prompts: &[Vec<u32>], steps: usize, tol: f32) {
+    // alone
+    let mut alone: Vec<Vec<(u32, Vec<f32>)>> = Vec::new();
+    for p in prompts {
+        let mut cache = t.new_cache(p.len() + steps + 1);
+        let mut logits = t.forward_last(p, &mut cache).unwrap();
+        let mut out = Vec::new();
+        for _ in 0..steps {
+            let tok = argmax(&logits) as u32;
+            logits = t.forward_last(&[tok], &mut cache).unwrap();
+            out.push((tok, logits.clone()));
+        }
+        alone.push(out);
+    }
+    // batched
+    let mut caches: Vec<KvCache> = prompts
+        .iter()
+        .map(|p| t.new_cache(p.len() + steps + 1))
+        .collect();
+    let mut next: Vec<u32> = Vec::new();
+    for (p, c) in prompts.iter().zip(caches.iter_mut()) {
+        next.push(argmax(&t.forward_last(p, c).unwrap()) as u32);
+    }
+    let mut done = vec![0usize; prompts.len()];
+    let mut step = 0;
+    while done.iter().any(|&d| d < steps) {
+        let members: Vec<usize> = (0..prompts.len())
+            .filter(|&i| done[i] < steps)
+            .filter(|&i| !(i == 1 && step < 2)) // joins late
+            .filter(|&i| !(i == 0 && step >= 4 && done[0] >= 4 && step < 6)) // sits out two steps
+            .collect();
+        step += 1;
+        if members.is_empty() {
+            continue;
+        }
+        let tokens: Vec<u32> = members.iter().map(|&i| next[i]).collect();
+        let mut refs: Vec<&mut KvCache> = caches
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| members.contains(i))
+            .map(|(_, c)| c)
+            .collect();
+        let rows = t
+            .forward_batch(&tokens, &mut refs)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        for (&i, row) in members.iter().zip(rows) {
+            let (want_tok, want_logits) = &alone[i][done[i]];
+            assert_eq!(
+                tokens[members.iter().position(|&m| m == i).unwrap()],
+                *want_tok
+            );
+            let d = rel_diff(&row, want_logits);
+            assert!(
+                d <= tol,
+                "sequence {i} step {}: logits differ by {d}",
+                done[i]
+            );
+            next[i] = argmax(&row) as u32;
+            done[i] += 1;
+        }
+    }
+}
+
+fn prompts(vocab: u32) -> Vec<Vec<u32>> {
+    vec![
+        vec![1, 5, 9, 2],
+        (0..11).map(|i| (i * 7 + 3) % vocab).collect(),
+        vec![42],
+        (0..6).map(|i| (i * 13 + 1) % vocab).collect(),
+    ]
+}
+
+#[test]
+fn tiny_models_batched_equal_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (TinyModelSpec::llama(3), GgmlType::F32),
+        (TinyModelSpec::qwen2(4), GgmlType::Q8_0),
+        (TinyModelSpec::gemma3(5), GgmlType::F32),
+        (TinyModelSpec::llama(6).k_quant_shapes(), GgmlType::Q4_K),
+    ];
+    for (spec, ty) in cases {
+        let name = format!("{} {ty:?}", spec.name);
+        let m = load(&tiny(spec, ty, dir.path()));
+        // gemma3's window is 4: 12 steps take every prompt past it
+        batched_matches_alone(&m.transformer, &prompts(320), 12, 1e-4);
+        eprintln!("{name}: batched decode equals decoding alone");
+    }
+}
+
+#[test]
+fn smollm2_batched_equal_alone() {
+    let Some(path) = common::model_path("smollm2") else {
+        return;
+    };
+    let m = load(&path);
+    let ps: Vec<Vec<u32>> = [
+        "The capital of France is",
+        "def fib(n):",
+        "Once upon a time",
+        "1, 2, 3,",
+    ]
+    .iter()
+    .map(|p| m.raw_prompt(p).unwrap())
+    .collect();
+    // the batched matmul rounds differently from one row: allow a small drift, tokens equal
+    batched_matches_alone(&m.transformer, &ps, 16, 2e-2);
+}
+
+#[test]
+fn batch_errors_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = load(&tiny(TinyModelSpec::llama(1), GgmlType::F32, dir.path()));
+    let t = &m.transformer;
+    let mut a = t.new_cache(4);
+    let mut b = t.new_cache(1);
+    assert!(
+        t.forward_batch(&[1], &mut [&mut a, &mut b]).is_err(),
+        "lengths differ"
+    );
+    assert!(t.forward_batch(&[], &mut []).is_err(), "empty batch");
+    assert!(
+        t.forward_batch(&[100_000], &mut [&mut a]).is_err(),
+        "id out of vocabulary"
+    );
+    t.forward_batch(&[1], &mut [&mut b]).unwrap();
+    assert!(t.forward_batch(&[1], &mut [&mut b]).is_err(), "full cache");
+}
+
+fn collect(rx: &mpsc::Receiver<Event>) -> (Vec<u32>, String, Option<FinishReason>) {
+    let mut toks = Vec::new();
+    let mut text = String::new();
+    loop {
+        match rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("events within 60 s")
+        {
+            Event::Token { id, text: t, .. } => {
+                toks.push(id);
+                text.push_str(&t);
+            }
+            Event::Text(t) => text.push_str(&t),
+            Event::Done(f) => return (toks, text, Some(f.reason)),
+            Event::Failed(e) => panic!("failed: {e}"),
+        }
+    }
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize) -> SequenceRequest {
+    SequenceRequest {
+        prompt,
+        max_tokens,
+        sampler: SamplerConfig::default(),
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        stop: Vec::new(),
+        logprobs: None,
+        constraint: None,
+        ignore_eos: true,
+    }
+}
+
+#[test]
+fn scheduler_gives_each_request_its_own_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Arc::new(load(&tiny(
+        TinyModelSpec::qwen2(9),
+        GgmlType::F32,
+        dir.path(),
+    )));
+    let ps = prompts(320);
+    let lens = [20usize, 7, 13, 30];
+    // alone, through the one-sequence generation loop
+    let want: Vec<Vec<u32>> = ps
+        .iter()
+        .zip(lens)
+        .map(|(p, n)| {
+            let mut cache = m.new_cache(256);
+            let params = GenerateParams {
+                max_tokens: n,
+                stop: Vec::new(),
+                ignore_eos: true,
+            };
+            let mut s = Sampler::new(SamplerConfig::default());
+            m.generate(p, &mut cache, &mut s, &params, &mut |_| true)
+                .unwrap()
+                .tokens
+        })
+        .collect();
+    let sched = Scheduler::start(
+        m.clone(),
+        SchedulerConfig {
+            max_batch: 3, // four requests: one waits for a slot
+            max_queue: 8,
+            ctx: 256,
+        },
+    )
+    .unwrap();
+    let mut rxs = Vec::new();
+    let mut tickets = Vec::new();
+    for (p, n) in ps.iter().zip(lens) {
+        let (tx, rx) = mpsc::channel();
+        tickets.push(
+            sched
+                .submit(request(p.clone(), n), Box::new(move |e| tx.send(e).is_ok()))
+                .unwrap(),
+        );
+        rxs.push(rx);
+    }
+    for (i, rx) in rxs.iter().enumerate() {
+        let (toks, _, reason) = collect(rx);
+        assert_eq!(toks, want[i], "request {i}");
+        assert_eq!(reason, Some(FinishReason::Length));
+    }
+    assert!(
+        sched.stats().decode_steps.load(Ordering::Relaxed) < 70,
+        "steps were batched"
+    );
+}
+
+#[test]
+fn scheduler_cancels_dropped_tickets_and_refuses_when_full() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinyModelSpec {
+        context_length: 4096,
+        ..TinyModelSpec::llama(2)
+    };
+    let m = Arc::new(load(&tiny(spec, GgmlType::F32, dir.path())));
+    let sched = Scheduler::start(
+        m,
+        SchedulerConfig {
+            max_batch: 1,
+            max_queue: 1,
+            ctx: 4096,
+        },
+    )
+    .unwrap();
+    let (tx, rx) = mpsc::channel();
+    let long = sched
+        .submit(
+            request(vec![1, 2, 3], 4000),
+            Box::new(move |e| tx.send(e).is_ok()),
+        )
+        .unwrap();
+    // wait until it holds the slot
+    let _ = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    let (tx2, rx2) = mpsc::channel();
+    let queued = sched
+        .submit(request(vec![4], 3), Box::new(move |e| tx2.send(e).is_ok()))
+        .unwrap();
+    let busy = sched.submit(request(vec![5], 3), Box::new(|_| true));
+    assert!(busy.is_err(), "a full queue refuses");
+    let t0 = Instant::now();
+    drop(long);
+    let (toks, _, reason) = collect(&rx2);
+    assert_eq!((toks.len(), reason), (3, Some(FinishReason::Length)));
+    eprintln!(
+        "queued request done {:?} after the first was cancelled",
+        t0.elapsed()
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    drop(queued);
+    let s = sched.stats();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while s.active.load(Ordering::Relaxed) != 0 {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
