@@ -1,8 +1,10 @@
 //! `shoal bench serve`: how a running server's throughput grows with concurrent clients.
 //! For each concurrency level it opens that many streaming chat completions at once (each
-//! asked for exactly `-n` tokens, `ignore_eos`), and reports per level the aggregate
-//! generated tokens/s over the wall time of the whole level (prefill included), the median
-//! time to first token and per-stream decode rate, and the aggregate's ratio to one stream.
+//! asked for exactly `-n` tokens, `ignore_eos`), and reports per level the aggregate decode
+//! tokens/s in the window where every stream is generating (text pieces received in it over
+//! its length), the aggregate over the whole level's wall time (prefill included), the
+//! median time to first token and per-stream decode rate, each with its ratio to the first
+//! level.
 
 use std::io::BufRead;
 use std::time::{Duration, Instant};
@@ -38,6 +40,8 @@ struct StreamResult {
     tokens: usize,
     ttft: Duration,
     end: Duration,
+    /// When each piece of text arrived.
+    arrivals: Vec<Duration>,
 }
 
 fn one_stream(
@@ -71,6 +75,7 @@ fn one_stream(
     let reader = std::io::BufReader::new(resp.body_mut().as_reader());
     let mut ttft = None;
     let mut tokens = 0;
+    let mut arrivals = Vec::new();
     for line in reader.lines() {
         let line = line.context("reading the stream")?;
         let Some(data) = line.strip_prefix("data: ") else {
@@ -83,9 +88,10 @@ fn one_stream(
         if v["choices"][0]["delta"]["content"]
             .as_str()
             .is_some_and(|s| !s.is_empty())
-            && ttft.is_none()
         {
-            ttft = Some(t0.elapsed());
+            let now = t0.elapsed();
+            ttft.get_or_insert(now);
+            arrivals.push(now);
         }
         if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
             tokens = n as usize;
@@ -98,6 +104,7 @@ fn one_stream(
         tokens,
         ttft: ttft.unwrap_or_default(),
         end: t0.elapsed(),
+        arrivals,
     })
 }
 
@@ -159,7 +166,23 @@ pub fn main(args: ServeBenchArgs) -> anyhow::Result<()> {
                 .collect(),
         );
         let ttft = median(results.iter().map(|r| r.ttft.as_secs_f64() * 1e3).collect());
-        let base_rate = *base.get_or_insert(aggregate);
+        // steady state: the window in which every stream was generating
+        let from = results.iter().map(|r| r.ttft).max().unwrap_or_default();
+        let to = results
+            .iter()
+            .map(|r| r.arrivals.last().copied().unwrap_or_default())
+            .min()
+            .unwrap_or_default();
+        let in_window: usize = results
+            .iter()
+            .map(|r| r.arrivals.iter().filter(|&&a| a > from && a <= to).count())
+            .sum();
+        let decode = if to > from {
+            in_window as f64 / (to - from).as_secs_f64()
+        } else {
+            0.0
+        };
+        let (base_rate, base_decode) = *base.get_or_insert((aggregate, decode));
         rows.push(json!({
             "streams": k,
             "tokens": tokens,
@@ -168,10 +191,13 @@ pub fn main(args: ServeBenchArgs) -> anyhow::Result<()> {
             "per_stream_decode_tok_s": per_stream,
             "ttft_ms_median": ttft,
             "vs_first_level": aggregate / base_rate,
+            "decode_tok_s": decode,
+            "decode_vs_first_level": decode / base_decode.max(1e-9),
         }));
         if !args.json {
             eprintln!(
-                "{k:>3} streams: {tokens:>5} tokens in {:>6.2} s = {aggregate:>7.1} tok/s aggregate ({:.2}x), per stream {per_stream:>6.1} tok/s, TTFT median {ttft:>6.0} ms",
+                "{k:>3} streams: decode {decode:>7.1} tok/s while all stream ({:.2}x); {tokens:>5} tokens in {:>6.2} s = {aggregate:>7.1} tok/s with prefill ({:.2}x); per stream {per_stream:>6.1} tok/s; TTFT median {ttft:>6.0} ms",
+                decode / base_decode.max(1e-9),
                 wall.as_secs_f64(),
                 aggregate / base_rate
             );
