@@ -47,6 +47,19 @@ KEYED=$URL
 echo "servers: open $OPEN, keyed $KEYED"
 status=0
 "$VENV/bin/python" crates/shoal-api/tests/clients/test_clients.py --open "$OPEN" --keyed "$KEYED" "$@" || status=$?
+# the metrics the requests above produced must parse as Prometheus exposition
+"$VENV/bin/python" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1] + "/metrics").read().decode())' "$OPEN" >"$WORK/metrics.txt"
+if command -v promtool >/dev/null; then
+  if promtool check metrics <"$WORK/metrics.txt"; then
+    echo "ok    promtool check metrics ($(grep -c '^shoal_' "$WORK/metrics.txt") samples)"
+  else
+    echo "FAIL  promtool check metrics"; status=1
+  fi
+elif [ "${SHOAL_REQUIRE_PROMTOOL:-0}" = 1 ]; then
+  echo "FAIL  promtool is not installed (apt-get install prometheus)"; status=1
+else
+  echo "skip  promtool check metrics (promtool not installed)"
+fi
 if [ $status -ne 0 ]; then
   echo "--- open server log (tail)"; tail -20 "$WORK/open.err"
   echo "--- keyed server log (tail)"; tail -20 "$WORK/keyed.err"

@@ -24,6 +24,10 @@ python3 -m pip install --quiet --disable-pip-version-check gguf numpy || echo "(
 command -v ip >/dev/null || { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null &&
   { apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null; } ; } ||
   echo "(iproute2 unavailable; the multi-host tests will skip)"
+# promtool (Debian package prometheus) checks the /metrics exposition
+command -v promtool >/dev/null || { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null &&
+  { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } ; } ||
+  echo "(promtool unavailable; the metrics format check will skip)"
 
 echo "== clippy"
 cargo clippy --release --workspace --all-targets -- -D warnings

@@ -257,6 +257,8 @@ pub struct Running {
     calls: usize,
     logprobs: bool,
     pending: std::collections::VecDeque<Out>,
+    /// When the request arrived, and when its last token came.
+    arrived: Instant,
     last_token: Instant,
     first: bool,
     done: bool,
@@ -302,6 +304,7 @@ fn unix_now() -> u64 {
 /// prompt longer than the context, bad sampling values, a bad schema), 503 when the queue is
 /// full.
 pub fn start(state: &Arc<AppState>, req: GenRequest) -> Result<Running, ApiError> {
+    let arrived = Instant::now();
     let served = state.model(&req.model)?;
     let model = served.scheduler.model().clone();
     let tools = req.tools();
@@ -420,7 +423,8 @@ pub fn start(state: &Arc<AppState>, req: GenRequest) -> Result<Running, ApiError
         calls: 0,
         logprobs: req.logprobs.is_some(),
         pending: Default::default(),
-        last_token: Instant::now(),
+        arrived,
+        last_token: arrived,
         first: true,
         done: false,
     })
@@ -511,15 +515,12 @@ impl Running {
             match ev {
                 Event::Token { id, text, logprob } => {
                     let now = Instant::now();
-                    self.state.metrics.token(
-                        &self.model.id,
-                        self.first,
-                        if self.first {
-                            Duration::ZERO
-                        } else {
-                            now - self.last_token
-                        },
-                    );
+                    let since = if self.first {
+                        now - self.arrived
+                    } else {
+                        now - self.last_token
+                    };
+                    self.state.metrics.token(&self.model.id, self.first, since);
                     self.first = false;
                     self.last_token = now;
                     let lps = if self.logprobs {

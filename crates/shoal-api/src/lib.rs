@@ -90,16 +90,35 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
     .into_response()
 }
 
-async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
+/// `/metrics`: OpenMetrics when the scraper asks for it, else Prometheus' text format.
+async fn metrics_text(
+    State(state): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+) -> Response {
     state.refresh_gauges();
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        state.metrics.render(),
-    )
-        .into_response()
+    let wants_openmetrics = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("application/openmetrics-text"));
+    if wants_openmetrics {
+        (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            state.metrics.render_openmetrics(),
+        )
+            .into_response()
+    } else {
+        (
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            state.metrics.render(),
+        )
+            .into_response()
+    }
 }
 
 async fn root() -> &'static str {

@@ -181,12 +181,50 @@ impl Metrics {
         self.decode_steps.get_or_create(&m).set(steps);
     }
 
-    /// The exposition text.
-    pub fn render(&self) -> String {
+    /// The exposition in the OpenMetrics text format.
+    pub fn render_openmetrics(&self) -> String {
         let mut out = String::new();
         let r = self.registry.lock().unwrap_or_else(|e| e.into_inner());
         if encode(&mut out, &r).is_err() {
             out.clear();
+        }
+        out
+    }
+
+    /// The exposition in Prometheus' classic text format (0.0.4), which every scraper and
+    /// `promtool check metrics` read: counters are described under their `_total` sample
+    /// name, and there is no `# EOF`.
+    pub fn render(&self) -> String {
+        let open = self.render_openmetrics();
+        let mut counters = std::collections::HashSet::new();
+        for line in open.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                if let Some(name) = rest.strip_suffix(" counter") {
+                    counters.insert(name.to_string());
+                }
+            }
+        }
+        let mut out = String::with_capacity(open.len() + 64);
+        for line in open.lines() {
+            if line == "# EOF" {
+                continue;
+            }
+            let meta = line
+                .strip_prefix("# HELP ")
+                .map(|r| ("# HELP ", r))
+                .or_else(|| line.strip_prefix("# TYPE ").map(|r| ("# TYPE ", r)));
+            match meta {
+                Some((kind, rest)) => {
+                    let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                    if counters.contains(name) {
+                        out.push_str(&format!("{kind}{name}_total {tail}"));
+                    } else {
+                        out.push_str(line);
+                    }
+                }
+                None => out.push_str(line),
+            }
+            out.push('\n');
         }
         out
     }
@@ -214,6 +252,11 @@ mod tests {
         );
         assert!(text.contains("shoal_time_to_first_token_seconds_count{model=\"smollm2\"} 1"));
         assert!(text.contains("shoal_batch_size{model=\"smollm2\"} 2"));
-        assert!(text.ends_with("# EOF\n"));
+        assert!(
+            text.contains("# TYPE shoal_http_requests_total counter"),
+            "{text}"
+        );
+        assert!(!text.contains("# EOF"));
+        assert!(m.render_openmetrics().ends_with("# EOF\n"));
     }
 }
