@@ -205,6 +205,46 @@ fn body_limit_answers_413() {
 }
 
 #[test]
+fn cors_is_off_by_default_and_answers_preflights_when_set() {
+    let (_dir, state) = tiny_state(1, 1);
+    let preflight = || {
+        Request::builder()
+            .method("OPTIONS")
+            .uri("/v1/chat/completions")
+            .header("origin", "http://app.example")
+            .header("access-control-request-method", "POST")
+            .header(
+                "access-control-request-headers",
+                "authorization, content-type",
+            )
+            .body(Body::empty())
+            .unwrap()
+    };
+    runtime().block_on(async {
+        let closed = shoal_api::router(state.clone(), &HttpOptions::default());
+        let r = closed.oneshot(preflight()).await.unwrap();
+        assert!(r.headers().get("access-control-allow-origin").is_none());
+        let open = shoal_api::router(
+            state,
+            &HttpOptions {
+                cors_origins: vec!["http://app.example".into()],
+                ..HttpOptions::default()
+            },
+        );
+        let r = open.oneshot(preflight()).await.unwrap();
+        assert_eq!(
+            r.headers()["access-control-allow-origin"],
+            "http://app.example"
+        );
+        let allowed = r.headers()["access-control-allow-headers"]
+            .to_str()
+            .unwrap()
+            .to_lowercase();
+        assert!(allowed.contains("authorization"), "{allowed}");
+    });
+}
+
+#[test]
 fn full_queue_answers_503_in_each_shape() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());

@@ -144,9 +144,15 @@ impl Sampler {
             return greedy(logits);
         }
         let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if self.cfg.top_k > 0 && self.cfg.top_k < c.len() {
-            c.select_nth_unstable_by(self.cfg.top_k - 1, by_logit);
-            c.truncate(self.cfg.top_k);
+        // The candidates' order decides which one a random draw lands on, so it must not
+        // depend on how the logits were laid out (a split model's lead holds only the ranks'
+        // top candidates): best first after a top-k cut, else vocabulary order.
+        if self.cfg.top_k > 0 {
+            if self.cfg.top_k < c.len() {
+                c.select_nth_unstable_by(self.cfg.top_k - 1, by_logit);
+                c.truncate(self.cfg.top_k);
+            }
+            c.sort_unstable_by(by_logit);
         }
         let max_of = |c: &[(u32, f32)]| c.iter().map(|x| x.1).fold(f32::NEG_INFINITY, f32::max);
         // probabilities at temperature 1 for top-p and min-p, as llama.cpp computes them

@@ -475,6 +475,39 @@ def ollama_errors(ol, url_open, **_):
         assert e.status_code == 404 and "no-such-model" in e.error, (e.status_code, e.error)
     r = httpx.post(url_open + "/api/chat", content=b"[", timeout=30)
     assert r.status_code == 400 and isinstance(r.json()["error"], str), r.text
+    try:
+        ol.chat(model=PLAIN, messages=[{"role": "user", "content": "word " * 5000}])
+        raise AssertionError("over-long prompt accepted")
+    except ollama.ResponseError as e:
+        assert e.status_code == 400 and "context" in e.error, (e.status_code, e.error)
+
+
+@test
+def sixteen_concurrent_streams(o, **_):
+    import concurrent.futures
+
+    def one(i):
+        chunks = list(
+            o.chat.completions.create(
+                model=PLAIN,
+                messages=[{"role": "user", "content": f"Tell story number {i}."}],
+                max_tokens=24,
+                temperature=0.7,
+                seed=i,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    for text, n, finish in results:
+        assert text.strip() and n == 24 and finish == "length", (text, n, finish)
+    # each stream got its own text (seeded differently)
+    assert len({t for t, _, _ in results}) > 8, results
 
 
 # ---------------------------------------------------------------- keys and limits
