@@ -369,7 +369,7 @@ impl Worker {
     fn run(mut self) {
         // Wait for work here; run each busy period on a compute-pool thread, so the many
         // parallel loops of a step start without a cross-thread hand-off each (measured:
-        // one SmolLM2 stream 66 -> 106 tokens/s).
+        // one SmolLM2 stream 66 -> 111 tokens/s).
         while self.admit(true) != Admit::Shutdown {
             let me = &mut self;
             if rayon::scope(move |_| me.run_busy()) {

@@ -310,3 +310,42 @@ fn scheduler_cancels_dropped_tickets_and_refuses_when_full() {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+#[test]
+fn presence_and_frequency_penalties_push_away_repeats() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Arc::new(load(&tiny(
+        TinyModelSpec::llama(12),
+        GgmlType::F32,
+        dir.path(),
+    )));
+    let sched = Scheduler::start(
+        m,
+        SchedulerConfig {
+            max_batch: 2,
+            max_queue: 2,
+            ctx: 256,
+        },
+    )
+    .unwrap();
+    let run = |presence: f32, frequency: f32| {
+        let (tx, rx) = mpsc::channel();
+        let mut r = request(vec![3, 1, 4, 1, 5], 40);
+        r.presence_penalty = presence;
+        r.frequency_penalty = frequency;
+        let _t = sched
+            .submit(r, Box::new(move |e| tx.send(e).is_ok()))
+            .unwrap();
+        collect(&rx).0
+    };
+    let distinct = |v: &[u32]| v.iter().collect::<std::collections::HashSet<_>>().len();
+    let plain = run(0.0, 0.0);
+    let penalised = run(1e4, 0.0);
+    assert!(
+        distinct(&plain) < plain.len(),
+        "the tiny model repeats itself: {plain:?}"
+    );
+    assert_eq!(distinct(&penalised), penalised.len(), "{penalised:?}");
+    let freq = run(0.0, 1e4);
+    assert_eq!(distinct(&freq), freq.len(), "{freq:?}");
+}

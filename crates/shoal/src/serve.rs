@@ -1,6 +1,6 @@
 //! `shoal serve`: loads the models named with `--model` and serves them over HTTP (the
 //! OpenAI, Anthropic and Ollama APIs of `shoal-api`) with continuous batching, until Ctrl-C
-//! or SIGTERM, then lets running requests finish. When ready it prints one JSON line on
+//! or SIGTERM, then lets running requests finish (for at most `--grace-s` seconds). When ready it prints one JSON line on
 //! stdout, `{"node": ID, "listen": null, "api": "HOST:PORT", "models": [...]}`; `listen` (the
 //! cluster port) is null until the cluster daemon exists.
 
@@ -46,6 +46,9 @@ pub struct ServeArgs {
     /// Requests per minute per API key, for keys created without their own limit.
     #[arg(long)]
     pub rate_limit: Option<u32>,
+    /// Seconds running requests may take to finish after Ctrl-C or SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    pub grace_s: u64,
     #[command(flatten)]
     pub compute: ComputeArgs,
 }
@@ -143,9 +146,25 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         std::io::stdout().flush().ok();
         tracing::info!(%addr, "serving");
         let router = shoal_api::router(state, &opts);
-        shoal_api::serve(listener, router, shutdown_signal())
-            .await
-            .context("serving HTTP")
+        // On Ctrl-C or SIGTERM stop accepting, let running requests finish for up to
+        // --grace-s, then stop them.
+        let (stopping_tx, mut stopping) = tokio::sync::watch::channel(false);
+        let signal = async move {
+            shutdown_signal().await;
+            let _ = stopping_tx.send(true);
+        };
+        let grace = std::time::Duration::from_secs(args.grace_s);
+        let deadline = async move {
+            let _ = stopping.wait_for(|s| *s).await;
+            tokio::time::sleep(grace).await;
+        };
+        tokio::select! {
+            r = shoal_api::serve(listener, router, signal) => r.context("serving HTTP"),
+            _ = deadline => {
+                tracing::warn!(grace_s = grace.as_secs(), "requests still running after the grace period; stopping them");
+                Ok(())
+            }
+        }
     })
 }
 
