@@ -107,6 +107,12 @@ struct ChatRequest {
     #[serde(default)]
     top_p: Option<f32>,
     #[serde(default)]
+    top_k: Option<u32>,
+    #[serde(default)]
+    min_p: Option<f32>,
+    #[serde(default)]
+    repetition_penalty: Option<f32>,
+    #[serde(default)]
     seed: Option<i64>,
     #[serde(default)]
     stop: Option<OneOrMany>,
@@ -305,6 +311,9 @@ fn response_format(v: Option<Value>) -> Result<OutputFormat, ApiError> {
 pub(crate) struct Sampling {
     pub(crate) temperature: Option<f32>,
     pub(crate) top_p: Option<f32>,
+    pub(crate) top_k: Option<u32>,
+    pub(crate) min_p: Option<f32>,
+    pub(crate) repetition_penalty: Option<f32>,
     pub(crate) seed: Option<i64>,
     pub(crate) presence_penalty: Option<f32>,
     pub(crate) frequency_penalty: Option<f32>,
@@ -320,6 +329,10 @@ pub(crate) fn apply_sampling(req: &mut GenRequest, s: Sampling) -> Result<(), Ap
     }
     req.sampling.temperature = temperature;
     req.sampling.top_p = s.top_p.unwrap_or(1.0);
+    // vLLM's extensions, so one client can ask for exactly what `shoal run` samples with
+    req.sampling.top_k = s.top_k.unwrap_or(0) as usize;
+    req.sampling.min_p = s.min_p.unwrap_or(0.0);
+    req.sampling.repeat_penalty = s.repetition_penalty.unwrap_or(1.0);
     req.seed = s.seed.map(|v| v as u64);
     for (name, v) in [
         ("presence_penalty", s.presence_penalty),
@@ -445,6 +458,9 @@ async fn chat_inner(
         Sampling {
             temperature: r.temperature,
             top_p: r.top_p,
+            top_k: r.top_k,
+            min_p: r.min_p,
+            repetition_penalty: r.repetition_penalty,
             seed: r.seed,
             presence_penalty: r.presence_penalty,
             frequency_penalty: r.frequency_penalty,
@@ -620,6 +636,12 @@ struct CompletionRequest {
     #[serde(default)]
     top_p: Option<f32>,
     #[serde(default)]
+    top_k: Option<u32>,
+    #[serde(default)]
+    min_p: Option<f32>,
+    #[serde(default)]
+    repetition_penalty: Option<f32>,
+    #[serde(default)]
     seed: Option<i64>,
     #[serde(default)]
     stop: Option<OneOrMany>,
@@ -703,6 +725,9 @@ async fn completions_inner(
         Sampling {
             temperature: r.temperature,
             top_p: r.top_p,
+            top_k: r.top_k,
+            min_p: r.min_p,
+            repetition_penalty: r.repetition_penalty,
             seed: r.seed,
             presence_penalty: r.presence_penalty,
             frequency_penalty: r.frequency_penalty,

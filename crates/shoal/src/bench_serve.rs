@@ -6,12 +6,12 @@
 //! median time to first token and per-stream decode rate, each with its ratio to the first
 //! level.
 
-use std::io::BufRead;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use clap::Args;
 use serde_json::json;
+
+use crate::client::{for_each_event, Client, ClientArgs};
 
 /// Options of `shoal bench serve`.
 #[derive(Args, Debug)]
@@ -45,7 +45,7 @@ struct StreamResult {
 }
 
 fn one_stream(
-    agent: &ureq::Agent,
+    client: &Client,
     args: &ServeBenchArgs,
     i: usize,
     t0: Instant,
@@ -60,31 +60,13 @@ fn one_stream(
         "stream": true,
         "stream_options": {"include_usage": true},
     });
-    let mut req = agent.post(&format!(
-        "{}/v1/chat/completions",
-        args.url.trim_end_matches('/')
-    ));
-    if let Some(k) = &args.key {
-        req = req.header("Authorization", &format!("Bearer {k}"));
-    }
-    let mut resp = req.send_json(&body).context("sending a request")?;
-    if !resp.status().is_success() {
-        let text = resp.body_mut().read_to_string().unwrap_or_default();
-        anyhow::bail!("the server answered {}: {text}", resp.status());
-    }
-    let reader = std::io::BufReader::new(resp.body_mut().as_reader());
+    let reader = client
+        .post_stream("/v1/chat/completions", &body)?
+        .into_reader();
     let mut ttft = None;
     let mut tokens = 0;
     let mut arrivals = Vec::new();
-    for line in reader.lines() {
-        let line = line.context("reading the stream")?;
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if data == "[DONE]" {
-            break;
-        }
-        let v: serde_json::Value = serde_json::from_str(data).context("a stream event")?;
+    for_each_event(reader, |v| {
         if v["choices"][0]["delta"]["content"]
             .as_str()
             .is_some_and(|s| !s.is_empty())
@@ -96,10 +78,8 @@ fn one_stream(
         if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
             tokens = n as usize;
         }
-        if v.get("error").is_some() {
-            anyhow::bail!("the stream failed: {v}");
-        }
-    }
+        Ok(())
+    })?;
     Ok(StreamResult {
         tokens,
         ttft: ttft.unwrap_or_default(),
@@ -114,15 +94,13 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn main(args: ServeBenchArgs) -> anyhow::Result<()> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(1800)))
-        .max_idle_connections_per_host(256)
-        .build()
-        .into();
+    let client = Client::new(&ClientArgs {
+        url: args.url.clone(),
+        key: args.key.clone(),
+    });
     // warm-up: one short request (first-use costs are not the server's steady state)
     one_stream(
-        &agent,
+        &client,
         &ServeBenchArgs {
             n_gen: 4,
             streams: vec![1],
@@ -141,8 +119,8 @@ pub fn main(args: ServeBenchArgs) -> anyhow::Result<()> {
         let results: Vec<anyhow::Result<StreamResult>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..k)
                 .map(|i| {
-                    let (agent, args) = (&agent, &args);
-                    s.spawn(move || one_stream(agent, args, i, t0))
+                    let (client, args) = (&client, &args);
+                    s.spawn(move || one_stream(client, args, i, t0))
                 })
                 .collect();
             handles

@@ -20,6 +20,12 @@ pub struct ChatArgs {
     pub sampling: SamplingArgs,
     #[command(flatten)]
     pub compute: ComputeArgs,
+    /// Chat with a running node (`shoal serve`) at this URL instead of loading the model here.
+    #[arg(long)]
+    pub url: Option<String>,
+    /// API key for --url (when the node has keys).
+    #[arg(long, env = "SHOAL_API_KEY", hide_env_values = true)]
+    pub key: Option<String>,
 }
 
 /// Length of the common prefix of two token sequences.
@@ -28,6 +34,13 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 pub fn main(args: ChatArgs) -> anyhow::Result<()> {
+    if let Some(url) = &args.url {
+        let client = crate::client::ClientArgs {
+            url: url.clone(),
+            key: args.key.clone(),
+        };
+        return crate::remote::chat(&client, &args.model, args.system.as_deref(), &args.sampling);
+    }
     args.compute.apply()?;
     let model = crate::models::open(&args.model)?;
     if model.chat_template.is_none() {

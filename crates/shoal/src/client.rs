@@ -98,3 +98,56 @@ impl Client {
         self.finish(&format!("DELETE {path}"), r)
     }
 }
+
+/// Reads a server-sent-event stream, calling `on` with each `data:` JSON object until
+/// `[DONE]`; an `error` object in the stream is an error.
+pub fn for_each_event(
+    body: impl std::io::Read,
+    mut on: impl FnMut(&Value) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    use std::io::BufRead;
+    for line in std::io::BufReader::new(body).lines() {
+        let line = line.context("reading the event stream")?;
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            return Ok(());
+        }
+        let v: Value = serde_json::from_str(data).context("an event that is not JSON")?;
+        if let Some(e) = v.get("error") {
+            anyhow::bail!(
+                "the server failed the request: {}",
+                e["message"].as_str().unwrap_or("unknown error")
+            );
+        }
+        on(&v)?;
+    }
+    anyhow::bail!("the event stream ended without [DONE]")
+}
+
+impl Client {
+    /// POSTs `body` to `path` and returns the streaming response.
+    pub fn post_stream(&self, path: &str, body: &Value) -> anyhow::Result<ureq::Body> {
+        let r = self
+            .auth(self.agent.post(&format!("{}{path}", self.base)))
+            .send_json(body);
+        let mut resp = r.with_context(|| {
+            format!(
+                "POST {path}: cannot reach {} (is `shoal serve` running there?)",
+                self.base
+            )
+        })?;
+        let status = resp.status();
+        if !status.is_success() {
+            let text = resp.body_mut().read_to_string().unwrap_or_default();
+            let v: Value = serde_json::from_str(&text).unwrap_or(Value::String(text.clone()));
+            let msg = v["error"]["message"]
+                .as_str()
+                .or_else(|| v["error"].as_str())
+                .unwrap_or(&text);
+            anyhow::bail!("POST {path}: the node answered {status}: {msg}");
+        }
+        Ok(resp.into_body())
+    }
+}

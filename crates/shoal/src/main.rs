@@ -12,6 +12,7 @@ mod client;
 mod keys;
 mod models;
 mod ranks;
+mod remote;
 mod run;
 mod serve;
 mod worker;

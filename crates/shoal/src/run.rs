@@ -101,6 +101,12 @@ pub struct RunArgs {
     pub compute: ComputeArgs,
     #[command(flatten)]
     pub split: SplitArgs,
+    /// Ask a running node (`shoal serve`) at this URL instead of loading the model here.
+    #[arg(long)]
+    pub url: Option<String>,
+    /// API key for --url (when the node has keys).
+    #[arg(long, env = "SHOAL_API_KEY", hide_env_values = true)]
+    pub key: Option<String>,
 }
 
 impl RunArgs {
@@ -189,6 +195,23 @@ fn main_split(args: RunArgs) -> anyhow::Result<()> {
 }
 
 pub fn main(args: RunArgs) -> anyhow::Result<()> {
+    if let Some(url) = &args.url {
+        if args.split.is_split() {
+            anyhow::bail!("--url runs on a node, which places the model itself; drop --tp/--pp");
+        }
+        let client = crate::client::ClientArgs {
+            url: url.clone(),
+            key: args.key.clone(),
+        };
+        return crate::remote::run(
+            &client,
+            &args.model,
+            &args.prompt,
+            args.system.as_deref(),
+            args.raw,
+            &args.sampling,
+        );
+    }
     if args.split.is_split() {
         return main_split(args);
     }

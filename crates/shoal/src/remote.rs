@@ -1,0 +1,168 @@
+//! `shoal run --url` and `shoal chat --url`: the same commands answered by a running node
+//! (`shoal serve`) through its OpenAI-compatible API instead of a model loaded here. The
+//! sampling options travel as request fields (vLLM's `top_k`, `min_p`,
+//! `repetition_penalty` and `ignore_eos` beside OpenAI's own), text streams to stdout as it
+//! arrives, statistics go to stderr.
+
+use std::io::{BufRead, Write};
+use std::time::Instant;
+
+use serde_json::{json, Value};
+
+use crate::client::{for_each_event, Client, ClientArgs};
+use crate::run::SamplingArgs;
+
+/// What one streamed answer cost.
+struct Answer {
+    text: String,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    first: Option<f64>,
+    total: f64,
+}
+
+fn sampling_fields(s: &SamplingArgs, body: &mut Value) {
+    body["max_tokens"] = json!(s.max_tokens);
+    body["temperature"] = json!(s.temp.unwrap_or(0.7));
+    body["top_k"] = json!(s.top_k);
+    body["top_p"] = json!(s.top_p);
+    body["min_p"] = json!(s.min_p);
+    body["repetition_penalty"] = json!(s.repeat_penalty);
+    if let Some(seed) = s.seed {
+        body["seed"] = json!(seed);
+    }
+    if !s.stop.is_empty() {
+        body["stop"] = json!(s.stop);
+    }
+    if s.ignore_eos {
+        body["ignore_eos"] = json!(true);
+    }
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+}
+
+/// Streams one request's text to stdout.
+fn stream(client: &Client, path: &str, body: &Value, chat: bool) -> anyhow::Result<Answer> {
+    let t0 = Instant::now();
+    let reader = client.post_stream(path, body)?.into_reader();
+    let mut out = Answer {
+        text: String::new(),
+        prompt_tokens: 0,
+        completion_tokens: 0,
+        first: None,
+        total: 0.0,
+    };
+    let mut stdout = std::io::stdout().lock();
+    for_each_event(reader, |v| {
+        let piece = if chat {
+            v["choices"][0]["delta"]["content"].as_str()
+        } else {
+            v["choices"][0]["text"].as_str()
+        };
+        if let Some(p) = piece.filter(|p| !p.is_empty()) {
+            out.first.get_or_insert(t0.elapsed().as_secs_f64());
+            stdout.write_all(p.as_bytes())?;
+            stdout.flush()?;
+            out.text.push_str(p);
+        }
+        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+            out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+            out.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
+        }
+        Ok(())
+    })?;
+    out.total = t0.elapsed().as_secs_f64();
+    Ok(out)
+}
+
+fn report(a: &Answer, url: &str) {
+    let first = a.first.unwrap_or(a.total);
+    let decode = a.completion_tokens.saturating_sub(1) as f64 / (a.total - first).max(1e-9);
+    eprintln!(
+        "prompt: {} tokens, first text after {:.0} ms | generation: {} tokens, {:.1} tok/s | on {url}",
+        a.prompt_tokens,
+        first * 1e3,
+        a.completion_tokens,
+        decode
+    );
+}
+
+/// `shoal run MODEL PROMPT --url URL`.
+pub fn run(
+    client: &ClientArgs,
+    model: &str,
+    prompt: &str,
+    system: Option<&str>,
+    raw: bool,
+    sampling: &SamplingArgs,
+) -> anyhow::Result<()> {
+    let c = Client::new(client);
+    let (path, mut body) = if raw {
+        ("/v1/completions", json!({"model": model, "prompt": prompt}))
+    } else {
+        let mut messages = Vec::new();
+        if let Some(s) = system {
+            messages.push(json!({"role": "system", "content": s}));
+        }
+        messages.push(json!({"role": "user", "content": prompt}));
+        (
+            "/v1/chat/completions",
+            json!({"model": model, "messages": messages}),
+        )
+    };
+    sampling_fields(sampling, &mut body);
+    let a = stream(&c, path, &body, !raw)?;
+    if !raw {
+        println!();
+    }
+    report(&a, &client.url);
+    Ok(())
+}
+
+/// `shoal chat MODEL --url URL`: the conversation is kept here and sent whole each turn.
+pub fn chat(
+    client: &ClientArgs,
+    model: &str,
+    system: Option<&str>,
+    sampling: &SamplingArgs,
+) -> anyhow::Result<()> {
+    let c = Client::new(client);
+    let mut messages: Vec<Value> = Vec::new();
+    if let Some(s) = system {
+        messages.push(json!({"role": "system", "content": s}));
+    }
+    eprintln!(
+        "chatting with {model} on {} — /reset clears the conversation, /exit or Ctrl-D quits",
+        client.url
+    );
+    let mut lines = std::io::stdin().lock().lines();
+    loop {
+        eprint!("> ");
+        std::io::stderr().flush()?;
+        let Some(line) = lines.next() else { break };
+        let line = line?;
+        match line.trim() {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                messages.retain(|m| m["role"] == "system");
+                eprintln!("(conversation cleared)");
+                continue;
+            }
+            text => messages.push(json!({"role": "user", "content": text})),
+        }
+        let mut body = json!({"model": model, "messages": messages});
+        sampling_fields(sampling, &mut body);
+        match stream(&c, "/v1/chat/completions", &body, true) {
+            Ok(a) => {
+                println!();
+                messages.push(json!({"role": "assistant", "content": a.text}));
+            }
+            Err(e) => {
+                messages.pop();
+                eprintln!("error: {e:#}");
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,176 @@
+//! `shoal serve` end to end as a process, on a tiny model the test kit writes as GGUF: it
+//! prints its ready line, `shoal run --url` answers exactly what `shoal run` answers
+//! locally, `shoal keys` manages keys through the HTTP API (the first is an administrator
+//! key, and once one exists requests without a key are refused), and SIGTERM stops it.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use shoal_testkit::{GgmlType, TinyModelSpec};
+
+fn shoal() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_shoal"))
+}
+
+fn tiny_model(dir: &Path) -> PathBuf {
+    let p = dir.join("tiny.gguf");
+    TinyModelSpec::qwen2(31)
+        .build()
+        .unwrap()
+        .write_gguf(&p, GgmlType::Q8_0)
+        .unwrap();
+    p
+}
+
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(model: &Path, data: &Path) -> Server {
+    let mut child = shoal()
+        .arg("serve")
+        .arg("--model")
+        .arg(model)
+        .args(["--api", "127.0.0.1:0", "-t", "1", "--ctx", "256"])
+        .arg("--data-dir")
+        .arg(data)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let ready: serde_json::Value =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    assert_eq!(ready["node"].as_str().unwrap().len(), 16, "{ready}");
+    assert_eq!(ready["models"][0], "tiny", "{ready}");
+    Server {
+        child,
+        url: format!("http://{}", ready["api"].as_str().unwrap()),
+    }
+}
+
+fn run(args: &[&str]) -> (bool, String, String) {
+    let out = shoal().args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn run_on_a_node_answers_like_running_here_and_keys_guard_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    let server = serve(&model, &dir.path().join("node"));
+    let url = server.url.as_str();
+
+    for raw in [true, false] {
+        let mut args = vec![
+            "run",
+            m,
+            "hello world",
+            "--temp",
+            "0",
+            "-n",
+            "24",
+            "-t",
+            "1",
+            "--ignore-eos",
+        ];
+        if raw {
+            args.push("--raw");
+        }
+        let (ok, here, err) = run(&args);
+        assert!(ok, "{err}");
+        let mut remote = vec![
+            "run",
+            "tiny",
+            "hello world",
+            "--temp",
+            "0",
+            "-n",
+            "24",
+            "--ignore-eos",
+            "--url",
+            url,
+        ];
+        if raw {
+            remote.push("--raw");
+        }
+        let (ok, there, err) = run(&remote);
+        assert!(ok, "{err}");
+        assert_eq!(
+            there, here,
+            "raw {raw}: the node answers what a local run answers"
+        );
+        assert!(err.contains("generation: 24 tokens"), "{err}");
+    }
+
+    // keys: the first is an administrator key; then a key is required
+    let (ok, secret, err) = run(&["keys", "create", "--name", "ops", "--url", url]);
+    assert!(ok, "{err}");
+    let secret = secret.trim().to_string();
+    assert!(
+        secret.starts_with("sk-shoal-") && err.contains("administrator"),
+        "{secret} {err}"
+    );
+    let (ok, _, err) = run(&["run", "tiny", "hi", "-n", "2", "--url", url]);
+    assert!(!ok && err.contains("401"), "{err}");
+    let (ok, list, err) = run(&["keys", "list", "--json", "--url", url, "--key", &secret]);
+    assert!(ok, "{err}");
+    let keys: serde_json::Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(keys[0]["name"], "ops");
+    assert!(
+        keys[0].get("hash").is_none(),
+        "hashes never leave the node: {keys}"
+    );
+    let (ok, _, err) = run(&[
+        "run", "tiny", "hi", "-n", "2", "--url", url, "--key", &secret,
+    ]);
+    assert!(ok, "{err}");
+    let id = keys[0]["id"].as_str().unwrap().to_string();
+    let (ok, _, err) = run(&["keys", "revoke", &id, "--url", url, "--key", &secret]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = run(&["keys", "list", "--url", url, "--key", &secret]);
+    assert!(ok, "with no key left the node is open again: {err}");
+}
+
+#[test]
+fn sigterm_stops_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let mut server = serve(&model, &dir.path().join("node"));
+    let pid = server.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let t0 = Instant::now();
+    loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            assert!(status.success(), "{status}");
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "still running 10 s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
