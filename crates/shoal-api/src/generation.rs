@@ -354,8 +354,12 @@ pub fn start(state: &Arc<AppState>, req: GenRequest) -> Result<Running, ApiError
         return Err(ApiError::invalid("the prompt is empty"));
     }
     if prompt.len() >= ctx {
+        let field = match req.input {
+            Input::Chat { .. } => "messages",
+            Input::Text(_) => "prompt",
+        };
         return Err(ApiError::invalid_param(
-            "messages",
+            field,
             format!(
                 "the prompt is {} tokens, but {} is served with a context of {ctx} tokens \
                  (prompt plus output); shorten the prompt",

@@ -855,13 +855,10 @@ impl Transformer {
         let rows = tokens.len();
         let mut x = self.embed(tokens)?;
         let mut tables = StepTables::at(caches.iter().map(|c| c.len()).collect());
-        let mut step = StepCaches::Batch(caches);
+        let mut step = StepCaches::Batch(&mut *caches);
         for (layer, block) in self.blocks.iter().enumerate() {
             x = block.forward(&x, &mut step, layer, &mut tables)?;
         }
-        let StepCaches::Batch(caches) = step else {
-            unreachable!("constructed as a batch above")
-        };
         for c in caches.iter_mut() {
             c.advance(1);
         }
