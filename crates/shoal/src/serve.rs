@@ -138,6 +138,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding the API address {}", args.api))?;
         let addr = listener.local_addr()?;
+        let shutdown = shutdown_signal()?;
         println!(
             "{}",
             serde_json::json!({"node": node, "listen": null, "api": addr.to_string(), "models": ids})
@@ -150,7 +151,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         // --grace-s, then stop them.
         let (stopping_tx, mut stopping) = tokio::sync::watch::channel(false);
         let signal = async move {
-            shutdown_signal().await;
+            shutdown.await;
             let _ = stopping_tx.send(true);
         };
         let grace = std::time::Duration::from_secs(args.grace_s);
@@ -168,24 +169,27 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// Ctrl-C and SIGTERM, listened for from the moment this is called (before the ready line,
+/// so a signal sent right after it is never missed).
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+        let mut int = signal(SignalKind::interrupt()).context("listening for Ctrl-C")?;
+        Ok(async move {
+            tokio::select! {
+                _ = term.recv() => {},
+                _ = int.recv() => {},
             }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
+            tracing::info!("shutting down");
+        })
     }
-    tracing::info!("shutting down");
+    #[cfg(not(unix))]
+    {
+        Ok(async move {
+            let _ = tokio::signal::ctrl_c().await;
+            tracing::info!("shutting down");
+        })
+    }
 }
