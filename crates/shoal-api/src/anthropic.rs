@@ -3,7 +3,6 @@
 //! and the streaming event sequence (`message_start`, `content_block_*`, `message_delta`,
 //! `message_stop`), with Anthropic's error shape. Keys may come as `x-api-key`.
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 
@@ -14,7 +13,6 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -242,13 +240,7 @@ async fn messages_route(
         .tools
         .unwrap_or_default()
         .into_iter()
-        .map(|t| Tool {
-            name: t.name,
-            description: t.description,
-            parameters: t
-                .input_schema
-                .unwrap_or_else(|| json!({"type": "object", "properties": {}})),
-        })
+        .map(|t| Tool::new(t.name, t.description, t.input_schema))
         .collect();
     let mut req = GenRequest::new(
         r.model,
@@ -345,125 +337,89 @@ fn stream_messages(
     id: String,
     model: String,
 ) -> Sse<impl futures_util::Stream<Item = Item>> {
-    struct St {
-        running: generation::Running,
-        queue: VecDeque<Item>,
-        started: bool,
-        ended: bool,
-        /// Index of the next content block, and whether a text block is open.
-        block: usize,
-        text_open: bool,
-    }
-    let st = St {
-        running,
-        queue: VecDeque::new(),
-        started: false,
-        ended: false,
-        block: 0,
-        text_open: false,
-    };
-    let s = stream::unfold(st, move |mut st| {
-        let (id, model) = (id.clone(), model.clone());
-        async move {
-            loop {
-                if let Some(i) = st.queue.pop_front() {
-                    return Some((i, st));
-                }
-                if st.ended {
-                    return None;
-                }
-                if !st.started {
-                    st.started = true;
-                    st.queue.push_back(event(
-                        "message_start",
-                        json!({"type": "message_start", "message": {
-                            "id": id, "type": "message", "role": "assistant", "model": model,
-                            "content": [], "stop_reason": null, "stop_sequence": null,
-                            "usage": {"input_tokens": st.running.prompt_tokens, "output_tokens": 0},
-                        }}),
+    let first = vec![
+        event(
+            "message_start",
+            json!({"type": "message_start", "message": {
+                "id": id, "type": "message", "role": "assistant", "model": model,
+                "content": [], "stop_reason": null, "stop_sequence": null,
+                "usage": {"input_tokens": running.prompt_tokens, "output_tokens": 0},
+            }}),
+        ),
+        event("ping", json!({"type": "ping"})),
+    ];
+    // the index of the next content block, and whether a text block is open
+    let mut block = 0usize;
+    let mut text_open = false;
+    let s = running.stream_with(first, move |out| {
+        let mut items = Vec::new();
+        let stop = |block: usize| {
+            event(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": block}),
+            )
+        };
+        match out {
+            Out::Text { text, .. } if text.is_empty() => {}
+            Out::Text { text, .. } => {
+                if !text_open {
+                    text_open = true;
+                    items.push(event(
+                        "content_block_start",
+                        json!({"type": "content_block_start", "index": block,
+                               "content_block": {"type": "text", "text": ""}}),
                     ));
-                    st.queue.push_back(event("ping", json!({"type": "ping"})));
-                    continue;
                 }
-                match st.running.next().await {
-                    Some(Out::Text { text, .. }) => {
-                        if text.is_empty() {
-                            continue;
-                        }
-                        if !st.text_open {
-                            st.text_open = true;
-                            st.queue.push_back(event(
-                                "content_block_start",
-                                json!({"type": "content_block_start", "index": st.block,
-                                       "content_block": {"type": "text", "text": ""}}),
-                            ));
-                        }
-                        st.queue.push_back(event(
-                            "content_block_delta",
-                            json!({"type": "content_block_delta", "index": st.block,
-                                   "delta": {"type": "text_delta", "text": text}}),
-                        ));
-                    }
-                    Some(Out::Call { call, .. }) => {
-                        if st.text_open {
-                            st.text_open = false;
-                            st.queue.push_back(event(
-                                "content_block_stop",
-                                json!({"type": "content_block_stop", "index": st.block}),
-                            ));
-                            st.block += 1;
-                        }
-                        st.queue.push_back(event(
-                            "content_block_start",
-                            json!({"type": "content_block_start", "index": st.block,
-                                   "content_block": {"type": "tool_use", "id": call.id,
-                                                     "name": call.name, "input": {}}}),
-                        ));
-                        st.queue.push_back(event(
-                            "content_block_delta",
-                            json!({"type": "content_block_delta", "index": st.block,
-                                   "delta": {"type": "input_json_delta",
-                                             "partial_json": call.arguments.to_string()}}),
-                        ));
-                        st.queue.push_back(event(
-                            "content_block_stop",
-                            json!({"type": "content_block_stop", "index": st.block}),
-                        ));
-                        st.block += 1;
-                    }
-                    Some(Out::Finished {
-                        reason,
-                        stop,
-                        usage,
-                    }) => {
-                        if st.text_open {
-                            st.text_open = false;
-                            st.queue.push_back(event(
-                                "content_block_stop",
-                                json!({"type": "content_block_stop", "index": st.block}),
-                            ));
-                        }
-                        st.queue.push_back(event(
-                            "message_delta",
-                            json!({"type": "message_delta",
-                                   "delta": {"stop_reason": stop_reason(reason, &stop), "stop_sequence": stop},
-                                   "usage": {"output_tokens": usage.completion_tokens}}),
-                        ));
-                        st.queue
-                            .push_back(event("message_stop", json!({"type": "message_stop"})));
-                        st.ended = true;
-                    }
-                    Some(Out::Failed(msg)) => {
-                        st.queue.push_back(event(
-                            "error",
-                            ApiError::internal(msg).flavor(Flavor::Anthropic).body(),
-                        ));
-                        st.ended = true;
-                    }
-                    None => return None,
-                }
+                items.push(event(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": block,
+                           "delta": {"type": "text_delta", "text": text}}),
+                ));
             }
+            Out::Call { call, .. } => {
+                if text_open {
+                    text_open = false;
+                    items.push(stop(block));
+                    block += 1;
+                }
+                items.push(event(
+                    "content_block_start",
+                    json!({"type": "content_block_start", "index": block,
+                           "content_block": {"type": "tool_use", "id": call.id,
+                                             "name": call.name, "input": {}}}),
+                ));
+                items.push(event(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": block,
+                           "delta": {"type": "input_json_delta",
+                                     "partial_json": call.arguments.to_string()}}),
+                ));
+                items.push(stop(block));
+                block += 1;
+            }
+            Out::Finished {
+                reason,
+                stop: stop_seq,
+                usage,
+            } => {
+                if text_open {
+                    text_open = false;
+                    items.push(stop(block));
+                }
+                items.push(event(
+                    "message_delta",
+                    json!({"type": "message_delta",
+                           "delta": {"stop_reason": stop_reason(reason, &stop_seq), "stop_sequence": stop_seq},
+                           "usage": {"output_tokens": usage.completion_tokens}}),
+                ));
+                items.push(event("message_stop", json!({"type": "message_stop"})));
+            }
+            Out::Failed(msg) => items.push(event(
+                "error",
+                ApiError::internal(msg).flavor(Flavor::Anthropic).body(),
+            )),
         }
+        items
     });
     Sse::new(s).keep_alive(KeepAlive::default())
 }

@@ -29,6 +29,17 @@ pub struct Tool {
     pub parameters: Value,
 }
 
+impl Tool {
+    /// A tool; no parameter schema means a function without arguments.
+    pub fn new(name: String, description: Option<String>, parameters: Option<Value>) -> Self {
+        Tool {
+            name,
+            description,
+            parameters: parameters.unwrap_or_else(|| json!({"type": "object", "properties": {}})),
+        }
+    }
+}
+
 /// Whether and which tools the model must call.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub enum ToolChoice {
@@ -604,5 +615,44 @@ impl Running {
             out.text = out.text.trim().to_string();
         }
         Ok(out)
+    }
+}
+
+impl Running {
+    /// The request as a stream for a streaming response: `first` items at once, then
+    /// `map(out)` for each output until the final one ([`Out::Finished`] or
+    /// [`Out::Failed`]) has been mapped. Each adapter supplies its wire format as `map`;
+    /// dropping the stream (the client went away) cancels the request.
+    pub fn stream_with<T, F>(self, first: Vec<T>, map: F) -> impl futures_util::Stream<Item = T>
+    where
+        T: Send + 'static,
+        F: FnMut(Out) -> Vec<T> + Send + 'static,
+    {
+        struct State<T, F> {
+            running: Running,
+            queue: std::collections::VecDeque<T>,
+            map: F,
+            ended: bool,
+        }
+        let state = State {
+            running: self,
+            queue: first.into(),
+            map,
+            ended: false,
+        };
+        futures_util::stream::unfold(state, |mut st| async move {
+            loop {
+                if let Some(item) = st.queue.pop_front() {
+                    return Some((item, st));
+                }
+                if st.ended {
+                    return None;
+                }
+                let out = st.running.next().await?;
+                st.ended = matches!(out, Out::Finished { .. } | Out::Failed(_));
+                let items = (st.map)(out);
+                st.queue.extend(items);
+            }
+        })
     }
 }

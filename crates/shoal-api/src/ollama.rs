@@ -3,7 +3,6 @@
 //! JSON output, tools with argument objects), `GET /api/tags`, `POST /api/show` and
 //! `GET /api/version`, with Ollama's `{"error": "..."}` shape.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
@@ -12,7 +11,6 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -222,77 +220,41 @@ fn ollama_err(e: ApiError) -> Response {
     e.flavor(Flavor::Ollama).into_response()
 }
 
-/// Newline-delimited JSON of a running request: `piece(text)` / `call(c)` objects, then the
-/// final object.
+/// Newline-delimited JSON of a running request: a piece object per text or call, then the
+/// final object (with the counts and timings Ollama reports).
 fn ndjson(running: generation::Running, model: String, chat: bool) -> Response {
-    struct St {
-        running: generation::Running,
-        queue: VecDeque<Result<Bytes, std::convert::Infallible>>,
-        ended: bool,
-    }
     let line = |v: Value| -> Result<Bytes, std::convert::Infallible> {
         let mut s = v.to_string();
         s.push('\n');
         Ok(Bytes::from(s))
     };
-    let s = stream::unfold(
-        St {
-            running,
-            queue: VecDeque::new(),
-            ended: false,
-        },
-        move |mut st| {
-            let model = model.clone();
-            async move {
-                loop {
-                    if let Some(i) = st.queue.pop_front() {
-                        return Some((i, st));
-                    }
-                    if st.ended {
-                        return None;
-                    }
-                    let piece = |content: &str, calls: Option<Value>| {
-                        let mut v = json!({"model": model, "created_at": now(), "done": false});
-                        if chat {
-                            v["message"] = json!({"role": "assistant", "content": content});
-                            if let Some(c) = calls {
-                                v["message"]["tool_calls"] = c;
-                            }
-                        } else {
-                            v["response"] = json!(content);
-                        }
-                        v
-                    };
-                    match st.running.next().await {
-                        Some(Out::Text { text, .. }) => {
-                            if !text.is_empty() {
-                                st.queue.push_back(line(piece(&text, None)));
-                            }
-                        }
-                        Some(Out::Call { call, .. }) => {
-                            st.queue
-                                .push_back(line(piece("", Some(json!([call_json(&call)])))));
-                        }
-                        Some(Out::Finished { reason, usage, .. }) => {
-                            let mut f = finals(&model, reason, usage);
-                            if chat {
-                                f["message"] = json!({"role": "assistant", "content": ""});
-                            } else {
-                                f["response"] = json!("");
-                            }
-                            st.queue.push_back(line(f));
-                            st.ended = true;
-                        }
-                        Some(Out::Failed(msg)) => {
-                            st.queue.push_back(line(json!({"error": msg})));
-                            st.ended = true;
-                        }
-                        None => return None,
-                    }
-                }
+    let piece = move |model: &str, content: &str, calls: Option<Value>| {
+        let mut v = json!({"model": model, "created_at": now(), "done": false});
+        if chat {
+            v["message"] = json!({"role": "assistant", "content": content});
+            if let Some(c) = calls {
+                v["message"]["tool_calls"] = c;
             }
-        },
-    );
+        } else {
+            v["response"] = json!(content);
+        }
+        v
+    };
+    let s = running.stream_with(Vec::new(), move |out| match out {
+        Out::Text { text, .. } if text.is_empty() => Vec::new(),
+        Out::Text { text, .. } => vec![line(piece(&model, &text, None))],
+        Out::Call { call, .. } => vec![line(piece(&model, "", Some(json!([call_json(&call)]))))],
+        Out::Finished { reason, usage, .. } => {
+            let mut f = finals(&model, reason, usage);
+            if chat {
+                f["message"] = json!({"role": "assistant", "content": ""});
+            } else {
+                f["response"] = json!("");
+            }
+            vec![line(f)]
+        }
+        Out::Failed(msg) => vec![line(json!({"error": msg}))],
+    });
     (
         [(header::CONTENT_TYPE, "application/x-ndjson")],
         Body::from_stream(s),
@@ -362,13 +324,12 @@ async fn chat_inner(
         .tools
         .unwrap_or_default()
         .into_iter()
-        .map(|t| Tool {
-            name: t.function.name,
-            description: t.function.description,
-            parameters: t
-                .function
-                .parameters
-                .unwrap_or_else(|| json!({"type": "object", "properties": {}})),
+        .map(|t| {
+            Tool::new(
+                t.function.name,
+                t.function.description,
+                t.function.parameters,
+            )
         })
         .collect();
     let mut req = GenRequest::new(

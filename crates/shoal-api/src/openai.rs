@@ -12,7 +12,7 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::stream::{self, Stream};
+use futures_util::Stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -242,14 +242,11 @@ fn tools(wire: Option<Vec<WireTool>>) -> Result<Vec<Tool>, ApiError> {
                 "a function needs a name",
             ));
         }
-        out.push(Tool {
-            name: t.function.name,
-            description: t.function.description,
-            parameters: t
-                .function
-                .parameters
-                .unwrap_or_else(|| json!({"type": "object", "properties": {}})),
-        });
+        out.push(Tool::new(
+            t.function.name,
+            t.function.description,
+            t.function.parameters,
+        ));
     }
     Ok(out)
 }
@@ -538,12 +535,6 @@ fn chat_stream(
     created: u64,
     include_usage: bool,
 ) -> Sse<impl Stream<Item = SseItem>> {
-    struct St {
-        running: generation::Running,
-        queue: std::collections::VecDeque<SseItem>,
-        started: bool,
-        ended: bool,
-    }
     let chunk = move |delta: Value, finish: Option<&str>, logprobs: Value| {
         let mut c = json!({
             "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -555,74 +546,47 @@ fn chat_stream(
         }
         c
     };
-    let st = St {
-        running,
-        queue: Default::default(),
-        started: false,
-        ended: false,
-    };
-    let s = stream::unfold(st, move |mut st| {
-        let chunk = chunk.clone();
-        async move {
-            loop {
-                if let Some(item) = st.queue.pop_front() {
-                    return Some((item, st));
-                }
-                if st.ended {
-                    return None;
-                }
-                if !st.started {
-                    st.started = true;
-                    st.queue.push_back(data(&chunk(
-                        json!({"role": "assistant", "content": ""}),
-                        None,
-                        Value::Null,
-                    )));
-                    continue;
-                }
-                match st.running.next().await {
-                    Some(Out::Text { text, logprobs }) => {
-                        let lp = if logprobs.is_empty() {
-                            Value::Null
-                        } else {
-                            json!({"content": logprob_content(&logprobs)})
-                        };
-                        st.queue
-                            .push_back(data(&chunk(json!({"content": text}), None, lp)));
-                    }
-                    Some(Out::Call { index, call }) => {
-                        st.queue.push_back(data(&chunk(
-                            json!({"tool_calls": [call_json(index, &call, true)]}),
-                            None,
-                            Value::Null,
-                        )));
-                    }
-                    Some(Out::Finished { reason, usage, .. }) => {
-                        st.queue.push_back(data(&chunk(
-                            json!({}),
-                            Some(finish_str(reason)),
-                            Value::Null,
-                        )));
-                        if include_usage {
-                            let mut u = chunk(json!({}), None, Value::Null);
-                            u["choices"] = json!([]);
-                            u["usage"] = usage_json(usage);
-                            st.queue.push_back(data(&u));
-                        }
-                        st.queue.push_back(Ok(SseEvent::default().data("[DONE]")));
-                        st.ended = true;
-                    }
-                    Some(Out::Failed(msg)) => {
-                        st.queue.push_back(data(&ApiError::internal(msg).body()));
-                        st.queue.push_back(Ok(SseEvent::default().data("[DONE]")));
-                        st.ended = true;
-                    }
-                    None => return None,
-                }
-            }
+    let first = vec![data(&chunk(
+        json!({"role": "assistant", "content": ""}),
+        None,
+        Value::Null,
+    ))];
+    let s = running.stream_with(first, move |out| match out {
+        Out::Text { text, logprobs } => {
+            let lp = if logprobs.is_empty() {
+                Value::Null
+            } else {
+                json!({"content": logprob_content(&logprobs)})
+            };
+            vec![data(&chunk(json!({"content": text}), None, lp))]
         }
+        Out::Call { index, call } => vec![data(&chunk(
+            json!({"tool_calls": [call_json(index, &call, true)]}),
+            None,
+            Value::Null,
+        ))],
+        Out::Finished { reason, usage, .. } => {
+            let mut items = vec![data(&chunk(
+                json!({}),
+                Some(finish_str(reason)),
+                Value::Null,
+            ))];
+            if include_usage {
+                let mut u = chunk(json!({}), None, Value::Null);
+                u["choices"] = json!([]);
+                u["usage"] = usage_json(usage);
+                items.push(data(&u));
+            }
+            items.push(done());
+            items
+        }
+        Out::Failed(msg) => vec![data(&ApiError::internal(msg).body()), done()],
     });
     Sse::new(s).keep_alive(KeepAlive::default())
+}
+
+fn done() -> SseItem {
+    Ok(SseEvent::default().data("[DONE]"))
 }
 
 #[derive(Debug, Deserialize)]
@@ -755,54 +719,29 @@ async fn completions_inner(
             json!({"id": id, "object": "text_completion", "created": created, "model": model,
                    "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]})
         };
-        let s = stream::unfold(
-            (running, false, std::collections::VecDeque::<SseItem>::new()),
-            move |(mut running, mut ended, mut queue)| {
-                let chunk = chunk.clone();
-                async move {
-                    loop {
-                        if let Some(item) = queue.pop_front() {
-                            return Some((item, (running, ended, queue)));
-                        }
-                        if ended {
-                            return None;
-                        }
-                        match running.next().await {
-                            Some(Out::Text { text, logprobs }) => {
-                                let lp = if logprobs.is_empty() {
-                                    Value::Null
-                                } else {
-                                    legacy_logprobs(&logprobs)
-                                };
-                                queue.push_back(data(&chunk(&text, None, lp)));
-                            }
-                            Some(Out::Call { .. }) => {}
-                            Some(Out::Finished { reason, usage, .. }) => {
-                                queue.push_back(data(&chunk(
-                                    "",
-                                    Some(finish_str(reason)),
-                                    Value::Null,
-                                )));
-                                if include_usage {
-                                    let mut u = chunk("", None, Value::Null);
-                                    u["choices"] = json!([]);
-                                    u["usage"] = usage_json(usage);
-                                    queue.push_back(data(&u));
-                                }
-                                queue.push_back(Ok(SseEvent::default().data("[DONE]")));
-                                ended = true;
-                            }
-                            Some(Out::Failed(msg)) => {
-                                queue.push_back(data(&ApiError::internal(msg).body()));
-                                queue.push_back(Ok(SseEvent::default().data("[DONE]")));
-                                ended = true;
-                            }
-                            None => return None,
-                        }
-                    }
+        let s = running.stream_with(Vec::new(), move |out| match out {
+            Out::Text { text, logprobs } => {
+                let lp = if logprobs.is_empty() {
+                    Value::Null
+                } else {
+                    legacy_logprobs(&logprobs)
+                };
+                vec![data(&chunk(&text, None, lp))]
+            }
+            Out::Call { .. } => Vec::new(),
+            Out::Finished { reason, usage, .. } => {
+                let mut items = vec![data(&chunk("", Some(finish_str(reason)), Value::Null))];
+                if include_usage {
+                    let mut u = chunk("", None, Value::Null);
+                    u["choices"] = json!([]);
+                    u["usage"] = usage_json(usage);
+                    items.push(data(&u));
                 }
-            },
-        );
+                items.push(done());
+                items
+            }
+            Out::Failed(msg) => vec![data(&ApiError::internal(msg).body()), done()],
+        });
         return Ok(Sse::new(s).keep_alive(KeepAlive::default()).into_response());
     }
     let done = running.collect().await?;
