@@ -13,6 +13,7 @@
 //! module's calls into them and its output pointer, each with a `SAFETY` line.
 
 pub mod formats;
+pub mod math;
 mod portable;
 pub mod reference;
 mod tiled;
@@ -177,6 +178,50 @@ pub fn scores(q: &[f32], rows: &[f32], scale: f32, out: &mut [f32]) {
     }
 }
 
+/// `out[i] = act(gate[i]) * up[i]` ([`math::gated`]), 8-wide where the CPU has AVX2.
+///
+/// # Panics
+/// When the slices differ in length.
+pub fn gated(act: crate::config::Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(
+        gate.len() == out.len() && up.len() == out.len(),
+        "gated lengths"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if active_isa() >= Isa::Avx2 {
+        // SAFETY: AVX2 and FMA are part of the level.
+        unsafe { x86::gated(act, gate, up, out) };
+        return;
+    }
+    math::gated(act, gate, up, out)
+}
+
+/// Softmax in place ([`math::softmax`]), 8-wide where the CPU has AVX2.
+pub fn softmax(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if active_isa() >= Isa::Avx2 {
+        // SAFETY: AVX2 and FMA are part of the level.
+        unsafe { x86::softmax(x) };
+        return;
+    }
+    math::softmax(x)
+}
+
+/// Sampling weights ([`math::softmax_weights`]): `out[i] = e^((logits[i] - max) *
+/// inv_temp)`, 0 for non-finite logits; returns their sum. 8-wide where the CPU has AVX2.
+///
+/// # Panics
+/// When the slices differ in length.
+pub fn softmax_weights(logits: &[f32], max: f32, inv_temp: f32, out: &mut [f32]) -> f32 {
+    assert_eq!(logits.len(), out.len(), "softmax_weights lengths");
+    #[cfg(target_arch = "x86_64")]
+    if active_isa() >= Isa::Avx2 {
+        // SAFETY: AVX2 and FMA are part of the level.
+        return unsafe { x86::softmax_weights(logits, max, inv_temp, out) };
+    }
+    math::softmax_weights(logits, max, inv_temp, out)
+}
+
 /// `out = sum over j of w[j] * rows[j]`, `rows` being `w.len()` rows of `out.len()` values;
 /// SIMD where the CPU has it.
 ///
@@ -292,14 +337,17 @@ macro_rules! portable {
 
 type TileKern<A, const N: usize> = unsafe fn(&[u8], [&[A]; N]) -> [[f32; tiled::TILE_ROWS]; N];
 
-type PairKern<A> = unsafe fn(&[u8], &[u8], [&[A]; 4]) -> [[f32; 2 * tiled::TILE_ROWS]; 4];
+type PairKern<A, const N: usize> =
+    unsafe fn(&[u8], &[u8], [&[A]; N]) -> [[f32; 2 * tiled::TILE_ROWS]; N];
 
 /// The one- and four-row tiled kernels of one weight type at one level, and where the level
 /// has one, a four-row kernel over two tiles at once (512-bit vectors, for prefill).
 struct TilePair<A: 'static> {
     one: TileKern<A, 1>,
     four: TileKern<A, 4>,
-    pair_four: Option<PairKern<A>>,
+    pair_four: Option<PairKern<A, 4>>,
+    /// The same over eight activation rows (each weight block decoded once per eight).
+    pair_eight: Option<PairKern<A, 8>>,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -311,16 +359,19 @@ fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
                     one: x86_tiled::$m::tile_q45k::<1, false>,
                     four: x86_tiled::$m::tile_q45k::<4, false>,
                     pair_four: None,
+                    pair_eight: None,
                 },
                 WeightType::Q5K => TilePair {
                     one: x86_tiled::$m::tile_q45k::<1, true>,
                     four: x86_tiled::$m::tile_q45k::<4, true>,
                     pair_four: None,
+                    pair_eight: None,
                 },
                 _ => TilePair {
                     one: x86_tiled::$m::tile_q6k::<1>,
                     four: x86_tiled::$m::tile_q6k::<4>,
                     pair_four: None,
+                    pair_eight: None,
                 },
             }
         };
@@ -348,6 +399,7 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
                 one: x86_tiled::$m::tile_dot::<1, $k>,
                 four: x86_tiled::$m::tile_dot::<4, $k>,
                 pair_four: None,
+                pair_eight: None,
             }
         };
     }
@@ -363,7 +415,24 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
         };
     }
     match isa {
-        Isa::Avx512Vnni => by_type!(avx512vnni),
+        Isa::Avx512Vnni => {
+            let mut k = by_type!(avx512vnni);
+            k.pair_four = Some(match ty {
+                WeightType::Q4_0 => x86_wide::tile2_dot::<4, Q4_0>,
+                WeightType::Q4_1 => x86_wide::tile2_dot::<4, Q4_1>,
+                WeightType::Q5_0 => x86_wide::tile2_dot::<4, Q5_0>,
+                WeightType::Q5_1 => x86_wide::tile2_dot::<4, Q5_1>,
+                _ => x86_wide::tile2_dot::<4, Q8_0>,
+            });
+            k.pair_eight = Some(match ty {
+                WeightType::Q4_0 => x86_wide::tile2_dot::<8, Q4_0>,
+                WeightType::Q4_1 => x86_wide::tile2_dot::<8, Q4_1>,
+                WeightType::Q5_0 => x86_wide::tile2_dot::<8, Q5_0>,
+                WeightType::Q5_1 => x86_wide::tile2_dot::<8, Q5_1>,
+                _ => x86_wide::tile2_dot::<8, Q8_0>,
+            });
+            k
+        }
         _ => by_type!(avx2),
     }
 }
@@ -722,6 +791,21 @@ impl QuantMatrix {
                 let r0 = tile * tiled::TILE_ROWS;
                 let live = (n - r0).min(2 * tiled::TILE_ROWS);
                 let mut tok = 0;
+                if let Some(pair8) = k.pair_eight {
+                    while tok + 8 <= t {
+                        let a: [&[A]; 8] = std::array::from_fn(|j| act(tok + j));
+                        // SAFETY: as for `pair` below.
+                        let o = unsafe { pair8(w0, w1, a) };
+                        for (j, vals) in o.iter().enumerate() {
+                            for (i, &v) in vals[..live].iter().enumerate() {
+                                // SAFETY: tok + j < t and r0 + i < n: inside `y`; only this
+                                // thread writes these rows.
+                                unsafe { *out.0.add((tok + j) * n + r0 + i) = v };
+                            }
+                        }
+                        tok += 8;
+                    }
+                }
                 while tok + 4 <= t {
                     // SAFETY: as for the one-tile kernels below; `pair` is only offered at a
                     // level `with_isa` checked, and both tiles have the same block count.

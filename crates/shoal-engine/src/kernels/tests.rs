@@ -97,8 +97,10 @@ fn every_type_at_every_level_matches_the_reference() {
             // t = 6 runs the four-row kernel once and the one-row kernel twice
             check(ty, isa, 5, blocks, 6, 7);
             check(ty, isa, 3, blocks, 1, 8);
-            // several tiles (pairs of tiles under AVX-512) with a ragged last one
+            // several tiles (pairs of tiles under AVX-512) with a ragged last one; t = 13
+            // runs the eight-, four- and one-row kernels
             check(ty, isa, 37, blocks, 9, 9);
+            check(ty, isa, 37, blocks, 13, 10);
         }
     }
 }
@@ -256,5 +258,58 @@ proptest! {
         for isa in Isa::available() {
             pool.install(|| check(ty, isa, rows, blocks, t, seed));
         }
+    }
+}
+
+/// Attention's vector helpers (scores, softmax, weighted sum) and the gated activation at
+/// the level this CPU runs, against f64, over head dimensions with and without the 8-row
+/// and 64-value fast paths and row counts around their edges.
+#[test]
+fn attention_helpers_match_f64() {
+    let mut rng = StdRng::seed_from_u64(7);
+    for hd in [8usize, 20, 64, 72, 128, 136] {
+        for n in [0usize, 1, 7, 8, 9, 17, 40] {
+            let q = random_acts(hd, &mut rng);
+            let rows = random_acts(n * hd, &mut rng);
+            let mut s = vec![0f32; n];
+            scores(&q, &rows, 0.125, &mut s);
+            for (j, &got) in s.iter().enumerate() {
+                let row = &rows[j * hd..(j + 1) * hd];
+                let want: f64 = q.iter().zip(row).map(|(&a, &b)| a as f64 * b as f64).sum();
+                let mag: f64 = q.iter().zip(row).map(|(&a, &b)| (a * b).abs() as f64).sum();
+                assert!(
+                    (got as f64 - 0.125 * want).abs() <= 1e-6 * mag,
+                    "scores hd {hd} n {n} row {j}: {got} vs {}",
+                    0.125 * want
+                );
+            }
+            let w = random_acts(n, &mut rng);
+            let mut out = vec![f32::NAN; hd];
+            weighted_sum(&w, &rows, &mut out);
+            for (i, &got) in out.iter().enumerate() {
+                let col = (0..n).map(|j| (w[j] as f64, rows[j * hd + i] as f64));
+                let want: f64 = col.clone().map(|(a, b)| a * b).sum();
+                let mag: f64 = col.map(|(a, b)| (a * b).abs()).sum();
+                assert!(
+                    (got as f64 - want).abs() <= 1e-6 * mag.max(1e-30),
+                    "weighted_sum hd {hd} n {n} value {i}: {got} vs {want}"
+                );
+            }
+            let mut p = s.clone();
+            softmax(&mut p);
+            if n > 0 {
+                let total: f32 = p.iter().sum();
+                assert!((total - 1.0).abs() < 1e-5, "softmax sums to {total}");
+            }
+        }
+    }
+    let g = random_acts(1000, &mut rng);
+    let u = random_acts(1000, &mut rng);
+    let mut got = vec![0f32; 1000];
+    gated(crate::config::Activation::Silu, &g, &u, &mut got);
+    for i in 0..1000 {
+        let x = g[i] as f64;
+        let want = x / (1.0 + (-x).exp()) * u[i] as f64;
+        assert!((got[i] as f64 - want).abs() < 1e-6 * want.abs().max(1.0));
     }
 }

@@ -29,7 +29,7 @@ pub const Q8_0: u8 = 4;
 /// How far ahead of the block being read the kernels prefetch, in bytes.
 const PREFETCH: usize = 2048;
 
-const fn block_bytes(kind: u8) -> usize {
+pub(super) const fn block_bytes(kind: u8) -> usize {
     match kind {
         Q4_0 => 18,
         Q4_1 => 20,
@@ -39,16 +39,16 @@ const fn block_bytes(kind: u8) -> usize {
     }
 }
 
-const fn has_min(kind: u8) -> bool {
+pub(super) const fn has_min(kind: u8) -> bool {
     matches!(kind, Q4_1 | Q5_1)
 }
 
-const fn has_high_bit(kind: u8) -> bool {
+pub(super) const fn has_high_bit(kind: u8) -> bool {
     matches!(kind, Q5_0 | Q5_1)
 }
 
 /// `(minimums, masks, quants)` offsets in a tile block (as `tiled::tile_offsets`).
-const fn offsets(kind: u8) -> (usize, usize, usize) {
+pub(super) const fn offsets(kind: u8) -> (usize, usize, usize) {
     let m = 2 * TILE_ROWS;
     let masks = m + if has_min(kind) { 2 * TILE_ROWS } else { 0 };
     let qs = masks + if has_high_bit(kind) { 32 } else { 0 };

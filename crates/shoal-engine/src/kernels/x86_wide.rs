@@ -8,8 +8,9 @@
 
 use std::arch::x86_64::*;
 
-use super::formats::BlockQ8K;
+use super::formats::{BlockQ8, BlockQ8K};
 use super::tiled::{k_offsets, TILE_ROWS};
+use super::x86_tiled::{block_bytes, has_high_bit, has_min, offsets, Q4_0, Q5_0, Q8_0};
 
 /// Rows of a tile pair.
 pub const PAIR_ROWS: usize = 2 * TILE_ROWS;
@@ -64,6 +65,88 @@ unsafe fn pairs16x2(t0: *const u8, t1: *const u8, off: usize) -> __m512i {
 #[target_feature(enable = "avx512f")]
 unsafe fn bcast(p: *const i8, at: usize) -> __m512i {
     _mm512_set1_epi32((p.add(at) as *const i32).read_unaligned())
+}
+
+/// The 32-value block types (`KIND` as in [`super::x86_tiled`]): tiles `w0` and `w1` (the
+/// same number of tile blocks) against `N` activation rows; `out[j][r]` is row `r` of the
+/// pair (tile 0's rows first) against activation row `j`. The same arithmetic as
+/// `x86_tiled::tile_dot`, with every instruction serving sixteen rows instead of eight.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/VNNI, F16C; `w0` and `w1` are whole tile blocks of `KIND`,
+/// equally long; every activation row has at least as many blocks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn tile2_dot<const N: usize, const KIND: u8>(
+    w0: &[u8],
+    w1: &[u8],
+    a: [&[BlockQ8]; N],
+) -> [[f32; PAIR_ROWS]; N] {
+    let tb = block_bytes(KIND) * TILE_ROWS;
+    let (m_off, mask_off, qs_off) = offsets(KIND);
+    let m4 = _mm512_set1_epi8(0x0F);
+    let c16 = _mm512_set1_epi8(0x10);
+    let flip = _mm512_set1_epi8(0x80u8 as i8);
+    // unsigned codes carry this offset; Q8_0 is shifted by 128 to make it unsigned
+    let offset: i32 = match KIND {
+        Q4_0 => 8,
+        Q5_0 => 16,
+        Q8_0 => 128,
+        _ => 0,
+    };
+    let mut acc = [_mm512_setzero_ps(); N];
+    for b in 0..w0.len() / tb {
+        let (t0, t1) = (w0.as_ptr().add(b * tb), w1.as_ptr().add(b * tb));
+        let d = f16x16(t0, t1, 0);
+        let m = if has_min(KIND) {
+            f16x16(t0, t1, m_off)
+        } else {
+            _mm512_setzero_ps()
+        };
+        let mut q = [_mm512_setzero_si512(); 8];
+        if KIND == Q8_0 {
+            for (k, qk) in q.iter_mut().enumerate() {
+                *qk = _mm512_xor_si512(ld2(t0, t1, qs_off + 32 * k), flip);
+            }
+        } else {
+            for g in 0..4 {
+                let v = ld2(t0, t1, qs_off + 32 * g);
+                q[g] = _mm512_and_si512(v, m4);
+                q[g + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+            }
+            if has_high_bit(KIND) {
+                for (k, qk) in q.iter_mut().enumerate() {
+                    let lo = (t0.add(mask_off + 4 * k) as *const u32).read_unaligned() as u64;
+                    let hi = (t1.add(mask_off + 4 * k) as *const u32).read_unaligned() as u64;
+                    *qk = _mm512_mask_add_epi8(*qk, lo | (hi << 32), *qk, c16);
+                }
+            }
+        }
+        for j in 0..N {
+            let y = a[j].get_unchecked(b);
+            let yp = y.qs.as_ptr();
+            let mut pp = [_mm512_setzero_si512(); 2];
+            for (k, qk) in q.iter().enumerate() {
+                pp[k & 1] = _mm512_dpbusd_epi32(pp[k & 1], *qk, bcast(yp, 4 * k));
+            }
+            let mut p = _mm512_add_epi32(pp[0], pp[1]);
+            if offset != 0 {
+                p = _mm512_sub_epi32(p, _mm512_set1_epi32(offset * y.sum));
+            }
+            acc[j] = _mm512_fmadd_ps(
+                _mm512_mul_ps(d, _mm512_set1_ps(y.d)),
+                _mm512_cvtepi32_ps(p),
+                acc[j],
+            );
+            if has_min(KIND) {
+                acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(y.s), acc[j]);
+            }
+        }
+    }
+    let mut out = [[0f32; PAIR_ROWS]; N];
+    for j in 0..N {
+        _mm512_storeu_ps(out[j].as_mut_ptr(), acc[j]);
+    }
+    out
 }
 
 /// Q4_K (`HIGH` false) or Q5_K (`HIGH` true): tiles `w0` and `w1` (the same number of tile
