@@ -9,7 +9,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use crate::kernels::{scores, weighted_sum};
+use crate::kernels::{scores, softmax, weighted_sum};
 
 /// Shapes and options of attention over one rank's heads.
 #[derive(Debug, Clone, Copy)]
@@ -61,15 +61,7 @@ impl AttentionShape {
             let mut buf = s.borrow_mut();
             buf.resize(keys.len(), 0.0);
             scores(qh, &k[span.clone()], self.scale, &mut buf[..]);
-            let max = buf.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for sc in buf.iter_mut() {
-                *sc = (*sc - max).exp();
-                sum += *sc;
-            }
-            for sc in buf.iter_mut() {
-                *sc /= sum;
-            }
+            softmax(&mut buf[..]);
             weighted_sum(&buf[..], &v[span], out);
         });
     }

@@ -2,15 +2,13 @@
 //! far, in buffers allocated once for the sequence's capacity and written in place, so a
 //! decode step appends without copying the past.
 
-use candle_core::{DType, Device, Tensor};
-
-use crate::error::CandleContext;
 use crate::EngineError;
 
-/// Keys and values of one sequence, all layers. Shapes `(1, n_kv_head, capacity, head_dim)`.
+/// Keys and values of one sequence, all layers, as f32 buffers laid out
+/// `(n_kv_head, capacity, head_dim)`.
 #[derive(Debug)]
 pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
+    layers: Vec<Option<(Vec<f32>, Vec<f32>)>>,
     n_kv_head: usize,
     head_dim: usize,
     len: usize,
@@ -54,50 +52,55 @@ impl KvCache {
         self.len = self.len.min(len);
     }
 
-    /// Writes `k`, `v` `(1, nkv, t, hd)` of `layer` at the current end and returns views of
-    /// every stored position `(1, nkv, len + t, hd)`. [`KvCache::advance`] moves the end once
+    /// Writes keys `k` and values `v` of `t` new positions of `layer`, each laid out
+    /// `(n_kv_head, t, head_dim)`, at the current end. [`KvCache::advance`] moves the end once
     /// all layers have been written.
     ///
     /// # Errors
-    /// When the new positions do not fit or the shapes are wrong.
-    pub fn append(
-        &mut self,
-        layer: usize,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<(Tensor, Tensor), EngineError> {
-        let t = k.dim(2).ctx("kv append")?;
+    /// When the new positions do not fit or the lengths are wrong.
+    pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), EngineError> {
+        let (nkv, hd) = (self.n_kv_head, self.head_dim);
+        let per_pos = nkv * hd;
+        if per_pos == 0 || k.len() != v.len() || !k.len().is_multiple_of(per_pos) {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "kv append of {} keys and {} values ({nkv} kv heads of {hd})",
+                    k.len(),
+                    v.len()
+                ),
+            });
+        }
+        let t = k.len() / per_pos;
         if self.len + t > self.capacity {
             return Err(EngineError::ContextFull {
                 prompt: self.len + t,
                 ctx: self.capacity,
             });
         }
+        let size = nkv * self.capacity * hd;
         let slot = self
             .layers
             .get_mut(layer)
             .ok_or_else(|| EngineError::Unsupported {
                 what: format!("kv cache has no layer {layer}"),
             })?;
-        if slot.is_none() {
-            let shape = (1, self.n_kv_head, self.capacity, self.head_dim);
-            let z = || Tensor::zeros(shape, DType::F32, &Device::Cpu).ctx("kv cache allocation");
-            *slot = Some((z()?, z()?));
+        let (kc, vc) = slot.get_or_insert_with(|| (vec![0.0; size], vec![0.0; size]));
+        for h in 0..nkv {
+            let dst = (h * self.capacity + self.len) * hd..(h * self.capacity + self.len + t) * hd;
+            let src = h * t * hd..(h + 1) * t * hd;
+            kc[dst.clone()].copy_from_slice(&k[src.clone()]);
+            vc[dst].copy_from_slice(&v[src]);
         }
-        let (kc, vc) = slot.as_ref().expect("allocated above");
-        kc.slice_set(k, 2, self.len).ctx("kv cache write k")?;
-        vc.slice_set(v, 2, self.len).ctx("kv cache write v")?;
-        let total = self.len + t;
-        Ok((
-            kc.narrow(2, 0, total).ctx("kv view")?,
-            vc.narrow(2, 0, total).ctx("kv view")?,
-        ))
+        Ok(())
     }
 
-    /// The whole key and value buffers of `layer`, `(1, nkv, capacity, hd)`, once it has
-    /// been appended to.
-    pub fn buffers(&self, layer: usize) -> Option<(&Tensor, &Tensor)> {
-        self.layers.get(layer)?.as_ref().map(|(k, v)| (k, v))
+    /// The whole key and value buffers of `layer`, `(n_kv_head, capacity, head_dim)`, once
+    /// it has been appended to.
+    pub fn buffers(&self, layer: usize) -> Option<(&[f32], &[f32])> {
+        self.layers
+            .get(layer)?
+            .as_ref()
+            .map(|(k, v)| (k.as_slice(), v.as_slice()))
     }
 
     /// Marks `t` more positions as stored (after every layer appended them).

@@ -76,6 +76,7 @@ pub struct Sampler {
     rng: StdRng,
     recent: VecDeque<u32>,
     candidates: Vec<(u32, f32)>,
+    weights: Vec<f32>,
 }
 
 impl Sampler {
@@ -87,6 +88,7 @@ impl Sampler {
             rng,
             recent: VecDeque::new(),
             candidates: Vec::new(),
+            weights: Vec::new(),
         }
     }
 
@@ -131,6 +133,9 @@ impl Sampler {
     }
 
     fn sample_distribution(&mut self, logits: &[f32]) -> u32 {
+        if self.cfg.top_k == 0 && self.cfg.top_p >= 1.0 && self.cfg.min_p <= 0.0 {
+            return self.sample_whole(logits);
+        }
         let c = &mut self.candidates;
         c.clear();
         c.extend(
@@ -204,6 +209,42 @@ impl Sampler {
     }
 }
 
+impl Sampler {
+    /// Temperature sampling over the whole vocabulary, in vocabulary order (what the
+    /// candidate path does with no cut), in two vectorized passes and no candidate list:
+    /// over a 151k vocabulary the list and the C library's `expf` took 12% of a 16-stream
+    /// serve step.
+    fn sample_whole(&mut self, logits: &[f32]) -> u32 {
+        let max = logits
+            .iter()
+            .filter(|l| l.is_finite())
+            .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        if max == f32::NEG_INFINITY {
+            return greedy(logits);
+        }
+        self.weights.resize(logits.len(), 0.0);
+        let total = crate::kernels::softmax_weights(
+            logits,
+            max,
+            1.0 / self.cfg.temperature,
+            &mut self.weights,
+        );
+        let target = self.rng.random::<f32>() * total;
+        let mut cum = 0.0;
+        let mut last = 0;
+        for (i, &w) in self.weights.iter().enumerate() {
+            if w > 0.0 {
+                cum += w;
+                last = i;
+                if target < cum {
+                    return i as u32;
+                }
+            }
+        }
+        last as u32
+    }
+}
+
 /// Index of the largest logit (the lowest index on ties).
 pub fn greedy(logits: &[f32]) -> u32 {
     crate::transformer::argmax(logits) as u32
@@ -260,6 +301,47 @@ mod tests {
         for _ in 0..100 {
             assert!(s.sample(&mut logits.clone()) < 2);
             assert_eq!(s2.sample(&mut logits.clone()), 0);
+        }
+    }
+
+    /// Plain temperature sampling draws in proportion to `e^(l / T)` and never a masked
+    /// (-inf) or NaN logit; the two paths (whole vocabulary, and candidates with a cut that
+    /// removes nothing) agree on the distribution.
+    #[test]
+    fn temperature_sampling_follows_the_softmax() {
+        let mut logits = vec![f32::NEG_INFINITY; 40];
+        logits[3] = 1.0;
+        logits[7] = 2.0;
+        logits[20] = 0.0;
+        logits[21] = f32::NAN;
+        let t = 0.8f64;
+        let z: f64 = [1.0f64, 2.0, 0.0].iter().map(|l| (l / t).exp()).sum();
+        let want = |l: f64| (l / t).exp() / z;
+        for top_k in [0usize, 40] {
+            let mut s = Sampler::new(SamplerConfig {
+                temperature: t as f32,
+                top_k,
+                seed: 9,
+                ..Default::default()
+            });
+            let n = 20_000;
+            let mut counts = [0usize; 40];
+            for _ in 0..n {
+                counts[s.sample(&mut logits.clone()) as usize] += 1;
+            }
+            for (id, l) in [(3usize, 1.0), (7, 2.0), (20, 0.0)] {
+                let got = counts[id] as f64 / n as f64;
+                assert!(
+                    (got - want(l)).abs() < 0.015,
+                    "top_k {top_k} id {id}: {got} vs {}",
+                    want(l)
+                );
+            }
+            assert_eq!(
+                counts[3] + counts[7] + counts[20],
+                n,
+                "top_k {top_k} drew a masked token"
+            );
         }
     }
 

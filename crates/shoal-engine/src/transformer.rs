@@ -280,40 +280,33 @@ impl Attention {
         let (cos, sin) = tables.rope(hd, self.rope_base, self.rope_scale)?;
         let q = rows_first(self.rope(&q, cos, sin)?)?;
         let k = rows_first(self.rope(&k, cos, sin)?)?;
-        let v = v.reshape((1, rows, nkv, hd)).ctx("split heads")?;
         drop(rope);
         let attention = profile::scope(Op::Attention);
-        for (i, cache) in caches.iter_mut().enumerate() {
-            // row i as (1, nkv, 1, hd): with one position, the same bytes as (1, 1, nkv, hd)
-            let ki = k.narrow(1, i, 1).and_then(|t| t.reshape((1, nkv, 1, hd)));
-            let vi = v.narrow(1, i, 1).and_then(|t| t.reshape((1, nkv, 1, hd)));
-            let (ki, vi) = (ki.ctx("kv row")?, vi.ctx("kv row")?);
-            cache.append(layer, &ki, &vi)?;
-        }
         let width = nh * hd;
+        let kv_width = nkv * hd;
         let mut out = vec![0f32; rows * width];
-        let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
         let positions = &tables.positions;
+        // Each sequence appends its row (for one position, `(nkv, hd)` is `(nkv, 1, hd)`)
+        // and attends over its own cache, all sequences in parallel.
         let failed = with_f32(&q, |qs| {
-            out.par_chunks_mut(width)
-                .zip(qs.par_chunks(width))
-                .enumerate()
-                .map(|(i, (o, qi))| -> Result<(), EngineError> {
-                    let cache = caches[i];
-                    let (kc, vc) =
-                        cache
-                            .buffers(layer)
-                            .ok_or_else(|| EngineError::Unsupported {
-                                what: format!("kv cache layer {layer} was not written"),
-                            })?;
-                    let shape = self.shape(cache.capacity());
-                    with_f32(kc, |ks| {
-                        with_f32(vc, |vs| shape.decode(positions[i], qi, ks, vs, o))
-                    })??;
-                    Ok(())
+            with_f32(&k, |ks| {
+                with_f32(&v, |vs| {
+                    out.par_chunks_mut(width)
+                        .zip(caches.par_iter_mut())
+                        .enumerate()
+                        .map(|(i, (o, cache))| -> Result<(), EngineError> {
+                            let row = i * kv_width..(i + 1) * kv_width;
+                            cache.append(layer, &ks[row.clone()], &vs[row])?;
+                            let (kc, vc) = cache.buffers(layer).expect("appended above");
+                            let shape = self.shape(cache.capacity());
+                            let qi = &qs[i * width..(i + 1) * width];
+                            shape.decode(positions[i], qi, kc, vc, o);
+                            Ok(())
+                        })
+                        .find_any(|r| r.is_err())
                 })
-                .find_any(|r| r.is_err())
-        })?;
+            })
+        })???;
         if let Some(Err(e)) = failed {
             return Err(e);
         }
@@ -360,25 +353,17 @@ impl Attention {
         let k = self.rope(&k, cos, sin)?;
         drop(rope);
         let attention = profile::scope(Op::Attention);
-        cache.append(layer, &k, &v)?;
-        let (kc, vc) = cache
-            .buffers(layer)
-            .ok_or_else(|| EngineError::Unsupported {
-                what: format!("kv cache layer {layer} was not written"),
-            })?;
+        with_f32(&k, |ks| with_f32(&v, |vs| cache.append(layer, ks, vs)))???;
+        let (ks, vs) = cache.buffers(layer).expect("appended above");
         let shape = self.shape(cache.capacity());
         let mut out = vec![0f32; t * nh * hd];
         with_f32(&q, |qs| {
-            with_f32(kc, |ks| {
-                with_f32(vc, |vs| {
-                    if t == 1 {
-                        shape.decode(p, qs, ks, vs, &mut out)
-                    } else {
-                        shape.prefill(p, t, qs, ks, vs, &mut out)
-                    }
-                })
-            })
-        })???;
+            if t == 1 {
+                shape.decode(p, qs, ks, vs, &mut out)
+            } else {
+                shape.prefill(p, t, qs, ks, vs, &mut out)
+            }
+        })?;
         let y = Tensor::from_vec(out, (b, t, nh * hd), &Device::Cpu).ctx("attention output")?;
         drop(attention);
         let _p = profile::scope(Op::AttnOut);
@@ -799,6 +784,14 @@ impl Transformer {
     /// # Errors
     /// When the positions do not fit the cache, or a tensor op or peer fails.
     pub fn forward_layers(&self, x: Tensor, cache: &mut KvCache) -> Result<Tensor, EngineError> {
+        if self.plan.is_full(&self.cfg) {
+            on_pool(|| self.run_layers(x, cache))
+        } else {
+            self.run_layers(x, cache)
+        }
+    }
+
+    fn run_layers(&self, x: Tensor, cache: &mut KvCache) -> Result<Tensor, EngineError> {
         let t = x.dim(1).ctx("hidden states")?;
         if cache.len() + t > cache.capacity() {
             return Err(EngineError::ContextFull {
@@ -826,6 +819,14 @@ impl Transformer {
     /// When the lengths differ, the batch is empty, a cache is full, an id is out of range,
     /// or a tensor op fails (the caches of a failed step are unusable).
     pub fn forward_batch(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Tensor, EngineError> {
+        on_pool(|| self.run_batch(tokens, caches))
+    }
+
+    fn run_batch(
         &self,
         tokens: &[u32],
         caches: &mut [&mut KvCache],
@@ -871,6 +872,14 @@ impl Transformer {
     /// # Errors
     /// When this rank is not in the last stage, or a tensor op fails.
     pub fn logits(&self, x: &Tensor, n_logits: usize) -> Result<Tensor, EngineError> {
+        if self.plan.is_full(&self.cfg) {
+            on_pool(|| self.head_logits(x, n_logits))
+        } else {
+            self.head_logits(x, n_logits)
+        }
+    }
+
+    fn head_logits(&self, x: &Tensor, n_logits: usize) -> Result<Tensor, EngineError> {
         let (Some(norm), Some(head)) = (&self.norm, &self.head) else {
             return Err(EngineError::Unsupported {
                 what: "logits on a rank that is not in the last pipeline stage".into(),
@@ -909,9 +918,11 @@ impl Transformer {
             });
         }
         self.check_step(tokens, cache)?;
-        let x = self.embed(tokens)?;
-        let x = self.forward_layers(x, cache)?;
-        self.logits(&x, n_logits)
+        on_pool(|| {
+            let x = self.embed(tokens)?;
+            let x = self.run_layers(x, cache)?;
+            self.head_logits(&x, n_logits)
+        })
     }
 
     /// Logits of the last position only, as a vector.
@@ -926,6 +937,16 @@ impl Transformer {
         let l = self.forward(tokens, cache, 1)?;
         l.squeeze(0).and_then(|l| l.to_vec1::<f32>()).ctx("logits")
     }
+}
+
+/// Runs `f` on a thread of the compute pool (inline when already on one). A step starts
+/// hundreds of parallel loops; driven from outside the pool, each of them would cost a
+/// hand-off to a pool thread and back (measured: one SmolLM2 stream at 2 threads, 66 -> 111
+/// tokens/s when the scheduler moved onto the pool), from inside it costs none. Only a rank
+/// holding the whole model does this: a split rank waits for its peers inside the step, and
+/// ranks sharing one process (the tests) would hold every pool thread while they wait.
+fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| f())
 }
 
 /// Runs `f` on the f32 values of contiguous CPU tensor `t`.
