@@ -222,8 +222,9 @@ pub fn softmax_weights(logits: &[f32], max: f32, inv_temp: f32, out: &mut [f32])
     math::softmax_weights(logits, max, inv_temp, out)
 }
 
-/// `out = sum over j of w[j] * rows[j]`, `rows` being `w.len()` rows of `out.len()` values;
-/// SIMD where the CPU has it.
+/// `out += sum over j of w[j] * rows[j]`, `rows` being `w.len()` rows of `out.len()` values,
+/// added in row order (so summing the rows in consecutive blocks gives the same bits as one
+/// call); SIMD where the CPU has it.
 ///
 /// # Panics
 /// When `rows` is too short.
@@ -239,7 +240,6 @@ pub fn weighted_sum(w: &[f32], rows: &[f32], out: &mut [f32]) {
         return;
     }
     let hd = out.len();
-    out.fill(0.0);
     for (j, &wj) in w.iter().enumerate() {
         for (o, v) in out.iter_mut().zip(&rows[j * hd..(j + 1) * hd]) {
             *o += wj * v;
@@ -757,7 +757,12 @@ impl QuantMatrix {
             return;
         }
         let chunks = (threads * 4).min(tiles);
-        let per_chunk = tiles.div_ceil(chunks);
+        let mut per_chunk = tiles.div_ceil(chunks);
+        if k.pair_four.is_some() && t >= 4 {
+            // whole pairs per chunk: an odd tile left in every chunk would run at half width
+            per_chunk += per_chunk % 2;
+        }
+        let chunks = tiles.div_ceil(per_chunk);
         rayon::scope(|s| {
             for c in 0..chunks {
                 let range = c * per_chunk..((c + 1) * per_chunk).min(tiles);

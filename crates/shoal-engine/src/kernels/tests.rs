@@ -284,8 +284,14 @@ fn attention_helpers_match_f64() {
                 );
             }
             let w = random_acts(n, &mut rng);
-            let mut out = vec![f32::NAN; hd];
+            let mut out = vec![0f32; hd];
             weighted_sum(&w, &rows, &mut out);
+            // in two blocks of rows, adding to what the first left: the same bits
+            let mut split = vec![0f32; hd];
+            let h = n / 2;
+            weighted_sum(&w[..h], &rows[..h * hd], &mut split);
+            weighted_sum(&w[h..], &rows[h * hd..], &mut split);
+            assert_eq!(split, out, "weighted_sum hd {hd} n {n} in two blocks");
             for (i, &got) in out.iter().enumerate() {
                 let col = (0..n).map(|j| (w[j] as f64, rows[j * hd + i] as f64));
                 let want: f64 = col.clone().map(|(a, b)| a * b).sum();

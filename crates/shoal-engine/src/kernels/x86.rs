@@ -274,7 +274,7 @@ unsafe fn sum8(v: [__m256; 8]) -> __m256 {
     _mm256_add_ps(lo, hi)
 }
 
-/// `out = sum over j of w[j] * rows[j]`, rows added in order (the same result as a running
+/// `out += sum over j of w[j] * rows[j]`, rows added in order (the same result as a running
 /// `axpy` per row). The output is kept in registers 64 values at a time, so a row costs its
 /// loads and FMAs only.
 ///
@@ -284,9 +284,10 @@ unsafe fn sum8(v: [__m256; 8]) -> __m256 {
 pub unsafe fn weighted_sum(w: &[f32], rows: &[f32], out: &mut [f32]) {
     let hd = out.len();
     let pr = rows.as_ptr();
+    let po = out.as_mut_ptr();
     let mut c = 0;
     while c + 64 <= hd {
-        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut acc: [__m256; 8] = core::array::from_fn(|k| _mm256_loadu_ps(po.add(c + 8 * k)));
         for (j, &wj) in w.iter().enumerate() {
             let wv = _mm256_set1_ps(wj);
             let row = pr.add(j * hd + c);
@@ -295,44 +296,154 @@ pub unsafe fn weighted_sum(w: &[f32], rows: &[f32], out: &mut [f32]) {
             }
         }
         for (k, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * k), *a);
+            _mm256_storeu_ps(po.add(c + 8 * k), *a);
         }
         c += 64;
     }
     if c < hd {
-        let rest = &mut out[c..];
-        rest.fill(0.0);
         for (j, &wj) in w.iter().enumerate() {
-            axpy(rest, wj, rows.get_unchecked(j * hd + c..(j + 1) * hd));
+            axpy(
+                &mut out[c..],
+                wj,
+                rows.get_unchecked(j * hd + c..(j + 1) * hd),
+            );
         }
     }
 }
 
-/// [`super::math::gated`] compiled for AVX2.
+/// [`super::math::exp`] on eight lanes, with FMA (so within a unit in the last place of the
+/// portable version, not bit for bit).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(
+        _mm256_max_ps(x, _mm256_set1_ps(-87.3)),
+        _mm256_set1_ps(88.3),
+    );
+    let round = _mm256_set1_ps(12_582_912.0);
+    let m = _mm256_fmadd_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E), round);
+    let n = _mm256_sub_ps(m, round);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let er = _mm256_add_ps(
+        _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r),
+        _mm256_set1_ps(1.0),
+    );
+    let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_castps_si256(m),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_mul_ps(er, _mm256_castsi256_ps(pow2))
+}
+
+/// [`super::math::gated`] with [`exp8`].
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA.
+/// The CPU has AVX2 and FMA; the slices are equally long.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn gated(act: crate::config::Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
-    super::math::gated(act, gate, up, out)
+    use crate::config::Activation;
+    let n = out.len() / 8 * 8;
+    let one = _mm256_set1_ps(1.0);
+    let mut i = 0;
+    while i < n {
+        let g = _mm256_loadu_ps(gate.as_ptr().add(i));
+        let u = _mm256_loadu_ps(up.as_ptr().add(i));
+        // x / (1 + e^(-z)): z = x for SiLU, 2y for GELU-tanh
+        let z = match act {
+            Activation::Silu => g,
+            Activation::GeluTanh => {
+                let x2 = _mm256_mul_ps(g, g);
+                let inner = _mm256_fmadd_ps(_mm256_set1_ps(0.044_715), x2, one);
+                _mm256_mul_ps(_mm256_set1_ps(2.0 * 0.797_884_6), _mm256_mul_ps(g, inner))
+            }
+        };
+        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), z));
+        let a = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(a, u));
+        i += 8;
+    }
+    super::math::gated(act, &gate[n..], &up[n..], &mut out[n..]);
 }
 
-/// [`super::math::softmax_weights`] compiled for AVX2.
+/// [`super::math::softmax_weights`] with [`exp8`].
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA.
+/// The CPU has AVX2 and FMA; the slices are equally long.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn softmax_weights(logits: &[f32], max: f32, inv_temp: f32, out: &mut [f32]) -> f32 {
-    super::math::softmax_weights(logits, max, inv_temp, out)
+    let n = out.len() / 8 * 8;
+    let (mv, tv) = (_mm256_set1_ps(max), _mm256_set1_ps(inv_temp));
+    let inf = _mm256_set1_ps(f32::INFINITY);
+    let mut sum = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < n {
+        let l = _mm256_loadu_ps(logits.as_ptr().add(i));
+        let e = exp8(_mm256_mul_ps(_mm256_sub_ps(l, mv), tv));
+        // finite: |l| < inf (false for NaN and both infinities)
+        let abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0), l);
+        let finite = _mm256_cmp_ps::<_CMP_LT_OQ>(abs, inf);
+        let e = _mm256_and_ps(e, finite);
+        _mm256_storeu_ps(out.as_mut_ptr().add(i), e);
+        sum = _mm256_add_ps(sum, e);
+        i += 8;
+    }
+    hsum_ps(sum) + super::math::softmax_weights(&logits[n..], max, inv_temp, &mut out[n..])
 }
 
-/// [`super::math::softmax`] compiled for AVX2.
+/// [`super::math::softmax`] with [`exp8`].
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn softmax(x: &mut [f32]) {
-    super::math::softmax(x)
+    let n = x.len() / 8 * 8;
+    let p = x.as_mut_ptr();
+    let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i < n {
+        mv = _mm256_max_ps(mv, _mm256_loadu_ps(p.add(i)));
+        i += 8;
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), mv);
+    let max = lanes
+        .iter()
+        .chain(&x[n..])
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let m = _mm256_set1_ps(max);
+    let mut sum = _mm256_setzero_ps();
+    i = 0;
+    while i < n {
+        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), m));
+        _mm256_storeu_ps(p.add(i), e);
+        sum = _mm256_add_ps(sum, e);
+        i += 8;
+    }
+    let mut total = hsum_ps(sum);
+    for v in &mut x[n..] {
+        *v = super::math::exp(*v - max);
+        total += *v;
+    }
+    let t = _mm256_set1_ps(total);
+    i = 0;
+    while i < n {
+        _mm256_storeu_ps(p.add(i), _mm256_div_ps(_mm256_loadu_ps(p.add(i)), t));
+        i += 8;
+    }
+    for v in &mut x[n..] {
+        *v /= total;
+    }
 }
 
 /// `sum(a[i] * b[i])` over `a.len()` values (`b` at least as long).
