@@ -65,46 +65,74 @@ impl Matrix {
     /// # Errors
     /// On a shape mismatch.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
-        match self {
-            Matrix::Candle(m) => m.forward(x).ctx("quantized matmul"),
-            Matrix::Kernel(m) => {
-                let mut out_dims = x.dims().to_vec();
-                match out_dims.last_mut() {
-                    Some(last) if *last == m.cols() => *last = m.rows(),
-                    _ => {
-                        return Err(EngineError::Unsupported {
-                            what: format!(
-                                "a matmul of shape {:?} with a {}x{} weight",
-                                x.dims(),
-                                m.rows(),
-                                m.cols()
-                            ),
-                        })
-                    }
-                }
-                let x = x.flatten_all().ctx("matmul input")?;
-                let (storage, layout) = x.storage_and_layout();
-                let candle_core::Storage::Cpu(cpu) = &*storage else {
-                    return Err(EngineError::Unsupported {
-                        what: "shoal's kernels run on the CPU only".into(),
-                    });
-                };
-                let all = cpu.as_slice::<f32>().ctx("matmul input")?;
-                let xs = match layout.contiguous_offsets() {
-                    Some((a, b)) => &all[a..b],
-                    None => {
-                        return Err(EngineError::Unsupported {
-                            what: "a non-contiguous matmul input".into(),
-                        })
-                    }
-                };
-                let mut y = vec![0f32; xs.len() / m.cols() * m.rows()];
-                m.matmul(xs, &mut y).map_err(|e| EngineError::Unsupported {
-                    what: e.to_string(),
-                })?;
-                Tensor::from_vec(y, out_dims, &Device::Cpu).ctx("matmul output")
-            }
+        let mut ys = Self::forward_many(&[self], x)?;
+        Ok(ys.pop().expect("one product per matrix"))
+    }
+
+    /// `x @ W_i^T` for each matrix, the activations quantized once and all products in one
+    /// parallel region when shoal's kernels hold every matrix (`QuantMatrix::matmul_many`).
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn forward_many(mats: &[&Matrix], x: &Tensor) -> Result<Vec<Tensor>, EngineError> {
+        let kernels: Option<Vec<&QuantMatrix>> = mats
+            .iter()
+            .map(|m| match m {
+                Matrix::Kernel(k) => Some(&**k),
+                Matrix::Candle(_) => None,
+            })
+            .collect();
+        let Some(kernels) = kernels else {
+            return mats
+                .iter()
+                .map(|m| match m {
+                    Matrix::Candle(c) => c.forward(x).ctx("quantized matmul"),
+                    Matrix::Kernel(_) => Self::forward_many(&[*m], x).map(|mut v| v.remove(0)),
+                })
+                .collect();
+        };
+        let shape_error = |m: &QuantMatrix| EngineError::Unsupported {
+            what: format!(
+                "a matmul of shape {:?} with a {}x{} weight",
+                x.dims(),
+                m.rows(),
+                m.cols()
+            ),
+        };
+        if x.dims().last() != kernels.first().map(|m| m.cols()).as_ref() {
+            return Err(shape_error(kernels[0]));
         }
+        let x = x.contiguous().ctx("matmul input")?;
+        let (storage, layout) = x.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*storage else {
+            return Err(EngineError::Unsupported {
+                what: "shoal's kernels run on the CPU only".into(),
+            });
+        };
+        let all = cpu.as_slice::<f32>().ctx("matmul input")?;
+        let (a, b) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| EngineError::Unsupported {
+                what: "a non-contiguous matmul input".into(),
+            })?;
+        let xs = &all[a..b];
+        let t = xs.len() / kernels[0].cols();
+        let mut ys: Vec<Vec<f32>> = kernels.iter().map(|m| vec![0f32; t * m.rows()]).collect();
+        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
+        QuantMatrix::matmul_many(&kernels, xs, &mut outs).map_err(|e| {
+            EngineError::Unsupported {
+                what: e.to_string(),
+            }
+        })?;
+        kernels
+            .iter()
+            .zip(ys)
+            .map(|(m, y)| {
+                let mut dims = x.dims().to_vec();
+                *dims.last_mut().expect("checked above") = m.rows();
+                Tensor::from_vec(y, dims, &Device::Cpu).ctx("matmul output")
+            })
+            .collect()
     }
 }
 
@@ -175,11 +203,26 @@ impl ColumnLinear {
     /// # Errors
     /// On a shape mismatch.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
-        let y = self.weight.forward(x)?;
-        match &self.bias {
-            Some(b) => y.broadcast_add(b).ctx("column linear bias"),
-            None => Ok(y),
-        }
+        let mut ys = Self::forward_many(&[self], x)?;
+        Ok(ys.pop().expect("one product per layer"))
+    }
+
+    /// Several layers over the same input (q/k/v, gate/up), through
+    /// [`Matrix::forward_many`].
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn forward_many(layers: &[&ColumnLinear], x: &Tensor) -> Result<Vec<Tensor>, EngineError> {
+        let mats: Vec<&Matrix> = layers.iter().map(|l| &l.weight).collect();
+        let ys = Matrix::forward_many(&mats, x)?;
+        layers
+            .iter()
+            .zip(ys)
+            .map(|(l, y)| match &l.bias {
+                Some(b) => y.broadcast_add(b).ctx("column linear bias"),
+                None => Ok(y),
+            })
+            .collect()
     }
 }
 

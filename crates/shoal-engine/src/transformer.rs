@@ -253,7 +253,10 @@ impl Attention {
         let (nh, nkv, hd) = (self.n_head, self.n_kv_head, self.head_dim);
         let (q, k, v) = {
             let _p = profile::scope(Op::Qkv);
-            (self.q.forward(x)?, self.k.forward(x)?, self.v.forward(x)?)
+            let mut qkv = ColumnLinear::forward_many(&[&self.q, &self.k, &self.v], x)?;
+            let v = qkv.pop().expect("three products");
+            let k = qkv.pop().expect("three products");
+            (qkv.pop().expect("three products"), k, v)
         };
         let rope = profile::scope(Op::Rope);
         // (1, B, n*hd) -> (1, n, B, hd): the layout RoPE and the norms take
@@ -336,7 +339,10 @@ impl Attention {
         };
         let (q, k, v) = {
             let _p = profile::scope(Op::Qkv);
-            (self.q.forward(x)?, self.k.forward(x)?, self.v.forward(x)?)
+            let mut qkv = ColumnLinear::forward_many(&[&self.q, &self.k, &self.v], x)?;
+            let v = qkv.pop().expect("three products");
+            let k = qkv.pop().expect("three products");
+            (qkv.pop().expect("three products"), k, v)
         };
         let rope = profile::scope(Op::Rope);
         let mut q = heads(q, nh)?;
@@ -421,7 +427,9 @@ impl FeedForward {
     fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
         let (g, u) = {
             let _p = profile::scope(Op::GateUp);
-            (self.gate.forward(x)?, self.up.forward(x)?)
+            let mut gu = ColumnLinear::forward_many(&[&self.gate, &self.up], x)?;
+            let u = gu.pop().expect("two products");
+            (gu.pop().expect("two products"), u)
         };
         let act = profile::scope(Op::Activation);
         let mut h = vec![0f32; g.elem_count()];

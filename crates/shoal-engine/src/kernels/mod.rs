@@ -674,6 +674,72 @@ impl QuantMatrix {
         Ok(())
     }
 
+    /// `ys[i] = x W_i^T` for several matrices with the same column count: the activations
+    /// are quantized once, and every matrix's tiles are split across the pool in one
+    /// parallel region (q/k/v, gate/up). Matrices the shared path does not cover (float
+    /// types, untiled layouts, mixed activation formats) run one by one through
+    /// [`QuantMatrix::matmul`]; the results are the same either way.
+    ///
+    /// # Errors
+    /// When the counts or lengths do not fit the matrices.
+    pub fn matmul_many(
+        mats: &[&QuantMatrix],
+        x: &[f32],
+        ys: &mut [&mut [f32]],
+    ) -> Result<(), KernelError> {
+        let Some(first) = mats.first() else {
+            return Ok(());
+        };
+        let bad = |problem: String| KernelError::Shape {
+            rows: first.rows,
+            cols: first.cols,
+            problem,
+        };
+        if ys.len() != mats.len() {
+            return Err(bad(format!("{} outputs for {} matrices", ys.len(), mats.len())));
+        }
+        let cols = first.cols;
+        let t = x.len() / cols;
+        for (m, y) in mats.iter().zip(ys.iter()) {
+            if m.cols != cols || !x.len().is_multiple_of(cols) || y.len() != t * m.rows {
+                return Err(bad(format!(
+                    "a {}x{} matrix with {} inputs and {} outputs",
+                    m.rows,
+                    m.cols,
+                    x.len(),
+                    y.len()
+                )));
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if t > 0 && Self::share_activations(mats) {
+            let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
+            match first.ty.act_format() {
+                ActFormat::Q8 => SCRATCH_Q8.with(|s| {
+                    let mut acts = std::mem::take(&mut *s.borrow_mut());
+                    acts.resize(x.len() / QK, BlockQ8::default());
+                    quantize_q8(x, &mut acts);
+                    let ks: Vec<_> = mats.iter().map(|m| tile_kernels(m.ty, m.isa)).collect();
+                    drive_many(mats, &ks, &outs, &acts, cols / QK, t);
+                    *s.borrow_mut() = acts;
+                }),
+                _ => SCRATCH_Q8K.with(|s| {
+                    let mut acts = std::mem::take(&mut *s.borrow_mut());
+                    acts.resize(x.len() / QK_K, BlockQ8K::default());
+                    quantize_q8k(x, &mut acts);
+                    let ks: Vec<_> = mats.iter().map(|m| tile_kernels_k(m.ty, m.isa)).collect();
+                    drive_many(mats, &ks, &outs, &acts, cols / QK_K, t);
+                    *s.borrow_mut() = acts;
+                }),
+            }
+            return Ok(());
+        }
+        for (m, y) in mats.iter().zip(ys.iter_mut()) {
+            m.matmul(x, y)?;
+        }
+        Ok(())
+    }
+
     /// Runs kernel pair `k` over every (row, token) pair; `acts` holds `t` rows of
     /// `per_row` activation blocks. Rows are split across the compute pool.
     fn drive<A: Sync>(&self, acts: &[A], per_row: usize, t: usize, y: &mut [f32], k: &KernPair<A>) {
@@ -750,28 +816,41 @@ impl QuantMatrix {
         debug_assert_eq!(acts.len(), per_row * t);
         debug_assert_eq!(y.len(), t * self.rows);
         let out = OutPtr(y.as_mut_ptr());
-        let tiles = self.rows.div_ceil(tiled::TILE_ROWS);
-        let threads = rayon::current_num_threads();
+        drive_many(&[self], std::slice::from_ref(k), &[out], acts, per_row, t);
+    }
+
+    /// Whether `mats` can share one quantization of their activations: all tiled, for one
+    /// level, with one quantized activation format.
+    #[cfg(target_arch = "x86_64")]
+    fn share_activations(mats: &[&QuantMatrix]) -> bool {
+        let format = mats[0].ty.act_format();
+        format != ActFormat::F32
+            && mats
+                .iter()
+                .all(|m| m.tiled && m.isa == mats[0].isa && m.ty.act_format() == format)
+    }
+
+    fn tiles(&self) -> usize {
+        self.rows.div_ceil(tiled::TILE_ROWS)
+    }
+
+    /// The tile ranges the pool's threads take (four per thread, so a thread that starts
+    /// late is not left with a quarter of the work); one range on one thread or a small
+    /// matrix.
+    fn tile_chunks(&self, t: usize, threads: usize, pairs: bool) -> Vec<Range<usize>> {
+        let tiles = self.tiles();
         if threads <= 1 || tiles < 4 {
-            self.drive_tile_range(0..tiles, acts, per_row, t, out, k);
-            return;
+            return vec![0..tiles];
         }
         let chunks = (threads * 4).min(tiles);
         let mut per_chunk = tiles.div_ceil(chunks);
-        if k.pair_four.is_some() && t >= 4 {
+        if pairs && t >= 4 {
             // whole pairs per chunk: an odd tile left in every chunk would run at half width
             per_chunk += per_chunk % 2;
         }
-        let chunks = tiles.div_ceil(per_chunk);
-        rayon::scope(|s| {
-            for c in 0..chunks {
-                let range = c * per_chunk..((c + 1) * per_chunk).min(tiles);
-                if range.is_empty() {
-                    continue;
-                }
-                s.spawn(move |_| self.drive_tile_range(range, acts, per_row, t, out, k));
-            }
-        });
+        (0..tiles.div_ceil(per_chunk))
+            .map(|c| c * per_chunk..((c + 1) * per_chunk).min(tiles))
+            .collect()
     }
 
     fn drive_tile_range<A>(
@@ -879,6 +958,40 @@ impl QuantMatrix {
             tok += 1;
         }
     }
+}
+
+/// [`QuantMatrix::drive_tiles`] for several matrices sharing quantized activations `acts`,
+/// matrix `i` with kernels `ks[i]` into output `outs[i]`, in one parallel region.
+fn drive_many<A: Sync>(
+    mats: &[&QuantMatrix],
+    ks: &[TilePair<A>],
+    outs: &[OutPtr],
+    acts: &[A],
+    per_row: usize,
+    t: usize,
+) {
+    let threads = rayon::current_num_threads();
+    let jobs: Vec<(usize, Range<usize>)> = mats
+        .iter()
+        .enumerate()
+        .flat_map(|(i, m)| {
+            m.tile_chunks(t, threads, ks[i].pair_four.is_some())
+                .into_iter()
+                .map(move |r| (i, r))
+        })
+        .collect();
+    if threads <= 1 || jobs.len() <= 1 {
+        for (i, r) in jobs {
+            mats[i].drive_tile_range(r, acts, per_row, t, outs[i], &ks[i]);
+        }
+        return;
+    }
+    rayon::scope(|s| {
+        for (i, r) in jobs {
+            let (m, k, out) = (mats[i], &ks[i], outs[i]);
+            s.spawn(move |_| m.drive_tile_range(r, acts, per_row, t, out, k));
+        }
+    });
 }
 
 #[cfg(test)]

@@ -319,3 +319,53 @@ fn attention_helpers_match_f64() {
         assert!((got[i] as f64 - want).abs() < 1e-6 * want.abs().max(1.0));
     }
 }
+
+/// Several matrices through `matmul_many` give each matrix's own `matmul` bit for bit:
+/// types that share an activation format (one quantization, one parallel region), types
+/// that do not (one by one), ragged row counts, on one and on three threads.
+#[test]
+fn matmul_many_equals_one_by_one() {
+    use WeightType::*;
+    let mut rng = StdRng::seed_from_u64(11);
+    let cols = 512;
+    let groups: [&[(WeightType, usize)]; 4] = [
+        &[(Q4_1, 64), (Q8_0, 24), (Q5_0, 19)],
+        &[(Q4K, 40), (Q6K, 16), (Q5K, 9)],
+        &[(Q4_0, 16), (Q4K, 16), (F32, 5)],
+        &[(Q8_0, 3)],
+    ];
+    for threads in [1, 3] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        for group in groups {
+            for t in [1usize, 5, 16] {
+                let mats: Vec<QuantMatrix> = group
+                    .iter()
+                    .map(|&(ty, rows)| {
+                        let blocks = cols / ty.block_elems();
+                        QuantMatrix::new(ty, rows, cols, random_matrix(ty, rows, blocks, &mut rng))
+                            .unwrap()
+                    })
+                    .collect();
+                let x = random_acts(t * cols, &mut rng);
+                let want: Vec<Vec<f32>> = mats
+                    .iter()
+                    .map(|m| {
+                        let mut y = vec![0f32; t * m.rows()];
+                        pool.install(|| m.matmul(&x, &mut y)).unwrap();
+                        y
+                    })
+                    .collect();
+                let mut got: Vec<Vec<f32>> =
+                    mats.iter().map(|m| vec![f32::NAN; t * m.rows()]).collect();
+                let refs: Vec<&QuantMatrix> = mats.iter().collect();
+                let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|y| &mut y[..]).collect();
+                pool.install(|| QuantMatrix::matmul_many(&refs, &x, &mut outs)).unwrap();
+                assert_eq!(got, want, "{group:?} t={t} threads={threads}");
+            }
+        }
+    }
+    let m = QuantMatrix::new(Q8_0, 8, 64, vec![0; 8 * 68]).unwrap();
+    let mut short = vec![0f32; 7];
+    assert!(QuantMatrix::matmul_many(&[&m], &[0.0; 64], &mut [&mut short[..]]).is_err());
+    assert!(QuantMatrix::matmul_many(&[&m, &m], &[0.0; 64], &mut [&mut short[..]]).is_err());
+}
