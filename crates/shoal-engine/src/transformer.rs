@@ -99,6 +99,36 @@ impl StepTables {
     }
 }
 
+/// RoPE in place on rows `x` laid out `(B, n, head_dim)`, row `b` rotated by its table row
+/// `cos[b]`, `sin[b]` (`(B, head_dim / 2)`): the arithmetic of candle's `rope_i`
+/// (interleaved pairs) and `rope` (the two halves), so results match the tensor path bit
+/// for bit.
+fn rope_rows(style: RopeStyle, x: &mut [f32], hd: usize, cos: &[f32], sin: &[f32]) {
+    let half = hd / 2;
+    let b = cos.len() / half.max(1);
+    if b == 0 {
+        return;
+    }
+    let per_row = x.len() / b;
+    for (r, row) in x.chunks_exact_mut(per_row).enumerate() {
+        let (c, s) = (
+            &cos[r * half..(r + 1) * half],
+            &sin[r * half..(r + 1) * half],
+        );
+        for head in row.chunks_exact_mut(hd) {
+            for i in 0..half {
+                let (i1, i2) = match style {
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    RopeStyle::Halves => (i, i + half),
+                };
+                let (a, b) = (head[i1], head[i2]);
+                head[i1] = a * c[i] - b * s[i];
+                head[i2] = a * s[i] + b * c[i];
+            }
+        }
+    }
+}
+
 /// The KV caches a step writes: one sequence's (its rows are consecutive positions), or one
 /// per row (a batched decode step, each row the next token of its own sequence).
 enum StepCaches<'a, 'b> {
@@ -259,30 +289,31 @@ impl Attention {
             (qkv.pop().expect("three products"), k, v)
         };
         let rope = profile::scope(Op::Rope);
-        // (1, B, n*hd) -> (1, n, B, hd): the layout RoPE and the norms take
-        let heads = |y: Tensor, n: usize| -> Result<Tensor, EngineError> {
-            y.reshape((1, rows, n, hd))
-                .and_then(|y| y.transpose(1, 2))
-                .and_then(|y| y.contiguous())
-                .ctx("split heads")
-        };
-        // (1, n, B, hd) -> (1, B, n, hd): each row's heads together again
-        let rows_first = |y: Tensor| -> Result<Tensor, EngineError> {
-            y.transpose(1, 2)
-                .and_then(|y| y.contiguous())
-                .ctx("merge heads")
-        };
-        let mut q = heads(q, nh)?;
-        let mut k = heads(k, nkv)?;
-        if let Some(n) = &self.q_norm {
-            q = n.forward(&q)?;
-        }
-        if let Some(n) = &self.k_norm {
-            k = n.forward(&k)?;
-        }
+        // Rows stay `(B, n, hd)` throughout: the head norms work on the last dimension in
+        // any layout, and RoPE runs on the slices with each row's own position.
+        let heads =
+            |y: Tensor, n: usize, norm: &Option<RmsNorm>| -> Result<Vec<f32>, EngineError> {
+                let y = match norm {
+                    Some(nm) => nm.forward(&y.reshape((1, rows, n, hd)).ctx("split heads")?)?,
+                    None => y,
+                };
+                y.flatten_all()
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .ctx("heads")
+            };
+        let mut qs = heads(q, nh, &self.q_norm)?;
+        let mut ks = heads(k, nkv, &self.k_norm)?;
         let (cos, sin) = tables.rope(hd, self.rope_base, self.rope_scale)?;
-        let q = rows_first(self.rope(&q, cos, sin)?)?;
-        let k = rows_first(self.rope(&k, cos, sin)?)?;
+        let cos = cos
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .ctx("rope table")?;
+        let sin = sin
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .ctx("rope table")?;
+        rope_rows(self.rope_style, &mut qs, hd, &cos, &sin);
+        rope_rows(self.rope_style, &mut ks, hd, &cos, &sin);
         drop(rope);
         let attention = profile::scope(Op::Attention);
         let width = nh * hd;
@@ -291,25 +322,21 @@ impl Attention {
         let positions = &tables.positions;
         // Each sequence appends its row (for one position, `(nkv, hd)` is `(nkv, 1, hd)`)
         // and attends over its own cache, all sequences in parallel.
-        let failed = with_f32(&q, |qs| {
-            with_f32(&k, |ks| {
-                with_f32(&v, |vs| {
-                    out.par_chunks_mut(width)
-                        .zip(caches.par_iter_mut())
-                        .enumerate()
-                        .map(|(i, (o, cache))| -> Result<(), EngineError> {
-                            let row = i * kv_width..(i + 1) * kv_width;
-                            cache.append(layer, &ks[row.clone()], &vs[row])?;
-                            let (kc, vc) = cache.buffers(layer).expect("appended above");
-                            let shape = self.shape(cache.capacity());
-                            let qi = &qs[i * width..(i + 1) * width];
-                            shape.decode(positions[i], qi, kc, vc, o);
-                            Ok(())
-                        })
-                        .find_any(|r| r.is_err())
+        let failed = with_f32(&v, |vs| {
+            out.par_chunks_mut(width)
+                .zip(caches.par_iter_mut())
+                .enumerate()
+                .map(|(i, (o, cache))| -> Result<(), EngineError> {
+                    let row = i * kv_width..(i + 1) * kv_width;
+                    cache.append(layer, &ks[row.clone()], &vs[row])?;
+                    let (kc, vc) = cache.buffers(layer).expect("appended above");
+                    let shape = self.shape(cache.capacity());
+                    let qi = &qs[i * width..(i + 1) * width];
+                    shape.decode(positions[i], qi, kc, vc, o);
+                    Ok(())
                 })
-            })
-        })???;
+                .find_any(|r| r.is_err())
+        })?;
         if let Some(Err(e)) = failed {
             return Err(e);
         }

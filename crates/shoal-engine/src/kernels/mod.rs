@@ -696,7 +696,11 @@ impl QuantMatrix {
             problem,
         };
         if ys.len() != mats.len() {
-            return Err(bad(format!("{} outputs for {} matrices", ys.len(), mats.len())));
+            return Err(bad(format!(
+                "{} outputs for {} matrices",
+                ys.len(),
+                mats.len()
+            )));
         }
         let cols = first.cols;
         let t = x.len() / cols;

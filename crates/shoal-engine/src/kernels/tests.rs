@@ -335,7 +335,10 @@ fn matmul_many_equals_one_by_one() {
         &[(Q8_0, 3)],
     ];
     for threads in [1, 3] {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
         for group in groups {
             for t in [1usize, 5, 16] {
                 let mats: Vec<QuantMatrix> = group
@@ -359,7 +362,8 @@ fn matmul_many_equals_one_by_one() {
                     mats.iter().map(|m| vec![f32::NAN; t * m.rows()]).collect();
                 let refs: Vec<&QuantMatrix> = mats.iter().collect();
                 let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|y| &mut y[..]).collect();
-                pool.install(|| QuantMatrix::matmul_many(&refs, &x, &mut outs)).unwrap();
+                pool.install(|| QuantMatrix::matmul_many(&refs, &x, &mut outs))
+                    .unwrap();
                 assert_eq!(got, want, "{group:?} t={t} threads={threads}");
             }
         }
