@@ -844,7 +844,7 @@ impl QuantMatrix {
     fn tile_chunks(&self, t: usize, threads: usize, pairs: bool) -> Vec<Range<usize>> {
         let tiles = self.tiles();
         if threads <= 1 || tiles < 4 {
-            return vec![0..tiles];
+            return std::iter::once(0..tiles).collect();
         }
         let chunks = (threads * 4).min(tiles);
         let mut per_chunk = tiles.div_ceil(chunks);

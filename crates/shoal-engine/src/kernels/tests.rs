@@ -369,7 +369,7 @@ fn matmul_many_equals_one_by_one() {
         }
     }
     let m = QuantMatrix::new(Q8_0, 8, 64, vec![0; 8 * 68]).unwrap();
-    let mut short = vec![0f32; 7];
+    let mut short = [0f32; 7];
     assert!(QuantMatrix::matmul_many(&[&m], &[0.0; 64], &mut [&mut short[..]]).is_err());
     assert!(QuantMatrix::matmul_many(&[&m, &m], &[0.0; 64], &mut [&mut short[..]]).is_err());
 }
