@@ -9,7 +9,7 @@ use crate::config::Activation;
 use crate::kernels;
 
 /// Values per parallel chunk (below this the step runs on the calling thread).
-const CHUNK: usize = 16 * 1024;
+const CHUNK: usize = 4 * 1024;
 
 /// `out[i] = act(gate[i]) * up[i]`.
 ///

@@ -289,7 +289,7 @@ impl RowLinear {
 /// Root-mean-square normalisation with a learned scale.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
-    weight: Tensor,
+    weight: Vec<f32>,
     eps: f32,
 }
 
@@ -305,22 +305,62 @@ impl RmsNorm {
         eps: f64,
     ) -> Result<Self, EngineError> {
         check_shape(src, name, &[dim])?;
+        let weight = src
+            .load_f32(name, &Slice::Full)?
+            .to_dtype(candle_core::DType::F32)
+            .and_then(|w| w.to_vec1::<f32>())
+            .ctx(name)?;
         Ok(RmsNorm {
-            weight: src.load_f32(name, &Slice::Full)?,
+            weight,
             eps: eps as f32,
         })
     }
 
-    /// Normalises over the last dimension.
+    /// Normalises over the last dimension: `x / sqrt(mean(x^2) + eps) * weight` per row,
+    /// the mean summed in eight lanes (so it vectorizes; candle's one running sum was a
+    /// serial chain, 24 µs for 16 SmolLM2 rows), rows split across the pool when there are
+    /// many.
     ///
     /// # Errors
     /// On a shape mismatch.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
-        let x = if x.is_contiguous() {
-            x.clone()
-        } else {
-            x.contiguous().ctx("rms norm")?
+        let n = self.weight.len();
+        if x.dims().last() != Some(&n) {
+            return Err(EngineError::Unsupported {
+                what: format!("rms norm of width {n} over a {:?} tensor", x.dims()),
+            });
+        }
+        let x = x.contiguous().ctx("rms norm")?;
+        let xs = x
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .ctx("rms norm")?;
+        let mut out = vec![0f32; xs.len()];
+        let row = |src: &[f32], dst: &mut [f32]| {
+            let mut lanes = [0f32; 8];
+            let mut chunks = src.chunks_exact(8);
+            for c in &mut chunks {
+                for (l, v) in lanes.iter_mut().zip(c) {
+                    *l += v * v;
+                }
+            }
+            let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+            let sum2 = lanes.iter().sum::<f32>() + tail;
+            let m = (sum2 / n as f32 + self.eps).sqrt();
+            for ((d, s), w) in dst.iter_mut().zip(src).zip(&self.weight) {
+                *d = *s / m * *w;
+            }
         };
-        candle_nn::ops::rms_norm(&x, &self.weight, self.eps).ctx("rms norm")
+        if xs.len() >= 64 * 1024 {
+            use rayon::prelude::*;
+            xs.par_chunks(n)
+                .zip(out.par_chunks_mut(n))
+                .for_each(|(s, d)| row(s, d));
+        } else {
+            for (s, d) in xs.chunks(n).zip(out.chunks_mut(n)) {
+                row(s, d);
+            }
+        }
+        Tensor::from_vec(out, x.dims(), &Device::Cpu).ctx("rms norm")
     }
 }

@@ -55,6 +55,26 @@ pub fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
     formats::quantize_q8k(x, out)
 }
 
+/// Values worth quantizing on several threads (below, one thread: a fork costs more than
+/// it saves).
+const PARALLEL_QUANTIZE: usize = 8 * 1024;
+
+/// Quantizes activations `x` into blocks `out` with `q`, split across the pool in runs of
+/// blocks when there are many values (every block is quantized on its own, so any split on
+/// block boundaries gives the same blocks).
+fn quantize_rows<B: Send>(x: &[f32], out: &mut [B], q: fn(&[f32], &mut [B])) {
+    let per = x.len() / out.len().max(1);
+    if x.len() < PARALLEL_QUANTIZE || rayon::current_num_threads() <= 1 {
+        q(x, out);
+        return;
+    }
+    use rayon::prelude::*;
+    let blocks = (PARALLEL_QUANTIZE / 4 / per).max(1);
+    out.par_chunks_mut(blocks)
+        .zip(x.par_chunks(blocks * per))
+        .for_each(|(o, xs)| q(xs, o));
+}
+
 /// An instruction-set level the kernels are compiled for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Isa {
@@ -631,7 +651,7 @@ impl QuantMatrix {
             ActFormat::Q8 => SCRATCH_Q8.with(|s| {
                 let mut acts = std::mem::take(&mut *s.borrow_mut());
                 acts.resize(x.len() / QK, BlockQ8::default());
-                quantize_q8(x, &mut acts);
+                quantize_rows(x, &mut acts, quantize_q8);
                 if self.tiled {
                     #[cfg(target_arch = "x86_64")]
                     self.drive_tiles(&acts, self.cols / QK, t, y, &tile_kernels(ty, isa));
@@ -650,7 +670,7 @@ impl QuantMatrix {
             ActFormat::Q8K => SCRATCH_Q8K.with(|s| {
                 let mut acts = std::mem::take(&mut *s.borrow_mut());
                 acts.resize(x.len() / QK_K, BlockQ8K::default());
-                quantize_q8k(x, &mut acts);
+                quantize_rows(x, &mut acts, quantize_q8k);
                 if self.tiled {
                     #[cfg(target_arch = "x86_64")]
                     self.drive_tiles(&acts, self.cols / QK_K, t, y, &tile_kernels_k(ty, isa));
@@ -722,7 +742,7 @@ impl QuantMatrix {
                 ActFormat::Q8 => SCRATCH_Q8.with(|s| {
                     let mut acts = std::mem::take(&mut *s.borrow_mut());
                     acts.resize(x.len() / QK, BlockQ8::default());
-                    quantize_q8(x, &mut acts);
+                    quantize_rows(x, &mut acts, quantize_q8);
                     let ks: Vec<_> = mats.iter().map(|m| tile_kernels(m.ty, m.isa)).collect();
                     drive_many(mats, &ks, &outs, &acts, cols / QK, t);
                     *s.borrow_mut() = acts;
@@ -730,7 +750,7 @@ impl QuantMatrix {
                 _ => SCRATCH_Q8K.with(|s| {
                     let mut acts = std::mem::take(&mut *s.borrow_mut());
                     acts.resize(x.len() / QK_K, BlockQ8K::default());
-                    quantize_q8k(x, &mut acts);
+                    quantize_rows(x, &mut acts, quantize_q8k);
                     let ks: Vec<_> = mats.iter().map(|m| tile_kernels_k(m.ty, m.isa)).collect();
                     drive_many(mats, &ks, &outs, &acts, cols / QK_K, t);
                     *s.borrow_mut() = acts;

@@ -373,3 +373,30 @@ fn matmul_many_equals_one_by_one() {
     assert!(QuantMatrix::matmul_many(&[&m], &[0.0; 64], &mut [&mut short[..]]).is_err());
     assert!(QuantMatrix::matmul_many(&[&m, &m], &[0.0; 64], &mut [&mut short[..]]).is_err());
 }
+
+/// Activations quantized on several threads are the blocks one thread makes.
+#[test]
+fn parallel_quantization_equals_serial() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let x = random_acts(16 * 1536, &mut rng);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    let mut serial = vec![BlockQ8::default(); x.len() / QK];
+    quantize_q8(&x, &mut serial);
+    let mut par = vec![BlockQ8::default(); x.len() / QK];
+    pool.install(|| quantize_rows(&x, &mut par, quantize_q8));
+    assert!(serial
+        .iter()
+        .zip(&par)
+        .all(|(a, b)| a.qs == b.qs && a.d == b.d && a.sum == b.sum));
+    let mut serial = vec![BlockQ8K::default(); x.len() / QK_K];
+    quantize_q8k(&x, &mut serial);
+    let mut par = vec![BlockQ8K::default(); x.len() / QK_K];
+    pool.install(|| quantize_rows(&x, &mut par, quantize_q8k));
+    assert!(serial
+        .iter()
+        .zip(&par)
+        .all(|(a, b)| a.qs == b.qs && a.d == b.d && a.bsums == b.bsums));
+}
