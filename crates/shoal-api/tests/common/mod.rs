@@ -1,0 +1,90 @@
+//! Helpers shared by the HTTP test binaries: the test kit's tiny model written as a real
+//! GGUF, an app state serving it, a one-shot request through the router, and a runtime.
+
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use serde_json::Value;
+use shoal_api::keys::KeyStore;
+use shoal_api::{AppState, ServedModel};
+use shoal_engine::model::LoadedModel;
+use shoal_engine::scheduler::SchedulerConfig;
+use shoal_model::source::ModelSource;
+use shoal_testkit::{GgmlType, TinyModelSpec};
+use tower::ServiceExt;
+
+pub fn tiny_model(dir: &std::path::Path) -> LoadedModel {
+    let path = dir.join("tiny.gguf");
+    TinyModelSpec::qwen2(11)
+        .build()
+        .unwrap()
+        .write_gguf(&path, GgmlType::F32)
+        .unwrap();
+    LoadedModel::load(&ModelSource::Gguf(path)).unwrap()
+}
+
+pub fn state_with(model: LoadedModel, id: &str, cfg: SchedulerConfig) -> Arc<AppState> {
+    let served = ServedModel::start(id, model, cfg).unwrap();
+    Arc::new(AppState::new(
+        vec![served],
+        KeyStore::open(None, None).unwrap(),
+    ))
+}
+
+pub fn tiny_state(max_batch: usize, max_queue: usize) -> (tempfile::TempDir, Arc<AppState>) {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let state = state_with(
+        model,
+        "tiny",
+        SchedulerConfig {
+            max_batch,
+            max_queue,
+            ctx: 128,
+        },
+    );
+    (dir, state)
+}
+
+pub async fn call(
+    app: &axum::Router,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> (StatusCode, Vec<u8>) {
+    let req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_vec()))
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(60), app.clone().oneshot(req))
+        .await
+        .expect("the server answered within 60 s")
+        .unwrap();
+    let status = resp.status();
+    let bytes = tokio::time::timeout(
+        Duration::from_secs(60),
+        axum::body::to_bytes(resp.into_body(), 64 << 20),
+    )
+    .await
+    .expect("the body ended within 60 s")
+    .unwrap();
+    (status, bytes.to_vec())
+}
+
+pub fn json_of(b: &[u8]) -> Value {
+    serde_json::from_slice(b).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(b)))
+}
+
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
