@@ -8,7 +8,7 @@
 //! is cut between its columns, which must be whole quantization blocks, so heads and features
 //! go to ranks in units of blocks. The split is as even as those units permit, and uneven
 //! where it must be, so any rank count up to the number of units works (qwen05's 14 heads
-//! over 3 ranks: 5, 5, 4). When ranks outnumber KV heads, ranks share them: each holds every
+//! over 3 ranks: 5, 4, 5). When ranks outnumber KV heads, ranks share them: each holds every
 //! KV head its query heads read.
 
 use std::ops::Range;

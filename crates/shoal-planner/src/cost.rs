@@ -1,0 +1,461 @@
+//! The cost model: what a placement costs per decoded token, per prompt, and in memory on
+//! each node. Every figure comes from the inputs (measured bandwidth, compute, link round
+//! trips and bandwidths, the model's stored bytes) and the named constants below.
+//!
+//! Notation: a stage `s` has tensor-parallel ranks `i` on nodes with read bandwidth `bw_i`
+//! (bytes/s) and compute `F_i` (FLOP/s), and layers `L_s`; `h` is the hidden width, `P` the
+//! prompt length, `ctx` the context. A message of `m` bytes over a link costs
+//! `msg(m) = rtt / 2 + 8 m / link_bits_per_s`; a one-shot all-reduce of `m` bytes inside a
+//! stage costs `ar_s(m) = max over the stage's pairs of msg(m)` (everyone sends its partial
+//! to everyone at once; links assumed independent).
+//!
+//! **Decode**, seconds per token (one sequence):
+//! ```text
+//! T = header + sum_s [ max_i R_si / (MEM_EFFICIENCY * bw_i)
+//!                      + (2 |L_s| + [s = 0 and tp > 1]) * ar_s(4 h) ]
+//!       + sum over stage boundaries of max_i msg_(s,i)->(s+1,i)(4 h)
+//!       + return
+//! R_si = sum_{l in L_s} read_i(l) + |L_s| * KV_READ_FRACTION * ctx * kv_i + [s last] head_i
+//! ```
+//! `read_i(l)` is rank `i`'s share of layer `l`'s weights (cut as the executor cuts them, see
+//! [`crate::split`]) with routed experts counted at the active fraction; `kv_i` its KV bytes
+//! per token per layer (the KV cache is read at an average context of `ctx / 2`); `head_i`
+//! its vocabulary slice of the output head. The embedding all-reduce of the first stage
+//! assembles the looked-up rows (the lookup itself reads one row: ignored). `header` is the
+//! lead's step header to the other first-stage ranks (`msg(24)`, 0 with one rank there) and
+//! `return` the last stage's best tokens to the lead (`msg(8)`, 0 for one rank). Decode
+//! tokens/s = `1 / T`; with one sequence per stage in flight the slowest stage (with its
+//! outgoing hop) bounds the aggregate: `pipelined = 1 / max_s (stage_s + hop_s)`.
+//!
+//! **Prefill** of `P` tokens, one chunk, stages in turn (a single prompt does not overlap
+//! across stages):
+//! ```text
+//! T = header(4 P) + sum_s [ max_i max(FLOP_si / (COMPUTE_EFFICIENCY * F_i),
+//!                                     W_si / (MEM_EFFICIENCY * bw_i))
+//!                           + (2 |L_s| + [s = 0 and tp > 1]) * ar_s(4 h P) ]
+//!       + sum of hops msg(4 h P) + return
+//! FLOP_si = 2 P (params/byte) sum_{l in L_s} read_i(l) + 2 P^2 head_dim heads_i |L_s|
+//!           + [s last] 2 (params/byte) head_i
+//! ```
+//! (`params/byte` is the model's average; attention is causal, so `P^2 / 2` pairs, each two
+//! multiply-adds of `head_dim`; only the last position's logits are computed.) `W_si` is the
+//! weight bytes read once for the chunk (all held experts when `P * active >= experts`).
+//! Prefill tokens/s = `P / T`.
+//!
+//! **Memory** per node: its weight bytes (its layers' shares, plus its vocabulary slice of
+//! the embedding on the first stage and of the head on the last; a tied head is held once on
+//! a one-stage placement) + KV cache `ctx * |L_s| * kv_i` (KV heads replicated when ranks
+//! outnumber them) + [`RUNTIME_OVERHEAD_BYTES`]. A placement fits when every node's total is
+//! at most its `memory_free_bytes` (what the node reports as available; a cluster file
+//! gives it, or the total minus a reserve).
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use crate::placement::{NodeMemory, Prediction};
+use crate::spec::{Cluster, LinkSpec, ModelProfile, PlanRequest};
+use crate::split::{tensor_split, RankShare};
+
+/// Fraction of its measured read bandwidth a node reaches streaming weights in decode.
+pub const MEM_EFFICIENCY: f64 = 0.8;
+/// Fraction of its measured matmul throughput a node reaches in prefill.
+pub const COMPUTE_EFFICIENCY: f64 = 0.8;
+/// Memory a rank needs beyond weights and KV cache: activations, logits, kernel tiles,
+/// message buffers, the process itself.
+pub const RUNTIME_OVERHEAD_BYTES: u64 = 512 << 20;
+/// Decode reads the KV cache at an average context of this fraction of `ctx`.
+pub const KV_READ_FRACTION: f64 = 0.5;
+/// Prompt length of the prefill prediction unless the request says otherwise.
+pub const DEFAULT_PROMPT_TOKENS: u32 = 128;
+/// Bytes per element of the hidden states that all-reduces and stage hops carry (f32).
+pub const ACTIVATION_BYTES: f64 = 4.0;
+/// Bytes of the lead's per-step header (plus 4 per token id).
+pub const HEADER_BYTES: f64 = 20.0;
+/// Bytes a last-stage rank returns to the lead per decoded token (greedy: value and id).
+pub const TOKEN_RETURN_BYTES: f64 = 8.0;
+
+/// Seconds to send `bytes` over `link`: half a round trip plus serialization.
+pub fn message_secs(link: &LinkSpec, bytes: f64) -> f64 {
+    link.rtt_us * 0.5e-6 + bytes * 8.0 / (link.bandwidth_gbps * 1e9)
+}
+
+/// What every tensor-parallel index of a `tp`-rank stage holds, with prefix sums over the
+/// layers so a stage's cost over any layer range is O(tp).
+pub(crate) struct TpTable {
+    pub ranks: Vec<RankShare>,
+    /// Per index: prefix sums of weight bytes held.
+    held: Vec<Vec<u64>>,
+    /// Per index: prefix sums of routed-expert bytes held.
+    experts: Vec<Vec<u64>>,
+    /// Per index: prefix sums of weight bytes read per decoded token.
+    read: Vec<Vec<f64>>,
+    /// Per index: KV bytes per token per layer.
+    kv: Vec<u64>,
+    emb: Vec<u64>,
+    head: Vec<u64>,
+}
+
+impl TpTable {
+    fn new(model: &ModelProfile, tp: usize) -> Result<Self, String> {
+        let ranks = tensor_split(model, tp)?;
+        let n = model.n_layers;
+        let mut held = Vec::with_capacity(tp);
+        let mut experts = Vec::with_capacity(tp);
+        let mut read = Vec::with_capacity(tp);
+        for r in &ranks {
+            let (mut h, mut e, mut d) = (vec![0u64; n + 1], vec![0u64; n + 1], vec![0.0; n + 1]);
+            for l in 0..n {
+                let p = model.layer_parts(l);
+                h[l + 1] = h[l] + r.layer_bytes(model, l);
+                e[l + 1] = e[l] + crate::split::part(p.experts, &r.experts, model.n_experts());
+                d[l + 1] = d[l] + r.layer_read(model, l);
+            }
+            held.push(h);
+            experts.push(e);
+            read.push(d);
+        }
+        Ok(TpTable {
+            kv: ranks.iter().map(|r| r.kv_per_token_layer(model)).collect(),
+            emb: ranks.iter().map(|r| r.embedding_bytes(model)).collect(),
+            head: ranks.iter().map(|r| r.head_bytes(model)).collect(),
+            ranks,
+            held,
+            experts,
+            read,
+        })
+    }
+}
+
+/// A stage as the cost model sees it: its nodes (cluster indices, tensor-parallel order),
+/// its layers and whether it is first or last.
+#[derive(Clone, Copy)]
+pub(crate) struct Stage<'s> {
+    pub nodes: &'s [usize],
+    pub layers: (usize, usize),
+    pub first: bool,
+    pub last: bool,
+}
+
+impl Stage<'_> {
+    fn len(&self) -> usize {
+        self.layers.1 - self.layers.0
+    }
+
+    /// All-reduces per token: two per layer, one for the embedding on the first stage.
+    fn all_reduces(&self) -> f64 {
+        if self.nodes.len() < 2 {
+            return 0.0;
+        }
+        (2 * self.len() + usize::from(self.first)) as f64
+    }
+}
+
+/// The cost model over one cluster, model and request.
+pub(crate) struct Evaluator<'a> {
+    pub cluster: &'a Cluster,
+    pub model: &'a ModelProfile,
+    pub req: &'a PlanRequest,
+    links: HashMap<(usize, usize), &'a LinkSpec>,
+    tables: HashMap<usize, Result<TpTable, String>>,
+}
+
+impl<'a> Evaluator<'a> {
+    /// Tables for every tensor-parallel width up to `max_tp`.
+    pub fn new(
+        cluster: &'a Cluster,
+        model: &'a ModelProfile,
+        req: &'a PlanRequest,
+        max_tp: usize,
+    ) -> Self {
+        let tables = (1..=max_tp.max(1))
+            .map(|tp| (tp, TpTable::new(model, tp)))
+            .collect();
+        Evaluator {
+            cluster,
+            model,
+            req,
+            links: cluster.link_table(),
+            tables,
+        }
+    }
+
+    /// The shares of a `tp`-rank stage, or why the model cannot be cut that finely.
+    pub fn table(&self, tp: usize) -> Result<&TpTable, String> {
+        match self.tables.get(&tp) {
+            Some(Ok(t)) => Ok(t),
+            Some(Err(e)) => Err(e.clone()),
+            None => Err(format!("tp {tp} is wider than the cluster")),
+        }
+    }
+
+    /// The link between nodes `a` and `b` (cluster indices).
+    pub fn link(&self, a: usize, b: usize) -> Option<&'a LinkSpec> {
+        self.links.get(&(a.min(b), a.max(b))).copied()
+    }
+
+    /// Seconds to send `bytes` from `a` to `b`; 0 on the same node, `None` without a link.
+    pub fn msg(&self, a: usize, b: usize, bytes: f64) -> Option<f64> {
+        if a == b {
+            return Some(0.0);
+        }
+        self.link(a, b).map(|l| message_secs(l, bytes))
+    }
+
+    /// A one-shot all-reduce of `bytes` among `nodes`: the slowest pair's message.
+    pub fn all_reduce(&self, nodes: &[usize], bytes: f64) -> Option<f64> {
+        let mut worst = 0.0f64;
+        for (k, &a) in nodes.iter().enumerate() {
+            for &b in &nodes[k + 1..] {
+                worst = worst.max(self.msg(a, b, bytes)?);
+            }
+        }
+        Some(worst)
+    }
+
+    fn bw(&self, node: usize) -> f64 {
+        self.cluster.nodes[node].mem_bandwidth_gbs * 1e9 * MEM_EFFICIENCY
+    }
+
+    fn flops(&self, node: usize) -> f64 {
+        self.cluster.nodes[node].compute_gflops * 1e9 * COMPUTE_EFFICIENCY
+    }
+
+    fn ctx(&self) -> f64 {
+        f64::from(self.req.ctx)
+    }
+
+    fn hidden_bytes(&self) -> f64 {
+        self.model.hidden as f64 * ACTIVATION_BYTES
+    }
+
+    /// Bytes tensor-parallel index `i` of `stage` reads per decoded token.
+    fn decode_read(&self, t: &TpTable, i: usize, st: Stage<'_>) -> f64 {
+        let (a, b) = st.layers;
+        t.read[i][b] - t.read[i][a]
+            + st.len() as f64 * KV_READ_FRACTION * self.ctx() * t.kv[i] as f64
+            + if st.last { t.head[i] as f64 } else { 0.0 }
+    }
+
+    /// Decode seconds of `stage` per token: (slowest rank's reading, all-reduces); missing
+    /// links cost nothing here (the caller marks the placement infeasible).
+    pub fn stage_decode(&self, t: &TpTable, st: Stage<'_>) -> (f64, f64) {
+        let compute = st
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| self.decode_read(t, i, st) / self.bw(n))
+            .fold(0.0, f64::max);
+        let ar = self
+            .all_reduce(st.nodes, self.hidden_bytes())
+            .unwrap_or(0.0);
+        (compute, st.all_reduces() * ar)
+    }
+
+    /// Prefill seconds of `stage` for the request's prompt.
+    fn stage_prefill(&self, t: &TpTable, st: Stage<'_>) -> f64 {
+        let p = f64::from(self.req.prompt_tokens);
+        let (a, b) = st.layers;
+        let ppb = self.model.params_per_byte();
+        let af = self.model.active_fraction();
+        let expert_touch = (p * af).min(1.0);
+        let compute = st
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let read = t.read[i][b] - t.read[i][a];
+                let experts = (t.experts[i][b] - t.experts[i][a]) as f64;
+                let heads = t.ranks[i].heads.len() as f64;
+                let head = if st.last { t.head[i] as f64 } else { 0.0 };
+                let flop = 2.0 * p * ppb * read
+                    + 2.0 * p * p * self.model.head_dim as f64 * heads * st.len() as f64
+                    + 2.0 * ppb * head;
+                let weights = read - experts * af + experts * expert_touch + head;
+                (flop / self.flops(n)).max(weights / self.bw(n))
+            })
+            .fold(0.0, f64::max);
+        let ar = self
+            .all_reduce(st.nodes, self.hidden_bytes() * p)
+            .unwrap_or(0.0);
+        compute + st.all_reduces() * ar
+    }
+
+    /// Memory tensor-parallel index `i` of `stage` needs, on node `node`.
+    pub fn memory(&self, t: &TpTable, i: usize, node: usize, st: Stage<'_>) -> NodeMemory {
+        let (a, b) = st.layers;
+        let tied_once = self.model.tied_embeddings && st.first;
+        let weight_bytes = t.held[i][b] - t.held[i][a]
+            + if st.first { t.emb[i] } else { 0 }
+            + if st.last && !tied_once { t.head[i] } else { 0 };
+        let kv_bytes = u64::from(self.req.ctx) * st.len() as u64 * t.kv[i];
+        let spec = &self.cluster.nodes[node];
+        NodeMemory {
+            node: spec.id.clone(),
+            weight_bytes,
+            kv_bytes,
+            overhead_bytes: RUNTIME_OVERHEAD_BYTES,
+            total_bytes: weight_bytes + kv_bytes + RUNTIME_OVERHEAD_BYTES,
+            free_bytes: spec.memory_free_bytes,
+        }
+    }
+
+    /// Whether every rank of `stage` fits its node.
+    pub fn stage_fits(&self, t: &TpTable, st: Stage<'_>) -> bool {
+        st.nodes
+            .iter()
+            .enumerate()
+            .all(|(i, &n)| self.memory(t, i, n, st).fits())
+    }
+
+    /// Node pairs a placement exchanges messages over that have no link.
+    pub fn missing_links(&self, stages: &[Vec<usize>]) -> Vec<(usize, usize)> {
+        let mut need = Vec::new();
+        let lead = stages[0][0];
+        for (s, nodes) in stages.iter().enumerate() {
+            for (k, &a) in nodes.iter().enumerate() {
+                need.extend(nodes[k + 1..].iter().map(|&b| (a, b)));
+                if let Some(next) = stages.get(s + 1) {
+                    need.push((a, next[k]));
+                }
+                if s + 1 == stages.len() {
+                    need.push((lead, a));
+                }
+            }
+        }
+        let mut missing: Vec<(usize, usize)> = need
+            .into_iter()
+            .filter(|&(a, b)| a != b && self.link(a, b).is_none())
+            .map(|(a, b)| (a.min(b), a.max(b)))
+            .collect();
+        missing.sort_unstable();
+        missing.dedup();
+        missing
+    }
+
+    /// The prediction for `stages` (cluster indices, tensor-parallel order) holding
+    /// `ranges`; `t` is the table of their width.
+    pub fn predict(
+        &self,
+        t: &TpTable,
+        stages: &[Vec<usize>],
+        ranges: &[Range<usize>],
+    ) -> Prediction {
+        let pp = stages.len();
+        let st = |s: usize| Stage {
+            nodes: &stages[s],
+            layers: (ranges[s].start, ranges[s].end),
+            first: s == 0,
+            last: s + 1 == pp,
+        };
+        let lead = stages[0][0];
+        let p = f64::from(self.req.prompt_tokens);
+        let hb = self.hidden_bytes();
+        let reachable = self.missing_links(stages).is_empty();
+        let msg = |a: usize, b: usize, bytes: f64| self.msg(a, b, bytes).unwrap_or(0.0);
+        let header = |bytes: f64| {
+            stages[0]
+                .iter()
+                .map(|&n| msg(lead, n, bytes))
+                .fold(0.0, f64::max)
+        };
+        let ret = stages[pp - 1]
+            .iter()
+            .map(|&n| msg(n, lead, TOKEN_RETURN_BYTES))
+            .fold(0.0, f64::max);
+        let hop = |s: usize, bytes: f64| -> f64 {
+            if s + 1 == pp {
+                return 0.0;
+            }
+            stages[s]
+                .iter()
+                .zip(&stages[s + 1])
+                .map(|(&a, &b)| msg(a, b, bytes))
+                .fold(0.0, f64::max)
+        };
+
+        let mut compute = 0.0;
+        let mut comm = header(HEADER_BYTES + 4.0) + ret;
+        let mut slowest = 0.0f64;
+        let mut prefill = header(HEADER_BYTES + 4.0 * p) + ret;
+        for s in 0..pp {
+            let (c, a) = self.stage_decode(t, st(s));
+            let h = hop(s, hb);
+            compute += c;
+            comm += a + h;
+            let edge = if s == 0 {
+                header(HEADER_BYTES + 4.0)
+            } else {
+                0.0
+            } + if s + 1 == pp { ret } else { 0.0 };
+            slowest = slowest.max(c + a + h + edge);
+            prefill += self.stage_prefill(t, st(s)) + hop(s, hb * p);
+        }
+        let per_s = |secs: f64, tokens: f64| {
+            if reachable && secs > 0.0 {
+                tokens / secs
+            } else {
+                0.0
+            }
+        };
+        let memory = (0..pp)
+            .flat_map(|s| stages[s].iter().enumerate().map(move |(i, &n)| (s, i, n)))
+            .map(|(s, i, n)| self.memory(t, i, n, st(s)))
+            .collect();
+        Prediction {
+            decode_tok_s: per_s(compute + comm, 1.0),
+            pipelined_decode_tok_s: per_s(slowest, 1.0),
+            prefill_tok_s: per_s(prefill, p),
+            prompt_tokens: self.req.prompt_tokens,
+            decode_compute_ms: compute * 1e3,
+            decode_comm_ms: comm * 1e3,
+            memory,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{dense_model, link, node};
+
+    #[test]
+    fn one_node_decode_is_bytes_over_bandwidth() {
+        let m = dense_model(10, 8, 8, 64, 2048, 100_000_000);
+        let c = Cluster {
+            nodes: vec![node("a", 64.0, 10.0)],
+            links: vec![],
+        };
+        let req = PlanRequest {
+            ctx: 1,
+            ..PlanRequest::default()
+        };
+        let ev = Evaluator::new(&c, &m, &req, 1);
+        let t = ev.table(1).unwrap();
+        let whole = crate::layers::ranges(&[10]);
+        let p = ev.predict(t, &[vec![0]], &whole);
+        let kv = 0.5 * m.kv_bytes_per_token_per_layer as f64 * 10.0;
+        let want = 10e9 * MEM_EFFICIENCY / (m.bytes_per_token() + kv);
+        assert!((p.decode_tok_s - want).abs() < 1e-9 * want, "{p:?}");
+        assert_eq!(p.decode_comm_ms, 0.0);
+        assert_eq!(p.memory[0].weight_bytes, m.weight_bytes());
+    }
+
+    #[test]
+    fn all_reduce_is_the_slowest_pair() {
+        let m = dense_model(4, 8, 8, 64, 2048, 1000);
+        let c = Cluster {
+            nodes: vec![
+                node("a", 8.0, 10.0),
+                node("b", 8.0, 10.0),
+                node("c", 8.0, 10.0),
+            ],
+            links: vec![link("a", "b", 10.0, 10.0), link("a", "c", 100.0, 10.0)],
+        };
+        let req = PlanRequest::default();
+        let ev = Evaluator::new(&c, &m, &req, 3);
+        assert_eq!(ev.all_reduce(&[0, 1, 2], 8.0), None);
+        let t = ev.all_reduce(&[0, 1], 1250.0).unwrap();
+        assert!((t - (5e-6 + 1e-6)).abs() < 1e-12);
+        assert_eq!(ev.missing_links(&[vec![0], vec![1], vec![2]]), vec![(1, 2)]);
+    }
+}
