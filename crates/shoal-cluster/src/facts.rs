@@ -1,0 +1,77 @@
+//! What a node can do, as the rest of the cluster sees it: memory, backend, measured memory
+//! bandwidth and compute throughput, and the addresses of its ports.
+//!
+//! The measurements come from a short self-test the binary runs at start (it owns the
+//! kernels); this module holds the facts, reads the memory figures from `/proc/meminfo`, and
+//! turns facts into the planner's `NodeSpec`.
+
+use serde::{Deserialize, Serialize};
+
+/// One node's facts, published in membership as JSON.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct NodeFacts {
+    pub name: String,
+    /// The node's HTTP address (APIs and admin), as others should dial it.
+    pub api: String,
+    /// The node's cluster (session) address.
+    pub listen: String,
+    pub memory_total_bytes: u64,
+    pub memory_free_bytes: u64,
+    /// `cpu` (GPU backends come with their features).
+    pub backend: String,
+    /// Compute threads.
+    pub threads: u32,
+    /// Measured read bandwidth, GB/s.
+    pub mem_bandwidth_gbs: f64,
+    /// Measured throughput of the batched (prefill) kernels, GFLOP/s.
+    pub compute_gflops: f64,
+    /// shoal version.
+    pub version: String,
+}
+
+impl NodeFacts {
+    /// The planner's view of this node.
+    pub fn to_spec(&self, id: &str) -> shoal_planner::NodeSpec {
+        shoal_planner::NodeSpec {
+            id: id.to_string(),
+            name: self.name.clone(),
+            memory_total_bytes: self.memory_total_bytes,
+            memory_free_bytes: self.memory_free_bytes,
+            backend: self.backend.clone(),
+            mem_bandwidth_gbs: self.mem_bandwidth_gbs,
+            compute_gflops: self.compute_gflops,
+            threads: self.threads,
+        }
+    }
+}
+
+/// Total and available memory in bytes, from `/proc/meminfo` (`None` where it cannot be read).
+pub fn memory() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_meminfo(&text)
+}
+
+fn parse_meminfo(text: &str) -> Option<(u64, u64)> {
+    let field = |name: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(name))?;
+        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb * 1024)
+    };
+    Some((field("MemTotal:")?, field("MemAvailable:")?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meminfo_is_parsed_and_garbage_is_none() {
+        let t = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n";
+        assert_eq!(
+            parse_meminfo(t),
+            Some((24_000_000 * 1024, 20_000_000 * 1024))
+        );
+        assert_eq!(parse_meminfo("MemTotal: x kB"), None);
+        assert!(memory().is_some_and(|(t, f)| t >= f && t > 0));
+    }
+}

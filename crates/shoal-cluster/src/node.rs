@@ -1,0 +1,718 @@
+//! The node daemon: one running member of a cluster.
+//!
+//! `Node::start` binds the cluster port (TCP for sessions, UDP on the same number for
+//! gossip), joins membership through the `--peer` seeds and whatever mDNS discovers,
+//! publishes this node's facts, answers sessions from other nodes, and measures the link to
+//! every live peer (round-trip time and bandwidth through a real session, refreshed every
+//! `probe_interval`), publishing what it measured so every node sees every link. The
+//! coordinator is the lowest live node id; it is computed, never elected, so a coordinator
+//! that dies is replaced by the next lowest id without any hand-over.
+//!
+//! Everything a peer sends is untrusted: a session that fails authentication is refused and
+//! counted (membership counts refused datagrams the same way), a malformed request ends
+//! only that session, and every wait has a deadline.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::discovery::{Discovery, DiscoveryConfig, DiscoveryEvent};
+use crate::facts::NodeFacts;
+use crate::identity::Identity;
+use crate::membership::{Membership, MembershipConfig};
+use crate::protocol::{self, Hello, Request, Response, MAX_PROBE_BYTES, PROTOCOL_VERSION};
+use crate::seal::Sealer;
+use crate::secret::{cluster_tag, ClusterSecret};
+use crate::session::{self, Encryption, NodeKey, Session, SessionConfig};
+
+/// Membership key holding a node's [`NodeFacts`] as JSON.
+const FACTS_KEY: &str = "facts";
+/// Membership key holding a node's measured links (peer id -> [`LinkFacts`]) as JSON.
+const LINKS_KEY: &str = "links";
+/// Bytes sent to measure a link's bandwidth.
+const PROBE_BYTES: u64 = 4 << 20;
+/// Round trips timed per link measurement (the median is kept).
+const PINGS: usize = 7;
+
+/// How to run a node.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    pub identity: Identity,
+    pub secret: ClusterSecret,
+    /// Nodes only join clusters of the same name (and secret).
+    pub cluster_name: String,
+    /// Cluster address: TCP sessions and UDP gossip on the same port (0 picks a free one).
+    pub listen: SocketAddr,
+    /// The address others should dial when `listen` is a wildcard (default: the first
+    /// non-loopback address mDNS would advertise, else loopback).
+    pub advertise: Option<IpAddr>,
+    /// Seeds: other nodes' cluster addresses, `host:port`.
+    pub peers: Vec<String>,
+    /// Advertise and browse on mDNS.
+    pub mdns: bool,
+    /// Encrypt the data plane (the handshake is always authenticated).
+    pub encryption: Encryption,
+    /// What this node publishes about itself (`listen` is filled in at start).
+    pub facts: NodeFacts,
+    /// How often links are measured again.
+    pub probe_interval: Duration,
+    /// How long a session handshake or a request may take.
+    pub io_timeout: Duration,
+}
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("cannot bind the cluster address {addr}: {source}; pick another --listen")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("membership: {0}")]
+    Membership(String),
+}
+
+/// One measured link, from the node that measured it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct LinkFacts {
+    /// Median round-trip time of a small message through a session, microseconds.
+    pub rtt_us: f64,
+    /// Payload bandwidth of one probe through a session, Gbit/s.
+    pub bandwidth_gbps: f64,
+    /// When it was measured, milliseconds since the Unix epoch.
+    pub measured_at_ms: u64,
+}
+
+/// A node as `shoal nodes` shows it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct NodeInfo {
+    pub id: String,
+    pub name: String,
+    pub alive: bool,
+    /// This is the node answering.
+    #[serde(rename = "self")]
+    pub is_self: bool,
+    pub coordinator: bool,
+    /// The last facts it published (absent until its first gossip arrives).
+    pub facts: Option<NodeFacts>,
+}
+
+/// A link as `shoal links` shows it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct LinkInfo {
+    pub from: String,
+    pub to: String,
+    #[serde(flatten)]
+    pub facts: LinkFacts,
+}
+
+struct Inner {
+    id: String,
+    tag: String,
+    session: SessionConfig,
+    membership: Membership,
+    links: Mutex<BTreeMap<String, LinkFacts>>,
+    /// Facts last seen per node, kept for nodes that have since died.
+    last_facts: Mutex<HashMap<String, (String, NodeFacts)>>,
+    own_facts: Mutex<NodeFacts>,
+    refused_sessions: AtomicU64,
+    io_timeout: Duration,
+}
+
+/// A running node; [`Node::shutdown`] stops it.
+pub struct Node {
+    inner: Arc<Inner>,
+    listen: SocketAddr,
+    stop: watch::Sender<bool>,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// The task that feeds mDNS finds to membership; it unregisters on stop.
+    discovery: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("id", &self.inner.id)
+            .field("listen", &self.listen)
+            .finish()
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Binds TCP and UDP on one port number (retrying when port 0 gave a TCP port whose UDP
+/// twin is taken).
+async fn bind_pair(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), NodeError> {
+    let mut last = None;
+    for _ in 0..16 {
+        let tcp = TcpListener::bind(addr)
+            .await
+            .map_err(|source| NodeError::Bind { addr, source })?;
+        let bound = tcp
+            .local_addr()
+            .map_err(|source| NodeError::Bind { addr, source })?;
+        // Probe that UDP can have the same number; membership binds it for real.
+        match UdpSocket::bind(bound).await {
+            Ok(udp) => {
+                drop(udp);
+                return Ok((tcp, bound));
+            }
+            Err(e) if addr.port() == 0 => last = Some(e),
+            Err(source) => return Err(NodeError::Bind { addr, source }),
+        }
+    }
+    Err(NodeError::Bind {
+        addr,
+        source: last.unwrap_or_else(|| std::io::Error::other("no free port pair")),
+    })
+}
+
+impl Node {
+    /// Starts the node: binds, joins, and begins answering and measuring.
+    ///
+    /// # Errors
+    /// The cluster port cannot be bound, or membership cannot start.
+    pub async fn start(mut cfg: NodeConfig) -> Result<Node, NodeError> {
+        let (listener, bound) = bind_pair(cfg.listen).await?;
+        let advertise_ip = match (bound.ip().is_unspecified(), cfg.advertise) {
+            (_, Some(ip)) => ip,
+            (false, None) => bound.ip(),
+            (true, None) => IpAddr::from([127, 0, 0, 1]),
+        };
+        let advertise = SocketAddr::new(advertise_ip, bound.port());
+        cfg.facts.listen = advertise.to_string();
+        let tag = cluster_tag(&cfg.cluster_name);
+        let mut mcfg = MembershipConfig::new(
+            cfg.identity.id.clone(),
+            tag.clone(),
+            Sealer::new(&cfg.secret),
+            bound,
+        );
+        mcfg.advertise_addr = Some(advertise);
+        mcfg.seeds = cfg.peers.clone();
+        mcfg.initial_key_values = vec![(
+            FACTS_KEY.to_string(),
+            serde_json::to_string(&cfg.facts).expect("facts serialize"),
+        )];
+        let membership = Membership::start(mcfg)
+            .await
+            .map_err(|e| NodeError::Membership(e.to_string()))?;
+        let inner = Arc::new(Inner {
+            id: cfg.identity.id.clone(),
+            tag: tag.clone(),
+            session: SessionConfig {
+                psk: cfg.secret.noise_psk(),
+                key: NodeKey::from_private(&cfg.identity.key),
+                handshake_timeout: cfg.io_timeout,
+                encryption: cfg.encryption,
+                max_message: (MAX_PROBE_BYTES as usize) + (1 << 20),
+            },
+            membership,
+            links: Mutex::new(BTreeMap::new()),
+            last_facts: Mutex::new(HashMap::new()),
+            own_facts: Mutex::new(cfg.facts.clone()),
+            refused_sessions: AtomicU64::new(0),
+            io_timeout: cfg.io_timeout,
+        });
+        let (stop, stop_rx) = watch::channel(false);
+        let tasks = vec![
+            tokio::spawn(accept_loop(inner.clone(), listener, stop_rx.clone())),
+            tokio::spawn(probe_loop(
+                inner.clone(),
+                cfg.probe_interval,
+                stop_rx.clone(),
+            )),
+        ];
+        let discovery = if cfg.mdns {
+            match Discovery::start(DiscoveryConfig::new(
+                cfg.identity.id.clone(),
+                tag,
+                bound.port(),
+                bound.port(),
+            )) {
+                Ok(d) => Some(tokio::spawn(seed_from_discovery(
+                    inner.clone(),
+                    d,
+                    stop_rx.clone(),
+                ))),
+                Err(e) => {
+                    tracing::warn!(error = %e, "mDNS discovery is off; nodes join through --peer seeds only");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        tracing::info!(node = %inner.id, listen = %advertise, "cluster node started");
+        Ok(Node {
+            inner,
+            listen: advertise,
+            stop,
+            tasks: Mutex::new(tasks),
+            discovery: Mutex::new(discovery),
+        })
+    }
+
+    /// This node's id.
+    pub fn id(&self) -> &str {
+        &self.inner.id
+    }
+
+    /// The cluster address others dial.
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.listen
+    }
+
+    /// Sessions refused since start (wrong secret, not a shoal node, wrong cluster).
+    pub fn refused_sessions(&self) -> u64 {
+        self.inner.refused_sessions.load(Ordering::Relaxed)
+    }
+
+    /// Gossip datagrams refused since start (they failed to open with the cluster key).
+    pub fn refused_datagrams(&self) -> u64 {
+        self.inner.membership.stats().refused
+    }
+
+    /// Every node this one knows of, live ones first, by id.
+    pub async fn nodes(&self) -> Vec<NodeInfo> {
+        self.inner.nodes().await
+    }
+
+    /// The lowest live node id.
+    pub fn coordinator(&self) -> Option<String> {
+        self.inner
+            .membership
+            .live_nodes()
+            .into_iter()
+            .map(|v| v.id)
+            .min()
+    }
+
+    /// Every link measured by a live node.
+    pub fn links(&self) -> Vec<LinkInfo> {
+        let mut out = Vec::new();
+        for view in self.inner.membership.live_nodes() {
+            let Some(json) = view.key_values.get(LINKS_KEY) else {
+                continue;
+            };
+            let Ok(map) = serde_json::from_str::<BTreeMap<String, LinkFacts>>(json) else {
+                continue;
+            };
+            for (to, facts) in map {
+                out.push(LinkInfo {
+                    from: view.id.clone(),
+                    to,
+                    facts,
+                });
+            }
+        }
+        out.sort_by(|a, b| (&a.from, &a.to).cmp(&(&b.from, &b.to)));
+        out
+    }
+
+    /// The live cluster as the planner sees it: live nodes with facts, and each pair's
+    /// link (the mean of both directions where both were measured).
+    pub async fn planner_view(
+        &self,
+    ) -> (Vec<shoal_planner::NodeSpec>, Vec<shoal_planner::LinkSpec>) {
+        let nodes: Vec<_> = self
+            .nodes()
+            .await
+            .into_iter()
+            .filter(|n| n.alive)
+            .filter_map(|n| n.facts.map(|f| f.to_spec(&n.id)))
+            .collect();
+        let mut pairs: BTreeMap<(String, String), Vec<LinkFacts>> = BTreeMap::new();
+        for l in self.links() {
+            let key = if l.from < l.to {
+                (l.from, l.to)
+            } else {
+                (l.to, l.from)
+            };
+            pairs.entry(key).or_default().push(l.facts);
+        }
+        let links = pairs
+            .into_iter()
+            .filter(|((a, b), _)| {
+                nodes.iter().any(|n| &n.id == a) && nodes.iter().any(|n| &n.id == b)
+            })
+            .map(|((a, b), v)| shoal_planner::LinkSpec {
+                a,
+                b,
+                rtt_us: v.iter().map(|f| f.rtt_us).sum::<f64>() / v.len() as f64,
+                bandwidth_gbps: v.iter().map(|f| f.bandwidth_gbps).sum::<f64>() / v.len() as f64,
+                rdma: false,
+            })
+            .collect();
+        (nodes, links)
+    }
+
+    /// The ids of the live nodes, this one included, sorted.
+    pub fn live_ids(&self) -> Vec<String> {
+        self.inner.live_ids()
+    }
+
+    /// Changes this node's published facts (memory free changes as models load).
+    pub async fn update_facts(&self, update: impl FnOnce(&mut NodeFacts)) {
+        let json = {
+            let mut f = self.inner.own_facts.lock().unwrap();
+            update(&mut f);
+            serde_json::to_string(&*f).expect("facts serialize")
+        };
+        if let Err(e) = self.inner.membership.set(FACTS_KEY, &json).await {
+            tracing::warn!(error = %e, "publishing this node's facts failed");
+        }
+    }
+
+    /// Leaves the cluster: stops discovery, gossip and sessions. Idempotent.
+    pub async fn shutdown(&self) {
+        let _ = self.stop.send(true);
+        let discovery = self.discovery.lock().unwrap().take();
+        if let Some(d) = discovery {
+            // it unregisters from mDNS (bounded inside) and ends
+            let _ = tokio::time::timeout(Duration::from_secs(5), d).await;
+        }
+        self.inner.membership.shutdown().await;
+        let tasks: Vec<_> = self.tasks.lock().unwrap().drain(..).collect();
+        for t in tasks {
+            t.abort();
+            let _ = t.await;
+        }
+    }
+}
+
+impl Inner {
+    fn live_ids(&self) -> Vec<String> {
+        self.membership
+            .live_nodes()
+            .into_iter()
+            .map(|v| v.id)
+            .collect()
+    }
+
+    async fn nodes(&self) -> Vec<NodeInfo> {
+        let live = self.membership.live_nodes();
+        let dead = self.membership.dead_nodes().await;
+        let mut last = self.last_facts.lock().unwrap();
+        let mut out = Vec::new();
+        for view in &live {
+            if let Some(f) = view
+                .key_values
+                .get(FACTS_KEY)
+                .and_then(|j| serde_json::from_str::<NodeFacts>(j).ok())
+            {
+                last.insert(view.id.clone(), (f.name.clone(), f));
+            }
+            let facts = last.get(&view.id).map(|(_, f)| f.clone());
+            out.push(NodeInfo {
+                id: view.id.clone(),
+                name: facts.as_ref().map(|f| f.name.clone()).unwrap_or_default(),
+                alive: true,
+                is_self: view.id == self.id,
+                coordinator: false,
+                facts,
+            });
+        }
+        for id in dead {
+            if out.iter().any(|n| n.id == id) {
+                continue;
+            }
+            let facts = last.get(&id).map(|(_, f)| f.clone());
+            out.push(NodeInfo {
+                name: facts.as_ref().map(|f| f.name.clone()).unwrap_or_default(),
+                id,
+                alive: false,
+                is_self: false,
+                coordinator: false,
+                facts,
+            });
+        }
+        out.sort_by(|a, b| (!a.alive, &a.id).cmp(&(!b.alive, &b.id)));
+        if let Some(first) = out.iter_mut().find(|n| n.alive) {
+            first.coordinator = true;
+        }
+        out
+    }
+
+    fn hello(&self) -> Vec<u8> {
+        protocol::encode(&Hello {
+            node: self.id.clone(),
+            cluster: self.tag.clone(),
+            version: PROTOCOL_VERSION,
+        })
+    }
+
+    /// The peer's hello, checked.
+    fn check_hello(&self, addr: SocketAddr, s: &Session) -> Result<Hello, String> {
+        let h: Hello = protocol::decode(&addr.to_string(), "hello", s.peer_hello())
+            .map_err(|e| e.to_string())?;
+        if h.version != PROTOCOL_VERSION {
+            return Err(format!(
+                "node {} at {addr} speaks cluster protocol {}, this node {PROTOCOL_VERSION}; run the same shoal version on every node",
+                h.node, h.version
+            ));
+        }
+        if h.cluster != self.tag {
+            return Err(format!(
+                "node {} at {addr} belongs to another cluster name (same secret); give both the same --cluster",
+                h.node
+            ));
+        }
+        Ok(h)
+    }
+
+    /// Opens a session to `addr`.
+    async fn dial(&self, addr: SocketAddr) -> Result<(Session, Hello), String> {
+        let stream = tokio::time::timeout(self.io_timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| format!("connecting to {addr} timed out"))?
+            .map_err(|e| format!("connecting to {addr}: {e}"))?;
+        let _ = stream.set_nodelay(true);
+        let s = session::connect(stream, &self.session, &self.hello())
+            .await
+            .map_err(|e| e.to_string())?;
+        let h = self.check_hello(addr, &s)?;
+        Ok((s, h))
+    }
+
+    /// Measures the link to the node at `addr`.
+    async fn measure(&self, addr: SocketAddr) -> Result<(String, LinkFacts), String> {
+        let (mut s, hello) = self.dial(addr).await?;
+        let t = self.io_timeout;
+        let mut rtts = Vec::with_capacity(PINGS);
+        for _ in 0..PINGS {
+            let t0 = Instant::now();
+            self.request(&mut s, &hello.node, &Request::Ping, None, t)
+                .await?;
+            rtts.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        rtts.sort_by(f64::total_cmp);
+        let rtt_us = rtts[PINGS / 2];
+        let payload = vec![0x5a; PROBE_BYTES as usize];
+        let t0 = Instant::now();
+        self.request(
+            &mut s,
+            &hello.node,
+            &Request::Probe { bytes: PROBE_BYTES },
+            Some(&payload),
+            t,
+        )
+        .await?;
+        let secs = (t0.elapsed().as_secs_f64() - rtt_us / 2e6).max(1e-6);
+        Ok((
+            hello.node,
+            LinkFacts {
+                rtt_us,
+                bandwidth_gbps: PROBE_BYTES as f64 * 8.0 / secs / 1e9,
+                measured_at_ms: now_ms(),
+            },
+        ))
+    }
+
+    async fn request(
+        &self,
+        s: &mut Session,
+        peer: &str,
+        req: &Request,
+        payload: Option<&[u8]>,
+        t: Duration,
+    ) -> Result<Response, String> {
+        let io = async {
+            s.send(&protocol::encode(req))
+                .await
+                .map_err(|e| e.to_string())?;
+            if let Some(p) = payload {
+                s.send(p).await.map_err(|e| e.to_string())?;
+            }
+            let bytes = s.recv().await.map_err(|e| e.to_string())?;
+            protocol::decode::<Response>(peer, "response", &bytes).map_err(|e| e.to_string())
+        };
+        let r = tokio::time::timeout(t, io)
+            .await
+            .map_err(|_| format!("node {peer} did not answer within {t:?}"))??;
+        match r {
+            Response::Error { message } => Err(format!("node {peer} refused: {message}")),
+            r => Ok(r),
+        }
+    }
+
+    /// Answers one session until the peer closes it.
+    async fn serve_session(self: Arc<Self>, stream: TcpStream, addr: SocketAddr) {
+        let _ = stream.set_nodelay(true);
+        let mut s = match session::accept(stream, &self.session, &self.hello()).await {
+            Ok(s) => s,
+            Err(e) => {
+                self.refused_sessions.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(peer = %addr, error = %e, "session refused");
+                return;
+            }
+        };
+        let hello = match self.check_hello(addr, &s) {
+            Ok(h) => h,
+            Err(e) => {
+                self.refused_sessions.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(peer = %addr, "session refused: {e}");
+                return;
+            }
+        };
+        loop {
+            let bytes = match s.recv().await {
+                Ok(b) => b,
+                Err(_) => return, // closed or broken: the peer is gone
+            };
+            let resp = match protocol::decode::<Request>(&hello.node, "request", &bytes) {
+                Ok(Request::Ping) => Response::Pong,
+                Ok(Request::Probe { bytes }) if bytes > MAX_PROBE_BYTES => Response::Error {
+                    message: format!("probe of {bytes} bytes is above the limit {MAX_PROBE_BYTES}"),
+                },
+                Ok(Request::Probe { bytes }) => {
+                    match tokio::time::timeout(self.io_timeout, s.recv()).await {
+                        Ok(Ok(p)) if p.len() as u64 == bytes => Response::ProbeReceived { bytes },
+                        Ok(Ok(p)) => Response::Error {
+                            message: format!("probe announced {bytes} bytes and sent {}", p.len()),
+                        },
+                        _ => return,
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %addr, node = %hello.node, "{e}");
+                    Response::Error {
+                        message: e.to_string(),
+                    }
+                }
+            };
+            if s.send(&protocol::encode(&resp)).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+async fn accept_loop(inner: Arc<Inner>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            r = listener.accept() => match r {
+                Ok((stream, addr)) => {
+                    tokio::spawn(inner.clone().serve_session(stream, addr));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting a cluster connection failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+}
+
+/// Measures every live peer's link now and then every `interval`, and whenever a node joins.
+async fn probe_loop(inner: Arc<Inner>, interval: Duration, mut stop: watch::Receiver<bool>) {
+    let mut views = inner.membership.watch();
+    loop {
+        let measured_for = inner.live_ids();
+        let peers: Vec<NodeInfo> = inner
+            .nodes()
+            .await
+            .into_iter()
+            .filter(|n| n.alive && !n.is_self)
+            .collect();
+        for peer in peers {
+            let Some(addr) = peer
+                .facts
+                .as_ref()
+                .and_then(|f| f.listen.parse::<SocketAddr>().ok())
+            else {
+                continue;
+            };
+            match inner.measure(addr).await {
+                Ok((id, facts)) if id == peer.id => {
+                    inner.links.lock().unwrap().insert(id, facts);
+                }
+                Ok((id, _)) => {
+                    tracing::warn!(peer = %addr, "node {} advertises {addr} but {id} answered there", peer.id)
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %addr, node = %peer.id, "measuring the link failed: {e}")
+                }
+            }
+        }
+        let json = {
+            let live_ids = inner.live_ids();
+            let mut links = inner.links.lock().unwrap();
+            links.retain(|id, _| live_ids.contains(id));
+            serde_json::to_string(&*links).expect("links serialize")
+        };
+        if let Err(e) = inner.membership.set(LINKS_KEY, &json).await {
+            tracing::warn!(error = %e, "publishing the measured links failed");
+        }
+        // Wait for the next round, or for a node to join (views also change with every
+        // key-value, such as other nodes' links: only a new id counts).
+        let next = tokio::time::Instant::now() + interval;
+        loop {
+            tokio::select! {
+                _ = stop.changed() => return,
+                _ = tokio::time::sleep_until(next) => break,
+                r = views.changed() => {
+                    if r.is_err() {
+                        return;
+                    }
+                    let ids: Vec<String> = views.borrow_and_update().iter().map(|v| v.id.clone()).collect();
+                    if ids.iter().any(|id| !measured_for.contains(id)) {
+                        // let the newcomer's facts arrive before dialing it
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Feeds the nodes mDNS finds to membership as seeds (their best address); unregisters
+/// from mDNS when the node stops.
+async fn seed_from_discovery(
+    inner: Arc<Inner>,
+    mut discovery: Discovery,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut seeded: HashMap<String, SocketAddr> = HashMap::new();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            e = discovery.next() => match e {
+                Some(DiscoveryEvent::Found(d)) if d.node_id != inner.id => {
+                    let Some(ip) = d.addrs.first() else { continue };
+                    let addr = SocketAddr::new(*ip, d.gossip_port);
+                    if let Some(old) = seeded.insert(d.node_id.clone(), addr) {
+                        if old != addr {
+                            inner.membership.remove_seed(old);
+                        }
+                    }
+                    if let Err(e) = inner.membership.add_seed(addr) {
+                        tracing::warn!(node = %d.node_id, peer = %addr, error = %e, "cannot add a discovered node");
+                    }
+                }
+                Some(DiscoveryEvent::Lost { node_id }) => {
+                    if let Some(addr) = seeded.remove(&node_id) {
+                        inner.membership.remove_seed(addr);
+                    }
+                }
+                Some(_) => {}
+                None => break,
+            }
+        }
+    }
+    discovery.shutdown().await;
+}
