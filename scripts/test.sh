@@ -24,6 +24,8 @@ python3 -m pip install --quiet --disable-pip-version-check gguf numpy || echo "(
 command -v ip >/dev/null || { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null &&
   { apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null; } ; } ||
   echo "(iproute2 unavailable; the multi-host tests will skip)"
+# as root with iproute2, the cluster's namespace test must run, not skip
+if [ "$(id -u)" = 0 ] && command -v ip >/dev/null; then export SHOAL_REQUIRE_NETNS=${SHOAL_REQUIRE_NETNS:-1}; fi
 # promtool (Debian package prometheus) checks the /metrics exposition
 command -v promtool >/dev/null || { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null &&
   { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } ; } ||

@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod anthropic;
+pub mod cluster;
 pub mod constrain;
 pub mod error;
 pub mod generation;
@@ -198,6 +199,10 @@ pub fn router(state: Arc<AppState>, opts: &HttpOptions) -> Router {
         .route("/api/show", post(ollama::show))
         .route("/api/version", get(ollama::version))
         .route("/admin/keys", get(admin::list_keys).post(admin::create_key))
+        .route("/cluster/nodes", get(cluster::nodes))
+        .route("/cluster/links", get(cluster::links))
+        .route("/cluster/status", get(cluster::status))
+        .route("/cluster/planner", get(cluster::planner))
         .route("/admin/keys/{id}", delete(admin::revoke_key))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

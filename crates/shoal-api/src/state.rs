@@ -92,6 +92,8 @@ pub struct AppState {
     pub metrics: Metrics,
     /// When the server started.
     pub started: Instant,
+    /// This node's cluster membership, when it runs in a cluster.
+    pub cluster: Option<Arc<shoal_cluster::node::Node>>,
 }
 
 impl AppState {
@@ -102,7 +104,14 @@ impl AppState {
             keys,
             metrics: Metrics::new(),
             started: Instant::now(),
+            cluster: None,
         }
+    }
+
+    /// The same state, as a member of a cluster through `node`.
+    pub fn with_cluster(mut self, node: Arc<shoal_cluster::node::Node>) -> Self {
+        self.cluster = Some(node);
+        self
     }
 
     /// The model called `name` (an Ollama-style `:latest` tag is ignored).

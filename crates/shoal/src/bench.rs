@@ -155,11 +155,15 @@ pub fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
 /// than the caches the way the weight kernels do (32-byte loads, prefetch ahead), best of
 /// several passes.
 pub fn measure_read_bandwidth(threads: usize) -> f64 {
-    const BYTES: usize = 512 << 20;
-    let buf: Vec<u8> = (0..BYTES).map(|i| (i * 31 % 251) as u8).collect();
-    let chunk = buf.len().div_ceil(threads);
+    measure_read_bandwidth_with(threads, 512 << 20, 7)
+}
+
+/// [`measure_read_bandwidth`] over `bytes` bytes, best of `passes`.
+pub fn measure_read_bandwidth_with(threads: usize, bytes: usize, passes: usize) -> f64 {
+    let buf: Vec<u8> = (0..bytes).map(|i| (i * 31 % 251) as u8).collect();
+    let chunk = buf.len().div_ceil(threads.max(1));
     let mut best = 0.0f64;
-    for _ in 0..7 {
+    for _ in 0..passes {
         let t0 = Instant::now();
         let total = std::thread::scope(|s| {
             let handles: Vec<_> = buf
@@ -172,7 +176,7 @@ pub fn measure_read_bandwidth(threads: usize) -> f64 {
                 .fold(0u64, |a, b| a ^ b)
         });
         std::hint::black_box(total);
-        best = best.max(BYTES as f64 / t0.elapsed().as_secs_f64() / 1e9);
+        best = best.max(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9);
     }
     best
 }

@@ -81,7 +81,12 @@ fn parse_isa(s: &str) -> anyhow::Result<Isa> {
 }
 
 /// A matrix of about `mb` megabytes with `cols` columns.
-fn matrix(isa: Isa, ty: WeightType, mb: usize, cols: usize) -> anyhow::Result<QuantMatrix> {
+pub(crate) fn matrix(
+    isa: Isa,
+    ty: WeightType,
+    mb: usize,
+    cols: usize,
+) -> anyhow::Result<QuantMatrix> {
     let blocks = cols / ty.block_elems();
     let row_bytes = blocks * ty.block_bytes();
     let rows = (mb << 20).div_ceil(row_bytes).max(8);
@@ -89,7 +94,10 @@ fn matrix(isa: Isa, ty: WeightType, mb: usize, cols: usize) -> anyhow::Result<Qu
     Ok(QuantMatrix::with_isa(isa, ty, rows, cols, data)?)
 }
 
-fn time_runs(reps: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<Vec<f64>> {
+pub(crate) fn time_runs(
+    reps: usize,
+    mut f: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<Vec<f64>> {
     f()?; // warm-up
     (0..reps)
         .map(|_| {

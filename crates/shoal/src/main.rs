@@ -11,9 +11,12 @@ mod chat;
 mod client;
 mod keys;
 mod models;
+mod nodes;
+mod plan;
 mod ranks;
 mod remote;
 mod run;
+mod selftest;
 mod serve;
 mod worker;
 
@@ -44,6 +47,16 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Manage a node's API keys.
     Keys(keys::KeysArgs),
+    /// List the cluster's nodes with their facts.
+    Nodes(nodes::LookArgs),
+    /// List the measured links between nodes.
+    Links(nodes::LookArgs),
+    /// Summarize the cluster as one node sees it.
+    Status(nodes::StatusArgs),
+    /// Print a new cluster secret.
+    Secret,
+    /// Rank placements of a model on a cluster with predicted speed and memory.
+    Plan(plan::PlanArgs),
     /// Run one rank of a model split across processes or hosts (see `run --peers`).
     Worker(worker::WorkerArgs),
 }
@@ -97,6 +110,11 @@ fn main() -> ExitCode {
         Command::Worker(a) => worker::main(a),
         Command::Serve(a) => serve::main(a),
         Command::Keys(a) => keys::main(a),
+        Command::Nodes(a) => nodes::nodes(a),
+        Command::Links(a) => nodes::links(a),
+        Command::Status(a) => nodes::status(a),
+        Command::Secret => nodes::secret(),
+        Command::Plan(a) => plan::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,8 +1,12 @@
-//! `shoal serve`: loads the models named with `--model` and serves them over HTTP (the
-//! OpenAI, Anthropic and Ollama APIs of `shoal-api`) with continuous batching, until Ctrl-C
-//! or SIGTERM, then lets running requests finish (for at most `--grace-s` seconds). When ready it prints one JSON line on
-//! stdout, `{"node": ID, "listen": null, "api": "HOST:PORT", "models": [...]}`; `listen` (the
-//! cluster port) is null until the cluster daemon exists.
+//! `shoal serve`: one node. It loads the models named with `--model` and serves them over
+//! HTTP (the OpenAI, Anthropic and Ollama APIs of `shoal-api`) with continuous batching, and,
+//! given a cluster secret (`--secret-file` or `SHOAL_SECRET`), joins its cluster: it binds
+//! the cluster port (`--listen`), finds the other nodes by mDNS and `--peer` seeds, and
+//! publishes its facts (memory, and bandwidth and compute measured by a short self-test).
+//! Without a secret it is a single node outside any cluster. It runs until Ctrl-C or
+//! SIGTERM, then leaves the cluster and lets running requests finish (for at most
+//! `--grace-s` seconds). When ready it prints one JSON line on stdout,
+//! `{"node": ID, "listen": "HOST:PORT" or null, "api": "HOST:PORT", "models": [...]}`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -11,6 +15,11 @@ use anyhow::Context;
 use clap::Args;
 use shoal_api::keys::KeyStore;
 use shoal_api::{AppState, HttpOptions, ServedModel};
+use shoal_cluster::facts::NodeFacts;
+use shoal_cluster::identity::Identity;
+use shoal_cluster::node::{Node, NodeConfig};
+use shoal_cluster::secret::{ClusterSecret, SecretError};
+use shoal_cluster::session::Encryption;
 use shoal_engine::scheduler::SchedulerConfig;
 
 use crate::ComputeArgs;
@@ -19,11 +28,39 @@ use crate::ComputeArgs;
 pub struct ServeArgs {
     /// A model to serve (path, Hugging Face folder or cache id, or catalog key); repeatable.
     /// Clients ask for it by its catalog key or file name without `.gguf`.
-    #[arg(long = "model", required = true)]
+    #[arg(long = "model")]
     pub models: Vec<String>,
     /// HTTP address for the APIs (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:7337")]
     pub api: String,
+    /// This node's name in the cluster (default: the host name).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Cluster address: sessions (TCP) and gossip (UDP) on one port; 0 picks a free one.
+    /// Loopback unless told otherwise: give 0.0.0.0:PORT to form a cluster across machines.
+    #[arg(long, default_value = "127.0.0.1:7338")]
+    pub listen: String,
+    /// The address other nodes should dial, when --listen is a wildcard.
+    #[arg(long)]
+    pub advertise: Option<std::net::IpAddr>,
+    /// Another node's cluster address, HOST:PORT, to join through (repeatable); for networks
+    /// without multicast.
+    #[arg(long = "peer")]
+    pub peers: Vec<String>,
+    /// A file holding the cluster secret (else $SHOAL_SECRET; `shoal secret` makes one).
+    /// Without a secret the node serves alone, outside any cluster.
+    #[arg(long)]
+    pub secret_file: Option<PathBuf>,
+    /// The cluster's name: nodes join only clusters of the same name and secret.
+    #[arg(long, default_value = "shoal")]
+    pub cluster: String,
+    /// Do not advertise or browse on mDNS (join through --peer only).
+    #[arg(long)]
+    pub no_mdns: bool,
+    /// Send model data between nodes unencrypted (sessions are still authenticated); only
+    /// for a physically isolated network. Every node must agree.
+    #[arg(long)]
+    pub no_data_encryption: bool,
     /// Where the node keeps its id and API keys (default: $SHOAL_DATA_DIR, else
     /// ~/.local/share/shoal).
     #[arg(long)]
@@ -62,23 +99,65 @@ fn data_dir(flag: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(home).join(".local/share/shoal"))
 }
 
-/// This node's id, made once and kept in the data directory.
-fn node_id(dir: &std::path::Path) -> anyhow::Result<String> {
-    let path = dir.join("node_id");
-    if let Ok(s) = std::fs::read_to_string(&path) {
-        let s = s.trim();
-        if s.len() == 16 && s.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return Ok(s.to_string());
-        }
-        anyhow::bail!(
-            "{} does not hold a node id (16 hex digits); remove it to make a new one",
-            path.display()
-        );
-    }
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let id = format!("{:016x}", rand::random::<u64>());
-    std::fs::write(&path, &id).with_context(|| format!("writing {}", path.display()))?;
-    Ok(id)
+/// The host's name, for a node started without --name.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "node".to_string())
+}
+
+/// Joins the cluster: self-test, facts, then the node daemon.
+async fn join_cluster(
+    args: &ServeArgs,
+    identity: Identity,
+    secret: ClusterSecret,
+    api: std::net::SocketAddr,
+    threads: usize,
+) -> anyhow::Result<Arc<Node>> {
+    let listen: std::net::SocketAddr = args.listen.parse().with_context(|| {
+        format!(
+            "--listen {} is not HOST:PORT (an IP address and a port)",
+            args.listen
+        )
+    })?;
+    let test = tokio::task::spawn_blocking(move || crate::selftest::run(threads))
+        .await
+        .context("the self-test stopped")??;
+    let (total, free) = shoal_cluster::facts::memory().unwrap_or((0, 0));
+    let facts = NodeFacts {
+        name: args.name.clone().unwrap_or_else(host_name),
+        api: api.to_string(),
+        listen: String::new(),
+        memory_total_bytes: total,
+        memory_free_bytes: free,
+        backend: "cpu".to_string(),
+        threads: threads as u32,
+        mem_bandwidth_gbs: test.mem_bandwidth_gbs,
+        compute_gflops: test.compute_gflops,
+        version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    let node = Node::start(NodeConfig {
+        identity,
+        secret,
+        cluster_name: args.cluster.clone(),
+        listen,
+        advertise: args.advertise,
+        peers: args.peers.clone(),
+        mdns: !args.no_mdns,
+        encryption: if args.no_data_encryption {
+            Encryption::Off
+        } else {
+            Encryption::On
+        },
+        facts,
+        probe_interval: std::time::Duration::from_secs(15),
+        io_timeout: std::time::Duration::from_secs(5),
+    })
+    .await?;
+    Ok(Arc::new(node))
 }
 
 /// The id clients use for a MODEL argument: the catalog key, or the file or folder name
@@ -100,8 +179,20 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     if args.parallel == 0 || args.parallel > 256 {
         anyhow::bail!("--parallel {} is out of range (1..=256)", args.parallel);
     }
+    let threads = rayon::current_num_threads();
     let dir = data_dir(args.data_dir.clone())?;
-    let node = node_id(&dir)?;
+    let identity = Identity::load_or_create(&dir)?;
+    let node_id = identity.id.clone();
+    let secret = match ClusterSecret::load(args.secret_file.as_deref()) {
+        Ok(s) => Some(s),
+        Err(SecretError::Missing) => None,
+        Err(e) => return Err(e.into()),
+    };
+    if secret.is_none() && args.models.is_empty() {
+        anyhow::bail!(
+            "nothing to serve: give --model MODEL, or a cluster secret (--secret-file FILE or SHOAL_SECRET) to join a cluster"
+        );
+    }
     let keys = KeyStore::open(Some(&dir.join("keys.json")), args.rate_limit)?;
     let mut served = Vec::new();
     for arg in &args.models {
@@ -123,7 +214,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         served.push(m);
     }
     let ids: Vec<String> = served.iter().map(|m| m.id.clone()).collect();
-    let state = Arc::new(AppState::new(served, keys));
+    let state = AppState::new(served, keys);
     let opts = HttpOptions {
         body_limit: args.body_limit,
         cors_origins: args.cors.clone(),
@@ -139,9 +230,17 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
             .with_context(|| format!("binding the API address {}", args.api))?;
         let addr = listener.local_addr()?;
         let shutdown = shutdown_signal()?;
+        let (state, node) = match secret {
+            Some(secret) => {
+                let node = join_cluster(&args, identity, secret, addr, threads).await?;
+                (Arc::new(state.with_cluster(node.clone())), Some(node))
+            }
+            None => (Arc::new(state), None),
+        };
+        let listen = node.as_ref().map(|n| n.listen_addr().to_string());
         println!(
             "{}",
-            serde_json::json!({"node": node, "listen": null, "api": addr.to_string(), "models": ids})
+            serde_json::json!({"node": node_id, "listen": listen, "api": addr.to_string(), "models": ids})
         );
         use std::io::Write;
         std::io::stdout().flush().ok();
@@ -159,13 +258,17 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
             let _ = stopping.wait_for(|s| *s).await;
             tokio::time::sleep(grace).await;
         };
-        tokio::select! {
+        let result = tokio::select! {
             r = shoal_api::serve(listener, router, signal) => r.context("serving HTTP"),
             _ = deadline => {
                 tracing::warn!(grace_s = grace.as_secs(), "requests still running after the grace period; stopping them");
                 Ok(())
             }
+        };
+        if let Some(node) = node {
+            node.shutdown().await;
         }
+        result
     })
 }
 

@@ -1,0 +1,165 @@
+//! The cluster commands that look: `shoal nodes`, `shoal links`, `shoal status [--watch]`,
+//! through a node's HTTP API (`--url` or `SHOAL_URL`); and `shoal secret`, which makes a new
+//! cluster secret. Each prints a table, or with `--json` what the node answered.
+
+use std::time::Duration;
+
+use clap::Args;
+use serde_json::Value;
+
+use crate::client::{Client, ClientArgs};
+
+/// Options of the looking commands.
+#[derive(Args, Debug)]
+pub struct LookArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub look: LookArgs,
+    /// Print again every --interval seconds until Ctrl-C.
+    #[arg(long)]
+    pub watch: bool,
+    /// Seconds between prints with --watch.
+    #[arg(long, default_value_t = 2.0)]
+    pub interval: f64,
+}
+
+fn gb(v: &Value) -> String {
+    v.as_f64()
+        .map(|b| format!("{:.1}", b / 1e9))
+        .unwrap_or_else(|| "-".into())
+}
+
+/// `shoal nodes`.
+pub fn nodes(args: LookArgs) -> anyhow::Result<()> {
+    let v = Client::new(&args.client).get("/cluster/nodes")?;
+    let nodes = v["nodes"].as_array().cloned().unwrap_or_default();
+    if args.json {
+        println!("{}", Value::Array(nodes));
+        return Ok(());
+    }
+    println!(
+        "{:<17} {:<14} {:<6} {:<12} {:>14} {:>8} {:>8}  {:<21} API",
+        "ID", "NAME", "ALIVE", "ROLE", "MEM FREE/TOTAL", "BW GB/s", "GFLOP/s", "LISTEN"
+    );
+    for n in &nodes {
+        let f = &n["facts"];
+        let role = match (n["coordinator"].as_bool(), n["self"].as_bool()) {
+            (Some(true), Some(true)) => "coord, self",
+            (Some(true), _) => "coordinator",
+            (_, Some(true)) => "self",
+            _ => "",
+        };
+        println!(
+            "{:<17} {:<14} {:<6} {:<12} {:>14} {:>8} {:>8}  {:<21} {}",
+            n["id"].as_str().unwrap_or("?"),
+            n["name"].as_str().unwrap_or(""),
+            if n["alive"].as_bool() == Some(true) {
+                "yes"
+            } else {
+                "no"
+            },
+            role,
+            format!(
+                "{}/{} GB",
+                gb(&f["memory_free_bytes"]),
+                gb(&f["memory_total_bytes"])
+            ),
+            f["mem_bandwidth_gbs"]
+                .as_f64()
+                .map(|x| format!("{x:.1}"))
+                .unwrap_or_else(|| "-".into()),
+            f["compute_gflops"]
+                .as_f64()
+                .map(|x| format!("{x:.0}"))
+                .unwrap_or_else(|| "-".into()),
+            f["listen"].as_str().unwrap_or("-"),
+            f["api"].as_str().unwrap_or("-"),
+        );
+    }
+    Ok(())
+}
+
+/// `shoal links`.
+pub fn links(args: LookArgs) -> anyhow::Result<()> {
+    let v = Client::new(&args.client).get("/cluster/links")?;
+    let links = v["links"].as_array().cloned().unwrap_or_default();
+    if args.json {
+        println!("{}", Value::Array(links));
+        return Ok(());
+    }
+    println!(
+        "{:<17} {:<17} {:>10} {:>12} {:>8}",
+        "FROM", "TO", "RTT us", "Gbit/s", "AGE s"
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    for l in &links {
+        let age = l["measured_at_ms"]
+            .as_u64()
+            .map(|t| format!("{:.0}", now.saturating_sub(t) as f64 / 1e3))
+            .unwrap_or_else(|| "-".into());
+        println!(
+            "{:<17} {:<17} {:>10.0} {:>12.2} {:>8}",
+            l["from"].as_str().unwrap_or("?"),
+            l["to"].as_str().unwrap_or("?"),
+            l["rtt_us"].as_f64().unwrap_or(f64::NAN),
+            l["bandwidth_gbps"].as_f64().unwrap_or(f64::NAN),
+            age
+        );
+    }
+    if links.is_empty() {
+        eprintln!("no link measured yet (links are measured when a node joins and every 15 s)");
+    }
+    Ok(())
+}
+
+/// `shoal status`.
+pub fn status(args: StatusArgs) -> anyhow::Result<()> {
+    if !(args.interval > 0.0 && args.interval.is_finite()) {
+        anyhow::bail!("--interval must be a positive number of seconds");
+    }
+    let client = Client::new(&args.look.client);
+    loop {
+        let v = client.get("/cluster/status")?;
+        if args.look.json {
+            println!("{v}");
+        } else {
+            println!(
+                "node {}  listen {}  coordinator {}  nodes alive {}  dead {}  links {}  refused sessions {}  refused datagrams {}  models {}",
+                v["node"].as_str().unwrap_or("?"),
+                v["listen"].as_str().unwrap_or("?"),
+                v["coordinator"].as_str().unwrap_or("none"),
+                v["alive"],
+                v["dead"],
+                v["links"],
+                v["refused_sessions"],
+                v["refused_datagrams"],
+                v["models"]
+                    .as_array()
+                    .map(|m| m.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>().join(","))
+                    .unwrap_or_default(),
+            );
+        }
+        if !args.watch {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_secs_f64(args.interval));
+    }
+}
+
+/// `shoal secret`: a new cluster secret on stdout.
+pub fn secret() -> anyhow::Result<()> {
+    println!("{}", shoal_cluster::secret::ClusterSecret::generate());
+    eprintln!("store it in a file readable only by you (chmod 600) and give every node --secret-file FILE, or set SHOAL_SECRET");
+    Ok(())
+}
