@@ -13,6 +13,8 @@
 
 use std::ops::Range;
 
+use shoal_planner::split::cut;
+
 use crate::config::ModelConfig;
 use crate::weights::WeightSource;
 use crate::EngineError;
@@ -102,24 +104,6 @@ impl Layout {
     pub fn stage_ranks(&self, stage: usize) -> Range<usize> {
         stage * self.tp..(stage + 1) * self.tp
     }
-}
-
-/// Cuts `0..len` into `parts` ranges, each a multiple of `unit` long except
-/// possibly the last, as even as that allows. `None` when some range would be empty.
-fn cut(len: usize, unit: usize, parts: usize) -> Option<Vec<Range<usize>>> {
-    let units = len.div_ceil(unit);
-    if parts == 0 || units < parts {
-        return None;
-    }
-    let bound = |i: usize| {
-        if i == parts {
-            len
-        } else {
-            ((i * len + parts * unit / 2) / (parts * unit) * unit).min(len)
-        }
-    };
-    let ranges: Vec<Range<usize>> = (0..parts).map(|i| bound(i)..bound(i + 1)).collect();
-    ranges.iter().all(|r| !r.is_empty()).then_some(ranges)
 }
 
 fn lcm(a: usize, b: usize) -> usize {
