@@ -286,3 +286,30 @@ fn disconnecting_client_frees_its_slot() {
         let _ = server.await;
     });
 }
+
+/// The cluster routes of a node outside any cluster say how to join one; once keys exist
+/// they need one, like the model routes.
+#[test]
+fn cluster_routes_outside_a_cluster_say_how_to_join_and_need_a_key() {
+    let (_dir, state) = tiny_state(1, 1);
+    let app = shoal_api::router(state.clone(), &HttpOptions::default());
+    runtime().block_on(async {
+        for route in [
+            "/cluster/nodes",
+            "/cluster/links",
+            "/cluster/status",
+            "/cluster/planner",
+        ] {
+            let (s, b) = call(&app, "GET", route, b"").await;
+            assert_eq!(s, StatusCode::NOT_FOUND, "{route}");
+            let msg = json_of(&b)["error"]["message"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            assert!(msg.contains("--secret-file"), "{route}: {msg}");
+        }
+        state.keys.create("ops", true, None).unwrap();
+        let (s, _) = call(&app, "GET", "/cluster/nodes", b"").await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED);
+    });
+}
