@@ -364,16 +364,9 @@ impl Node {
         self.inner.live_ids()
     }
 
-    /// Changes this node's published facts (memory free changes as models load).
+    /// Changes this node's published facts.
     pub async fn update_facts(&self, update: impl FnOnce(&mut NodeFacts)) {
-        let json = {
-            let mut f = self.inner.own_facts.lock().unwrap();
-            update(&mut f);
-            serde_json::to_string(&*f).expect("facts serialize")
-        };
-        if let Err(e) = self.inner.membership.set(FACTS_KEY, &json).await {
-            tracing::warn!(error = %e, "publishing this node's facts failed");
-        }
+        self.inner.update_facts(update).await;
     }
 
     /// Leaves the cluster: stops discovery, gossip and sessions. Idempotent.
@@ -394,6 +387,21 @@ impl Node {
 }
 
 impl Inner {
+    async fn update_facts(&self, update: impl FnOnce(&mut NodeFacts)) {
+        let json = {
+            let mut f = self.own_facts.lock().unwrap();
+            let before = f.clone();
+            update(&mut f);
+            if *f == before {
+                return;
+            }
+            serde_json::to_string(&*f).expect("facts serialize")
+        };
+        if let Err(e) = self.membership.set(FACTS_KEY, &json).await {
+            tracing::warn!(error = %e, "publishing this node's facts failed");
+        }
+    }
+
     fn live_ids(&self) -> Vec<String> {
         self.membership
             .live_nodes()
@@ -656,6 +664,16 @@ async fn probe_loop(inner: Arc<Inner>, interval: Duration, mut stop: watch::Rece
         };
         if let Err(e) = inner.membership.set(LINKS_KEY, &json).await {
             tracing::warn!(error = %e, "publishing the measured links failed");
+        }
+        // free memory changes as models load and other programs run; publish it again
+        // (to the nearest 64 MiB, so noise does not gossip)
+        if let Some((total, free)) = crate::facts::memory() {
+            inner
+                .update_facts(|f| {
+                    f.memory_total_bytes = total;
+                    f.memory_free_bytes = free >> 26 << 26;
+                })
+                .await;
         }
         // Wait for the next round, or for a node to join (views also change with every
         // key-value, such as other nodes' links: only a new id counts).

@@ -132,7 +132,7 @@ async fn join_cluster(
         api: api.to_string(),
         listen: String::new(),
         memory_total_bytes: total,
-        memory_free_bytes: free,
+        memory_free_bytes: free >> 26 << 26,
         backend: "cpu".to_string(),
         threads: threads as u32,
         mem_bandwidth_gbs: test.mem_bandwidth_gbs,
