@@ -37,6 +37,17 @@ const TXT_NODE_ID: &str = "id";
 const TXT_GOSSIP_PORT: &str = "gp";
 const TXT_VERSION: &str = "v";
 
+/// While a node is young, how often it asks the network again (mdns-sd backs its own queries
+/// off 1, 2, 4, 8 ... s, so a query or announcement lost at start, on a busy host or before an
+/// interface is ready, would otherwise delay discovery by many seconds).
+const EARLY_REBROWSE: Duration = Duration::from_secs(2);
+
+/// How long a node counts as young for [`EARLY_REBROWSE`].
+const EARLY_PERIOD: Duration = Duration::from_secs(30);
+
+/// How often an older node asks again, so a lost packet never hides a node for long.
+const LATE_REBROWSE: Duration = Duration::from_secs(30);
+
 /// How long [`Discovery::shutdown`] waits for the mDNS daemon to confirm each step.
 const SHUTDOWN_STEP_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -68,6 +79,10 @@ pub struct DiscoveryConfig {
     pub interfaces: Interfaces,
     /// The mDNS UDP port: [`MDNS_PORT`] except in tests that want a private one.
     pub mdns_port: u16,
+    /// The one address to advertise, when the node listens on one address only (others
+    /// would dial addresses where nothing listens); `None` advertises every address of the
+    /// chosen interfaces (a node listening on a wildcard).
+    pub advertise_ip: Option<IpAddr>,
 }
 
 impl DiscoveryConfig {
@@ -86,6 +101,7 @@ impl DiscoveryConfig {
             gossip_port,
             interfaces: Interfaces::All,
             mdns_port: MDNS_PORT,
+            advertise_ip: None,
         }
     }
 }
@@ -168,6 +184,7 @@ impl Discovery {
             gossip_port,
             interfaces,
             mdns_port,
+            advertise_ip,
         } = config;
         if node_id.is_empty()
             || node_id.len() > MAX_NODE_ID_LEN
@@ -216,9 +233,13 @@ impl Discovery {
         .map(|(k, v)| (k.to_string(), v))
         .collect();
         let host = format!("{}.local.", host_label(&node_id));
-        let mut info = ServiceInfo::new(SERVICE_TYPE, &node_id, &host, "", port, properties)
-            .map_err(mdns("service description"))?
-            .enable_addr_auto();
+        let mut info = match advertise_ip {
+            Some(ip) => ServiceInfo::new(SERVICE_TYPE, &node_id, &host, ip, port, properties)
+                .map_err(mdns("service description"))?,
+            None => ServiceInfo::new(SERVICE_TYPE, &node_id, &host, "", port, properties)
+                .map_err(mdns("service description"))?
+                .enable_addr_auto(),
+        };
         if let Some(kinds) = if_kinds {
             info.set_interfaces(kinds);
         }
@@ -232,11 +253,30 @@ impl Discovery {
             cluster_tag,
             reported: HashMap::new(),
         };
+        let asker = daemon.clone();
         let browser = runtime.spawn(async move {
-            while let Ok(event) = browse.recv_async().await {
-                if let Some(ev) = filter.on_event(event) {
-                    if tx.send(ev).is_err() {
-                        return;
+            let mut browse = browse;
+            let started = tokio::time::Instant::now();
+            let mut next_ask = started + EARLY_REBROWSE;
+            loop {
+                tokio::select! {
+                    event = browse.recv_async() => {
+                        let Ok(event) = event else { return };
+                        if let Some(ev) = filter.on_event(event) {
+                            if tx.send(ev).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    _ = tokio::time::sleep_until(next_ask) => {
+                        // A new browse replaces the old listener, answers from the cache at
+                        // once and queries the network again; the filter reports only changes.
+                        match asker.browse(SERVICE_TYPE) {
+                            Ok(b) => browse = b,
+                            Err(e) => debug!(error = %e, "asking mDNS again failed"),
+                        }
+                        let young = started.elapsed() < EARLY_PERIOD;
+                        next_ask += if young { EARLY_REBROWSE } else { LATE_REBROWSE };
                     }
                 }
             }

@@ -236,12 +236,14 @@ impl Node {
             )),
         ];
         let discovery = if cfg.mdns {
-            match Discovery::start(DiscoveryConfig::new(
-                cfg.identity.id.clone(),
-                tag,
-                bound.port(),
-                bound.port(),
-            )) {
+            let mut dcfg =
+                DiscoveryConfig::new(cfg.identity.id.clone(), tag, bound.port(), bound.port());
+            // advertise where this node listens: a node bound to one address (loopback, or
+            // one LAN address) is reachable there only
+            if !bound.ip().is_unspecified() || cfg.advertise.is_some() {
+                dcfg.advertise_ip = Some(advertise_ip);
+            }
+            match Discovery::start(dcfg) {
                 Ok(d) => Some(tokio::spawn(seed_from_discovery(
                     inner.clone(),
                     d,
