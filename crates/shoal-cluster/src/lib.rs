@@ -5,6 +5,7 @@
 pub mod discovery;
 pub mod facts;
 pub mod identity;
+pub mod instances;
 pub mod membership;
 pub mod node;
 pub mod protocol;
