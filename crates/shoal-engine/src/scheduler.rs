@@ -11,6 +11,13 @@
 //! strings, and reports through its [`Sink`]. A sequence leaves the batch the step after its
 //! sink refuses an event or its ticket is dropped (the client went away), so its slot is free
 //! at once.
+//!
+//! The same scheduler serves a model split over ranks ([`Scheduler::start_split`]): the
+//! scheduler thread then leads the split ([`Lead`]), each slot is one of the lead's
+//! sequences (its KV cache lives on every rank), a prefill chunk is one step on every rank
+//! and a decode step submits every ready sequence before collecting any, so pipeline stages
+//! overlap. A failed step breaks the split: every sequence in it fails, later ones are
+//! refused at once, and [`Scheduler::failure`] says why (the cluster then re-places it).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -23,6 +30,7 @@ use shoal_model::tokenizer::StreamDecoder;
 
 use crate::generate::{FinishReason, StopMatcher};
 use crate::model::LoadedModel;
+use crate::parallel::{Lead, RankContext, Want};
 use crate::sampler::{Sampler, SamplerConfig};
 use crate::{EngineError, KvCache};
 
@@ -209,6 +217,8 @@ struct Shared {
     queue: Mutex<Queue>,
     wake: Condvar,
     stats: SchedulerStats,
+    /// Why a split model stopped working, once it has.
+    failure: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -234,6 +244,46 @@ impl Scheduler {
     /// # Errors
     /// When the thread cannot be started or the limits are zero.
     pub fn start(model: Arc<LoadedModel>, config: SchedulerConfig) -> Result<Self, EngineError> {
+        Self::spawn(model, config, None)
+    }
+
+    /// Starts the scheduler thread for a split model: `model` is rank 0's shard and `ctx`
+    /// rank 0's place in the split. Each of the `max_batch` slots is a sequence of `ctx`
+    /// tokens on every rank. Dropping the scheduler tells the other ranks to stop.
+    ///
+    /// # Errors
+    /// When `ctx` is not rank 0's, the limits are zero or above what a lead holds, or the
+    /// thread cannot be started.
+    pub fn start_split(
+        model: Arc<LoadedModel>,
+        ctx: RankContext,
+        config: SchedulerConfig,
+    ) -> Result<Self, EngineError> {
+        if ctx.rank != 0 {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "rank {} cannot schedule a split model; rank 0 does",
+                    ctx.rank
+                ),
+            });
+        }
+        if config.max_batch > crate::parallel::MAX_SEQUENCES {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "{} slots for a split model (at most {})",
+                    config.max_batch,
+                    crate::parallel::MAX_SEQUENCES
+                ),
+            });
+        }
+        Self::spawn(model, config, Some(ctx))
+    }
+
+    fn spawn(
+        model: Arc<LoadedModel>,
+        config: SchedulerConfig,
+        split: Option<RankContext>,
+    ) -> Result<Self, EngineError> {
         if config.max_batch == 0 || config.ctx < 2 {
             return Err(EngineError::Unsupported {
                 what: format!(
@@ -247,7 +297,27 @@ impl Scheduler {
             let (model, shared) = (model.clone(), shared.clone());
             std::thread::Builder::new()
                 .name(format!("shoal-sched-{}", model.name))
-                .spawn(move || Worker::new(model, config, shared).run())
+                .spawn(move || {
+                    let held = model.clone();
+                    let lead = match split {
+                        None => None,
+                        Some(ctx) => match Lead::with_sequences(
+                            ctx,
+                            &held.transformer,
+                            config.ctx,
+                            config.max_batch,
+                        ) {
+                            Ok(l) => Some(l),
+                            Err(e) => {
+                                *shared.failure.lock().unwrap_or_else(|e| e.into_inner()) =
+                                    Some(format!("cannot lead the split: {e}"));
+                                None
+                            }
+                        },
+                    };
+                    let broken = split_failed(&shared);
+                    Worker::new(model, config, shared, lead, broken).run()
+                })
                 .map_err(|e| EngineError::Unsupported {
                     what: format!("starting the scheduler thread: {e}"),
                 })?
@@ -273,6 +343,16 @@ impl Scheduler {
     /// Live counters.
     pub fn stats(&self) -> &SchedulerStats {
         &self.shared.stats
+    }
+
+    /// Why the split model this scheduler leads stopped working (a rank failed or could not
+    /// be reached), once it has; always `None` for a model on one rank.
+    pub fn failure(&self) -> Option<String> {
+        self.shared
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Queues a sequence; its events go to `sink` from the scheduler thread.
@@ -322,10 +402,53 @@ impl Drop for Scheduler {
     }
 }
 
+fn split_failed(shared: &Shared) -> bool {
+    shared
+        .failure
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .is_some()
+}
+
+/// Where a sequence's KV cache lives.
+enum Store {
+    /// Here (one rank).
+    Local(KvCache),
+    /// On every rank of a split, as the lead's sequence `slot`.
+    Slot {
+        slot: usize,
+        len: usize,
+        capacity: usize,
+    },
+}
+
+impl Store {
+    fn len(&self) -> usize {
+        match self {
+            Store::Local(c) => c.len(),
+            Store::Slot { len, .. } => *len,
+        }
+    }
+
+    fn capacity(&self) -> usize {
+        match self {
+            Store::Local(c) => c.capacity(),
+            Store::Slot { capacity, .. } => *capacity,
+        }
+    }
+
+    fn slot(&self) -> Option<usize> {
+        match self {
+            Store::Local(_) => None,
+            Store::Slot { slot, .. } => Some(*slot),
+        }
+    }
+}
+
 /// One sequence holding a slot.
 struct Sequence {
     job: Job,
-    cache: KvCache,
+    cache: Store,
     sampler: Sampler,
     /// Prompt tokens run so far.
     prefilled: usize,
@@ -349,21 +472,53 @@ enum Admit {
     Shutdown,
 }
 
-struct Worker {
+struct Worker<'m> {
     model: Arc<LoadedModel>,
     config: SchedulerConfig,
     shared: Arc<Shared>,
     active: Vec<Sequence>,
+    /// The split this scheduler leads, if the model is split.
+    lead: Option<Lead<'m>>,
+    /// The split is unusable (its failure is in `shared.failure`).
+    broken: bool,
 }
 
-impl Worker {
-    fn new(model: Arc<LoadedModel>, config: SchedulerConfig, shared: Arc<Shared>) -> Self {
+impl<'m> Worker<'m> {
+    fn new(
+        model: Arc<LoadedModel>,
+        config: SchedulerConfig,
+        shared: Arc<Shared>,
+        lead: Option<Lead<'m>>,
+        broken: bool,
+    ) -> Self {
         Worker {
             model,
             config,
             shared,
             active: Vec::new(),
+            lead,
+            broken,
         }
+    }
+
+    /// Records that the split failed; every later sequence is refused with `why`.
+    fn break_split(&mut self, why: &str) {
+        self.broken = true;
+        let mut f = self
+            .shared
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        f.get_or_insert_with(|| why.to_string());
+    }
+
+    fn failure(&self) -> String {
+        self.shared
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_default()
     }
 
     fn run(mut self) {
@@ -403,7 +558,8 @@ impl Worker {
     /// Moves queued sequences into free slots; with `wait`, waits while there is nothing to
     /// do.
     fn admit(&mut self, wait: bool) -> Admit {
-        let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let shared = self.shared.clone();
+        let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if q.shutdown {
                 for job in q.waiting.drain(..) {
@@ -437,11 +593,11 @@ impl Worker {
             if !wait {
                 return Admit::Idle;
             }
-            q = self.shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+            q = shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
         }
     }
 
-    fn start_sequence(&self, job: Job) -> Option<Sequence> {
+    fn start_sequence(&mut self, job: Job) -> Option<Sequence> {
         let mut job = job;
         let r = &job.request;
         let ctx = self.config.ctx;
@@ -464,8 +620,34 @@ impl Worker {
             fail(&mut job, e);
             return None;
         }
+        if self.broken {
+            let msg = format!(
+                "this split model is out of service ({}); the cluster re-places it, retry shortly",
+                self.failure()
+            );
+            fail(&mut job, msg);
+            return None;
+        }
         let capacity = (r.prompt.len() + r.max_tokens.max(1)).min(ctx);
-        let cache = self.model.new_cache(capacity);
+        let cache = if let Some(lead) = self.lead.as_mut() {
+            let used: Vec<usize> = self.active.iter().filter_map(|s| s.cache.slot()).collect();
+            let Some(slot) = (0..self.config.max_batch).find(|s| !used.contains(s)) else {
+                fail(&mut job, "no free slot in the split model".into());
+                return None;
+            };
+            if let Err(e) = lead.select(slot) {
+                fail(&mut job, e.to_string());
+                return None;
+            }
+            lead.truncate(0);
+            Store::Slot {
+                slot,
+                len: 0,
+                capacity,
+            }
+        } else {
+            Store::Local(self.model.new_cache(capacity))
+        };
         let mut sampler = Sampler::new(r.sampler.clone());
         sampler.observe(&r.prompt);
         let stops = StopMatcher::new(&r.stop);
@@ -503,7 +685,28 @@ impl Worker {
         let prompt_len = seq.job.request.prompt.len();
         let end = (seq.prefilled + PROMPT_CHUNK).min(prompt_len);
         let chunk = &seq.job.request.prompt[seq.prefilled..end];
-        let result = model.transformer.forward_last(chunk, &mut seq.cache);
+        let result = match (&mut seq.cache, self.lead.as_mut()) {
+            (Store::Local(cache), _) => model.transformer.forward_last(chunk, cache),
+            (Store::Slot { slot, len, .. }, Some(lead)) => {
+                let want = if end == prompt_len {
+                    want_for(&seq.job.request)
+                } else {
+                    Want::Nothing
+                };
+                let r = lead
+                    .select(*slot)
+                    .and_then(|()| lead.step_with(chunk, want));
+                *len += chunk.len();
+                r
+            }
+            (Store::Slot { .. }, None) => Err(EngineError::Unsupported {
+                what: "a split sequence without a lead".into(),
+            }),
+        };
+        let split_error = match (&result, &seq.cache) {
+            (Err(e), Store::Slot { .. }) => Some(format!("prompt processing failed: {e}")),
+            _ => None,
+        };
         self.shared
             .stats
             .prompt_tokens
@@ -520,6 +723,45 @@ impl Worker {
         if !keep {
             self.active.swap_remove(i);
         }
+        if let Some(why) = split_error {
+            self.fail_all(&why);
+        }
+    }
+
+    /// Fails every sequence and breaks the split (a failed split step leaves every rank's
+    /// state unknown).
+    fn fail_all(&mut self, why: &str) {
+        self.break_split(why);
+        for seq in self.active.drain(..) {
+            let mut sink = seq.job.sink;
+            sink(Event::Failed(why.to_string()));
+        }
+    }
+
+    /// One split step per ready sequence: all submitted, then all collected (in order).
+    fn split_decode(
+        &mut self,
+        ready: &[usize],
+        tokens: &[u32],
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let lead = self.lead.as_mut().ok_or_else(|| EngineError::Unsupported {
+            what: "a split sequence without a lead".into(),
+        })?;
+        for (&i, &t) in ready.iter().zip(tokens) {
+            let seq = &mut self.active[i];
+            let Store::Slot { slot, len, .. } = &mut seq.cache else {
+                return Err(EngineError::Unsupported {
+                    what: "a local sequence in a split scheduler".into(),
+                });
+            };
+            lead.submit(*slot, &[t], want_for(&seq.job.request))?;
+            *len += 1;
+        }
+        let mut rows = Vec::with_capacity(ready.len());
+        for _ in ready {
+            rows.push(lead.collect()?.1);
+        }
+        Ok(rows)
     }
 
     /// One token for every sequence that has a sampled token to run.
@@ -538,21 +780,33 @@ impl Worker {
             .decoded_tokens
             .fetch_add(ready.len() as u64, Ordering::Relaxed);
         let model = self.model.clone();
-        let result = {
+        let result = if self.lead.is_some() {
+            self.split_decode(&ready, &tokens)
+        } else {
             let mut caches: Vec<&mut KvCache> = self
                 .active
                 .iter_mut()
                 .filter(|s| s.next.is_some())
-                .map(|s| &mut s.cache)
+                .filter_map(|s| match &mut s.cache {
+                    Store::Local(c) => Some(c),
+                    Store::Slot { .. } => None,
+                })
                 .collect();
-            model.transformer.forward_batch(&tokens, &mut caches)
+            model
+                .transformer
+                .forward_batch(&tokens, &mut caches)
+                .and_then(|l| {
+                    l.to_vec2::<f32>().map_err(|e| EngineError::Unsupported {
+                        what: format!("reading batched logits: {e}"),
+                    })
+                })
         };
-        let rows = match result.and_then(|l| {
-            l.to_vec2::<f32>().map_err(|e| EngineError::Unsupported {
-                what: format!("reading batched logits: {e}"),
-            })
-        }) {
+        let rows = match result {
             Ok(rows) => rows,
+            Err(e) if self.lead.is_some() => {
+                self.fail_all(&format!("decoding failed: {e}"));
+                return;
+            }
             Err(e) => {
                 // A failed batch step leaves the caches of every sequence in it unusable.
                 let msg = format!("decoding failed: {e}");
@@ -592,6 +846,19 @@ impl Worker {
             i += 1;
             k
         });
+    }
+}
+
+/// What a split step must return for `r` to be sampled exactly as from the full logits.
+fn want_for(r: &SequenceRequest) -> Want {
+    if r.constraint.is_some()
+        || r.logprobs.is_some()
+        || r.presence_penalty != 0.0
+        || r.frequency_penalty != 0.0
+    {
+        Want::All
+    } else {
+        Want::for_sampler(&r.sampler)
     }
 }
 

@@ -349,3 +349,120 @@ fn presence_and_frequency_penalties_push_away_repeats() {
     let freq = run(0.0, 1e4);
     assert_eq!(distinct(&freq), freq.len(), "{freq:?}");
 }
+
+/// Runs `ps` (with their lengths) through a scheduler and returns each request's tokens.
+fn schedule(sched: &Scheduler, ps: &[Vec<u32>], lens: &[usize]) -> Vec<Vec<u32>> {
+    let mut rxs = Vec::new();
+    let mut tickets = Vec::new();
+    for (p, &n) in ps.iter().zip(lens) {
+        let (tx, rx) = mpsc::channel();
+        let mut r = request(p.clone(), n);
+        if n % 2 == 1 {
+            // asks the split for every logit instead of each rank's best
+            r.logprobs = Some(2);
+        }
+        tickets.push(
+            sched
+                .submit(r, Box::new(move |e| tx.send(e).is_ok()))
+                .unwrap(),
+        );
+        rxs.push(rx);
+    }
+    rxs.iter().map(|rx| collect(rx).0).collect()
+}
+
+#[test]
+fn split_scheduler_matches_one_rank() {
+    use shoal_comm::{mem_mesh, Transport};
+    use shoal_engine::parallel::{serve, RankContext};
+    use shoal_engine::shard::Layout;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny(TinyModelSpec::qwen2(9), GgmlType::Q8_0, dir.path());
+    let config = SchedulerConfig {
+        max_batch: 3,
+        max_queue: 8,
+        ctx: 256,
+    };
+    let ps = prompts(320);
+    let lens = [20usize, 7, 13, 30];
+    let local = Scheduler::start(Arc::new(load(&path)), config).unwrap();
+    let want = schedule(&local, &ps, &lens);
+    drop(local);
+    let source = ModelSource::Gguf(path.clone());
+    for (tp, pp) in [(2, 1), (1, 2), (2, 2)] {
+        let layout = Layout { tp, pp };
+        let mut lead = None;
+        let mut workers = Vec::new();
+        for (r, t) in mem_mesh(layout.world()).into_iter().enumerate() {
+            let t: Arc<dyn Transport> = Arc::new(t);
+            let mut ctx = RankContext::over(t, layout, Duration::from_secs(60)).unwrap();
+            let source = source.clone();
+            let h = std::thread::spawn(move || {
+                let (m, plans) =
+                    LoadedModel::load_split(&source, layout, None, r, ctx.tp.clone()).unwrap();
+                ctx.plans = plans;
+                (ctx, m)
+            });
+            if r == 0 {
+                lead = Some(h);
+            } else {
+                workers.push(std::thread::spawn(move || {
+                    let (ctx, m) = h.join().unwrap();
+                    serve(&ctx, &m.transformer, 256)
+                }));
+            }
+        }
+        let (ctx, m) = lead.unwrap().join().unwrap();
+        let sched = Scheduler::start_split(Arc::new(m), ctx, config).unwrap();
+        let got = schedule(&sched, &ps, &lens);
+        assert_eq!(got, want, "tp {tp} pp {pp}");
+        assert!(sched.failure().is_none());
+        drop(sched);
+        for w in workers {
+            w.join().unwrap().unwrap();
+        }
+    }
+}
+
+#[test]
+fn broken_split_fails_requests_and_says_why() {
+    use shoal_comm::{mem_mesh, Transport};
+    use shoal_engine::parallel::RankContext;
+    use shoal_engine::shard::Layout;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny(TinyModelSpec::qwen2(9), GgmlType::F32, dir.path());
+    let layout = Layout { tp: 2, pp: 1 };
+    let mut ts = mem_mesh(2).into_iter();
+    let t0: Arc<dyn Transport> = Arc::new(ts.next().unwrap());
+    drop(ts); // rank 1 never serves: its end of the mesh is gone
+    let mut ctx = RankContext::over(t0, layout, Duration::from_secs(5)).unwrap();
+    let source = ModelSource::Gguf(path);
+    let (m, plans) = LoadedModel::load_split(&source, layout, None, 0, ctx.tp.clone()).unwrap();
+    ctx.plans = plans;
+    let sched = Scheduler::start_split(
+        Arc::new(m),
+        ctx,
+        SchedulerConfig {
+            max_batch: 2,
+            max_queue: 4,
+            ctx: 64,
+        },
+    )
+    .unwrap();
+    for attempt in 0..2 {
+        let (tx, rx) = mpsc::channel();
+        let _t = sched
+            .submit(
+                request(vec![1, 2, 3], 4),
+                Box::new(move |e| tx.send(e).is_ok()),
+            )
+            .unwrap();
+        match rx.recv_timeout(Duration::from_secs(30)).unwrap() {
+            Event::Failed(e) => assert!(!e.is_empty(), "attempt {attempt}"),
+            other => panic!("attempt {attempt}: {other:?}"),
+        }
+    }
+    assert!(sched.failure().is_some());
+}
