@@ -7,6 +7,7 @@ pub mod facts;
 pub mod identity;
 pub mod instances;
 pub mod membership;
+pub mod mesh;
 pub mod node;
 pub mod protocol;
 pub mod seal;

@@ -20,13 +20,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::discovery::{Discovery, DiscoveryConfig, DiscoveryEvent};
 use crate::facts::NodeFacts;
 use crate::identity::Identity;
 use crate::membership::{Membership, MembershipConfig};
+use crate::mesh::SessionTransport;
 use crate::protocol::{self, Hello, Request, Response, MAX_PROBE_BYTES, PROTOCOL_VERSION};
 use crate::seal::Sealer;
 use crate::secret::{cluster_tag, ClusterSecret};
@@ -36,6 +37,10 @@ use crate::session::{self, Encryption, NodeKey, Session, SessionConfig};
 const FACTS_KEY: &str = "facts";
 /// Membership key holding a node's measured links (peer id -> [`LinkFacts`]) as JSON.
 const LINKS_KEY: &str = "links";
+/// The largest byte range one fetch request may ask for.
+pub const MAX_FETCH_BYTES: u64 = 16 << 20;
+/// How long an incoming mesh link waits to be claimed by its rank.
+const MESH_PARK: Duration = Duration::from_secs(120);
 /// Bytes sent to measure a link's bandwidth.
 const PROBE_BYTES: u64 = 4 << 20;
 /// Round trips timed per link measurement (the median is kept).
@@ -65,6 +70,8 @@ pub struct NodeConfig {
     pub probe_interval: Duration,
     /// How long a session handshake or a request may take.
     pub io_timeout: Duration,
+    /// The most memory this node offers models, bytes (`None`: what is free).
+    pub memory_limit: Option<u64>,
 }
 
 /// Why a node could not start.
@@ -113,8 +120,32 @@ pub struct LinkInfo {
     pub facts: LinkFacts,
 }
 
+/// A request for the application, with where to send its answer.
+pub type AppCall = (
+    String,
+    serde_json::Value,
+    oneshot::Sender<Result<serde_json::Value, String>>,
+);
+
+/// Which link of which mesh an incoming session is.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct MeshKey {
+    instance: String,
+    generation: u64,
+    from: u32,
+    to: u32,
+}
+
 struct Inner {
     id: String,
+    /// Incoming mesh links not yet claimed by their rank, with the dialing node and when
+    /// they arrived.
+    mesh_inbox: Mutex<HashMap<MeshKey, (String, Session, Instant)>>,
+    mesh_arrived: tokio::sync::Notify,
+    /// Where application requests go, once the application listens.
+    app: Mutex<Option<mpsc::Sender<AppCall>>>,
+    /// Files this node serves to fetches, by SHA-256.
+    shared_files: Mutex<HashMap<String, std::path::PathBuf>>,
     tag: String,
     session: SessionConfig,
     membership: Membership,
@@ -124,6 +155,7 @@ struct Inner {
     own_facts: Mutex<NodeFacts>,
     refused_sessions: AtomicU64,
     io_timeout: Duration,
+    memory_limit: Option<u64>,
 }
 
 /// A running node; [`Node::shutdown`] stops it.
@@ -225,6 +257,11 @@ impl Node {
             own_facts: Mutex::new(cfg.facts.clone()),
             refused_sessions: AtomicU64::new(0),
             io_timeout: cfg.io_timeout,
+            memory_limit: cfg.memory_limit,
+            mesh_inbox: Mutex::new(HashMap::new()),
+            mesh_arrived: tokio::sync::Notify::new(),
+            app: Mutex::new(None),
+            shared_files: Mutex::new(HashMap::new()),
         });
         let (stop, stop_rx) = watch::channel(false);
         let tasks = vec![
@@ -366,6 +403,203 @@ impl Node {
         self.inner.live_ids()
     }
 
+    /// Publishes `value` under `key` in this node's gossiped state.
+    ///
+    /// # Errors
+    /// The key or value is too large or malformed for membership.
+    pub async fn publish(&self, key: &str, value: &str) -> Result<(), String> {
+        self.inner
+            .membership
+            .set(key, value)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// What each live node (this one included) publishes under `key`, by node id.
+    pub fn published(&self, key: &str) -> Vec<(String, String)> {
+        self.inner
+            .membership
+            .live_nodes()
+            .into_iter()
+            .filter_map(|v| v.key_values.get(key).map(|x| (v.id.clone(), x.clone())))
+            .collect()
+    }
+
+    /// Receives the requests other nodes send this node's application ([`Node::ask`]).
+    /// A later call replaces the earlier receiver.
+    pub fn app_requests(&self) -> mpsc::Receiver<AppCall> {
+        let (tx, rx) = mpsc::channel(64);
+        *self.inner.app.lock().unwrap() = Some(tx);
+        rx
+    }
+
+    /// Sends `body` to the application of node `node` (this one included) and returns its
+    /// answer.
+    ///
+    /// # Errors
+    /// The node is unknown or unreachable, does not answer within the I/O timeout, or its
+    /// application refused.
+    pub async fn ask(
+        &self,
+        node: &str,
+        body: serde_json::Value,
+        timeout: Duration,
+    ) -> Result<serde_json::Value, String> {
+        let addr = self.inner.address_of(node).await?;
+        let (mut s, hello) = self.inner.dial(addr).await?;
+        match self
+            .inner
+            .request(&mut s, &hello.node, &Request::App { body }, None, timeout)
+            .await?
+        {
+            Response::App { body } => Ok(body),
+            other => Err(format!(
+                "node {node} answered {other:?} to an application request"
+            )),
+        }
+    }
+
+    /// Lets other nodes fetch byte ranges of the file at `path`, whose SHA-256 is `sha256`.
+    pub fn share_file(&self, sha256: &str, path: std::path::PathBuf) {
+        self.inner
+            .shared_files
+            .lock()
+            .unwrap()
+            .insert(sha256.to_ascii_lowercase(), path);
+    }
+
+    /// `len` bytes (at most [`MAX_FETCH_BYTES`]) at `offset` of the file `sha256` from node
+    /// `node`.
+    ///
+    /// # Errors
+    /// The node is unreachable, does not have the file, or sent another length.
+    pub async fn fetch(
+        &self,
+        node: &str,
+        sha256: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, String> {
+        let addr = self.inner.address_of(node).await?;
+        let (mut s, hello) = self.inner.dial(addr).await?;
+        let req = Request::Fetch {
+            sha256: sha256.to_string(),
+            offset,
+            len,
+        };
+        let t = self.inner.io_timeout * 6;
+        match self
+            .inner
+            .request(&mut s, &hello.node, &req, None, t)
+            .await?
+        {
+            Response::Bytes { len: n } if n == len => {}
+            other => return Err(format!("node {node} answered {other:?} to a fetch")),
+        }
+        let bytes = tokio::time::timeout(t, s.recv())
+            .await
+            .map_err(|_| format!("node {node} did not send the bytes within {t:?}"))?
+            .map_err(|e| e.to_string())?;
+        if bytes.len() as u64 != len {
+            return Err(format!(
+                "node {node} sent {} bytes for a range of {len}",
+                bytes.len()
+            ));
+        }
+        Ok(bytes)
+    }
+
+    /// Joins rank `rank` of generation `generation` of instance `instance`, whose ranks run
+    /// on `rank_nodes` (node ids in rank order): dials every lower rank's node and waits for
+    /// every higher rank to dial, each link an authenticated session.
+    ///
+    /// # Errors
+    /// A node is unknown or unreachable, or a rank does not connect before `deadline`.
+    pub async fn open_mesh(
+        &self,
+        instance: &str,
+        generation: u64,
+        rank: usize,
+        rank_nodes: &[String],
+        deadline: Instant,
+    ) -> Result<SessionTransport, String> {
+        let world = rank_nodes.len();
+        if rank >= world {
+            return Err(format!("rank {rank} of a world of {world}"));
+        }
+        let mut sessions: Vec<Option<(String, Session)>> = (0..world).map(|_| None).collect();
+        for (p, node) in rank_nodes.iter().enumerate().take(rank) {
+            let s = loop {
+                let attempt = async {
+                    let addr = self.inner.address_of(node).await?;
+                    let (mut s, hello) = self.inner.dial(addr).await?;
+                    let req = Request::Mesh {
+                        instance: instance.to_string(),
+                        generation,
+                        from: rank as u32,
+                        to: p as u32,
+                        world: world as u32,
+                    };
+                    match self
+                        .inner
+                        .request(&mut s, &hello.node, &req, None, self.inner.io_timeout)
+                        .await?
+                    {
+                        Response::MeshAccepted => Ok(s),
+                        other => Err(format!("node {node} answered {other:?} to a mesh link")),
+                    }
+                };
+                match attempt.await {
+                    Ok(s) => break s,
+                    Err(e) if Instant::now() < deadline => {
+                        tracing::debug!(
+                            instance,
+                            rank,
+                            peer = p,
+                            "mesh dial failed, retrying: {e}"
+                        );
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    Err(e) => {
+                        return Err(format!(
+                            "rank {rank} could not reach rank {p} on node {node}: {e}"
+                        ))
+                    }
+                }
+            };
+            sessions[p] = Some((node.clone(), s));
+        }
+        for (p, node) in rank_nodes.iter().enumerate().skip(rank + 1) {
+            let key = MeshKey {
+                instance: instance.to_string(),
+                generation,
+                from: p as u32,
+                to: rank as u32,
+            };
+            let s = loop {
+                let arrived = self.inner.mesh_arrived.notified();
+                if let Some((from_node, s, _)) = self.inner.mesh_inbox.lock().unwrap().remove(&key)
+                {
+                    if &from_node != node {
+                        return Err(format!(
+                            "node {from_node} dialed as rank {p}, which runs on node {node}; the                              nodes disagree about the placement"
+                        ));
+                    }
+                    break s;
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(format!(
+                        "rank {p} on node {node} did not connect to rank {rank} in time"
+                    ));
+                }
+                let _ = tokio::time::timeout(left.min(Duration::from_millis(500)), arrived).await;
+            };
+            sessions[p] = Some((node.clone(), s));
+        }
+        SessionTransport::new(rank, sessions).map_err(|e| e.to_string())
+    }
+
     /// Changes this node's published facts.
     pub async fn update_facts(&self, update: impl FnOnce(&mut NodeFacts)) {
         self.inner.update_facts(update).await;
@@ -402,6 +636,22 @@ impl Inner {
         if let Err(e) = self.membership.set(FACTS_KEY, &json).await {
             tracing::warn!(error = %e, "publishing this node's facts failed");
         }
+    }
+
+    /// The cluster address of live node `node`, from its published facts.
+    async fn address_of(&self, node: &str) -> Result<SocketAddr, String> {
+        let nodes = self.nodes().await;
+        let n = nodes
+            .iter()
+            .find(|n| n.id == node && n.alive)
+            .ok_or_else(|| format!("node {node} is not a live member of the cluster"))?;
+        let f = n
+            .facts
+            .as_ref()
+            .ok_or_else(|| format!("node {node} has not published its address yet"))?;
+        f.listen
+            .parse()
+            .map_err(|_| format!("node {node} published an unusable address {:?}", f.listen))
     }
 
     fn live_ids(&self) -> Vec<String> {
@@ -587,6 +837,89 @@ impl Inner {
                 Ok(Request::Probe { bytes }) if bytes > MAX_PROBE_BYTES => Response::Error {
                     message: format!("probe of {bytes} bytes is above the limit {MAX_PROBE_BYTES}"),
                 },
+                Ok(Request::Mesh {
+                    instance,
+                    generation,
+                    from,
+                    to,
+                    world,
+                }) => {
+                    if from >= world || to >= world || from <= to {
+                        Response::Error {
+                            message: format!(
+                                "a mesh link from rank {from} to rank {to} of {world}: higher ranks dial lower ones"
+                            ),
+                        }
+                    } else {
+                        if s.send(&protocol::encode(&Response::MeshAccepted))
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                        let key = MeshKey {
+                            instance,
+                            generation,
+                            from,
+                            to,
+                        };
+                        let mut inbox = self.mesh_inbox.lock().unwrap();
+                        inbox.retain(|_, (_, _, at)| at.elapsed() < MESH_PARK);
+                        inbox.insert(key, (hello.node.clone(), s, Instant::now()));
+                        drop(inbox);
+                        self.mesh_arrived.notify_waiters();
+                        return;
+                    }
+                }
+                Ok(Request::App { body }) => {
+                    let tx = self.app.lock().unwrap().clone();
+                    match tx {
+                        None => Response::Error {
+                            message: "this node runs no application that takes requests".into(),
+                        },
+                        Some(tx) => {
+                            let (atx, arx) = oneshot::channel();
+                            if tx.send((hello.node.clone(), body, atx)).await.is_err() {
+                                Response::Error {
+                                    message: "this node's application stopped".into(),
+                                }
+                            } else {
+                                match arx.await {
+                                    Ok(Ok(body)) => Response::App { body },
+                                    Ok(Err(message)) => Response::Error { message },
+                                    Err(_) => Response::Error {
+                                        message: "this node's application dropped the request"
+                                            .into(),
+                                    },
+                                }
+                            }
+                        }
+                    }
+                }
+                Ok(Request::Fetch {
+                    sha256,
+                    offset,
+                    len,
+                }) => {
+                    let path = self
+                        .shared_files
+                        .lock()
+                        .unwrap()
+                        .get(&sha256.to_ascii_lowercase())
+                        .cloned();
+                    match read_range(path, &sha256, offset, len).await {
+                        Ok(bytes) => {
+                            let head = Response::Bytes { len };
+                            if s.send(&protocol::encode(&head)).await.is_err()
+                                || s.send(&bytes).await.is_err()
+                            {
+                                return;
+                            }
+                            continue;
+                        }
+                        Err(message) => Response::Error { message },
+                    }
+                }
                 Ok(Request::Probe { bytes }) => {
                     match tokio::time::timeout(self.io_timeout, s.recv()).await {
                         Ok(Ok(p)) if p.len() as u64 == bytes => Response::ProbeReceived { bytes },
@@ -608,6 +941,37 @@ impl Inner {
             }
         }
     }
+}
+
+/// `len` bytes at `offset` of the shared file at `path` (`None`: not shared).
+async fn read_range(
+    path: Option<std::path::PathBuf>,
+    sha256: &str,
+    offset: u64,
+    len: u64,
+) -> Result<Vec<u8>, String> {
+    let path =
+        path.ok_or_else(|| format!("this node does not share a file with sha256 {sha256}"))?;
+    if len == 0 || len > MAX_FETCH_BYTES {
+        return Err(format!("a fetch of {len} bytes (1 to {MAX_FETCH_BYTES})"));
+    }
+    tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut f = std::fs::File::open(&path).map_err(|e| format!("opening the file: {e}"))?;
+        let size = f.metadata().map_err(|e| e.to_string())?.len();
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(format!(
+                "bytes {offset}..+{len} are outside the file of {size} bytes"
+            ));
+        }
+        f.seek(SeekFrom::Start(offset)).map_err(|e| e.to_string())?;
+        let mut buf = vec![0u8; len as usize];
+        f.read_exact(&mut buf)
+            .map_err(|e| format!("reading the file: {e}"))?;
+        Ok(buf)
+    })
+    .await
+    .map_err(|e| format!("the read failed: {e}"))?
 }
 
 async fn accept_loop(inner: Arc<Inner>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
@@ -673,7 +1037,8 @@ async fn probe_loop(inner: Arc<Inner>, interval: Duration, mut stop: watch::Rece
             inner
                 .update_facts(|f| {
                     f.memory_total_bytes = total;
-                    f.memory_free_bytes = free >> 26 << 26;
+                    f.memory_free_bytes =
+                        free.min(inner.memory_limit.unwrap_or(u64::MAX)) >> 26 << 26;
                 })
                 .await;
         }

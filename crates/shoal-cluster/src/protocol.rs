@@ -33,6 +33,26 @@ pub enum Request {
     Ping,
     /// The next message holds `bytes` bytes; answer when all arrived (bandwidth).
     Probe { bytes: u64 },
+    /// Make this session the link from rank `from` to rank `to` of generation `generation`
+    /// of instance `instance` (a world of `world` ranks); after the answer the session
+    /// carries only that link's bytes.
+    Mesh {
+        instance: String,
+        generation: u64,
+        from: u32,
+        to: u32,
+        world: u32,
+    },
+    /// A request for the node's application (the instance driver): its JSON body is
+    /// passed on and its answer returned.
+    App { body: serde_json::Value },
+    /// `len` bytes at `offset` of the file whose SHA-256 is `sha256` (hex); answered by
+    /// [`Response::Bytes`] and the bytes as the next message.
+    Fetch {
+        sha256: String,
+        offset: u64,
+        len: u64,
+    },
 }
 
 /// The answer to one [`Request`].
@@ -42,6 +62,16 @@ pub enum Response {
     Pong,
     ProbeReceived {
         bytes: u64,
+    },
+    /// The session is now the requested mesh link.
+    MeshAccepted,
+    /// The application's answer.
+    App {
+        body: serde_json::Value,
+    },
+    /// The next message holds the `len` bytes asked for.
+    Bytes {
+        len: u64,
     },
     /// The request was refused; the text says why.
     Error {
