@@ -2,10 +2,17 @@
 //! talk to these): every node this one knows of with its facts, every measured link, and a
 //! summary. They need an API key once keys exist, like the model routes. A server started
 //! without a cluster secret is a single node outside any cluster; these routes then say so.
+//!
+//! The instance routes (`shoal load`, `unload`, `ps`, `drain`) change what the cluster runs:
+//! `GET /cluster/instances` lists the instance table, `POST /cluster/instances` loads one,
+//! `DELETE /cluster/instances/{id}` unloads it and `POST /cluster/drain` moves instances off
+//! a node. Changing routes need an administrator key (or, while no key exists, a client on
+//! this machine), like the key routes.
 
 use std::sync::Arc;
 
-use axum::extract::{Request, State};
+use axum::extract::{ConnectInfo, Path, Request, State};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
@@ -66,11 +73,106 @@ pub async fn status(State(state): State<Arc<AppState>>, req: Request) -> Respons
                 "links": n.links().len(),
                 "refused_sessions": n.refused_sessions(),
                 "refused_datagrams": n.refused_datagrams(),
-                "models": state.models.iter().map(|m| m.id.clone()).collect::<Vec<_>>(),
+                "models": state.served().iter().map(|m| m.id.clone()).collect::<Vec<_>>(),
                 "uptime_s": state.started.elapsed().as_secs(),
             }))
             .into_response()
         }
+        Err(e) => e.into_response(),
+    }
+}
+
+fn control(state: &AppState) -> Result<crate::state::Control, ApiError> {
+    state.instances.get().cloned().ok_or_else(|| {
+        ApiError::new(
+            ErrorKind::NotFound,
+            "this node runs no instance driver: start `shoal serve` with --secret-file FILE or SHOAL_SECRET to join a cluster",
+        )
+    })
+}
+
+fn admin(state: &AppState, req: &Request) -> Result<crate::state::Control, ApiError> {
+    let loopback = req
+        .extensions()
+        .get::<ConnectInfo<std::net::SocketAddr>>()
+        .is_some_and(|c| c.0.ip().is_loopback());
+    state.keys.authorize_admin(req.headers(), loopback)?;
+    control(state)
+}
+
+fn answer(r: Result<serde_json::Value, crate::state::ControlError>) -> Response {
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => {
+            let status =
+                StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            (
+                status,
+                Json(json!({"error": {"message": e.message, "code": e.status}})),
+            )
+                .into_response()
+        }
+    }
+}
+
+/// `GET /cluster/instances`: the instance table.
+pub async fn instances(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    if let Err(e) = state.keys.authorize(req.headers()) {
+        return e.into_response();
+    }
+    match control(&state) {
+        Ok(c) => answer(c.0.list().await),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn json_body(req: Request) -> Result<serde_json::Value, ApiError> {
+    let body = axum::body::to_bytes(req.into_body(), 64 << 10)
+        .await
+        .map_err(|e| ApiError::invalid(format!("cannot read the body: {e}")))?;
+    let v: serde_json::Value = crate::error::parse_body(&body)?;
+    if !v.is_object() {
+        return Err(ApiError::invalid("the body must be a JSON object"));
+    }
+    Ok(v)
+}
+
+/// `POST /cluster/instances` with `{"model", "id"?, "strategy"?, "nodes"?, "ctx"?}`.
+pub async fn load(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let c = match admin(&state, &req) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
+    match json_body(req).await {
+        Ok(v) => answer(c.0.load(v).await),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `DELETE /cluster/instances/{id}`.
+pub async fn unload(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Response {
+    match admin(&state, &req) {
+        Ok(c) => answer(c.0.unload(id).await),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /cluster/drain` with `{"node"}`.
+pub async fn drain(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let c = match admin(&state, &req) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
+    match json_body(req).await {
+        Ok(v) => match v["node"].as_str() {
+            Some(n) if !n.is_empty() => answer(c.0.drain(n.to_string()).await),
+            _ => ApiError::invalid_param("node", "give the node to drain: {\"node\": ID or NAME}")
+                .into_response(),
+        },
         Err(e) => e.into_response(),
     }
 }

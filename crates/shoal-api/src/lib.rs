@@ -33,7 +33,7 @@ use serde_json::json;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
 pub use error::{ApiError, ErrorKind, Flavor};
-pub use state::{AppState, ServedModel};
+pub use state::{AppState, Control, ControlError, ControlFuture, InstanceControl, ServedModel};
 
 /// Options of the HTTP layer.
 #[derive(Debug, Clone)]
@@ -86,7 +86,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
     Json(json!({
         "status": "ok",
         "uptime_s": state.started.elapsed().as_secs(),
-        "models": state.models.iter().map(|m| m.id.clone()).collect::<Vec<_>>(),
+        "models": state.served().iter().map(|m| m.id.clone()).collect::<Vec<_>>(),
     }))
     .into_response()
 }
@@ -203,6 +203,12 @@ pub fn router(state: Arc<AppState>, opts: &HttpOptions) -> Router {
         .route("/cluster/links", get(cluster::links))
         .route("/cluster/status", get(cluster::status))
         .route("/cluster/planner", get(cluster::planner))
+        .route(
+            "/cluster/instances",
+            get(cluster::instances).post(cluster::load),
+        )
+        .route("/cluster/instances/{id}", delete(cluster::unload))
+        .route("/cluster/drain", post(cluster::drain))
         .route("/admin/keys/{id}", delete(admin::revoke_key))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

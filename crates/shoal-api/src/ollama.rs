@@ -433,7 +433,7 @@ pub async fn tags(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Res
         return ollama_err(e);
     }
     let models: Vec<Value> = state
-        .models
+        .served()
         .iter()
         .map(|m| {
             let name = format!("{}:latest", m.id);

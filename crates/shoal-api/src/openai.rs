@@ -768,7 +768,7 @@ pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> R
         return e.flavor(Flavor::OpenAi).into_response();
     }
     let data: Vec<Value> = state
-        .models
+        .served()
         .iter()
         .map(|m| json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "shoal"}))
         .collect();

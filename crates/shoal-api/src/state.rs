@@ -47,6 +47,26 @@ impl ServedModel {
         model: LoadedModel,
         config: SchedulerConfig,
     ) -> Result<Self, shoal_engine::EngineError> {
+        Self::build(id.into(), model, config, None)
+    }
+
+    /// Serves a split model: `model` is rank 0's shard and `ctx` rank 0's place in the
+    /// split (see [`Scheduler::start_split`]).
+    pub fn start_split(
+        id: impl Into<String>,
+        model: LoadedModel,
+        ctx: shoal_engine::parallel::RankContext,
+        config: SchedulerConfig,
+    ) -> Result<Self, shoal_engine::EngineError> {
+        Self::build(id.into(), model, config, Some(ctx))
+    }
+
+    fn build(
+        id: String,
+        model: LoadedModel,
+        config: SchedulerConfig,
+        split: Option<shoal_engine::parallel::RankContext>,
+    ) -> Result<Self, shoal_engine::EngineError> {
         let tool_format = ToolFormat::detect(
             model
                 .chat_template
@@ -60,9 +80,13 @@ impl ServedModel {
             .ctx
             .min(model.transformer.config().context_len)
             .max(2);
-        let scheduler = Scheduler::start(Arc::new(model), SchedulerConfig { ctx, ..config })?;
+        let config = SchedulerConfig { ctx, ..config };
+        let scheduler = match split {
+            None => Scheduler::start(Arc::new(model), config)?,
+            Some(rc) => Scheduler::start_split(Arc::new(model), rc, config)?,
+        };
         Ok(ServedModel {
-            id: id.into(),
+            id,
             scheduler,
             tool_format,
             ctx,
@@ -82,10 +106,50 @@ impl ServedModel {
 }
 
 /// Everything the routes share.
+/// Why a cluster instance operation failed: the HTTP status to answer and what to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControlError {
+    /// 400 (bad request), 404 (no such instance or node), 409 (conflicts with the table),
+    /// 503 (the cluster cannot do it now).
+    pub status: u16,
+    /// What was wrong and what to do.
+    pub message: String,
+}
+
+/// What a cluster instance operation answers.
+pub type ControlFuture = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<serde_json::Value, ControlError>> + Send>,
+>;
+
+/// Places and removes model instances on the cluster (the node's instance driver).
+pub trait InstanceControl: Send + Sync {
+    /// Loads an instance: `{"model", "id"?, "strategy"?, "nodes"?, "ctx"?}`.
+    fn load(&self, request: serde_json::Value) -> ControlFuture;
+    /// Unloads instance `id`.
+    fn unload(&self, id: String) -> ControlFuture;
+    /// Moves every instance off node `node` (id or name).
+    fn drain(&self, node: String) -> ControlFuture;
+    /// The instance table, with each instance's lead API address.
+    fn list(&self) -> ControlFuture;
+    /// The HTTP API address of the node leading ready instance `id`, if there is one.
+    fn lead_api(&self, id: &str) -> Option<String>;
+}
+
+/// The instance driver as the routes hold it.
+#[derive(Clone)]
+pub struct Control(pub Arc<dyn InstanceControl>);
+
+impl std::fmt::Debug for Control {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("InstanceControl")
+    }
+}
+
 #[derive(Debug)]
 pub struct AppState {
     /// Models served, by id.
-    pub models: Vec<Arc<ServedModel>>,
+    /// What this node serves; instances placed by the cluster come and go.
+    pub models: std::sync::RwLock<Vec<Arc<ServedModel>>>,
     /// API keys.
     pub keys: KeyStore,
     /// Metrics.
@@ -94,17 +158,20 @@ pub struct AppState {
     pub started: Instant,
     /// This node's cluster membership, when it runs in a cluster.
     pub cluster: Option<Arc<shoal_cluster::node::Node>>,
+    /// The cluster's instance driver, once the node runs one.
+    pub instances: std::sync::OnceLock<Control>,
 }
 
 impl AppState {
     /// A state serving `models` with `keys`.
     pub fn new(models: Vec<ServedModel>, keys: KeyStore) -> Self {
         AppState {
-            models: models.into_iter().map(Arc::new).collect(),
+            models: std::sync::RwLock::new(models.into_iter().map(Arc::new).collect()),
             keys,
             metrics: Metrics::new(),
             started: Instant::now(),
             cluster: None,
+            instances: std::sync::OnceLock::new(),
         }
     }
 
@@ -118,12 +185,43 @@ impl AppState {
     ///
     /// # Errors
     /// 404 naming the models that are served.
+    /// Every model served now.
+    pub fn served(&self) -> Vec<Arc<ServedModel>> {
+        self.models
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Starts serving `model` (replacing one with the same id).
+    pub fn add_model(&self, model: Arc<ServedModel>) {
+        let mut m = self.models.write().unwrap_or_else(|e| e.into_inner());
+        m.retain(|x| x.id != model.id);
+        m.push(model);
+    }
+
+    /// Stops serving `id`; returns it (requests in flight keep it alive until they end).
+    pub fn remove_model(&self, id: &str) -> Option<Arc<ServedModel>> {
+        let mut m = self.models.write().unwrap_or_else(|e| e.into_inner());
+        let i = m.iter().position(|x| x.id == id)?;
+        Some(m.remove(i))
+    }
+
     pub fn model(&self, name: &str) -> Result<Arc<ServedModel>, ApiError> {
         let base = name.strip_suffix(":latest").unwrap_or(name);
-        if let Some(m) = self.models.iter().find(|m| m.id == name || m.id == base) {
+        let models = self.served();
+        if let Some(m) = models.iter().find(|m| m.id == name || m.id == base) {
             return Ok(m.clone());
         }
-        let known: Vec<&str> = self.models.iter().map(|m| m.id.as_str()).collect();
+        let known: Vec<&str> = models.iter().map(|m| m.id.as_str()).collect();
+        if let Some(api) = self.instances.get().and_then(|c| c.0.lead_api(base)) {
+            return Err(ApiError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "model '{name}' is a cluster instance led by another node: send the request to http://{api}"
+                ),
+            ));
+        }
         Err(ApiError::new(
             ErrorKind::NotFound,
             if name.is_empty() {
@@ -143,7 +241,7 @@ impl AppState {
     /// Copies each scheduler's live counters into the metrics.
     pub fn refresh_gauges(&self) {
         use std::sync::atomic::Ordering::Relaxed;
-        for m in &self.models {
+        for m in &self.served() {
             let s = m.scheduler.stats();
             self.metrics.scheduler(
                 &m.id,

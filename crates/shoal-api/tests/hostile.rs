@@ -181,7 +181,8 @@ fn hostile_bodies_never_panic_hang_or_leak() {
     eprintln!("{cases} hostile requests; RSS grew {grown} kB after the first 100");
     assert!(grown < 16 * 1024, "RSS grew {grown} kB over 500 requests");
     // nothing is left running
-    let s = state.models[0].scheduler.stats();
+    let served = state.served()[0].clone();
+    let s = served.scheduler.stats();
     let deadline = Instant::now() + Duration::from_secs(10);
     while s.active.load(std::sync::atomic::Ordering::Relaxed) != 0 {
         assert!(Instant::now() < deadline, "sequences left running");

@@ -203,7 +203,7 @@ fn full_queue_answers_503_in_each_shape() {
         use futures_util::StreamExt;
         let _ = body.next().await; // the slot is taken once the first chunk exists
         let deadline = Instant::now() + Duration::from_secs(10);
-        while state.models[0].scheduler.stats().active.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        while state.served()[0].scheduler.stats().active.load(std::sync::atomic::Ordering::Relaxed) == 0 {
             assert!(Instant::now() < deadline);
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -269,7 +269,8 @@ fn disconnecting_client_frees_its_slot() {
             assert!(n > 0, "the stream ended early: {seen}");
             seen.push_str(&String::from_utf8_lossy(&buf[..n]));
         }
-        let stats = &state.models[0].scheduler.stats();
+        let served = state.served()[0].clone();
+        let stats = served.scheduler.stats();
         let before = stats.decoded_tokens.load(std::sync::atomic::Ordering::Relaxed);
         assert_eq!(stats.active.load(std::sync::atomic::Ordering::Relaxed), 1);
         drop(sock);
