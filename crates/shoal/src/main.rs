@@ -9,6 +9,8 @@ mod bench_serve;
 mod bench_split;
 mod chat;
 mod client;
+mod instance_cli;
+mod instances;
 mod keys;
 mod models;
 mod nodes;
@@ -57,6 +59,14 @@ enum Command {
     Secret,
     /// Rank placements of a model on a cluster with predicted speed and memory.
     Plan(plan::PlanArgs),
+    /// Place a model on the cluster and wait until it answers.
+    Load(instance_cli::LoadArgs),
+    /// Stop a cluster instance.
+    Unload(instance_cli::UnloadArgs),
+    /// List the cluster's instances.
+    Ps(nodes::LookArgs),
+    /// Move every instance off a node before it leaves.
+    Drain(instance_cli::DrainArgs),
     /// Run one rank of a model split across processes or hosts (see `run --peers`).
     Worker(worker::WorkerArgs),
 }
@@ -115,6 +125,10 @@ fn main() -> ExitCode {
         Command::Status(a) => nodes::status(a),
         Command::Secret => nodes::secret(),
         Command::Plan(a) => plan::run(a),
+        Command::Load(a) => instance_cli::load(a),
+        Command::Unload(a) => instance_cli::unload(a),
+        Command::Ps(a) => instance_cli::ps(a),
+        Command::Drain(a) => instance_cli::drain(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

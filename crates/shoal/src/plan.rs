@@ -482,7 +482,7 @@ fn file_name(p: &Path) -> String {
 }
 
 /// Resolves MODEL and reads its profile from the file headers.
-fn profile_from_model(arg: &str) -> anyhow::Result<ModelProfile> {
+pub(crate) fn profile_from_model(arg: &str) -> anyhow::Result<ModelProfile> {
     let source = shoal_model::source::resolve(arg)?;
     match &source {
         ModelSource::Gguf(path) => {

@@ -83,11 +83,40 @@ pub struct ServeArgs {
     /// Requests per minute per API key, for keys created without their own limit.
     #[arg(long)]
     pub rate_limit: Option<u32>,
+    /// The most memory this node offers cluster instances, e.g. `512M` or `8G` (default:
+    /// what is free).
+    #[arg(long, value_parser = parse_bytes)]
+    pub max_memory: Option<u64>,
     /// Seconds running requests may take to finish after Ctrl-C or SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub grace_s: u64,
     #[command(flatten)]
     pub compute: ComputeArgs,
+}
+
+/// `512M`, `8G`, `1.5G` or a byte count.
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let m: u64 = match c.to_ascii_uppercase() {
+                'K' => 1 << 10,
+                'M' => 1 << 20,
+                'G' => 1 << 30,
+                'T' => 1 << 40,
+                _ => return Err(format!("{s}: the unit must be K, M, G or T")),
+            };
+            (&t[..i], m)
+        }
+        _ => (t, 1),
+    };
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("{s} is not a size like 512M or 8G"))?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("{s}: a size must be positive"));
+    }
+    Ok((v * mult as f64) as u64)
 }
 
 /// The data directory: the flag, else `$SHOAL_DATA_DIR`, else `~/.local/share/shoal`.
@@ -132,7 +161,7 @@ async fn join_cluster(
         api: api.to_string(),
         listen: String::new(),
         memory_total_bytes: total,
-        memory_free_bytes: free >> 26 << 26,
+        memory_free_bytes: free.min(args.max_memory.unwrap_or(u64::MAX)) >> 26 << 26,
         backend: "cpu".to_string(),
         threads: threads as u32,
         mem_bandwidth_gbs: test.mem_bandwidth_gbs,
@@ -155,6 +184,7 @@ async fn join_cluster(
         facts,
         probe_interval: std::time::Duration::from_secs(15),
         io_timeout: std::time::Duration::from_secs(5),
+        memory_limit: args.max_memory,
     })
     .await?;
     Ok(Arc::new(node))
@@ -162,7 +192,7 @@ async fn join_cluster(
 
 /// The id clients use for a MODEL argument: the catalog key, or the file or folder name
 /// without `.gguf`.
-fn model_id(arg: &str) -> String {
+pub(crate) fn model_id(arg: &str) -> String {
     let p = std::path::Path::new(arg);
     if p.exists() {
         let name = p
@@ -233,7 +263,29 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         let (state, node) = match secret {
             Some(secret) => {
                 let node = join_cluster(&args, identity, secret, addr, threads).await?;
-                (Arc::new(state.with_cluster(node.clone())), Some(node))
+                let state = Arc::new(state.with_cluster(node.clone()));
+                let offered = {
+                    let models = args.models.clone();
+                    tokio::task::spawn_blocking(move || {
+                        models
+                            .iter()
+                            .map(|m| crate::instances::describe_model(m))
+                            .collect::<anyhow::Result<Vec<_>>>()
+                    })
+                    .await
+                    .context("describing the models")??
+                };
+                crate::instances::Driver::start(
+                    node.clone(),
+                    &state,
+                    crate::instances::DriverConfig {
+                        data_dir: dir.clone(),
+                        parallel: args.parallel.min(shoal_engine::parallel::MAX_SEQUENCES),
+                        queue: args.queue,
+                    },
+                    offered,
+                );
+                (state, Some(node))
             }
             None => (Arc::new(state), None),
         };

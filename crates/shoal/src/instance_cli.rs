@@ -1,0 +1,258 @@
+//! The cluster commands that change what runs: `shoal load`, `shoal unload`, `shoal drain`,
+//! and `shoal ps`, which lists the instances. They talk to any node's HTTP API (`--url` or
+//! `SHOAL_URL`); that node forwards changes to the coordinator. `load` waits until the
+//! instance answers (or fails), printing its progress on stderr unless `--no-wait`.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use clap::Args;
+use serde_json::{json, Value};
+
+use crate::client::Client;
+use crate::nodes::LookArgs;
+
+#[derive(Args, Debug)]
+pub struct LoadArgs {
+    /// The model: a catalog key or file name some node offers (see `shoal ps --models`), or
+    /// a GGUF path on the node asked.
+    pub model: String,
+    /// auto (the fastest placement that fits), tensor, pipeline or hybrid.
+    #[arg(long, default_value = "auto")]
+    pub strategy: String,
+    /// Only these nodes (ids or names, comma separated).
+    #[arg(long, value_delimiter = ',')]
+    pub nodes: Vec<String>,
+    /// Context length per request, tokens.
+    #[arg(long, default_value_t = 4096)]
+    pub ctx: u32,
+    /// The instance id clients name as the model (default: the model's name).
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Return once placed, without waiting for it to answer.
+    #[arg(long)]
+    pub no_wait: bool,
+    /// Seconds to wait for it to be ready.
+    #[arg(long, default_value_t = 900)]
+    pub timeout_s: u64,
+    #[command(flatten)]
+    pub look: LookArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct UnloadArgs {
+    /// The instance id.
+    pub id: String,
+    #[command(flatten)]
+    pub look: LookArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct DrainArgs {
+    /// The node (id or name) whose instances move elsewhere.
+    pub node: String,
+    #[command(flatten)]
+    pub look: LookArgs,
+}
+
+fn instance<'a>(table: &'a Value, id: &str) -> Option<&'a Value> {
+    table["instances"]
+        .as_array()?
+        .iter()
+        .find(|i| i["id"] == id)
+}
+
+/// `shoal load`.
+pub fn load(args: LoadArgs) -> anyhow::Result<()> {
+    let client = Client::new(&args.look.client);
+    let mut body = json!({"model": args.model, "strategy": args.strategy, "ctx": args.ctx});
+    if !args.nodes.is_empty() {
+        body["nodes"] = json!(args.nodes);
+    }
+    if let Some(id) = &args.id {
+        body["id"] = json!(id);
+    }
+    let placed = client.post("/cluster/instances", &body)?;
+    let inst = &placed["instance"];
+    let id = inst["id"].as_str().unwrap_or("?").to_string();
+    if !args.json_mode() {
+        eprintln!(
+            "placed {id}: {} ({} x {})",
+            describe(&inst["placement"]),
+            inst["placement"]["tp"],
+            inst["placement"]["stages"].as_array().map_or(0, Vec::len)
+        );
+    }
+    if args.no_wait {
+        if args.json_mode() {
+            println!("{placed}");
+        }
+        return Ok(());
+    }
+    let placed_at = Instant::now();
+    let deadline = placed_at + Duration::from_secs(args.timeout_s);
+    let mut last = String::new();
+    loop {
+        let table = client.get("/cluster/instances")?;
+        let Some(i) = instance(&table, &id) else {
+            // the node asked may not have heard of the placement yet
+            if Instant::now() > placed_at + Duration::from_secs(15) {
+                bail!("instance {id} is not in the table of the node asked (unloaded?)");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+            continue;
+        };
+        let line = format!(
+            "{} {}",
+            i["state"].as_str().unwrap_or("?"),
+            i["ranks"]
+                .as_object()
+                .map(|r| r
+                    .iter()
+                    .map(|(n, v)| format!(
+                        "{n}: {}",
+                        v["detail"]
+                            .as_str()
+                            .unwrap_or(v["state"].as_str().unwrap_or(""))
+                    ))
+                    .collect::<Vec<_>>()
+                    .join("; "))
+                .unwrap_or_default()
+        );
+        if line != last && !args.json_mode() {
+            eprintln!("  {line}");
+            std::io::stderr().flush().ok();
+            last = line;
+        }
+        match i["state"].as_str() {
+            Some("ready") => {
+                if args.json_mode() {
+                    println!("{i}");
+                } else {
+                    println!(
+                        "{id} is ready on {} (lead {}, API http://{})",
+                        i["nodes"]
+                            .as_array()
+                            .map(|n| n
+                                .iter()
+                                .filter_map(Value::as_str)
+                                .collect::<Vec<_>>()
+                                .join(", "))
+                            .unwrap_or_default(),
+                        i["lead"].as_str().unwrap_or("?"),
+                        i["api"].as_str().unwrap_or("?")
+                    );
+                }
+                return Ok(());
+            }
+            Some("failed") => bail!(
+                "instance {id} failed: {}",
+                i["reason"].as_str().unwrap_or("no reason given")
+            ),
+            _ => {}
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "instance {id} was not ready after {} s (state {})",
+                args.timeout_s,
+                i["state"]
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+impl LoadArgs {
+    fn json_mode(&self) -> bool {
+        self.look.json
+    }
+}
+
+fn describe(p: &Value) -> String {
+    let Some(stages) = p["stages"].as_array() else {
+        return "?".into();
+    };
+    stages
+        .iter()
+        .map(|s| {
+            format!(
+                "{}[{}..{}]",
+                s["nodes"]
+                    .as_array()
+                    .map(|n| n
+                        .iter()
+                        .filter_map(Value::as_str)
+                        .collect::<Vec<_>>()
+                        .join("+"))
+                    .unwrap_or_default(),
+                s["layers"]["start"],
+                s["layers"]["end"]
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" -> ")
+}
+
+/// `shoal unload`.
+pub fn unload(args: UnloadArgs) -> anyhow::Result<()> {
+    let v = Client::new(&args.look.client).delete(&format!("/cluster/instances/{}", args.id))?;
+    if args.look.json {
+        println!("{v}");
+    } else {
+        println!("unloading {}", args.id);
+    }
+    Ok(())
+}
+
+/// `shoal drain`.
+pub fn drain(args: DrainArgs) -> anyhow::Result<()> {
+    let v = Client::new(&args.look.client).post("/cluster/drain", &json!({"node": args.node}))?;
+    if args.look.json {
+        println!("{v}");
+    } else {
+        let moved: Vec<&str> = v["moved"]
+            .as_array()
+            .map(|m| m.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        println!(
+            "drained {}: {}",
+            args.node,
+            if moved.is_empty() {
+                "no instance ran there".to_string()
+            } else {
+                format!("re-placing {}", moved.join(", "))
+            }
+        );
+    }
+    Ok(())
+}
+
+/// `shoal ps`.
+pub fn ps(args: LookArgs) -> anyhow::Result<()> {
+    let v = Client::new(&args.client).get("/cluster/instances")?;
+    if args.json {
+        println!("{}", v["instances"]);
+        return Ok(());
+    }
+    println!(
+        "{:<16} {:<10} {:<10} {:>4} {:>6}  {:<40} API",
+        "ID", "MODEL", "STATE", "GEN", "CTX", "PLACEMENT"
+    );
+    for i in v["instances"].as_array().cloned().unwrap_or_default() {
+        println!(
+            "{:<16} {:<10} {:<10} {:>4} {:>6}  {:<40} {}",
+            i["id"].as_str().unwrap_or("?"),
+            i["model"].as_str().unwrap_or("?"),
+            i["state"].as_str().unwrap_or("?"),
+            i["generation"],
+            i["ctx"],
+            i["placement"].as_str().unwrap_or("?"),
+            i["api"].as_str().unwrap_or("-"),
+        );
+        if let Some(r) = i["reason"].as_str() {
+            println!("    reason: {r}");
+        }
+    }
+    Ok(())
+}

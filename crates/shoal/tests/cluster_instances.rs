@@ -1,0 +1,337 @@
+//! A model placed on a cluster of `shoal serve` processes on loopback: only one node has the
+//! model file; each node offers at most 800 MB, so qwen05 (0.49 GB of weights, about 1 GB
+//! on one node at this context) must be split. `shoal load` places it across the nodes (the
+//! others fetch their slices from the node that has it), and it answers with the same greedy
+//! text and token count as one process. Killing one of its nodes re-places it on the
+//! survivors, which answer the same again; killing the coordinator loses no instance.
+//! Unloading removes it everywhere.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const PROMPT: &str = "Write one sentence about the sea.";
+const QUESTION: &str = "What is the capital of France?";
+const TOKENS: &str = "32";
+
+fn shoal() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_shoal"));
+    c.env_remove("SHOAL_API_KEY").env_remove("SHOAL_URL");
+    c
+}
+
+fn qwen05() -> Option<PathBuf> {
+    let p = shoal_model::catalog::Catalog::open_default()
+        .ok()
+        .and_then(|c| c.cached_path("qwen05").ok().flatten());
+    if p.is_none() {
+        assert!(
+            std::env::var_os("SHOAL_REQUIRE_MODELS").is_none(),
+            "qwen05 is required: run `shoal models fetch qwen05`"
+        );
+        eprintln!("skipped: qwen05 is not fetched");
+    }
+    p
+}
+
+struct Node {
+    child: Child,
+    name: String,
+    id: String,
+    url: String,
+    listen: String,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A node with its own model cache `home` (empty for every node but the first).
+fn node(dir: &Path, name: &str, secret: &Path, home: &Path, peer: Option<&str>) -> Node {
+    let mut cmd = shoal();
+    cmd.arg("serve")
+        .args(["--api", "127.0.0.1:0", "--listen", "127.0.0.1:0", "-t", "1"])
+        .args(["--name", name, "--no-mdns", "--max-memory", "800M"])
+        .args(["--parallel", "2"])
+        .arg("--secret-file")
+        .arg(secret)
+        .arg("--data-dir")
+        .arg(dir.join(name))
+        .env("SHOAL_HOME", home)
+        .env_remove("SHOAL_SECRET")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(
+            std::fs::File::create(dir.join(format!("{name}.log")))
+                .map(Stdio::from)
+                .unwrap_or(Stdio::null()),
+        );
+    if let Some(p) = peer {
+        cmd.args(["--peer", p]);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let ready: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    Node {
+        child,
+        name: name.to_string(),
+        id: ready["node"].as_str().unwrap().to_string(),
+        url: format!("http://{}", ready["api"].as_str().unwrap()),
+        listen: ready["listen"].as_str().unwrap().to_string(),
+    }
+}
+
+fn run(args: &[&str]) -> (bool, String, String) {
+    let out = shoal().args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json(args: &[&str]) -> Value {
+    let (ok, out, err) = run(args);
+    assert!(ok, "shoal {args:?}: {err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+/// The instance as `url` lists it.
+fn instance(url: &str) -> Option<Value> {
+    json(&["ps", "--json", "--url", url])
+        .as_array()?
+        .iter()
+        .find(|i| i["id"] == "qwen05")
+        .cloned()
+}
+
+fn wait_until<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> (T, Duration) {
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return (v, t0.elapsed());
+        }
+        assert!(t0.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The answer to `prompt` at `url` (text on stdout; the token count from stderr's
+/// statistics line).
+fn answer(url: &str, prompt: &str) -> (String, String) {
+    let (ok, out, err) = run(&[
+        "run", "qwen05", prompt, "--temp", "0", "-n", TOKENS, "--url", url,
+    ]);
+    assert!(ok, "answer at {url}: {err}");
+    (out, generated(&err))
+}
+
+/// The answer to `prompt` of local processes split as `inst` is (same tensor-parallel
+/// width, same stage layers): what the cluster must reproduce exactly.
+fn local_split(model: &Path, inst: &Value, prompt: &str) -> (String, String) {
+    let stages: Vec<String> = inst["placement"]
+        .as_str()
+        .unwrap()
+        .split(" -> ")
+        .map(|s| {
+            let r = s.rsplit('[').next().unwrap().trim_end_matches(']');
+            let (a, b) = r.split_once("..").unwrap();
+            (b.parse::<usize>().unwrap() - a.parse::<usize>().unwrap()).to_string()
+        })
+        .collect();
+    let (tp, pp) = (inst["tp"].to_string(), inst["pp"].to_string());
+    let layers = stages.join(",");
+    let (ok, out, err) = run(&[
+        "run",
+        model.to_str().unwrap(),
+        prompt,
+        "--temp",
+        "0",
+        "-n",
+        TOKENS,
+        "-t",
+        "1",
+        "--tp",
+        &tp,
+        "--pp",
+        &pp,
+        "--stage-layers",
+        &layers,
+    ]);
+    assert!(ok, "local split {tp}x{pp} [{layers}]: {err}");
+    (out, generated(&err))
+}
+
+/// The cluster's answers match one process (a question without near ties, where a
+/// tensor-parallel split's rounding cannot change the greedy choice) and, exactly, the same
+/// split run locally.
+fn check_answers(model: &Path, inst: &Value, one: &(String, String)) {
+    let lead = format!("http://{}", inst["api"].as_str().unwrap());
+    assert_eq!(&answer(&lead, QUESTION), one, "{}", inst["placement"]);
+    let split = local_split(model, inst, PROMPT);
+    assert_eq!(answer(&lead, PROMPT), split, "{}", inst["placement"]);
+    eprintln!("{}: {:?}", inst["placement"], split.0);
+}
+
+fn generated(stats: &str) -> String {
+    stats
+        .split("generation: ")
+        .nth(1)
+        .and_then(|s| s.split(" tokens").next())
+        .unwrap_or_else(|| panic!("no generation count in {stats:?}"))
+        .to_string()
+}
+
+#[test]
+fn a_model_split_over_nodes_answers_like_one_and_survives_losing_nodes() {
+    let Some(model) = qwen05() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("secret");
+    let (ok, s, _) = run(&["secret"]);
+    assert!(ok);
+    std::fs::write(&secret, s).unwrap();
+
+    // one process, for the reference
+    let (ok, want, err) = run(&[
+        "run",
+        model.to_str().unwrap(),
+        QUESTION,
+        "--temp",
+        "0",
+        "-n",
+        TOKENS,
+        "-t",
+        "1",
+    ]);
+    assert!(ok, "{err}");
+    let one = (want, generated(&err));
+    eprintln!("one process: {one:?}");
+
+    // the model's home holds it; the others are empty
+    let home_a = model.parent().unwrap().parent().unwrap().to_path_buf();
+    let empty = |n: &str| {
+        let p = dir.path().join(format!("home-{n}"));
+        std::fs::create_dir_all(&p).unwrap();
+        p
+    };
+    let a = node(dir.path(), "a", &secret, &home_a, None);
+    let seed = a.listen.clone();
+    let mut nodes = vec![a];
+    for n in ["b", "c", "d"] {
+        nodes.push(node(dir.path(), n, &secret, &empty(n), Some(&seed)));
+    }
+    wait_until(Duration::from_secs(30), "four nodes agree", || {
+        let v = json(&["nodes", "--json", "--url", &nodes[3].url]);
+        (v.as_array()?.iter().filter(|n| n["alive"] == true).count() == 4).then_some(())
+    });
+
+    // load through a node without the model, and wait for it to answer
+    let t0 = Instant::now();
+    let (ok, out, err) = run(&[
+        "load",
+        "qwen05",
+        "--strategy",
+        "auto",
+        "--ctx",
+        "512",
+        "--json",
+        "--url",
+        &nodes[1].url,
+    ]);
+    assert!(ok, "load: {err}");
+    let inst: Value = serde_json::from_str(&out).unwrap();
+    eprintln!("loaded in {:?}: {} {err}", t0.elapsed(), inst["placement"]);
+    let used: Vec<String> = inst["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap().to_string())
+        .collect();
+    assert!(used.len() >= 2, "split over several nodes: {inst}");
+    // the nodes without the file fetched only what they needed, checked chunk by chunk
+    for n in nodes
+        .iter()
+        .filter(|n| n.name != "a" && used.contains(&n.name))
+    {
+        let fetched = std::fs::read_dir(dir.path().join(&n.name).join("models"))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .any(|e| e.file_name().to_string_lossy().ends_with(".chunks"));
+        assert!(fetched, "node {} fetched its slice", n.name);
+    }
+    check_answers(&model, &inst, &one);
+    let lead = inst["api"].as_str().unwrap().to_string();
+    // another node points the client at the lead
+    let other = nodes
+        .iter()
+        .find(|n| !n.url.ends_with(&lead))
+        .unwrap()
+        .url
+        .clone();
+    let (ok, _, err) = run(&["run", "qwen05", PROMPT, "-n", "2", "--url", &other]);
+    assert!(!ok && err.contains(&lead), "{err}");
+
+    // kill a node of the instance that is neither the coordinator nor the model's holder
+    let coordinator = nodes.iter().map(|n| n.id.clone()).min().unwrap();
+    let victim = nodes
+        .iter()
+        .position(|n| used.contains(&n.name) && n.name != "a" && n.id != coordinator)
+        .expect("a node to kill");
+    let gen = inst["generation"].as_u64().unwrap();
+    eprintln!("killing {}", nodes[victim].name);
+    nodes.remove(victim);
+    let watch = nodes[0].url.clone();
+    let (_, replaced_in) = wait_until(Duration::from_secs(30), "re-placed", || {
+        let i = instance(&watch)?;
+        (i["generation"].as_u64()? > gen).then_some(())
+    });
+    let (inst, ready_in) = wait_until(Duration::from_secs(300), "ready again", || {
+        instance(&watch).filter(|i| i["state"] == "ready")
+    });
+    eprintln!(
+        "re-placed {replaced_in:?} after the kill, ready {ready_in:?} later: {}",
+        inst["placement"]
+    );
+    check_answers(&model, &inst, &one);
+
+    // kill the coordinator
+    let coordinator = nodes.iter().map(|n| n.id.clone()).min().unwrap();
+    let c = nodes.iter().position(|n| n.id == coordinator).unwrap();
+    let gone = nodes[c].name.clone();
+    eprintln!("killing the coordinator {gone}");
+    nodes.remove(c);
+    let watch = nodes[0].url.clone();
+    // ready on nodes that are all alive (re-placed if the coordinator was one of them)
+    let (inst, t) = wait_until(
+        Duration::from_secs(300),
+        "ready after the coordinator",
+        || {
+            instance(&watch).filter(|i| {
+                i["state"] == "ready" && !i["nodes"].as_array().unwrap().iter().any(|n| n == &gone)
+            })
+        },
+    );
+    eprintln!(
+        "after the coordinator died: ready in {t:?}: {}",
+        inst["placement"]
+    );
+    check_answers(&model, &inst, &one);
+
+    // unload: gone from every survivor's table
+    let (ok, _, err) = run(&["unload", "qwen05", "--url", &nodes[0].url]);
+    assert!(ok, "{err}");
+    for n in &nodes {
+        wait_until(Duration::from_secs(30), "unloaded", || {
+            instance(&n.url).is_none().then_some(())
+        });
+    }
+}
