@@ -2,10 +2,9 @@
 //! (the secret is in the answer, once) and revoke. Only an administrator key may use them;
 //! while no key exists, only clients on the server's own machine may.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::{ConnectInfo, Path, Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -15,19 +14,16 @@ use serde_json::json;
 use crate::error::{parse_body, ApiError};
 use crate::state::AppState;
 
-fn loopback(req: &Request) -> bool {
-    req.extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .is_some_and(|c| c.0.ip().is_loopback())
-}
-
 fn keys_error(e: crate::keys::KeyError) -> Response {
     ApiError::internal(e.to_string()).into_response()
 }
 
 /// `GET /admin/keys`.
 pub async fn list_keys(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    if let Err(e) = state.keys.authorize_admin(req.headers(), loopback(&req)) {
+    if let Err(e) = state
+        .keys
+        .authorize_admin(req.headers(), state.is_local_request(&req))
+    {
         return e.into_response();
     }
     Json(json!({"keys": state.keys.list()})).into_response()
@@ -44,7 +40,10 @@ struct CreateKey {
 
 /// `POST /admin/keys` with `{"name", "admin", "rpm"}`.
 pub async fn create_key(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    if let Err(e) = state.keys.authorize_admin(req.headers(), loopback(&req)) {
+    if let Err(e) = state
+        .keys
+        .authorize_admin(req.headers(), state.is_local_request(&req))
+    {
         return e.into_response();
     }
     let body = match axum::body::to_bytes(req.into_body(), 64 << 10).await {
@@ -75,7 +74,10 @@ pub async fn revoke_key(
     Path(id): Path<String>,
     req: Request,
 ) -> Response {
-    if let Err(e) = state.keys.authorize_admin(req.headers(), loopback(&req)) {
+    if let Err(e) = state
+        .keys
+        .authorize_admin(req.headers(), state.is_local_request(&req))
+    {
         return e.into_response();
     }
     match state.keys.revoke(&id) {

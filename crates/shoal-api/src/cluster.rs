@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use axum::extract::{ConnectInfo, Path, Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -92,11 +92,9 @@ fn control(state: &AppState) -> Result<crate::state::Control, ApiError> {
 }
 
 fn admin(state: &AppState, req: &Request) -> Result<crate::state::Control, ApiError> {
-    let loopback = req
-        .extensions()
-        .get::<ConnectInfo<std::net::SocketAddr>>()
-        .is_some_and(|c| c.0.ip().is_loopback());
-    state.keys.authorize_admin(req.headers(), loopback)?;
+    state
+        .keys
+        .authorize_admin(req.headers(), state.is_local_request(req))?;
     control(state)
 }
 

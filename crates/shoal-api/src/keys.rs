@@ -334,7 +334,7 @@ impl KeyStore {
             }
             return Err(ApiError::new(
                 ErrorKind::Permission,
-                "keys can only be managed from the server's own machine until the first key exists",
+                "administration (API keys, cluster instances) is open only to clients on the server's own machine until the first key exists: run the command there, or create an administrator key there with `shoal keys create --name NAME --admin` and pass it with --key",
             ));
         }
         let key = self.authorize(headers)?.ok_or_else(|| {

@@ -160,6 +160,9 @@ pub struct AppState {
     pub cluster: Option<Arc<shoal_cluster::node::Node>>,
     /// The cluster's instance driver, once the node runs one.
     pub instances: std::sync::OnceLock<Control>,
+    /// Addresses of this machine besides loopback (the API's own address when it is bound
+    /// to one): a client connecting from one is on the server's machine.
+    pub local_ips: std::sync::RwLock<Vec<std::net::IpAddr>>,
 }
 
 impl AppState {
@@ -172,6 +175,7 @@ impl AppState {
             started: Instant::now(),
             cluster: None,
             instances: std::sync::OnceLock::new(),
+            local_ips: std::sync::RwLock::new(Vec::new()),
         }
     }
 
@@ -185,6 +189,23 @@ impl AppState {
     ///
     /// # Errors
     /// 404 naming the models that are served.
+    /// Whether a client at `peer` is on this machine (loopback, or one of `local_ips`).
+    pub fn is_local(&self, peer: std::net::IpAddr) -> bool {
+        peer.is_loopback()
+            || self
+                .local_ips
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&peer)
+    }
+
+    /// Whether the client of `req` is on this machine.
+    pub fn is_local_request(&self, req: &axum::extract::Request) -> bool {
+        req.extensions()
+            .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+            .is_some_and(|c| self.is_local(c.0.ip()))
+    }
+
     /// Every model served now.
     pub fn served(&self) -> Vec<Arc<ServedModel>> {
         self.models

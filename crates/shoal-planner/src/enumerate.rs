@@ -443,7 +443,7 @@ fn evaluate_stages(
         .collect();
     problems.extend(ev.missing_links(&stages).into_iter().map(|(a, b)| {
         format!(
-            "no link between {} and {}",
+            "no link between {} and {} (a live cluster measures a new node's links within seconds of it joining; retry then)",
             ev.cluster.nodes[a].id, ev.cluster.nodes[b].id
         )
     }));

@@ -911,7 +911,11 @@ impl Driver {
                     ));
                 }
                 tracing::info!(from, op = %body["op"], "coordinator request");
-                self.apply(&body).await.map_err(|e| e.message)
+                // a refusal travels as an answer, so its status reaches the client
+                Ok(match self.apply(&body).await {
+                    Ok(v) => json!({"ok": v}),
+                    Err(e) => json!({"refused": {"status": e.status, "message": e.message}}),
+                })
             }
             other => Err(format!("unknown operation {other:?}")),
         }
@@ -1008,6 +1012,28 @@ impl Driver {
             "drain" => {
                 let node = body["node"].as_str().unwrap_or("");
                 let t = table.drain(&me, node, &|m| self.profile(m), &cluster, now_ms());
+                // refuse rather than fail a running instance that has nowhere to go
+                let stranded: Vec<String> = t
+                    .instances
+                    .values()
+                    .filter_map(|i| match (&i.state, table.get(&i.id).map(|o| &o.state)) {
+                        (InstanceState::Failed { reason }, Some(before))
+                            if !matches!(before, InstanceState::Failed { .. }) =>
+                        {
+                            Some(format!("{}: {reason}", i.id))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                if !stranded.is_empty() {
+                    return Err(err(
+                        409,
+                        format!(
+                            "node {node} is not drained: its instances would have nowhere to go ({}); unload them or add nodes first",
+                            stranded.join("; ")
+                        ),
+                    ));
+                }
                 let moved: Vec<&str> = t
                     .instances
                     .values()
@@ -1039,10 +1065,22 @@ impl Driver {
         if coord == self.node.id() {
             return self.apply(&body).await;
         }
-        self.node
+        let answer = self
+            .node
             .ask(&coord, body, Duration::from_secs(30))
             .await
-            .map_err(|e| err(503, e))
+            .map_err(|e| err(503, format!("the coordinator could not be asked: {e}")))?;
+        match (answer.get("ok"), answer.get("refused")) {
+            (Some(v), _) => Ok(v.clone()),
+            (None, Some(r)) => Err(err(
+                r["status"]
+                    .as_u64()
+                    .and_then(|s| u16::try_from(s).ok())
+                    .unwrap_or(500),
+                r["message"].as_str().unwrap_or("refused").to_string(),
+            )),
+            _ => Err(err(502, format!("the coordinator answered {answer}"))),
+        }
     }
 
     async fn load_request(&self, req: Value) -> Result<Value, ControlError> {
@@ -1175,7 +1213,7 @@ impl Driver {
                     "strategy": i.placement.strategy,
                     "tp": i.placement.tp,
                     "pp": i.placement.pp(),
-                    "placement": i.placement.describe(),
+                    "placement": nodes.iter().fold(i.placement.describe(), |d, n| d.replace(&n.id, &n.name)),
                     "nodes": i.nodes().into_iter().map(name_of).collect::<Vec<_>>(),
                     "lead": name_of(lead),
                     "api": api_of(lead),

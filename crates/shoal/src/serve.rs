@@ -259,6 +259,9 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding the API address {}", args.api))?;
         let addr = listener.local_addr()?;
+        if !addr.ip().is_unspecified() {
+            state.local_ips.write().unwrap().push(addr.ip());
+        }
         let shutdown = shutdown_signal()?;
         let (state, node) = match secret {
             Some(secret) => {

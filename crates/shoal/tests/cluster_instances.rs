@@ -326,6 +326,11 @@ fn a_model_split_over_nodes_answers_like_one_and_survives_losing_nodes() {
     );
     check_answers(&model, &inst, &one);
 
+    // draining a node of the instance when the rest cannot hold it is refused, not a failure
+    let (ok, _, err) = run(&["drain", &nodes[1].name, "--url", &nodes[0].url]);
+    assert!(!ok && err.contains("not drained"), "{err}");
+    assert_eq!(instance(&nodes[0].url).unwrap()["state"], "ready");
+
     // unload: gone from every survivor's table
     let (ok, _, err) = run(&["unload", "qwen05", "--url", &nodes[0].url]);
     assert!(ok, "{err}");

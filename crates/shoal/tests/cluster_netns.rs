@@ -1,6 +1,8 @@
 //! Three `shoal serve` nodes in three network namespaces joined by a Linux bridge, as three
 //! hosts on a LAN: they find each other by mDNS alone (no `--peer`) within 5 s and agree on
-//! membership. Needs root and iproute2; where either is missing the test says so and passes,
+//! membership; then `shoal load qwen05 --strategy auto` places the model across them (each
+//! node offers at most 800 MB, so it cannot stay on one) although only the first node has
+//! the model file, and the split answers as one process does. Needs root and iproute2; where either is missing the test says so and passes,
 //! unless `SHOAL_REQUIRE_NETNS=1` (CI sets it) makes that a failure.
 
 use std::io::{BufRead, BufReader};
@@ -136,6 +138,15 @@ fn three_namespaces_on_a_bridge_find_each_other_by_mdns() {
             return;
         }
     };
+    let model = shoal_model::catalog::Catalog::open_default()
+        .ok()
+        .and_then(|c| c.cached_path("qwen05").ok().flatten());
+    if model.is_none() {
+        assert!(
+            std::env::var_os("SHOAL_REQUIRE_MODELS").is_none(),
+            "qwen05 is required: run `shoal models fetch qwen05`"
+        );
+    }
     let dir = tempfile::tempdir().unwrap();
     let secret = dir.path().join("secret");
     std::fs::write(&secret, "netns test secret, long enough").unwrap();
@@ -143,13 +154,26 @@ fn three_namespaces_on_a_bridge_find_each_other_by_mdns() {
     let mut nodes = Vec::new();
     for i in 0..3 {
         let addr = lan.addr(i);
+        // only the first node has the model
+        let home = match (&model, i) {
+            (Some(m), 0) => m.parent().unwrap().parent().unwrap().to_path_buf(),
+            _ => dir.path().join(format!("home{i}")),
+        };
         let mut child = Command::new("ip")
             .args(["netns", "exec", &lan.ns(i)])
             .arg(env!("CARGO_BIN_EXE_shoal"))
             .arg("serve")
             .args(["--listen", &format!("{addr}:7338")])
             .args(["--api", &format!("{addr}:7337")])
-            .args(["--name", &format!("host{i}"), "-t", "1"])
+            .args([
+                "--name",
+                &format!("host{i}"),
+                "-t",
+                "1",
+                "--max-memory",
+                "800M",
+            ])
+            .env("SHOAL_HOME", &home)
             .arg("--secret-file")
             .arg(&secret)
             .arg("--data-dir")
@@ -185,5 +209,72 @@ fn three_namespaces_on_a_bridge_find_each_other_by_mdns() {
         "three hosts on a bridge found each other by mDNS in {:?}",
         t0.elapsed()
     );
+    let Some(model) = model else {
+        eprintln!("skipping the placement: qwen05 is not fetched");
+        return;
+    };
+    let shoal = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+            .args(args)
+            .env_remove("SHOAL_API_KEY")
+            .output()
+            .unwrap();
+        let (o, e) = (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        );
+        assert!(out.status.success(), "shoal {args:?}: {e}");
+        (o, e)
+    };
+    let question = "What is the capital of France?";
+    let (want, _) = shoal(&[
+        "run",
+        model.to_str().unwrap(),
+        question,
+        "--temp",
+        "0",
+        "-n",
+        "24",
+        "-t",
+        "1",
+    ]);
+    let t0 = Instant::now();
+    // from the host of the node asked: changing what runs is for its own machine (or an
+    // administrator key)
+    let out = Command::new("ip")
+        .args(["netns", "exec", &lan.ns(1)])
+        .arg(env!("CARGO_BIN_EXE_shoal"))
+        .args([
+            "load",
+            "qwen05",
+            "--strategy",
+            "auto",
+            "--ctx",
+            "512",
+            "--json",
+        ])
+        .args(["--url", &nodes[1].1])
+        .env_remove("SHOAL_API_KEY")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "load: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let placed = String::from_utf8_lossy(&out.stdout).into_owned();
+    let inst: Value = serde_json::from_str(&placed).unwrap();
+    let used = inst["nodes"].as_array().unwrap().len();
+    assert!(used >= 2, "placed across the hosts: {inst}");
+    eprintln!(
+        "placed and ready across {used} hosts in {:?}: {}",
+        t0.elapsed(),
+        inst["placement"]
+    );
+    let lead = format!("http://{}", inst["api"].as_str().unwrap());
+    let (got, _) = shoal(&[
+        "run", "qwen05", question, "--temp", "0", "-n", "24", "--url", &lead,
+    ]);
+    assert_eq!(got, want, "{}", inst["placement"]);
     drop(procs);
 }
