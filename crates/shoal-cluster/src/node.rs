@@ -41,6 +41,8 @@ const LINKS_KEY: &str = "links";
 pub const MAX_FETCH_BYTES: u64 = 16 << 20;
 /// How long an incoming mesh link waits to be claimed by its rank.
 const MESH_PARK: Duration = Duration::from_secs(120);
+/// Unclaimed incoming mesh links kept at most.
+const MESH_PARK_MAX: usize = 1024;
 /// Bytes sent to measure a link's bandwidth.
 const PROBE_BYTES: u64 = 4 << 20;
 /// Round trips timed per link measurement (the median is kept).
@@ -865,6 +867,10 @@ impl Inner {
                         };
                         let mut inbox = self.mesh_inbox.lock().unwrap();
                         inbox.retain(|_, (_, _, at)| at.elapsed() < MESH_PARK);
+                        if inbox.len() >= MESH_PARK_MAX {
+                            tracing::warn!(node = %hello.node, "too many unclaimed mesh links; dropping this one");
+                            return;
+                        }
                         inbox.insert(key, (hello.node.clone(), s, Instant::now()));
                         drop(inbox);
                         self.mesh_arrived.notify_waiters();

@@ -781,7 +781,8 @@ impl Driver {
         if m.chunk != CHUNK || m.hashes.len() as u64 != m.size.div_ceil(CHUNK) {
             bail!("node {src} sent a manifest that does not describe its file");
         }
-        let mut needed: BTreeSet<u64> = (0..m.data_offset.div_ceil(CHUNK).max(1)).collect();
+        let mut needed: BTreeSet<u64> =
+            (0..m.data_offset.min(m.size).div_ceil(CHUNK).max(1)).collect();
         for (name, start, len) in &m.tensors {
             let wanted = match block_index(name) {
                 Some(i) => layers.contains(&i),
