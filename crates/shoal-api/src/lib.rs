@@ -10,6 +10,7 @@ pub mod anthropic;
 pub mod cluster;
 pub mod constrain;
 pub mod error;
+pub mod forward;
 pub mod generation;
 pub mod keys;
 pub mod metrics;
@@ -212,6 +213,10 @@ pub fn router(state: Arc<AppState>, opts: &HttpOptions) -> Router {
         .route("/admin/keys/{id}", delete(admin::revoke_key))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            forward::Forwarder::new(state.clone(), opts.body_limit),
+            forward::forward,
+        ))
         .layer(DefaultBodyLimit::max(opts.body_limit))
         .layer(middleware::from_fn_with_state(state.clone(), track));
     if let Some(c) = cors(&opts.cors_origins) {

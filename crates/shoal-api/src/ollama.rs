@@ -432,7 +432,7 @@ pub async fn tags(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Res
     if let Err(e) = state.keys.authorize(&headers) {
         return ollama_err(e);
     }
-    let models: Vec<Value> = state
+    let mut models: Vec<Value> = state
         .served()
         .iter()
         .map(|m| {
@@ -447,6 +447,11 @@ pub async fn tags(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Res
             })
         })
         .collect();
+    // instances other nodes lead, answered here by forwarding
+    models.extend(state.remote_instances().into_iter().map(|id| {
+        let name = format!("{id}:latest");
+        json!({"name": name, "model": name, "modified_at": rfc3339(0), "size": 0, "digest": ""})
+    }));
     Json(json!({"models": models})).into_response()
 }
 

@@ -767,10 +767,17 @@ pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> R
     if let Err(e) = state.keys.authorize(&headers) {
         return e.flavor(Flavor::OpenAi).into_response();
     }
-    let data: Vec<Value> = state
+    let mut data: Vec<Value> = state
         .served()
         .iter()
         .map(|m| json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "shoal"}))
         .collect();
+    // instances other nodes lead, answered here by forwarding
+    data.extend(
+        state
+            .remote_instances()
+            .into_iter()
+            .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "shoal"})),
+    );
     Json(json!({"object": "list", "data": data})).into_response()
 }

@@ -133,6 +133,8 @@ pub trait InstanceControl: Send + Sync {
     fn list(&self) -> ControlFuture;
     /// The HTTP API address of the node leading ready instance `id`, if there is one.
     fn lead_api(&self, id: &str) -> Option<String>;
+    /// The ids of the ready instances (each led by some node).
+    fn ready_ids(&self) -> Vec<String>;
 }
 
 /// The instance driver as the routes hold it.
@@ -204,6 +206,18 @@ impl AppState {
         req.extensions()
             .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
             .is_some_and(|c| self.is_local(c.0.ip()))
+    }
+
+    /// Ready cluster instances this node does not serve itself (it forwards them).
+    pub fn remote_instances(&self) -> Vec<String> {
+        let Some(c) = self.instances.get() else {
+            return Vec::new();
+        };
+        let local = self.served();
+        c.0.ready_ids()
+            .into_iter()
+            .filter(|id| !local.iter().any(|m| &m.id == id))
+            .collect()
     }
 
     /// Every model served now.

@@ -1261,6 +1261,10 @@ impl InstanceControl for Driver {
         self.leads.lock().unwrap().get(id).cloned()
     }
 
+    fn ready_ids(&self) -> Vec<String> {
+        self.leads.lock().unwrap().keys().cloned().collect()
+    }
+
     fn list(&self) -> ControlFuture {
         let me = self.self_arc();
         Box::pin(async move {
