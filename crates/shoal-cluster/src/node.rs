@@ -158,6 +158,8 @@ struct Inner {
     refused_sessions: AtomicU64,
     io_timeout: Duration,
     memory_limit: Option<u64>,
+    /// Memory the node's instances hold, bytes (counted against `memory_limit`).
+    memory_held: AtomicU64,
 }
 
 /// A running node; [`Node::shutdown`] stops it.
@@ -260,6 +262,7 @@ impl Node {
             refused_sessions: AtomicU64::new(0),
             io_timeout: cfg.io_timeout,
             memory_limit: cfg.memory_limit,
+            memory_held: AtomicU64::new(0),
             mesh_inbox: Mutex::new(HashMap::new()),
             mesh_arrived: tokio::sync::Notify::new(),
             app: Mutex::new(None),
@@ -602,6 +605,14 @@ impl Node {
         SessionTransport::new(rank, sessions).map_err(|e| e.to_string())
     }
 
+    /// Records the memory this node's instances hold (bytes) and publishes its free memory
+    /// again if that changed it.
+    pub async fn set_memory_held(&self, bytes: u64) {
+        if self.inner.memory_held.swap(bytes, Ordering::Relaxed) != bytes {
+            self.inner.publish_memory().await;
+        }
+    }
+
     /// Changes this node's published facts.
     pub async fn update_facts(&self, update: impl FnOnce(&mut NodeFacts)) {
         self.inner.update_facts(update).await;
@@ -638,6 +649,24 @@ impl Inner {
         if let Err(e) = self.membership.set(FACTS_KEY, &json).await {
             tracing::warn!(error = %e, "publishing this node's facts failed");
         }
+    }
+
+    /// Publishes the node's total and free memory (to the nearest 64 MiB, so noise does not
+    /// gossip): what `/proc/meminfo` says is available, and under `--max-memory` at most the
+    /// limit less what its instances hold.
+    async fn publish_memory(&self) {
+        let Some((total, free)) = crate::facts::memory() else {
+            return;
+        };
+        let cap = self
+            .memory_limit
+            .map(|l| l.saturating_sub(self.memory_held.load(Ordering::Relaxed)))
+            .unwrap_or(u64::MAX);
+        self.update_facts(|f| {
+            f.memory_total_bytes = total;
+            f.memory_free_bytes = free.min(cap) >> 26 << 26;
+        })
+        .await;
     }
 
     /// The cluster address of live node `node`, from its published facts.
@@ -1039,15 +1068,7 @@ async fn probe_loop(inner: Arc<Inner>, interval: Duration, mut stop: watch::Rece
         }
         // free memory changes as models load and other programs run; publish it again
         // (to the nearest 64 MiB, so noise does not gossip)
-        if let Some((total, free)) = crate::facts::memory() {
-            inner
-                .update_facts(|f| {
-                    f.memory_total_bytes = total;
-                    f.memory_free_bytes =
-                        free.min(inner.memory_limit.unwrap_or(u64::MAX)) >> 26 << 26;
-                })
-                .await;
-        }
+        inner.publish_memory().await;
         // Wait for the next round, or for a node to join (views also change with every
         // key-value, such as other nodes' links: only a new id counts).
         let next = tokio::time::Instant::now() + interval;

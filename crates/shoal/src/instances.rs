@@ -307,6 +307,78 @@ impl Driver {
         Cluster { nodes, links }
     }
 
+    /// The memory `inst` holds on each of its live nodes, as the planner predicts it.
+    fn held_by(&self, inst: &Instance, cluster: &Cluster) -> Vec<(String, u64)> {
+        let Some(profile) = self.profile(&inst.model) else {
+            return Vec::new();
+        };
+        let req = PlanRequest {
+            ctx: inst.ctx,
+            strategy: inst.strategy,
+            ..PlanRequest::default()
+        };
+        // Only the live nodes' share matters, but evaluation needs every node of the
+        // placement: a dead one stands in as a copy of a live one (memory per rank depends
+        // on the model and the split, not on the node).
+        let Some(template) = cluster.nodes.first().cloned() else {
+            return Vec::new();
+        };
+        let mut full = cluster.clone();
+        for n in inst.nodes() {
+            if !full.nodes.iter().any(|x| x.id == n) {
+                full.nodes.push(shoal_planner::NodeSpec {
+                    id: n.to_string(),
+                    name: n.to_string(),
+                    ..template.clone()
+                });
+            }
+        }
+        match shoal_planner::evaluate(&full, &profile, &req, &inst.placement) {
+            Ok(c) => c
+                .prediction
+                .memory
+                .into_iter()
+                .filter(|m| cluster.nodes.iter().any(|n| n.id == m.node))
+                .map(|m| (m.node, m.total_bytes))
+                .collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// `cluster` with the memory the instances `ids` hold given back to their nodes (they
+    /// are about to be re-placed, and their old ranks stop).
+    fn releasing(&self, table: &InstanceTable, ids: &[&str], cluster: &Cluster) -> Cluster {
+        let mut out = cluster.clone();
+        for id in ids {
+            let Some(inst) = table.get(id) else { continue };
+            if !is_running(&inst.state) {
+                continue;
+            }
+            for (node, bytes) in self.held_by(inst, cluster) {
+                if let Some(n) = out.nodes.iter_mut().find(|n| n.id == node) {
+                    n.memory_free_bytes = n.memory_free_bytes.saturating_add(bytes);
+                }
+            }
+        }
+        out
+    }
+
+    /// Tells the node what this node's instances hold, so its published free memory under
+    /// `--max-memory` leaves it out.
+    async fn publish_held(&self, table: &InstanceTable) {
+        let cluster = self.cluster().await;
+        let me = self.node.id();
+        let held: u64 = table
+            .instances
+            .values()
+            .filter(|i| is_running(&i.state) && i.nodes().contains(&me))
+            .flat_map(|i| self.held_by(i, &cluster))
+            .filter(|(n, _)| n == me)
+            .map(|(_, b)| b)
+            .sum();
+        self.node.set_memory_held(held).await;
+    }
+
     // ---------------------------------------------------------------- the loop
 
     async fn run(self: Arc<Self>) {
@@ -314,6 +386,7 @@ impl Driver {
         let mut published_table = String::new();
         let mut published_reports = String::new();
         let mut members = Vec::new();
+        let mut held_for = u64::MAX;
         loop {
             tokio::time::sleep(TICK).await;
             self.remember_profiles();
@@ -333,6 +406,10 @@ impl Driver {
                 }
             }
             self.reconcile(&table);
+            if table.version != held_for {
+                self.publish_held(&table).await;
+                held_for = table.version;
+            }
             let nodes = self.node.nodes().await;
             let leads = table
                 .instances
@@ -414,6 +491,13 @@ impl Driver {
             .collect();
         if !lost.is_empty() {
             let cluster = self.cluster().await;
+            let moving: Vec<&str> = table
+                .instances
+                .values()
+                .filter(|i| i.uses_any(&lost))
+                .map(|i| i.id.as_str())
+                .collect();
+            let cluster = self.releasing(&table, &moving, &cluster);
             next = next.on_nodes_lost(&me, &lost, &|m| self.profile(m), &cluster, now_ms());
             for i in next.instances.values() {
                 if table.get(&i.id).map(|o| o.generation) != Some(i.generation) {
@@ -512,10 +596,7 @@ impl Driver {
         let me = self.node.id();
         let mut want: HashMap<(String, usize), &Instance> = HashMap::new();
         for inst in table.instances.values() {
-            if !matches!(
-                inst.state,
-                InstanceState::Placing | InstanceState::Loading | InstanceState::Ready
-            ) {
+            if !is_running(&inst.state) {
                 continue;
             }
             for (rank, node) in inst.placement.rank_nodes().into_iter().enumerate() {
@@ -969,10 +1050,24 @@ impl Driver {
         Ok(m)
     }
 
+    /// The live cluster once every pair of its nodes has a measured link (a node that just
+    /// joined is measured within seconds), or as it is after `wait`.
+    async fn measured_cluster(&self, wait: Duration) -> Cluster {
+        let until = Instant::now() + wait;
+        loop {
+            let c = self.cluster().await;
+            let n = c.nodes.len();
+            if c.links.len() >= n * n.saturating_sub(1) / 2 || Instant::now() >= until {
+                return c;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     /// Applies a coordinator operation to the table (on the coordinator).
     async fn apply(&self, body: &Value) -> Result<Value, ControlError> {
         let me = self.node.id().to_string();
-        let cluster = self.cluster().await;
+        let cluster = self.measured_cluster(Duration::from_secs(15)).await;
         let table = self.table.lock().unwrap().clone();
         let (next, answer) = match body["op"].as_str().unwrap_or("") {
             "load" => {
@@ -1012,6 +1107,13 @@ impl Driver {
             }
             "drain" => {
                 let node = body["node"].as_str().unwrap_or("");
+                let moving: Vec<&str> = table
+                    .instances
+                    .values()
+                    .filter(|i| i.uses_any(&[node.to_string()]))
+                    .map(|i| i.id.as_str())
+                    .collect();
+                let cluster = self.releasing(&table, &moving, &cluster);
                 let t = table.drain(&me, node, &|m| self.profile(m), &cluster, now_ms());
                 // refuse rather than fail a running instance that has nowhere to go
                 let stranded: Vec<String> = t
@@ -1225,6 +1327,14 @@ impl Driver {
             .collect();
         json!({"version": table.version, "coordinator": table.coordinator, "instances": list})
     }
+}
+
+/// Whether an instance in `state` holds ranks (and memory) on its nodes.
+fn is_running(state: &InstanceState) -> bool {
+    matches!(
+        state,
+        InstanceState::Placing | InstanceState::Loading | InstanceState::Ready
+    )
 }
 
 /// The block index of a tensor named `blk.N.…`.

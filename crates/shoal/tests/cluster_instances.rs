@@ -287,6 +287,19 @@ fn a_model_split_over_nodes_answers_like_one_and_survives_losing_nodes() {
     }
     check_answers(&model, &inst, &one);
     let lead = inst["api"].as_str().unwrap().to_string();
+    // the memory it holds is taken: a second copy does not fit (each node offers 800 MB)
+    let (ok, _, err) = run(&[
+        "load",
+        "qwen05",
+        "--id",
+        "second",
+        "--ctx",
+        "512",
+        "--url",
+        &nodes[0].url,
+    ]);
+    assert!(!ok && err.contains("fits nowhere"), "{err}");
+
     // every node answers for the instance: the others list it and forward to the lead
     for n in nodes.iter().filter(|n| !n.url.ends_with(&lead)) {
         let models = http_get(&n.url, "/v1/models");
