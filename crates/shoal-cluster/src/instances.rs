@@ -241,6 +241,10 @@ pub struct InstanceTable {
     pub coordinator: String,
     /// The instances by id.
     pub instances: BTreeMap<String, Instance>,
+    /// Nodes drained of their instances: nothing is placed on them until they leave the
+    /// cluster (the driver then calls [`InstanceTable::undrain`]).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeSet::is_empty")]
+    pub drained: std::collections::BTreeSet<String>,
 }
 
 /// Whether `me` is the coordinator: no live node has a lower id (`me` counts as live whether
@@ -307,6 +311,7 @@ impl InstanceTable {
             version: self.version.saturating_add(1),
             coordinator: me.to_string(),
             instances: self.instances.clone(),
+            drained: self.drained.clone(),
         }
     }
 
@@ -351,10 +356,12 @@ impl InstanceTable {
                 state: old.state.to_string(),
             });
         }
-        let best = plan(cluster, profile, request).map_err(|error| InstanceError::NoFit {
-            id: new.id.clone(),
-            model: new.model.clone(),
-            error,
+        let best = plan(&self.placeable(cluster), profile, request).map_err(|error| {
+            InstanceError::NoFit {
+                id: new.id.clone(),
+                model: new.model.clone(),
+                error,
+            }
         })?;
         let mut inst = Instance {
             id: new.id,
@@ -521,12 +528,13 @@ impl InstanceTable {
                 hint: "it is being unloaded; forget it once stopped, then load again",
             });
         }
-        let placement =
-            place_again(inst, profile, cluster).map_err(|error| InstanceError::NoFit {
+        let placement = place_again(inst, profile, &self.placeable(cluster)).map_err(|error| {
+            InstanceError::NoFit {
                 id: id.to_string(),
                 model: inst.model.clone(),
                 error,
-            })?;
+            }
+        })?;
         let mut out = self.next(me);
         if let Some(i) = out.instances.get_mut(id) {
             let from = list(&i.nodes());
@@ -565,7 +573,8 @@ impl InstanceTable {
     }
 
     /// [`InstanceTable::on_nodes_lost`] for a node leaving voluntarily: every instance on
-    /// `node` is re-placed on `cluster` without it, or fails with the reason.
+    /// `node` is re-placed on `cluster` without it, or fails with the reason, and the node
+    /// is recorded as drained (see [`InstanceTable::drained`]).
     pub fn drain(
         &self,
         me: &str,
@@ -574,14 +583,40 @@ impl InstanceTable {
         cluster: &Cluster,
         now_ms: u64,
     ) -> Self {
-        self.lose(
+        let mut out = self.lose(
             me,
             &[node.to_string()],
             "was drained",
             profiles,
             cluster,
             now_ms,
-        )
+        );
+        if !out.drained.contains(node) {
+            if out.version == self.version {
+                out = out.next(me);
+            }
+            out.drained.insert(node.to_string());
+        }
+        out
+    }
+
+    /// Forgets that `nodes` were drained (they left, or may take instances again); the
+    /// table unchanged (same version) when none of them was.
+    pub fn undrain(&self, me: &str, nodes: &[String]) -> Self {
+        if !nodes.iter().any(|n| self.drained.contains(n)) {
+            return self.clone();
+        }
+        let mut out = self.next(me);
+        for n in nodes {
+            out.drained.remove(n);
+        }
+        out
+    }
+
+    /// `cluster` without the drained nodes: where new placements may go.
+    pub fn placeable(&self, cluster: &Cluster) -> Cluster {
+        let drained: Vec<String> = self.drained.iter().cloned().collect();
+        without(cluster, &drained)
     }
 
     fn lose(
@@ -602,7 +637,7 @@ impl InstanceTable {
         if hit.is_empty() {
             return self.clone();
         }
-        let survivors = without(cluster, lost);
+        let survivors = without(&self.placeable(cluster), lost);
         let mut out = self.next(me);
         for id in hit {
             let Some(i) = out.instances.get_mut(id) else {
@@ -874,6 +909,7 @@ mod tests {
             version: v,
             coordinator: c.into(),
             instances: BTreeMap::new(),
+            drained: Default::default(),
         };
         let ts = [t(3, "b"), t(5, "c"), t(5, "a"), t(1, "a")];
         let n = InstanceTable::newest(&ts).unwrap();
@@ -1029,6 +1065,44 @@ mod tests {
     }
 
     #[test]
+    fn a_drained_node_takes_nothing_until_undrained() {
+        let (cluster, t) = two_instances();
+        let t2 = t.drain("a", "d", &profiles, &cluster, 5);
+        assert!(t2.drained.contains("d"));
+        // draining a node no instance uses is still recorded
+        let t3 = t2.drain("a", "c", &profiles, &cluster, 6);
+        assert!(t3.drained.contains("c") && t3.version > t2.version);
+        let fresh = t3
+            .load("a", new("x", "small"), &small(), &cluster, &req(None), 7)
+            .unwrap();
+        let x = fresh.get("x").unwrap();
+        assert!(!x.nodes().contains(&"d") && !x.nodes().contains(&"c"));
+        // re-placement after a loss avoids them too
+        let lost = t3.on_nodes_lost("a", &strs(&["a"]), &profiles, &cluster, 8);
+        for i in lost.instances.values() {
+            assert!(
+                !i.nodes().contains(&"d") && !i.nodes().contains(&"c"),
+                "{}",
+                i.placement.describe()
+            );
+        }
+        let t4 = t3.undrain("a", &strs(&["d", "z"]));
+        assert!(!t4.drained.contains("d") && t4.drained.contains("c"));
+        assert_eq!(
+            t4.undrain("a", &strs(&["z"])),
+            t4,
+            "nothing to undrain: unchanged"
+        );
+        // the set survives serialization (and an old table without it still parses)
+        let back: InstanceTable =
+            serde_json::from_str(&serde_json::to_string(&t4).unwrap()).unwrap();
+        assert_eq!(back, t4);
+        let old: InstanceTable =
+            serde_json::from_str(r#"{"version":1,"coordinator":"a","instances":{}}"#).unwrap();
+        assert!(old.drained.is_empty());
+    }
+
+    #[test]
     fn the_state_machine_refuses_illegal_transitions() {
         use InstanceState::*;
         let (cluster, t) = two_instances();
@@ -1120,6 +1194,7 @@ mod tests {
                 version,
                 coordinator: ["a", "b", "c"][c].into(),
                 instances: BTreeMap::new(),
+                drained: Default::default(),
             };
             let (_, base) = two_instances_cached();
             for (k, (id, i)) in base.instances.iter().enumerate() {

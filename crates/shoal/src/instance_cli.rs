@@ -235,6 +235,16 @@ pub fn ps(args: LookArgs) -> anyhow::Result<()> {
         println!("{}", v["instances"]);
         return Ok(());
     }
+    let drained: Vec<&str> = v["drained"]
+        .as_array()
+        .map(|d| d.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    if !drained.is_empty() {
+        println!(
+            "drained (no new placements until they leave): {}",
+            drained.join(", ")
+        );
+    }
     println!(
         "{:<16} {:<10} {:<10} {:>4} {:>6}  {:<40} API",
         "ID", "MODEL", "STATE", "GEN", "CTX", "PLACEMENT"

@@ -528,6 +528,14 @@ impl Driver {
                 }
             }
         }
+        // a drained node that left may come back as a fresh member
+        let left: Vec<String> = next
+            .drained
+            .iter()
+            .filter(|n| !live.contains(n))
+            .cloned()
+            .collect();
+        next = next.undrain(&me, &left);
         let reports = self.all_reports();
         for inst in next.instances.clone().into_values() {
             let nodes: Vec<String> = inst.nodes().into_iter().map(str::to_string).collect();
@@ -1325,7 +1333,8 @@ impl Driver {
                 })
             })
             .collect();
-        json!({"version": table.version, "coordinator": table.coordinator, "instances": list})
+        let drained: Vec<String> = table.drained.iter().map(|n| name_of(n)).collect();
+        json!({"version": table.version, "coordinator": table.coordinator, "drained": drained, "instances": list})
     }
 }
 
