@@ -198,6 +198,11 @@ impl Want {
 
 const OP_STEP: u32 = 1;
 const OP_STOP: u32 = 2;
+/// A batched decode step: `n_tokens` sequences, one token each; the body lists
+/// (sequence, cache length, token) per row, by ascending sequence.
+const OP_BATCH: u32 = 3;
+/// Bytes per row of a batched step's body.
+const BATCH_ROW_BYTES: usize = 12;
 const HEADER_BYTES: usize = 24;
 /// Most sequences a split model keeps caches for at once.
 pub const MAX_SEQUENCES: usize = 256;
@@ -234,7 +239,7 @@ impl Header {
             what: format!("step header from the lead rank: {what}"),
         };
         let op = word(0);
-        if op != OP_STEP && op != OP_STOP {
+        if op != OP_STEP && op != OP_STOP && op != OP_BATCH {
             return Err(bad(format!("unknown operation {op}")));
         }
         let want = Want::from_code(word(3), word(4))
@@ -294,11 +299,16 @@ fn run_step(
         .squeeze(0)
         .and_then(|l| l.to_vec1::<f32>())
         .ctx("logits")?;
-    let first = model.plan().vocab.start as u32;
-    Ok(match want {
+    Ok(encode_reply(&logits, model.plan().vocab.start as u32, want))
+}
+
+/// What a last-stage rank sends the lead for one row of its vocabulary slice of the logits
+/// (`first` is the slice's first token id).
+fn encode_reply(logits: &[f32], first: u32, want: Want) -> Vec<u8> {
+    match want {
         Want::Nothing => Vec::new(),
         Want::Best => {
-            let i = crate::transformer::argmax(&logits);
+            let i = crate::transformer::argmax(logits);
             pairs(&[(logits[i], first + i as u32)])
         }
         Want::TopK(k) => {
@@ -316,7 +326,64 @@ fn run_step(
             pairs(&c)
         }
         Want::All => logits.iter().flat_map(|f| f.to_le_bytes()).collect(),
-    })
+    }
+}
+
+/// This rank's part of a batched decode step: row `i` is `tokens[i]` after what `caches[i]`
+/// holds. Returns the last stage's replies, row after row.
+fn run_batch_step(
+    ctx: &RankContext,
+    model: &Transformer,
+    caches: &mut [&mut KvCache],
+    tokens: &[u32],
+    want: Want,
+) -> Result<Vec<u8>, EngineError> {
+    let d = model.config().hidden;
+    let b = tokens.len();
+    let stage = ctx.layout.stage(ctx.rank);
+    let x = if stage == 0 {
+        model.embed(tokens)?
+    } else {
+        let mut buf = vec![0u8; b * d * 4];
+        ctx.world.recv(ctx.rank - ctx.layout.tp, &mut buf)?;
+        let v: Vec<f32> = buf
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Tensor::from_vec(v, (1, b, d), &Device::Cpu).ctx("received hidden states")?
+    };
+    let x = model.forward_layers_batch(x, caches)?;
+    if stage + 1 < ctx.layout.pp {
+        let v = x
+            .flatten_all()
+            .and_then(|x| x.to_vec1::<f32>())
+            .ctx("hidden states")?;
+        let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
+        ctx.world.send(ctx.rank + ctx.layout.tp, &bytes)?;
+        return Ok(Vec::new());
+    }
+    if want == Want::Nothing {
+        return Ok(Vec::new());
+    }
+    let rows = model
+        .logits(&x, b)?
+        .to_vec2::<f32>()
+        .ctx("batched logits")?;
+    let first = model.plan().vocab.start as u32;
+    Ok(rows
+        .iter()
+        .flat_map(|r| encode_reply(r, first, want))
+        .collect())
+}
+
+/// The caches of `seqs` (ascending, distinct, each below `caches.len()`), in that order.
+fn caches_of<'c>(caches: &'c mut [KvCache], seqs: &[usize]) -> Vec<&'c mut KvCache> {
+    caches
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| seqs.binary_search(i).is_ok())
+        .map(|(_, c)| c)
+        .collect()
 }
 
 fn pairs(c: &[(f32, u32)]) -> Vec<u8> {
@@ -535,6 +602,117 @@ impl<'a> Lead<'a> {
         Ok((seq, logits))
     }
 
+    /// One batched decode step: `tokens[i]` goes after what sequence `seqs[i]` holds, on
+    /// every rank at once (each rank reads its weights once for all rows). Returns the merged
+    /// logits of each row, in the order given.
+    ///
+    /// # Errors
+    /// When a sequence is unknown or repeated, a cache is full, a token is outside the
+    /// vocabulary, steps are still uncollected, or a rank fails or misses the deadline.
+    pub fn step_batch(
+        &mut self,
+        seqs: &[usize],
+        tokens: &[u32],
+        want: Want,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let bad = |what: String| EngineError::Unsupported { what };
+        if !self.pending.is_empty() {
+            return Err(bad(
+                "a batched step while submitted steps are uncollected".into()
+            ));
+        }
+        if seqs.len() != tokens.len() || seqs.is_empty() {
+            return Err(bad(format!(
+                "a batch of {} tokens for {} sequences",
+                tokens.len(),
+                seqs.len()
+            )));
+        }
+        let cfg = self.model.config();
+        let want = match want {
+            Want::TopK(k) => Want::TopK(k.clamp(1, cfg.vocab)),
+            w => w,
+        };
+        // rows go out by ascending sequence
+        let mut order: Vec<usize> = (0..seqs.len()).collect();
+        order.sort_by_key(|&i| seqs[i]);
+        let sorted: Vec<usize> = order.iter().map(|&i| seqs[i]).collect();
+        if sorted.windows(2).any(|w| w[0] == w[1]) {
+            return Err(bad("a sequence twice in one batch".into()));
+        }
+        if let Some(&s) = sorted.last().filter(|&&s| s >= self.caches.len()) {
+            return Err(bad(format!("sequence {s} of a lead with fewer")));
+        }
+        let toks: Vec<u32> = order.iter().map(|&i| tokens[i]).collect();
+        if let Some(&t) = toks.iter().find(|&&t| t as usize >= cfg.vocab) {
+            return Err(bad(format!(
+                "token id {t} is outside the vocabulary of {}",
+                cfg.vocab
+            )));
+        }
+        let mut body = Vec::with_capacity(sorted.len() * BATCH_ROW_BYTES);
+        for (&s, &t) in sorted.iter().zip(&toks) {
+            let c = &self.caches[s];
+            if c.len() + 1 > c.capacity() {
+                return Err(EngineError::ContextFull {
+                    prompt: c.len() + 1,
+                    ctx: c.capacity(),
+                });
+            }
+            for v in [s as u32, c.len() as u32, t] {
+                body.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let header = Header {
+            op: OP_BATCH,
+            seq: 0,
+            n_tokens: sorted.len() as u32,
+            cache_len: 0,
+            want,
+        };
+        self.ctx.world.broadcast(&mut header.encode(), 0)?;
+        self.ctx.world.broadcast(&mut body, 0)?;
+        let mut caches = caches_of(&mut self.caches, &sorted);
+        let mine = run_batch_step(&self.ctx, self.model, &mut caches, &toks, want)?;
+        drop(caches);
+        let rows = self.gather_rows(want, &mine, sorted.len())?;
+        let mut out = vec![Vec::new(); rows.len()];
+        for (row, &i) in rows.into_iter().zip(&order) {
+            out[i] = row;
+        }
+        Ok(out)
+    }
+
+    /// Receives the last stage's replies to a batched step of `b` rows and merges each row.
+    fn gather_rows(&self, want: Want, mine: &[u8], b: usize) -> Result<Vec<Vec<f32>>, EngineError> {
+        let vocab = self.model.config().vocab;
+        let mut rows = vec![vec![f32::NEG_INFINITY; vocab]; b];
+        if want == Want::Nothing {
+            return Ok(rows);
+        }
+        let mut buf = Vec::new();
+        for r in self.ctx.layout.stage_ranks(self.ctx.layout.pp - 1) {
+            let slice = self.ctx.plans[r].vocab.clone();
+            let per_row = want.reply_bytes(slice.len());
+            let reply = if r == 0 {
+                mine
+            } else {
+                buf.resize(per_row * b, 0);
+                self.ctx.world.recv(r, &mut buf)?;
+                &buf[..]
+            };
+            if reply.len() != per_row * b {
+                return Err(EngineError::Unsupported {
+                    what: format!("rank {r} replied {} bytes for {b} rows", reply.len()),
+                });
+            }
+            for (row, chunk) in rows.iter_mut().zip(reply.chunks_exact(per_row.max(1))) {
+                merge(chunk, want, slice.clone(), row, r)?;
+            }
+        }
+        Ok(rows)
+    }
+
     /// Tells every other rank to stop serving steps.
     ///
     /// # Errors
@@ -613,6 +791,64 @@ fn merge(
     Ok(())
 }
 
+/// A batched decode step on a rank other than the lead.
+fn serve_batch(
+    ctx: &RankContext,
+    model: &Transformer,
+    capacity: usize,
+    caches: &mut Vec<KvCache>,
+    header: Header,
+) -> Result<(), EngineError> {
+    let b = header.n_tokens as usize;
+    let bad = |what: String| EngineError::Unsupported {
+        what: format!("batched step from the lead rank: {what}"),
+    };
+    if b == 0 || b > MAX_SEQUENCES {
+        return Err(bad(format!("{b} rows (1 to {MAX_SEQUENCES})")));
+    }
+    let mut body = vec![0u8; b * BATCH_ROW_BYTES];
+    ctx.world.broadcast(&mut body, 0)?;
+    let word = |r: usize, k: usize| {
+        let i = r * BATCH_ROW_BYTES + k * 4;
+        u32::from_le_bytes([body[i], body[i + 1], body[i + 2], body[i + 3]]) as usize
+    };
+    let seqs: Vec<usize> = (0..b).map(|r| word(r, 0)).collect();
+    if seqs.windows(2).any(|w| w[0] >= w[1]) || seqs[b - 1] >= MAX_SEQUENCES {
+        return Err(bad(format!(
+            "sequences {seqs:?} are not ascending and below {MAX_SEQUENCES}"
+        )));
+    }
+    if let Want::TopK(k) = header.want {
+        if k > model.config().vocab {
+            return Err(bad(format!(
+                "the top {k} of a vocabulary of {}",
+                model.config().vocab
+            )));
+        }
+    }
+    while caches.len() <= seqs[b - 1] {
+        caches.push(model.new_cache(capacity));
+    }
+    for (r, &s) in seqs.iter().enumerate() {
+        let len = word(r, 1);
+        let c = &mut caches[s];
+        c.truncate(len);
+        if c.len() != len || len + 1 > capacity {
+            return Err(bad(format!(
+                "sequence {s} at {len} positions; this rank holds {} of a capacity of {capacity}",
+                c.len()
+            )));
+        }
+    }
+    let tokens: Vec<u32> = (0..b).map(|r| word(r, 2) as u32).collect();
+    let mut refs = caches_of(caches, &seqs);
+    let reply = run_batch_step(ctx, model, &mut refs, &tokens, header.want)?;
+    if !reply.is_empty() {
+        ctx.world.send(0, &reply)?;
+    }
+    Ok(())
+}
+
 /// Serves steps on a rank other than the lead until the lead says stop.
 ///
 /// # Errors
@@ -625,6 +861,10 @@ pub fn serve(ctx: &RankContext, model: &Transformer, capacity: usize) -> Result<
         let header = Header::decode(&h)?;
         if header.op == OP_STOP {
             return Ok(());
+        }
+        if header.op == OP_BATCH {
+            serve_batch(ctx, model, capacity, &mut caches, header)?;
+            continue;
         }
         let t = header.n_tokens as usize;
         if t == 0 || header.cache_len as usize + t > capacity {

@@ -15,8 +15,8 @@
 //! The same scheduler serves a model split over ranks ([`Scheduler::start_split`]): the
 //! scheduler thread then leads the split ([`Lead`]), each slot is one of the lead's
 //! sequences (its KV cache lives on every rank), a prefill chunk is one step on every rank
-//! and a decode step submits every ready sequence before collecting any, so pipeline stages
-//! overlap. A failed step breaks the split: every sequence in it fails, later ones are
+//! and a decode step is one batched step of every ready sequence on every rank (each rank
+//! reads its weights once for the batch). A failed step breaks the split: every sequence in it fails, later ones are
 //! refused at once, and [`Scheduler::failure`] says why (the cluster then re-places it).
 
 use std::collections::{HashMap, VecDeque};
@@ -738,7 +738,9 @@ impl<'m> Worker<'m> {
         }
     }
 
-    /// One split step per ready sequence: all submitted, then all collected (in order).
+    /// One batched split step for the ready sequences: every rank reads its weights once
+    /// for all of them. The step asks the last stage for what the most demanding sequence
+    /// needs (each sequence's own choice is a subset of it).
     fn split_decode(
         &mut self,
         ready: &[usize],
@@ -747,21 +749,20 @@ impl<'m> Worker<'m> {
         let lead = self.lead.as_mut().ok_or_else(|| EngineError::Unsupported {
             what: "a split sequence without a lead".into(),
         })?;
-        for (&i, &t) in ready.iter().zip(tokens) {
+        let mut slots = Vec::with_capacity(ready.len());
+        let mut want = Want::Best;
+        for &i in ready {
             let seq = &mut self.active[i];
             let Store::Slot { slot, len, .. } = &mut seq.cache else {
                 return Err(EngineError::Unsupported {
                     what: "a local sequence in a split scheduler".into(),
                 });
             };
-            lead.submit(*slot, &[t], want_for(&seq.job.request))?;
+            slots.push(*slot);
             *len += 1;
+            want = widest(want, want_for(&seq.job.request));
         }
-        let mut rows = Vec::with_capacity(ready.len());
-        for _ in ready {
-            rows.push(lead.collect()?.1);
-        }
-        Ok(rows)
+        lead.step_batch(&slots, tokens, want)
     }
 
     /// One token for every sequence that has a sampled token to run.
@@ -846,6 +847,18 @@ impl<'m> Worker<'m> {
             i += 1;
             k
         });
+    }
+}
+
+/// The reply that serves both `a` and `b` (every logit, else the larger top-k, else the
+/// best token).
+fn widest(a: Want, b: Want) -> Want {
+    match (a, b) {
+        (Want::All, _) | (_, Want::All) => Want::All,
+        (Want::TopK(x), Want::TopK(y)) => Want::TopK(x.max(y)),
+        (Want::TopK(k), _) | (_, Want::TopK(k)) => Want::TopK(k),
+        (Want::Best, _) | (_, Want::Best) => Want::Best,
+        (Want::Nothing, Want::Nothing) => Want::Nothing,
     }
 }
 

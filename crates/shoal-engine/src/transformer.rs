@@ -844,6 +844,49 @@ impl Transformer {
         Ok(x)
     }
 
+    /// Runs this rank's layers over `x` `(1, B, d)`, row `i` the next token of the sequence
+    /// of `caches[i]` (a batched decode step of a split model: the matrices read this
+    /// rank's weights once for all rows), and moves each cache's end past its row.
+    ///
+    /// # Errors
+    /// When the rows and caches differ in number, a cache is full, or a tensor op or peer
+    /// fails (the caches of a failed step are unusable).
+    pub fn forward_layers_batch(
+        &self,
+        x: Tensor,
+        caches: &mut [&mut KvCache],
+    ) -> Result<Tensor, EngineError> {
+        let rows = x.dim(1).ctx("hidden states")?;
+        if rows != caches.len() || rows == 0 {
+            return Err(EngineError::Unsupported {
+                what: format!("a batch of {rows} rows for {} sequences", caches.len()),
+            });
+        }
+        if let Some(c) = caches.iter().find(|c| c.len() + 1 > c.capacity()) {
+            return Err(EngineError::ContextFull {
+                prompt: c.len() + 1,
+                ctx: c.capacity(),
+            });
+        }
+        let run = |caches: &mut [&mut KvCache]| -> Result<Tensor, EngineError> {
+            let mut x = x;
+            let mut tables = StepTables::at(caches.iter().map(|c| c.len()).collect());
+            let mut step = StepCaches::Batch(&mut *caches);
+            for (layer, block) in self.blocks.iter().enumerate() {
+                x = block.forward(&x, &mut step, layer, &mut tables)?;
+            }
+            for c in caches.iter_mut() {
+                c.advance(1);
+            }
+            Ok(x)
+        };
+        if self.plan.is_full(&self.cfg) {
+            on_pool(|| run(caches))
+        } else {
+            run(caches)
+        }
+    }
+
     /// One decode step for several independent sequences at once: `tokens[i]` goes after
     /// what `caches[i]` holds (each sequence at its own position), and the result is the
     /// logits `(B, vocab)` of each sequence's new token, row `i` for sequence `i`. The
