@@ -443,8 +443,10 @@ impl Driver {
             .collect();
         let mut mine = self.table.lock().unwrap();
         let all: Vec<&InstanceTable> = seen.iter().chain(std::iter::once(&*mine)).collect();
+        // the newest by the table's own rule (a tie between two writers resolves the same
+        // way on every node)
         if let Some(newest) = InstanceTable::newest(all) {
-            if newest.version > mine.version {
+            if newest != &*mine {
                 *mine = newest.clone();
             }
         }
