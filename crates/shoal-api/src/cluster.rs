@@ -102,13 +102,18 @@ fn answer(r: Result<serde_json::Value, crate::state::ControlError>) -> Response 
     match r {
         Ok(v) => Json(v).into_response(),
         Err(e) => {
+            // the status the driver chose, in the OpenAI error shape the other routes use
             let status =
                 StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            (
-                status,
-                Json(json!({"error": {"message": e.message, "code": e.status}})),
-            )
-                .into_response()
+            let (ty, code) = match e.status {
+                404 => ("invalid_request_error", Some("not_found")),
+                409 => ("invalid_request_error", Some("conflict")),
+                400..=499 => ("invalid_request_error", None),
+                _ => ("server_error", None),
+            };
+            let body =
+                json!({"error": {"message": e.message, "type": ty, "param": null, "code": code}});
+            (status, Json(body)).into_response()
         }
     }
 }
