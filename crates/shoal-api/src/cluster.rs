@@ -64,7 +64,19 @@ pub async fn status(State(state): State<Arc<AppState>>, req: Request) -> Respons
     match node(&state, &req) {
         Ok(n) => {
             let nodes = n.nodes().await;
+            // instances by state (empty without a driver)
+            let mut instances = serde_json::Map::new();
+            if let Some(c) = state.instances.get() {
+                if let Ok(t) = c.0.list().await {
+                    for i in t["instances"].as_array().into_iter().flatten() {
+                        let st = i["state"].as_str().unwrap_or("unknown").to_string();
+                        let e = instances.entry(st).or_insert(json!(0));
+                        *e = json!(e.as_u64().unwrap_or(0) + 1);
+                    }
+                }
+            }
             Json(json!({
+                "instances": instances,
                 "node": n.id(),
                 "listen": n.listen_addr().to_string(),
                 "coordinator": n.coordinator(),

@@ -135,7 +135,7 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
             println!("{v}");
         } else {
             println!(
-                "node {}  listen {}  coordinator {}  nodes alive {}  dead {}  links {}  refused sessions {}  refused datagrams {}  models {}",
+                "node {}  listen {}  coordinator {}  nodes alive {}  dead {}  links {}  refused sessions {}  refused datagrams {}  models {}  instances {}",
                 v["node"].as_str().unwrap_or("?"),
                 v["listen"].as_str().unwrap_or("?"),
                 v["coordinator"].as_str().unwrap_or("none"),
@@ -148,6 +148,15 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
                     .as_array()
                     .map(|m| m.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>().join(","))
                     .unwrap_or_default(),
+                v["instances"]
+                    .as_object()
+                    .filter(|m| !m.is_empty())
+                    .map(|m| m
+                        .iter()
+                        .map(|(k, n)| format!("{n} {k}"))
+                        .collect::<Vec<_>>()
+                        .join(", "))
+                    .unwrap_or_else(|| "none".into()),
             );
         }
         if !args.watch {

@@ -287,6 +287,18 @@ fn a_model_split_over_nodes_answers_like_one_and_survives_losing_nodes() {
     }
     check_answers(&model, &inst, &one);
     let lead = inst["api"].as_str().unwrap().to_string();
+    // every node's status counts it
+    for n in &nodes {
+        wait_until(
+            Duration::from_secs(10),
+            "status counts the instance",
+            || {
+                (json(&["status", "--json", "--url", &n.url])["instances"]["ready"] == 1)
+                    .then_some(())
+            },
+        );
+    }
+
     // the memory it holds is taken: a second copy does not fit (each node offers 800 MB)
     let (ok, _, err) = run(&[
         "load",
