@@ -258,6 +258,40 @@ impl Header {
     }
 }
 
+/// The hidden states `(1, tokens, d)` a step starts from on this rank: the embedded tokens
+/// in the first stage, else what the same tensor-parallel index of the stage before sent.
+fn stage_input(
+    ctx: &RankContext,
+    model: &Transformer,
+    tokens: &[u32],
+) -> Result<Tensor, EngineError> {
+    if ctx.layout.stage(ctx.rank) == 0 {
+        return model.embed(tokens);
+    }
+    let (t, d) = (tokens.len(), model.config().hidden);
+    let mut buf = vec![0u8; t * d * 4];
+    ctx.world.recv(ctx.rank - ctx.layout.tp, &mut buf)?;
+    let v: Vec<f32> = buf
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    Tensor::from_vec(v, (1, t, d), &Device::Cpu).ctx("received hidden states")
+}
+
+/// Sends the hidden states `x` on to the next stage; `false` (nothing sent) on the last.
+fn pass_on(ctx: &RankContext, x: &Tensor) -> Result<bool, EngineError> {
+    if ctx.layout.stage(ctx.rank) + 1 >= ctx.layout.pp {
+        return Ok(false);
+    }
+    let v = x
+        .flatten_all()
+        .and_then(|x| x.to_vec1::<f32>())
+        .ctx("hidden states")?;
+    let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
+    ctx.world.send(ctx.rank + ctx.layout.tp, &bytes)?;
+    Ok(true)
+}
+
 /// Runs this rank's part of one step: embed or receive, run the layers, send on or reply.
 /// Returns the reply (last stage only), for the lead to merge or to send it.
 fn run_step(
@@ -267,31 +301,9 @@ fn run_step(
     tokens: &[u32],
     want: Want,
 ) -> Result<Vec<u8>, EngineError> {
-    let d = model.config().hidden;
-    let t = tokens.len();
-    let stage = ctx.layout.stage(ctx.rank);
-    let x = if stage == 0 {
-        model.embed(tokens)?
-    } else {
-        let mut buf = vec![0u8; t * d * 4];
-        ctx.world.recv(ctx.rank - ctx.layout.tp, &mut buf)?;
-        let v: Vec<f32> = buf
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        Tensor::from_vec(v, (1, t, d), &Device::Cpu).ctx("received hidden states")?
-    };
+    let x = stage_input(ctx, model, tokens)?;
     let x = model.forward_layers(x, cache)?;
-    if stage + 1 < ctx.layout.pp {
-        let v = x
-            .flatten_all()
-            .and_then(|x| x.to_vec1::<f32>())
-            .ctx("hidden states")?;
-        let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
-        ctx.world.send(ctx.rank + ctx.layout.tp, &bytes)?;
-        return Ok(Vec::new());
-    }
-    if want == Want::Nothing {
+    if pass_on(ctx, &x)? || want == Want::Nothing {
         return Ok(Vec::new());
     }
     let logits = model.logits(&x, 1)?;
@@ -338,31 +350,10 @@ fn run_batch_step(
     tokens: &[u32],
     want: Want,
 ) -> Result<Vec<u8>, EngineError> {
-    let d = model.config().hidden;
     let b = tokens.len();
-    let stage = ctx.layout.stage(ctx.rank);
-    let x = if stage == 0 {
-        model.embed(tokens)?
-    } else {
-        let mut buf = vec![0u8; b * d * 4];
-        ctx.world.recv(ctx.rank - ctx.layout.tp, &mut buf)?;
-        let v: Vec<f32> = buf
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        Tensor::from_vec(v, (1, b, d), &Device::Cpu).ctx("received hidden states")?
-    };
+    let x = stage_input(ctx, model, tokens)?;
     let x = model.forward_layers_batch(x, caches)?;
-    if stage + 1 < ctx.layout.pp {
-        let v = x
-            .flatten_all()
-            .and_then(|x| x.to_vec1::<f32>())
-            .ctx("hidden states")?;
-        let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
-        ctx.world.send(ctx.rank + ctx.layout.tp, &bytes)?;
-        return Ok(Vec::new());
-    }
-    if want == Want::Nothing {
+    if pass_on(ctx, &x)? || want == Want::Nothing {
         return Ok(Vec::new());
     }
     let rows = model

@@ -453,8 +453,11 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Hashes `path`, reporting progress through `Verifying` once at the start.
-fn sha256_file(path: &Path) -> Result<(u64, String)> {
+/// The size of the file at `path` and its SHA-256 (lowercase hex).
+///
+/// # Errors
+/// When the file cannot be opened or read.
+pub fn sha256_file(path: &Path) -> Result<(u64, String)> {
     let mut f = File::open(path).map_err(io_err("opening", path))?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];

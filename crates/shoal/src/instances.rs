@@ -171,17 +171,7 @@ fn hex(bytes: &[u8]) -> String {
 
 /// SHA-256 of a whole file, hex.
 fn sha256_file(path: &Path) -> anyhow::Result<String> {
-    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(hex(&h.finalize()))
+    Ok(shoal_model::catalog::sha256_file(path)?.1)
 }
 
 /// A model this node can offer: `arg` resolved to a GGUF file, its SHA-256 (the catalog's for
