@@ -7,6 +7,7 @@
 
 use std::cell::RefCell;
 
+use half::f16;
 use rayon::prelude::*;
 
 use crate::kernels::{scores, softmax, weighted_sum};
@@ -56,7 +57,7 @@ impl AttentionShape {
     }
 
     /// One query `qh` of head `h` at `pos` into `out`.
-    fn one(&self, h: usize, pos: usize, qh: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+    fn one(&self, h: usize, pos: usize, qh: &[f32], k: &[f16], v: &[f16], out: &mut [f32]) {
         let hd = self.head_dim;
         let keys = self.visible(pos);
         let base = self.kv_of(h) * self.capacity * hd;
@@ -71,7 +72,7 @@ impl AttentionShape {
         });
     }
 
-    /// Decode: the query at `pos`. `q` is `(n_head, head_dim)`; `k` and `v` are the cache
+    /// Decode: the query at `pos`. `q` is `(n_head, head_dim)`; `k` and `v` are the f16 cache
     /// buffers `(n_kv_head, capacity, head_dim)`; `out` gets `(n_head, head_dim)`.
     ///
     /// The query heads that share a KV head run together, block of keys by block of keys,
@@ -81,7 +82,7 @@ impl AttentionShape {
     ///
     /// # Panics
     /// When a slice is shorter than the shapes say (the caller sized them).
-    pub fn decode(&self, pos: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+    pub fn decode(&self, pos: usize, q: &[f32], k: &[f16], v: &[f16], out: &mut [f32]) {
         let hd = self.head_dim;
         let keys = self.visible(pos);
         let n = keys.len();
@@ -125,7 +126,7 @@ impl AttentionShape {
     ///
     /// # Panics
     /// When a slice is shorter than the shapes say (the caller sized them).
-    pub fn prefill(&self, p: usize, t: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+    pub fn prefill(&self, p: usize, t: usize, q: &[f32], k: &[f16], v: &[f16], out: &mut [f32]) {
         let hd = self.head_dim;
         let mut by_head = vec![0f32; self.n_head * t * hd];
         by_head
@@ -153,7 +154,7 @@ mod tests {
     use super::*;
 
     /// Softmax attention of the query at `pos` written the obvious way, in f64.
-    fn naive(a: &AttentionShape, pos: usize, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f64> {
+    fn naive(a: &AttentionShape, pos: usize, q: &[f32], k: &[f16], v: &[f16]) -> Vec<f64> {
         let hd = a.head_dim;
         let mut out = vec![0f64; a.n_head * hd];
         for h in 0..a.n_head {
@@ -165,7 +166,7 @@ mod tests {
                 .iter()
                 .map(|&j| {
                     (0..hd)
-                        .map(|d| q[h * hd + d] as f64 * k[(kvh * a.capacity + j) * hd + d] as f64)
+                        .map(|d| q[h * hd + d] as f64 * k[(kvh * a.capacity + j) * hd + d].to_f64())
                         .sum::<f64>()
                         * a.scale as f64
                 })
@@ -175,7 +176,7 @@ mod tests {
             let z: f64 = e.iter().sum();
             for (w, &j) in e.iter().zip(&visible) {
                 for d in 0..hd {
-                    out[h * hd + d] += w / z * v[(kvh * a.capacity + j) * hd + d] as f64;
+                    out[h * hd + d] += w / z * v[(kvh * a.capacity + j) * hd + d].to_f64();
                 }
             }
         }
@@ -206,8 +207,8 @@ mod tests {
         for (window, pos) in [(None, 0), (None, 13), (Some(4), 13), (Some(20), 13)] {
             let a = shape(window);
             let q: Vec<f32> = (0..3 * 20).map(|i| val(i, 1)).collect();
-            let k: Vec<f32> = (0..2 * 17 * 20).map(|i| val(i, 2)).collect();
-            let v: Vec<f32> = (0..2 * 17 * 20).map(|i| val(i, 3)).collect();
+            let k: Vec<f16> = (0..2 * 17 * 20).map(|i| f16::from_f32(val(i, 2))).collect();
+            let v: Vec<f16> = (0..2 * 17 * 20).map(|i| f16::from_f32(val(i, 3))).collect();
             let mut out = vec![0f32; 3 * 20];
             a.decode(pos, &q, &k, &v, &mut out);
             for (i, (got, want)) in out.iter().zip(naive(&a, pos, &q, &k, &v)).enumerate() {
@@ -225,8 +226,8 @@ mod tests {
             let a = shape(window);
             let (p, t, hd) = (4, 6, 20);
             let q: Vec<f32> = (0..3 * t * hd).map(|i| val(i, 4)).collect();
-            let k: Vec<f32> = (0..2 * 17 * hd).map(|i| val(i, 5)).collect();
-            let v: Vec<f32> = (0..2 * 17 * hd).map(|i| val(i, 6)).collect();
+            let k: Vec<f16> = (0..2 * 17 * hd).map(|i| f16::from_f32(val(i, 5))).collect();
+            let v: Vec<f16> = (0..2 * 17 * hd).map(|i| f16::from_f32(val(i, 6))).collect();
             let mut out = vec![0f32; t * 3 * hd];
             a.prefill(p, t, &q, &k, &v, &mut out);
             for i in 0..t {

@@ -1,14 +1,20 @@
 //! The key/value cache of one sequence: per layer, keys and values of every position seen so
 //! far, in buffers allocated once for the sequence's capacity and written in place, so a
-//! decode step appends without copying the past.
+//! decode step appends without copying the past. Keys and values are stored as f16, as
+//! llama.cpp does by default: at 16 concurrent SmolLM2 sequences a few hundred positions
+//! long, reading an f32 cache took as long as reading the weights (attention 18% of a
+//! batched step at 64 positions); f16 halves that traffic and the memory a slot holds.
 
+use half::f16;
+
+use crate::kernels::to_f16;
 use crate::EngineError;
 
-/// Keys and values of one sequence, all layers, as f32 buffers laid out
+/// Keys and values of one sequence, all layers, as f16 buffers laid out
 /// `(n_kv_head, capacity, head_dim)`.
 #[derive(Debug)]
 pub struct KvCache {
-    layers: Vec<Option<(Vec<f32>, Vec<f32>)>>,
+    layers: Vec<Option<(Vec<f16>, Vec<f16>)>>,
     n_kv_head: usize,
     head_dim: usize,
     len: usize,
@@ -53,7 +59,7 @@ impl KvCache {
     }
 
     /// Writes keys `k` and values `v` of `t` new positions of `layer`, each laid out
-    /// `(n_kv_head, t, head_dim)`, at the current end. [`KvCache::advance`] moves the end once
+    /// `(n_kv_head, t, head_dim)`, at the current end, rounded to f16. [`KvCache::advance`] moves the end once
     /// all layers have been written.
     ///
     /// # Errors
@@ -84,19 +90,19 @@ impl KvCache {
             .ok_or_else(|| EngineError::Unsupported {
                 what: format!("kv cache has no layer {layer}"),
             })?;
-        let (kc, vc) = slot.get_or_insert_with(|| (vec![0.0; size], vec![0.0; size]));
+        let (kc, vc) = slot.get_or_insert_with(|| (vec![f16::ZERO; size], vec![f16::ZERO; size]));
         for h in 0..nkv {
             let dst = (h * self.capacity + self.len) * hd..(h * self.capacity + self.len + t) * hd;
             let src = h * t * hd..(h + 1) * t * hd;
-            kc[dst.clone()].copy_from_slice(&k[src.clone()]);
-            vc[dst].copy_from_slice(&v[src]);
+            to_f16(&k[src.clone()], &mut kc[dst.clone()]);
+            to_f16(&v[src], &mut vc[dst]);
         }
         Ok(())
     }
 
     /// The whole key and value buffers of `layer`, `(n_kv_head, capacity, head_dim)`, once
     /// it has been appended to.
-    pub fn buffers(&self, layer: usize) -> Option<(&[f32], &[f32])> {
+    pub fn buffers(&self, layer: usize) -> Option<(&[f16], &[f16])> {
         self.layers
             .get(layer)?
             .as_ref()

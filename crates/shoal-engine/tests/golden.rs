@@ -10,7 +10,8 @@
 //! ```
 //!
 //! (`llamacpp_default`: llama.cpp's defaults, F16 KV cache and flash attention;
-//! `llamacpp_f32`: F32 KV cache, no flash attention — shoal computes attention in f32.)
+//! `llamacpp_f32`: F32 KV cache, no flash attention — shoal keeps an F16 KV cache, like
+//! llama.cpp's default, and computes attention over it in f32.)
 //! llama.cpp's two configurations disagree with each other on several prompts: these small
 //! quantized models meet near-ties within 32 tokens, and 8-bit activation quantization turns
 //! last-bit differences anywhere into logit differences of about 0.1. So the test demands:

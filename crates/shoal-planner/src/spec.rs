@@ -224,8 +224,8 @@ pub struct ModelProfile {
     /// Whether the output head is the token embedding (then a one-stage placement holds it
     /// once, and a pipeline holds it on the first stage and again on the last).
     pub tied_embeddings: bool,
-    /// KV cache bytes per token per layer, for all KV heads (f32 cache:
-    /// `2 * n_kv_heads * head_dim * 4`).
+    /// KV cache bytes per token per layer, for all KV heads (shoal's f16 cache:
+    /// `2 * n_kv_heads * head_dim * 2`).
     pub kv_bytes_per_token_per_layer: u64,
     /// Quantization block of the feed-forward down projection (32, or 256 for k-quants):
     /// feed-forward features go to tensor-parallel ranks in whole blocks.

@@ -67,6 +67,18 @@ impl TinyModel {
     ///
     /// Panics if an id is not below `vocab_size` or `ids` is longer than the context.
     pub fn reference_logits(&self, ids: &[u32]) -> Vec<Vec<f32>> {
+        self.forward(ids, false)
+    }
+
+    /// [`TinyModel::reference_logits`] of an engine that stores its KV cache in f16 (as
+    /// llama.cpp does by default, and shoal does): every key (after RoPE) and value is
+    /// rounded to f32 and then to the nearest f16 before attention reads it; everything else
+    /// stays f64.
+    pub fn reference_logits_f16_kv(&self, ids: &[u32]) -> Vec<Vec<f32>> {
+        self.forward(ids, true)
+    }
+
+    fn forward(&self, ids: &[u32], f16_kv: bool) -> Vec<Vec<f32>> {
         let s = self.spec();
         assert!(
             ids.len() <= s.context_length,
@@ -122,9 +134,18 @@ impl TinyModel {
                         rope(head, pos, theta);
                     }
                 }
+                let store = |x: Vec<f64>| -> Vec<f64> {
+                    if f16_kv {
+                        x.iter()
+                            .map(|&a| half::f16::from_f32(a as f32).to_f64())
+                            .collect()
+                    } else {
+                        x
+                    }
+                };
                 qs.push(q);
-                ks.push(k);
-                vs.push(v);
+                ks.push(store(k));
+                vs.push(store(v));
             }
             let scale = 1.0 / (hd as f64).sqrt();
             for t in 0..xs.len() {

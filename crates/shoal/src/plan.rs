@@ -467,7 +467,8 @@ fn profile_of(
         embedding_bytes,
         head_bytes,
         tied_embeddings: tied,
-        kv_bytes_per_token_per_layer: (2 * cfg.n_kv_head * cfg.head_dim * 4) as u64,
+        // keys and values, f16 each (`shoal_engine::kv_cache`)
+        kv_bytes_per_token_per_layer: (2 * cfg.n_kv_head * cfg.head_dim * 2) as u64,
         quant_block: u32::try_from(ffn_block).unwrap_or(u32::MAX),
         attn_quant_block: (attn_block != ffn_block)
             .then(|| u32::try_from(attn_block).unwrap_or(u32::MAX)),

@@ -28,6 +28,8 @@ use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::OnceLock;
 
+use half::f16;
+
 pub use formats::{ActFormat, BlockQ8, BlockQ8K, WeightType, QK, QK_K};
 
 /// Quantizes activations `x` (a multiple of 32 long) to [`BlockQ8`], with SIMD where the CPU
@@ -180,21 +182,21 @@ pub fn stream_checksum(buf: &[u8]) -> u64 {
 }
 
 /// Attention scores: `out[j] = scale * q . rows[j]`, `rows` being `out.len()` rows of
-/// `q.len()` values; SIMD where the CPU has it.
+/// `q.len()` f16 keys (the KV cache); SIMD where the CPU has it.
 ///
 /// # Panics
 /// When `rows` is too short.
-pub fn scores(q: &[f32], rows: &[f32], scale: f32, out: &mut [f32]) {
+pub fn scores(q: &[f32], rows: &[f16], scale: f32, out: &mut [f32]) {
     assert!(rows.len() >= out.len() * q.len(), "scores: rows too short");
     #[cfg(target_arch = "x86_64")]
     if active_isa() >= Isa::Avx2 {
-        // SAFETY: AVX2 and FMA are part of the level; lengths checked.
+        // SAFETY: AVX2, FMA and F16C are part of the level; lengths checked.
         unsafe { x86::scores(q, rows, scale, out) };
         return;
     }
     for (j, o) in out.iter_mut().enumerate() {
         let r = &rows[j * q.len()..(j + 1) * q.len()];
-        *o = q.iter().zip(r).map(|(a, b)| a * b).sum::<f32>() * scale;
+        *o = q.iter().zip(r).map(|(a, b)| a * b.to_f32()).sum::<f32>() * scale;
     }
 }
 
@@ -242,27 +244,45 @@ pub fn softmax_weights(logits: &[f32], max: f32, inv_temp: f32, out: &mut [f32])
     math::softmax_weights(logits, max, inv_temp, out)
 }
 
-/// `out += sum over j of w[j] * rows[j]`, `rows` being `w.len()` rows of `out.len()` values,
-/// added in row order (so summing the rows in consecutive blocks gives the same bits as one
-/// call); SIMD where the CPU has it.
+/// `dst[i] = src[i]` rounded to the nearest f16 (what the KV cache stores); F16C where the
+/// CPU has it, bit for bit the same as `half::f16::from_f32`.
+///
+/// # Panics
+/// When the slices differ in length.
+pub fn to_f16(src: &[f32], dst: &mut [f16]) {
+    assert_eq!(src.len(), dst.len(), "to_f16 lengths");
+    #[cfg(target_arch = "x86_64")]
+    if active_isa() >= Isa::Avx2 {
+        // SAFETY: AVX2 and F16C are part of the level; lengths checked.
+        unsafe { x86::to_f16(src, dst) };
+        return;
+    }
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = f16::from_f32(s);
+    }
+}
+
+/// `out += sum over j of w[j] * rows[j]`, `rows` being `w.len()` rows of `out.len()` f16
+/// values (the KV cache), added in row order (so summing the rows in consecutive blocks
+/// gives the same bits as one call); SIMD where the CPU has it.
 ///
 /// # Panics
 /// When `rows` is too short.
-pub fn weighted_sum(w: &[f32], rows: &[f32], out: &mut [f32]) {
+pub fn weighted_sum(w: &[f32], rows: &[f16], out: &mut [f32]) {
     assert!(
         rows.len() >= w.len() * out.len(),
         "weighted_sum: rows too short"
     );
     #[cfg(target_arch = "x86_64")]
     if active_isa() >= Isa::Avx2 {
-        // SAFETY: AVX2 and FMA are part of the level; lengths checked.
+        // SAFETY: AVX2, FMA and F16C are part of the level; lengths checked.
         unsafe { x86::weighted_sum(w, rows, out) };
         return;
     }
     let hd = out.len();
     for (j, &wj) in w.iter().enumerate() {
         for (o, v) in out.iter_mut().zip(&rows[j * hd..(j + 1) * hd]) {
-            *o += wj * v;
+            *o += wj * v.to_f32();
         }
     }
 }
@@ -358,7 +378,7 @@ macro_rules! portable {
 type TileKern<A, const N: usize> = unsafe fn(&[u8], [&[A]; N]) -> [[f32; tiled::TILE_ROWS]; N];
 
 type PairKern<A, const N: usize> =
-    unsafe fn(&[u8], &[u8], [&[A]; N]) -> [[f32; 2 * tiled::TILE_ROWS]; N];
+    unsafe fn(&[u8], &[u8], [&[A]; N], bool) -> [[f32; 2 * tiled::TILE_ROWS]; N];
 
 /// The one- and four-row tiled kernels of one weight type at one level, and where the level
 /// has one, a four-row kernel over two tiles at once (512-bit vectors, for prefill).
@@ -469,6 +489,50 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 // SAFETY: as above; the pointer is only written through, at disjoint positions.
 unsafe impl Sync for OutPtr {}
+
+/// One pair of adjacent tiles being multiplied: their weights and where their rows land.
+struct PairAt<'a> {
+    w0: &'a [u8],
+    w1: &'a [u8],
+    /// The pair's first output row.
+    r0: usize,
+    /// Rows of the pair inside the matrix (the last pair may be short).
+    live: usize,
+    /// Rows of the matrix (the output's row stride).
+    n: usize,
+    out: OutPtr,
+}
+
+impl PairAt<'_> {
+    /// Runs `kern` over activation rows `tok..t` in whole groups of `N`; returns the first
+    /// row left for a smaller kernel.
+    fn run<'b, A: 'b, const N: usize>(
+        &self,
+        kern: PairKern<A, N>,
+        mut tok: usize,
+        t: usize,
+        act: &impl Fn(usize) -> &'b [A],
+    ) -> usize {
+        while tok + N <= t {
+            let a: [&[A]; N] = std::array::from_fn(|j| act(tok + j));
+            // The first group of rows prefetches the next pair; later ones find this pair
+            // in the cache.
+            // SAFETY: pair kernels are only offered at a level `with_isa` checked this CPU
+            // has; both tiles of a pair have the same block count, and every activation row
+            // has a block per tile block.
+            let o = unsafe { kern(self.w0, self.w1, a, tok == 0) };
+            for (j, vals) in o.iter().enumerate() {
+                for (i, &v) in vals[..self.live].iter().enumerate() {
+                    // SAFETY: tok + j < t and r0 + i < n: inside `y` (t * n long); only this
+                    // thread writes these rows.
+                    unsafe { *self.out.0.add((tok + j) * self.n + self.r0 + i) = v };
+                }
+            }
+            tok += N;
+        }
+        tok
+    }
+}
 
 impl QuantMatrix {
     /// Wraps `data`: `rows` rows of `cols` values in type `ty`, in the file's layout, for
@@ -899,36 +963,18 @@ impl QuantMatrix {
                 let r0 = tile * tiled::TILE_ROWS;
                 let live = (n - r0).min(2 * tiled::TILE_ROWS);
                 let mut tok = 0;
+                let pair_at = PairAt {
+                    w0,
+                    w1,
+                    r0,
+                    live,
+                    n,
+                    out,
+                };
                 if let Some(pair8) = k.pair_eight {
-                    while tok + 8 <= t {
-                        let a: [&[A]; 8] = std::array::from_fn(|j| act(tok + j));
-                        // SAFETY: as for `pair` below.
-                        let o = unsafe { pair8(w0, w1, a) };
-                        for (j, vals) in o.iter().enumerate() {
-                            for (i, &v) in vals[..live].iter().enumerate() {
-                                // SAFETY: tok + j < t and r0 + i < n: inside `y`; only this
-                                // thread writes these rows.
-                                unsafe { *out.0.add((tok + j) * n + r0 + i) = v };
-                            }
-                        }
-                        tok += 8;
-                    }
+                    tok = pair_at.run(pair8, tok, t, &act);
                 }
-                while tok + 4 <= t {
-                    // SAFETY: as for the one-tile kernels below; `pair` is only offered at a
-                    // level `with_isa` checked, and both tiles have the same block count.
-                    let o = unsafe {
-                        pair(w0, w1, [act(tok), act(tok + 1), act(tok + 2), act(tok + 3)])
-                    };
-                    for (j, vals) in o.iter().enumerate() {
-                        for (i, &v) in vals[..live].iter().enumerate() {
-                            // SAFETY: tok + j < t and r0 + i < n: inside `y`; only this
-                            // thread writes these rows.
-                            unsafe { *out.0.add((tok + j) * n + r0 + i) = v };
-                        }
-                    }
-                    tok += 4;
-                }
+                tok = pair_at.run(pair, tok, t, &act);
                 for tile in [tile, tile + 1] {
                     self.tile_tokens(tile, tok..t, acts, per_row, out, k);
                 }

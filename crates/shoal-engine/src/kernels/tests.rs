@@ -248,7 +248,7 @@ proptest! {
         ty_i in 0usize..WeightType::ALL.len(),
         rows in 1usize..40,
         blocks in 1usize..7,
-        t in 1usize..10,
+        t in 1usize..40,
         threads in 1usize..4,
         seed in any::<u64>(),
     ) {
@@ -261,8 +261,8 @@ proptest! {
     }
 }
 
-/// Attention's vector helpers (scores, softmax, weighted sum) and the gated activation at
-/// the level this CPU runs, against f64, over head dimensions with and without the 8-row
+/// Attention's vector helpers (scores and weighted sum over f16 cache rows, softmax) and
+/// the gated activation at the level this CPU runs, against f64, over head dimensions with and without the 8-row
 /// and 64-value fast paths and row counts around their edges.
 #[test]
 fn attention_helpers_match_f64() {
@@ -270,13 +270,24 @@ fn attention_helpers_match_f64() {
     for hd in [8usize, 20, 64, 72, 128, 136] {
         for n in [0usize, 1, 7, 8, 9, 17, 40] {
             let q = random_acts(hd, &mut rng);
-            let rows = random_acts(n * hd, &mut rng);
+            let rows: Vec<half::f16> = random_acts(n * hd, &mut rng)
+                .into_iter()
+                .map(half::f16::from_f32)
+                .collect();
             let mut s = vec![0f32; n];
             scores(&q, &rows, 0.125, &mut s);
             for (j, &got) in s.iter().enumerate() {
                 let row = &rows[j * hd..(j + 1) * hd];
-                let want: f64 = q.iter().zip(row).map(|(&a, &b)| a as f64 * b as f64).sum();
-                let mag: f64 = q.iter().zip(row).map(|(&a, &b)| (a * b).abs() as f64).sum();
+                let want: f64 = q
+                    .iter()
+                    .zip(row)
+                    .map(|(&a, &b)| a as f64 * b.to_f64())
+                    .sum();
+                let mag: f64 = q
+                    .iter()
+                    .zip(row)
+                    .map(|(&a, &b)| (a as f64 * b.to_f64()).abs())
+                    .sum();
                 assert!(
                     (got as f64 - 0.125 * want).abs() <= 1e-6 * mag,
                     "scores hd {hd} n {n} row {j}: {got} vs {}",
@@ -293,7 +304,7 @@ fn attention_helpers_match_f64() {
             weighted_sum(&w[h..], &rows[h * hd..], &mut split);
             assert_eq!(split, out, "weighted_sum hd {hd} n {n} in two blocks");
             for (i, &got) in out.iter().enumerate() {
-                let col = (0..n).map(|j| (w[j] as f64, rows[j * hd + i] as f64));
+                let col = (0..n).map(|j| (w[j] as f64, rows[j * hd + i].to_f64()));
                 let want: f64 = col.clone().map(|(a, b)| a * b).sum();
                 let mag: f64 = col.map(|(a, b)| (a * b).abs()).sum();
                 assert!(
@@ -399,4 +410,40 @@ fn parallel_quantization_equals_serial() {
         .iter()
         .zip(&par)
         .all(|(a, b)| a.qs == b.qs && a.d == b.d && a.bsums == b.bsums));
+}
+
+/// The KV cache's f32 -> f16 rounding at the level this CPU runs is `half`'s, bit for bit:
+/// random values over many magnitudes, the f16 overflow and subnormal edges, and lengths
+/// around the 8-wide step.
+#[test]
+fn to_f16_rounds_like_half() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut vals: Vec<f32> = (0..4000)
+        .map(|_| {
+            let m: f32 = rng.random_range(-1.0..1.0);
+            m * 2f32.powi(rng.random_range(-30..20))
+        })
+        .collect();
+    vals.extend([
+        0.0,
+        -0.0,
+        65504.0,
+        65520.0,
+        -65520.0,
+        1e9,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        6.0e-8,
+        2.9e-8,
+        1.0 + 2f32.powi(-11),
+        1.0 + 3.0 * 2f32.powi(-11),
+    ]);
+    for len in [0usize, 1, 7, 8, 9, 17, vals.len()] {
+        let src = &vals[vals.len() - len..];
+        let mut got = vec![half::f16::ZERO; len];
+        to_f16(src, &mut got);
+        for (g, &s) in got.iter().zip(src) {
+            assert_eq!(g.to_bits(), half::f16::from_f32(s).to_bits(), "{s:e}");
+        }
+    }
 }

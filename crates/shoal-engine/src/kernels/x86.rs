@@ -7,6 +7,8 @@
 
 use std::arch::x86_64::*;
 
+use half::f16;
+
 use super::formats::{round_f16, BlockQ8, BlockQ8K, QK, QK_K};
 
 /// Horizontal sum of eight f32 lanes.
@@ -223,15 +225,15 @@ pub unsafe fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
     }
 }
 
-/// `out[j] = scale * sum(q[i] * rows[j * q.len() + i])` for every row. Eight rows at a
-/// time when the head dimension is a multiple of 8: each 8-wide piece of `q` is loaded once
-/// for the eight rows, and their eight sums are reduced together in one transpose-and-add
-/// tree instead of eight horizontal sums.
+/// `out[j] = scale * sum(q[i] * rows[j * q.len() + i])` for every row of f16 keys (the KV
+/// cache), widened by F16C. Eight rows at a time when the head dimension is a multiple of 8:
+/// each 8-wide piece of `q` is loaded once for the eight rows, and their eight sums are
+/// reduced together in one transpose-and-add tree instead of eight horizontal sums.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `rows` holds `out.len()` rows of `q.len()` values.
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn scores(q: &[f32], rows: &[f32], scale: f32, out: &mut [f32]) {
+/// The CPU has AVX2, FMA and F16C; `rows` holds `out.len()` rows of `q.len()` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn scores(q: &[f32], rows: &[f16], scale: f32, out: &mut [f32]) {
     let hd = q.len();
     let mut j = 0;
     if hd.is_multiple_of(8) {
@@ -244,7 +246,7 @@ pub unsafe fn scores(q: &[f32], rows: &[f32], scale: f32, out: &mut [f32]) {
             while c < hd {
                 let qc = _mm256_loadu_ps(pq.add(c));
                 for (r, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(qc, _mm256_loadu_ps(base.add(r * hd + c)), *a);
+                    *a = _mm256_fmadd_ps(qc, load_f16x8(base.add(r * hd + c)), *a);
                 }
                 c += 8;
             }
@@ -254,8 +256,34 @@ pub unsafe fn scores(q: &[f32], rows: &[f32], scale: f32, out: &mut [f32]) {
         }
     }
     for (jj, o) in out.iter_mut().enumerate().skip(j) {
-        *o = dot_f32(q, rows.get_unchecked(jj * hd..(jj + 1) * hd)) * scale;
+        *o = dot_f16(q, rows.get_unchecked(jj * hd..(jj + 1) * hd)) * scale;
     }
+}
+
+/// `dst[i] = src[i]` rounded to the nearest f16 (ties to even, as `half::f16::from_f32`),
+/// eight at a time with F16C.
+///
+/// # Safety
+/// The CPU has AVX2 and F16C; `dst` is at least as long as `src`.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn to_f16(src: &[f32], dst: &mut [f16]) {
+    let (ps, pd) = (src.as_ptr(), dst.as_mut_ptr());
+    let mut i = 0;
+    while i + 8 <= src.len() {
+        let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(ps.add(i)));
+        _mm_storeu_si128(pd.add(i) as *mut __m128i, h);
+        i += 8;
+    }
+    for k in i..src.len() {
+        *pd.add(k) = f16::from_f32(*ps.add(k));
+    }
+}
+
+/// Eight f16 values at `p` (unaligned), widened to f32.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn load_f16x8(p: *const f16) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
 }
 
 /// The horizontal sums of eight vectors, as one vector (lane `r` is the sum of `v[r]`).
@@ -274,14 +302,14 @@ unsafe fn sum8(v: [__m256; 8]) -> __m256 {
     _mm256_add_ps(lo, hi)
 }
 
-/// `out += sum over j of w[j] * rows[j]`, rows added in order (the same result as a running
-/// `axpy` per row). The output is kept in registers 64 values at a time, so a row costs its
-/// loads and FMAs only.
+/// `out += sum over j of w[j] * rows[j]` over f16 rows (the KV cache's values), added in
+/// order (the same result as a running `axpy_f16` per row). The output is kept in registers
+/// 64 values at a time, so a row costs its loads, widenings and FMAs only.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `rows` holds `w.len()` rows of `out.len()` values.
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn weighted_sum(w: &[f32], rows: &[f32], out: &mut [f32]) {
+/// The CPU has AVX2, FMA and F16C; `rows` holds `w.len()` rows of `out.len()` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn weighted_sum(w: &[f32], rows: &[f16], out: &mut [f32]) {
     let hd = out.len();
     let pr = rows.as_ptr();
     let po = out.as_mut_ptr();
@@ -292,7 +320,7 @@ pub unsafe fn weighted_sum(w: &[f32], rows: &[f32], out: &mut [f32]) {
             let wv = _mm256_set1_ps(wj);
             let row = pr.add(j * hd + c);
             for (k, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.add(8 * k)), *a);
+                *a = _mm256_fmadd_ps(wv, load_f16x8(row.add(8 * k)), *a);
             }
         }
         for (k, a) in acc.iter().enumerate() {
@@ -302,7 +330,7 @@ pub unsafe fn weighted_sum(w: &[f32], rows: &[f32], out: &mut [f32]) {
     }
     if c < hd {
         for (j, &wj) in w.iter().enumerate() {
-            axpy(
+            axpy_f16(
                 &mut out[c..],
                 wj,
                 rows.get_unchecked(j * hd + c..(j + 1) * hd),
@@ -446,56 +474,52 @@ pub unsafe fn softmax(x: &mut [f32]) {
     }
 }
 
-/// `sum(a[i] * b[i])` over `a.len()` values (`b` at least as long).
+/// `sum(a[i] * b[i])` over `a.len()` values, `b` in f16 (at least as long).
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA.
+/// The CPU has AVX2, FMA and F16C.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
     let n = a.len();
     let (pa, pb) = (a.as_ptr(), b.as_ptr());
     let mut acc = [_mm256_setzero_ps(); 2];
     let mut i = 0;
     while i + 16 <= n {
-        acc[0] = _mm256_fmadd_ps(
-            _mm256_loadu_ps(pa.add(i)),
-            _mm256_loadu_ps(pb.add(i)),
-            acc[0],
-        );
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), load_f16x8(pb.add(i)), acc[0]);
         acc[1] = _mm256_fmadd_ps(
             _mm256_loadu_ps(pa.add(i + 8)),
-            _mm256_loadu_ps(pb.add(i + 8)),
+            load_f16x8(pb.add(i + 8)),
             acc[1],
         );
         i += 16;
     }
     let mut s = hsum_ps(_mm256_add_ps(acc[0], acc[1]));
     while i < n {
-        s += *pa.add(i) * *pb.add(i);
+        s += *pa.add(i) * (*pb.add(i)).to_f32();
         i += 1;
     }
     s
 }
 
-/// `y[i] += w * x[i]` over `y.len()` values (`x` at least as long).
+/// `y += w * x` over `y.len()` values, `x` in f16 (at least as long).
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA.
+/// The CPU has AVX2, FMA and F16C.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn axpy(y: &mut [f32], w: f32, x: &[f32]) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_f16(y: &mut [f32], w: f32, x: &[f16]) {
     let n = y.len();
     let (py, px) = (y.as_mut_ptr(), x.as_ptr());
     let wv = _mm256_set1_ps(w);
     let mut i = 0;
     while i + 8 <= n {
-        let v = _mm256_fmadd_ps(wv, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i)));
+        let v = _mm256_fmadd_ps(wv, load_f16x8(px.add(i)), _mm256_loadu_ps(py.add(i)));
         _mm256_storeu_ps(py.add(i), v);
         i += 8;
     }
     while i < n {
-        *py.add(i) += w * *px.add(i);
+        *py.add(i) += w * (*px.add(i)).to_f32();
         i += 1;
     }
 }

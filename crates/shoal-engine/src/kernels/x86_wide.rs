@@ -67,6 +67,25 @@ unsafe fn bcast(p: *const i8, at: usize) -> __m512i {
     _mm512_set1_epi32((p.add(at) as *const i32).read_unaligned())
 }
 
+/// While block `b` of a pair is read, asks for the cache lines of the next pair's blocks
+/// `2b` and `2b + 1` (`tb` bytes each), so by the end of this pair the whole next one is
+/// on its way. Tiles lie back to back, so the next pair starts at `next`, right after the
+/// second tile. The pair kernels take `prefetch` to do this on their first group of
+/// activation rows only: later groups find the pair in the cache. Without it a batched
+/// decode step stalls on the first read of every pair (measured: SmolLM2, 16 sequences,
+/// 898 and 833 -> 970 and 968 tokens/s, binaries run in turn). A prefetch never faults,
+/// even past the end.
+#[inline]
+#[target_feature(enable = "sse")]
+unsafe fn prefetch_next_pair(next: *const u8, b: usize, tb: usize) {
+    let from = 2 * b * tb;
+    let mut off = from - from % 64;
+    while off < from + 2 * tb {
+        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off) as *const i8);
+        off += 64;
+    }
+}
+
 /// The 32-value block types (`KIND` as in [`super::x86_tiled`]): tiles `w0` and `w1` (the
 /// same number of tile blocks) against `N` activation rows; `out[j][r]` is row `r` of the
 /// pair (tile 0's rows first) against activation row `j`. The same arithmetic as
@@ -80,6 +99,7 @@ pub unsafe fn tile2_dot<const N: usize, const KIND: u8>(
     w0: &[u8],
     w1: &[u8],
     a: [&[BlockQ8]; N],
+    prefetch: bool,
 ) -> [[f32; PAIR_ROWS]; N] {
     let tb = block_bytes(KIND) * TILE_ROWS;
     let (m_off, mask_off, qs_off) = offsets(KIND);
@@ -94,8 +114,12 @@ pub unsafe fn tile2_dot<const N: usize, const KIND: u8>(
         _ => 0,
     };
     let mut acc = [_mm512_setzero_ps(); N];
+    let next = w1.as_ptr().wrapping_add(w1.len());
     for b in 0..w0.len() / tb {
         let (t0, t1) = (w0.as_ptr().add(b * tb), w1.as_ptr().add(b * tb));
+        if prefetch {
+            prefetch_next_pair(next, b, tb);
+        }
         let d = f16x16(t0, t1, 0);
         let m = if has_min(KIND) {
             f16x16(t0, t1, m_off)
@@ -161,6 +185,7 @@ pub unsafe fn tile2_q45k<const N: usize, const HIGH: bool>(
     w0: &[u8],
     w1: &[u8],
     a: [&[BlockQ8K]; N],
+    prefetch: bool,
 ) -> [[f32; PAIR_ROWS]; N] {
     use k_offsets::*;
     let tb = if HIGH { 1440 } else { 1184 };
@@ -168,8 +193,12 @@ pub unsafe fn tile2_q45k<const N: usize, const HIGH: bool>(
     let m4 = _mm512_set1_epi8(0x0F);
     let one = _mm512_set1_epi8(1);
     let mut acc = [_mm512_setzero_ps(); N];
+    let next = w1.as_ptr().wrapping_add(w1.len());
     for b in 0..w0.len() / tb {
         let (t0, t1) = (w0.as_ptr().add(b * tb), w1.as_ptr().add(b * tb));
+        if prefetch {
+            prefetch_next_pair(next, b, tb);
+        }
         let d = f16x16(t0, t1, 0);
         let dmin = f16x16(t0, t1, 16);
         let mut fsum = [_mm512_setzero_ps(); N];
@@ -263,14 +292,19 @@ pub unsafe fn tile2_q6k<const N: usize>(
     w0: &[u8],
     w1: &[u8],
     a: [&[BlockQ8K]; N],
+    prefetch: bool,
 ) -> [[f32; PAIR_ROWS]; N] {
     use k_offsets::*;
     let tb = 1680;
     let m4 = _mm512_set1_epi8(0x0F);
     let m3 = _mm512_set1_epi8(3);
     let mut acc = [_mm512_setzero_ps(); N];
+    let next = w1.as_ptr().wrapping_add(w1.len());
     for b in 0..w0.len() / tb {
         let (t0, t1) = (w0.as_ptr().add(b * tb), w1.as_ptr().add(b * tb));
+        if prefetch {
+            prefetch_next_pair(next, b, tb);
+        }
         let d = f16x16(t0, t1, 0);
         let mut fsum = [_mm512_setzero_ps(); N];
         for n in 0..2 {
