@@ -61,6 +61,8 @@ pub trait Detokenizer {
     /// Feeds one generated token; returns the text that became complete (may be empty while
     /// a multi-byte character is still being assembled).
     fn push(&mut self, id: u32) -> String;
+    /// Ends the text: bytes still waiting for the rest of a character become U+FFFD.
+    fn finish(&mut self) -> String;
 }
 
 /// Holds back the tail of the text that could be the start of a stop string.
@@ -290,7 +292,9 @@ pub fn generate_on(
         logits = stepper.step(&[id])?;
     }
     if out.finish != FinishReason::Stop {
-        let rest = stops.finish();
+        // what the stop matcher held back, then an unfinished character (as the server's
+        // scheduler ends a sequence)
+        let rest = stops.finish() + &detok.finish();
         if !rest.is_empty() {
             out.text.push_str(&rest);
             on_text(&rest);

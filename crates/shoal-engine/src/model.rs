@@ -334,6 +334,10 @@ impl Detokenizer for TokenizerDetok<'_> {
     fn push(&mut self, id: u32) -> String {
         self.stream.push(self.tok, id)
     }
+
+    fn finish(&mut self) -> String {
+        self.stream.finish()
+    }
 }
 
 /// The chat template of a Hugging Face folder: `chat_template.jinja`, or the
