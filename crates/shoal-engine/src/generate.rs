@@ -265,6 +265,7 @@ pub fn generate_on(
         decode_time: Duration::ZERO,
     };
     let mut decode_start = None;
+    let mut stop_matched = false;
     while out.tokens.len() < params.max_tokens {
         let id = sampler.sample(&mut logits);
         if decode_start.is_none() {
@@ -284,6 +285,7 @@ pub fn generate_on(
         }
         if matched {
             out.finish = FinishReason::Stop;
+            stop_matched = true;
             break;
         }
         if out.tokens.len() == params.max_tokens || stepper.len() >= stepper.capacity() {
@@ -291,9 +293,10 @@ pub fn generate_on(
         }
         logits = stepper.step(&[id])?;
     }
-    if out.finish != FinishReason::Stop {
-        // what the stop matcher held back, then an unfinished character (as the server's
-        // scheduler ends a sequence)
+    if !stop_matched {
+        // What the stop matcher held back (it did not become a stop string), then an
+        // unfinished character; as the server's scheduler ends a sequence. After a stop
+        // string nothing more is text.
         let rest = stops.finish() + &detok.finish();
         if !rest.is_empty() {
             out.text.push_str(&rest);
@@ -311,6 +314,7 @@ pub fn generate_on(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sampler::SamplerConfig;
 
     #[test]
     fn stop_matcher_holds_back_partial_matches() {
@@ -323,6 +327,101 @@ mod tests {
         assert_eq!(m.push("a <b"), ("a <b".into(), false));
         assert_eq!(m.push(" <"), (" ".into(), false));
         assert_eq!(m.finish(), "<");
+    }
+
+    /// Logits that make greedy sampling pick the scripted tokens in turn.
+    struct Script {
+        tokens: Vec<u32>,
+        len: usize,
+    }
+
+    impl Stepper for Script {
+        fn len(&self) -> usize {
+            self.len
+        }
+        fn capacity(&self) -> usize {
+            64
+        }
+        fn step(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+            self.len += tokens.len();
+            let mut logits = vec![0.0; 4];
+            let next = self.tokens.get(self.len - 1).copied().unwrap_or(3);
+            logits[next as usize] = 1.0;
+            Ok(logits)
+        }
+    }
+
+    /// Token 0 is "a #", 1 is the first byte of "é", 2 is "###", 3 ends generation.
+    struct Bytes(Vec<u8>);
+
+    impl Detokenizer for Bytes {
+        fn is_eog(&self, id: u32) -> bool {
+            id == 3
+        }
+        fn push(&mut self, id: u32) -> String {
+            match id {
+                0 => "a #".into(),
+                1 => {
+                    self.0.push("é".as_bytes()[0]);
+                    String::new()
+                }
+                _ => "###".into(),
+            }
+        }
+        fn finish(&mut self) -> String {
+            let s = String::from_utf8_lossy(&self.0).into_owned();
+            self.0.clear();
+            s
+        }
+    }
+
+    fn run(script: &[u32], max_tokens: usize) -> Generation {
+        let mut stepper = Script {
+            tokens: script.to_vec(),
+            len: 0,
+        };
+        let mut sampler = Sampler::new(SamplerConfig {
+            temperature: 0.0,
+            ..Default::default()
+        });
+        let params = GenerateParams {
+            max_tokens,
+            stop: vec!["###".into()],
+            ignore_eos: false,
+        };
+        let mut streamed = String::new();
+        let out = generate_on(
+            &mut stepper,
+            &[0],
+            &mut sampler,
+            &mut Bytes(Vec::new()),
+            &params,
+            &mut |t| {
+                streamed.push_str(t);
+                true
+            },
+        )
+        .unwrap();
+        assert_eq!(streamed, out.text, "what was streamed is the text");
+        out
+    }
+
+    #[test]
+    fn text_held_back_is_not_lost_at_the_end() {
+        // the end of generation after "a #": the "#" held back as a possible "###" is text
+        let out = run(&[0, 3], 8);
+        assert_eq!((out.text.as_str(), out.finish), ("a #", FinishReason::Stop));
+        // an unfinished character at the length limit, or before the end token, is U+FFFD
+        let out = run(&[0, 1], 2);
+        assert_eq!(
+            (out.text.as_str(), out.finish),
+            ("a #\u{FFFD}", FinishReason::Length)
+        );
+        let out = run(&[0, 1, 3], 8);
+        assert_eq!(out.text, "a #\u{FFFD}");
+        // after a stop string nothing more is text
+        let out = run(&[0, 1, 2], 8);
+        assert_eq!((out.text.as_str(), out.finish), ("a ", FinishReason::Stop));
     }
 
     #[test]

@@ -944,11 +944,13 @@ fn accept(model: &LoadedModel, seq: &mut Sequence, logits: &mut [f32]) -> bool {
     true
 }
 
-/// Reports the end of `seq` (with any text still held back, unless a stop string matched).
+/// Reports the end of `seq` (with any text still held back, unless a stop string matched:
+/// at an end-of-generation token, what the stop matcher held is text after all).
 /// Returns `false`: the sequence leaves the batch.
 fn finish(seq: &mut Sequence, reason: FinishReason) -> bool {
+    let stopped_by_string = seq.stops.matched().is_some();
     let rest = seq.stops.finish() + &seq.decoder.finish();
-    if !rest.is_empty() && reason != FinishReason::Stop && !(seq.job.sink)(Event::Text(rest)) {
+    if !rest.is_empty() && !stopped_by_string && !(seq.job.sink)(Event::Text(rest)) {
         return false;
     }
     (seq.job.sink)(Event::Done(Finished {
