@@ -265,7 +265,6 @@ pub fn generate_on(
         decode_time: Duration::ZERO,
     };
     let mut decode_start = None;
-    let mut stop_matched = false;
     while out.tokens.len() < params.max_tokens {
         let id = sampler.sample(&mut logits);
         if decode_start.is_none() {
@@ -285,7 +284,6 @@ pub fn generate_on(
         }
         if matched {
             out.finish = FinishReason::Stop;
-            stop_matched = true;
             break;
         }
         if out.tokens.len() == params.max_tokens || stepper.len() >= stepper.capacity() {
@@ -293,7 +291,7 @@ pub fn generate_on(
         }
         logits = stepper.step(&[id])?;
     }
-    if !stop_matched {
+    if stops.matched().is_none() {
         // What the stop matcher held back (it did not become a stop string), then an
         // unfinished character; as the server's scheduler ends a sequence. After a stop
         // string nothing more is text.

@@ -33,6 +33,12 @@ impl KvCache {
         }
     }
 
+    /// Bytes one position takes in one layer: keys and values of every KV head, f16 each
+    /// (what the planner counts for a sequence's cache).
+    pub fn bytes_per_token_per_layer(n_kv_head: usize, head_dim: usize) -> u64 {
+        (2 * n_kv_head * head_dim * std::mem::size_of::<f16>()) as u64
+    }
+
     /// Positions stored.
     pub fn len(&self) -> usize {
         self.len
@@ -59,8 +65,8 @@ impl KvCache {
     }
 
     /// Writes keys `k` and values `v` of `t` new positions of `layer`, each laid out
-    /// `(n_kv_head, t, head_dim)`, at the current end, rounded to f16. [`KvCache::advance`] moves the end once
-    /// all layers have been written.
+    /// `(n_kv_head, t, head_dim)`, at the current end, rounded to f16. [`KvCache::advance`]
+    /// moves the end once all layers have been written.
     ///
     /// # Errors
     /// When the new positions do not fit or the lengths are wrong.

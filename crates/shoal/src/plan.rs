@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::Args;
 use serde::{Deserialize, Serialize};
+use shoal_engine::kv_cache::KvCache;
 use shoal_engine::weights::{GgufWeights, HfNaming, SafetensorsWeights, WeightSource};
 use shoal_engine::ModelConfig;
 use shoal_model::gguf::GgufFile;
@@ -61,7 +62,7 @@ CLUSTER FILE (TOML; GB = 1e9 bytes, Gbit/s = 1e9 bits/s):
   params_b = 671               # parameters, billions
   embedding_gb = 0.52
   head_gb = 0.76               # omit when the head is tied to the embedding
-  kv_bytes_per_token_per_layer = 2304   # default 2 * n_kv_heads * head_dim * 4 (f32)
+  kv_bytes_per_token_per_layer = 2304   # default 2 * n_kv_heads * head_dim * 2 (f16)
   quant_block = 256            # 32, or 256 for k-quants (default 32)
   [[model.layers]]             # groups of identical layers, in order
   count = 3
@@ -370,9 +371,9 @@ impl ModelEntry {
             embedding_bytes,
             head_bytes,
             tied_embeddings: self.head_gb.is_none(),
-            kv_bytes_per_token_per_layer: self
-                .kv_bytes_per_token_per_layer
-                .unwrap_or((2 * self.n_kv_heads * self.head_dim * 4) as u64),
+            kv_bytes_per_token_per_layer: self.kv_bytes_per_token_per_layer.unwrap_or(
+                KvCache::bytes_per_token_per_layer(self.n_kv_heads, self.head_dim),
+            ),
             quant_block: self.quant_block.unwrap_or(32),
             attn_quant_block: self.attn_quant_block,
             experts,
@@ -467,8 +468,10 @@ fn profile_of(
         embedding_bytes,
         head_bytes,
         tied_embeddings: tied,
-        // keys and values, f16 each (`shoal_engine::kv_cache`)
-        kv_bytes_per_token_per_layer: (2 * cfg.n_kv_head * cfg.head_dim * 2) as u64,
+        kv_bytes_per_token_per_layer: KvCache::bytes_per_token_per_layer(
+            cfg.n_kv_head,
+            cfg.head_dim,
+        ),
         quant_block: u32::try_from(ffn_block).unwrap_or(u32::MAX),
         attn_quant_block: (attn_block != ffn_block)
             .then(|| u32::try_from(attn_block).unwrap_or(u32::MAX)),

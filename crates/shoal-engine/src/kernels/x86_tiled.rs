@@ -77,11 +77,7 @@ unsafe fn prefetch_part(t: *const u8, len: usize, part: usize, parts: usize) {
 #[inline]
 #[target_feature(enable = "sse")]
 unsafe fn prefetch_block(t: *const u8, len: usize) {
-    let mut off = 0;
-    while off < len {
-        _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(PREFETCH + off) as *const i8);
-        off += 64;
-    }
+    prefetch_part(t, len, 0, 1);
 }
 
 /// 0xFF in byte `i` where bit `i` of `x` is set, else 0.
