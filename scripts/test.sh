@@ -37,5 +37,12 @@ cargo clippy --release --workspace --all-targets -- -D warnings
 echo "== tests"
 cargo test --release --workspace
 
+echo "== arm64 (NEON kernels under qemu)"
+if scripts/test-aarch64.sh --setup; then
+  scripts/test-aarch64.sh
+else
+  echo "(arm64 target, cross compiler or qemu-user unavailable; the NEON kernels went untested)"
+fi
+
 echo "== API clients (openai, anthropic, ollama from PyPI against shoal serve)"
 scripts/api-clients.sh

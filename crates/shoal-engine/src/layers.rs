@@ -15,8 +15,8 @@ use crate::weights::{load_quant_matrix, quant_matrix, Slice, WeightSource};
 use crate::EngineError;
 
 /// A weight matrix and what multiplies by it: shoal's kernels for the types they cover,
-/// candle's quantized matmul for the rest (Q2_K, Q3_K, BF16, ...) and, until shoal has NEON
-/// kernels, for everything on arm64.
+/// candle's quantized matmul for the rest (Q2_K, Q3_K, BF16, ...) and, on arm64 with the
+/// portable kernels (`SHOAL_KERNELS=portable`), for everything.
 #[derive(Debug, Clone)]
 pub enum Matrix {
     /// Multiplied by [`crate::kernels`].
@@ -25,8 +25,8 @@ pub enum Matrix {
     Candle(QMatMul),
 }
 
-/// Whether every matrix goes to candle: on arm64, where shoal has no NEON kernels yet and
-/// its portable ones are slower than candle's NEON code.
+/// Whether every matrix goes to candle: on arm64 when shoal's NEON kernels are switched
+/// off, since its portable ones are slower than candle's NEON code.
 pub(crate) fn candle_only() -> bool {
     cfg!(target_arch = "aarch64") && crate::kernels::active_isa() == Isa::Portable
 }

@@ -19,7 +19,8 @@ pub struct KernelBenchArgs {
     /// Weight types (comma-separated: f32,f16,q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k).
     #[arg(long, default_value = "q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k")]
     pub types: String,
-    /// Instruction sets (comma-separated: portable,avx2,avx512vnni; default all this CPU has).
+    /// Instruction sets (comma-separated: portable,avx2,avx512vnni on x86-64,
+    /// portable,neon,neondot on arm64; default all this CPU has).
     #[arg(long)]
     pub isa: Option<String>,
     /// Megabytes of weights in the decode matrix.
@@ -69,12 +70,9 @@ fn parse_type(s: &str) -> anyhow::Result<WeightType> {
 }
 
 fn parse_isa(s: &str) -> anyhow::Result<Isa> {
-    let all = [Isa::Portable, Isa::Avx2, Isa::Avx512Vnni];
-    let isa = all
-        .into_iter()
-        .find(|i| i.name() == s.trim())
+    let isa = Isa::from_name(s)
         .ok_or_else(|| anyhow::anyhow!("unknown instruction set {s:?} in --isa"))?;
-    if isa > Isa::detected() {
+    if !isa.runs_here() {
         anyhow::bail!("this CPU cannot run {}", isa.name());
     }
     Ok(isa)

@@ -6,14 +6,18 @@
 //! repacked at load into tiles of eight interleaved rows (`tiled`), so one instruction
 //! serves eight rows. Rows (tiles) are split across the compute pool.
 //!
-//! The instruction set is chosen at run time ([`Isa`]): AVX-512 VNNI, AVX2, or portable Rust,
-//! so one binary runs at full speed on any x86-64 machine without `-C target-cpu=native`.
-//! `SHOAL_KERNELS=portable|avx2|avx512vnni` caps the choice (for comparisons and tests).
-//! `unsafe` lives only in the intrinsics modules (`x86`, `x86_tiled`, `x86_wide`) and in this
-//! module's calls into them and its output pointer, each with a `SAFETY` line.
+//! The instruction set is chosen at run time ([`Isa`]): AVX-512 VNNI, AVX2, NEON with or
+//! without the 8-bit dot product, or portable Rust, so one binary runs at full speed on any
+//! x86-64 or arm64 machine without `-C target-cpu=native`. `SHOAL_KERNELS` caps the choice
+//! (`portable|avx2|avx512vnni` on x86-64, `portable|neon|neondot` on arm64; for comparisons
+//! and tests). `unsafe` lives only in the intrinsics modules (`x86`, `x86_tiled`,
+//! `x86_wide`, `neon_tiled`) and in this module's calls into them and its output pointer,
+//! each with a `SAFETY` line.
 
 pub mod formats;
 pub mod math;
+#[cfg(target_arch = "aarch64")]
+mod neon_tiled;
 mod portable;
 pub mod reference;
 mod tiled;
@@ -77,11 +81,18 @@ fn quantize_rows<B: Send>(x: &[f32], out: &mut [B], q: fn(&[f32], &mut [B])) {
         .for_each(|(o, xs)| q(xs, o));
 }
 
-/// An instruction-set level the kernels are compiled for.
+/// An instruction-set level the kernels are compiled for. Levels compare within one
+/// architecture (a higher level can run everything a lower one can); [`Isa::levels`] lists
+/// this architecture's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Isa {
     /// Plain Rust, any CPU.
     Portable,
+    /// AArch64 Advanced SIMD (every arm64 CPU): 8-bit products widened to 16 bits, and f16
+    /// scales converted by `fcvtl`.
+    Neon,
+    /// AArch64 Advanced SIMD with the 8-bit dot product (`sdot`, Armv8.2 `dotprod`).
+    NeonDot,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
     /// x86-64 AVX-512 VL + BW + VNNI (on 256-bit vectors) on top of AVX2.
@@ -89,6 +100,17 @@ pub enum Isa {
 }
 
 impl Isa {
+    /// This architecture's levels, lowest first.
+    pub fn levels() -> &'static [Isa] {
+        if cfg!(target_arch = "x86_64") {
+            &[Isa::Portable, Isa::Avx2, Isa::Avx512Vnni]
+        } else if cfg!(target_arch = "aarch64") {
+            &[Isa::Portable, Isa::Neon, Isa::NeonDot]
+        } else {
+            &[Isa::Portable]
+        }
+    }
+
     /// The best level this CPU supports.
     pub fn detected() -> Isa {
         #[cfg(target_arch = "x86_64")]
@@ -106,31 +128,62 @@ impl Isa {
                 return Isa::Avx2;
             }
         }
+        #[cfg(target_arch = "aarch64")]
+        {
+            if std::arch::is_aarch64_feature_detected!("dotprod") {
+                return Isa::NeonDot;
+            }
+            // Advanced SIMD is part of every AArch64 CPU that runs Linux, macOS or Windows.
+            if std::arch::is_aarch64_feature_detected!("neon") {
+                return Isa::Neon;
+            }
+        }
         Isa::Portable
     }
 
     /// Every level this CPU can run, lowest first.
     pub fn available() -> Vec<Isa> {
         let best = Isa::detected();
-        [Isa::Portable, Isa::Avx2, Isa::Avx512Vnni]
-            .into_iter()
+        Isa::levels()
+            .iter()
+            .copied()
             .filter(|i| *i <= best)
             .collect()
+    }
+
+    /// Whether this CPU can run the level.
+    pub fn runs_here(self) -> bool {
+        Isa::levels().contains(&self) && self <= Isa::detected()
     }
 
     /// The name `SHOAL_KERNELS` takes.
     pub fn name(self) -> &'static str {
         match self {
             Isa::Portable => "portable",
+            Isa::Neon => "neon",
+            Isa::NeonDot => "neondot",
             Isa::Avx2 => "avx2",
             Isa::Avx512Vnni => "avx512vnni",
         }
     }
 
-    fn parse(s: &str) -> Option<Isa> {
-        [Isa::Portable, Isa::Avx2, Isa::Avx512Vnni]
-            .into_iter()
-            .find(|i| i.name() == s.trim())
+    /// The level named `s` (as [`Isa::name`] gives), of any architecture.
+    pub fn from_name(s: &str) -> Option<Isa> {
+        [
+            Isa::Portable,
+            Isa::Neon,
+            Isa::NeonDot,
+            Isa::Avx2,
+            Isa::Avx512Vnni,
+        ]
+        .into_iter()
+        .find(|i| i.name() == s.trim())
+    }
+
+    /// This architecture's level names, for messages.
+    fn names() -> String {
+        let names: Vec<&str> = Isa::levels().iter().map(|i| i.name()).collect();
+        names.join(", ")
     }
 }
 
@@ -142,8 +195,8 @@ pub fn active_isa() -> Isa {
         let best = Isa::detected();
         match std::env::var("SHOAL_KERNELS") {
             Err(_) => best,
-            Ok(v) => match Isa::parse(&v) {
-                Some(want) if want <= best => want,
+            Ok(v) => match Isa::from_name(&v) {
+                Some(want) if want.runs_here() => want,
                 Some(want) => {
                     tracing::warn!(
                         "SHOAL_KERNELS={} is not supported by this CPU; using {}",
@@ -154,7 +207,8 @@ pub fn active_isa() -> Isa {
                 }
                 None => {
                     tracing::warn!(
-                        "SHOAL_KERNELS={v:?} is not one of portable, avx2, avx512vnni; using {}",
+                        "SHOAL_KERNELS={v:?} is not one of {}; using {}",
+                        Isa::names(),
                         best.name()
                     );
                     best
@@ -477,6 +531,68 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
     }
 }
 
+#[cfg(target_arch = "aarch64")]
+fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
+    macro_rules! by_type {
+        ($m:ident) => {
+            match ty {
+                WeightType::Q4K => TilePair {
+                    one: neon_tiled::$m::tile_q45k::<1, false>,
+                    four: neon_tiled::$m::tile_q45k::<4, false>,
+                    pair_four: None,
+                    pair_eight: None,
+                },
+                WeightType::Q5K => TilePair {
+                    one: neon_tiled::$m::tile_q45k::<1, true>,
+                    four: neon_tiled::$m::tile_q45k::<4, true>,
+                    pair_four: None,
+                    pair_eight: None,
+                },
+                _ => TilePair {
+                    one: neon_tiled::$m::tile_q6k::<1>,
+                    four: neon_tiled::$m::tile_q6k::<4>,
+                    pair_four: None,
+                    pair_eight: None,
+                },
+            }
+        };
+    }
+    match isa {
+        Isa::NeonDot => by_type!(neondot),
+        _ => by_type!(neon),
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
+    use neon_tiled::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+    macro_rules! pair {
+        ($m:ident, $k:ident) => {
+            TilePair {
+                one: neon_tiled::$m::tile_dot::<1, $k>,
+                four: neon_tiled::$m::tile_dot::<4, $k>,
+                pair_four: None,
+                pair_eight: None,
+            }
+        };
+    }
+    macro_rules! by_type {
+        ($m:ident) => {
+            match ty {
+                WeightType::Q4_0 => pair!($m, Q4_0),
+                WeightType::Q4_1 => pair!($m, Q4_1),
+                WeightType::Q5_0 => pair!($m, Q5_0),
+                WeightType::Q5_1 => pair!($m, Q5_1),
+                _ => pair!($m, Q8_0),
+            }
+        };
+    }
+    match isa {
+        Isa::NeonDot => by_type!(neondot),
+        _ => by_type!(neon),
+    }
+}
+
 thread_local! {
     static SCRATCH_Q8: RefCell<Vec<BlockQ8>> = const { RefCell::new(Vec::new()) };
     static SCRATCH_Q8K: RefCell<Vec<BlockQ8K>> = const { RefCell::new(Vec::new()) };
@@ -589,7 +705,7 @@ impl QuantMatrix {
         cols: usize,
         data: std::borrow::Cow<'_, [u8]>,
     ) -> Result<Self, KernelError> {
-        if isa > Isa::detected() {
+        if !isa.runs_here() {
             return Err(KernelError::Isa(isa));
         }
         let bad = |problem: String| KernelError::Matrix {
@@ -614,7 +730,7 @@ impl QuantMatrix {
                 data.len()
             )));
         }
-        let tiled = isa >= Isa::Avx2 && tiled::is_tiled_type(ty);
+        let tiled = isa != Isa::Portable && tiled::is_tiled_type(ty);
         let data = if tiled {
             tiled::tile(ty, rows, cols / ty.block_elems(), &data)
         } else {
@@ -717,7 +833,7 @@ impl QuantMatrix {
                 acts.resize(x.len() / QK, BlockQ8::default());
                 quantize_rows(x, &mut acts, quantize_q8);
                 if self.tiled {
-                    #[cfg(target_arch = "x86_64")]
+                    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                     self.drive_tiles(&acts, self.cols / QK, t, y, &tile_kernels(ty, isa));
                 } else {
                     let k = match ty {
@@ -736,7 +852,7 @@ impl QuantMatrix {
                 acts.resize(x.len() / QK_K, BlockQ8K::default());
                 quantize_rows(x, &mut acts, quantize_q8k);
                 if self.tiled {
-                    #[cfg(target_arch = "x86_64")]
+                    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                     self.drive_tiles(&acts, self.cols / QK_K, t, y, &tile_kernels_k(ty, isa));
                 } else {
                     let k = match ty {
@@ -799,7 +915,7 @@ impl QuantMatrix {
                 )));
             }
         }
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         if t > 0 && Self::share_activations(mats) {
             let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
             match first.ty.act_format() {
@@ -909,7 +1025,7 @@ impl QuantMatrix {
 
     /// Whether `mats` can share one quantization of their activations: all tiled, for one
     /// level, with one quantized activation format.
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     fn share_activations(mats: &[&QuantMatrix]) -> bool {
         let format = mats[0].ty.act_format();
         format != ActFormat::F32

@@ -105,6 +105,22 @@ fn every_type_at_every_level_matches_the_reference() {
     }
 }
 
+/// The level feature detection picks, when the run says which it must be
+/// (`SHOAL_EXPECT_ISA`, set by `scripts/test-aarch64.sh` for each emulated CPU).
+#[test]
+fn detection_picks_the_expected_level() {
+    let best = Isa::detected();
+    assert!(
+        Isa::levels().contains(&best),
+        "{best:?} is not this architecture's"
+    );
+    assert_eq!(Isa::available().last(), Some(&best));
+    assert!(Isa::available().iter().all(|i| i.runs_here()));
+    if let Ok(want) = std::env::var("SHOAL_EXPECT_ISA") {
+        assert_eq!(best.name(), want, "feature detection on this CPU");
+    }
+}
+
 #[test]
 fn levels_agree_with_the_portable_kernels() {
     let mut rng = StdRng::seed_from_u64(3);
