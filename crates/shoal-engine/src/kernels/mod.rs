@@ -957,13 +957,11 @@ impl QuantMatrix {
         }
         let chunks = (threads * 4).min(self.rows.div_ceil(8));
         let per_chunk = self.rows.div_ceil(chunks);
-        rayon::scope(|s| {
-            for c in 0..chunks {
-                let rows = c * per_chunk..((c + 1) * per_chunk).min(self.rows);
-                if rows.is_empty() {
-                    continue;
-                }
-                s.spawn(move |_| self.drive_rows(rows, acts, per_row, t, out, k));
+        use rayon::prelude::*;
+        (0..chunks).into_par_iter().for_each(|c| {
+            let rows = c * per_chunk..((c + 1) * per_chunk).min(self.rows);
+            if !rows.is_empty() {
+                self.drive_rows(rows, acts, per_row, t, out, k);
             }
         });
     }
@@ -1172,11 +1170,9 @@ fn drive_many<A: Sync>(
         }
         return;
     }
-    rayon::scope(|s| {
-        for (i, r) in jobs {
-            let (m, k, out) = (mats[i], &ks[i], outs[i]);
-            s.spawn(move |_| m.drive_tile_range(r, acts, per_row, t, out, k));
-        }
+    use rayon::prelude::*;
+    jobs.into_par_iter().for_each(|(i, r)| {
+        mats[i].drive_tile_range(r, acts, per_row, t, outs[i], &ks[i]);
     });
 }
 
