@@ -26,8 +26,14 @@ pub const Q5_1: u8 = 3;
 /// See [`Q4_0`].
 pub const Q8_0: u8 = 4;
 
-/// How far ahead of the block being read the kernels prefetch, in bytes.
+/// How far ahead of the block being read the 32-value kernels prefetch, in bytes (4096 was
+/// no better, within noise, on smollm2 and qwen05).
 const PREFETCH: usize = 2048;
+/// The same for the K-quant kernels: 5 to 7 of their blocks ahead. Against 2048, measured
+/// with binaries in turn on a machine whose memory streamed at 16 GB/s: qwen15 decode at 1
+/// thread 11.4 -> 12.3 tok/s (medians of 4; 4096 gave 12.0), at 2 threads 20.4 -> 21.6
+/// (medians of 3).
+const PREFETCH_K: usize = 8192;
 
 pub(super) const fn block_bytes(kind: u8) -> usize {
     match kind {
@@ -55,7 +61,8 @@ pub(super) const fn offsets(kind: u8) -> (usize, usize, usize) {
     (m, masks, qs)
 }
 
-/// Part `part` of `parts` of [`prefetch_block`]: the K-quant kernels (blocks of 1184 to
+/// Part `part` of `parts` of the lines `dist` bytes past the `len`-byte block at `t`
+/// ([`prefetch_block`] asks for all of them): the K-quant kernels (blocks of 1184 to
 /// 1680 bytes, 19 to 27 lines) spread their prefetches over the block's work, a few lines at
 /// a time. Asked for all at once, a Q6_K block's 27 lines are more misses than the core
 /// keeps in flight, the last ones are dropped, and the loop stalls on them (`perf annotate`:
@@ -63,11 +70,11 @@ pub(super) const fn offsets(kind: u8) -> (usize, usize, usize) {
 /// turn: qwen15 17.1 -> 21.6 tok/s, qwen05 46.0 -> 54.4 (medians of 6 and 5 runs).
 #[inline]
 #[target_feature(enable = "sse")]
-unsafe fn prefetch_part(t: *const u8, len: usize, part: usize, parts: usize) {
+unsafe fn prefetch_part(t: *const u8, dist: usize, len: usize, part: usize, parts: usize) {
     let lines = len.div_ceil(64);
     let (from, to) = (lines * part / parts, lines * (part + 1) / parts);
     for l in from..to {
-        _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(PREFETCH + 64 * l) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(dist + 64 * l) as *const i8);
     }
 }
 
@@ -77,7 +84,7 @@ unsafe fn prefetch_part(t: *const u8, len: usize, part: usize, parts: usize) {
 #[inline]
 #[target_feature(enable = "sse")]
 unsafe fn prefetch_block(t: *const u8, len: usize) {
-    prefetch_part(t, len, 0, 1);
+    prefetch_part(t, PREFETCH, len, 0, 1);
 }
 
 /// 0xFF in byte `i` where bit `i` of `x` is set, else 0.
@@ -310,7 +317,7 @@ macro_rules! tiled_kernels {
                     let mut msum = [_mm256_setzero_si256(); N];
                     for c in 0..4 {
                         if N == 1 {
-                            prefetch_part(t, tb, c, 4);
+                            prefetch_part(t, PREFETCH_K, tb, c, 4);
                         }
                         let mut lo = [_mm256_setzero_si256(); 8];
                         let mut hi = [_mm256_setzero_si256(); 8];
@@ -400,7 +407,7 @@ macro_rules! tiled_kernels {
                     for n in 0..2 {
                         for h in 0..2 {
                             if N == 1 {
-                                prefetch_part(t, tb, 2 * n + h, 4);
+                                prefetch_part(t, PREFETCH_K, tb, 2 * n + h, 4);
                             }
                             // groups 4h..4h+4 of half n: values 4g..4g+4 of each quarter
                             let mut q = [[_mm256_setzero_si256(); 4]; 4];
