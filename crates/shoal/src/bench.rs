@@ -153,7 +153,9 @@ pub fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
 
 /// Read bandwidth in GB/s: `threads` threads stream disjoint parts of a buffer much larger
 /// than the caches the way the weight kernels do (32-byte loads, prefetch ahead), best of
-/// several passes.
+/// several passes at each prefetch distance the kernels use (2 KB for the 32-value types,
+/// 8 KB for the K-quants: when memory is slow to answer, the farther one streams faster, and
+/// a ceiling measured at the nearer one alone was below what the K-quant kernels reached).
 pub fn measure_read_bandwidth(threads: usize) -> f64 {
     measure_read_bandwidth_with(threads, 512 << 20, 7)
 }
@@ -163,12 +165,13 @@ pub fn measure_read_bandwidth_with(threads: usize, bytes: usize, passes: usize) 
     let buf: Vec<u8> = (0..bytes).map(|i| (i * 31 % 251) as u8).collect();
     let chunk = buf.len().div_ceil(threads.max(1));
     let mut best = 0.0f64;
-    for _ in 0..passes {
+    for pass in 0..2 * passes {
+        let ahead = if pass % 2 == 0 { 2048 } else { 8192 };
         let t0 = Instant::now();
         let total = std::thread::scope(|s| {
             let handles: Vec<_> = buf
                 .chunks(chunk)
-                .map(|c| s.spawn(move || shoal_engine::kernels::stream_checksum(c)))
+                .map(|c| s.spawn(move || shoal_engine::kernels::stream_checksum(c, ahead)))
                 .collect();
             handles
                 .into_iter()

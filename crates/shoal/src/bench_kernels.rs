@@ -23,8 +23,9 @@ pub struct KernelBenchArgs {
     /// portable,neon,neondot on arm64; default all this CPU has).
     #[arg(long)]
     pub isa: Option<String>,
-    /// Megabytes of weights in the decode matrix.
-    #[arg(long, default_value_t = 128)]
+    /// Megabytes of weights in the decode matrix (past the last-level cache, or the figure
+    /// is the cache's speed, not memory's: a 2026 server CPU may have 260 MB of L3).
+    #[arg(long, default_value_t = 512)]
     pub decode_mb: usize,
     /// Activation rows in the prefill batch.
     #[arg(long, default_value_t = 64)]
