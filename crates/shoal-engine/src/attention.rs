@@ -83,42 +83,88 @@ impl AttentionShape {
     /// # Panics
     /// When a slice is shorter than the shapes say (the caller sized them).
     pub fn decode(&self, pos: usize, q: &[f32], k: &[f16], v: &[f16], out: &mut [f32]) {
+        self.decode_heads(pos, 0..self.n_head, q, k, v, out, false);
+    }
+
+    /// [`AttentionShape::decode`] with the KV groups in parallel, for a step of one
+    /// sequence. The gain is not the attention itself (two to three groups, a few
+    /// microseconds each: the fork costs about as much) but the pool: left idle through a
+    /// single-threaded attention, its other threads fall asleep and are woken late for the
+    /// output projection that follows (measured on qwen15 decode at 2 threads: the output
+    /// projection 3.1 -> 2.45 ms per token, attention 0.21 -> 0.31 ms). A batch of
+    /// sequences is already parallel over its sequences and uses [`AttentionShape::decode`].
+    pub fn decode_parallel(&self, pos: usize, q: &[f32], k: &[f16], v: &[f16], out: &mut [f32]) {
+        let parallel = rayon::current_num_threads() > 1;
+        self.decode_heads(pos, 0..self.n_head, q, k, v, out, parallel);
+    }
+
+    /// [`AttentionShape::decode`] for query heads `heads`, `out` being theirs; with
+    /// `parallel`, the KV groups in halves by `rayon::join`, split on a group boundary.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_heads(
+        &self,
+        pos: usize,
+        heads: std::ops::Range<usize>,
+        q: &[f32],
+        k: &[f16],
+        v: &[f16],
+        out: &mut [f32],
+        parallel: bool,
+    ) {
         let hd = self.head_dim;
+        let (h0, h1) = (heads.start, heads.end);
+        if h0 >= h1 {
+            return;
+        }
+        let kv = self.kv_of(h0);
+        if self.kv_of(h1 - 1) != kv {
+            // the first head of the group holding the middle head, or the next group's
+            let mid = (h0 + h1) / 2;
+            let mut cut = (h0..=mid)
+                .rev()
+                .find(|&h| self.kv_of(h - 1) != self.kv_of(h));
+            if cut.is_none() {
+                cut = (mid + 1..h1).find(|&h| self.kv_of(h - 1) != self.kv_of(h));
+            }
+            let cut = cut.expect("two KV heads meet somewhere in the range");
+            let (lo, hi) = out.split_at_mut((cut - h0) * hd);
+            if parallel {
+                rayon::join(
+                    || self.decode_heads(pos, h0..cut, q, k, v, lo, true),
+                    || self.decode_heads(pos, cut..h1, q, k, v, hi, true),
+                );
+            } else {
+                self.decode_heads(pos, h0..cut, q, k, v, lo, false);
+                self.decode_heads(pos, cut..h1, q, k, v, hi, false);
+            }
+            return;
+        }
         let keys = self.visible(pos);
         let n = keys.len();
-        let mut h0 = 0;
-        while h0 < self.n_head {
-            let kv = self.kv_of(h0);
-            let h1 = (h0..self.n_head)
-                .find(|&h| self.kv_of(h) != kv)
-                .unwrap_or(self.n_head);
-            let base = kv * self.capacity * hd + keys.start * hd;
-            let (ks, vs) = (&k[base..base + n * hd], &v[base..base + n * hd]);
-            SCORES.with(|s| {
-                let mut buf = s.borrow_mut();
-                buf.resize((h1 - h0) * n, 0.0);
-                for b in (0..n).step_by(KEY_BLOCK) {
-                    let e = (b + KEY_BLOCK).min(n);
-                    for (i, h) in (h0..h1).enumerate() {
-                        let qh = &q[h * hd..(h + 1) * hd];
-                        let sc = &mut buf[i * n + b..i * n + e];
-                        scores(qh, &ks[b * hd..e * hd], self.scale, sc);
-                    }
+        let base = kv * self.capacity * hd + keys.start * hd;
+        let (ks, vs) = (&k[base..base + n * hd], &v[base..base + n * hd]);
+        SCORES.with(|s| {
+            let mut buf = s.borrow_mut();
+            buf.resize((h1 - h0) * n, 0.0);
+            for b in (0..n).step_by(KEY_BLOCK) {
+                let e = (b + KEY_BLOCK).min(n);
+                for (i, h) in (h0..h1).enumerate() {
+                    let qh = &q[h * hd..(h + 1) * hd];
+                    let sc = &mut buf[i * n + b..i * n + e];
+                    scores(qh, &ks[b * hd..e * hd], self.scale, sc);
                 }
-                for sc in buf.chunks_exact_mut(n) {
-                    softmax(sc);
+            }
+            for sc in buf.chunks_exact_mut(n) {
+                softmax(sc);
+            }
+            out.fill(0.0);
+            for b in (0..n).step_by(KEY_BLOCK) {
+                let e = (b + KEY_BLOCK).min(n);
+                for (i, o) in out.chunks_exact_mut(hd).enumerate() {
+                    weighted_sum(&buf[i * n + b..i * n + e], &vs[b * hd..e * hd], o);
                 }
-                let outs = &mut out[h0 * hd..h1 * hd];
-                outs.fill(0.0);
-                for b in (0..n).step_by(KEY_BLOCK) {
-                    let e = (b + KEY_BLOCK).min(n);
-                    for (i, o) in outs.chunks_exact_mut(hd).enumerate() {
-                        weighted_sum(&buf[i * n + b..i * n + e], &vs[b * hd..e * hd], o);
-                    }
-                }
-            });
-            h0 = h1;
-        }
+            }
+        });
     }
 
     /// Prefill: `t` queries at positions `p..p + t`, causal. `q` is `(n_head, t, head_dim)`;
@@ -217,6 +263,35 @@ mod tests {
                     "{window:?} {pos} {i}: {got} vs {want}"
                 );
             }
+            // the groups in parallel: the same bits
+            let mut par = vec![f32::NAN; 3 * 20];
+            a.decode_parallel(pos, &q, &k, &v, &mut par);
+            assert_eq!(par, out, "{window:?} {pos}: parallel decode");
+        }
+    }
+
+    #[test]
+    fn parallel_decode_splits_ragged_groups() {
+        // 7 local heads from global head 1, 2 per KV head: groups of 1, 2, 2, 2
+        let a = AttentionShape {
+            n_head: 7,
+            first_head: 1,
+            first_kv: 0,
+            group: 2,
+            head_dim: 8,
+            capacity: 9,
+            window: None,
+            scale: 0.5,
+        };
+        let q: Vec<f32> = (0..7 * 8).map(|i| val(i, 7)).collect();
+        let k: Vec<f16> = (0..4 * 9 * 8).map(|i| f16::from_f32(val(i, 8))).collect();
+        let v: Vec<f16> = (0..4 * 9 * 8).map(|i| f16::from_f32(val(i, 9))).collect();
+        let (mut one, mut par) = (vec![0f32; 7 * 8], vec![f32::NAN; 7 * 8]);
+        a.decode(6, &q, &k, &v, &mut one);
+        a.decode_parallel(6, &q, &k, &v, &mut par);
+        assert_eq!(one, par);
+        for (i, (got, want)) in one.iter().zip(naive(&a, 6, &q, &k, &v)).enumerate() {
+            assert!((*got as f64 - want).abs() < 1e-5, "{i}: {got} vs {want}");
         }
     }
 

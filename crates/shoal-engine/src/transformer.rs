@@ -392,7 +392,7 @@ impl Attention {
         let mut out = vec![0f32; t * nh * hd];
         with_f32(&q, |qs| {
             if t == 1 {
-                shape.decode(p, qs, ks, vs, &mut out)
+                shape.decode_parallel(p, qs, ks, vs, &mut out)
             } else {
                 shape.prefill(p, t, qs, ks, vs, &mut out)
             }
