@@ -489,7 +489,7 @@ fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
 
 #[cfg(target_arch = "x86_64")]
 fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
-    use x86_tiled::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+    use tiled::kinds::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     macro_rules! pair {
         ($m:ident, $k:ident) => {
             TilePair {
@@ -568,7 +568,7 @@ fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
 
 #[cfg(target_arch = "aarch64")]
 fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
-    use neon_tiled::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+    use tiled::kinds::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     macro_rules! pair {
         ($m:ident, $k:ident) => {
             TilePair {

@@ -22,47 +22,11 @@ use std::arch::aarch64::*;
 use std::arch::asm;
 
 use super::formats::{BlockQ8, BlockQ8K};
+use super::tiled::kinds::{block_bytes, has_high_bit, has_min, offsets, Q4_0, Q5_0, Q8_0};
 use super::tiled::{k_offsets, TILE_ROWS};
-
-/// Type codes for the const parameter of the kernels (the same as `x86_tiled`'s).
-pub const Q4_0: u8 = 0;
-/// See [`Q4_0`].
-pub const Q4_1: u8 = 1;
-/// See [`Q4_0`].
-pub const Q5_0: u8 = 2;
-/// See [`Q4_0`].
-pub const Q5_1: u8 = 3;
-/// See [`Q4_0`].
-pub const Q8_0: u8 = 4;
 
 /// Rows in one half of a tile (one 128-bit vector of i32 or f32 lanes).
 const HALF: usize = TILE_ROWS / 2;
-
-const fn block_bytes(kind: u8) -> usize {
-    match kind {
-        Q4_0 => 18,
-        Q4_1 => 20,
-        Q5_0 => 22,
-        Q5_1 => 24,
-        _ => 34,
-    }
-}
-
-const fn has_min(kind: u8) -> bool {
-    matches!(kind, Q4_1 | Q5_1)
-}
-
-const fn has_high_bit(kind: u8) -> bool {
-    matches!(kind, Q5_0 | Q5_1)
-}
-
-/// `(minimums, masks, quants)` offsets in a tile block (as `tiled::tile_offsets`).
-const fn offsets(kind: u8) -> (usize, usize, usize) {
-    let m = 2 * TILE_ROWS;
-    let masks = m + if has_min(kind) { 2 * TILE_ROWS } else { 0 };
-    let qs = masks + if has_high_bit(kind) { 32 } else { 0 };
-    (m, masks, qs)
-}
 
 /// Four f16 values at `p` as f32 (`fcvtl`, exact, Armv8.0).
 #[inline]

@@ -82,6 +82,52 @@ pub mod k_offsets {
     pub const QH6: usize = 1168;
 }
 
+/// Codes for the 32-value types as the tile kernels' const parameter (a const generic cannot
+/// be a [`WeightType`]), and what those kernels know of each type at compile time.
+pub mod kinds {
+    use super::TILE_ROWS;
+
+    /// Q4_0.
+    pub const Q4_0: u8 = 0;
+    /// Q4_1.
+    pub const Q4_1: u8 = 1;
+    /// Q5_0.
+    pub const Q5_0: u8 = 2;
+    /// Q5_1.
+    pub const Q5_1: u8 = 3;
+    /// Q8_0.
+    pub const Q8_0: u8 = 4;
+
+    /// Bytes of one row's block in the file.
+    pub const fn block_bytes(kind: u8) -> usize {
+        match kind {
+            Q4_0 => 18,
+            Q4_1 => 20,
+            Q5_0 => 22,
+            Q5_1 => 24,
+            _ => 34,
+        }
+    }
+
+    /// Whether blocks carry a minimum (Q4_1, Q5_1).
+    pub const fn has_min(kind: u8) -> bool {
+        matches!(kind, Q4_1 | Q5_1)
+    }
+
+    /// Whether blocks carry 5th bits (Q5_0, Q5_1).
+    pub const fn has_high_bit(kind: u8) -> bool {
+        matches!(kind, Q5_0 | Q5_1)
+    }
+
+    /// `(minimums, masks, quants)` offsets in a tile block (as [`super::tile_offsets`]).
+    pub const fn offsets(kind: u8) -> (usize, usize, usize) {
+        let m = 2 * TILE_ROWS;
+        let masks = m + if has_min(kind) { 2 * TILE_ROWS } else { 0 };
+        let qs = masks + if has_high_bit(kind) { 32 } else { 0 };
+        (m, masks, qs)
+    }
+}
+
 /// Interleaves `n` bytes of `src` (one row's array) into `dst` (the tile's array) as row `r`:
 /// byte `j` of row group `g` goes to `32 g + 4 r + j`.
 fn interleave(dst: &mut [u8], src: &[u8], r: usize) {

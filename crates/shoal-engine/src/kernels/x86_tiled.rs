@@ -13,18 +13,8 @@
 use std::arch::x86_64::*;
 
 use super::formats::{BlockQ8, BlockQ8K};
+use super::tiled::kinds::{block_bytes, has_high_bit, has_min, offsets, Q4_0, Q5_0, Q8_0};
 use super::tiled::{k_offsets, TILE_ROWS};
-
-/// Type codes for the const parameter of the kernels.
-pub const Q4_0: u8 = 0;
-/// See [`Q4_0`].
-pub const Q4_1: u8 = 1;
-/// See [`Q4_0`].
-pub const Q5_0: u8 = 2;
-/// See [`Q4_0`].
-pub const Q5_1: u8 = 3;
-/// See [`Q4_0`].
-pub const Q8_0: u8 = 4;
 
 /// How far ahead of the block being read the 32-value kernels prefetch, in bytes (4096 was
 /// no better, within noise, on smollm2 and qwen05).
@@ -34,32 +24,6 @@ const PREFETCH: usize = 2048;
 /// thread 11.4 -> 12.3 tok/s (medians of 4; 4096 gave 12.0), at 2 threads 20.4 -> 21.6
 /// (medians of 3).
 const PREFETCH_K: usize = 8192;
-
-pub(super) const fn block_bytes(kind: u8) -> usize {
-    match kind {
-        Q4_0 => 18,
-        Q4_1 => 20,
-        Q5_0 => 22,
-        Q5_1 => 24,
-        _ => 34,
-    }
-}
-
-pub(super) const fn has_min(kind: u8) -> bool {
-    matches!(kind, Q4_1 | Q5_1)
-}
-
-pub(super) const fn has_high_bit(kind: u8) -> bool {
-    matches!(kind, Q5_0 | Q5_1)
-}
-
-/// `(minimums, masks, quants)` offsets in a tile block (as `tiled::tile_offsets`).
-pub(super) const fn offsets(kind: u8) -> (usize, usize, usize) {
-    let m = 2 * TILE_ROWS;
-    let masks = m + if has_min(kind) { 2 * TILE_ROWS } else { 0 };
-    let qs = masks + if has_high_bit(kind) { 32 } else { 0 };
-    (m, masks, qs)
-}
 
 /// Part `part` of `parts` of the lines `dist` bytes past the `len`-byte block at `t`
 /// ([`prefetch_block`] asks for all of them): the K-quant kernels (blocks of 1184 to

@@ -9,8 +9,8 @@
 use std::arch::x86_64::*;
 
 use super::formats::{BlockQ8, BlockQ8K};
+use super::tiled::kinds::{block_bytes, has_high_bit, has_min, offsets, Q4_0, Q5_0, Q8_0};
 use super::tiled::{k_offsets, TILE_ROWS};
-use super::x86_tiled::{block_bytes, has_high_bit, has_min, offsets, Q4_0, Q5_0, Q8_0};
 
 /// Rows of a tile pair.
 pub const PAIR_ROWS: usize = 2 * TILE_ROWS;
