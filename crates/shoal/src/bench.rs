@@ -154,8 +154,8 @@ pub fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
 /// Read bandwidth in GB/s: `threads` threads stream disjoint parts of a buffer much larger
 /// than the caches the way the weight kernels do (32-byte loads, prefetch ahead), best of
 /// several passes at each prefetch distance the kernels use (2 KB for the 32-value types,
-/// 8 KB for the K-quants: when memory is slow to answer, the farther one streams faster, and
-/// a ceiling measured at the nearer one alone was below what the K-quant kernels reached).
+/// 8 KB for the K-quants), so the ceiling is never what one distance alone happened to reach.
+/// Here the two were within noise of each other (1 thread, 14-15 GB/s).
 pub fn measure_read_bandwidth(threads: usize) -> f64 {
     measure_read_bandwidth_with(threads, 512 << 20, 7)
 }
