@@ -30,6 +30,10 @@ pub struct KernelBenchArgs {
     /// Activation rows in the prefill batch.
     #[arg(long, default_value_t = 64)]
     pub batch: usize,
+    /// Columns of both matrices (input features; a multiple of 256 fits every type, 32 the
+    /// 32-value types): models and their shards have 576 to 8960.
+    #[arg(long, default_value_t = 2048)]
+    pub cols: usize,
     /// Repetitions of each measurement.
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     pub reps: usize,
@@ -117,6 +121,20 @@ pub fn main(args: KernelBenchArgs) -> anyhow::Result<()> {
         .split(',')
         .map(parse_type)
         .collect::<anyhow::Result<Vec<_>>>()?;
+    if args.cols == 0 {
+        anyhow::bail!("--cols must be at least 1 (a multiple of 256 fits every type)");
+    }
+    if let Some(ty) = types
+        .iter()
+        .find(|t| !args.cols.is_multiple_of(t.block_elems()))
+    {
+        anyhow::bail!(
+            "--cols {} is not a whole number of {:?} blocks ({} values); use a multiple of 256",
+            args.cols,
+            ty,
+            ty.block_elems()
+        );
+    }
     let isas = match &args.isa {
         Some(s) => s
             .split(',')
@@ -135,11 +153,11 @@ pub fn main(args: KernelBenchArgs) -> anyhow::Result<()> {
             "type", "isa", "decode GB/s", "of bw", "prefill GMAC/s"
         );
     }
-    const COLS: usize = 2048;
+    let cols = args.cols;
     for &ty in &types {
         for &isa in &isas {
-            let big = matrix(isa, ty, args.decode_mb, COLS)?;
-            let x: Vec<f32> = (0..COLS)
+            let big = matrix(isa, ty, args.decode_mb, cols)?;
+            let x: Vec<f32> = (0..cols)
                 .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1)
                 .collect();
             let mut y = vec![0f32; big.rows()];
@@ -147,13 +165,13 @@ pub fn main(args: KernelBenchArgs) -> anyhow::Result<()> {
             let dec = rayon::scope(|_| time_runs(args.reps, || Ok(big.matmul(&x, &mut y)?)))?;
             let dec_gb: Vec<f64> = dec.iter().map(|s| big.bytes() as f64 / s / 1e9).collect();
             drop(big);
-            let small = matrix(isa, ty, 4, COLS)?;
-            let xb: Vec<f32> = (0..COLS * args.batch)
+            let small = matrix(isa, ty, 4, cols)?;
+            let xb: Vec<f32> = (0..cols * args.batch)
                 .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1)
                 .collect();
             let mut yb = vec![0f32; small.rows() * args.batch];
             let pre = rayon::scope(|_| time_runs(args.reps, || Ok(small.matmul(&xb, &mut yb)?)))?;
-            let macs = (small.rows() * COLS * args.batch) as f64;
+            let macs = (small.rows() * cols * args.batch) as f64;
             let pre_g: Vec<f64> = pre.iter().map(|s| macs / s / 1e9).collect();
             let (decode, prefill) = (
                 Spread::of(&dec_gb).expect("reps >= 1"),
