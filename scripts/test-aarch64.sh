@@ -13,10 +13,10 @@ cd "$(dirname "$0")/.."
 
 target=aarch64-unknown-linux-gnu
 setup() {
-  rustup target list --installed | grep -qx "$target" || rustup target add "$target" || return 1
+  rustup target list --installed | grep -qx "$target" || timeout 300 rustup target add "$target" || return 1
   if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
     [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 1
-    apt-get update -qq || return 1
+    timeout 300 apt-get update -qq || return 1
     apt-get install -y -qq --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross \
       qemu-user >/dev/null || return 1
   fi
