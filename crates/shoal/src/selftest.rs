@@ -21,7 +21,8 @@ pub struct SelfTest {
 /// # Errors
 /// The test matrix cannot be built (never on a supported CPU).
 pub fn run(threads: usize) -> anyhow::Result<SelfTest> {
-    // 256 MB is well past any cache; best of 3 passes.
+    // 256 MB is past most caches (not every one: a 2026 server CPU may have 260 MB of
+    // L3); best of 3 passes at each prefetch distance.
     let mem_bandwidth_gbs = measure_read_bandwidth_with(threads, 256 << 20, 3);
     const COLS: usize = 2048;
     const BATCH: usize = 32;

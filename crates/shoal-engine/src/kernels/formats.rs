@@ -60,7 +60,7 @@ impl WeightType {
     }
 
     /// Bytes per block.
-    pub fn block_bytes(self) -> usize {
+    pub const fn block_bytes(self) -> usize {
         match self {
             WeightType::F32 => 4,
             WeightType::F16 => 2,

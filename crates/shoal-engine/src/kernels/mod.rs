@@ -447,35 +447,63 @@ struct TilePair<A: 'static> {
     pair_eight: Option<PairKern<A, 8>>,
 }
 
+impl<A: 'static> TilePair<A> {
+    /// A one- and a four-row kernel, no pair kernels.
+    fn new(one: TileKern<A, 1>, four: TileKern<A, 4>) -> Self {
+        TilePair {
+            one,
+            four,
+            pair_four: None,
+            pair_eight: None,
+        }
+    }
+}
+
+/// The one- and four-row kernels of tile-kernel module `$m` (one instruction-set level of
+/// `x86_tiled` or `neon_tiled`) for the 32-value type `$ty`.
+macro_rules! tiles_32 {
+    ($ty:expr, $($m:ident)::+) => {{
+        use tiled::kinds::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+        match $ty {
+            WeightType::Q4_0 => {
+                TilePair::new($($m)::+::tile_dot::<1, Q4_0>, $($m)::+::tile_dot::<4, Q4_0>)
+            }
+            WeightType::Q4_1 => {
+                TilePair::new($($m)::+::tile_dot::<1, Q4_1>, $($m)::+::tile_dot::<4, Q4_1>)
+            }
+            WeightType::Q5_0 => {
+                TilePair::new($($m)::+::tile_dot::<1, Q5_0>, $($m)::+::tile_dot::<4, Q5_0>)
+            }
+            WeightType::Q5_1 => {
+                TilePair::new($($m)::+::tile_dot::<1, Q5_1>, $($m)::+::tile_dot::<4, Q5_1>)
+            }
+            _ => TilePair::new($($m)::+::tile_dot::<1, Q8_0>, $($m)::+::tile_dot::<4, Q8_0>),
+        }
+    }};
+}
+
+/// As [`tiles_32`] for the K-quants.
+macro_rules! tiles_k {
+    ($ty:expr, $($m:ident)::+) => {
+        match $ty {
+            WeightType::Q4K => TilePair::new(
+                $($m)::+::tile_q45k::<1, false>,
+                $($m)::+::tile_q45k::<4, false>,
+            ),
+            WeightType::Q5K => TilePair::new(
+                $($m)::+::tile_q45k::<1, true>,
+                $($m)::+::tile_q45k::<4, true>,
+            ),
+            _ => TilePair::new($($m)::+::tile_q6k::<1>, $($m)::+::tile_q6k::<4>),
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
-    macro_rules! by_type {
-        ($m:ident) => {
-            match ty {
-                WeightType::Q4K => TilePair {
-                    one: x86_tiled::$m::tile_q45k::<1, false>,
-                    four: x86_tiled::$m::tile_q45k::<4, false>,
-                    pair_four: None,
-                    pair_eight: None,
-                },
-                WeightType::Q5K => TilePair {
-                    one: x86_tiled::$m::tile_q45k::<1, true>,
-                    four: x86_tiled::$m::tile_q45k::<4, true>,
-                    pair_four: None,
-                    pair_eight: None,
-                },
-                _ => TilePair {
-                    one: x86_tiled::$m::tile_q6k::<1>,
-                    four: x86_tiled::$m::tile_q6k::<4>,
-                    pair_four: None,
-                    pair_eight: None,
-                },
-            }
-        };
-    }
     match isa {
         Isa::Avx512Vnni => {
-            let mut k = by_type!(avx512vnni);
+            let mut k = tiles_k!(ty, x86_tiled::avx512vnni);
             k.pair_four = match ty {
                 WeightType::Q4K => Some(x86_wide::tile2_q45k::<4, false>),
                 WeightType::Q5K => Some(x86_wide::tile2_q45k::<4, true>),
@@ -483,37 +511,16 @@ fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
             };
             k
         }
-        _ => by_type!(avx2),
+        _ => tiles_k!(ty, x86_tiled::avx2),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
     use tiled::kinds::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
-    macro_rules! pair {
-        ($m:ident, $k:ident) => {
-            TilePair {
-                one: x86_tiled::$m::tile_dot::<1, $k>,
-                four: x86_tiled::$m::tile_dot::<4, $k>,
-                pair_four: None,
-                pair_eight: None,
-            }
-        };
-    }
-    macro_rules! by_type {
-        ($m:ident) => {
-            match ty {
-                WeightType::Q4_0 => pair!($m, Q4_0),
-                WeightType::Q4_1 => pair!($m, Q4_1),
-                WeightType::Q5_0 => pair!($m, Q5_0),
-                WeightType::Q5_1 => pair!($m, Q5_1),
-                _ => pair!($m, Q8_0),
-            }
-        };
-    }
     match isa {
         Isa::Avx512Vnni => {
-            let mut k = by_type!(avx512vnni);
+            let mut k = tiles_32!(ty, x86_tiled::avx512vnni);
             k.pair_four = Some(match ty {
                 WeightType::Q4_0 => x86_wide::tile2_dot::<4, Q4_0>,
                 WeightType::Q4_1 => x86_wide::tile2_dot::<4, Q4_1>,
@@ -530,69 +537,23 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
             });
             k
         }
-        _ => by_type!(avx2),
+        _ => tiles_32!(ty, x86_tiled::avx2),
     }
 }
 
 #[cfg(target_arch = "aarch64")]
 fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
-    macro_rules! by_type {
-        ($m:ident) => {
-            match ty {
-                WeightType::Q4K => TilePair {
-                    one: neon_tiled::$m::tile_q45k::<1, false>,
-                    four: neon_tiled::$m::tile_q45k::<4, false>,
-                    pair_four: None,
-                    pair_eight: None,
-                },
-                WeightType::Q5K => TilePair {
-                    one: neon_tiled::$m::tile_q45k::<1, true>,
-                    four: neon_tiled::$m::tile_q45k::<4, true>,
-                    pair_four: None,
-                    pair_eight: None,
-                },
-                _ => TilePair {
-                    one: neon_tiled::$m::tile_q6k::<1>,
-                    four: neon_tiled::$m::tile_q6k::<4>,
-                    pair_four: None,
-                    pair_eight: None,
-                },
-            }
-        };
-    }
     match isa {
-        Isa::NeonDot => by_type!(neondot),
-        _ => by_type!(neon),
+        Isa::NeonDot => tiles_k!(ty, neon_tiled::neondot),
+        _ => tiles_k!(ty, neon_tiled::neon),
     }
 }
 
 #[cfg(target_arch = "aarch64")]
 fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
-    use tiled::kinds::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
-    macro_rules! pair {
-        ($m:ident, $k:ident) => {
-            TilePair {
-                one: neon_tiled::$m::tile_dot::<1, $k>,
-                four: neon_tiled::$m::tile_dot::<4, $k>,
-                pair_four: None,
-                pair_eight: None,
-            }
-        };
-    }
-    macro_rules! by_type {
-        ($m:ident) => {
-            match ty {
-                WeightType::Q4_0 => pair!($m, Q4_0),
-                WeightType::Q4_1 => pair!($m, Q4_1),
-                WeightType::Q5_0 => pair!($m, Q5_0),
-                WeightType::Q5_1 => pair!($m, Q5_1),
-                _ => pair!($m, Q8_0),
-            }
-        };
-    }
     match isa {
-        Isa::NeonDot => by_type!(neondot),
-        _ => by_type!(neon),
+        Isa::NeonDot => tiles_32!(ty, neon_tiled::neondot),
+        _ => tiles_32!(ty, neon_tiled::neon),
     }
 }
 

@@ -85,7 +85,7 @@ pub mod k_offsets {
 /// Codes for the 32-value types as the tile kernels' const parameter (a const generic cannot
 /// be a [`WeightType`]), and what those kernels know of each type at compile time.
 pub mod kinds {
-    use super::TILE_ROWS;
+    use super::{WeightType, TILE_ROWS};
 
     /// Q4_0.
     pub const Q4_0: u8 = 0;
@@ -98,15 +98,35 @@ pub mod kinds {
     /// Q8_0.
     pub const Q8_0: u8 = 4;
 
+    /// The weight type of code `kind`.
+    pub const fn weight_type(kind: u8) -> WeightType {
+        match kind {
+            Q4_0 => WeightType::Q4_0,
+            Q4_1 => WeightType::Q4_1,
+            Q5_0 => WeightType::Q5_0,
+            Q5_1 => WeightType::Q5_1,
+            _ => WeightType::Q8_0,
+        }
+    }
+
+    /// The code of a 32-value type.
+    ///
+    /// # Panics
+    /// When `ty` is not one of them.
+    pub fn of(ty: WeightType) -> u8 {
+        match ty {
+            WeightType::Q4_0 => Q4_0,
+            WeightType::Q4_1 => Q4_1,
+            WeightType::Q5_0 => Q5_0,
+            WeightType::Q5_1 => Q5_1,
+            WeightType::Q8_0 => Q8_0,
+            other => panic!("{other:?} is not a 32-value tiled type"),
+        }
+    }
+
     /// Bytes of one row's block in the file.
     pub const fn block_bytes(kind: u8) -> usize {
-        match kind {
-            Q4_0 => 18,
-            Q4_1 => 20,
-            Q5_0 => 22,
-            Q5_1 => 24,
-            _ => 34,
-        }
+        weight_type(kind).block_bytes()
     }
 
     /// Whether blocks carry a minimum (Q4_1, Q5_1).
@@ -215,11 +235,7 @@ fn untile_k_block(ty: WeightType, src: &[u8], dst: &mut [u8], r: usize) {
 
 /// Offsets inside one tile block: `(minimums, masks, quants)`.
 pub fn tile_offsets(ty: WeightType) -> (usize, usize, usize) {
-    let p = parts(ty).expect("tiled type");
-    let m = 2 * TILE_ROWS;
-    let masks = m + if p.m.is_some() { 2 * TILE_ROWS } else { 0 };
-    let qs = masks + if p.qh.is_some() { 32 } else { 0 };
-    (m, masks, qs)
+    kinds::offsets(kinds::of(ty))
 }
 
 /// Repacks `rows` rows of `blocks` blocks (`data`, row-major file layout) into tiles.
