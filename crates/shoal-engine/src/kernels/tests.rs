@@ -63,18 +63,19 @@ fn tolerance(ty: WeightType, w_row: &[u8], x_row: &[f32], mag: f64) -> f64 {
 fn check(ty: WeightType, isa: Isa, rows: usize, blocks: usize, t: usize, seed: u64) {
     let mut rng = StdRng::seed_from_u64(seed);
     let cols = blocks * ty.block_elems();
-    let m = QuantMatrix::with_isa(
-        isa,
-        ty,
-        rows,
-        cols,
-        random_matrix(ty, rows, blocks, &mut rng),
-    )
-    .unwrap();
+    let data = random_matrix(ty, rows, blocks, &mut rng);
     let x = random_acts(t * cols, &mut rng);
+    check_data(ty, isa, rows, cols, data, &x);
+}
+
+/// Runs `x` (whole rows of `cols` values) through a matrix of `data` and checks every
+/// output against the f64 reference.
+fn check_data(ty: WeightType, isa: Isa, rows: usize, cols: usize, data: Vec<u8>, x: &[f32]) {
+    let t = x.len() / cols;
+    let m = QuantMatrix::with_isa(isa, ty, rows, cols, data).unwrap();
     let mut y = vec![f32::NAN; t * rows];
-    m.matmul(&x, &mut y).unwrap();
-    let seen = seen_acts(ty, &x, cols);
+    m.matmul(x, &mut y).unwrap();
+    let seen = seen_acts(ty, x, cols);
     for tok in 0..t {
         for r in 0..rows {
             let w = m.row(r);
@@ -101,6 +102,47 @@ fn every_type_at_every_level_matches_the_reference() {
             // runs the eight-, four- and one-row kernels
             check(ty, isa, 37, blocks, 9, 9);
             check(ty, isa, 37, blocks, 13, 10);
+        }
+    }
+}
+
+/// The largest codes every type can hold against activations of the largest magnitude
+/// (every value quantizes to +-127), both signs: the AVX2 kernels add several 16-bit pair
+/// sums before widening them, and an overflow there would show here.
+#[test]
+fn largest_codes_and_activations_stay_exact() {
+    for isa in Isa::available() {
+        for ty in WeightType::ALL {
+            if ty.block_elems() == 1 {
+                continue;
+            }
+            let (rows, blocks) = (9, 2);
+            let mut data = synthetic_matrix(ty, rows, blocks, 3);
+            let bb = ty.block_bytes();
+            for b in data.chunks_exact_mut(bb) {
+                // keep each block's f16 scale fields; every other byte at its extreme
+                let keep = match ty {
+                    WeightType::Q4_0 | WeightType::Q5_0 | WeightType::Q8_0 => 0..2,
+                    WeightType::Q6K => 208..210,
+                    _ => 0..4,
+                };
+                for (i, v) in b.iter_mut().enumerate() {
+                    if keep.contains(&i) {
+                        continue;
+                    }
+                    *v = match ty {
+                        WeightType::Q8_0 => 0x81,                           // -127
+                        WeightType::Q6K if (192..208).contains(&i) => 0x80, // scale -128
+                        _ => 0xFF,
+                    };
+                }
+            }
+            let cols = blocks * ty.block_elems();
+            for sign in [1.0f32, -1.0] {
+                // five rows: the four-row kernel and the one-row kernel
+                let x = vec![sign; 5 * cols];
+                check_data(ty, isa, rows, cols, data.clone(), &x);
+            }
         }
     }
 }

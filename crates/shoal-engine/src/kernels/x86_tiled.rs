@@ -65,17 +65,7 @@ unsafe fn bytes_from_bits(x: u32) -> __m256i {
     _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1))
 }
 
-/// AVX2: `acc + sums of four u8 x i8 products`.
-#[inline]
-#[target_feature(enable = "avx2")]
-unsafe fn dot_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
-    _mm256_add_epi32(
-        acc,
-        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)),
-    )
-}
-
-/// VNNI: the same in one instruction, exact.
+/// VNNI: `acc + sums of four u8 x i8 products` in one instruction, exact.
 #[inline]
 #[target_feature(enable = "avx2,avx512vl,avx512vnni")]
 unsafe fn dot_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
@@ -104,10 +94,11 @@ unsafe fn q8_prep_avx2(q: __m256i) -> __m256i {
     q
 }
 
+/// The (unsigned, signed) operands of a Q8_0 code vector and its activations.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn q8_dot_avx2(acc: __m256i, q: __m256i, y: __m256i) -> __m256i {
-    dot_avx2(acc, _mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q))
+unsafe fn q8_pair_avx2(q: __m256i, y: __m256i) -> (__m256i, __m256i) {
+    (_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q))
 }
 
 /// VNNI: shift Q8_0 codes to unsigned (`q + 128`); the kernel subtracts `128 * sum(y)`.
@@ -118,13 +109,112 @@ unsafe fn q8_prep_vnni(q: __m256i) -> __m256i {
 }
 
 #[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q8_pair_vnni(q: __m256i, y: __m256i) -> (__m256i, __m256i) {
+    (q, y)
+}
+
+/// Sum over `k` of the u8 x i8 dot products of `u[k]` and `s[k]` in each 32-bit lane,
+/// with `w` as the weight of each 16-bit pair sum (ones for a plain sum, a row's scale in
+/// both halves of its lane for a scaled one). `vpmaddubsw` gives 16-bit pair sums and
+/// `vpmaddwd` widens them; on Zen 3 both run on one multiply pipe, which bounds these
+/// kernels, so the pair sums of `G` vectors are first added in 16 bits and widened once.
+/// Exact while `G` times the largest pair sum stays below 2^15: activations lie within
+/// +-127 and a pair sum within 254 times the largest code, so 4-bit codes take `G` = 8,
+/// 5-bit 4, 6-bit 2, and the sign-moved Q8_0 codes 1.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn widened<const K: usize, const G: usize>(
+    u: &[__m256i; K],
+    s: &[__m256i; K],
+    w: __m256i,
+) -> __m256i {
+    let mut acc = _mm256_setzero_si256();
+    for c in 0..K / G {
+        let mut p = _mm256_maddubs_epi16(u[c * G], s[c * G]);
+        for g in 1..G {
+            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[c * G + g], s[c * G + g]));
+        }
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, w));
+    }
+    acc
+}
+
+/// AVX2: `sum_k dot(u[k], s[k])` per 32-bit lane (see [`widened`] for `G`).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn dots_avx2<const K: usize, const G: usize>(u: &[__m256i; K], s: &[__m256i; K]) -> __m256i {
+    widened::<K, G>(u, s, _mm256_set1_epi16(1))
+}
+
+/// AVX2: `f + scale * sum_k dot(u[k], s[k])` per lane, the scale applied in the widening
+/// multiply-add (`si`: each row's scale in both 16-bit halves of its lane, from
+/// [`scales_avx2`]); exact in i32 and in the conversion (below 2^24 for every K-quant).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn scaled_avx2<const K: usize, const G: usize>(
+    f: __m256,
+    u: &[__m256i; K],
+    s: &[__m256i; K],
+    _sf: __m256,
+    si: __m256i,
+) -> __m256 {
+    _mm256_add_ps(f, _mm256_cvtepi32_ps(widened::<K, G>(u, s, si)))
+}
+
+/// Eight per-row scales (i32 lanes) as [`scaled_avx2`] wants them.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn scales_avx2(x: __m256i) -> __m256i {
+    _mm256_or_si256(
+        _mm256_and_si256(x, _mm256_set1_epi32(0xFFFF)),
+        _mm256_slli_epi32(x, 16),
+    )
+}
+
+/// VNNI: `sum_k dot(u[k], s[k])` in two chains of `vpdpbusd` (exact; `G` is unused).
+#[inline]
 #[target_feature(enable = "avx2,avx512vl,avx512vnni")]
-unsafe fn q8_dot_vnni(acc: __m256i, q: __m256i, y: __m256i) -> __m256i {
-    dot_vnni(acc, q, y)
+unsafe fn dots_vnni<const K: usize, const G: usize>(u: &[__m256i; K], s: &[__m256i; K]) -> __m256i {
+    let mut pp = [_mm256_setzero_si256(); 2];
+    for k in 0..K {
+        pp[k & 1] = dot_vnni(pp[k & 1], u[k], s[k]);
+    }
+    _mm256_add_epi32(pp[0], pp[1])
+}
+
+/// VNNI: `f + sf * sum_k dot(u[k], s[k])`, the scale applied in f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,avx512vl,avx512vnni")]
+unsafe fn scaled_vnni<const K: usize, const G: usize>(
+    f: __m256,
+    u: &[__m256i; K],
+    s: &[__m256i; K],
+    sf: __m256,
+    _si: __m256i,
+) -> __m256 {
+    _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots_vnni::<K, G>(u, s)), sf, f)
+}
+
+/// VNNI needs no integer form of the scales.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn scales_vnni(x: __m256i) -> __m256i {
+    x
 }
 
 macro_rules! tiled_kernels {
-    ($name:ident, $features:literal, $dot:ident, $high:ident, $q8prep:ident, $q8dot:ident, $q8off:expr) => {
+    (
+        $name:ident,
+        $features:literal,
+        $dots:ident,
+        $scaled:ident,
+        $scales:ident,
+        $high:ident,
+        $q8prep:ident,
+        $q8pair:ident,
+        $q8off:expr
+    ) => {
         /// Tiled kernels for one x86 feature level.
         pub mod $name {
             use super::*;
@@ -184,16 +274,20 @@ macro_rules! tiled_kernels {
                     for j in 0..N {
                         let y = a[j].get_unchecked(b);
                         let yp = y.qs.as_ptr() as *const i32;
-                        let mut pp = [_mm256_setzero_si256(); 2];
-                        for (k, qk) in q.iter().enumerate() {
-                            let yb = _mm256_set1_epi32(yp.add(k).read_unaligned());
-                            pp[k & 1] = if KIND == Q8_0 {
-                                $q8dot(pp[k & 1], *qk, yb)
-                            } else {
-                                $dot(pp[k & 1], *qk, yb)
-                            };
-                        }
-                        let mut p = _mm256_add_epi32(pp[0], pp[1]);
+                        let ys: [__m256i; 8] =
+                            core::array::from_fn(|k| _mm256_set1_epi32(yp.add(k).read_unaligned()));
+                        let mut p = if KIND == Q8_0 {
+                            let mut u = q;
+                            let mut v = ys;
+                            for k in 0..8 {
+                                (u[k], v[k]) = $q8pair(q[k], ys[k]);
+                            }
+                            $dots::<8, 1>(&u, &v)
+                        } else if has_high_bit(KIND) {
+                            $dots::<8, 4>(&q, &ys)
+                        } else {
+                            $dots::<8, 8>(&q, &ys)
+                        };
                         if offset != 0 {
                             p = _mm256_sub_epi32(p, _mm256_set1_epi32(offset * y.sum));
                         }
@@ -303,22 +397,25 @@ macro_rules! tiled_kernels {
                                 hi[g] = _mm256_or_si256(hi[g], _mm256_slli_epi16(hh, 4));
                             }
                         }
-                        let sc_lo = _mm256_cvtepi32_ps(u8x8(t.add(SC + 8 * (2 * c))));
-                        let sc_hi = _mm256_cvtepi32_ps(u8x8(t.add(SC + 8 * (2 * c + 1))));
+                        let sc_lo = u8x8(t.add(SC + 8 * (2 * c)));
+                        let sc_hi = u8x8(t.add(SC + 8 * (2 * c + 1)));
+                        let (sf_lo, si_lo) = (_mm256_cvtepi32_ps(sc_lo), $scales(sc_lo));
+                        let (sf_hi, si_hi) = (_mm256_cvtepi32_ps(sc_hi), $scales(sc_hi));
                         for j in 0..N {
                             let y = a[j].get_unchecked(b).qs.as_ptr().add(64 * c);
-                            // two chains per half: with one activation row the latency
-                            // of eight chained dot products would bound the loop
-                            let mut pl = [_mm256_setzero_si256(); 2];
-                            let mut ph = [_mm256_setzero_si256(); 2];
-                            for g in 0..8 {
-                                pl[g & 1] = $dot(pl[g & 1], lo[g], bcast(y, 4 * g));
-                                ph[g & 1] = $dot(ph[g & 1], hi[g], bcast(y, 32 + 4 * g));
-                            }
-                            let pl = _mm256_add_epi32(pl[0], pl[1]);
-                            let ph = _mm256_add_epi32(ph[0], ph[1]);
-                            fsum[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), sc_lo, fsum[j]);
-                            fsum[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), sc_hi, fsum[j]);
+                            let ylo: [__m256i; 8] = core::array::from_fn(|g| bcast(y, 4 * g));
+                            let yhi: [__m256i; 8] = core::array::from_fn(|g| bcast(y, 32 + 4 * g));
+                            // 5-bit codes: four vectors per 16-bit sum (see `widened`)
+                            fsum[j] = if HIGH {
+                                $scaled::<8, 4>(fsum[j], &lo, &ylo, sf_lo, si_lo)
+                            } else {
+                                $scaled::<8, 8>(fsum[j], &lo, &ylo, sf_lo, si_lo)
+                            };
+                            fsum[j] = if HIGH {
+                                $scaled::<8, 4>(fsum[j], &hi, &yhi, sf_hi, si_hi)
+                            } else {
+                                $scaled::<8, 8>(fsum[j], &hi, &yhi, sf_hi, si_hi)
+                            };
                         }
                     }
                     // minimums: per row, sum over sub-blocks of min * activation sum, two
@@ -404,21 +501,24 @@ macro_rules! tiled_kernels {
                                     h3,
                                 );
                             }
-                            let sc: [__m256; 4] = core::array::from_fn(|k| {
-                                _mm256_cvtepi32_ps(i8x8(t.add(SC6 + 8 * (8 * n + 2 * k + h))))
+                            let sc: [__m256i; 4] = core::array::from_fn(|k| {
+                                i8x8(t.add(SC6 + 8 * (8 * n + 2 * k + h)))
                             });
                             for j in 0..N {
                                 let y = a[j].get_unchecked(b).qs.as_ptr().add(128 * n);
-                                let mut p = [_mm256_setzero_si256(); 4];
-                                for (gi, qg) in q.iter().enumerate() {
-                                    let g = 4 * h + gi;
-                                    for k in 0..4 {
-                                        p[k] = $dot(p[k], qg[k], bcast(y, 32 * k + 4 * g));
-                                    }
-                                }
-                                for k in 0..4 {
-                                    fsum[j] =
-                                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[k]), sc[k], fsum[j]);
+                                for (k, &sck) in sc.iter().enumerate() {
+                                    let u: [__m256i; 4] = core::array::from_fn(|gi| q[gi][k]);
+                                    let ys: [__m256i; 4] = core::array::from_fn(|gi| {
+                                        bcast(y, 32 * k + 4 * (4 * h + gi))
+                                    });
+                                    // 6-bit codes: two vectors per 16-bit sum
+                                    fsum[j] = $scaled::<4, 2>(
+                                        fsum[j],
+                                        &u,
+                                        &ys,
+                                        _mm256_cvtepi32_ps(sck),
+                                        $scales(sck),
+                                    );
                                 }
                             }
                         }
@@ -457,18 +557,22 @@ macro_rules! tiled_kernels {
 tiled_kernels!(
     avx2,
     "avx2,fma,f16c",
-    dot_avx2,
+    dots_avx2,
+    scaled_avx2,
+    scales_avx2,
     high_bit_avx2,
     q8_prep_avx2,
-    q8_dot_avx2,
+    q8_pair_avx2,
     0
 );
 tiled_kernels!(
     avx512vnni,
     "avx2,fma,f16c,avx512vl,avx512vnni,avx512bw",
-    dot_vnni,
+    dots_vnni,
+    scaled_vnni,
+    scales_vnni,
     high_bit_bw,
     q8_prep_vnni,
-    q8_dot_vnni,
+    q8_pair_vnni,
     128
 );
