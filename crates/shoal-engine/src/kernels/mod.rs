@@ -696,7 +696,7 @@ impl QuantMatrix {
         }
         let tiled = isa != Isa::Portable && tiled::is_tiled_type(ty);
         let data = if tiled {
-            tiled::tile(ty, rows, cols / ty.block_elems(), &data)
+            tiled::tile(ty, rows, cols / ty.block_elems(), &data, fifth_bits(isa))
         } else {
             data.into_owned()
         };
@@ -744,7 +744,13 @@ impl QuantMatrix {
         assert!(r < self.rows, "row {r} of {}", self.rows);
         if self.tiled {
             let blocks = self.cols / self.ty.block_elems();
-            std::borrow::Cow::Owned(tiled::untile_row(self.ty, blocks, &self.data, r))
+            std::borrow::Cow::Owned(tiled::untile_row(
+                self.ty,
+                blocks,
+                &self.data,
+                r,
+                fifth_bits(self.isa),
+            ))
         } else {
             std::borrow::Cow::Borrowed(&self.data[r * self.row_bytes..(r + 1) * self.row_bytes])
         }
@@ -1105,6 +1111,14 @@ impl QuantMatrix {
             write(tok, &vals);
             tok += 1;
         }
+    }
+}
+
+/// The layout of the Q5 types' fifth bits that the tile kernels of `isa` read.
+fn fifth_bits(isa: Isa) -> tiled::FifthBits {
+    match isa {
+        Isa::Avx2 => tiled::FifthBits::Planes,
+        _ => tiled::FifthBits::Masks,
     }
 }
 

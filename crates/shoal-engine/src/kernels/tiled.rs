@@ -1,7 +1,7 @@
 //! The interleaved layout the SIMD kernels read the 32-value block types in. Eight rows form
 //! a tile; for each block column a tile stores the eight f16 scales together (then the eight
-//! minimums, for Q4_1 and Q5_1), the 5th bits regrouped as one 32-bit mask per four values
-//! (Q5_0, Q5_1), and the quant bytes interleaved four at a time: byte `4 r + j` of group
+//! minimums, for Q4_1 and Q5_1), the 5th bits of Q5_0 and Q5_1 regrouped in 32 bytes (as
+//! [`FifthBits`] says), and the quant bytes interleaved four at a time: byte `4 r + j` of group
 //! vector `g` is byte `4 g + j` of row `r`. One 32-byte load then holds four codes of each of
 //! eight rows, so a single 8-bit dot-product instruction against four broadcast activations
 //! yields eight row sums at once: no horizontal reductions, one scale conversion per eight
@@ -18,6 +18,20 @@ use super::formats::WeightType;
 
 /// Rows per tile.
 pub const TILE_ROWS: usize = 8;
+
+/// How a tile block of Q5_0 or Q5_1 stores its 256 fifth bits (32 bytes either way). Code
+/// vector `k` (0..8) is the `k`th 32-byte vector of 5-bit codes a kernel builds: byte `i`
+/// of it is code `4 k + i % 4` of row `i / 4`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FifthBits {
+    /// One 32-bit mask per code vector: bit `i` of mask `k` is the 5th bit of byte `i` of
+    /// vector `k`. AVX-512 uses a mask as a byte-mask register as it is; NEON expands it.
+    Masks,
+    /// Bit planes: bit `k` of byte `i` is the 5th bit of byte `i` of vector `k`. AVX2 has no
+    /// byte masks, and expanding a mask costs six instructions per vector; from the planes
+    /// one shift and one `and` put vector `k`'s bits in place.
+    Planes,
+}
 
 /// Where the parts of a block live, in the file's block and in the tile.
 struct Parts {
@@ -238,8 +252,9 @@ pub fn tile_offsets(ty: WeightType) -> (usize, usize, usize) {
     kinds::offsets(kinds::of(ty))
 }
 
-/// Repacks `rows` rows of `blocks` blocks (`data`, row-major file layout) into tiles.
-pub fn tile(ty: WeightType, rows: usize, blocks: usize, data: &[u8]) -> Vec<u8> {
+/// Repacks `rows` rows of `blocks` blocks (`data`, row-major file layout) into tiles, Q5_0
+/// and Q5_1 with their fifth bits as `bits` says.
+pub fn tile(ty: WeightType, rows: usize, blocks: usize, data: &[u8], bits: FifthBits) -> Vec<u8> {
     if is_k(ty) {
         let (bb, tb) = (ty.block_bytes(), tile_block_bytes(ty));
         let mut out = vec![0u8; rows.div_ceil(TILE_ROWS) * blocks * tb];
@@ -268,11 +283,26 @@ pub fn tile(ty: WeightType, rows: usize, blocks: usize, data: &[u8]) -> Vec<u8> 
             if let Some(qh) = p.qh {
                 let h = u32::from_le_bytes([src[qh], src[qh + 1], src[qh + 2], src[qh + 3]]);
                 for k in 0..8 {
-                    let at = mask_off + 4 * k;
-                    let mut mask =
-                        u32::from_le_bytes([dst[at], dst[at + 1], dst[at + 2], dst[at + 3]]);
-                    mask |= ((h >> (4 * k)) & 0xF) << (4 * r);
-                    dst[at..at + 4].copy_from_slice(&mask.to_le_bytes());
+                    // this row's bits of vector k: bytes 4r..4r+4, codes 4k..4k+4
+                    let four = (h >> (4 * k)) & 0xF;
+                    match bits {
+                        FifthBits::Masks => {
+                            let at = mask_off + 4 * k;
+                            let mut mask = u32::from_le_bytes([
+                                dst[at],
+                                dst[at + 1],
+                                dst[at + 2],
+                                dst[at + 3],
+                            ]);
+                            mask |= four << (4 * r);
+                            dst[at..at + 4].copy_from_slice(&mask.to_le_bytes());
+                        }
+                        FifthBits::Planes => {
+                            for j in 0..4 {
+                                dst[mask_off + 4 * r + j] |= (((four >> j) & 1) as u8) << k;
+                            }
+                        }
+                    }
                 }
             }
             for g in 0..p.qs_len / 4 {
@@ -284,8 +314,14 @@ pub fn tile(ty: WeightType, rows: usize, blocks: usize, data: &[u8]) -> Vec<u8> 
     out
 }
 
-/// Row `row` of a tiled matrix back in the file's block layout.
-pub fn untile_row(ty: WeightType, blocks: usize, tiled: &[u8], row: usize) -> Vec<u8> {
+/// Row `row` of a tiled matrix (fifth bits as `bits` says) back in the file's block layout.
+pub fn untile_row(
+    ty: WeightType,
+    blocks: usize,
+    tiled: &[u8],
+    row: usize,
+    bits: FifthBits,
+) -> Vec<u8> {
     if is_k(ty) {
         let (bb, tb) = (ty.block_bytes(), tile_block_bytes(ty));
         let (tile, r) = (row / TILE_ROWS, row % TILE_ROWS);
@@ -310,9 +346,18 @@ pub fn untile_row(ty: WeightType, blocks: usize, tiled: &[u8], row: usize) -> Ve
         if let Some(qh) = p.qh {
             let mut h = 0u32;
             for k in 0..8 {
-                let at = mask_off + 4 * k;
-                let mask = u32::from_le_bytes([src[at], src[at + 1], src[at + 2], src[at + 3]]);
-                h |= ((mask >> (4 * r)) & 0xF) << (4 * k);
+                let four = match bits {
+                    FifthBits::Masks => {
+                        let at = mask_off + 4 * k;
+                        let mask =
+                            u32::from_le_bytes([src[at], src[at + 1], src[at + 2], src[at + 3]]);
+                        (mask >> (4 * r)) & 0xF
+                    }
+                    FifthBits::Planes => (0..4).fold(0, |f, j| {
+                        f | ((((src[mask_off + 4 * r + j] >> k) & 1) as u32) << j)
+                    }),
+                };
+                h |= four << (4 * k);
             }
             dst[qh..qh + 4].copy_from_slice(&h.to_le_bytes());
         }
@@ -330,23 +375,46 @@ mod tests {
 
     #[test]
     fn tiling_round_trips_every_row() {
-        for ty in WeightType::ALL.into_iter().filter(|t| is_tiled_type(*t)) {
-            let (rows, blocks) = (11, 3);
-            let data: Vec<u8> = (0..rows * blocks * ty.block_bytes())
-                .map(|i| (i * 131 % 251) as u8)
-                .collect();
-            let t = tile(ty, rows, blocks, &data);
-            assert_eq!(t.len(), 2 * blocks * tile_block_bytes(ty));
-            let rb = blocks * ty.block_bytes();
-            for r in 0..rows {
+        for bits in [FifthBits::Masks, FifthBits::Planes] {
+            for ty in WeightType::ALL.into_iter().filter(|t| is_tiled_type(*t)) {
+                let (rows, blocks) = (11, 3);
+                let data: Vec<u8> = (0..rows * blocks * ty.block_bytes())
+                    .map(|i| (i * 131 % 251) as u8)
+                    .collect();
+                let t = tile(ty, rows, blocks, &data, bits);
+                assert_eq!(t.len(), 2 * blocks * tile_block_bytes(ty));
+                let rb = blocks * ty.block_bytes();
+                for r in 0..rows {
+                    assert_eq!(
+                        untile_row(ty, blocks, &t, r, bits),
+                        data[r * rb..(r + 1) * rb],
+                        "{ty:?} {bits:?} row {r}"
+                    );
+                }
+                // the padding rows are zero
+                assert!(untile_row(ty, blocks, &t, 15, bits).iter().all(|&b| b == 0));
+            }
+        }
+    }
+
+    /// The two layouts of the fifth bits say the same: bit `i` of mask `k` is bit `k` of
+    /// plane byte `i`.
+    #[test]
+    fn fifth_bit_planes_transpose_the_masks() {
+        let (rows, blocks) = (8, 1);
+        let data: Vec<u8> = (0..rows * 22).map(|i| (i * 97 % 253) as u8).collect();
+        let masks = tile(WeightType::Q5_0, rows, blocks, &data, FifthBits::Masks);
+        let planes = tile(WeightType::Q5_0, rows, blocks, &data, FifthBits::Planes);
+        let (_, at, _) = tile_offsets(WeightType::Q5_0);
+        for k in 0..8 {
+            let mask = u32::from_le_bytes(masks[at + 4 * k..at + 4 * k + 4].try_into().unwrap());
+            for i in 0..32 {
                 assert_eq!(
-                    untile_row(ty, blocks, &t, r),
-                    data[r * rb..(r + 1) * rb],
-                    "{ty:?} row {r}"
+                    (mask >> i) & 1,
+                    ((planes[at + i] >> k) & 1) as u32,
+                    "k {k} i {i}"
                 );
             }
-            // the padding rows are zero
-            assert!(untile_row(ty, blocks, &t, 15).iter().all(|&b| b == 0));
         }
     }
 }

@@ -51,20 +51,6 @@ unsafe fn prefetch_block(t: *const u8, len: usize) {
     prefetch_part(t, PREFETCH, len, 0, 1);
 }
 
-/// 0xFF in byte `i` where bit `i` of `x` is set, else 0.
-#[inline]
-#[target_feature(enable = "avx2")]
-unsafe fn bytes_from_bits(x: u32) -> __m256i {
-    let v = _mm256_set1_epi32(x as i32);
-    let shuf = _mm256_setr_epi8(
-        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
-        3, 3,
-    );
-    let b = _mm256_shuffle_epi8(v, shuf);
-    let b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
-    _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1))
-}
-
 /// VNNI: `acc + sums of four u8 x i8 products` in one instruction, exact.
 #[inline]
 #[target_feature(enable = "avx2,avx512vl,avx512vnni")]
@@ -72,18 +58,37 @@ unsafe fn dot_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(acc, u, s)
 }
 
-/// AVX2: set bit 4 of the bytes whose bit in `mask` is set.
+/// AVX2: adds the fifth bits at `p` ([`super::tiled::FifthBits::Planes`]) to the eight
+/// code vectors `q`: bit `k` of each plane byte, moved to bit 4 for vector `k` by one 16-bit
+/// shift (what crosses into the neighbouring byte lands outside bit 4) and an `and`.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn high_bit_avx2(q: __m256i, mask: u32, c16: __m256i) -> __m256i {
-    _mm256_or_si256(q, _mm256_and_si256(bytes_from_bits(mask), c16))
+unsafe fn fifth_bits_avx2(q: &mut [__m256i; 8], p: *const u8, c16: __m256i) {
+    let h = _mm256_loadu_si256(p as *const __m256i);
+    let at4 = [
+        _mm256_slli_epi16::<4>(h),
+        _mm256_slli_epi16::<3>(h),
+        _mm256_slli_epi16::<2>(h),
+        _mm256_slli_epi16::<1>(h),
+        h,
+        _mm256_srli_epi16::<1>(h),
+        _mm256_srli_epi16::<2>(h),
+        _mm256_srli_epi16::<3>(h),
+    ];
+    for (qk, hk) in q.iter_mut().zip(at4) {
+        *qk = _mm256_or_si256(*qk, _mm256_and_si256(hk, c16));
+    }
 }
 
-/// AVX-512 BW: the same with a byte mask register.
+/// AVX-512 BW: the same from the masks at `p` ([`super::tiled::FifthBits::Masks`]), each a
+/// byte-mask register for one masked add.
 #[inline]
 #[target_feature(enable = "avx2,avx512vl,avx512bw")]
-unsafe fn high_bit_bw(q: __m256i, mask: u32, c16: __m256i) -> __m256i {
-    _mm256_mask_add_epi8(q, mask, q, c16)
+unsafe fn fifth_bits_bw(q: &mut [__m256i; 8], p: *const u8, c16: __m256i) {
+    for (k, qk) in q.iter_mut().enumerate() {
+        let mask = (p.add(4 * k) as *const u32).read_unaligned();
+        *qk = _mm256_mask_add_epi8(*qk, mask, *qk, c16);
+    }
 }
 
 /// AVX2 has no exact u8 x i8 product for signed Q8_0 codes: keep them signed and move the
@@ -210,7 +215,7 @@ macro_rules! tiled_kernels {
         $dots:ident,
         $scaled:ident,
         $scales:ident,
-        $high:ident,
+        $fifth:ident,
         $q8prep:ident,
         $q8pair:ident,
         $q8off:expr
@@ -265,10 +270,7 @@ macro_rules! tiled_kernels {
                             q[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                         }
                         if has_high_bit(KIND) {
-                            for (k, qk) in q.iter_mut().enumerate() {
-                                let mask = (t.add(mask_off + 4 * k) as *const u32).read_unaligned();
-                                *qk = $high(*qk, mask, c16);
-                            }
+                            $fifth(&mut q, t.add(mask_off), c16);
                         }
                     }
                     for j in 0..N {
@@ -560,7 +562,7 @@ tiled_kernels!(
     dots_avx2,
     scaled_avx2,
     scales_avx2,
-    high_bit_avx2,
+    fifth_bits_avx2,
     q8_prep_avx2,
     q8_pair_avx2,
     0
@@ -571,7 +573,7 @@ tiled_kernels!(
     dots_vnni,
     scaled_vnni,
     scales_vnni,
-    high_bit_bw,
+    fifth_bits_bw,
     q8_prep_vnni,
     q8_pair_vnni,
     128
