@@ -122,8 +122,9 @@ unsafe fn q8_pair_vnni(q: __m256i, y: __m256i) -> (__m256i, __m256i) {
 /// Sum over `k` of the u8 x i8 dot products of `u[k]` and `s[k]` in each 32-bit lane,
 /// with `w` as the weight of each 16-bit pair sum (ones for a plain sum, a row's scale in
 /// both halves of its lane for a scaled one). `vpmaddubsw` gives 16-bit pair sums and
-/// `vpmaddwd` widens them; on Zen 3 both run on one multiply pipe, which bounds these
-/// kernels, so the pair sums of `G` vectors are first added in 16 bits and widened once.
+/// `vpmaddwd` widens them. On an AVX2 core these kernels are bound by their count of vector
+/// instructions (llvm-mca for Zen 3: all four vector pipes busy), so the pair sums of `G`
+/// vectors are first added in 16 bits and widened once, and a scale rides on that widening.
 /// Exact while `G` times the largest pair sum stays below 2^15: activations lie within
 /// +-127 and a pair sum within 254 times the largest code, so 4-bit codes take `G` = 8,
 /// 5-bit 4, 6-bit 2, and the sign-moved Q8_0 codes 1.
