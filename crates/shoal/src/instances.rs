@@ -53,6 +53,10 @@ const TABLE_KEY: &str = "instances";
 const RANKS_KEY: &str = "ranks";
 /// Membership key of the model files this node holds.
 const MODELS_KEY: &str = "models";
+/// How long a node keeps asking while it and the node it takes for the coordinator disagree
+/// on who coordinates (gossip converges in a few rounds of 250 ms; a death takes the failure
+/// detector a few seconds).
+const COORDINATOR_AGREEMENT: Duration = Duration::from_secs(15);
 /// How often the loop runs.
 const TICK: Duration = Duration::from_millis(250);
 /// Bytes per fetched and verified chunk.
@@ -985,12 +989,14 @@ impl Driver {
                     .map_err(|e| format!("{e:#}"))
             }
             "load" | "unload" | "drain" => {
-                if !is_coordinator(self.node.id(), &self.node.live_ids()) {
-                    return Err(format!(
-                        "node {} is not the coordinator; ask {}",
-                        self.node.id(),
-                        coordinator(&self.node.live_ids()).unwrap_or("none")
-                    ));
+                let live = self.node.live_ids();
+                if !is_coordinator(self.node.id(), &live) {
+                    // views of who is alive differ for a moment after a join or a death:
+                    // the asker retries once its own view has caught up
+                    return Ok(json!({"not_coordinator": {
+                        "node": self.node.id(),
+                        "ask": coordinator(&live).unwrap_or("none"),
+                    }}));
                 }
                 tracing::info!(from, op = %body["op"], "coordinator request");
                 // a refusal travels as an answer, so its status reaches the client
@@ -1160,29 +1166,59 @@ impl Driver {
     }
 
     /// Sends an operation to the coordinator (which may be this node).
+    ///
+    /// Right after a node joins or dies, this node and the one it takes for the coordinator
+    /// may disagree on who is alive, and so on who coordinates. The other node then declines;
+    /// the request goes again (nothing was applied) once the views had time to converge, for
+    /// up to [`COORDINATOR_AGREEMENT`].
     async fn to_coordinator(&self, body: Value) -> Result<Value, ControlError> {
-        let live = self.node.live_ids();
-        let coord = coordinator(&live)
-            .map(str::to_string)
-            .unwrap_or_else(|| self.node.id().to_string());
-        if coord == self.node.id() {
-            return self.apply(&body).await;
-        }
-        let answer = self
-            .node
-            .ask(&coord, body, Duration::from_secs(30))
-            .await
-            .map_err(|e| err(503, format!("the coordinator could not be asked: {e}")))?;
-        match (answer.get("ok"), answer.get("refused")) {
-            (Some(v), _) => Ok(v.clone()),
-            (None, Some(r)) => Err(err(
-                r["status"]
-                    .as_u64()
-                    .and_then(|s| u16::try_from(s).ok())
-                    .unwrap_or(500),
-                r["message"].as_str().unwrap_or("refused").to_string(),
-            )),
-            _ => Err(err(502, format!("the coordinator answered {answer}"))),
+        let deadline = Instant::now() + COORDINATOR_AGREEMENT;
+        loop {
+            let live = self.node.live_ids();
+            let coord = coordinator(&live)
+                .map(str::to_string)
+                .unwrap_or_else(|| self.node.id().to_string());
+            if coord == self.node.id() {
+                return self.apply(&body).await;
+            }
+            let answer = self
+                .node
+                .ask(&coord, body.clone(), Duration::from_secs(30))
+                .await
+                .map_err(|e| err(503, format!("the coordinator could not be asked: {e}")))?;
+            match (
+                answer.get("ok"),
+                answer.get("refused"),
+                answer.get("not_coordinator"),
+            ) {
+                (Some(v), _, _) => return Ok(v.clone()),
+                (None, Some(r), _) => {
+                    return Err(err(
+                        r["status"]
+                            .as_u64()
+                            .and_then(|s| u16::try_from(s).ok())
+                            .unwrap_or(500),
+                        r["message"].as_str().unwrap_or("refused").to_string(),
+                    ))
+                }
+                (None, None, Some(n)) => {
+                    if Instant::now() >= deadline {
+                        return Err(err(
+                            503,
+                            format!(
+                                "the nodes disagree on who coordinates: this node takes {coord} \
+                                 for the coordinator, and {coord} names {}; they did not agree \
+                                 within {}s, so check `shoal nodes` on both and retry",
+                                n["ask"].as_str().unwrap_or("none"),
+                                COORDINATOR_AGREEMENT.as_secs()
+                            ),
+                        ));
+                    }
+                    tracing::debug!(%coord, ask = %n["ask"], "not the coordinator yet; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                _ => return Err(err(502, format!("the coordinator answered {answer}"))),
+            }
         }
     }
 

@@ -246,6 +246,8 @@ fn a_model_split_over_nodes_answers_like_one_and_survives_losing_nodes() {
     for n in ["b", "c", "d"] {
         nodes.push(node(dir.path(), n, &secret, &empty(n), Some(&seed)));
     }
+    // only one node's view is awaited: the others may still disagree on who is alive, and
+    // so on who coordinates, which the load below must ride out
     wait_until(Duration::from_secs(30), "four nodes agree", || {
         let v = json(&["nodes", "--json", "--url", &nodes[3].url]);
         (v.as_array()?.iter().filter(|n| n["alive"] == true).count() == 4).then_some(())
