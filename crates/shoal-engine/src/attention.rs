@@ -296,6 +296,43 @@ mod tests {
     }
 
     #[test]
+    fn grouped_decode_is_each_head_alone_bit_for_bit() {
+        // the heads of a group run block by block together, a head alone in one pass: the
+        // same sums. Past one key block, at SIMD and tail head sizes.
+        for (hd, pos) in [(64, 70), (20, 40), (8, 3)] {
+            let cap = 80;
+            let a = AttentionShape {
+                n_head: 6,
+                first_head: 0,
+                first_kv: 0,
+                group: 3,
+                head_dim: hd,
+                capacity: cap,
+                window: None,
+                scale: 0.2,
+            };
+            let q: Vec<f32> = (0..6 * hd).map(|i| val(i, 10)).collect();
+            let k: Vec<f16> = (0..2 * cap * hd)
+                .map(|i| f16::from_f32(val(i, 11)))
+                .collect();
+            let v: Vec<f16> = (0..2 * cap * hd)
+                .map(|i| f16::from_f32(val(i, 12)))
+                .collect();
+            let mut grouped = vec![f32::NAN; 6 * hd];
+            a.decode(pos, &q, &k, &v, &mut grouped);
+            for h in 0..6 {
+                let mut alone = vec![f32::NAN; hd];
+                a.one(h, pos, &q[h * hd..(h + 1) * hd], &k, &v, &mut alone);
+                assert_eq!(
+                    &grouped[h * hd..(h + 1) * hd],
+                    &alone[..],
+                    "hd {hd} head {h}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn prefill_is_decode_at_each_position() {
         for window in [None, Some(3)] {
             let a = shape(window);
