@@ -2,7 +2,8 @@
 # shoal vs llama.cpp on the same GGUF, prompt length, generation length and thread count,
 # in one run: llama-bench and `shoal bench` take turns (R rounds, one repetition each, so
 # machine noise hits both alike); prints medians, shoal / llama.cpp ratios, and beside each
-# decode figure the memory-bandwidth ceiling (weight bytes per token / measured bandwidth).
+# decode figure the memory-bandwidth ceiling (weight bytes per token / measured bandwidth),
+# over all rounds and round by round (each round's decode against its own probe).
 #
 #   bench/vs-llamacpp.sh [-p 128] [-n 64] [-t 1] [-r 5] MODEL...    (MODEL: key or .gguf path)
 #
@@ -47,6 +48,14 @@ print(f"  prefill  {row('llama.cpp', lp)}   {row('shoal', sp)}   ratio {med(sp)/
 print(f"  decode   {row('llama.cpp', lt)}   {row('shoal', st)}   ratio {med(st)/med(lt):.2f}")
 print(f"  ceiling  {ceiling:.1f} tok/s = {wb/1e6:.1f} MB/token at {med(bw):.1f} GB/s;"
       f" llama.cpp {100*med(lt)/ceiling:.0f}%, shoal {100*med(st)/ceiling:.0f}% of it")
+# the machine's bandwidth drifts between rounds: each round's decode against the ceiling
+# probed in that round (right after shoal's decode, a minute at most after llama.cpp's)
+lf = [100 * lt[i] * wb / (bw[i] * 1e9) for i in range(len(bw))] if len(lt) == len(bw) else []
+sf = [100 * st[i] * wb / (bw[i] * 1e9) for i in range(len(bw))]
+if lf:
+    print(f"  per round, decode % of that round's ceiling: llama.cpp {med(lf):.0f}%"
+          f" (min {min(lf):.0f}, max {max(lf):.0f}), shoal {med(sf):.0f}%"
+          f" (min {min(sf):.0f}, max {max(sf):.0f})")
 PY
 done
 rm -rf "$out"

@@ -219,9 +219,9 @@ pub fn active_isa() -> Isa {
 }
 
 /// A checksum of `buf` that reads every byte the way the weight kernels stream weights,
-/// prefetching `ahead` bytes ahead where the CPU has AVX2: the read-bandwidth probe
-/// (`shoal bench` divides bytes by its time, and takes the best over the distances the
-/// kernels use).
+/// prefetching `ahead` bytes ahead where the CPU has AVX2 (0: no software prefetch): the
+/// read-bandwidth probe (`shoal bench` divides bytes by its time, and takes the best over
+/// no prefetch and the distances the kernels use).
 pub fn stream_checksum(buf: &[u8], ahead: usize) -> u64 {
     #[cfg(target_arch = "x86_64")]
     if Isa::detected() >= Isa::Avx2 {

@@ -505,3 +505,17 @@ fn to_f16_rounds_like_half() {
         }
     }
 }
+
+#[test]
+fn stream_checksum_is_the_xor_of_the_words_at_every_prefetch_distance() {
+    // the bandwidth probe must read every byte whichever way it prefetches
+    let buf: Vec<u8> = (0..4096 + 128).map(|i| (i * 37 % 253) as u8).collect();
+    let want = buf.chunks(8).fold(0u64, |a, c| {
+        let mut w = [0u8; 8];
+        w[..c.len()].copy_from_slice(c);
+        a ^ u64::from_le_bytes(w)
+    });
+    for ahead in [0, 64, 2048, 8192] {
+        assert_eq!(super::stream_checksum(&buf, ahead), want, "ahead {ahead}");
+    }
+}
