@@ -1051,15 +1051,7 @@ fn profiled<T>(op: Op, f: impl FnOnce() -> T) -> T {
 }
 
 /// Index of the largest value (the first one on ties), for greedy decoding and tests.
-pub fn argmax(xs: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &x) in xs.iter().enumerate() {
-        if x > xs[best] {
-            best = i;
-        }
-    }
-    best
-}
+pub use crate::kernels::argmax;
 
 #[cfg(test)]
 mod tests {

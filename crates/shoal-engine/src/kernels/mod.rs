@@ -238,6 +238,68 @@ pub fn stream_checksum(buf: &[u8], ahead: usize) -> u64 {
     })
 }
 
+/// Lanes of [`argmax`]'s first pass.
+const ARGMAX_LANES: usize = 8;
+
+/// Index of the largest value (the first one on ties; NaN never wins; 0 when nothing beats
+/// minus infinity), for greedy decoding.
+///
+/// A first pass keeps eight running maxima, each with the index where it was first reached
+/// (AVX2: one compare and two blends per eight logits); the lanes and the last few values are
+/// then reduced in order. A single running maximum is a compare-and-branch chain per logit:
+/// medians of 2,000 calls in turn on an AMD EPYC (Zen 3), 126-129 us against 17 us for
+/// Qwen's 151,936 logits, 40 us against 5 us for SmolLM2's 49,152.
+pub fn argmax(xs: &[f32]) -> usize {
+    // lane indices are u32, as wide as the values; a vocabulary never nears 2^32, and past
+    // it the plain loop below takes everything
+    let whole = if xs.len() < u32::MAX as usize {
+        xs.len() / ARGMAX_LANES * ARGMAX_LANES
+    } else {
+        0
+    };
+    let (best, at) = lane_maxima(&xs[..whole]);
+    let mut win = 0;
+    for k in 1..ARGMAX_LANES {
+        if best[k] > best[win] || (best[k] == best[win] && at[k] < at[win]) {
+            win = k;
+        }
+    }
+    let (mut best, mut at) = (best[win], at[win] as usize);
+    for (i, &x) in xs[whole..].iter().enumerate() {
+        if x > best {
+            best = x;
+            at = whole + i;
+        }
+    }
+    at
+}
+
+/// Per lane `k`, the largest of `xs[k]`, `xs[k + 8]`, ... and its first index (minus
+/// infinity at 0 when none is larger); `xs.len()` is a multiple of 8 below 2^32.
+fn lane_maxima(xs: &[f32]) -> ([f32; ARGMAX_LANES], [u32; ARGMAX_LANES]) {
+    #[cfg(target_arch = "x86_64")]
+    if active_isa() >= Isa::Avx2 {
+        // SAFETY: AVX2 is part of the level; the length is whole vectors.
+        return unsafe { x86::lane_maxima(xs) };
+    }
+    portable_lane_maxima(xs)
+}
+
+/// [`lane_maxima`] without SIMD (and the reference for the SIMD one).
+fn portable_lane_maxima(xs: &[f32]) -> ([f32; ARGMAX_LANES], [u32; ARGMAX_LANES]) {
+    let mut best = [f32::NEG_INFINITY; ARGMAX_LANES];
+    let mut at = [0u32; ARGMAX_LANES];
+    for (c, chunk) in xs.chunks_exact(ARGMAX_LANES).enumerate() {
+        for k in 0..ARGMAX_LANES {
+            if chunk[k] > best[k] {
+                best[k] = chunk[k];
+                at[k] = (c * ARGMAX_LANES + k) as u32;
+            }
+        }
+    }
+    (best, at)
+}
+
 /// Attention scores: `out[j] = scale * q . rows[j]`, `rows` being `out.len()` rows of
 /// `q.len()` f16 keys (the KV cache); SIMD where the CPU has it.
 ///

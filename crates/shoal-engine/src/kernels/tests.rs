@@ -519,3 +519,41 @@ fn stream_checksum_is_the_xor_of_the_words_at_every_prefetch_distance() {
         assert_eq!(super::stream_checksum(&buf, ahead), want, "ahead {ahead}");
     }
 }
+
+#[test]
+fn argmax_is_the_first_largest_and_simd_lanes_match_the_portable_ones() {
+    let mut rng = StdRng::seed_from_u64(41);
+    for len in [0, 1, 7, 8, 9, 17, 64, 1003, 49152] {
+        let whole = len / 8 * 8;
+        for round in 0..20 {
+            // few distinct values (ties), some NaN and minus infinity
+            let xs: Vec<f32> = (0..len)
+                .map(|_| match (rng.random_range(0..13), round % 4) {
+                    (0, 0) => f32::NAN,
+                    (1, 1) => f32::NEG_INFINITY,
+                    (v, _) => v as f32 - 6.0,
+                })
+                .collect();
+            let want = portable_lane_maxima(&xs[..whole]);
+            #[cfg(target_arch = "x86_64")]
+            if Isa::detected() >= Isa::Avx2 {
+                // SAFETY: AVX2 was detected; the lengths are whole vectors.
+                let got = unsafe { x86::lane_maxima(&xs[..whole]) };
+                assert_eq!(format!("{got:?}"), format!("{want:?}"), "len {len}");
+            }
+            // and the whole argmax is the first largest
+            let first = xs
+                .iter()
+                .enumerate()
+                .fold(None::<(usize, f32)>, |b, (i, &x)| {
+                    (x > b.map_or(f32::NEG_INFINITY, |b| b.1))
+                        .then_some((i, x))
+                        .or(b)
+                })
+                .map_or(0, |b| b.0);
+            assert_eq!(argmax(&xs), first, "len {len}: {xs:?}");
+        }
+    }
+    assert_eq!(argmax(&[f32::NAN, 1.0, 2.0]), 2, "a NaN never wins");
+    assert_eq!(argmax(&[f32::NEG_INFINITY; 3]), 0);
+}

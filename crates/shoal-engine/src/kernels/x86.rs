@@ -126,6 +126,34 @@ pub unsafe fn stream_checksum(buf: &[u8], ahead: usize) -> u64 {
     lanes.iter().fold(0, |a, &b| a ^ b)
 }
 
+/// Per lane `k` of eight, the largest of `xs[k]`, `xs[k + 8]`, ... (an ordered compare:
+/// NaN never wins) and the first index where it was reached; minus infinity at index 0 when
+/// no value is larger.
+///
+/// # Safety
+/// The CPU has AVX2; `xs.len()` is a multiple of 8 below 2^32.
+#[target_feature(enable = "avx2")]
+pub unsafe fn lane_maxima(xs: &[f32]) -> ([f32; 8], [u32; 8]) {
+    let p = xs.as_ptr();
+    let mut best = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut at = _mm256_setzero_si256();
+    let mut idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let step = _mm256_set1_epi32(8);
+    let mut i = 0;
+    while i + 8 <= xs.len() {
+        let v = _mm256_loadu_ps(p.add(i));
+        let gt = _mm256_cmp_ps::<_CMP_GT_OQ>(v, best);
+        best = _mm256_blendv_ps(best, v, gt);
+        at = _mm256_blendv_epi8(at, idx, _mm256_castps_si256(gt));
+        idx = _mm256_add_epi32(idx, step);
+        i += 8;
+    }
+    let (mut b, mut a) = ([0f32; 8], [0u32; 8]);
+    _mm256_storeu_ps(b.as_mut_ptr(), best);
+    _mm256_storeu_si256(a.as_mut_ptr() as *mut __m256i, at);
+    (b, a)
+}
+
 /// Largest |x| of 32 values at `p`.
 #[inline]
 #[target_feature(enable = "avx2")]
