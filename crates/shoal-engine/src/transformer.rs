@@ -37,7 +37,7 @@ fn rope_tables(
     head_dim: usize,
     base: f64,
     scale: f64,
-) -> Result<(Tensor, Tensor), EngineError> {
+) -> Result<RopeTable, EngineError> {
     let half = head_dim / 2;
     let t = positions.len();
     let theta_scale = (base as f32).powf(-2.0 / head_dim as f32);
@@ -53,9 +53,21 @@ fn rope_tables(
             theta *= theta_scale;
         }
     }
-    let cos = Tensor::from_vec(cos, (t, half), &Device::Cpu).ctx("rope table")?;
-    let sin = Tensor::from_vec(sin, (t, half), &Device::Cpu).ctx("rope table")?;
-    Ok((cos, sin))
+    Ok(RopeTable {
+        cos_t: Tensor::from_slice(&cos, (t, half), &Device::Cpu).ctx("rope table")?,
+        sin_t: Tensor::from_slice(&sin, (t, half), &Device::Cpu).ctx("rope table")?,
+        cos,
+        sin,
+    })
+}
+
+/// The RoPE table of one step, `(t, head_dim / 2)` cosines and sines: as tensors for the
+/// tensor ops of prefill, as values for the slice paths of decode.
+struct RopeTable {
+    cos_t: Tensor,
+    sin_t: Tensor,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
 }
 
 /// RoPE tables of one step, built once and shared by every layer (a model has at most two
@@ -63,7 +75,7 @@ fn rope_tables(
 struct StepTables {
     /// The position of each row of the step.
     positions: Vec<usize>,
-    rope: Vec<((u64, u64), (Tensor, Tensor))>,
+    rope: Vec<((u64, u64), RopeTable)>,
 }
 
 impl StepTables {
@@ -80,12 +92,7 @@ impl StepTables {
         }
     }
 
-    fn rope(
-        &mut self,
-        head_dim: usize,
-        base: f64,
-        scale: f64,
-    ) -> Result<&(Tensor, Tensor), EngineError> {
+    fn rope(&mut self, head_dim: usize, base: f64, scale: f64) -> Result<&RopeTable, EngineError> {
         let key = (base.to_bits(), scale.to_bits());
         let i = match self.rope.iter().position(|(k, _)| *k == key) {
             Some(i) => i,
@@ -291,29 +298,11 @@ impl Attention {
         let rope = profile::scope(Op::Rope);
         // Rows stay `(B, n, hd)` throughout: the head norms work on the last dimension in
         // any layout, and RoPE runs on the slices with each row's own position.
-        let heads =
-            |y: Tensor, n: usize, norm: &Option<RmsNorm>| -> Result<Vec<f32>, EngineError> {
-                let y = match norm {
-                    Some(nm) => nm.forward(&y.reshape((1, rows, n, hd)).ctx("split heads")?)?,
-                    None => y,
-                };
-                y.flatten_all()
-                    .and_then(|t| t.to_vec1::<f32>())
-                    .ctx("heads")
-            };
-        let mut qs = heads(q, nh, &self.q_norm)?;
-        let mut ks = heads(k, nkv, &self.k_norm)?;
-        let (cos, sin) = tables.rope(hd, self.rope_base, self.rope_scale)?;
-        let cos = cos
-            .flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .ctx("rope table")?;
-        let sin = sin
-            .flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .ctx("rope table")?;
-        rope_rows(self.rope_style, &mut qs, hd, &cos, &sin);
-        rope_rows(self.rope_style, &mut ks, hd, &cos, &sin);
+        let mut qs = self.head_rows(q, rows, nh, &self.q_norm)?;
+        let mut ks = self.head_rows(k, rows, nkv, &self.k_norm)?;
+        let table = tables.rope(hd, self.rope_base, self.rope_scale)?;
+        rope_rows(self.rope_style, &mut qs, hd, &table.cos, &table.sin);
+        rope_rows(self.rope_style, &mut ks, hd, &table.cos, &table.sin);
         drop(rope);
         let attention = profile::scope(Op::Attention);
         let width = nh * hd;
@@ -346,6 +335,62 @@ impl Attention {
         self.o.forward(&y)
     }
 
+    /// `y` (`rows` rows of `n` heads) as values laid out `(rows, n, head_dim)`, through the
+    /// head norm when the model has one.
+    fn head_rows(
+        &self,
+        y: Tensor,
+        rows: usize,
+        n: usize,
+        norm: &Option<RmsNorm>,
+    ) -> Result<Vec<f32>, EngineError> {
+        let y = match norm {
+            Some(nm) => nm.forward(&y.reshape((1, rows, n, self.head_dim)).ctx("split heads")?)?,
+            None => y,
+        };
+        y.flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .ctx("heads")
+    }
+
+    /// One token `(1, 1, d)` of one sequence, on slices: the heads of one position are
+    /// already `(n, head_dim)`, so the tensor path's reshapes, transposes and RoPE ops (and
+    /// their allocations) are skipped. The arithmetic is the tensor path's, bit for bit.
+    fn forward_token(
+        &self,
+        x: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        tables: &mut StepTables,
+    ) -> Result<Tensor, EngineError> {
+        let (nh, nkv, hd) = (self.n_head, self.n_kv_head, self.head_dim);
+        let p = cache.len();
+        let (q, k, v) = {
+            let _p = profile::scope(Op::Qkv);
+            let mut qkv = ColumnLinear::forward_many(&[&self.q, &self.k, &self.v], x)?;
+            let v = qkv.pop().expect("three products");
+            let k = qkv.pop().expect("three products");
+            (qkv.pop().expect("three products"), k, v)
+        };
+        let rope = profile::scope(Op::Rope);
+        let mut qs = self.head_rows(q, 1, nh, &self.q_norm)?;
+        let mut ks = self.head_rows(k, 1, nkv, &self.k_norm)?;
+        let table = tables.rope(hd, self.rope_base, self.rope_scale)?;
+        rope_rows(self.rope_style, &mut qs, hd, &table.cos, &table.sin);
+        rope_rows(self.rope_style, &mut ks, hd, &table.cos, &table.sin);
+        drop(rope);
+        let attention = profile::scope(Op::Attention);
+        with_f32(&v, |vs| cache.append(layer, &ks, vs))??;
+        let (kc, vc) = cache.buffers(layer).expect("appended above");
+        let mut out = vec![0f32; nh * hd];
+        self.shape(cache.capacity())
+            .decode_parallel(p, &qs, kc, vc, &mut out);
+        let y = Tensor::from_vec(out, (1, 1, nh * hd), &Device::Cpu).ctx("attention output")?;
+        drop(attention);
+        let _p = profile::scope(Op::AttnOut);
+        self.o.forward(&y)
+    }
+
     /// Rows `(1, t, d)` of one sequence at consecutive positions after what `cache` holds.
     fn forward_one(
         &self,
@@ -355,6 +400,9 @@ impl Attention {
         tables: &mut StepTables,
     ) -> Result<Tensor, EngineError> {
         let (b, t, _) = x.dims3().ctx("attention input")?;
+        if (b, t) == (1, 1) {
+            return self.forward_token(x, cache, layer, tables);
+        }
         let (nh, nkv, hd) = (self.n_head, self.n_kv_head, self.head_dim);
         let p = cache.len();
         let heads = |y: Tensor, n: usize| -> Result<Tensor, EngineError> {
@@ -381,9 +429,9 @@ impl Attention {
         if let Some(n) = &self.k_norm {
             k = n.forward(&k)?;
         }
-        let (cos, sin) = tables.rope(hd, self.rope_base, self.rope_scale)?;
-        let q = self.rope(&q, cos, sin)?;
-        let k = self.rope(&k, cos, sin)?;
+        let table = tables.rope(hd, self.rope_base, self.rope_scale)?;
+        let q = self.rope(&q, &table.cos_t, &table.sin_t)?;
+        let k = self.rope(&k, &table.cos_t, &table.sin_t)?;
         drop(rope);
         let attention = profile::scope(Op::Attention);
         with_f32(&k, |ks| with_f32(&v, |vs| cache.append(layer, ks, vs)))???;
@@ -1059,9 +1107,10 @@ mod tests {
 
     #[test]
     fn rope_table_position_zero_is_identity() {
-        let (c, s) = rope_tables(&[0], 8, 10000.0, 1.0).unwrap();
-        assert_eq!(c.to_vec2::<f32>().unwrap()[0], vec![1.0; 4]);
-        assert_eq!(s.to_vec2::<f32>().unwrap()[0], vec![0.0; 4]);
+        let table = rope_tables(&[0], 8, 10000.0, 1.0).unwrap();
+        assert_eq!(table.cos_t.to_vec2::<f32>().unwrap()[0], vec![1.0; 4]);
+        assert_eq!(table.sin_t.to_vec2::<f32>().unwrap()[0], vec![0.0; 4]);
+        assert_eq!((table.cos, table.sin), (vec![1.0; 4], vec![0.0; 4]));
     }
 
     #[test]
