@@ -1068,15 +1068,14 @@ impl QuantMatrix {
         self.rows.div_ceil(tiled::TILE_ROWS)
     }
 
-    /// The tile ranges the pool's threads take (four per thread, so a thread that starts
-    /// late is not left with a quarter of the work); one range on one thread or a small
-    /// matrix.
-    fn tile_chunks(&self, t: usize, threads: usize, pairs: bool) -> Vec<Range<usize>> {
+    /// The tile ranges of about `chunks` jobs for the pool's threads; one range when
+    /// `chunks` is 1 or the matrix is small.
+    fn tile_chunks(&self, t: usize, chunks: usize, pairs: bool) -> Vec<Range<usize>> {
         let tiles = self.tiles();
-        if threads <= 1 || tiles < 4 {
+        if chunks <= 1 || tiles < 4 {
             return std::iter::once(0..tiles).collect();
         }
-        let chunks = (threads * 4).min(tiles);
+        let chunks = chunks.min(tiles);
         let mut per_chunk = tiles.div_ceil(chunks);
         if pairs && t >= 4 {
             // whole pairs per chunk: an odd tile left in every chunk would run at half width
@@ -1195,11 +1194,20 @@ fn drive_many<A: Sync>(
     t: usize,
 ) {
     let threads = rayon::current_num_threads();
+    // About four jobs per thread for the whole region (so a thread that starts late is not
+    // left with a quarter of the work), shared among the matrices by their tiles. Four per
+    // thread per matrix made SmolLM2's q/k/v 24 jobs, k's and v's of three tiles each.
+    let total: usize = mats.iter().map(|m| m.tiles()).sum();
     let jobs: Vec<(usize, Range<usize>)> = mats
         .iter()
         .enumerate()
         .flat_map(|(i, m)| {
-            m.tile_chunks(t, threads, ks[i].pair_four.is_some())
+            let chunks = if threads <= 1 {
+                1
+            } else {
+                (threads * 4 * m.tiles()).div_ceil(total.max(1))
+            };
+            m.tile_chunks(t, chunks, ks[i].pair_four.is_some())
                 .into_iter()
                 .map(move |r| (i, r))
         })
