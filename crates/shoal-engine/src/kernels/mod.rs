@@ -632,6 +632,26 @@ unsafe impl Send for OutPtr {}
 // SAFETY: as above; the pointer is only written through, at disjoint positions.
 unsafe impl Sync for OutPtr {}
 
+/// Writes the first `live` of a tile's (or a pair of tiles') `R` row results to `dst`. A
+/// whole tile is a copy of a constant `R` values (vector moves); a loop over `live` values
+/// compiled to a call of libc's `memcpy` per tile, 1.8-2.7% of a SmolLM2 decode's samples
+/// (`perf record`).
+///
+/// # Safety
+/// `dst` is valid for `live` (at most `R`) writes that no other thread makes.
+#[inline]
+unsafe fn store_rows<const R: usize>(dst: *mut f32, vals: &[f32; R], live: usize) {
+    if live == R {
+        // SAFETY: the caller's; the source holds `R` values.
+        unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), dst, R) };
+    } else {
+        for (i, &v) in vals[..live.min(R)].iter().enumerate() {
+            // SAFETY: the caller's; i < live.
+            unsafe { *dst.add(i) = v };
+        }
+    }
+}
+
 /// One pair of adjacent tiles being multiplied: their weights and where their rows land.
 struct PairAt<'a> {
     w0: &'a [u8],
@@ -664,11 +684,15 @@ impl PairAt<'_> {
             // has a block per tile block.
             let o = unsafe { kern(self.w0, self.w1, a, tok == 0) };
             for (j, vals) in o.iter().enumerate() {
-                for (i, &v) in vals[..self.live].iter().enumerate() {
-                    // SAFETY: tok + j < t and r0 + i < n: inside `y` (t * n long); only this
-                    // thread writes these rows.
-                    unsafe { *self.out.0.add((tok + j) * self.n + self.r0 + i) = v };
-                }
+                // SAFETY: tok + j < t and r0 + live <= n: inside `y` (t * n long); only this
+                // thread writes these rows.
+                unsafe {
+                    store_rows(
+                        self.out.0.add((tok + j) * self.n + self.r0),
+                        vals,
+                        self.live,
+                    )
+                };
             }
             tok += N;
         }
@@ -1150,11 +1174,9 @@ impl QuantMatrix {
         let live = (n - r0).min(tiled::TILE_ROWS);
         let mut tok = toks.start;
         let write = |tok: usize, vals: &[f32; tiled::TILE_ROWS]| {
-            for (i, &v) in vals[..live].iter().enumerate() {
-                // SAFETY: tok < t and r0 + i < n, so the position is inside `y` (t * n
-                // long); only this thread writes the rows of this tile.
-                unsafe { *out.0.add(tok * n + r0 + i) = v };
-            }
+            // SAFETY: tok < t and r0 + live <= n, so the rows are inside `y` (t * n long);
+            // only this thread writes the rows of this tile.
+            unsafe { store_rows(out.0.add(tok * n + r0), vals, live) };
         };
         while tok + 4 <= t {
             // SAFETY: the matrix was tiled for `self.isa`, which `with_isa` checked this
