@@ -288,13 +288,7 @@ impl Attention {
     ) -> Result<Tensor, EngineError> {
         let (_, rows, _) = x.dims3().ctx("attention input")?;
         let (nh, nkv, hd) = (self.n_head, self.n_kv_head, self.head_dim);
-        let (q, k, v) = {
-            let _p = profile::scope(Op::Qkv);
-            let mut qkv = ColumnLinear::forward_many(&[&self.q, &self.k, &self.v], x)?;
-            let v = qkv.pop().expect("three products");
-            let k = qkv.pop().expect("three products");
-            (qkv.pop().expect("three products"), k, v)
-        };
+        let (q, k, v) = self.qkv(x)?;
         let rope = profile::scope(Op::Rope);
         // Rows stay `(B, n, hd)` throughout: the head norms work on the last dimension in
         // any layout, and RoPE runs on the slices with each row's own position.
@@ -335,6 +329,15 @@ impl Attention {
         self.o.forward(&y)
     }
 
+    /// The query, key and value projections of `x`, in one parallel region.
+    fn qkv(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor), EngineError> {
+        let _p = profile::scope(Op::Qkv);
+        let mut qkv = ColumnLinear::forward_many(&[&self.q, &self.k, &self.v], x)?;
+        let v = qkv.pop().expect("three products");
+        let k = qkv.pop().expect("three products");
+        Ok((qkv.pop().expect("three products"), k, v))
+    }
+
     /// `y` (`rows` rows of `n` heads) as values laid out `(rows, n, head_dim)`, through the
     /// head norm when the model has one.
     fn head_rows(
@@ -365,13 +368,7 @@ impl Attention {
     ) -> Result<Tensor, EngineError> {
         let (nh, nkv, hd) = (self.n_head, self.n_kv_head, self.head_dim);
         let p = cache.len();
-        let (q, k, v) = {
-            let _p = profile::scope(Op::Qkv);
-            let mut qkv = ColumnLinear::forward_many(&[&self.q, &self.k, &self.v], x)?;
-            let v = qkv.pop().expect("three products");
-            let k = qkv.pop().expect("three products");
-            (qkv.pop().expect("three products"), k, v)
-        };
+        let (q, k, v) = self.qkv(x)?;
         let rope = profile::scope(Op::Rope);
         let mut qs = self.head_rows(q, 1, nh, &self.q_norm)?;
         let mut ks = self.head_rows(k, 1, nkv, &self.k_norm)?;
@@ -412,13 +409,7 @@ impl Attention {
                 .and_then(|y| y.contiguous())
                 .ctx("split heads")
         };
-        let (q, k, v) = {
-            let _p = profile::scope(Op::Qkv);
-            let mut qkv = ColumnLinear::forward_many(&[&self.q, &self.k, &self.v], x)?;
-            let v = qkv.pop().expect("three products");
-            let k = qkv.pop().expect("three products");
-            (qkv.pop().expect("three products"), k, v)
-        };
+        let (q, k, v) = self.qkv(x)?;
         let rope = profile::scope(Op::Rope);
         let mut q = heads(q, nh)?;
         let mut k = heads(k, nkv)?;
