@@ -54,20 +54,35 @@ fn rope_tables(
         }
     }
     Ok(RopeTable {
-        cos_t: Tensor::from_slice(&cos, (t, half), &Device::Cpu).ctx("rope table")?,
-        sin_t: Tensor::from_slice(&sin, (t, half), &Device::Cpu).ctx("rope table")?,
         cos,
         sin,
+        half,
+        tensors: None,
     })
 }
 
-/// The RoPE table of one step, `(t, head_dim / 2)` cosines and sines: as tensors for the
-/// tensor ops of prefill, as values for the slice paths of decode.
+/// The RoPE table of one step, `(t, head_dim / 2)` cosines and sines: values for the slice
+/// paths of decode, and tensors of them made on first use by prefill's tensor ops (a decode
+/// step never makes them).
 struct RopeTable {
-    cos_t: Tensor,
-    sin_t: Tensor,
     cos: Vec<f32>,
     sin: Vec<f32>,
+    half: usize,
+    tensors: Option<(Tensor, Tensor)>,
+}
+
+impl RopeTable {
+    /// The table as `(t, head_dim / 2)` tensors (shared handles, made once).
+    fn tensors(&mut self) -> Result<(Tensor, Tensor), EngineError> {
+        if self.tensors.is_none() {
+            let shape = (self.cos.len() / self.half.max(1), self.half);
+            self.tensors = Some((
+                Tensor::from_slice(&self.cos, shape, &Device::Cpu).ctx("rope table")?,
+                Tensor::from_slice(&self.sin, shape, &Device::Cpu).ctx("rope table")?,
+            ));
+        }
+        Ok(self.tensors.clone().expect("made above"))
+    }
 }
 
 /// RoPE tables of one step, built once and shared by every layer (a model has at most two
@@ -92,7 +107,12 @@ impl StepTables {
         }
     }
 
-    fn rope(&mut self, head_dim: usize, base: f64, scale: f64) -> Result<&RopeTable, EngineError> {
+    fn rope(
+        &mut self,
+        head_dim: usize,
+        base: f64,
+        scale: f64,
+    ) -> Result<&mut RopeTable, EngineError> {
         let key = (base.to_bits(), scale.to_bits());
         let i = match self.rope.iter().position(|(k, _)| *k == key) {
             Some(i) => i,
@@ -102,7 +122,7 @@ impl StepTables {
                 self.rope.len() - 1
             }
         };
-        Ok(&self.rope[i].1)
+        Ok(&mut self.rope[i].1)
     }
 }
 
@@ -288,16 +308,7 @@ impl Attention {
     ) -> Result<Tensor, EngineError> {
         let (_, rows, _) = x.dims3().ctx("attention input")?;
         let (nh, nkv, hd) = (self.n_head, self.n_kv_head, self.head_dim);
-        let (q, k, v) = self.qkv(x)?;
-        let rope = profile::scope(Op::Rope);
-        // Rows stay `(B, n, hd)` throughout: the head norms work on the last dimension in
-        // any layout, and RoPE runs on the slices with each row's own position.
-        let mut qs = self.head_rows(q, rows, nh, &self.q_norm)?;
-        let mut ks = self.head_rows(k, rows, nkv, &self.k_norm)?;
-        let table = tables.rope(hd, self.rope_base, self.rope_scale)?;
-        rope_rows(self.rope_style, &mut qs, hd, &table.cos, &table.sin);
-        rope_rows(self.rope_style, &mut ks, hd, &table.cos, &table.sin);
-        drop(rope);
+        let (qs, ks, v) = self.roped_heads(x, rows, tables)?;
         let attention = profile::scope(Op::Attention);
         let width = nh * hd;
         let kv_width = nkv * hd;
@@ -338,6 +349,27 @@ impl Attention {
         Ok((qkv.pop().expect("three products"), k, v))
     }
 
+    /// The slice paths' start: q/k/v of `rows` rows, and the query and key heads as values
+    /// laid out `(rows, heads, head_dim)`, through the head norms and rotated by each row's
+    /// RoPE position (the head norms work on the last dimension in any layout, so no
+    /// transposes are needed).
+    fn roped_heads(
+        &self,
+        x: &Tensor,
+        rows: usize,
+        tables: &mut StepTables,
+    ) -> Result<(Vec<f32>, Vec<f32>, Tensor), EngineError> {
+        let hd = self.head_dim;
+        let (q, k, v) = self.qkv(x)?;
+        let _p = profile::scope(Op::Rope);
+        let mut qs = self.head_rows(q, rows, self.n_head, &self.q_norm)?;
+        let mut ks = self.head_rows(k, rows, self.n_kv_head, &self.k_norm)?;
+        let table = tables.rope(hd, self.rope_base, self.rope_scale)?;
+        rope_rows(self.rope_style, &mut qs, hd, &table.cos, &table.sin);
+        rope_rows(self.rope_style, &mut ks, hd, &table.cos, &table.sin);
+        Ok((qs, ks, v))
+    }
+
     /// `y` (`rows` rows of `n` heads) as values laid out `(rows, n, head_dim)`, through the
     /// head norm when the model has one.
     fn head_rows(
@@ -366,16 +398,9 @@ impl Attention {
         layer: usize,
         tables: &mut StepTables,
     ) -> Result<Tensor, EngineError> {
-        let (nh, nkv, hd) = (self.n_head, self.n_kv_head, self.head_dim);
+        let (nh, hd) = (self.n_head, self.head_dim);
         let p = cache.len();
-        let (q, k, v) = self.qkv(x)?;
-        let rope = profile::scope(Op::Rope);
-        let mut qs = self.head_rows(q, 1, nh, &self.q_norm)?;
-        let mut ks = self.head_rows(k, 1, nkv, &self.k_norm)?;
-        let table = tables.rope(hd, self.rope_base, self.rope_scale)?;
-        rope_rows(self.rope_style, &mut qs, hd, &table.cos, &table.sin);
-        rope_rows(self.rope_style, &mut ks, hd, &table.cos, &table.sin);
-        drop(rope);
+        let (qs, ks, v) = self.roped_heads(x, 1, tables)?;
         let attention = profile::scope(Op::Attention);
         with_f32(&v, |vs| cache.append(layer, &ks, vs))??;
         let (kc, vc) = cache.buffers(layer).expect("appended above");
@@ -420,9 +445,11 @@ impl Attention {
         if let Some(n) = &self.k_norm {
             k = n.forward(&k)?;
         }
-        let table = tables.rope(hd, self.rope_base, self.rope_scale)?;
-        let q = self.rope(&q, &table.cos_t, &table.sin_t)?;
-        let k = self.rope(&k, &table.cos_t, &table.sin_t)?;
+        let (cos, sin) = tables
+            .rope(hd, self.rope_base, self.rope_scale)?
+            .tensors()?;
+        let q = self.rope(&q, &cos, &sin)?;
+        let k = self.rope(&k, &cos, &sin)?;
         drop(rope);
         let attention = profile::scope(Op::Attention);
         with_f32(&k, |ks| with_f32(&v, |vs| cache.append(layer, ks, vs)))???;
@@ -1098,9 +1125,10 @@ mod tests {
 
     #[test]
     fn rope_table_position_zero_is_identity() {
-        let table = rope_tables(&[0], 8, 10000.0, 1.0).unwrap();
-        assert_eq!(table.cos_t.to_vec2::<f32>().unwrap()[0], vec![1.0; 4]);
-        assert_eq!(table.sin_t.to_vec2::<f32>().unwrap()[0], vec![0.0; 4]);
+        let mut table = rope_tables(&[0], 8, 10000.0, 1.0).unwrap();
+        let (c, s) = table.tensors().unwrap();
+        assert_eq!(c.to_vec2::<f32>().unwrap()[0], vec![1.0; 4]);
+        assert_eq!(s.to_vec2::<f32>().unwrap()[0], vec![0.0; 4]);
         assert_eq!((table.cos, table.sin), (vec![1.0; 4], vec![0.0; 4]));
     }
 
