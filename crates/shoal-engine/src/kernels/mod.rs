@@ -1200,7 +1200,7 @@ impl QuantMatrix {
 /// The layout of the Q5 types' fifth bits that the tile kernels of `isa` read.
 fn fifth_bits(isa: Isa) -> tiled::FifthBits {
     match isa {
-        Isa::Avx2 => tiled::FifthBits::Planes,
+        Isa::Avx2 => tiled::FifthBits::Whole,
         _ => tiled::FifthBits::Masks,
     }
 }

@@ -1,8 +1,8 @@
 //! The interleaved layout the SIMD kernels read the 32-value block types in. Eight rows form
 //! a tile; for each block column a tile stores the eight f16 scales together (then the eight
-//! minimums, for Q4_1 and Q5_1), the 5th bits of Q5_0 and Q5_1 regrouped in 32 bytes (as
+//! minimums, for Q4_1 and Q5_1), 32 more bytes for Q5_0 and Q5_1 (their codes' top bits, as
 //! [`FifthBits`] says), and the quant bytes interleaved four at a time: byte `4 r + j` of group
-//! vector `g` is byte `4 g + j` of row `r`. One 32-byte load then holds four codes of each of
+//! vector `g` is byte `4 g + j` of row `r` (for Q5 with [`FifthBits::Whole`], of its codes). One 32-byte load then holds four codes of each of
 //! eight rows, so a single 8-bit dot-product instruction against four broadcast activations
 //! yields eight row sums at once: no horizontal reductions, one scale conversion per eight
 //! rows. A tile is exactly eight blocks' bytes, so repacking costs no memory; the last tile
@@ -19,18 +19,22 @@ use super::formats::WeightType;
 /// Rows per tile.
 pub const TILE_ROWS: usize = 8;
 
-/// How a tile block of Q5_0 or Q5_1 stores its 256 fifth bits (32 bytes either way). Code
+/// How a tile block of Q5_0 or Q5_1 stores its 5-bit codes (160 bytes either way). Code
 /// vector `k` (0..8) is the `k`th 32-byte vector of 5-bit codes a kernel builds: byte `i`
 /// of it is code `4 k + i % 4` of row `i / 4`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FifthBits {
-    /// One 32-bit mask per code vector: bit `i` of mask `k` is the 5th bit of byte `i` of
-    /// vector `k`. AVX-512 uses a mask as a byte-mask register as it is; NEON expands it.
+    /// The quant bytes as in the file (nibbles of vectors `m` and `m + 4` in group vector
+    /// `m`), and one 32-bit mask of fifth bits per code vector: bit `i` of mask `k` is the
+    /// 5th bit of byte `i` of vector `k`. AVX-512 uses a mask as a byte-mask register as it
+    /// is; NEON expands it.
     Masks,
-    /// Bit planes: bit `k` of byte `i` is the 5th bit of byte `i` of vector `k`. AVX2 has no
-    /// byte masks, and expanding a mask costs six instructions per vector; from the planes
-    /// one shift and one `and` put vector `k`'s bits in place.
-    Planes,
+    /// Codes kept whole, for AVX2 (no byte masks): byte `i` of group vector `m` (0..4) holds
+    /// vector `m`'s code in bits 0-4 and the low three bits of vector `m + 4`'s code in bits
+    /// 5-7; byte `i` of the 32 other bytes holds the top two bits of vector `m + 4`'s code in
+    /// bits `2 m` and `2 m + 1`. Vectors 0-3 then cost one `and` each and vectors 4-7 five
+    /// instructions, 24 in all, where nibbles and bit planes cost 35.
+    Whole,
 }
 
 /// Where the parts of a block live, in the file's block and in the tile.
@@ -280,34 +284,41 @@ pub fn tile(ty: WeightType, rows: usize, blocks: usize, data: &[u8], bits: Fifth
             if let Some(m) = p.m {
                 dst[m_off + 2 * r..m_off + 2 * r + 2].copy_from_slice(&src[m..m + 2]);
             }
+            let qs = &src[p.qs..p.qs + p.qs_len];
             if let Some(qh) = p.qh {
                 let h = u32::from_le_bytes([src[qh], src[qh + 1], src[qh + 2], src[qh + 3]]);
+                // this row's codes of vector k: bytes 4r..4r+4 of it, codes 4k..4k+4
+                let code = |c: usize| {
+                    let nibble = if c < 16 { qs[c] & 0xF } else { qs[c - 16] >> 4 };
+                    nibble | ((((h >> c) & 1) as u8) << 4)
+                };
                 for k in 0..8 {
-                    // this row's bits of vector k: bytes 4r..4r+4, codes 4k..4k+4
-                    let four = (h >> (4 * k)) & 0xF;
-                    match bits {
-                        FifthBits::Masks => {
-                            let at = mask_off + 4 * k;
-                            let mut mask = u32::from_le_bytes([
-                                dst[at],
-                                dst[at + 1],
-                                dst[at + 2],
-                                dst[at + 3],
-                            ]);
-                            mask |= four << (4 * r);
-                            dst[at..at + 4].copy_from_slice(&mask.to_le_bytes());
-                        }
-                        FifthBits::Planes => {
-                            for j in 0..4 {
-                                dst[mask_off + 4 * r + j] |= (((four >> j) & 1) as u8) << k;
+                    for j in 0..4 {
+                        let c = 4 * k + j;
+                        match bits {
+                            FifthBits::Masks => {
+                                let at = mask_off + 4 * k + r / 2;
+                                dst[at] |= (((h >> c) & 1) as u8) << (4 * (r % 2) + j);
+                                if k < 4 {
+                                    dst[qs_off + 32 * k + 4 * r + j] = qs[c];
+                                }
+                            }
+                            FifthBits::Whole if k < 4 => {
+                                dst[qs_off + 32 * k + 4 * r + j] |= code(c);
+                            }
+                            FifthBits::Whole => {
+                                let m = k - 4;
+                                dst[qs_off + 32 * m + 4 * r + j] |= (code(c) & 7) << 5;
+                                dst[mask_off + 4 * r + j] |= (code(c) >> 3) << (2 * m);
                             }
                         }
                     }
                 }
+                continue;
             }
             for g in 0..p.qs_len / 4 {
                 let at = qs_off + 32 * g + 4 * r;
-                dst[at..at + 4].copy_from_slice(&src[p.qs + 4 * g..p.qs + 4 * g + 4]);
+                dst[at..at + 4].copy_from_slice(&qs[4 * g..4 * g + 4]);
             }
         }
     }
@@ -343,27 +354,42 @@ pub fn untile_row(
         if let Some(m) = p.m {
             dst[m..m + 2].copy_from_slice(&src[m_off + 2 * r..m_off + 2 * r + 2]);
         }
-        if let Some(qh) = p.qh {
+        let qs = &mut dst[p.qs..p.qs + p.qs_len];
+        if p.qh.is_some() {
             let mut h = 0u32;
             for k in 0..8 {
-                let four = match bits {
-                    FifthBits::Masks => {
-                        let at = mask_off + 4 * k;
-                        let mask =
-                            u32::from_le_bytes([src[at], src[at + 1], src[at + 2], src[at + 3]]);
-                        (mask >> (4 * r)) & 0xF
+                for j in 0..4 {
+                    let c = 4 * k + j;
+                    let code = match bits {
+                        FifthBits::Masks => {
+                            let nibble = src[qs_off + 32 * (k % 4) + 4 * r + j];
+                            let nibble = if k < 4 { nibble & 0xF } else { nibble >> 4 };
+                            let bit = src[mask_off + 4 * k + r / 2] >> (4 * (r % 2) + j);
+                            nibble | ((bit & 1) << 4)
+                        }
+                        FifthBits::Whole if k < 4 => src[qs_off + 32 * k + 4 * r + j] & 0x1F,
+                        FifthBits::Whole => {
+                            let m = k - 4;
+                            let low = src[qs_off + 32 * m + 4 * r + j] >> 5;
+                            let top = (src[mask_off + 4 * r + j] >> (2 * m)) & 3;
+                            low | (top << 3)
+                        }
+                    };
+                    if c < 16 {
+                        qs[c] |= code & 0xF;
+                    } else {
+                        qs[c - 16] |= (code & 0xF) << 4;
                     }
-                    FifthBits::Planes => (0..4).fold(0, |f, j| {
-                        f | ((((src[mask_off + 4 * r + j] >> k) & 1) as u32) << j)
-                    }),
-                };
-                h |= four << (4 * k);
+                    h |= u32::from(code >> 4) << c;
+                }
             }
+            let qh = p.qh.unwrap_or_default();
             dst[qh..qh + 4].copy_from_slice(&h.to_le_bytes());
+            continue;
         }
         for g in 0..p.qs_len / 4 {
             let at = qs_off + 32 * g + 4 * r;
-            dst[p.qs + 4 * g..p.qs + 4 * g + 4].copy_from_slice(&src[at..at + 4]);
+            qs[4 * g..4 * g + 4].copy_from_slice(&src[at..at + 4]);
         }
     }
     out
@@ -375,7 +401,7 @@ mod tests {
 
     #[test]
     fn tiling_round_trips_every_row() {
-        for bits in [FifthBits::Masks, FifthBits::Planes] {
+        for bits in [FifthBits::Masks, FifthBits::Whole] {
             for ty in WeightType::ALL.into_iter().filter(|t| is_tiled_type(*t)) {
                 let (rows, blocks) = (11, 3);
                 let data: Vec<u8> = (0..rows * blocks * ty.block_bytes())
@@ -397,23 +423,48 @@ mod tests {
         }
     }
 
-    /// The two layouts of the fifth bits say the same: bit `i` of mask `k` is bit `k` of
-    /// plane byte `i`.
+    /// The code vectors a kernel builds from one tile block, as the docs of [`FifthBits`]
+    /// say to build them.
+    fn code_vectors(t: &[u8], bits: FifthBits) -> [[u8; 32]; 8] {
+        let (_, at, qs) = tile_offsets(WeightType::Q5_0);
+        std::array::from_fn(|k| {
+            std::array::from_fn(|i| match bits {
+                FifthBits::Masks => {
+                    let byte = t[qs + 32 * (k % 4) + i];
+                    let nibble = if k < 4 { byte & 0xF } else { byte >> 4 };
+                    let mask =
+                        u32::from_le_bytes(t[at + 4 * k..at + 4 * k + 4].try_into().unwrap());
+                    nibble | ((((mask >> i) & 1) as u8) << 4)
+                }
+                FifthBits::Whole if k < 4 => t[qs + 32 * k + i] & 0x1F,
+                FifthBits::Whole => {
+                    let m = k - 4;
+                    (t[qs + 32 * m + i] >> 5) | (((t[at + i] >> (2 * m)) & 3) << 3)
+                }
+            })
+        })
+    }
+
+    /// Both layouts give every code: byte `i` of vector `k` is code `4 k + i % 4` of row
+    /// `i / 4`, its low four bits from the file's nibble and the fifth from `qh`.
     #[test]
-    fn fifth_bit_planes_transpose_the_masks() {
+    fn both_fifth_bit_layouts_give_the_files_codes() {
         let (rows, blocks) = (8, 1);
         let data: Vec<u8> = (0..rows * 22).map(|i| (i * 97 % 253) as u8).collect();
-        let masks = tile(WeightType::Q5_0, rows, blocks, &data, FifthBits::Masks);
-        let planes = tile(WeightType::Q5_0, rows, blocks, &data, FifthBits::Planes);
-        let (_, at, _) = tile_offsets(WeightType::Q5_0);
-        for k in 0..8 {
-            let mask = u32::from_le_bytes(masks[at + 4 * k..at + 4 * k + 4].try_into().unwrap());
-            for i in 0..32 {
-                assert_eq!(
-                    (mask >> i) & 1,
-                    ((planes[at + i] >> k) & 1) as u32,
-                    "k {k} i {i}"
-                );
+        for bits in [FifthBits::Masks, FifthBits::Whole] {
+            let vectors = code_vectors(&tile(WeightType::Q5_0, rows, blocks, &data, bits), bits);
+            for (k, vector) in vectors.iter().enumerate() {
+                for (i, &code) in vector.iter().enumerate() {
+                    let (row, c) = (&data[22 * (i / 4)..22 * (i / 4 + 1)], 4 * k + i % 4);
+                    let h = u32::from_le_bytes(row[2..6].try_into().unwrap());
+                    let nibble = if c < 16 {
+                        row[6 + c] & 0xF
+                    } else {
+                        row[6 + c - 16] >> 4
+                    };
+                    let want = nibble | ((((h >> c) & 1) as u8) << 4);
+                    assert_eq!(code, want, "{bits:?} vector {k} byte {i}");
+                }
             }
         }
     }

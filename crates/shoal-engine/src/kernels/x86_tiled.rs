@@ -58,37 +58,63 @@ unsafe fn dot_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(acc, u, s)
 }
 
-/// AVX2: adds the fifth bits at `p` ([`super::tiled::FifthBits::Planes`]) to the eight
-/// code vectors `q`: bit `k` of each plane byte, moved to bit 4 for vector `k` by one 16-bit
-/// shift (what crosses into the neighbouring byte lands outside bit 4) and an `and`.
+/// The low nibbles (vectors 0-3) and high nibbles (4-7) of the four quant vectors at `qs`.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn fifth_bits_avx2(q: &mut [__m256i; 8], p: *const u8, c16: __m256i) {
-    let h = _mm256_loadu_si256(p as *const __m256i);
-    let at4 = [
-        _mm256_slli_epi16::<4>(h),
-        _mm256_slli_epi16::<3>(h),
-        _mm256_slli_epi16::<2>(h),
-        _mm256_slli_epi16::<1>(h),
-        h,
-        _mm256_srli_epi16::<1>(h),
-        _mm256_srli_epi16::<2>(h),
-        _mm256_srli_epi16::<3>(h),
-    ];
-    for (qk, hk) in q.iter_mut().zip(at4) {
-        *qk = _mm256_or_si256(*qk, _mm256_and_si256(hk, c16));
+unsafe fn nibbles(qs: *const u8) -> [__m256i; 8] {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut q = [_mm256_setzero_si256(); 8];
+    for g in 0..4 {
+        let v = _mm256_loadu_si256(qs.add(32 * g) as *const __m256i);
+        q[g] = _mm256_and_si256(v, m4);
+        q[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     }
+    q
 }
 
-/// AVX-512 BW: the same from the masks at `p` ([`super::tiled::FifthBits::Masks`]), each a
-/// byte-mask register for one masked add.
+/// AVX2: the eight vectors of 5-bit codes of a Q5_0/Q5_1 tile block whose quant bytes are
+/// at `qs` and top bits at `top` ([`super::tiled::FifthBits::Whole`]). Vector `m + 4`'s low
+/// bits are masked before the 16-bit shift, so nothing crosses from the neighbouring byte;
+/// its top bits are masked after theirs, so what crosses lands outside bits 3-4.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn codes5_avx2(qs: *const u8, top: *const u8) -> [__m256i; 8] {
+    let h = _mm256_loadu_si256(top as *const __m256i);
+    let at3 = [
+        _mm256_slli_epi16::<3>(h),
+        _mm256_slli_epi16::<1>(h),
+        _mm256_srli_epi16::<1>(h),
+        _mm256_srli_epi16::<3>(h),
+    ];
+    let (low5, high3, top2) = (
+        _mm256_set1_epi8(0x1F),
+        _mm256_set1_epi8(0xE0u8 as i8),
+        _mm256_set1_epi8(0x18),
+    );
+    let mut q = [_mm256_setzero_si256(); 8];
+    for (m, hm) in at3.into_iter().enumerate() {
+        let v = _mm256_loadu_si256(qs.add(32 * m) as *const __m256i);
+        q[m] = _mm256_and_si256(v, low5);
+        q[m + 4] = _mm256_or_si256(
+            _mm256_srli_epi16::<5>(_mm256_and_si256(v, high3)),
+            _mm256_and_si256(hm, top2),
+        );
+    }
+    q
+}
+
+/// AVX-512 BW: the same from nibbles and the fifth-bit masks at `masks`
+/// ([`super::tiled::FifthBits::Masks`]), each a byte-mask register for one masked add.
 #[inline]
 #[target_feature(enable = "avx2,avx512vl,avx512bw")]
-unsafe fn fifth_bits_bw(q: &mut [__m256i; 8], p: *const u8, c16: __m256i) {
+unsafe fn codes5_bw(qs: *const u8, masks: *const u8) -> [__m256i; 8] {
+    let mut q = nibbles(qs);
+    let c16 = _mm256_set1_epi8(0x10);
     for (k, qk) in q.iter_mut().enumerate() {
-        let mask = (p.add(4 * k) as *const u32).read_unaligned();
+        let mask = (masks.add(4 * k) as *const u32).read_unaligned();
         *qk = _mm256_mask_add_epi8(*qk, mask, *qk, c16);
     }
+    q
 }
 
 /// AVX2 has no exact u8 x i8 product for signed Q8_0 codes: keep them signed and move the
@@ -216,7 +242,7 @@ macro_rules! tiled_kernels {
         $dots:ident,
         $scaled:ident,
         $scales:ident,
-        $fifth:ident,
+        $codes5:ident,
         $q8prep:ident,
         $q8pair:ident,
         $q8off:expr
@@ -238,8 +264,6 @@ macro_rules! tiled_kernels {
             ) -> [[f32; TILE_ROWS]; N] {
                 let tb = block_bytes(KIND) * TILE_ROWS;
                 let (m_off, mask_off, qs_off) = offsets(KIND);
-                let m4 = _mm256_set1_epi8(0x0F);
-                let c16 = _mm256_set1_epi8(0x10);
                 let offset: i32 = match KIND {
                     Q4_0 => 8,
                     Q5_0 => 16,
@@ -258,22 +282,15 @@ macro_rules! tiled_kernels {
                     } else {
                         _mm256_setzero_ps()
                     };
-                    let mut q = [_mm256_setzero_si256(); 8];
-                    if KIND == Q8_0 {
-                        for (k, qk) in q.iter_mut().enumerate() {
-                            let v = _mm256_loadu_si256(t.add(qs_off + 32 * k) as *const __m256i);
-                            *qk = $q8prep(v);
-                        }
+                    let q = if KIND == Q8_0 {
+                        core::array::from_fn(|k| {
+                            $q8prep(_mm256_loadu_si256(t.add(qs_off + 32 * k) as *const __m256i))
+                        })
+                    } else if has_high_bit(KIND) {
+                        $codes5(t.add(qs_off), t.add(mask_off))
                     } else {
-                        for g in 0..4 {
-                            let v = _mm256_loadu_si256(t.add(qs_off + 32 * g) as *const __m256i);
-                            q[g] = _mm256_and_si256(v, m4);
-                            q[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                        }
-                        if has_high_bit(KIND) {
-                            $fifth(&mut q, t.add(mask_off), c16);
-                        }
-                    }
+                        nibbles(t.add(qs_off))
+                    };
                     for j in 0..N {
                         let y = a[j].get_unchecked(b);
                         let yp = y.qs.as_ptr() as *const i32;
@@ -563,7 +580,7 @@ tiled_kernels!(
     dots_avx2,
     scaled_avx2,
     scales_avx2,
-    fifth_bits_avx2,
+    codes5_avx2,
     q8_prep_avx2,
     q8_pair_avx2,
     0
@@ -574,7 +591,7 @@ tiled_kernels!(
     dots_vnni,
     scaled_vnni,
     scales_vnni,
-    fifth_bits_bw,
+    codes5_bw,
     q8_prep_vnni,
     q8_pair_vnni,
     128
