@@ -139,6 +139,9 @@ pub struct BlockQ8K {
     pub qs: [i8; QK_K],
     /// `sum(qs[16 j .. 16 j + 16])`.
     pub bsums: [i16; QK_K / 16],
+    /// `sum(qs[32 j .. 32 j + 32])`: two of them side by side are one 32-bit load for the
+    /// Q4_K/Q5_K kernels' minimums.
+    pub sums32: [i16; QK_K / 32],
 }
 
 impl Default for BlockQ8K {
@@ -147,6 +150,7 @@ impl Default for BlockQ8K {
             d: 0.0,
             qs: [0; QK_K],
             bsums: [0; QK_K / 16],
+            sums32: [0; QK_K / 32],
         }
     }
 }
@@ -204,6 +208,9 @@ pub fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
         }
         for (s, qs) in b.bsums.iter_mut().zip(b.qs.chunks_exact(16)) {
             *s = qs.iter().map(|&q| q as i16).sum();
+        }
+        for (j, s) in b.sums32.iter_mut().enumerate() {
+            *s = b.bsums[2 * j] + b.bsums[2 * j + 1];
         }
         b.d = 1.0 / iscale;
     }
@@ -264,6 +271,10 @@ mod tests {
         for j in 0..16 {
             let s: i16 = b[0].qs[j * 16..j * 16 + 16].iter().map(|&q| q as i16).sum();
             assert_eq!(b[0].bsums[j], s);
+        }
+        for j in 0..8 {
+            let s: i16 = b[0].qs[j * 32..j * 32 + 32].iter().map(|&q| q as i16).sum();
+            assert_eq!(b[0].sums32[j], s);
         }
         let mut z = [BlockQ8K::default()];
         quantize_q8k(&[0.0; 256], &mut z);

@@ -251,6 +251,7 @@ pub unsafe fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
             pack32(v, b.qs.as_mut_ptr().add(32 * k));
             b.bsums[2 * k] = hsum_epi32(_mm256_add_epi32(v[0], v[1])) as i16;
             b.bsums[2 * k + 1] = hsum_epi32(_mm256_add_epi32(v[2], v[3])) as i16;
+            b.sums32[k] = b.bsums[2 * k] + b.bsums[2 * k + 1];
         }
         b.d = 1.0 / iscale;
     }

@@ -25,21 +25,29 @@ const PREFETCH: usize = 2048;
 /// (medians of 3).
 const PREFETCH_K: usize = 8192;
 
-/// Part `part` of `parts` of the lines `dist` bytes past the `len`-byte block at `t`
-/// ([`prefetch_block`] asks for all of them): the K-quant kernels (blocks of 1184 to
-/// 1680 bytes, 19 to 27 lines) spread their prefetches over the block's work, a few lines at
-/// a time. Asked for all at once, a Q6_K block's 27 lines are more misses than the core
-/// keeps in flight, the last ones are dropped, and the loop stalls on them (`perf annotate`:
-/// the first loads of each block's codes). Measured, one-row decode at 1 thread, binaries in
-/// turn: qwen15 17.1 -> 21.6 tok/s, qwen05 46.0 -> 54.4 (medians of 6 and 5 runs).
+/// Asks for `lines` cache lines from `dist + 64 * lines * part` bytes past `t`.
 #[inline]
 #[target_feature(enable = "sse")]
-unsafe fn prefetch_part(t: *const u8, dist: usize, len: usize, part: usize, parts: usize) {
-    let lines = len.div_ceil(64);
-    let (from, to) = (lines * part / parts, lines * (part + 1) / parts);
-    for l in from..to {
-        _mm_prefetch::<_MM_HINT_T0>(t.wrapping_add(dist + 64 * l) as *const i8);
+unsafe fn prefetch_lines(t: *const u8, dist: usize, lines: usize, part: usize) {
+    let from = t.wrapping_add(dist + 64 * lines * part);
+    for l in 0..lines {
+        _mm_prefetch::<_MM_HINT_T0>(from.wrapping_add(64 * l) as *const i8);
     }
+}
+
+/// Quarter `part` (0..4) of the lines [`PREFETCH_K`] bytes past the `len`-byte block at
+/// `t`: the K-quant kernels (blocks of 1184 to 1680 bytes, 19 to 27 lines) spread their
+/// prefetches over the block's work, a few lines at a time. Asked for all at once, a Q6_K
+/// block's 27 lines are more misses than the core keeps in flight, the last ones are
+/// dropped, and the loop stalls on them (`perf annotate`: the first loads of each block's
+/// codes). Measured, one-row decode at 1 thread, binaries in turn: qwen15 17.1 -> 21.6
+/// tok/s, qwen05 46.0 -> 54.4 (medians of 6 and 5 runs). A quarter is a whole number of
+/// lines (`len` is a constant, so the loop unrolls); the last may reach a line or two into
+/// the block after, which is read next anyway.
+#[inline]
+#[target_feature(enable = "sse")]
+unsafe fn prefetch_quarter(t: *const u8, len: usize, part: usize) {
+    prefetch_lines(t, PREFETCH_K, len.div_ceil(4 * 64), part);
 }
 
 /// Asks for the cache lines [`PREFETCH`] bytes past the `len`-byte block at `t`: the kernels
@@ -48,7 +56,7 @@ unsafe fn prefetch_part(t: *const u8, dist: usize, len: usize, part: usize, part
 #[inline]
 #[target_feature(enable = "sse")]
 unsafe fn prefetch_block(t: *const u8, len: usize) {
-    prefetch_part(t, PREFETCH, len, 0, 1);
+    prefetch_lines(t, PREFETCH, len.div_ceil(64), 0);
 }
 
 /// VNNI: `acc + sums of four u8 x i8 products` in one instruction, exact.
@@ -395,7 +403,7 @@ macro_rules! tiled_kernels {
                     let mut msum = [_mm256_setzero_si256(); N];
                     for c in 0..4 {
                         if N == 1 {
-                            prefetch_part(t, PREFETCH_K, tb, c, 4);
+                            prefetch_quarter(t, tb, c);
                         }
                         let mut lo = [_mm256_setzero_si256(); 8];
                         let mut hi = [_mm256_setzero_si256(); 8];
@@ -443,10 +451,9 @@ macro_rules! tiled_kernels {
                     for s2 in 0..4 {
                         let pair = pairs16(t.add(MN + 16 * s2), false);
                         for j in 0..N {
-                            let y = a[j].get_unchecked(b);
-                            let b0 = y.bsums[4 * s2] as i32 + y.bsums[4 * s2 + 1] as i32;
-                            let b1 = y.bsums[4 * s2 + 2] as i32 + y.bsums[4 * s2 + 3] as i32;
-                            let bs = _mm256_set1_epi32((b1 << 16) | (b0 & 0xFFFF));
+                            // the sums of sub-blocks 2 s2 and 2 s2 + 1 as one i32
+                            let y = a[j].get_unchecked(b).sums32.as_ptr() as *const i8;
+                            let bs = bcast(y, 4 * s2);
                             msum[j] = _mm256_add_epi32(msum[j], _mm256_madd_epi16(pair, bs));
                         }
                     }
@@ -479,7 +486,7 @@ macro_rules! tiled_kernels {
                 use k_offsets::*;
                 let tb = 1680;
                 let m4 = _mm256_set1_epi8(0x0F);
-                let m3 = _mm256_set1_epi8(3);
+                let m30 = _mm256_set1_epi8(0x30);
                 let mut acc = [_mm256_setzero_ps(); N];
                 for b in 0..w.len() / tb {
                     let t = w.as_ptr().add(b * tb);
@@ -488,7 +495,7 @@ macro_rules! tiled_kernels {
                     for n in 0..2 {
                         for h in 0..2 {
                             if N == 1 {
-                                prefetch_part(t, PREFETCH_K, tb, 2 * n + h, 4);
+                                prefetch_quarter(t, tb, 2 * n + h);
                             }
                             // groups 4h..4h+4 of half n: values 4g..4g+4 of each quarter
                             let mut q = [[_mm256_setzero_si256(); 4]; 4];
@@ -497,19 +504,13 @@ macro_rules! tiled_kernels {
                                 let l0 = ld(t.add(QL6 + 512 * n + 32 * g));
                                 let l1 = ld(t.add(QL6 + 512 * n + 256 + 32 * g));
                                 let hb = ld(t.add(QH6 + 256 * n + 32 * g));
-                                let h0 = _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4);
-                                let h1 = _mm256_slli_epi16(
-                                    _mm256_and_si256(_mm256_srli_epi16(hb, 2), m3),
-                                    4,
-                                );
-                                let h2 = _mm256_slli_epi16(
-                                    _mm256_and_si256(_mm256_srli_epi16(hb, 4), m3),
-                                    4,
-                                );
-                                let h3 = _mm256_slli_epi16(
-                                    _mm256_and_si256(_mm256_srli_epi16(hb, 6), m3),
-                                    4,
-                                );
+                                // each pair of high bits moved to bits 4-5 and masked
+                                // there, so bits crossing from the other byte of a
+                                // 16-bit lane fall outside the mask
+                                let h0 = _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30);
+                                let h1 = _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30);
+                                let h2 = _mm256_and_si256(hb, m30);
+                                let h3 = _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30);
                                 qg[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), h0);
                                 qg[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), h1);
                                 qg[2] = _mm256_or_si256(
@@ -548,9 +549,9 @@ macro_rules! tiled_kernels {
                     for s2 in 0..8 {
                         let pair = pairs16(t.add(SC6 + 16 * s2), true);
                         for j in 0..N {
-                            let y = a[j].get_unchecked(b);
-                            let (b0, b1) = (y.bsums[2 * s2] as i32, y.bsums[2 * s2 + 1] as i32);
-                            let bs = _mm256_set1_epi32((b1 << 16) | (b0 & 0xFFFF));
+                            // the sums of 16-value groups 2 s2 and 2 s2 + 1 as one i32
+                            let y = a[j].get_unchecked(b).bsums.as_ptr() as *const i8;
+                            let bs = bcast(y, 4 * s2);
                             off[j] = _mm256_add_epi32(off[j], _mm256_madd_epi16(pair, bs));
                         }
                     }
