@@ -3,7 +3,9 @@
 # in one run: llama-bench and `shoal bench` take turns (R rounds, one repetition each, so
 # machine noise hits both alike); prints medians, shoal / llama.cpp ratios, and beside each
 # decode figure the memory-bandwidth ceiling (weight bytes per token / measured bandwidth),
-# over all rounds and round by round (each round's decode against its own probe).
+# over all rounds and round by round (each round's decode against its own probe), and how
+# much CPU time the hypervisor took for other guests while each engine ran (steal, from
+# /proc/stat: a few % on an idle host; at 10-20% two threads run slower than one).
 #
 #   bench/vs-llamacpp.sh [-p 128] [-n 64] [-t 1] [-r 5] MODEL...    (MODEL: key or .gguf path)
 #
@@ -26,8 +28,11 @@ for m in "$@"; do
   path=$m
   [ -f "$m" ] || path=$("$shoal" models fetch "$m" 2>/dev/null | tail -n1)
   for i in $(seq "$r"); do
+    head -n1 /proc/stat >"$out/llama-$i.stat"
     "$bin/llama-bench" -m "$path" -p "$p" -n "$n" -t "$t" -r 1 -o json 2>/dev/null >"$out/llama-$i.json"
+    head -n1 /proc/stat | tee -a "$out/llama-$i.stat" >"$out/shoal-$i.stat"
     "$shoal" bench "$path" -p "$p" -n "$n" -t "$t" -r 1 --json 2>/dev/null >"$out/shoal-$i.json"
+    head -n1 /proc/stat >>"$out/shoal-$i.stat"
   done
   python3 - "$out" "$r" "$m" "$p" "$n" "$t" <<'PY'
 import json, statistics, sys
@@ -56,6 +61,17 @@ if lf:
     print(f"  per round, decode % of that round's ceiling: llama.cpp {med(lf):.0f}%"
           f" (min {min(lf):.0f}, max {max(lf):.0f}), shoal {med(sf):.0f}%"
           f" (min {min(sf):.0f}, max {max(sf):.0f})")
+def steal(who):
+    # /proc/stat's first line before and after: user nice system idle iowait irq softirq
+    # steal ...
+    took = total = 0
+    for i in range(1, r + 1):
+        first, last = [list(map(int, l.split()[1:9])) for l in open(f"{out}/{who}-{i}.stat")]
+        d = [b - a for a, b in zip(first, last)]
+        took, total = took + d[7], total + sum(d)
+    return 100 * took / max(total, 1)
+print(f"  host steal while running: llama.cpp {steal('llama'):.1f}%, shoal {steal('shoal'):.1f}%"
+      " of CPU time")
 PY
 done
 rm -rf "$out"
