@@ -1,8 +1,9 @@
 //! The interleaved layout the SIMD kernels read the 32-value block types in. Eight rows form
 //! a tile; for each block column a tile stores the eight f16 scales together (then the eight
 //! minimums, for Q4_1 and Q5_1), 32 more bytes for Q5_0 and Q5_1 (their codes' top bits, as
-//! [`FifthBits`] says), and the quant bytes interleaved four at a time: byte `4 r + j` of group
-//! vector `g` is byte `4 g + j` of row `r` (for Q5 with [`FifthBits::Whole`], of its codes). One 32-byte load then holds four codes of each of
+//! [`FifthBits`] says), and the quant bytes interleaved four at a time: byte `4 r + j` of
+//! group vector `g` is byte `4 g + j` of row `r` (of its codes, for Q5 in
+//! [`FifthBits::Whole`]). One 32-byte load then holds four codes of each of
 //! eight rows, so a single 8-bit dot-product instruction against four broadcast activations
 //! yields eight row sums at once: no horizontal reductions, one scale conversion per eight
 //! rows. A tile is exactly eight blocks' bytes, so repacking costs no memory; the last tile
@@ -355,7 +356,7 @@ pub fn untile_row(
             dst[m..m + 2].copy_from_slice(&src[m_off + 2 * r..m_off + 2 * r + 2]);
         }
         let qs = &mut dst[p.qs..p.qs + p.qs_len];
-        if p.qh.is_some() {
+        if let Some(qh) = p.qh {
             let mut h = 0u32;
             for k in 0..8 {
                 for j in 0..4 {
@@ -383,7 +384,6 @@ pub fn untile_row(
                     h |= u32::from(code >> 4) << c;
                 }
             }
-            let qh = p.qh.unwrap_or_default();
             dst[qh..qh + 4].copy_from_slice(&h.to_le_bytes());
             continue;
         }
