@@ -2,6 +2,9 @@
 //! prompt tokens in one batch from an empty context; `-n` tokens decoded one at a time from
 //! an empty context), repeated, with median and spread — and beside the decode figure the
 //! memory-bandwidth ceiling: weight bytes read per token over the measured read bandwidth.
+//! A shared machine's bandwidth drifts between minutes, so the bandwidth is probed after
+//! every decode repetition and each repetition is set against its own probe; the host's
+//! steal time (CPU time the hypervisor gave other guests) during the decodes is printed too.
 
 use std::time::Instant;
 
@@ -118,12 +121,19 @@ struct Report {
     decode_tok_s: Option<f64>,
     decode: Option<Spread>,
     weight_bytes_per_token: u64,
-    /// Read bandwidth with the benchmark's thread count, GB/s (best of 5 passes).
+    /// Read bandwidth with the benchmark's thread count, GB/s: the median of the probes
+    /// (one after each decode repetition, or one in all without decode).
     mem_read_gb_s: f64,
-    /// Decode tokens/s if every weight byte were read once at that bandwidth.
+    /// Each probe, GB/s, in repetition order.
+    mem_read_gb_s_probes: Vec<f64>,
+    /// Decode tokens/s if every weight byte were read once at `mem_read_gb_s`.
     decode_ceiling_tok_s: f64,
-    /// decode_tok_s / decode_ceiling_tok_s.
-    decode_fraction_of_ceiling: Option<f64>,
+    /// Each decode repetition against the ceiling of the probe right after it: median, min
+    /// and max of those fractions.
+    decode_fraction_of_ceiling: Option<Spread>,
+    /// Fraction of CPU time the hypervisor took for other guests while decoding (Linux's
+    /// `/proc/stat`; absent elsewhere).
+    host_steal: Option<f64>,
     /// Where a decoded token's time goes (with `--profile`).
     #[serde(skip_serializing_if = "Option::is_none")]
     decode_profile: Option<Vec<OpTime>>,
@@ -159,31 +169,78 @@ pub fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
 /// noise of each other (1 thread, 14-15 GB/s); on an AMD EPYC (Zen 3) the hardware
 /// prefetchers alone read 5-10% faster than either (14.6 against 12.4 and 13.2 GB/s).
 pub fn measure_read_bandwidth(threads: usize) -> f64 {
-    measure_read_bandwidth_with(threads, 512 << 20, 7)
+    measure_read_bandwidth_with(threads, PROBE_BYTES, PROBE_PASSES)
 }
+
+/// Bytes the bandwidth probe streams: past any last-level cache of today's desktops.
+const PROBE_BYTES: usize = 512 << 20;
+/// Passes at each way of reading per probe.
+const PROBE_PASSES: usize = 7;
 
 /// [`measure_read_bandwidth`] over `bytes` bytes, best of `passes`.
 pub fn measure_read_bandwidth_with(threads: usize, bytes: usize, passes: usize) -> f64 {
-    let buf: Vec<u8> = (0..bytes).map(|i| (i * 31 % 251) as u8).collect();
-    let chunk = buf.len().div_ceil(threads.max(1));
-    let mut best = 0.0f64;
-    for pass in 0..3 * passes {
-        let ahead = [0, 2048, 8192][pass % 3];
-        let t0 = Instant::now();
-        let total = std::thread::scope(|s| {
-            let handles: Vec<_> = buf
-                .chunks(chunk)
-                .map(|c| s.spawn(move || shoal_engine::kernels::stream_checksum(c, ahead)))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or(0))
-                .fold(0u64, |a, b| a ^ b)
-        });
-        std::hint::black_box(total);
-        best = best.max(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9);
+    ReadProbe::new(bytes).best_of(threads, passes)
+}
+
+/// The buffer [`measure_read_bandwidth`] streams, kept to probe again without filling (and
+/// faulting in) a new one.
+pub struct ReadProbe {
+    buf: Vec<u8>,
+}
+
+impl ReadProbe {
+    /// A probe over `bytes` bytes.
+    pub fn new(bytes: usize) -> Self {
+        ReadProbe {
+            buf: (0..bytes).map(|i| (i * 31 % 251) as u8).collect(),
+        }
     }
-    best
+
+    /// Read bandwidth in GB/s with `threads` threads, best of `passes` passes at each way
+    /// of reading (see [`measure_read_bandwidth`]).
+    pub fn best_of(&self, threads: usize, passes: usize) -> f64 {
+        let chunk = self.buf.len().div_ceil(threads.max(1)).max(1);
+        let mut best = 0.0f64;
+        for pass in 0..3 * passes {
+            let ahead = [0, 2048, 8192][pass % 3];
+            let t0 = Instant::now();
+            let total = std::thread::scope(|s| {
+                let handles: Vec<_> = self
+                    .buf
+                    .chunks(chunk)
+                    .map(|c| s.spawn(move || shoal_engine::kernels::stream_checksum(c, ahead)))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or(0))
+                    .fold(0u64, |a, b| a ^ b)
+            });
+            std::hint::black_box(total);
+            best = best.max(self.buf.len() as f64 / t0.elapsed().as_secs_f64() / 1e9);
+        }
+        best
+    }
+}
+
+/// The host's CPU time counters from `/proc/stat` (all CPUs, in clock ticks): `(steal,
+/// total)`; `None` where there is no such file or it reads otherwise.
+fn cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    parse_cpu_ticks(stat.lines().next()?)
+}
+
+/// `(steal, total)` from `/proc/stat`'s first line (`cpu user nice system idle iowait irq
+/// softirq steal ...`).
+fn parse_cpu_ticks(line: &str) -> Option<(u64, u64)> {
+    let mut fields = line.split_whitespace();
+    if fields.next()? != "cpu" {
+        return None;
+    }
+    let ticks: Vec<u64> = fields
+        .take(8)
+        .map(|f| f.parse().ok())
+        .collect::<Option<_>>()?;
+    (ticks.len() == 8).then(|| (ticks[7], ticks.iter().sum()))
 }
 
 pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
@@ -231,6 +288,9 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
     let mut pp = Vec::new();
     let mut tg = Vec::new();
     let mut decode_secs = 0.0;
+    let probe = ReadProbe::new(PROBE_BYTES);
+    let mut bws = Vec::new();
+    let (mut stolen, mut ticks) = (Some(0u64), 0u64);
     shoal_engine::profile::reset();
     for rep in 0..args.reps {
         if args.n_prompt > 0 {
@@ -240,6 +300,7 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
             prefill(t, &toks, &mut cache)?;
             pp.push(args.n_prompt as f64 / t0.elapsed().as_secs_f64());
         }
+        let before = cpu_ticks();
         if args.n_gen > 0 && args.seqs > 1 {
             // one batched step decodes a token of every sequence (continuous batching)
             let mut caches: Vec<_> = (0..args.seqs).map(|_| t.new_cache(ctx)).collect();
@@ -271,6 +332,19 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
             decode_secs += secs;
             tg.push(args.n_gen as f64 / secs);
         }
+        if args.n_gen > 0 {
+            match (before, cpu_ticks()) {
+                (Some((s0, t0)), Some((s1, t1))) => {
+                    stolen = stolen.map(|s| s + s1.saturating_sub(s0));
+                    ticks += t1.saturating_sub(t0);
+                }
+                _ => stolen = None,
+            }
+            bws.push(probe.best_of(threads, PROBE_PASSES));
+        }
+    }
+    if bws.is_empty() {
+        bws.push(probe.best_of(threads, PROBE_PASSES));
     }
     let profile = args.profile.then(|| {
         let tokens = (args.n_gen * args.reps).max(1) as f64;
@@ -290,10 +364,19 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         });
         ops
     });
-    let bw = measure_read_bandwidth(threads);
+    let bw = Spread::of(&bws).map_or(0.0, |s| s.median);
     let prefill = Spread::of(&pp);
     let decode = Spread::of(&tg);
-    let ceiling = bw * 1e9 / model.weight_bytes_per_token.max(1) as f64;
+    let bytes = model.weight_bytes_per_token.max(1) as f64;
+    let ceiling = bw * 1e9 / bytes;
+    let fractions: Vec<f64> = tg
+        .iter()
+        .zip(&bws)
+        .map(|(tok_s, gb_s)| tok_s * bytes / (gb_s * 1e9))
+        .collect();
+    let host_steal = stolen
+        .filter(|_| ticks > 0)
+        .map(|s| s as f64 / ticks as f64);
     let report = Report {
         model: model.name.clone(),
         threads,
@@ -306,8 +389,10 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         decode,
         weight_bytes_per_token: model.weight_bytes_per_token,
         mem_read_gb_s: bw,
+        mem_read_gb_s_probes: bws,
         decode_ceiling_tok_s: ceiling,
-        decode_fraction_of_ceiling: decode.map(|d| d.median / ceiling),
+        decode_fraction_of_ceiling: Spread::of(&fractions),
+        host_steal,
         decode_profile: profile,
     };
     if args.json {
@@ -336,6 +421,25 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
             bw,
             100.0 * d.median / ceiling
         );
+        if let Some(f) = report.decode_fraction_of_ceiling {
+            println!(
+                "             each repetition against the probe right after it: {:.0}% (min {:.0}, max {:.0})",
+                100.0 * f.median,
+                100.0 * f.min,
+                100.0 * f.max
+            );
+        }
+        if let Some(steal) = host_steal {
+            println!(
+                "             host steal while decoding: {:.1}% of CPU time{}",
+                100.0 * steal,
+                if steal > 0.05 {
+                    " (other guests took this machine's cores: not an idle machine)"
+                } else {
+                    ""
+                }
+            );
+        }
     }
     if let Some(ops) = &report.decode_profile {
         println!("decode profile (per token):");
@@ -361,6 +465,17 @@ mod tests {
         assert_eq!((s.median, s.min, s.max), (2.0, 1.0, 3.0));
         assert_eq!(Spread::of(&[1.0, 2.0]).unwrap().median, 1.5);
         assert!(Spread::of(&[]).is_none());
+    }
+
+    #[test]
+    fn steal_and_total_from_proc_stat() {
+        let line = "cpu  2341809 0 258012 1130762 18659 0 5327 54329 0 0";
+        let total = 2341809 + 258012 + 1130762 + 18659 + 5327 + 54329;
+        assert_eq!(parse_cpu_ticks(line), Some((54329, total)));
+        // a per-CPU line, a short line, and garbage are not the total line
+        assert_eq!(parse_cpu_ticks("cpu0 1 2 3 4 5 6 7 8"), None);
+        assert_eq!(parse_cpu_ticks("cpu 1 2 3"), None);
+        assert_eq!(parse_cpu_ticks("cpu 1 2 x 4 5 6 7 8"), None);
     }
 
     #[test]

@@ -1,0 +1,68 @@
+//! `shoal bench MODEL --json` end to end on a tiny model the test kit writes as GGUF: the
+//! report holds a bandwidth probe per decode repetition, each repetition's fraction of its
+//! own ceiling agrees with the decode rate and that probe, and the host's steal time, where
+//! there is one, is a fraction.
+
+use std::process::Command;
+
+use shoal_testkit::{GgmlType, TinyModelSpec};
+
+#[test]
+fn bench_probes_after_every_decode_repetition() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    TinyModelSpec::llama(5)
+        .build()
+        .unwrap()
+        .write_gguf(&model, GgmlType::Q8_0)
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .arg("bench")
+        .arg(&model)
+        .args(["-p", "8", "-n", "8", "-r", "3", "-t", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "shoal bench failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let probes: Vec<f64> = report["mem_read_gb_s_probes"]
+        .as_array()
+        .expect("a list of probes")
+        .iter()
+        .map(|p| p.as_f64().unwrap())
+        .collect();
+    assert_eq!(probes.len(), 3, "one probe per repetition: {report}");
+    assert!(probes.iter().all(|&p| p > 0.0), "{probes:?}");
+    let mut sorted = probes.clone();
+    sorted.sort_by(f64::total_cmp);
+    assert_eq!(
+        report["mem_read_gb_s"].as_f64().unwrap(),
+        sorted[1],
+        "the median"
+    );
+
+    // every repetition against its own probe: the spread brackets decode / ceiling
+    let bytes = report["weight_bytes_per_token"].as_f64().unwrap();
+    let decode = &report["decode"];
+    let frac = &report["decode_fraction_of_ceiling"];
+    let (lo, mid, hi) = (
+        frac["min"].as_f64().unwrap(),
+        frac["median"].as_f64().unwrap(),
+        frac["max"].as_f64().unwrap(),
+    );
+    assert!(0.0 < lo && lo <= mid && mid <= hi, "{frac}");
+    let slowest = decode["min"].as_f64().unwrap() * bytes / (sorted[2] * 1e9);
+    let fastest = decode["max"].as_f64().unwrap() * bytes / (sorted[0] * 1e9);
+    assert!(
+        slowest <= lo * (1.0 + 1e-9) && hi <= fastest * (1.0 + 1e-9),
+        "fractions {frac} outside [{slowest}, {fastest}]"
+    );
+
+    // absent without /proc/stat, or when the decodes took less than a clock tick
+    if let Some(s) = report["host_steal"].as_f64() {
+        assert!((0.0..=1.0).contains(&s), "steal {s}");
+    }
+}
