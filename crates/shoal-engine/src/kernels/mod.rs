@@ -782,7 +782,7 @@ impl QuantMatrix {
         }
         let tiled = isa != Isa::Portable && tiled::is_tiled_type(ty);
         let data = if tiled {
-            tiled::tile(ty, rows, cols / ty.block_elems(), &data, fifth_bits(isa))
+            tiled::tile(ty, rows, cols / ty.block_elems(), &data, high_bits(isa))
         } else {
             data.into_owned()
         };
@@ -835,7 +835,7 @@ impl QuantMatrix {
                 blocks,
                 &self.data,
                 r,
-                fifth_bits(self.isa),
+                high_bits(self.isa),
             ))
         } else {
             std::borrow::Cow::Borrowed(&self.data[r * self.row_bytes..(r + 1) * self.row_bytes])
@@ -1197,11 +1197,11 @@ impl QuantMatrix {
     }
 }
 
-/// The layout of the Q5 types' fifth bits that the tile kernels of `isa` read.
-fn fifth_bits(isa: Isa) -> tiled::FifthBits {
+/// The layout of the Q5 and Q6_K codes' high bits that the tile kernels of `isa` read.
+fn high_bits(isa: Isa) -> tiled::HighBits {
     match isa {
-        Isa::Avx2 => tiled::FifthBits::Whole,
-        _ => tiled::FifthBits::Masks,
+        Isa::Avx2 => tiled::HighBits::Whole,
+        _ => tiled::HighBits::Masks,
     }
 }
 

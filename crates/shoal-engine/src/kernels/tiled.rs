@@ -1,9 +1,9 @@
 //! The interleaved layout the SIMD kernels read the 32-value block types in. Eight rows form
 //! a tile; for each block column a tile stores the eight f16 scales together (then the eight
 //! minimums, for Q4_1 and Q5_1), 32 more bytes for Q5_0 and Q5_1 (their codes' top bits, as
-//! [`FifthBits`] says), and the quant bytes interleaved four at a time: byte `4 r + j` of
+//! [`HighBits`] says), and the quant bytes interleaved four at a time: byte `4 r + j` of
 //! group vector `g` is byte `4 g + j` of row `r` (of its codes, for Q5 in
-//! [`FifthBits::Whole`]). One 32-byte load then holds four codes of each of
+//! [`HighBits::Whole`]). One 32-byte load then holds four codes of each of
 //! eight rows, so a single 8-bit dot-product instruction against four broadcast activations
 //! yields eight row sums at once: no horizontal reductions, one scale conversion per eight
 //! rows. A tile is exactly eight blocks' bytes, so repacking costs no memory; the last tile
@@ -13,28 +13,34 @@
 //! together, the sub-block scales of Q4_K/Q5_K unpacked from 6 bits to one byte each
 //! (`[sub-block][row]`, 32 bytes more per tile: 2.8% for Q4_K), Q6_K's 8-bit scales regrouped
 //! `[sub-block][row]`, and every quant array (nibbles, Q5_K's 5th bits, Q6_K's low nibbles
-//! and high bit pairs) interleaved four bytes per row as above.
+//! and high bit pairs, or its whole codes as [`HighBits::Whole`] says) interleaved four bytes
+//! per row as above.
 
 use super::formats::WeightType;
 
 /// Rows per tile.
 pub const TILE_ROWS: usize = 8;
 
-/// How a tile block of Q5_0 or Q5_1 stores its 5-bit codes (160 bytes either way). Code
-/// vector `k` (0..8) is the `k`th 32-byte vector of 5-bit codes a kernel builds: byte `i`
-/// of it is code `4 k + i % 4` of row `i / 4`.
+/// How a tile block stores the high bits of Q5_0, Q5_1 and Q6_K codes (in the same bytes
+/// either way). A code vector is a 32-byte vector of codes a kernel builds: byte `i` of it
+/// is a code of row `i / 4`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FifthBits {
-    /// The quant bytes as in the file (nibbles of vectors `m` and `m + 4` in group vector
-    /// `m`), and one 32-bit mask of fifth bits per code vector: bit `i` of mask `k` is the
-    /// 5th bit of byte `i` of vector `k`. AVX-512 uses a mask as a byte-mask register as it
-    /// is; NEON expands it.
+pub enum HighBits {
+    /// Q5: the quant bytes as in the file (nibbles of vectors `m` and `m + 4` in group
+    /// vector `m`), and one 32-bit mask of fifth bits per code vector (`k` of 8): bit `i` of
+    /// mask `k` is the 5th bit of byte `i` of vector `k`. AVX-512 uses a mask as a byte-mask
+    /// register as it is; NEON expands it. Q6_K: nibbles and 2-bit pairs as in the file,
+    /// interleaved.
     Masks,
-    /// Codes kept whole, for AVX2 (no byte masks): byte `i` of group vector `m` (0..4) holds
-    /// vector `m`'s code in bits 0-4 and the low three bits of vector `m + 4`'s code in bits
-    /// 5-7; byte `i` of the 32 other bytes holds the top two bits of vector `m + 4`'s code in
-    /// bits `2 m` and `2 m + 1`. Vectors 0-3 then cost one `and` each and vectors 4-7 five
-    /// instructions, 24 in all, where nibbles and bit planes cost 35.
+    /// Codes kept whole, for AVX2 (no byte masks). Q5: byte `i` of group vector `m` (0..4)
+    /// holds vector `m`'s code in bits 0-4 and the low three bits of vector `m + 4`'s code
+    /// in bits 5-7; byte `i` of the 32 other bytes holds the top two bits of vector `m + 4`'s
+    /// code in bits `2 m` and `2 m + 1`. Vectors 0-3 then cost one `and` each and vectors 4-7
+    /// five instructions, 24 in all, where nibbles and bit planes cost 35. Q6_K: of the
+    /// three vectors that held one group's low nibbles twice and its 2-bit pairs, byte `i`
+    /// of vector `k` (0..3) holds the group's code `k` whole in bits 0-5, and in bits 6-7 two
+    /// bits of code 3 (bits 4-5, 2-3 and 0-1 of it for `k` = 0, 1, 2): 11 instructions for
+    /// the four code vectors where nibbles and pairs took 17.
     Whole,
 }
 
@@ -193,13 +199,47 @@ fn pack_k4_scales(sc: &[u8; 8], mn: &[u8; 8]) -> [u8; 12] {
     q
 }
 
-fn tile_k_block(ty: WeightType, src: &[u8], dst: &mut [u8], r: usize) {
+/// Code `v` (0..256) of a Q6_K block `src`, 0..64 (before the offset of 32).
+fn q6k_code(src: &[u8], v: usize) -> u8 {
+    let (n, quarter, l) = (v / 128, v % 128 / 32, v % 32);
+    let ql = src[64 * n + l + 32 * (quarter % 2)];
+    let low = if quarter < 2 { ql & 0xF } else { ql >> 4 };
+    let high = (src[128 + 32 * n + l] >> (2 * quarter)) & 3;
+    low | (high << 4)
+}
+
+/// Where byte `j` (0..4) of row `r` of Q6_K group `(n, g)`'s whole-code vector `k` (0..3)
+/// lives in a tile block: the places of its low nibbles (`k` 0, 1) and pairs (`k` 2).
+fn q6k_whole_at(n: usize, g: usize, k: usize, r: usize, j: usize) -> usize {
+    use k_offsets::*;
+    let at = match k {
+        0 => QL6 + 512 * n,
+        1 => QL6 + 512 * n + 256,
+        _ => QH6 + 256 * n,
+    };
+    at + 32 * g + 4 * r + j
+}
+
+fn tile_k_block(ty: WeightType, src: &[u8], dst: &mut [u8], r: usize, bits: HighBits) {
     use k_offsets::*;
     match ty {
         WeightType::Q6K => {
             dst[2 * r..2 * r + 2].copy_from_slice(&src[208..210]);
             for s in 0..16 {
                 dst[SC6 + 8 * s + r] = src[192 + s];
+            }
+            if bits == HighBits::Whole {
+                // group (n, g), code k: value 128 n + 32 k + 4 g + j of the row
+                for (n, g, j) in
+                    (0..2).flat_map(|n| (0..8).flat_map(move |g| (0..4).map(move |j| (n, g, j))))
+                {
+                    let code = |k: usize| q6k_code(src, 128 * n + 32 * k + 4 * g + j);
+                    let c3 = code(3);
+                    for (k, piece) in [(0, c3 >> 4), (1, (c3 >> 2) & 3), (2, c3 & 3)] {
+                        dst[q6k_whole_at(n, g, k, r, j)] = code(k) | (piece << 6);
+                    }
+                }
+                return;
             }
             interleave(&mut dst[QL6..QL6 + 1024], &src[0..128], r);
             interleave(&mut dst[QH6..QH6 + 512], &src[128..192], r);
@@ -222,13 +262,29 @@ fn tile_k_block(ty: WeightType, src: &[u8], dst: &mut [u8], r: usize) {
     }
 }
 
-fn untile_k_block(ty: WeightType, src: &[u8], dst: &mut [u8], r: usize) {
+fn untile_k_block(ty: WeightType, src: &[u8], dst: &mut [u8], r: usize, bits: HighBits) {
     use k_offsets::*;
     match ty {
         WeightType::Q6K => {
             dst[208..210].copy_from_slice(&src[2 * r..2 * r + 2]);
             for s in 0..16 {
                 dst[192 + s] = src[SC6 + 8 * s + r];
+            }
+            if bits == HighBits::Whole {
+                for (n, g, j) in
+                    (0..2).flat_map(|n| (0..8).flat_map(move |g| (0..4).map(move |j| (n, g, j))))
+                {
+                    let byte = |k: usize| src[q6k_whole_at(n, g, k, r, j)];
+                    let c3 = ((byte(0) >> 6) << 4) | ((byte(1) >> 6) << 2) | (byte(2) >> 6);
+                    for k in 0..4 {
+                        let code = if k == 3 { c3 } else { byte(k) & 0x3F };
+                        let l = 4 * g + j;
+                        let ql = &mut dst[64 * n + l + 32 * (k % 2)];
+                        *ql |= if k < 2 { code & 0xF } else { (code & 0xF) << 4 };
+                        dst[128 + 32 * n + l] |= (code >> 4) << (2 * k);
+                    }
+                }
+                return;
             }
             deinterleave(&src[QL6..QL6 + 1024], &mut dst[0..128], r);
             deinterleave(&src[QH6..QH6 + 512], &mut dst[128..192], r);
@@ -257,16 +313,16 @@ pub fn tile_offsets(ty: WeightType) -> (usize, usize, usize) {
     kinds::offsets(kinds::of(ty))
 }
 
-/// Repacks `rows` rows of `blocks` blocks (`data`, row-major file layout) into tiles, Q5_0
-/// and Q5_1 with their fifth bits as `bits` says.
-pub fn tile(ty: WeightType, rows: usize, blocks: usize, data: &[u8], bits: FifthBits) -> Vec<u8> {
+/// Repacks `rows` rows of `blocks` blocks (`data`, row-major file layout) into tiles, the
+/// high bits of Q5_0, Q5_1 and Q6_K codes as `bits` says.
+pub fn tile(ty: WeightType, rows: usize, blocks: usize, data: &[u8], bits: HighBits) -> Vec<u8> {
     if is_k(ty) {
         let (bb, tb) = (ty.block_bytes(), tile_block_bytes(ty));
         let mut out = vec![0u8; rows.div_ceil(TILE_ROWS) * blocks * tb];
         for (row, src_row) in data.chunks_exact(blocks * bb).enumerate().take(rows) {
             let (tile, r) = (row / TILE_ROWS, row % TILE_ROWS);
             for (b, src) in src_row.chunks_exact(bb).enumerate() {
-                tile_k_block(ty, src, &mut out[(tile * blocks + b) * tb..][..tb], r);
+                tile_k_block(ty, src, &mut out[(tile * blocks + b) * tb..][..tb], r, bits);
             }
         }
         return out;
@@ -297,17 +353,17 @@ pub fn tile(ty: WeightType, rows: usize, blocks: usize, data: &[u8], bits: Fifth
                     for j in 0..4 {
                         let c = 4 * k + j;
                         match bits {
-                            FifthBits::Masks => {
+                            HighBits::Masks => {
                                 let at = mask_off + 4 * k + r / 2;
                                 dst[at] |= (((h >> c) & 1) as u8) << (4 * (r % 2) + j);
                                 if k < 4 {
                                     dst[qs_off + 32 * k + 4 * r + j] = qs[c];
                                 }
                             }
-                            FifthBits::Whole if k < 4 => {
+                            HighBits::Whole if k < 4 => {
                                 dst[qs_off + 32 * k + 4 * r + j] |= code(c);
                             }
-                            FifthBits::Whole => {
+                            HighBits::Whole => {
                                 let m = k - 4;
                                 dst[qs_off + 32 * m + 4 * r + j] |= (code(c) & 7) << 5;
                                 dst[mask_off + 4 * r + j] |= (code(c) >> 3) << (2 * m);
@@ -326,20 +382,20 @@ pub fn tile(ty: WeightType, rows: usize, blocks: usize, data: &[u8], bits: Fifth
     out
 }
 
-/// Row `row` of a tiled matrix (fifth bits as `bits` says) back in the file's block layout.
+/// Row `row` of a tiled matrix (high bits as `bits` says) back in the file's block layout.
 pub fn untile_row(
     ty: WeightType,
     blocks: usize,
     tiled: &[u8],
     row: usize,
-    bits: FifthBits,
+    bits: HighBits,
 ) -> Vec<u8> {
     if is_k(ty) {
         let (bb, tb) = (ty.block_bytes(), tile_block_bytes(ty));
         let (tile, r) = (row / TILE_ROWS, row % TILE_ROWS);
         let mut out = vec![0u8; blocks * bb];
         for (b, dst) in out.chunks_exact_mut(bb).enumerate() {
-            untile_k_block(ty, &tiled[(tile * blocks + b) * tb..][..tb], dst, r);
+            untile_k_block(ty, &tiled[(tile * blocks + b) * tb..][..tb], dst, r, bits);
         }
         return out;
     }
@@ -362,14 +418,14 @@ pub fn untile_row(
                 for j in 0..4 {
                     let c = 4 * k + j;
                     let code = match bits {
-                        FifthBits::Masks => {
+                        HighBits::Masks => {
                             let nibble = src[qs_off + 32 * (k % 4) + 4 * r + j];
                             let nibble = if k < 4 { nibble & 0xF } else { nibble >> 4 };
                             let bit = src[mask_off + 4 * k + r / 2] >> (4 * (r % 2) + j);
                             nibble | ((bit & 1) << 4)
                         }
-                        FifthBits::Whole if k < 4 => src[qs_off + 32 * k + 4 * r + j] & 0x1F,
-                        FifthBits::Whole => {
+                        HighBits::Whole if k < 4 => src[qs_off + 32 * k + 4 * r + j] & 0x1F,
+                        HighBits::Whole => {
                             let m = k - 4;
                             let low = src[qs_off + 32 * m + 4 * r + j] >> 5;
                             let top = (src[mask_off + 4 * r + j] >> (2 * m)) & 3;
@@ -401,7 +457,7 @@ mod tests {
 
     #[test]
     fn tiling_round_trips_every_row() {
-        for bits in [FifthBits::Masks, FifthBits::Whole] {
+        for bits in [HighBits::Masks, HighBits::Whole] {
             for ty in WeightType::ALL.into_iter().filter(|t| is_tiled_type(*t)) {
                 let (rows, blocks) = (11, 3);
                 let data: Vec<u8> = (0..rows * blocks * ty.block_bytes())
@@ -423,21 +479,21 @@ mod tests {
         }
     }
 
-    /// The code vectors a kernel builds from one tile block, as the docs of [`FifthBits`]
+    /// The code vectors a kernel builds from one tile block, as the docs of [`HighBits`]
     /// say to build them.
-    fn code_vectors(t: &[u8], bits: FifthBits) -> [[u8; 32]; 8] {
+    fn code_vectors(t: &[u8], bits: HighBits) -> [[u8; 32]; 8] {
         let (_, at, qs) = tile_offsets(WeightType::Q5_0);
         std::array::from_fn(|k| {
             std::array::from_fn(|i| match bits {
-                FifthBits::Masks => {
+                HighBits::Masks => {
                     let byte = t[qs + 32 * (k % 4) + i];
                     let nibble = if k < 4 { byte & 0xF } else { byte >> 4 };
                     let mask =
                         u32::from_le_bytes(t[at + 4 * k..at + 4 * k + 4].try_into().unwrap());
                     nibble | ((((mask >> i) & 1) as u8) << 4)
                 }
-                FifthBits::Whole if k < 4 => t[qs + 32 * k + i] & 0x1F,
-                FifthBits::Whole => {
+                HighBits::Whole if k < 4 => t[qs + 32 * k + i] & 0x1F,
+                HighBits::Whole => {
                     let m = k - 4;
                     (t[qs + 32 * m + i] >> 5) | (((t[at + i] >> (2 * m)) & 3) << 3)
                 }
@@ -451,7 +507,7 @@ mod tests {
     fn both_fifth_bit_layouts_give_the_files_codes() {
         let (rows, blocks) = (8, 1);
         let data: Vec<u8> = (0..rows * 22).map(|i| (i * 97 % 253) as u8).collect();
-        for bits in [FifthBits::Masks, FifthBits::Whole] {
+        for bits in [HighBits::Masks, HighBits::Whole] {
             let vectors = code_vectors(&tile(WeightType::Q5_0, rows, blocks, &data, bits), bits);
             for (k, vector) in vectors.iter().enumerate() {
                 for (i, &code) in vector.iter().enumerate() {
@@ -465,6 +521,31 @@ mod tests {
                     let want = nibble | ((((h >> c) & 1) as u8) << 4);
                     assert_eq!(code, want, "{bits:?} vector {k} byte {i}");
                 }
+            }
+        }
+    }
+
+    /// Q6_K's whole codes as [`HighBits::Whole`] documents them: group `(n, g)`'s vector `k`
+    /// holds value `128 n + 32 k + 4 g + i % 4` of row `i / 4` in byte `i`.
+    #[test]
+    fn q6k_whole_codes_are_the_files_codes() {
+        let (rows, blocks) = (8, 1);
+        let data: Vec<u8> = (0..rows * 210).map(|i| (i * 89 % 251) as u8).collect();
+        let t = tile(WeightType::Q6K, rows, blocks, &data, HighBits::Whole);
+        for (n, g, i) in
+            (0..2).flat_map(|n| (0..8).flat_map(move |g| (0..32).map(move |i| (n, g, i))))
+        {
+            let byte = |k: usize| t[q6k_whole_at(n, g, k, 0, 0) + i];
+            let codes = [
+                byte(0) & 0x3F,
+                byte(1) & 0x3F,
+                byte(2) & 0x3F,
+                ((byte(0) >> 6) << 4) | ((byte(1) >> 6) << 2) | (byte(2) >> 6),
+            ];
+            let row = &data[210 * (i / 4)..210 * (i / 4 + 1)];
+            for (k, &code) in codes.iter().enumerate() {
+                let want = q6k_code(row, 128 * n + 32 * k + 4 * g + i % 4);
+                assert_eq!(code, want, "n {n} g {g} k {k} byte {i}");
             }
         }
     }

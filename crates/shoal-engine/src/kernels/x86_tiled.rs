@@ -81,7 +81,7 @@ unsafe fn nibbles(qs: *const u8) -> [__m256i; 8] {
 }
 
 /// AVX2: the eight vectors of 5-bit codes of a Q5_0/Q5_1 tile block whose quant bytes are
-/// at `qs` and top bits at `top` ([`super::tiled::FifthBits::Whole`]). Vector `m + 4`'s low
+/// at `qs` and top bits at `top` ([`super::tiled::HighBits::Whole`]). Vector `m + 4`'s low
 /// bits are masked before the 16-bit shift, so nothing crosses from the neighbouring byte;
 /// its top bits are masked after theirs, so what crosses lands outside bits 3-4.
 #[inline]
@@ -112,7 +112,7 @@ unsafe fn codes5_avx2(qs: *const u8, top: *const u8) -> [__m256i; 8] {
 }
 
 /// AVX-512 BW: the same from nibbles and the fifth-bit masks at `masks`
-/// ([`super::tiled::FifthBits::Masks`]), each a byte-mask register for one masked add.
+/// ([`super::tiled::HighBits::Masks`]), each a byte-mask register for one masked add.
 #[inline]
 #[target_feature(enable = "avx2,avx512vl,avx512bw")]
 unsafe fn codes5_bw(qs: *const u8, masks: *const u8) -> [__m256i; 8] {
@@ -123,6 +123,56 @@ unsafe fn codes5_bw(qs: *const u8, masks: *const u8) -> [__m256i; 8] {
         *qk = _mm256_mask_add_epi8(*qk, mask, *qk, c16);
     }
     q
+}
+
+/// Q6_K code vectors `k` = 0..4 of group `(n, g)` of the tile block at `t` (values
+/// `128 n + 32 k + 4 g .. + 4` of each row), from the file's nibbles and 2-bit pairs
+/// ([`super::tiled::HighBits::Masks`]). Each pair of high bits is moved to bits 4-5 and
+/// masked there, so bits crossing from the other byte of a 16-bit lane fall outside the mask.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q6_codes_split(t: *const u8, n: usize, g: usize) -> [__m256i; 4] {
+    use k_offsets::*;
+    let (m4, m30) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+    let ld = |at: usize| _mm256_loadu_si256(t.add(at) as *const __m256i);
+    let l0 = ld(QL6 + 512 * n + 32 * g);
+    let l1 = ld(QL6 + 512 * n + 256 + 32 * g);
+    let hb = ld(QH6 + 256 * n + 32 * g);
+    let h0 = _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30);
+    let h1 = _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30);
+    let h2 = _mm256_and_si256(hb, m30);
+    let h3 = _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30);
+    [
+        _mm256_or_si256(_mm256_and_si256(l0, m4), h0),
+        _mm256_or_si256(_mm256_and_si256(l1, m4), h1),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), h2),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), h3),
+    ]
+}
+
+/// [`q6_codes_split`] from codes kept whole ([`super::tiled::HighBits::Whole`]): codes 0-2
+/// are one `and` each; code 3's three pieces sit in bits 6-7 of the three vectors, and each
+/// is masked before the 16-bit shifts that gather them, so nothing crosses between bytes.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q6_codes_whole(t: *const u8, n: usize, g: usize) -> [__m256i; 4] {
+    use k_offsets::*;
+    let (low6, top2) = (_mm256_set1_epi8(0x3F), _mm256_set1_epi8(0xC0u8 as i8));
+    let ld = |at: usize| _mm256_loadu_si256(t.add(at) as *const __m256i);
+    let a = [
+        ld(QL6 + 512 * n + 32 * g),
+        ld(QL6 + 512 * n + 256 + 32 * g),
+        ld(QH6 + 256 * n + 32 * g),
+    ];
+    let mut c3 = _mm256_and_si256(a[2], top2);
+    c3 = _mm256_or_si256(_mm256_srli_epi16(c3, 2), _mm256_and_si256(a[1], top2));
+    c3 = _mm256_or_si256(_mm256_srli_epi16(c3, 2), _mm256_and_si256(a[0], top2));
+    [
+        _mm256_and_si256(a[0], low6),
+        _mm256_and_si256(a[1], low6),
+        _mm256_and_si256(a[2], low6),
+        _mm256_srli_epi16(c3, 2),
+    ]
 }
 
 /// AVX2 has no exact u8 x i8 product for signed Q8_0 codes: keep them signed and move the
@@ -251,6 +301,7 @@ macro_rules! tiled_kernels {
         $scaled:ident,
         $scales:ident,
         $codes5:ident,
+        $q6codes:ident,
         $q8prep:ident,
         $q8pair:ident,
         $q8off:expr
@@ -485,8 +536,6 @@ macro_rules! tiled_kernels {
             ) -> [[f32; TILE_ROWS]; N] {
                 use k_offsets::*;
                 let tb = 1680;
-                let m4 = _mm256_set1_epi8(0x0F);
-                let m30 = _mm256_set1_epi8(0x30);
                 let mut acc = [_mm256_setzero_ps(); N];
                 for b in 0..w.len() / tb {
                     let t = w.as_ptr().add(b * tb);
@@ -498,30 +547,8 @@ macro_rules! tiled_kernels {
                                 prefetch_quarter(t, tb, 2 * n + h);
                             }
                             // groups 4h..4h+4 of half n: values 4g..4g+4 of each quarter
-                            let mut q = [[_mm256_setzero_si256(); 4]; 4];
-                            for (gi, qg) in q.iter_mut().enumerate() {
-                                let g = 4 * h + gi;
-                                let l0 = ld(t.add(QL6 + 512 * n + 32 * g));
-                                let l1 = ld(t.add(QL6 + 512 * n + 256 + 32 * g));
-                                let hb = ld(t.add(QH6 + 256 * n + 32 * g));
-                                // each pair of high bits moved to bits 4-5 and masked
-                                // there, so bits crossing from the other byte of a
-                                // 16-bit lane fall outside the mask
-                                let h0 = _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30);
-                                let h1 = _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30);
-                                let h2 = _mm256_and_si256(hb, m30);
-                                let h3 = _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30);
-                                qg[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), h0);
-                                qg[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), h1);
-                                qg[2] = _mm256_or_si256(
-                                    _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                    h2,
-                                );
-                                qg[3] = _mm256_or_si256(
-                                    _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                    h3,
-                                );
-                            }
+                            let q: [[__m256i; 4]; 4] =
+                                core::array::from_fn(|gi| $q6codes(t, n, 4 * h + gi));
                             let sc: [__m256i; 4] = core::array::from_fn(|k| {
                                 i8x8(t.add(SC6 + 8 * (8 * n + 2 * k + h)))
                             });
@@ -582,6 +609,7 @@ tiled_kernels!(
     scaled_avx2,
     scales_avx2,
     codes5_avx2,
+    q6_codes_whole,
     q8_prep_avx2,
     q8_pair_avx2,
     0
@@ -593,6 +621,7 @@ tiled_kernels!(
     scaled_vnni,
     scales_vnni,
     codes5_bw,
+    q6_codes_split,
     q8_prep_vnni,
     q8_pair_vnni,
     128
