@@ -208,6 +208,21 @@ fn q6k_code(src: &[u8], v: usize) -> u8 {
     low | (high << 4)
 }
 
+/// Sets code `v` (0..256) of a Q6_K block `dst` whose quant bytes start zeroed: the inverse
+/// of [`q6k_code`].
+fn put_q6k_code(dst: &mut [u8], v: usize, code: u8) {
+    let (n, quarter, l) = (v / 128, v % 128 / 32, v % 32);
+    let nibble = code & 0xF;
+    dst[64 * n + l + 32 * (quarter % 2)] |= if quarter < 2 { nibble } else { nibble << 4 };
+    dst[128 + 32 * n + l] |= (code >> 4) << (2 * quarter);
+}
+
+/// Every Q6_K group `(n, g)` (half, group of four values) and byte `j` of a row's four in
+/// it: group vector `k` holds value `128 n + 32 k + 4 g + j`.
+fn q6k_groups() -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..2).flat_map(|n| (0..8).flat_map(move |g| (0..4).map(move |j| (n, g, j))))
+}
+
 /// Where byte `j` (0..4) of row `r` of Q6_K group `(n, g)`'s whole-code vector `k` (0..3)
 /// lives in a tile block: the places of its low nibbles (`k` 0, 1) and pairs (`k` 2).
 fn q6k_whole_at(n: usize, g: usize, k: usize, r: usize, j: usize) -> usize {
@@ -229,10 +244,7 @@ fn tile_k_block(ty: WeightType, src: &[u8], dst: &mut [u8], r: usize, bits: High
                 dst[SC6 + 8 * s + r] = src[192 + s];
             }
             if bits == HighBits::Whole {
-                // group (n, g), code k: value 128 n + 32 k + 4 g + j of the row
-                for (n, g, j) in
-                    (0..2).flat_map(|n| (0..8).flat_map(move |g| (0..4).map(move |j| (n, g, j))))
-                {
+                for (n, g, j) in q6k_groups() {
                     let code = |k: usize| q6k_code(src, 128 * n + 32 * k + 4 * g + j);
                     let c3 = code(3);
                     for (k, piece) in [(0, c3 >> 4), (1, (c3 >> 2) & 3), (2, c3 & 3)] {
@@ -271,17 +283,12 @@ fn untile_k_block(ty: WeightType, src: &[u8], dst: &mut [u8], r: usize, bits: Hi
                 dst[192 + s] = src[SC6 + 8 * s + r];
             }
             if bits == HighBits::Whole {
-                for (n, g, j) in
-                    (0..2).flat_map(|n| (0..8).flat_map(move |g| (0..4).map(move |j| (n, g, j))))
-                {
+                for (n, g, j) in q6k_groups() {
                     let byte = |k: usize| src[q6k_whole_at(n, g, k, r, j)];
                     let c3 = ((byte(0) >> 6) << 4) | ((byte(1) >> 6) << 2) | (byte(2) >> 6);
                     for k in 0..4 {
                         let code = if k == 3 { c3 } else { byte(k) & 0x3F };
-                        let l = 4 * g + j;
-                        let ql = &mut dst[64 * n + l + 32 * (k % 2)];
-                        *ql |= if k < 2 { code & 0xF } else { (code & 0xF) << 4 };
-                        dst[128 + 32 * n + l] |= (code >> 4) << (2 * k);
+                        put_q6k_code(dst, 128 * n + 32 * k + 4 * g + j, code);
                     }
                 }
                 return;
