@@ -14,6 +14,7 @@
 //! `x86_wide`, `neon_tiled`) and in this module's calls into them and its output pointer,
 //! each with a `SAFETY` line.
 
+mod buffer;
 pub mod formats;
 pub mod math;
 #[cfg(target_arch = "aarch64")]
@@ -34,6 +35,7 @@ use std::sync::OnceLock;
 
 use half::f16;
 
+pub use buffer::WeightBuffer;
 pub use formats::{ActFormat, BlockQ8, BlockQ8K, WeightType, QK, QK_K};
 
 /// Quantizes activations `x` (a multiple of 32 long) to [`BlockQ8`], with SIMD where the CPU
@@ -447,7 +449,7 @@ pub struct QuantMatrix {
     row_bytes: usize,
     isa: Isa,
     tiled: bool,
-    data: Vec<u8>,
+    data: WeightBuffer,
 }
 
 impl std::fmt::Debug for QuantMatrix {
@@ -782,9 +784,12 @@ impl QuantMatrix {
         }
         let tiled = isa != Isa::Portable && tiled::is_tiled_type(ty);
         let data = if tiled {
-            tiled::tile(ty, rows, cols / ty.block_elems(), &data, high_bits(isa))
+            let blocks = cols / ty.block_elems();
+            let mut out = WeightBuffer::zeroed(tiled::tiled_len(ty, rows, blocks));
+            tiled::tile(ty, rows, blocks, &data, high_bits(isa), &mut out);
+            out
         } else {
-            data.into_owned()
+            WeightBuffer::copy_of(&data)
         };
         Ok(QuantMatrix {
             ty,

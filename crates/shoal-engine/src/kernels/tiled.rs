@@ -320,26 +320,37 @@ pub fn tile_offsets(ty: WeightType) -> (usize, usize, usize) {
     kinds::offsets(kinds::of(ty))
 }
 
-/// Repacks `rows` rows of `blocks` blocks (`data`, row-major file layout) into tiles, the
-/// high bits of Q5_0, Q5_1 and Q6_K codes as `bits` says.
-pub fn tile(ty: WeightType, rows: usize, blocks: usize, data: &[u8], bits: HighBits) -> Vec<u8> {
+/// Bytes of `rows` rows of `blocks` blocks once tiled (a ragged last tile is padded).
+pub fn tiled_len(ty: WeightType, rows: usize, blocks: usize) -> usize {
+    rows.div_ceil(TILE_ROWS) * blocks * tile_block_bytes(ty)
+}
+
+/// Repacks `rows` rows of `blocks` blocks (`data`, row-major file layout) into tiles in
+/// `out` ([`tiled_len`] long, zeroed: a ragged last tile's padding rows are left as they
+/// are), the high bits of Q5_0, Q5_1 and Q6_K codes as `bits` says.
+pub fn tile(
+    ty: WeightType,
+    rows: usize,
+    blocks: usize,
+    data: &[u8],
+    bits: HighBits,
+    out: &mut [u8],
+) {
+    assert_eq!(out.len(), tiled_len(ty, rows, blocks), "tile output length");
     if is_k(ty) {
         let (bb, tb) = (ty.block_bytes(), tile_block_bytes(ty));
-        let mut out = vec![0u8; rows.div_ceil(TILE_ROWS) * blocks * tb];
         for (row, src_row) in data.chunks_exact(blocks * bb).enumerate().take(rows) {
             let (tile, r) = (row / TILE_ROWS, row % TILE_ROWS);
             for (b, src) in src_row.chunks_exact(bb).enumerate() {
                 tile_k_block(ty, src, &mut out[(tile * blocks + b) * tb..][..tb], r, bits);
             }
         }
-        return out;
+        return;
     }
     let p = parts(ty).expect("tiled type");
     let bb = ty.block_bytes();
     let tb = bb * TILE_ROWS;
-    let tiles = rows.div_ceil(TILE_ROWS);
     let (m_off, mask_off, qs_off) = tile_offsets(ty);
-    let mut out = vec![0u8; tiles * blocks * tb];
     for (row, src_row) in data.chunks_exact(blocks * bb).enumerate().take(rows) {
         let (tile, r) = (row / TILE_ROWS, row % TILE_ROWS);
         for (b, src) in src_row.chunks_exact(bb).enumerate() {
@@ -386,7 +397,6 @@ pub fn tile(ty: WeightType, rows: usize, blocks: usize, data: &[u8], bits: HighB
             }
         }
     }
-    out
 }
 
 /// Row `row` of a tiled matrix (high bits as `bits` says) back in the file's block layout.
@@ -462,6 +472,12 @@ pub fn untile_row(
 mod tests {
     use super::*;
 
+    fn tiled(ty: WeightType, rows: usize, blocks: usize, data: &[u8], bits: HighBits) -> Vec<u8> {
+        let mut t = vec![0; tiled_len(ty, rows, blocks)];
+        tile(ty, rows, blocks, data, bits, &mut t);
+        t
+    }
+
     #[test]
     fn tiling_round_trips_every_row() {
         for bits in [HighBits::Masks, HighBits::Whole] {
@@ -470,7 +486,7 @@ mod tests {
                 let data: Vec<u8> = (0..rows * blocks * ty.block_bytes())
                     .map(|i| (i * 131 % 251) as u8)
                     .collect();
-                let t = tile(ty, rows, blocks, &data, bits);
+                let t = tiled(ty, rows, blocks, &data, bits);
                 assert_eq!(t.len(), 2 * blocks * tile_block_bytes(ty));
                 let rb = blocks * ty.block_bytes();
                 for r in 0..rows {
@@ -515,7 +531,7 @@ mod tests {
         let (rows, blocks) = (8, 1);
         let data: Vec<u8> = (0..rows * 22).map(|i| (i * 97 % 253) as u8).collect();
         for bits in [HighBits::Masks, HighBits::Whole] {
-            let vectors = code_vectors(&tile(WeightType::Q5_0, rows, blocks, &data, bits), bits);
+            let vectors = code_vectors(&tiled(WeightType::Q5_0, rows, blocks, &data, bits), bits);
             for (k, vector) in vectors.iter().enumerate() {
                 for (i, &code) in vector.iter().enumerate() {
                     let (row, c) = (&data[22 * (i / 4)..22 * (i / 4 + 1)], 4 * k + i % 4);
@@ -538,7 +554,7 @@ mod tests {
     fn q6k_whole_codes_are_the_files_codes() {
         let (rows, blocks) = (8, 1);
         let data: Vec<u8> = (0..rows * 210).map(|i| (i * 89 % 251) as u8).collect();
-        let t = tile(WeightType::Q6K, rows, blocks, &data, HighBits::Whole);
+        let t = tiled(WeightType::Q6K, rows, blocks, &data, HighBits::Whole);
         for (n, g, i) in
             (0..2).flat_map(|n| (0..8).flat_map(move |g| (0..32).map(move |i| (n, g, i))))
         {
