@@ -11,6 +11,7 @@ use std::time::Instant;
 use clap::Args;
 use serde::Serialize;
 use shoal_engine::generate::prefill;
+use shoal_engine::kernels::WeightBuffer;
 use shoal_engine::transformer::argmax;
 
 use crate::ComputeArgs;
@@ -168,6 +169,12 @@ pub fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
 /// one way of reading alone happened to reach. On an Intel Xeon the distances were within
 /// noise of each other (1 thread, 14-15 GB/s); on an AMD EPYC (Zen 3) the hardware
 /// prefetchers alone read 5-10% faster than either (14.6 against 12.4 and 13.2 GB/s).
+///
+/// The buffer is a [`WeightBuffer`], on the transparent huge pages the weights live on:
+/// the ceiling is what reading that memory gives. On 4 KiB pages the same loop read 8-23%
+/// less on that EPYC (256 MiB, medians of 8 in turn, two runs: 16.0 and 13.8 against 17.5
+/// and 15.8 GB/s at one thread, 21.8 and 17.1 against 26.1 and 22.2 at two), and set
+/// against that, decode looked closer to the ceiling than it was.
 pub fn measure_read_bandwidth(threads: usize) -> f64 {
     measure_read_bandwidth_with(threads, PROBE_BYTES, PROBE_PASSES)
 }
@@ -185,15 +192,17 @@ pub fn measure_read_bandwidth_with(threads: usize, bytes: usize, passes: usize) 
 /// The buffer [`measure_read_bandwidth`] streams, kept to probe again without filling (and
 /// faulting in) a new one.
 pub struct ReadProbe {
-    buf: Vec<u8>,
+    buf: WeightBuffer,
 }
 
 impl ReadProbe {
     /// A probe over `bytes` bytes.
     pub fn new(bytes: usize) -> Self {
-        ReadProbe {
-            buf: (0..bytes).map(|i| (i * 31 % 251) as u8).collect(),
+        let mut buf = WeightBuffer::zeroed(bytes);
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = (i * 31 % 251) as u8;
         }
+        ReadProbe { buf }
     }
 
     /// Read bandwidth in GB/s with `threads` threads, best of `passes` passes at each way
