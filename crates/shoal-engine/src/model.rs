@@ -12,6 +12,7 @@ use shoal_model::source::ModelSource;
 use shoal_model::tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::generate::{self, Detokenizer, GenerateParams, Generation, Stepper};
+use crate::profile::Op;
 use crate::shard::{self, Layout, ShardPlan};
 use crate::transformer::Transformer;
 use crate::weights::{GgufWeights, HfNaming, SafetensorsWeights, WeightSource};
@@ -32,6 +33,9 @@ pub struct LoadedModel {
     /// Bytes of weights read per generated token (every layer plus the output head), for the
     /// bandwidth ceiling in benchmarks.
     pub weight_bytes_per_token: u64,
+    /// Of those, the bytes each matrix product of the decode profile reads (GGUF models;
+    /// empty for safetensors folders), for its bandwidth in `shoal bench --profile`.
+    pub weight_bytes_by_op: Vec<(Op, u64)>,
 }
 
 impl std::fmt::Debug for LoadedModel {
@@ -134,6 +138,7 @@ impl LoadedModel {
             None => None,
         };
         let weight_bytes_per_token = per_token_bytes(&file);
+        let weight_bytes_by_op = per_op_bytes(&file);
         let src = GgufWeights::new(file);
         let transformer = build(&src, cfg)?;
         Ok(LoadedModel {
@@ -143,6 +148,7 @@ impl LoadedModel {
             tokenizer,
             chat_template: template,
             weight_bytes_per_token,
+            weight_bytes_by_op,
         })
     }
 
@@ -193,6 +199,7 @@ impl LoadedModel {
             tokenizer,
             chat_template: template,
             weight_bytes_per_token,
+            weight_bytes_by_op: Vec::new(),
         })
     }
 
@@ -361,6 +368,43 @@ fn read_hf_template(dir: &Path) -> Option<String> {
 
 /// Bytes read from weights for one decoded token: every block tensor plus the output head
 /// (the embedding when tied). The embedding lookup itself reads one row and is ignored.
+/// The profile's matrix-product op that reads block tensor `role` (`attn_q`, `ffn_up`, ...).
+fn op_of_role(role: &str) -> Option<Op> {
+    Some(match role {
+        "attn_q" | "attn_k" | "attn_v" | "attn_qkv" => Op::Qkv,
+        "attn_output" => Op::AttnOut,
+        "ffn_gate" | "ffn_up" | "ffn_gate_up" => Op::GateUp,
+        "ffn_down" => Op::Down,
+        _ => return None,
+    })
+}
+
+/// Bytes per token each matrix-product op reads: the block tensors by role
+/// (`blk.N.ROLE.weight` and its bias), and the output head as [`per_token_bytes`] counts it.
+fn per_op_bytes(file: &GgufFile) -> Vec<(Op, u64)> {
+    let mut by_op: Vec<(Op, u64)> = Vec::new();
+    let mut add = |op: Op, n: u64| match by_op.iter_mut().find(|(o, _)| *o == op) {
+        Some((_, total)) => *total += n,
+        None => by_op.push((op, n)),
+    };
+    for t in file.tensors() {
+        let role = t
+            .name
+            .strip_prefix("blk.")
+            .and_then(|r| r.split('.').nth(1));
+        if let Some(op) = role.and_then(op_of_role) {
+            add(op, t.size);
+        }
+    }
+    if let Ok(head) = file
+        .tensor("output.weight")
+        .or_else(|_| file.tensor("token_embd.weight"))
+    {
+        add(Op::Head, head.size);
+    }
+    by_op
+}
+
 fn per_token_bytes(file: &GgufFile) -> u64 {
     let blocks: u64 = file
         .tensors()

@@ -147,6 +147,10 @@ struct OpTime {
     ms_per_token: f64,
     /// Fraction of decode time.
     share: f64,
+    /// For a matrix product: the weight bytes it reads per token over its time, in GB/s
+    /// (absent for other ops, and for models whose tensors the bench cannot attribute).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    weight_gb_s: Option<f64>,
 }
 
 /// Deterministic pseudo-random prompt tokens (as llama-bench uses random tokens).
@@ -355,14 +359,21 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
     if bws.is_empty() {
         bws.push(probe.best_of(threads, PROBE_PASSES));
     }
+    let bw = Spread::of(&bws).map_or(0.0, |s| s.median);
     let profile = args.profile.then(|| {
         let tokens = (args.n_gen * args.reps).max(1) as f64;
         let mut ops: Vec<OpTime> = shoal_engine::profile::snapshot()
             .into_iter()
-            .map(|(op, s)| OpTime {
-                op: op.name(),
-                ms_per_token: s * 1e3 / tokens,
-                share: s / decode_secs.max(1e-12),
+            .map(|(op, s)| {
+                let bytes = model.weight_bytes_by_op.iter().find(|(o, _)| *o == op);
+                OpTime {
+                    op: op.name(),
+                    ms_per_token: s * 1e3 / tokens,
+                    share: s / decode_secs.max(1e-12),
+                    weight_gb_s: bytes
+                        .filter(|_| s > 0.0)
+                        .map(|(_, b)| *b as f64 * tokens / s / 1e9),
+                }
             })
             .collect();
         let accounted: f64 = ops.iter().map(|o| o.share).sum();
@@ -370,10 +381,10 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
             op: "rest (sampling, glue)",
             ms_per_token: (1.0 - accounted).max(0.0) * decode_secs * 1e3 / tokens,
             share: (1.0 - accounted).max(0.0),
+            weight_gb_s: None,
         });
         ops
     });
-    let bw = Spread::of(&bws).map_or(0.0, |s| s.median);
     let prefill = Spread::of(&pp);
     let decode = Spread::of(&tg);
     let bytes = model.weight_bytes_per_token.max(1) as f64;
@@ -453,8 +464,14 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
     if let Some(ops) = &report.decode_profile {
         println!("decode profile (per token):");
         for o in ops {
+            let reads = o.weight_gb_s.map_or(String::new(), |g| {
+                format!(
+                    "  weights at {g:5.1} GB/s = {:3.0}% of the probe",
+                    100.0 * g / report.mem_read_gb_s.max(1e-9)
+                )
+            });
             println!(
-                "  {:<22} {:>8.3} ms  {:>5.1}%",
+                "  {:<22} {:>8.3} ms  {:>5.1}%{reads}",
                 o.op,
                 o.ms_per_token,
                 100.0 * o.share

@@ -1,7 +1,8 @@
 //! `shoal bench MODEL --json` end to end on a tiny model the test kit writes as GGUF: the
 //! report holds a bandwidth probe per decode repetition, each repetition's fraction of its
 //! own ceiling agrees with the decode rate and that probe, and the host's steal time, where
-//! there is one, is a fraction.
+//! there is one, is a fraction; with `--profile`, each matrix product carries the bandwidth
+//! its weights were read at, and together they account for the token's weights.
 
 use std::process::Command;
 
@@ -65,4 +66,64 @@ fn bench_probes_after_every_decode_repetition() {
     if let Some(s) = report["host_steal"].as_f64() {
         assert!((0.0..=1.0).contains(&s), "steal {s}");
     }
+}
+
+#[test]
+fn profile_gives_each_matrix_product_its_weight_bandwidth() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    TinyModelSpec::llama(7)
+        .build()
+        .unwrap()
+        .write_gguf(&model, GgmlType::Q8_0)
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .arg("bench")
+        .arg(&model)
+        .args([
+            "-p",
+            "0",
+            "-n",
+            "16",
+            "-r",
+            "2",
+            "-t",
+            "1",
+            "--profile",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "shoal bench failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ops = report["decode_profile"].as_array().expect("a profile");
+    let products = [
+        "q/k/v matmul",
+        "attn out matmul",
+        "gate/up matmul",
+        "down matmul",
+        "output head",
+    ];
+    let mut read = 0.0;
+    for op in ops {
+        let name = op["op"].as_str().unwrap();
+        let gb_s = op["weight_gb_s"].as_f64();
+        if products.contains(&name) {
+            let gb_s = gb_s.unwrap_or_else(|| panic!("{name} has no bandwidth: {op}"));
+            assert!(gb_s > 0.0, "{op}");
+            read += gb_s * 1e9 * op["ms_per_token"].as_f64().unwrap() / 1e3;
+        } else {
+            assert!(gb_s.is_none(), "{name} reads no weights: {op}");
+        }
+    }
+    // the products read every weight of a token but the norms and the embedding row
+    let bytes = report["weight_bytes_per_token"].as_f64().unwrap();
+    assert!(
+        read <= bytes * 1.001 && read >= 0.8 * bytes,
+        "{read} of {bytes} bytes attributed"
+    );
 }
