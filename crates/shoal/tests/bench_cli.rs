@@ -8,11 +8,11 @@ use std::process::Command;
 
 use shoal_testkit::{GgmlType, TinyModelSpec};
 
-#[test]
-fn bench_probes_after_every_decode_repetition() {
+/// `shoal bench --json` with `args` on a tiny Q8_0 llama (weights from `seed`): the report.
+fn bench_report(seed: u64, args: &[&str]) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("tiny.gguf");
-    TinyModelSpec::llama(5)
+    TinyModelSpec::llama(seed)
         .build()
         .unwrap()
         .write_gguf(&model, GgmlType::Q8_0)
@@ -20,7 +20,8 @@ fn bench_probes_after_every_decode_repetition() {
     let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
         .arg("bench")
         .arg(&model)
-        .args(["-p", "8", "-n", "8", "-r", "3", "-t", "1", "--json"])
+        .args(args)
+        .arg("--json")
         .output()
         .unwrap();
     assert!(
@@ -28,7 +29,12 @@ fn bench_probes_after_every_decode_repetition() {
         "shoal bench failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn bench_probes_after_every_decode_repetition() {
+    let report = bench_report(5, &["-p", "8", "-n", "8", "-r", "3", "-t", "1"]);
     let probes: Vec<f64> = report["mem_read_gb_s_probes"]
         .as_array()
         .expect("a list of probes")
@@ -70,36 +76,10 @@ fn bench_probes_after_every_decode_repetition() {
 
 #[test]
 fn profile_gives_each_matrix_product_its_weight_bandwidth() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny.gguf");
-    TinyModelSpec::llama(7)
-        .build()
-        .unwrap()
-        .write_gguf(&model, GgmlType::Q8_0)
-        .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
-        .arg("bench")
-        .arg(&model)
-        .args([
-            "-p",
-            "0",
-            "-n",
-            "16",
-            "-r",
-            "2",
-            "-t",
-            "1",
-            "--profile",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "shoal bench failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let report = bench_report(
+        7,
+        &["-p", "0", "-n", "16", "-r", "2", "-t", "1", "--profile"],
     );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let ops = report["decode_profile"].as_array().expect("a profile");
     let products = [
         "q/k/v matmul",
