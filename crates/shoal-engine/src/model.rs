@@ -396,13 +396,18 @@ fn per_op_bytes(file: &GgufFile) -> Vec<(Op, u64)> {
             add(op, t.size);
         }
     }
-    if let Ok(head) = file
-        .tensor("output.weight")
-        .or_else(|_| file.tensor("token_embd.weight"))
-    {
-        add(Op::Head, head.size);
+    if let Some(head) = head_bytes(file) {
+        add(Op::Head, head);
     }
     by_op
+}
+
+/// Bytes of the output head: `output.weight`, or the token embedding it is tied to.
+fn head_bytes(file: &GgufFile) -> Option<u64> {
+    file.tensor("output.weight")
+        .or_else(|_| file.tensor("token_embd.weight"))
+        .map(|t| t.size)
+        .ok()
 }
 
 fn per_token_bytes(file: &GgufFile) -> u64 {
@@ -412,10 +417,5 @@ fn per_token_bytes(file: &GgufFile) -> u64 {
         .filter(|t| t.name.starts_with("blk."))
         .map(|t| t.size)
         .sum();
-    let head = file
-        .tensor("output.weight")
-        .or_else(|_| file.tensor("token_embd.weight"))
-        .map(|t| t.size)
-        .unwrap_or(0);
-    blocks + head
+    blocks + head_bytes(file).unwrap_or(0)
 }

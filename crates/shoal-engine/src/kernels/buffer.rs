@@ -54,6 +54,17 @@ impl WeightBuffer {
         }
     }
 
+    /// `bytes`, kept as they are when too small for a huge page, copied onto huge pages
+    /// otherwise.
+    pub fn from_vec(bytes: Vec<u8>) -> Self {
+        if bytes.len() < HUGE_PAGE {
+            return WeightBuffer {
+                storage: Storage::Heap(bytes),
+            };
+        }
+        Self::copy_of(&bytes)
+    }
+
     /// A copy of `bytes`.
     pub fn copy_of(bytes: &[u8]) -> Self {
         let mut b = Self::zeroed(bytes.len());
@@ -112,7 +123,10 @@ mod tests {
                 assert_eq!(b.as_ptr() as usize % HUGE_PAGE, 0, "{len} bytes aligned");
             }
         }
-        let src: Vec<u8> = (0..HUGE_PAGE + 5).map(|i| (i * 7) as u8).collect();
-        assert_eq!(&*WeightBuffer::copy_of(&src), &src[..]);
+        for len in [5, HUGE_PAGE + 5] {
+            let src: Vec<u8> = (0..len).map(|i| (i * 7) as u8).collect();
+            assert_eq!(&*WeightBuffer::copy_of(&src), &src[..]);
+            assert_eq!(&*WeightBuffer::from_vec(src.clone()), &src[..]);
+        }
     }
 }

@@ -789,7 +789,10 @@ impl QuantMatrix {
             tiled::tile(ty, rows, blocks, &data, high_bits(isa), &mut out);
             out
         } else {
-            WeightBuffer::copy_of(&data)
+            match data {
+                std::borrow::Cow::Owned(v) => WeightBuffer::from_vec(v),
+                std::borrow::Cow::Borrowed(b) => WeightBuffer::copy_of(b),
+            }
         };
         Ok(QuantMatrix {
             ty,
