@@ -501,11 +501,17 @@ type TileKern<A, const N: usize> = unsafe fn(&[u8], [&[A]; N]) -> [[f32; tiled::
 type PairKern<A, const N: usize> =
     unsafe fn(&[u8], &[u8], [&[A]; N], bool) -> [[f32; 2 * tiled::TILE_ROWS]; N];
 
+/// Whole tiles (the second argument: bytes per tile) against one activation row, each
+/// tile's rows to the next eight values at the pointer.
+type RunKern<A> = unsafe fn(&[u8], usize, &[A], *mut f32);
+
 /// The one- and four-row tiled kernels of one weight type at one level, and where the level
 /// has one, a four-row kernel over two tiles at once (512-bit vectors, for prefill).
 struct TilePair<A: 'static> {
     one: TileKern<A, 1>,
     four: TileKern<A, 4>,
+    /// `one` over a range of whole tiles in one call, for decode.
+    run: Option<RunKern<A>>,
     pair_four: Option<PairKern<A, 4>>,
     /// The same over eight activation rows (each weight block decoded once per eight).
     pair_eight: Option<PairKern<A, 8>>,
@@ -517,6 +523,7 @@ impl<A: 'static> TilePair<A> {
         TilePair {
             one,
             four,
+            run: None,
             pair_four: None,
             pair_eight: None,
         }
@@ -563,11 +570,39 @@ macro_rules! tiles_k {
     };
 }
 
+/// The one-row run kernel of x86 tile-kernel module `$m` for the 32-value type `$ty`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! runs_32 {
+    ($ty:expr, $($m:ident)::+) => {{
+        use tiled::kinds::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+        match $ty {
+            WeightType::Q4_0 => $($m)::+::run_dot::<Q4_0> as RunKern<BlockQ8>,
+            WeightType::Q4_1 => $($m)::+::run_dot::<Q4_1>,
+            WeightType::Q5_0 => $($m)::+::run_dot::<Q5_0>,
+            WeightType::Q5_1 => $($m)::+::run_dot::<Q5_1>,
+            _ => $($m)::+::run_dot::<Q8_0>,
+        }
+    }};
+}
+
+/// As [`runs_32`] for the K-quants.
+#[cfg(target_arch = "x86_64")]
+macro_rules! runs_k {
+    ($ty:expr, $($m:ident)::+) => {
+        match $ty {
+            WeightType::Q4K => $($m)::+::run_q45k::<false> as RunKern<BlockQ8K>,
+            WeightType::Q5K => $($m)::+::run_q45k::<true>,
+            _ => $($m)::+::run_q6k,
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
     match isa {
         Isa::Avx512Vnni => {
             let mut k = tiles_k!(ty, x86_tiled::avx512vnni);
+            k.run = Some(runs_k!(ty, x86_tiled::avx512vnni));
             k.pair_four = match ty {
                 WeightType::Q4K => Some(x86_wide::tile2_q45k::<4, false>),
                 WeightType::Q5K => Some(x86_wide::tile2_q45k::<4, true>),
@@ -575,7 +610,11 @@ fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
             };
             k
         }
-        _ => tiles_k!(ty, x86_tiled::avx2),
+        _ => {
+            let mut k = tiles_k!(ty, x86_tiled::avx2);
+            k.run = Some(runs_k!(ty, x86_tiled::avx2));
+            k
+        }
     }
 }
 
@@ -585,6 +624,7 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
     match isa {
         Isa::Avx512Vnni => {
             let mut k = tiles_32!(ty, x86_tiled::avx512vnni);
+            k.run = Some(runs_32!(ty, x86_tiled::avx512vnni));
             k.pair_four = Some(match ty {
                 WeightType::Q4_0 => x86_wide::tile2_dot::<4, Q4_0>,
                 WeightType::Q4_1 => x86_wide::tile2_dot::<4, Q4_1>,
@@ -601,7 +641,11 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
             });
             k
         }
-        _ => tiles_32!(ty, x86_tiled::avx2),
+        _ => {
+            let mut k = tiles_32!(ty, x86_tiled::avx2);
+            k.run = Some(runs_32!(ty, x86_tiled::avx2));
+            k
+        }
     }
 }
 
@@ -1157,6 +1201,23 @@ impl QuantMatrix {
                 }
                 tiles.start += 2;
             }
+        }
+        if let (Some(run), 1) = (k.run, t) {
+            // the whole tiles in one call; a short last tile below
+            let whole = tiles.start..tiles.end.min(n / tiled::TILE_ROWS).max(tiles.start);
+            let w = &self.data[whole.start * tile_bytes..whole.end * tile_bytes];
+            // SAFETY: as `tile_tokens`; the tiles are whole, so their rows, eight per tile
+            // from row `whole.start * 8`, lie inside `y` (one row of n values), and only
+            // this thread writes them.
+            unsafe {
+                run(
+                    w,
+                    tile_bytes,
+                    act(0),
+                    out.0.add(whole.start * tiled::TILE_ROWS),
+                )
+            };
+            tiles.start = whole.end;
         }
         for tile in tiles {
             self.tile_tokens(tile, 0..t, acts, per_row, out, k);

@@ -102,6 +102,8 @@ fn every_type_at_every_level_matches_the_reference() {
             // runs the eight-, four- and one-row kernels
             check(ty, isa, 37, blocks, 9, 9);
             check(ty, isa, 37, blocks, 13, 10);
+            // one row: four whole tiles in one run-kernel call, then the ragged last one
+            check(ty, isa, 37, blocks, 1, 11);
         }
     }
 }
@@ -198,8 +200,16 @@ fn levels_agree_with_the_portable_kernels() {
 #[test]
 fn many_threads_give_the_same_result_as_one() {
     let mut rng = StdRng::seed_from_u64(11);
-    for ty in [WeightType::Q4K, WeightType::Q5_0, WeightType::F16] {
-        let (rows, blocks, t) = (77, 2, 5);
+    // t = 1: each thread's range of tiles goes to one run-kernel call
+    for (ty, t) in [
+        (WeightType::Q4K, 5),
+        (WeightType::Q5_0, 5),
+        (WeightType::F16, 5),
+        (WeightType::Q4K, 1),
+        (WeightType::Q6K, 1),
+        (WeightType::Q5_0, 1),
+    ] {
+        let (rows, blocks) = (77, 2);
         let blocks = if ty.block_elems() == 1 { 256 } else { blocks };
         let cols = blocks * ty.block_elems();
         let m =
