@@ -570,8 +570,8 @@ macro_rules! tiles_k {
     };
 }
 
-/// The one-row run kernel of x86 tile-kernel module `$m` for the 32-value type `$ty`.
-#[cfg(target_arch = "x86_64")]
+/// The one-row run kernel of tile-kernel module `$m` (one level of `x86_tiled` or
+/// `neon_tiled`) for the 32-value type `$ty`.
 macro_rules! runs_32 {
     ($ty:expr, $($m:ident)::+) => {{
         use tiled::kinds::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
@@ -586,7 +586,6 @@ macro_rules! runs_32 {
 }
 
 /// As [`runs_32`] for the K-quants.
-#[cfg(target_arch = "x86_64")]
 macro_rules! runs_k {
     ($ty:expr, $($m:ident)::+) => {
         match $ty {
@@ -652,16 +651,28 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
 #[cfg(target_arch = "aarch64")]
 fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
     match isa {
-        Isa::NeonDot => tiles_k!(ty, neon_tiled::neondot),
-        _ => tiles_k!(ty, neon_tiled::neon),
+        Isa::NeonDot => TilePair {
+            run: Some(runs_k!(ty, neon_tiled::neondot)),
+            ..tiles_k!(ty, neon_tiled::neondot)
+        },
+        _ => TilePair {
+            run: Some(runs_k!(ty, neon_tiled::neon)),
+            ..tiles_k!(ty, neon_tiled::neon)
+        },
     }
 }
 
 #[cfg(target_arch = "aarch64")]
 fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
     match isa {
-        Isa::NeonDot => tiles_32!(ty, neon_tiled::neondot),
-        _ => tiles_32!(ty, neon_tiled::neon),
+        Isa::NeonDot => TilePair {
+            run: Some(runs_32!(ty, neon_tiled::neondot)),
+            ..tiles_32!(ty, neon_tiled::neondot)
+        },
+        _ => TilePair {
+            run: Some(runs_32!(ty, neon_tiled::neon)),
+            ..tiles_32!(ty, neon_tiled::neon)
+        },
     }
 }
 
