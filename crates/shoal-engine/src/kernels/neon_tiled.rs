@@ -365,59 +365,9 @@ macro_rules! neon_kernels {
                 }
                 out
             }
-            /// Whole tiles `w` (each `tile_bytes` long) against one activation row: tile
-            /// `i`'s eight results go to `out[8 i..8 i + 8]`, the one-tile kernel inlined
-            /// (as `x86_tiled`'s run kernels; their speed on arm64 is not measured).
-            ///
-            /// # Safety
-            /// As [`tile_dot`]; `out` has room for eight values per tile.
-            #[target_feature(enable = $features)]
-            pub unsafe fn run_dot<const KIND: u8>(
-                w: &[u8],
-                tile_bytes: usize,
-                a: &[BlockQ8],
-                out: *mut f32,
-            ) {
-                for (i, t) in w.chunks_exact(tile_bytes).enumerate() {
-                    let [o] = tile_dot::<1, KIND>(t, [a]);
-                    out.add(TILE_ROWS * i)
-                        .cast::<[f32; TILE_ROWS]>()
-                        .write_unaligned(o);
-                }
-            }
 
-            /// [`run_dot`] for Q4_K (`HIGH` false) and Q5_K (`HIGH` true).
-            ///
-            /// # Safety
-            /// As [`tile_q45k`]; `out` has room for eight values per tile.
-            #[target_feature(enable = $features)]
-            pub unsafe fn run_q45k<const HIGH: bool>(
-                w: &[u8],
-                tile_bytes: usize,
-                a: &[BlockQ8K],
-                out: *mut f32,
-            ) {
-                for (i, t) in w.chunks_exact(tile_bytes).enumerate() {
-                    let [o] = tile_q45k::<1, HIGH>(t, [a]);
-                    out.add(TILE_ROWS * i)
-                        .cast::<[f32; TILE_ROWS]>()
-                        .write_unaligned(o);
-                }
-            }
-
-            /// [`run_dot`] for Q6_K.
-            ///
-            /// # Safety
-            /// As [`tile_q6k`]; `out` has room for eight values per tile.
-            #[target_feature(enable = $features)]
-            pub unsafe fn run_q6k(w: &[u8], tile_bytes: usize, a: &[BlockQ8K], out: *mut f32) {
-                for (i, t) in w.chunks_exact(tile_bytes).enumerate() {
-                    let [o] = tile_q6k::<1>(t, [a]);
-                    out.add(TILE_ROWS * i)
-                        .cast::<[f32; TILE_ROWS]>()
-                        .write_unaligned(o);
-                }
-            }
+            // one activation row over a range of tiles, for decode
+            run_kernels!($features);
         }
     };
 }
