@@ -571,50 +571,49 @@ type PairKern<A, const N: usize> =
 /// tile's rows to the next eight values at the pointer.
 type RunKern<A> = unsafe fn(&[u8], usize, &[A], *mut f32);
 
-/// The one- and four-row tiled kernels of one weight type at one level, and where the level
-/// has one, a four-row kernel over two tiles at once (512-bit vectors, for prefill).
+/// The one- and four-row tiled kernels of one weight type at one level, `one` over a range
+/// of whole tiles in one call (`run`, for decode), and where the level has one, a four-row
+/// kernel over two tiles at once (512-bit vectors, for prefill).
 struct TilePair<A: 'static> {
     one: TileKern<A, 1>,
     four: TileKern<A, 4>,
-    /// `one` over a range of whole tiles in one call, for decode.
-    run: Option<RunKern<A>>,
+    run: RunKern<A>,
     pair_four: Option<PairKern<A, 4>>,
     /// The same over eight activation rows (each weight block decoded once per eight).
     pair_eight: Option<PairKern<A, 8>>,
 }
 
 impl<A: 'static> TilePair<A> {
-    /// A one- and a four-row kernel, no pair kernels.
-    fn new(one: TileKern<A, 1>, four: TileKern<A, 4>) -> Self {
+    /// A one- and a four-row kernel and the run of the one-row kernel, no pair kernels.
+    fn new(one: TileKern<A, 1>, four: TileKern<A, 4>, run: RunKern<A>) -> Self {
         TilePair {
             one,
             four,
-            run: None,
+            run,
             pair_four: None,
             pair_eight: None,
         }
     }
 }
 
-/// The one- and four-row kernels of tile-kernel module `$m` (one instruction-set level of
-/// `x86_tiled` or `neon_tiled`) for the 32-value type `$ty`.
+/// The one- and four-row kernels and the run kernel of tile-kernel module `$m` (one
+/// instruction-set level of `x86_tiled` or `neon_tiled`) for the 32-value type `$ty`.
 macro_rules! tiles_32 {
+    (@kind $kind:ident, $($m:ident)::+) => {
+        TilePair::new(
+            $($m)::+::tile_dot::<1, $kind>,
+            $($m)::+::tile_dot::<4, $kind>,
+            $($m)::+::run_dot::<$kind>,
+        )
+    };
     ($ty:expr, $($m:ident)::+) => {{
         use tiled::kinds::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
         match $ty {
-            WeightType::Q4_0 => {
-                TilePair::new($($m)::+::tile_dot::<1, Q4_0>, $($m)::+::tile_dot::<4, Q4_0>)
-            }
-            WeightType::Q4_1 => {
-                TilePair::new($($m)::+::tile_dot::<1, Q4_1>, $($m)::+::tile_dot::<4, Q4_1>)
-            }
-            WeightType::Q5_0 => {
-                TilePair::new($($m)::+::tile_dot::<1, Q5_0>, $($m)::+::tile_dot::<4, Q5_0>)
-            }
-            WeightType::Q5_1 => {
-                TilePair::new($($m)::+::tile_dot::<1, Q5_1>, $($m)::+::tile_dot::<4, Q5_1>)
-            }
-            _ => TilePair::new($($m)::+::tile_dot::<1, Q8_0>, $($m)::+::tile_dot::<4, Q8_0>),
+            WeightType::Q4_0 => tiles_32!(@kind Q4_0, $($m)::+),
+            WeightType::Q4_1 => tiles_32!(@kind Q4_1, $($m)::+),
+            WeightType::Q5_0 => tiles_32!(@kind Q5_0, $($m)::+),
+            WeightType::Q5_1 => tiles_32!(@kind Q5_1, $($m)::+),
+            _ => tiles_32!(@kind Q8_0, $($m)::+),
         }
     }};
 }
@@ -626,38 +625,18 @@ macro_rules! tiles_k {
             WeightType::Q4K => TilePair::new(
                 $($m)::+::tile_q45k::<1, false>,
                 $($m)::+::tile_q45k::<4, false>,
+                $($m)::+::run_q45k::<false>,
             ),
             WeightType::Q5K => TilePair::new(
                 $($m)::+::tile_q45k::<1, true>,
                 $($m)::+::tile_q45k::<4, true>,
+                $($m)::+::run_q45k::<true>,
             ),
-            _ => TilePair::new($($m)::+::tile_q6k::<1>, $($m)::+::tile_q6k::<4>),
-        }
-    };
-}
-
-/// The one-row run kernel of tile-kernel module `$m` (one level of `x86_tiled` or
-/// `neon_tiled`) for the 32-value type `$ty`.
-macro_rules! runs_32 {
-    ($ty:expr, $($m:ident)::+) => {{
-        use tiled::kinds::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
-        match $ty {
-            WeightType::Q4_0 => $($m)::+::run_dot::<Q4_0> as RunKern<BlockQ8>,
-            WeightType::Q4_1 => $($m)::+::run_dot::<Q4_1>,
-            WeightType::Q5_0 => $($m)::+::run_dot::<Q5_0>,
-            WeightType::Q5_1 => $($m)::+::run_dot::<Q5_1>,
-            _ => $($m)::+::run_dot::<Q8_0>,
-        }
-    }};
-}
-
-/// As [`runs_32`] for the K-quants.
-macro_rules! runs_k {
-    ($ty:expr, $($m:ident)::+) => {
-        match $ty {
-            WeightType::Q4K => $($m)::+::run_q45k::<false> as RunKern<BlockQ8K>,
-            WeightType::Q5K => $($m)::+::run_q45k::<true>,
-            _ => $($m)::+::run_q6k,
+            _ => TilePair::new(
+                $($m)::+::tile_q6k::<1>,
+                $($m)::+::tile_q6k::<4>,
+                $($m)::+::run_q6k,
+            ),
         }
     };
 }
@@ -667,7 +646,6 @@ fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
     match isa {
         Isa::Avx512Vnni => {
             let mut k = tiles_k!(ty, x86_tiled::avx512vnni);
-            k.run = Some(runs_k!(ty, x86_tiled::avx512vnni));
             k.pair_four = match ty {
                 WeightType::Q4K => Some(x86_wide::tile2_q45k::<4, false>),
                 WeightType::Q5K => Some(x86_wide::tile2_q45k::<4, true>),
@@ -675,11 +653,7 @@ fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
             };
             k
         }
-        _ => {
-            let mut k = tiles_k!(ty, x86_tiled::avx2);
-            k.run = Some(runs_k!(ty, x86_tiled::avx2));
-            k
-        }
+        _ => tiles_k!(ty, x86_tiled::avx2),
     }
 }
 
@@ -689,7 +663,6 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
     match isa {
         Isa::Avx512Vnni => {
             let mut k = tiles_32!(ty, x86_tiled::avx512vnni);
-            k.run = Some(runs_32!(ty, x86_tiled::avx512vnni));
             k.pair_four = Some(match ty {
                 WeightType::Q4_0 => x86_wide::tile2_dot::<4, Q4_0>,
                 WeightType::Q4_1 => x86_wide::tile2_dot::<4, Q4_1>,
@@ -706,39 +679,23 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
             });
             k
         }
-        _ => {
-            let mut k = tiles_32!(ty, x86_tiled::avx2);
-            k.run = Some(runs_32!(ty, x86_tiled::avx2));
-            k
-        }
+        _ => tiles_32!(ty, x86_tiled::avx2),
     }
 }
 
 #[cfg(target_arch = "aarch64")]
 fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
     match isa {
-        Isa::NeonDot => TilePair {
-            run: Some(runs_k!(ty, neon_tiled::neondot)),
-            ..tiles_k!(ty, neon_tiled::neondot)
-        },
-        _ => TilePair {
-            run: Some(runs_k!(ty, neon_tiled::neon)),
-            ..tiles_k!(ty, neon_tiled::neon)
-        },
+        Isa::NeonDot => tiles_k!(ty, neon_tiled::neondot),
+        _ => tiles_k!(ty, neon_tiled::neon),
     }
 }
 
 #[cfg(target_arch = "aarch64")]
 fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
     match isa {
-        Isa::NeonDot => TilePair {
-            run: Some(runs_32!(ty, neon_tiled::neondot)),
-            ..tiles_32!(ty, neon_tiled::neondot)
-        },
-        _ => TilePair {
-            run: Some(runs_32!(ty, neon_tiled::neon)),
-            ..tiles_32!(ty, neon_tiled::neon)
-        },
+        Isa::NeonDot => tiles_32!(ty, neon_tiled::neondot),
+        _ => tiles_32!(ty, neon_tiled::neon),
     }
 }
 
@@ -1279,7 +1236,7 @@ impl QuantMatrix {
                 tiles.start += 2;
             }
         }
-        if let (Some(run), 1) = (k.run, t) {
+        if t == 1 {
             // the whole tiles in one call; a short last tile below
             let whole = tiles.start..tiles.end.min(n / tiled::TILE_ROWS).max(tiles.start);
             let w = &self.data[whole.start * tile_bytes..whole.end * tile_bytes];
@@ -1287,7 +1244,7 @@ impl QuantMatrix {
             // from row `whole.start * 8`, lie inside `y` (one row of n values), and only
             // this thread writes them.
             unsafe {
-                run(
+                (k.run)(
                     w,
                     tile_bytes,
                     act(0),
