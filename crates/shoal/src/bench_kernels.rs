@@ -9,7 +9,7 @@ use std::time::Instant;
 use clap::Args;
 use serde::Serialize;
 use shoal_engine::kernels::reference::synthetic_matrix;
-use shoal_engine::kernels::{Isa, QuantMatrix, WeightType};
+use shoal_engine::kernels::{Isa, Prefetch, QuantMatrix, WeightType};
 
 use crate::bench::{measure_read_bandwidth, Spread};
 use crate::ComputeArgs;
@@ -37,6 +37,11 @@ pub struct KernelBenchArgs {
     /// Repetitions of each measurement.
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     pub reps: usize,
+    /// Software prefetch distances of the x86 decode kernels in bytes, `BLOCK,K`: for the
+    /// 32-value types and for the K-quants (default: chosen for this CPU's maker; see
+    /// `kernels::Prefetch`). To find the best for a new machine.
+    #[arg(long, value_parser = parse_prefetch)]
+    pub prefetch: Option<Prefetch>,
     /// One JSON object per line on stdout.
     #[arg(long)]
     pub json: bool,
@@ -56,6 +61,19 @@ struct Row {
     prefill_gmac_s: f64,
     prefill: Spread,
     mem_read_gb_s: f64,
+    /// Software prefetch distances of the decode kernels, bytes (32-value types, K-quants).
+    prefetch_block: usize,
+    prefetch_k: usize,
+}
+
+/// `BLOCK,K` in bytes.
+fn parse_prefetch(s: &str) -> Result<Prefetch, String> {
+    let bad = || format!("--prefetch wants two byte counts, BLOCK,K (e.g. 1536,8192), not {s:?}");
+    let (block, k) = s.split_once(',').ok_or_else(bad)?;
+    Ok(Prefetch {
+        block: block.trim().parse().map_err(|_| bad())?,
+        k: k.trim().parse().map_err(|_| bad())?,
+    })
 }
 
 fn parse_type(s: &str) -> anyhow::Result<WeightType> {
@@ -142,11 +160,15 @@ pub fn main(args: KernelBenchArgs) -> anyhow::Result<()> {
             .collect::<anyhow::Result<Vec<_>>>()?,
         None => Isa::available(),
     };
+    if let Some(p) = args.prefetch {
+        p.set();
+    }
+    let prefetch = Prefetch::current();
     let bw = measure_read_bandwidth(threads);
     if !args.json {
         println!(
-            "threads {threads}  read bandwidth {bw:.1} GB/s  decode matrix {} MB  prefill batch {}",
-            args.decode_mb, args.batch
+            "threads {threads}  read bandwidth {bw:.1} GB/s  decode matrix {} MB  prefill batch {}  prefetch {} / {} bytes",
+            args.decode_mb, args.batch, prefetch.block, prefetch.k
         );
         println!(
             "{:<6} {:<11} {:>14} {:>8} {:>16}",
@@ -186,6 +208,8 @@ pub fn main(args: KernelBenchArgs) -> anyhow::Result<()> {
                 prefill_gmac_s: prefill.median,
                 prefill,
                 mem_read_gb_s: bw,
+                prefetch_block: prefetch.block,
+                prefetch_k: prefetch.k,
             };
             if args.json {
                 println!("{}", serde_json::to_string(&row)?);
@@ -202,4 +226,24 @@ pub fn main(args: KernelBenchArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefetch_distances_parse_or_say_what_is_wanted() {
+        assert_eq!(
+            parse_prefetch("1536, 8192"),
+            Ok(Prefetch {
+                block: 1536,
+                k: 8192
+            })
+        );
+        for bad in ["", "1536", "a,b", "1536,8192,1", "-1,2"] {
+            let e = parse_prefetch(bad).unwrap_err();
+            assert!(e.contains("BLOCK,K"), "{bad:?}: {e}");
+        }
+    }
 }

@@ -86,6 +86,7 @@ pub mod math;
 #[cfg(target_arch = "aarch64")]
 mod neon_tiled;
 mod portable;
+mod prefetch;
 pub mod reference;
 mod tiled;
 #[cfg(target_arch = "x86_64")]
@@ -103,6 +104,7 @@ use half::f16;
 
 pub use buffer::WeightBuffer;
 pub use formats::{ActFormat, BlockQ8, BlockQ8K, WeightType, QK, QK_K};
+pub use prefetch::Prefetch;
 
 /// Quantizes activations `x` (a multiple of 32 long) to [`BlockQ8`], with SIMD where the CPU
 /// has it (the result is the same bit for bit).

@@ -13,17 +13,9 @@
 use std::arch::x86_64::*;
 
 use super::formats::{BlockQ8, BlockQ8K};
+use super::prefetch::Prefetch;
 use super::tiled::kinds::{block_bytes, has_high_bit, has_min, offsets, Q4_0, Q5_0, Q8_0};
 use super::tiled::{k_offsets, TILE_ROWS};
-
-/// How far ahead of the block being read the 32-value kernels prefetch, in bytes (4096 was
-/// no better, within noise, on smollm2 and qwen05).
-const PREFETCH: usize = 2048;
-/// The same for the K-quant kernels: 5 to 7 of their blocks ahead. Against 2048, measured
-/// with binaries in turn on a machine whose memory streamed at 16 GB/s: qwen15 decode at 1
-/// thread 11.4 -> 12.3 tok/s (medians of 4; 4096 gave 12.0), at 2 threads 20.4 -> 21.6
-/// (medians of 3).
-const PREFETCH_K: usize = 8192;
 
 /// Asks for `lines` cache lines from `dist + 64 * lines * part` bytes past `t`.
 #[inline]
@@ -35,7 +27,7 @@ unsafe fn prefetch_lines(t: *const u8, dist: usize, lines: usize, part: usize) {
     }
 }
 
-/// Quarter `part` (0..4) of the lines [`PREFETCH_K`] bytes past the `len`-byte block at
+/// Quarter `part` (0..4) of the lines [`Prefetch::k_distance`] bytes past the `len`-byte block at
 /// `t`: the K-quant kernels (blocks of 1184 to 1680 bytes, 19 to 27 lines) spread their
 /// prefetches over the block's work, a few lines at a time. Asked for all at once, a Q6_K
 /// block's 27 lines are more misses than the core keeps in flight, the last ones are
@@ -47,16 +39,16 @@ unsafe fn prefetch_lines(t: *const u8, dist: usize, lines: usize, part: usize) {
 #[inline]
 #[target_feature(enable = "sse")]
 unsafe fn prefetch_quarter(t: *const u8, len: usize, part: usize) {
-    prefetch_lines(t, PREFETCH_K, len.div_ceil(4 * 64), part);
+    prefetch_lines(t, Prefetch::k_distance(), len.div_ceil(4 * 64), part);
 }
 
-/// Asks for the cache lines [`PREFETCH`] bytes past the `len`-byte block at `t`: the kernels
+/// Asks for the cache lines [`Prefetch::block_distance`] bytes past the `len`-byte block at `t`: the kernels
 /// read one long stream, and the hardware prefetcher alone loses pace at page boundaries
 /// (measured: Q5_0 decode 7.9 -> 10.3 GB/s). A prefetch never faults, even past the end.
 #[inline]
 #[target_feature(enable = "sse")]
 unsafe fn prefetch_block(t: *const u8, len: usize) {
-    prefetch_lines(t, PREFETCH, len.div_ceil(64), 0);
+    prefetch_lines(t, Prefetch::block_distance(), len.div_ceil(64), 0);
 }
 
 /// VNNI: `acc + sums of four u8 x i8 products` in one instruction, exact.

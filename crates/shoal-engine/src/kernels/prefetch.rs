@@ -1,0 +1,130 @@
+//! How far ahead of the weights being read the x86 decode kernels ask for cache lines
+//! ([`Prefetch`]). The best distance is a property of the CPU, not of the code: on an AMD
+//! EPYC (Zen 3) the K-quant kernels ran best 8 KiB ahead, and on an Intel Xeon (AVX-512,
+//! AMX; 2026-11) that distance cost them a third of their speed. So the distances are
+//! chosen per CPU vendor at first use, and `shoal bench kernels --prefetch` sets others to
+//! measure a new machine with.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Software prefetch distances of the x86 one-activation-row kernels, in bytes past the
+/// block being read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Prefetch {
+    /// For the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; tile blocks of 144-272 bytes).
+    pub block: usize,
+    /// For the K-quants (tile blocks of 1184-1680 bytes, prefetched a quarter at a time).
+    pub k: usize,
+}
+
+/// Not chosen yet.
+const UNSET: usize = usize::MAX;
+static BLOCK: AtomicUsize = AtomicUsize::new(UNSET);
+static K: AtomicUsize = AtomicUsize::new(UNSET);
+
+impl Prefetch {
+    /// The distances measured best on this CPU's vendor.
+    ///
+    /// - AMD (and Hygon, its licensee): 2 KiB and 8 KiB. On an EPYC (Zen 3) at 16 GB/s,
+    ///   qwen15 decode at 1 thread was 11.4 tokens/s with the K-quants 2 KiB ahead, 12.0 at
+    ///   4 KiB and 12.3 at 8 KiB (medians of 4, binaries in turn); 4 KiB was no better than
+    ///   2 KiB for the 32-value types on smollm2 and qwen05.
+    /// - Everyone else (measured on Intel): 1.5 KiB for both. On a Xeon with AVX-512 and a
+    ///   480 MiB L3, `shoal bench kernels -t 1` decode over 512 MB matrices, four rounds in
+    ///   turn, medians (GB/s, probe 19): 2 KiB / 8 KiB gave Q4_K 11.6, Q6_K 10.1, Q5_0 12.0,
+    ///   Q8_0 16.1, Q4_1 15.1; 1.5 KiB / 1.5 KiB gave 15.8, 14.5, 14.0, 15.7, 14.9. 1 KiB was
+    ///   within noise for the 32-value types and 3-5% slower for the K-quants; 2.5 to 16
+    ///   KiB were 15-40% slower (single runs). qwen15 decode (`shoal bench -p 0 -n 32`,
+    ///   medians of 2 in turn) went from 10.4 to 14.1 tokens/s at 1 thread and from 17.2
+    ///   to 23.5 at 2.
+    pub fn for_this_cpu() -> Prefetch {
+        if vendor_is_amd() {
+            Prefetch {
+                block: 2048,
+                k: 8192,
+            }
+        } else {
+            Prefetch {
+                block: 1536,
+                k: 1536,
+            }
+        }
+    }
+
+    /// The distances the kernels use now: those [`Prefetch::set`] last, or else
+    /// [`Prefetch::for_this_cpu`].
+    pub fn current() -> Prefetch {
+        let (block, k) = (BLOCK.load(Ordering::Relaxed), K.load(Ordering::Relaxed));
+        if block == UNSET || k == UNSET {
+            let p = Prefetch::for_this_cpu();
+            p.set();
+            return p;
+        }
+        Prefetch { block, k }
+    }
+
+    /// Makes the kernels of this process use these distances from their next block on (to
+    /// measure others; results do not depend on them).
+    pub fn set(self) {
+        BLOCK.store(self.block.min(UNSET - 1), Ordering::Relaxed);
+        K.store(self.k.min(UNSET - 1), Ordering::Relaxed);
+    }
+
+    /// The distance for the 32-value kernels, read in their inner loop.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[inline]
+    pub(crate) fn block_distance() -> usize {
+        match BLOCK.load(Ordering::Relaxed) {
+            UNSET => Prefetch::current().block,
+            d => d,
+        }
+    }
+
+    /// The distance for the K-quant kernels, read in their inner loop.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[inline]
+    pub(crate) fn k_distance() -> usize {
+        match K.load(Ordering::Relaxed) {
+            UNSET => Prefetch::current().k,
+            d => d,
+        }
+    }
+}
+
+/// Whether CPUID names AMD or Hygon as the maker.
+fn vendor_is_amd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let r = std::arch::x86_64::__cpuid(0);
+        let mut name = [0u8; 12];
+        name[..4].copy_from_slice(&r.ebx.to_le_bytes());
+        name[4..8].copy_from_slice(&r.edx.to_le_bytes());
+        name[8..].copy_from_slice(&r.ecx.to_le_bytes());
+        &name == b"AuthenticAMD" || &name == b"HygonGenuine"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn distances_are_chosen_once_and_can_be_set() {
+        let chosen = Prefetch::current();
+        assert_eq!(chosen, Prefetch::for_this_cpu());
+        assert!(chosen.block > 0 && chosen.k > 0);
+        let other = Prefetch { block: 64, k: 4096 };
+        other.set();
+        assert_eq!(Prefetch::current(), other);
+        assert_eq!(
+            (Prefetch::block_distance(), Prefetch::k_distance()),
+            (64, 4096)
+        );
+        chosen.set();
+        assert_eq!(Prefetch::current(), chosen);
+    }
+}
