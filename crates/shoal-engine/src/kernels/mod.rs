@@ -11,8 +11,8 @@
 //! x86-64 or arm64 machine without `-C target-cpu=native`. `SHOAL_KERNELS` caps the choice
 //! (`portable|avx2|avx512vnni` on x86-64, `portable|neon|neondot` on arm64; for comparisons
 //! and tests). `unsafe` lives only in the intrinsics modules (`x86`, `x86_tiled`,
-//! `x86_wide`, `neon_tiled`) and in this module's calls into them and its output pointer,
-//! each with a `SAFETY` line.
+//! `x86_wide`, `neon_tiled`), in `buffer`'s chunks shared by several buffers, and in this
+//! module's calls into them and its output pointer, each with a `SAFETY` line.
 
 /// The one-row run kernels of a tile-kernel module (one level of `x86_tiled` or
 /// `neon_tiled`), over its `tile_dot`, `tile_q45k` and `tile_q6k` compiled for `$features`:
@@ -869,10 +869,7 @@ impl QuantMatrix {
             tiled::tile(ty, rows, blocks, &data, high_bits(isa), &mut out);
             out
         } else {
-            match data {
-                std::borrow::Cow::Owned(v) => WeightBuffer::from_vec(v),
-                std::borrow::Cow::Borrowed(b) => WeightBuffer::copy_of(b),
-            }
+            WeightBuffer::copy_of(&data)
         };
         Ok(QuantMatrix {
             ty,
