@@ -886,7 +886,8 @@ impl Transformer {
     /// When the positions do not fit the cache, or a tensor op or peer fails.
     pub fn forward_layers(&self, x: Tensor, cache: &mut KvCache) -> Result<Tensor, EngineError> {
         if self.plan.is_full(&self.cfg) {
-            on_pool(|| self.run_layers(x, cache))
+            let decode = x.dim(1).is_ok_and(|t| t == 1);
+            on_pool(decode, || self.run_layers(x, cache))
         } else {
             self.run_layers(x, cache)
         }
@@ -947,7 +948,7 @@ impl Transformer {
             Ok(x)
         };
         if self.plan.is_full(&self.cfg) {
-            on_pool(|| run(caches))
+            on_pool(true, || run(caches))
         } else {
             run(caches)
         }
@@ -967,7 +968,7 @@ impl Transformer {
         tokens: &[u32],
         caches: &mut [&mut KvCache],
     ) -> Result<Tensor, EngineError> {
-        on_pool(|| self.run_batch(tokens, caches))
+        on_pool(true, || self.run_batch(tokens, caches))
     }
 
     fn run_batch(
@@ -1017,7 +1018,7 @@ impl Transformer {
     /// When this rank is not in the last stage, or a tensor op fails.
     pub fn logits(&self, x: &Tensor, n_logits: usize) -> Result<Tensor, EngineError> {
         if self.plan.is_full(&self.cfg) {
-            on_pool(|| self.head_logits(x, n_logits))
+            on_pool(false, || self.head_logits(x, n_logits))
         } else {
             self.head_logits(x, n_logits)
         }
@@ -1062,7 +1063,7 @@ impl Transformer {
             });
         }
         self.check_step(tokens, cache)?;
-        on_pool(|| {
+        on_pool(tokens.len() == 1, || {
             let x = self.embed(tokens)?;
             let x = self.run_layers(x, cache)?;
             self.head_logits(&x, n_logits)
@@ -1089,8 +1090,18 @@ impl Transformer {
 /// tokens/s when the scheduler moved onto the pool), from inside it costs none. Only a rank
 /// holding the whole model does this: a split rank waits for its peers inside the step, and
 /// ranks sharing one process (the tests) would hold every pool thread while they wait.
-fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    rayon::scope(|_| f())
+///
+/// A `decode` step (one new position per sequence) runs as one `kernels::team::step`: the
+/// pool's other threads spin between its matrix products instead of falling asleep and
+/// being woken for each (measured on a 2-vCPU Intel VM: see the module). Prefill keeps
+/// rayon alone: its products are long, and its attention is a rayon loop that a spinning
+/// helper would leave to one thread.
+fn on_pool<R: Send>(decode: bool, f: impl FnOnce() -> R + Send) -> R {
+    if decode {
+        crate::kernels::team::step(f)
+    } else {
+        rayon::scope(|_| f())
+    }
 }
 
 /// Runs `f` on the f32 values of contiguous CPU tensor `t`.

@@ -88,6 +88,7 @@ mod neon_tiled;
 mod portable;
 mod prefetch;
 pub mod reference;
+pub mod team;
 mod tiled;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -1098,8 +1099,7 @@ impl QuantMatrix {
         }
         let chunks = (threads * 4).min(self.rows.div_ceil(8));
         let per_chunk = self.rows.div_ceil(chunks);
-        use rayon::prelude::*;
-        (0..chunks).into_par_iter().for_each(|c| {
+        team::for_each(chunks, |c| {
             let rows = c * per_chunk..((c + 1) * per_chunk).min(self.rows);
             if !rows.is_empty() {
                 self.drive_rows(rows, acts, per_row, t, out, k);
@@ -1342,8 +1342,8 @@ fn drive_many<A: Sync>(
         }
         return;
     }
-    use rayon::prelude::*;
-    jobs.into_par_iter().for_each(|(i, r)| {
+    team::for_each(jobs.len(), |j| {
+        let (i, r) = jobs[j].clone();
         mats[i].drive_tile_range(r, acts, per_row, t, outs[i], &ks[i]);
     });
 }
