@@ -74,20 +74,23 @@ impl Prefetch {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     #[inline]
     pub(crate) fn block_distance() -> usize {
-        match BLOCK.load(Ordering::Relaxed) {
-            UNSET => Prefetch::current().block,
-            d => d,
-        }
+        distance(&BLOCK, |p| p.block)
     }
 
     /// The distance for the K-quant kernels, read in their inner loop.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     #[inline]
     pub(crate) fn k_distance() -> usize {
-        match K.load(Ordering::Relaxed) {
-            UNSET => Prefetch::current().k,
-            d => d,
-        }
+        distance(&K, |p| p.k)
+    }
+}
+
+/// The distance in `slot`, chosen first if it is not yet.
+#[inline]
+fn distance(slot: &AtomicUsize, field: fn(Prefetch) -> usize) -> usize {
+    match slot.load(Ordering::Relaxed) {
+        UNSET => field(Prefetch::current()),
+        d => d,
     }
 }
 

@@ -38,13 +38,7 @@ struct Team {
     panicked: AtomicBool,
     /// The step is over: helpers leave.
     over: AtomicBool,
-    /// The number of the last loop published (the caller's alone).
-    epoch: Cell<u32>,
 }
-
-// SAFETY: `epoch` is touched only by the step's caller thread (`run`); everything else is
-// atomic or behind the mutex.
-unsafe impl Sync for Team {}
 
 /// A step with helpers is running somewhere in the process. One at a time: a helper is a
 /// rayon task that spins until its step ends, and a worker waiting inside a rayon join
@@ -90,8 +84,8 @@ impl Team {
     /// Runs `body` for every index below `n` on the caller and the helpers, and returns
     /// when all are done.
     fn run(&self, n: usize, body: &(dyn Fn(usize) + Sync)) {
-        let epoch = self.epoch.get().wrapping_add(1);
-        self.epoch.set(epoch);
+        // only the caller writes the loop number; helpers change the index below it
+        let epoch = ((self.next.load(Ordering::Acquire) >> 32) as u32).wrapping_add(1);
         // SAFETY: only the lifetime is erased; the pointer is called only for indices taken
         // while this loop runs, and this function waits for all of them below.
         let body: *const (dyn Fn(usize) + Sync + 'static) =
@@ -141,7 +135,6 @@ pub fn step<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         finished: AtomicUsize::new(0),
         panicked: AtomicBool::new(false),
         over: AtomicBool::new(false),
-        epoch: Cell::new(0),
     };
     let team = &team;
     rayon::scope(|s| {
@@ -183,7 +176,8 @@ pub fn step<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 /// thread runs one, else on rayon's pool.
 pub fn for_each(n: usize, body: impl Fn(usize) + Sync) {
     let team = CURRENT.with(|c| c.get());
-    if team.is_null() {
+    // a team's indices are 32 bits wide
+    if team.is_null() || n > u32::MAX as usize {
         use rayon::prelude::*;
         (0..n).into_par_iter().for_each(&body);
         return;
