@@ -169,9 +169,9 @@ pub fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
 /// Read bandwidth in GB/s: `threads` threads stream disjoint parts of a buffer much larger
 /// than the caches the way the weight kernels do (32-byte loads), best of several passes
 /// with the hardware prefetchers alone and at each software prefetch distance the kernels
-/// use on some CPU (`kernels::Prefetch`: 2 and 8 KiB on AMD, 1.5 KiB elsewhere) or were
-/// told to use, so the ceiling is never what one way of reading alone happened to reach. On an Intel Xeon the distances were within
-/// noise of each other (1 thread, 14-15 GB/s); on an AMD EPYC (Zen 3) the hardware
+/// use on some CPU (`kernels::Prefetch::KNOWN`) or were told to use, so the ceiling is never
+/// what one way of reading alone happened to reach. On an Intel Xeon the distances were
+/// within noise of each other (1 thread, 14-15 GB/s); on an AMD EPYC (Zen 3) the hardware
 /// prefetchers alone read 5-10% faster than either (14.6 against 12.4 and 13.2 GB/s).
 ///
 /// The buffer is a [`WeightBuffer`], on the transparent huge pages the weights live on:
@@ -214,8 +214,11 @@ impl ReadProbe {
     pub fn best_of(&self, threads: usize, passes: usize) -> f64 {
         let chunk = self.buf.len().div_ceil(threads.max(1)).max(1);
         let mut best = 0.0f64;
-        let now = shoal_engine::kernels::Prefetch::current();
-        let mut ways = vec![0, 1536, 2048, 8192, now.block, now.k];
+        use shoal_engine::kernels::Prefetch;
+        let mut ways = vec![0];
+        for p in Prefetch::KNOWN.into_iter().chain([Prefetch::current()]) {
+            ways.extend([p.block, p.k]);
+        }
         ways.sort_unstable();
         ways.dedup();
         for pass in 0..ways.len() * passes {

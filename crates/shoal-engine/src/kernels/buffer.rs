@@ -82,15 +82,17 @@ fn huge_mapping(len: usize) -> Option<(memmap2::MmapMut, usize)> {
 /// be mapped.
 fn carve(len: usize) -> Option<Storage> {
     let mut arena = ARENA.lock().unwrap_or_else(|e| e.into_inner());
-    let fits = matches!(&*arena, Some((_, used)) if used.next_multiple_of(ALIGN) + len <= CHUNK);
-    if !fits {
+    let mut offset = arena
+        .as_ref()
+        .map_or(CHUNK, |(_, used)| used.next_multiple_of(ALIGN));
+    if offset + len > CHUNK {
         let (mut map, start) = huge_mapping(CHUNK)?;
         // SAFETY: `start + CHUNK` is inside the mapping (one huge page longer than CHUNK).
         let base = unsafe { map.as_mut_ptr().add(start) };
         *arena = Some((Arc::new(Chunk { _map: map, base }), 0));
+        offset = 0;
     }
     let (chunk, used) = arena.as_mut()?;
-    let offset = used.next_multiple_of(ALIGN);
     *used = offset + len;
     Some(Storage::Carved {
         chunk: chunk.clone(),

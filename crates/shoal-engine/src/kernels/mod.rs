@@ -808,13 +808,7 @@ impl QuantMatrix {
         cols: usize,
         data: &[u8],
     ) -> Result<Self, KernelError> {
-        Self::build(
-            active_isa(),
-            ty,
-            rows,
-            cols,
-            std::borrow::Cow::Borrowed(data),
-        )
+        Self::build(active_isa(), ty, rows, cols, data)
     }
 
     /// As [`QuantMatrix::new`], for a given instruction-set level.
@@ -828,7 +822,7 @@ impl QuantMatrix {
         cols: usize,
         data: Vec<u8>,
     ) -> Result<Self, KernelError> {
-        Self::build(isa, ty, rows, cols, std::borrow::Cow::Owned(data))
+        Self::build(isa, ty, rows, cols, &data)
     }
 
     fn build(
@@ -836,7 +830,7 @@ impl QuantMatrix {
         ty: WeightType,
         rows: usize,
         cols: usize,
-        data: std::borrow::Cow<'_, [u8]>,
+        data: &[u8],
     ) -> Result<Self, KernelError> {
         if !isa.runs_here() {
             return Err(KernelError::Isa(isa));
@@ -867,10 +861,10 @@ impl QuantMatrix {
         let data = if tiled {
             let blocks = cols / ty.block_elems();
             let mut out = WeightBuffer::zeroed(tiled::tiled_len(ty, rows, blocks));
-            tiled::tile(ty, rows, blocks, &data, high_bits(isa), &mut out);
+            tiled::tile(ty, rows, blocks, data, high_bits(isa), &mut out);
             out
         } else {
-            WeightBuffer::copy_of(&data)
+            WeightBuffer::copy_of(data)
         };
         Ok(QuantMatrix {
             ty,
