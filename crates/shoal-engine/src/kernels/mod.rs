@@ -861,7 +861,7 @@ impl QuantMatrix {
         let data = if tiled {
             let blocks = cols / ty.block_elems();
             let mut out = WeightBuffer::zeroed(tiled::tiled_len(ty, rows, blocks));
-            tiled::tile(ty, rows, blocks, data, high_bits(isa), &mut out);
+            tiled::tile(ty, rows, blocks, data, high_bits(isa, ty), &mut out);
             out
         } else {
             WeightBuffer::copy_of(data)
@@ -915,7 +915,7 @@ impl QuantMatrix {
                 blocks,
                 &self.data,
                 r,
-                high_bits(self.isa),
+                high_bits(self.isa, self.ty),
             ))
         } else {
             std::borrow::Cow::Borrowed(&self.data[r * self.row_bytes..(r + 1) * self.row_bytes])
@@ -1293,10 +1293,13 @@ impl QuantMatrix {
     }
 }
 
-/// The layout of the Q5 and Q6_K codes' high bits that the tile kernels of `isa` read.
-fn high_bits(isa: Isa) -> tiled::HighBits {
-    match isa {
-        Isa::Avx2 => tiled::HighBits::Whole,
+/// The layout of the high bits of `ty`'s codes (Q5 and Q6_K) that the tile kernels of `isa`
+/// read. AVX-512 sets Q5's fifth bits with byte masks, but builds Q6_K codes from whole
+/// codes as AVX2 does: 11 instructions per four code vectors where the file's nibbles and
+/// pairs take 17.
+fn high_bits(isa: Isa, ty: WeightType) -> tiled::HighBits {
+    match (isa, ty) {
+        (Isa::Avx2, _) | (Isa::Avx512Vnni, WeightType::Q6K) => tiled::HighBits::Whole,
         _ => tiled::HighBits::Masks,
     }
 }

@@ -29,10 +29,10 @@ pub enum HighBits {
     /// Q5: the quant bytes as in the file (nibbles of vectors `m` and `m + 4` in group
     /// vector `m`), and one 32-bit mask of fifth bits per code vector (`k` of 8): bit `i` of
     /// mask `k` is the 5th bit of byte `i` of vector `k`. AVX-512 uses a mask as a byte-mask
-    /// register as it is; NEON expands it. Q6_K: nibbles and 2-bit pairs as in the file,
-    /// interleaved.
+    /// register as it is; NEON expands it. Q6_K (NEON): nibbles and 2-bit pairs as in the
+    /// file, interleaved.
     Masks,
-    /// Codes kept whole, for AVX2 (no byte masks). Q5: byte `i` of group vector `m` (0..4)
+    /// Codes kept whole, for AVX2 (no byte masks), and for Q6_K on AVX-512 too. Q5: byte `i` of group vector `m` (0..4)
     /// holds vector `m`'s code in bits 0-4 and the low three bits of vector `m + 4`'s code
     /// in bits 5-7; byte `i` of the 32 other bytes holds the top two bits of vector `m + 4`'s
     /// code in bits `2 m` and `2 m + 1`. Vectors 0-3 then cost one `and` each and vectors 4-7

@@ -118,33 +118,10 @@ unsafe fn codes5_bw(qs: *const u8, masks: *const u8) -> [__m256i; 8] {
 }
 
 /// Q6_K code vectors `k` = 0..4 of group `(n, g)` of the tile block at `t` (values
-/// `128 n + 32 k + 4 g .. + 4` of each row), from the file's nibbles and 2-bit pairs
-/// ([`super::tiled::HighBits::Masks`]). Each pair of high bits is moved to bits 4-5 and
-/// masked there, so bits crossing from the other byte of a 16-bit lane fall outside the mask.
-#[inline]
-#[target_feature(enable = "avx2")]
-unsafe fn q6_codes_split(t: *const u8, n: usize, g: usize) -> [__m256i; 4] {
-    use k_offsets::*;
-    let (m4, m30) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
-    let ld = |at: usize| _mm256_loadu_si256(t.add(at) as *const __m256i);
-    let l0 = ld(QL6 + 512 * n + 32 * g);
-    let l1 = ld(QL6 + 512 * n + 256 + 32 * g);
-    let hb = ld(QH6 + 256 * n + 32 * g);
-    let h0 = _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30);
-    let h1 = _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30);
-    let h2 = _mm256_and_si256(hb, m30);
-    let h3 = _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30);
-    [
-        _mm256_or_si256(_mm256_and_si256(l0, m4), h0),
-        _mm256_or_si256(_mm256_and_si256(l1, m4), h1),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), h2),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), h3),
-    ]
-}
-
-/// [`q6_codes_split`] from codes kept whole ([`super::tiled::HighBits::Whole`]): codes 0-2
-/// are one `and` each; code 3's three pieces sit in bits 6-7 of the three vectors, and each
-/// is masked before the 16-bit shifts that gather them, so nothing crosses between bytes.
+/// `128 n + 32 k + 4 g .. + 4` of each row), from codes kept whole
+/// ([`super::tiled::HighBits::Whole`], both x86 levels): codes 0-2 are one `and` each; code
+/// 3's three pieces sit in bits 6-7 of the three vectors, and each is masked before the
+/// 16-bit shifts that gather them, so nothing crosses between bytes.
 #[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn q6_codes_whole(t: *const u8, n: usize, g: usize) -> [__m256i; 4] {
@@ -619,7 +596,7 @@ tiled_kernels!(
     scaled_vnni,
     scales_vnni,
     codes5_bw,
-    q6_codes_split,
+    q6_codes_whole,
     q8_prep_vnni,
     q8_pair_vnni,
     128

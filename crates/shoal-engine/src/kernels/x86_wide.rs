@@ -283,7 +283,8 @@ unsafe fn pairs16x2_signed(t0: *const u8, t1: *const u8, off: usize) -> __m512i 
     _mm512_cvtepi8_epi16(_mm256_set_m128i(pair(t1), pair(t0)))
 }
 
-/// Q6_K: tiles `w0` and `w1` against `N` activation rows, as [`tile2_q45k`].
+/// Q6_K (codes kept whole, [`super::tiled::HighBits::Whole`]): tiles `w0` and `w1` against `N`
+/// activation rows, as [`tile2_q45k`].
 ///
 /// # Safety
 /// As [`tile2_q45k`].
@@ -296,8 +297,8 @@ pub unsafe fn tile2_q6k<const N: usize>(
 ) -> [[f32; PAIR_ROWS]; N] {
     use k_offsets::*;
     let tb = 1680;
-    let m4 = _mm512_set1_epi8(0x0F);
-    let m3 = _mm512_set1_epi8(3);
+    let low6 = _mm512_set1_epi8(0x3F);
+    let top2 = _mm512_set1_epi8(0xC0u8 as i8);
     let mut acc = [_mm512_setzero_ps(); N];
     let next = w1.as_ptr().wrapping_add(w1.len());
     for b in 0..w0.len() / tb {
@@ -312,21 +313,18 @@ pub unsafe fn tile2_q6k<const N: usize>(
                 // groups 4h..4h+4 of half n: values 4g..4g+4 of each quarter
                 let mut q = [[_mm512_setzero_si512(); 4]; 4];
                 for (gi, qg) in q.iter_mut().enumerate() {
+                    // codes kept whole, as `x86_tiled::q6_codes_whole` reads them
                     let g = 4 * h + gi;
-                    let l0 = ld2(t0, t1, QL6 + 512 * n + 32 * g);
-                    let l1 = ld2(t0, t1, QL6 + 512 * n + 256 + 32 * g);
-                    let hb = ld2(t0, t1, QH6 + 256 * n + 32 * g);
-                    let h0 = _mm512_slli_epi16::<4>(_mm512_and_si512(hb, m3));
-                    let h1 =
-                        _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srli_epi16::<2>(hb), m3));
-                    let h2 =
-                        _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srli_epi16::<4>(hb), m3));
-                    let h3 =
-                        _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srli_epi16::<6>(hb), m3));
-                    qg[0] = _mm512_or_si512(_mm512_and_si512(l0, m4), h0);
-                    qg[1] = _mm512_or_si512(_mm512_and_si512(l1, m4), h1);
-                    qg[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(l0), m4), h2);
-                    qg[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(l1), m4), h3);
+                    let a0 = ld2(t0, t1, QL6 + 512 * n + 32 * g);
+                    let a1 = ld2(t0, t1, QL6 + 512 * n + 256 + 32 * g);
+                    let a2 = ld2(t0, t1, QH6 + 256 * n + 32 * g);
+                    let mut c3 = _mm512_and_si512(a2, top2);
+                    c3 = _mm512_or_si512(_mm512_srli_epi16::<2>(c3), _mm512_and_si512(a1, top2));
+                    c3 = _mm512_or_si512(_mm512_srli_epi16::<2>(c3), _mm512_and_si512(a0, top2));
+                    qg[0] = _mm512_and_si512(a0, low6);
+                    qg[1] = _mm512_and_si512(a1, low6);
+                    qg[2] = _mm512_and_si512(a2, low6);
+                    qg[3] = _mm512_srli_epi16::<2>(c3);
                 }
                 let sc: [__m512; 4] =
                     core::array::from_fn(|k| i8x16_ps(t0, t1, SC6 + 8 * (8 * n + 2 * k + h)));
