@@ -270,7 +270,6 @@ macro_rules! tiled_kernels {
         $scaled:ident,
         $scales:ident,
         $codes5:ident,
-        $q6codes:ident,
         $q8prep:ident,
         $q8pair:ident,
         $q8off:expr
@@ -520,7 +519,7 @@ macro_rules! tiled_kernels {
                             }
                             // groups 4h..4h+4 of half n: values 4g..4g+4 of each quarter
                             let q: [[__m256i; 4]; 4] =
-                                core::array::from_fn(|gi| $q6codes(t, n, 4 * h + gi));
+                                core::array::from_fn(|gi| q6_codes_whole(t, n, 4 * h + gi));
                             let sc: [__m256i; 4] = core::array::from_fn(|k| {
                                 i8x8(t.add(SC6 + 8 * (8 * n + 2 * k + h)))
                             });
@@ -584,7 +583,6 @@ tiled_kernels!(
     scaled_avx2,
     scales_avx2,
     codes5_avx2,
-    q6_codes_whole,
     q8_prep_avx2,
     q8_pair_avx2,
     0
@@ -596,7 +594,6 @@ tiled_kernels!(
     scaled_vnni,
     scales_vnni,
     codes5_bw,
-    q6_codes_whole,
     q8_prep_vnni,
     q8_pair_vnni,
     128
