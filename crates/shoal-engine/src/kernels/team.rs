@@ -172,6 +172,12 @@ pub fn step<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     })
 }
 
+/// Whether this thread runs a step with helpers, so its [`for_each`] loops go to a team
+/// that is already awake rather than to rayon.
+pub fn in_step() -> bool {
+    CURRENT.with(|c| !c.get().is_null())
+}
+
 /// `body(i)` for every `i` below `n`, in parallel: on the current step's team when this
 /// thread runs one, else on rayon's pool.
 pub fn for_each(n: usize, body: impl Fn(usize) + Sync) {
@@ -219,6 +225,34 @@ mod tests {
                 }
             }
         });
+    }
+
+    #[test]
+    fn in_step_says_whether_loops_go_to_a_team() {
+        assert!(!in_step());
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        assert!(!one.install(|| step(in_step)), "one thread has no helpers");
+        let two = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        // other tests of this process may hold the one team for a moment
+        let formed = (0..400).any(|_| {
+            let inside = two.install(|| step(|| (in_step(), step(in_step))));
+            assert_eq!(
+                inside.1, inside.0,
+                "a nested step's loops go to the outer team"
+            );
+            inside.0 || {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+                false
+            }
+        });
+        assert!(formed, "no team formed in 400 tries");
+        assert!(!in_step());
     }
 
     #[test]
