@@ -1315,12 +1315,13 @@ fn drive_many<A: Sync>(
     t: usize,
 ) {
     let threads = rayon::current_num_threads();
-    // Jobs per thread for the whole region, shared among the matrices by their tiles (so
-    // many per matrix made SmolLM2's q/k/v 24 jobs, k's and v's of three tiles each). Four
-    // on rayon, so a thread that wakes late is not left with a quarter of the work. One in
-    // a decode step's team, whose helpers are already spinning: a thread that moves on to a
-    // job elsewhere in memory restarts its stream, at about 1.6 µs (one-row products over
-    // 69 KB matrices at 1 thread: 14.7 GB/s in memory order, 11.0 in a permuted order).
+    // Jobs per thread for the whole region, shared among the matrices by their tiles (four
+    // per thread per matrix made SmolLM2's q/k/v 24 jobs, k's and v's of three tiles each).
+    // Four on rayon, so a thread that wakes late is not left with a quarter of the work.
+    // One in a decode step's team, whose helpers are already spinning: a thread that moves
+    // on to a job elsewhere in memory restarts its stream, at about 1.6 µs (one-row
+    // products over 69 KB matrices at 1 thread: 14.7 GB/s in memory order, 11.0 in a
+    // permuted order).
     let per_thread = if t == 1 && team::in_step() { 1 } else { 4 };
     let total: usize = mats.iter().map(|m| m.tiles()).sum();
     let jobs: Vec<(usize, Range<usize>)> = mats

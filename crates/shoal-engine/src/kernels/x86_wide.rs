@@ -283,8 +283,8 @@ unsafe fn pairs16x2_signed(t0: *const u8, t1: *const u8, off: usize) -> __m512i 
     _mm512_cvtepi8_epi16(_mm256_set_m128i(pair(t1), pair(t0)))
 }
 
-/// Q6_K (codes kept whole, [`super::tiled::HighBits::Whole`]): tiles `w0` and `w1` against `N`
-/// activation rows, as [`tile2_q45k`].
+/// Q6_K, its codes kept whole ([`super::tiled::HighBits::Whole`]): tiles `w0` and `w1`
+/// against `N` activation rows, as [`tile2_q45k`].
 ///
 /// # Safety
 /// As [`tile2_q45k`].
