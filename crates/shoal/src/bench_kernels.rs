@@ -66,13 +66,26 @@ struct Row {
     prefetch_k: usize,
 }
 
+/// The farthest prefetch distance `--prefetch` takes: far beyond any that helps, and small
+/// enough that the kernels' address arithmetic cannot overflow.
+const MAX_PREFETCH: usize = 1 << 20;
+
 /// `BLOCK,K` in bytes.
 fn parse_prefetch(s: &str) -> Result<Prefetch, String> {
-    let bad = || format!("--prefetch wants two byte counts, BLOCK,K (e.g. 1536,8192), not {s:?}");
+    let bad = || {
+        format!(
+            "--prefetch wants two byte counts up to {MAX_PREFETCH}, BLOCK,K (e.g. 1536,8192), \
+             not {s:?}"
+        )
+    };
     let (block, k) = s.split_once(',').ok_or_else(bad)?;
+    let bytes = |v: &str| match v.trim().parse::<usize>() {
+        Ok(n) if n <= MAX_PREFETCH => Ok(n),
+        _ => Err(bad()),
+    };
     Ok(Prefetch {
-        block: block.trim().parse().map_err(|_| bad())?,
-        k: k.trim().parse().map_err(|_| bad())?,
+        block: bytes(block)?,
+        k: bytes(k)?,
     })
 }
 
@@ -241,7 +254,14 @@ mod tests {
                 k: 8192
             })
         );
-        for bad in ["", "1536", "a,b", "1536,8192,1", "-1,2"] {
+        for bad in [
+            "",
+            "1536",
+            "a,b",
+            "1536,8192,1",
+            "-1,2",
+            "1536,18446744073709551615",
+        ] {
             let e = parse_prefetch(bad).unwrap_err();
             assert!(e.contains("BLOCK,K"), "{bad:?}: {e}");
         }

@@ -35,12 +35,13 @@ pub enum HighBits {
     /// Codes kept whole, for AVX2 (no byte masks), and for Q6_K under AVX-512 too. Q5: byte
     /// `i` of group vector `m` (0..4) holds vector `m`'s code in bits 0-4 and the low three
     /// bits of vector `m + 4`'s code in bits 5-7; byte `i` of the 32 other bytes holds the
-    /// top two bits of vector `m + 4`'s code in bits `2 m` and `2 m + 1`. Vectors 0-3 then cost one `and` each and vectors 4-7
-    /// five instructions, 24 in all, where nibbles and bit planes cost 35. Q6_K: of the
-    /// three vectors that held one group's low nibbles twice and its 2-bit pairs, byte `i`
-    /// of vector `k` (0..3) holds the group's code `k` whole in bits 0-5, and in bits 6-7 two
-    /// bits of code 3 (bits 4-5, 2-3 and 0-1 of it for `k` = 0, 1, 2): 11 instructions for
-    /// the four code vectors where nibbles and pairs took 17.
+    /// top two bits of vector `m + 4`'s code in bits `2 m` and `2 m + 1`. Vectors 0-3 then
+    /// cost one `and` each and vectors 4-7 five instructions, 24 in all, where nibbles and
+    /// bit planes cost 35. Q6_K: of the three vectors that held one group's low nibbles
+    /// twice and its 2-bit pairs, byte `i` of vector `k` (0..3) holds the group's code `k`
+    /// whole in bits 0-5, and in bits 6-7 two bits of code 3 (bits 4-5, 2-3 and 0-1 of it
+    /// for `k` = 0, 1, 2): 11 instructions for the four code vectors where nibbles and pairs
+    /// took 17.
     Whole,
 }
 

@@ -28,8 +28,8 @@ unsafe fn prefetch_lines(t: *const u8, dist: usize, lines: usize, part: usize) {
 }
 
 /// Quarter `part` (0..4) of the lines [`Prefetch::k_distance`] bytes past the `len`-byte
-/// block at `t`: the K-quant kernels (blocks of 1184 to 1680 bytes, 19 to 27 lines) spread their
-/// prefetches over the block's work, a few lines at a time. Asked for all at once, a Q6_K
+/// block at `t`: the K-quant kernels (blocks of 1184 to 1680 bytes, 19 to 27 lines) spread
+/// their prefetches over the block's work, a few lines at a time. Asked for all at once, a Q6_K
 /// block's 27 lines are more misses than the core keeps in flight, the last ones are
 /// dropped, and the loop stalls on them (`perf annotate`: the first loads of each block's
 /// codes). Measured, one-row decode at 1 thread, binaries in turn: qwen15 17.1 -> 21.6
@@ -44,7 +44,8 @@ unsafe fn prefetch_quarter(t: *const u8, len: usize, part: usize) {
 
 /// Asks for the cache lines [`Prefetch::block_distance`] bytes past the `len`-byte block at
 /// `t`: the kernels read one long stream, and the hardware prefetcher alone loses pace at
-/// page boundaries (measured: Q5_0 decode 7.9 -> 10.3 GB/s). A prefetch never faults, even past the end.
+/// page boundaries (measured: Q5_0 decode 7.9 -> 10.3 GB/s). A prefetch never faults, even
+/// past the end.
 #[inline]
 #[target_feature(enable = "sse")]
 unsafe fn prefetch_block(t: *const u8, len: usize) {
