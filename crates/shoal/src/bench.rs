@@ -168,11 +168,13 @@ pub fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
 
 /// Read bandwidth in GB/s: `threads` threads stream disjoint parts of a buffer much larger
 /// than the caches the way the weight kernels do (32-byte loads), best of several passes
-/// with the hardware prefetchers alone and at each software prefetch distance the kernels
-/// use on some CPU (`kernels::Prefetch::KNOWN`) or were told to use, so the ceiling is never
-/// what one way of reading alone happened to reach. On an Intel Xeon the distances were
-/// within noise of each other (1 thread, 14-15 GB/s); on an AMD EPYC (Zen 3) the hardware
-/// prefetchers alone read 5-10% faster than either (14.6 against 12.4 and 13.2 GB/s).
+/// with the hardware prefetchers alone and with each pair of software prefetch distances
+/// (into L1, into L2) the kernels use on some CPU (`kernels::Prefetch::KNOWN`) or were told
+/// to use, so the ceiling is never what one way of reading alone happened to reach. On an
+/// Intel Xeon the ways were within noise of each other (1 thread, 14-15 GB/s; 2026-11-26,
+/// best of 5 in three rounds: 18.0-18.1 alone, 17.6-17.7 with 1.5 KiB into L1, 17.8-18.1
+/// with 4 KiB into L2 as well); on an AMD EPYC (Zen 3) the hardware prefetchers alone read
+/// 5-10% faster than either (14.6 against 12.4 and 13.2 GB/s).
 ///
 /// The buffer is a [`WeightBuffer`], on the transparent huge pages the weights live on:
 /// the ceiling is what reading that memory gives. On 4 KiB pages the same loop read 8-23%
@@ -215,20 +217,20 @@ impl ReadProbe {
         let chunk = self.buf.len().div_ceil(threads.max(1)).max(1);
         let mut best = 0.0f64;
         use shoal_engine::kernels::Prefetch;
-        let mut ways = vec![0];
+        let mut ways = vec![(0, 0)];
         for p in Prefetch::KNOWN.into_iter().chain([Prefetch::current()]) {
-            ways.extend([p.block, p.k]);
+            ways.extend([(p.block, p.l2), (p.k, p.l2)]);
         }
         ways.sort_unstable();
         ways.dedup();
         for pass in 0..ways.len() * passes {
-            let ahead = ways[pass % ways.len()];
+            let (ahead, l2) = ways[pass % ways.len()];
             let t0 = Instant::now();
             let total = std::thread::scope(|s| {
                 let handles: Vec<_> = self
                     .buf
                     .chunks(chunk)
-                    .map(|c| s.spawn(move || shoal_engine::kernels::stream_checksum(c, ahead)))
+                    .map(|c| s.spawn(move || shoal_engine::kernels::stream_checksum(c, ahead, l2)))
                     .collect();
                 handles
                     .into_iter()

@@ -37,9 +37,10 @@ pub struct KernelBenchArgs {
     /// Repetitions of each measurement.
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     pub reps: usize,
-    /// Software prefetch distances of the x86 decode kernels in bytes, `BLOCK,K`: for the
-    /// 32-value types and for the K-quants (default: chosen for this CPU's maker; see
-    /// `kernels::Prefetch`). To find the best for a new machine.
+    /// Software prefetch distances of the x86 decode kernels in bytes, `BLOCK,K[,L2]`: into
+    /// L1 for the 32-value types and for the K-quants, and a second request into L2 for
+    /// both (0: none; left out: this CPU's). Default: chosen for this CPU's maker; see
+    /// `kernels::Prefetch`. To find the best for a new machine.
     #[arg(long, value_parser = parse_prefetch)]
     pub prefetch: Option<Prefetch>,
     /// One JSON object per line on stdout.
@@ -61,32 +62,36 @@ struct Row {
     prefill_gmac_s: f64,
     prefill: Spread,
     mem_read_gb_s: f64,
-    /// Software prefetch distances of the decode kernels, bytes (32-value types, K-quants).
+    /// Software prefetch distances of the decode kernels, bytes (into L1 for the 32-value
+    /// types and for the K-quants, and into L2 for both; 0 for none).
     prefetch_block: usize,
     prefetch_k: usize,
+    prefetch_l2: usize,
 }
 
 /// The farthest prefetch distance `--prefetch` takes: far beyond any that helps, and small
 /// enough that the kernels' address arithmetic cannot overflow.
 const MAX_PREFETCH: usize = 1 << 20;
 
-/// `BLOCK,K` in bytes.
+/// `BLOCK,K` or `BLOCK,K,L2` in bytes (without `L2`, this CPU's own).
 fn parse_prefetch(s: &str) -> Result<Prefetch, String> {
     let bad = || {
         format!(
-            "--prefetch wants two byte counts up to {MAX_PREFETCH}, BLOCK,K (e.g. 1536,8192), \
-             not {s:?}"
+            "--prefetch wants two or three byte counts up to {MAX_PREFETCH}, BLOCK,K or \
+             BLOCK,K,L2 (e.g. 1536,8192 or 1536,1536,4096; L2 0 for none), not {s:?}"
         )
     };
-    let (block, k) = s.split_once(',').ok_or_else(bad)?;
     let bytes = |v: &str| match v.trim().parse::<usize>() {
         Ok(n) if n <= MAX_PREFETCH => Ok(n),
         _ => Err(bad()),
     };
-    Ok(Prefetch {
-        block: bytes(block)?,
-        k: bytes(k)?,
-    })
+    let parts: Vec<&str> = s.split(',').collect();
+    let (block, k, l2) = match parts[..] {
+        [block, k] => (bytes(block)?, bytes(k)?, Prefetch::for_this_cpu().l2),
+        [block, k, l2] => (bytes(block)?, bytes(k)?, bytes(l2)?),
+        _ => return Err(bad()),
+    };
+    Ok(Prefetch { block, k, l2 })
 }
 
 fn parse_type(s: &str) -> anyhow::Result<WeightType> {
@@ -180,8 +185,8 @@ pub fn main(args: KernelBenchArgs) -> anyhow::Result<()> {
     let bw = measure_read_bandwidth(threads);
     if !args.json {
         println!(
-            "threads {threads}  read bandwidth {bw:.1} GB/s  decode matrix {} MB  prefill batch {}  prefetch {} / {} bytes",
-            args.decode_mb, args.batch, prefetch.block, prefetch.k
+            "threads {threads}  read bandwidth {bw:.1} GB/s  decode matrix {} MB  prefill batch {}  prefetch {} / {} / {} bytes",
+            args.decode_mb, args.batch, prefetch.block, prefetch.k, prefetch.l2
         );
         println!(
             "{:<6} {:<11} {:>14} {:>8} {:>16}",
@@ -223,6 +228,7 @@ pub fn main(args: KernelBenchArgs) -> anyhow::Result<()> {
                 mem_read_gb_s: bw,
                 prefetch_block: prefetch.block,
                 prefetch_k: prefetch.k,
+                prefetch_l2: prefetch.l2,
             };
             if args.json {
                 println!("{}", serde_json::to_string(&row)?);
@@ -251,16 +257,27 @@ mod tests {
             parse_prefetch("1536, 8192"),
             Ok(Prefetch {
                 block: 1536,
-                k: 8192
+                k: 8192,
+                l2: Prefetch::for_this_cpu().l2,
+            })
+        );
+        assert_eq!(
+            parse_prefetch("1536,1536, 0"),
+            Ok(Prefetch {
+                block: 1536,
+                k: 1536,
+                l2: 0
             })
         );
         for bad in [
             "",
             "1536",
             "a,b",
-            "1536,8192,1",
+            "1536,8192,1,2",
+            "1536,8192,",
             "-1,2",
             "1536,18446744073709551615",
+            "1536,1536,2000000",
         ] {
             let e = parse_prefetch(bad).unwrap_err();
             assert!(e.contains("BLOCK,K"), "{bad:?}: {e}");

@@ -290,18 +290,18 @@ pub fn active_isa() -> Isa {
 }
 
 /// A checksum of `buf` that reads every byte the way the weight kernels stream weights,
-/// prefetching `ahead` bytes ahead where the CPU has AVX2 (0: no software prefetch): the
-/// read-bandwidth probe (`shoal bench` divides bytes by its time, and takes the best over
-/// no prefetch and the distances the kernels use).
-pub fn stream_checksum(buf: &[u8], ahead: usize) -> u64 {
+/// prefetching into L1 `ahead` bytes ahead and into L2 `l2` bytes ahead where the CPU has
+/// AVX2 (0: no such request): the read-bandwidth probe (`shoal bench` divides bytes by its
+/// time, and takes the best over no prefetch and the distances the kernels use).
+pub fn stream_checksum(buf: &[u8], ahead: usize, l2: usize) -> u64 {
     #[cfg(target_arch = "x86_64")]
     if Isa::detected() >= Isa::Avx2 {
         let whole = buf.len() / 128 * 128;
         // SAFETY: AVX2 was detected.
-        let head = unsafe { x86::stream_checksum(&buf[..whole], ahead) };
+        let head = unsafe { x86::stream_checksum(&buf[..whole], ahead, l2) };
         return buf[whole..].iter().fold(head, |a, &b| a ^ b as u64);
     }
-    let _ = ahead;
+    let _ = (ahead, l2);
     buf.chunks(8).fold(0u64, |a, c| {
         let mut w = [0u8; 8];
         w[..c.len()].copy_from_slice(c);

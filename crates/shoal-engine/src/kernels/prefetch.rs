@@ -4,6 +4,11 @@
 //! AMX; 2026-11) that distance cost them a third of their speed. So the distances are
 //! chosen per CPU vendor at first use, and `shoal bench kernels --prefetch` sets others to
 //! measure a new machine with.
+//!
+//! Each line is asked for twice where the maker's entry says so: into L1 a short distance
+//! ahead, and into L2 (`prefetcht1`) farther ahead. One request per line keeps too few
+//! lines in flight for one core to stream at the memory's pace; the L2 requests add more
+//! without the L1 fill buffers they would wait on as L1 requests.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -15,28 +20,36 @@ pub struct Prefetch {
     pub block: usize,
     /// For the K-quants (tile blocks of 1184-1680 bytes, prefetched a quarter at a time).
     pub k: usize,
+    /// Of the second request for each line, into L2, for every type (0: none).
+    pub l2: usize,
 }
 
 /// Not chosen yet.
 const UNSET: usize = usize::MAX;
 static BLOCK: AtomicUsize = AtomicUsize::new(UNSET);
 static K: AtomicUsize = AtomicUsize::new(UNSET);
+static L2: AtomicUsize = AtomicUsize::new(UNSET);
 
 impl Prefetch {
     /// The distances measured best on this CPU's vendor.
     ///
-    /// - AMD (and Hygon, its licensee): 2 KiB and 8 KiB. On an EPYC (Zen 3) at 16 GB/s,
-    ///   qwen15 decode at 1 thread was 11.4 tokens/s with the K-quants 2 KiB ahead, 12.0 at
-    ///   4 KiB and 12.3 at 8 KiB (medians of 4, binaries in turn); 4 KiB was no better than
-    ///   2 KiB for the 32-value types on smollm2 and qwen05.
-    /// - Everyone else (measured on Intel): 1.5 KiB for both. On a Xeon with AVX-512 and a
-    ///   480 MiB L3, `shoal bench kernels -t 1` decode over 512 MB matrices, four rounds in
-    ///   turn, medians (GB/s, probe 19): 2 KiB / 8 KiB gave Q4_K 11.6, Q6_K 10.1, Q5_0 12.0,
-    ///   Q8_0 16.1, Q4_1 15.1; 1.5 KiB / 1.5 KiB gave 15.8, 14.5, 14.0, 15.7, 14.9. 1 KiB was
-    ///   within noise for the 32-value types and 3-5% slower for the K-quants; 2.5 to 16
-    ///   KiB were 15-40% slower (single runs). qwen15 decode (`shoal bench -p 0 -n 32`,
-    ///   medians of 2 in turn) went from 10.4 to 14.1 tokens/s at 1 thread and from 17.2
-    ///   to 23.5 at 2.
+    /// - AMD (and Hygon, its licensee): 2 KiB and 8 KiB into L1, none into L2. On an EPYC
+    ///   (Zen 3) at 16 GB/s, qwen15 decode at 1 thread was 11.4 tokens/s with the K-quants
+    ///   2 KiB ahead, 12.0 at 4 KiB and 12.3 at 8 KiB (medians of 4, binaries in turn); 4
+    ///   KiB was no better than 2 KiB for the 32-value types on smollm2 and qwen05. The L2
+    ///   request was not measured there.
+    /// - Everyone else (measured on Intel): 1.5 KiB for both into L1, and 4 KiB into L2. On
+    ///   a Xeon with AVX-512 and a 480 MiB L3, `shoal bench kernels -t 1` decode over 512
+    ///   MB matrices, four rounds in turn, medians (GB/s, probe 19): 2 KiB / 8 KiB gave Q4_K
+    ///   11.6, Q6_K 10.1, Q5_0 12.0, Q8_0 16.1, Q4_1 15.1; 1.5 KiB / 1.5 KiB gave 15.8,
+    ///   14.5, 14.0, 15.7, 14.9. 1 KiB was within noise for the 32-value types and 3-5%
+    ///   slower for the K-quants; 2.5 to 16 KiB were 15-40% slower (single runs). The L2
+    ///   request 4 KiB ahead then took the fraction of the probe (medians of 3 in turn,
+    ///   2026-11-26) from 77.5 to 85.7% (Q5_0), 85.7 to 92.6 (Q8_0), 79.2 to 88.7 (Q6_K),
+    ///   87.7 to 91.8 (Q4_K); 3 KiB gained a little less, 5 KiB less again, and 6 KiB or
+    ///   more lost (8 KiB: 74% for Q5_0). The probe itself read no faster with it (18.0
+    ///   GB/s either way). `shoal bench M -p 0 -n 32` decode went from 79 to 84% of the
+    ///   ceiling (qwen05) and 79 to 85% (qwen15) at 1 thread, 72 to 79% and 74 to 81% at 2.
     pub fn for_this_cpu() -> Prefetch {
         let [amd, other] = Prefetch::KNOWN;
         if vendor_is_amd() {
@@ -52,23 +65,25 @@ impl Prefetch {
         Prefetch {
             block: 2048,
             k: 8192,
+            l2: 0,
         },
         Prefetch {
             block: 1536,
             k: 1536,
+            l2: 4096,
         },
     ];
 
     /// The distances the kernels use now: those [`Prefetch::set`] last, or else
     /// [`Prefetch::for_this_cpu`].
     pub fn current() -> Prefetch {
-        let (block, k) = (BLOCK.load(Ordering::Relaxed), K.load(Ordering::Relaxed));
-        if block == UNSET || k == UNSET {
+        let [block, k, l2] = [&BLOCK, &K, &L2].map(|a| a.load(Ordering::Relaxed));
+        if block == UNSET || k == UNSET || l2 == UNSET {
             let p = Prefetch::for_this_cpu();
             p.set();
             return p;
         }
-        Prefetch { block, k }
+        Prefetch { block, k, l2 }
     }
 
     /// Makes the kernels of this process use these distances from their next block on (to
@@ -76,6 +91,7 @@ impl Prefetch {
     pub fn set(self) {
         BLOCK.store(self.block.min(UNSET - 1), Ordering::Relaxed);
         K.store(self.k.min(UNSET - 1), Ordering::Relaxed);
+        L2.store(self.l2.min(UNSET - 1), Ordering::Relaxed);
     }
 
     /// The distance for the 32-value kernels, read in their inner loop.
@@ -90,6 +106,14 @@ impl Prefetch {
     #[inline]
     pub(crate) fn k_distance() -> usize {
         distance(&K, |p| p.k)
+    }
+
+    /// The distance of the second request into L2 (0: none), read in the kernels' inner
+    /// loops.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[inline]
+    pub(crate) fn l2_distance() -> usize {
+        distance(&L2, |p| p.l2)
     }
 }
 
@@ -128,12 +152,20 @@ mod tests {
         let chosen = Prefetch::current();
         assert_eq!(chosen, Prefetch::for_this_cpu());
         assert!(chosen.block > 0 && chosen.k > 0);
-        let other = Prefetch { block: 64, k: 4096 };
+        let other = Prefetch {
+            block: 64,
+            k: 4096,
+            l2: 0,
+        };
         other.set();
         assert_eq!(Prefetch::current(), other);
         assert_eq!(
-            (Prefetch::block_distance(), Prefetch::k_distance()),
-            (64, 4096)
+            (
+                Prefetch::block_distance(),
+                Prefetch::k_distance(),
+                Prefetch::l2_distance()
+            ),
+            (64, 4096, 0)
         );
         chosen.set();
         assert_eq!(Prefetch::current(), chosen);

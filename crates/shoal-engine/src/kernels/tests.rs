@@ -528,7 +528,13 @@ fn stream_checksum_is_the_xor_of_the_words_at_every_prefetch_distance() {
         a ^ u64::from_le_bytes(w)
     });
     for ahead in [0, 64, 2048, 8192] {
-        assert_eq!(super::stream_checksum(&buf, ahead), want, "ahead {ahead}");
+        for l2 in [0, 4096] {
+            assert_eq!(
+                super::stream_checksum(&buf, ahead, l2),
+                want,
+                "ahead {ahead}, l2 {l2}"
+            );
+        }
     }
 }
 

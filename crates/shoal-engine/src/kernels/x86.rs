@@ -96,14 +96,14 @@ x86_kernels!(avx2, "avx2,fma,f16c");
 x86_kernels!(avx512vnni, "avx2,fma,f16c,avx512vl,avx512vnni");
 
 /// XOR of all 32-byte lanes of `buf` (its length a multiple of 128), read the way the
-/// one-row kernels read weights (32-byte loads, software prefetch `ahead` bytes ahead, or
-/// the hardware prefetchers alone when `ahead` is 0): the memory bandwidth probe behind
-/// every decode ceiling shoal prints.
+/// one-row kernels read weights (32-byte loads, software prefetch into L1 `ahead` bytes
+/// ahead and into L2 `l2` bytes ahead, each left out when 0): the memory bandwidth probe
+/// behind every decode ceiling shoal prints.
 ///
 /// # Safety
 /// The CPU has AVX2.
 #[target_feature(enable = "avx2")]
-pub unsafe fn stream_checksum(buf: &[u8], ahead: usize) -> u64 {
+pub unsafe fn stream_checksum(buf: &[u8], ahead: usize, l2: usize) -> u64 {
     let p = buf.as_ptr();
     let mut acc = [_mm256_setzero_si256(); 4];
     let mut i = 0;
@@ -111,6 +111,10 @@ pub unsafe fn stream_checksum(buf: &[u8], ahead: usize) -> u64 {
         if ahead > 0 {
             _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i + ahead) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i + ahead + 64) as *const i8);
+        }
+        if l2 > 0 {
+            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(i + l2) as *const i8);
+            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(i + l2 + 64) as *const i8);
         }
         for (k, a) in acc.iter_mut().enumerate() {
             *a = _mm256_xor_si256(*a, _mm256_loadu_si256(p.add(i + 32 * k) as *const __m256i));

@@ -17,13 +17,21 @@ use super::prefetch::Prefetch;
 use super::tiled::kinds::{block_bytes, has_high_bit, has_min, offsets, Q4_0, Q5_0, Q8_0};
 use super::tiled::{k_offsets, TILE_ROWS};
 
-/// Asks for `lines` cache lines from `dist + 64 * lines * part` bytes past `t`.
+/// Asks for `lines` cache lines from `dist + 64 * lines * part` bytes past `t` into L1, and
+/// for as many from [`Prefetch::l2_distance`] instead of `dist` into L2 where that is not 0.
 #[inline]
 #[target_feature(enable = "sse")]
 unsafe fn prefetch_lines(t: *const u8, dist: usize, lines: usize, part: usize) {
     let from = t.wrapping_add(dist + 64 * lines * part);
     for l in 0..lines {
         _mm_prefetch::<_MM_HINT_T0>(from.wrapping_add(64 * l) as *const i8);
+    }
+    let l2 = Prefetch::l2_distance();
+    if l2 != 0 {
+        let from = t.wrapping_add(l2 + 64 * lines * part);
+        for l in 0..lines {
+            _mm_prefetch::<_MM_HINT_T1>(from.wrapping_add(64 * l) as *const i8);
+        }
     }
 }
 
