@@ -48,8 +48,9 @@ impl Prefetch {
     ///   2026-11-26) from 77.5 to 85.7% (Q5_0), 85.7 to 92.6 (Q8_0), 79.2 to 88.7 (Q6_K),
     ///   87.7 to 91.8 (Q4_K); 3 KiB gained a little less, 5 KiB less again, and 6 KiB or
     ///   more lost (8 KiB: 74% for Q5_0). The probe itself read no faster with it (18.0
-    ///   GB/s either way). `shoal bench M -p 0 -n 32` decode went from 79 to 84% of the
-    ///   ceiling (qwen05) and 79 to 85% (qwen15) at 1 thread, 72 to 79% and 74 to 81% at 2.
+    ///   GB/s either way). `shoal bench M -p 0 -n 32` decode, binaries in turn, medians of
+    ///   3-4, went from 79 to 81% of the ceiling (qwen05) and 80 to 84% (qwen15) at 1
+    ///   thread, 72.5 to 76.5% and 76 to 80% at 2.
     pub fn for_this_cpu() -> Prefetch {
         let [amd, other] = Prefetch::KNOWN;
         if vendor_is_amd() {
