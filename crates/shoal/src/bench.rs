@@ -171,10 +171,10 @@ pub fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
 /// with the hardware prefetchers alone and with each pair of software prefetch distances
 /// (into L1, into L2) the kernels use on some CPU (`kernels::Prefetch::KNOWN`) or were told
 /// to use, so the ceiling is never what one way of reading alone happened to reach. On an
-/// Intel Xeon the ways were within noise of each other (1 thread, 14-15 GB/s; 2026-11-26,
-/// best of 5 in three rounds: 18.0-18.1 alone, 17.6-17.7 with 1.5 KiB into L1, 17.8-18.1
-/// with 4 KiB into L2 as well); on an AMD EPYC (Zen 3) the hardware prefetchers alone read
-/// 5-10% faster than either (14.6 against 12.4 and 13.2 GB/s).
+/// Intel Xeon the ways were within noise of each other (1 thread, best of 5 in each of
+/// three rounds: 18.0-18.1 GB/s alone, 17.6-17.7 with 1.5 KiB into L1, 17.8-18.1 with 4 KiB
+/// into L2 as well); on an AMD EPYC (Zen 3) the hardware prefetchers alone read 5-10%
+/// faster than either (14.6 against 12.4 and 13.2 GB/s).
 ///
 /// The buffer is a [`WeightBuffer`], on the transparent huge pages the weights live on:
 /// the ceiling is what reading that memory gives. On 4 KiB pages the same loop read 8-23%
