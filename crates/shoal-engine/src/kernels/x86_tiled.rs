@@ -37,8 +37,8 @@ unsafe fn prefetch_lines(t: *const u8, dist: usize, lines: usize, part: usize) {
 
 /// Quarter `part` (0..4) of the lines [`Prefetch::k_distance`] bytes past the `len`-byte
 /// block at `t`: the K-quant kernels (blocks of 1184 to 1680 bytes, 19 to 27 lines) spread
-/// their prefetches over the block's work, a few lines at a time. Asked for all at once, a Q6_K
-/// block's 27 lines are more misses than the core keeps in flight, the last ones are
+/// their prefetches over the block's work, a few lines at a time. Asked for all at once, a
+/// Q6_K block's 27 lines are more misses than the core keeps in flight, the last ones are
 /// dropped, and the loop stalls on them (`perf annotate`: the first loads of each block's
 /// codes). Measured, one-row decode at 1 thread, binaries in turn: qwen15 17.1 -> 21.6
 /// tok/s, qwen05 46.0 -> 54.4 (medians of 6 and 5 runs). A quarter is a whole number of
