@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 use shoal_comm::Communicator;
 
 use crate::error::CandleContext;
@@ -91,6 +91,37 @@ impl Matrix {
                 })
                 .collect();
         };
+        let ys = Self::kernel_products(&kernels, x)?;
+        kernels
+            .iter()
+            .zip(ys)
+            .map(|(m, y)| {
+                let mut dims = x.dims().to_vec();
+                *dims.last_mut().expect("checked by kernel_products") = m.rows();
+                Tensor::from_vec(y, dims, &Device::Cpu).ctx("matmul output")
+            })
+            .collect()
+    }
+
+    /// `x @ W^T` as plain values, row after row (no tensor to copy them out of again: the
+    /// output head's logits for sampling).
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn forward_values(&self, x: &Tensor) -> Result<Vec<f32>, EngineError> {
+        match self {
+            Matrix::Kernel(k) => Ok(Self::kernel_products(&[&**k], x)?.remove(0)),
+            Matrix::Candle(_) => self
+                .forward(x)?
+                .flatten_all()
+                .and_then(|y| y.to_dtype(DType::F32))
+                .and_then(|y| y.to_vec1::<f32>())
+                .ctx("matmul output"),
+        }
+    }
+
+    /// The products of `x` with each of `kernels`, one value vector each.
+    fn kernel_products(kernels: &[&QuantMatrix], x: &Tensor) -> Result<Vec<Vec<f32>>, EngineError> {
         let shape_error = |m: &QuantMatrix| EngineError::Unsupported {
             what: format!(
                 "a matmul of shape {:?} with a {}x{} weight",
@@ -116,23 +147,9 @@ impl Matrix {
                 what: "a non-contiguous matmul input".into(),
             })?;
         let xs = &all[a..b];
-        let t = xs.len() / kernels[0].cols();
-        let mut ys: Vec<Vec<f32>> = kernels.iter().map(|m| vec![0f32; t * m.rows()]).collect();
-        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
-        QuantMatrix::matmul_many(&kernels, xs, &mut outs).map_err(|e| {
-            EngineError::Unsupported {
-                what: e.to_string(),
-            }
-        })?;
-        kernels
-            .iter()
-            .zip(ys)
-            .map(|(m, y)| {
-                let mut dims = x.dims().to_vec();
-                *dims.last_mut().expect("checked above") = m.rows();
-                Tensor::from_vec(y, dims, &Device::Cpu).ctx("matmul output")
-            })
-            .collect()
+        QuantMatrix::products(kernels, xs).map_err(|e| EngineError::Unsupported {
+            what: e.to_string(),
+        })
     }
 }
 
@@ -205,6 +222,21 @@ impl ColumnLinear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
         let mut ys = Self::forward_many(&[self], x)?;
         Ok(ys.pop().expect("one product per layer"))
+    }
+
+    /// [`ColumnLinear::forward`] as plain values, row after row ([`Matrix::forward_values`]).
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn forward_values(&self, x: &Tensor) -> Result<Vec<f32>, EngineError> {
+        match &self.bias {
+            None => self.weight.forward_values(x),
+            Some(_) => self
+                .forward(x)?
+                .flatten_all()
+                .and_then(|y| y.to_vec1::<f32>())
+                .ctx("column linear output"),
+        }
     }
 
     /// Several layers over the same input (q/k/v, gate/up), through

@@ -449,6 +449,17 @@ fn matmul_many_equals_one_by_one() {
                 pool.install(|| QuantMatrix::matmul_many(&refs, &x, &mut outs))
                     .unwrap();
                 assert_eq!(got, want, "{group:?} t={t} threads={threads}");
+                // into new vectors (not zeroed first where the tiled path writes them), on
+                // rayon and on a decode step's team
+                let fresh = pool.install(|| QuantMatrix::products(&refs, &x)).unwrap();
+                assert_eq!(fresh, want, "products: {group:?} t={t} threads={threads}");
+                let fresh = pool
+                    .install(|| team::step(|| QuantMatrix::products(&refs, &x)))
+                    .unwrap();
+                assert_eq!(
+                    fresh, want,
+                    "products in a step: {group:?} t={t} threads={threads}"
+                );
             }
         }
     }
@@ -456,6 +467,8 @@ fn matmul_many_equals_one_by_one() {
     let mut short = [0f32; 7];
     assert!(QuantMatrix::matmul_many(&[&m], &[0.0; 64], &mut [&mut short[..]]).is_err());
     assert!(QuantMatrix::matmul_many(&[&m, &m], &[0.0; 64], &mut [&mut short[..]]).is_err());
+    assert!(QuantMatrix::products(&[&m], &[0.0; 65]).is_err());
+    assert!(QuantMatrix::products(&[&m], &[]).unwrap()[0].is_empty());
 }
 
 /// Activations quantized on several threads are the blocks one thread makes.
