@@ -120,6 +120,32 @@ impl Matrix {
         }
     }
 
+    /// [`Matrix::forward_many`] as plain values, row after row.
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn forward_many_values(mats: &[&Matrix], x: &Tensor) -> Result<Vec<Vec<f32>>, EngineError> {
+        let kernels: Option<Vec<&QuantMatrix>> = mats
+            .iter()
+            .map(|m| match m {
+                Matrix::Kernel(k) => Some(&**k),
+                Matrix::Candle(_) => None,
+            })
+            .collect();
+        match kernels {
+            Some(kernels) if !kernels.is_empty() => Self::kernel_products(&kernels, x),
+            _ => Self::forward_many(mats, x)?
+                .into_iter()
+                .map(|y| {
+                    y.flatten_all()
+                        .and_then(|y| y.to_dtype(DType::F32))
+                        .and_then(|y| y.to_vec1::<f32>())
+                        .ctx("matmul output")
+                })
+                .collect(),
+        }
+    }
+
     /// The products of `x` with each of `kernels`, one value vector each.
     fn kernel_products(kernels: &[&QuantMatrix], x: &Tensor) -> Result<Vec<Vec<f32>>, EngineError> {
         let shape_error = |m: &QuantMatrix| EngineError::Unsupported {
@@ -171,6 +197,8 @@ fn check_shape(src: &dyn WeightSource, name: &str, expected: &[usize]) -> Result
 pub struct ColumnLinear {
     weight: Matrix,
     bias: Option<Tensor>,
+    /// The bias as plain values, for [`ColumnLinear::forward_many_values`].
+    bias_values: Option<Vec<f32>>,
 }
 
 impl ColumnLinear {
@@ -207,12 +235,28 @@ impl ColumnLinear {
         } else {
             None
         };
-        Ok(ColumnLinear { weight, bias })
+        let bias_values = match &bias {
+            Some(b) => Some(
+                b.flatten_all()
+                    .and_then(|b| b.to_vec1::<f32>())
+                    .ctx(prefix)?,
+            ),
+            None => None,
+        };
+        Ok(ColumnLinear {
+            weight,
+            bias,
+            bias_values,
+        })
     }
 
     /// Wraps an already-loaded matrix (the tied output head).
     pub fn from_matrix(weight: Matrix) -> Self {
-        ColumnLinear { weight, bias: None }
+        ColumnLinear {
+            weight,
+            bias: None,
+            bias_values: None,
+        }
     }
 
     /// `x @ W^T (+ b)`; x is `(.., in)`, the result `(.., out_slice)`.
@@ -237,6 +281,31 @@ impl ColumnLinear {
                 .and_then(|y| y.to_vec1::<f32>())
                 .ctx("column linear output"),
         }
+    }
+
+    /// [`ColumnLinear::forward_many`] as plain values, row after row, the biases added in
+    /// place (the same f32 additions as the tensors' broadcast add): a decode step's q/k/v
+    /// are read as values next (RoPE, the KV cache, attention), and three tensors built
+    /// only to be added to and read back cost more than the additions.
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn forward_many_values(
+        layers: &[&ColumnLinear],
+        x: &Tensor,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let mats: Vec<&Matrix> = layers.iter().map(|l| &l.weight).collect();
+        let mut ys = Matrix::forward_many_values(&mats, x)?;
+        for (l, y) in layers.iter().zip(&mut ys) {
+            if let Some(b) = &l.bias_values {
+                for row in y.chunks_exact_mut(b.len()) {
+                    for (v, b) in row.iter_mut().zip(b) {
+                        *v += b;
+                    }
+                }
+            }
+        }
+        Ok(ys)
     }
 
     /// Several layers over the same input (q/k/v, gate/up), through

@@ -316,7 +316,8 @@ impl Attention {
         let positions = &tables.positions;
         // Each sequence appends its row (for one position, `(nkv, hd)` is `(nkv, 1, hd)`)
         // and attends over its own cache, all sequences in parallel.
-        let failed = with_f32(&v, |vs| {
+        let vs = &v;
+        let failed = {
             out.par_chunks_mut(width)
                 .zip(caches.par_iter_mut())
                 .enumerate()
@@ -330,7 +331,7 @@ impl Attention {
                     Ok(())
                 })
                 .find_any(|r| r.is_err())
-        })?;
+        };
         if let Some(Err(e)) = failed {
             return Err(e);
         }
@@ -358,9 +359,15 @@ impl Attention {
         x: &Tensor,
         rows: usize,
         tables: &mut StepTables,
-    ) -> Result<(Vec<f32>, Vec<f32>, Tensor), EngineError> {
+    ) -> Result<Heads, EngineError> {
         let hd = self.head_dim;
-        let (q, k, v) = self.qkv(x)?;
+        let (q, k, v) = {
+            let _p = profile::scope(Op::Qkv);
+            let mut qkv = ColumnLinear::forward_many_values(&[&self.q, &self.k, &self.v], x)?;
+            let v = qkv.pop().expect("three products");
+            let k = qkv.pop().expect("three products");
+            (qkv.pop().expect("three products"), k, v)
+        };
         let _p = profile::scope(Op::Rope);
         let mut qs = self.head_rows(q, rows, self.n_head, &self.q_norm)?;
         let mut ks = self.head_rows(k, rows, self.n_kv_head, &self.k_norm)?;
@@ -374,16 +381,18 @@ impl Attention {
     /// head norm when the model has one.
     fn head_rows(
         &self,
-        y: Tensor,
+        y: Vec<f32>,
         rows: usize,
         n: usize,
         norm: &Option<RmsNorm>,
     ) -> Result<Vec<f32>, EngineError> {
-        let y = match norm {
-            Some(nm) => nm.forward(&y.reshape((1, rows, n, self.head_dim)).ctx("split heads")?)?,
-            None => y,
+        let Some(nm) = norm else {
+            return Ok(y);
         };
-        y.flatten_all()
+        let y =
+            Tensor::from_vec(y, (1, rows, n, self.head_dim), &Device::Cpu).ctx("split heads")?;
+        nm.forward(&y)?
+            .flatten_all()
             .and_then(|t| t.to_vec1::<f32>())
             .ctx("heads")
     }
@@ -402,7 +411,7 @@ impl Attention {
         let p = cache.len();
         let (qs, ks, v) = self.roped_heads(x, 1, tables)?;
         let attention = profile::scope(Op::Attention);
-        with_f32(&v, |vs| cache.append(layer, &ks, vs))??;
+        cache.append(layer, &ks, &v)?;
         let (kc, vc) = cache.buffers(layer).expect("appended above");
         let mut out = vec![0f32; nh * hd];
         self.shape(cache.capacity())
@@ -469,6 +478,9 @@ impl Attention {
         self.o.forward(&y)
     }
 }
+
+/// A step's query heads, key heads and values as plain values (see `roped_heads`).
+type Heads = (Vec<f32>, Vec<f32>, Vec<f32>);
 
 /// The gated feed-forward block over this rank's features.
 #[derive(Debug)]
