@@ -530,18 +530,20 @@ impl FeedForward {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
+        // as values: read once by the activation, never as tensors
         let (g, u) = {
             let _p = profile::scope(Op::GateUp);
-            let mut gu = ColumnLinear::forward_many(&[&self.gate, &self.up], x)?;
+            let mut gu = ColumnLinear::forward_many_values(&[&self.gate, &self.up], x)?;
             let u = gu.pop().expect("two products");
             (gu.pop().expect("two products"), u)
         };
         let act = profile::scope(Op::Activation);
-        let mut h = vec![0f32; g.elem_count()];
-        with_f32(&g, |gs| {
-            with_f32(&u, |us| activation::gated(self.activation, gs, us, &mut h))
-        })??;
-        let h = Tensor::from_vec(h, g.shape(), &Device::Cpu).ctx("gate * up")?;
+        let mut h = vec![0f32; g.len()];
+        activation::gated(self.activation, &g, &u, &mut h);
+        let mut dims = x.dims().to_vec();
+        let rows = x.elem_count() / dims.pop().unwrap_or(1).max(1);
+        dims.push(h.len() / rows.max(1));
+        let h = Tensor::from_vec(h, dims, &Device::Cpu).ctx("gate * up")?;
         drop(act);
         let _p = profile::scope(Op::Down);
         self.down.forward(&h)
