@@ -425,17 +425,54 @@ impl RmsNorm {
     /// # Errors
     /// On a shape mismatch.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
+        self.check_width(x)?;
+        let x = x.contiguous().ctx("rms norm")?;
+        let out = with_f32(&x, |xs| self.rows(xs))?;
+        Tensor::from_vec(out, x.dims(), &Device::Cpu).ctx("rms norm")
+    }
+
+    /// The residual stream after a sublayer, `x + a`, and its normalised copy, from one
+    /// pass over plain values (a candle add allocates a tensor and dispatches an op for
+    /// what is one addition per value). The sums are the tensor add's, bit for bit.
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn add_forward(&self, x: &Tensor, a: &Tensor) -> Result<(Tensor, Tensor), EngineError> {
+        self.check_width(x)?;
+        if x.dims() != a.dims() {
+            return Err(EngineError::Unsupported {
+                what: format!("a residual add of {:?} and {:?}", x.dims(), a.dims()),
+            });
+        }
+        let (x, a) = (
+            x.contiguous().ctx("residual")?,
+            a.contiguous().ctx("residual")?,
+        );
+        let h = with_f32(&x, |xs| {
+            with_f32(&a, |r| {
+                xs.iter().zip(r).map(|(x, r)| x + r).collect::<Vec<f32>>()
+            })
+        })??;
+        let hn = self.rows(&h);
+        Ok((
+            Tensor::from_vec(h, x.dims(), &Device::Cpu).ctx("residual")?,
+            Tensor::from_vec(hn, x.dims(), &Device::Cpu).ctx("rms norm")?,
+        ))
+    }
+
+    fn check_width(&self, x: &Tensor) -> Result<(), EngineError> {
         let n = self.weight.len();
         if x.dims().last() != Some(&n) {
             return Err(EngineError::Unsupported {
                 what: format!("rms norm of width {n} over a {:?} tensor", x.dims()),
             });
         }
-        let x = x.contiguous().ctx("rms norm")?;
-        let xs = x
-            .flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .ctx("rms norm")?;
+        Ok(())
+    }
+
+    /// Every row of `xs` normalised.
+    fn rows(&self, xs: &[f32]) -> Vec<f32> {
+        let n = self.weight.len();
         let mut out = vec![0f32; xs.len()];
         let row = |src: &[f32], dst: &mut [f32]| {
             let mut lanes = [0f32; 8];
@@ -462,6 +499,26 @@ impl RmsNorm {
                 row(s, d);
             }
         }
-        Tensor::from_vec(out, x.dims(), &Device::Cpu).ctx("rms norm")
+        out
     }
+}
+
+/// `f` over the values of a contiguous f32 tensor on the CPU, read in place.
+///
+/// # Errors
+/// When the tensor is elsewhere, of another type or not contiguous.
+pub(crate) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, EngineError> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Err(EngineError::Unsupported {
+            what: "attention and activations run on the CPU only".into(),
+        });
+    };
+    let all = cpu.as_slice::<f32>().ctx("f32 activations")?;
+    let (a, b) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| EngineError::Unsupported {
+            what: "non-contiguous activations".into(),
+        })?;
+    Ok(f(&all[a..b]))
 }

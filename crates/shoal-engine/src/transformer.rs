@@ -23,7 +23,7 @@ use crate::config::{Activation, ModelConfig, RopeStyle};
 use crate::error::CandleContext;
 use crate::kernels::QuantMatrix;
 use crate::kv_cache::KvCache;
-use crate::layers::{ColumnLinear, Matrix, RmsNorm, RowLinear};
+use crate::layers::{with_f32, ColumnLinear, Matrix, RmsNorm, RowLinear};
 use crate::profile::{self, Op};
 pub use crate::shard::{LayerShard, ShardPlan};
 use crate::weights::{load_quant_matrix, quant_matrix, Slice, WeightSource};
@@ -610,9 +610,8 @@ impl Block {
         if let Some(n) = &self.post_attn_norm {
             a = profiled(Op::Norm, || n.forward(&a))?;
         }
-        let h = profiled(Op::Residual, || (x + a).ctx("attention residual"))?;
-        // feed-forward with residual
-        let hn = profiled(Op::Norm, || self.ffn_norm.forward(&h))?;
+        // the residual and the feed-forward's norm of it in one pass
+        let (h, hn) = profiled(Op::Norm, || self.ffn_norm.add_forward(x, &a))?;
         let mut f = self.ffn.forward(&hn)?;
         if let Some(n) = &self.post_ffn_norm {
             f = profiled(Op::Norm, || n.forward(&f))?;
@@ -1142,23 +1141,6 @@ fn on_pool<R: Send>(decode: bool, f: impl FnOnce() -> R + Send) -> R {
     } else {
         rayon::scope(|_| f())
     }
-}
-
-/// Runs `f` on the f32 values of contiguous CPU tensor `t`.
-fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, EngineError> {
-    let (storage, layout) = t.storage_and_layout();
-    let candle_core::Storage::Cpu(cpu) = &*storage else {
-        return Err(EngineError::Unsupported {
-            what: "attention and activations run on the CPU only".into(),
-        });
-    };
-    let all = cpu.as_slice::<f32>().ctx("f32 activations")?;
-    let (a, b) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| EngineError::Unsupported {
-            what: "non-contiguous activations".into(),
-        })?;
-    Ok(f(&all[a..b]))
 }
 
 /// Runs `f`, timing it as `op`.
