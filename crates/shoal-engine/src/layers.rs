@@ -75,14 +75,7 @@ impl Matrix {
     /// # Errors
     /// On a shape mismatch.
     pub fn forward_many(mats: &[&Matrix], x: &Tensor) -> Result<Vec<Tensor>, EngineError> {
-        let kernels: Option<Vec<&QuantMatrix>> = mats
-            .iter()
-            .map(|m| match m {
-                Matrix::Kernel(k) => Some(&**k),
-                Matrix::Candle(_) => None,
-            })
-            .collect();
-        let Some(kernels) = kernels else {
+        let Some(kernels) = Self::all_kernels(mats) else {
             return mats
                 .iter()
                 .map(|m| match m {
@@ -125,14 +118,7 @@ impl Matrix {
     /// # Errors
     /// On a shape mismatch.
     pub fn forward_many_values(mats: &[&Matrix], x: &Tensor) -> Result<Vec<Vec<f32>>, EngineError> {
-        let kernels: Option<Vec<&QuantMatrix>> = mats
-            .iter()
-            .map(|m| match m {
-                Matrix::Kernel(k) => Some(&**k),
-                Matrix::Candle(_) => None,
-            })
-            .collect();
-        match kernels {
+        match Self::all_kernels(mats) {
             Some(kernels) if !kernels.is_empty() => Self::kernel_products(&kernels, x),
             _ => Self::forward_many(mats, x)?
                 .into_iter()
@@ -144,6 +130,16 @@ impl Matrix {
                 })
                 .collect(),
         }
+    }
+
+    /// The kernels' matrices of `mats`, when shoal's kernels hold every one.
+    fn all_kernels<'a>(mats: &[&'a Matrix]) -> Option<Vec<&'a QuantMatrix>> {
+        mats.iter()
+            .map(|m| match m {
+                Matrix::Kernel(k) => Some(&**k),
+                Matrix::Candle(_) => None,
+            })
+            .collect()
     }
 
     /// The products of `x` with each of `kernels`, one value vector each.
@@ -160,21 +156,10 @@ impl Matrix {
             return Err(shape_error(kernels[0]));
         }
         let x = x.contiguous().ctx("matmul input")?;
-        let (storage, layout) = x.storage_and_layout();
-        let candle_core::Storage::Cpu(cpu) = &*storage else {
-            return Err(EngineError::Unsupported {
-                what: "shoal's kernels run on the CPU only".into(),
-            });
-        };
-        let all = cpu.as_slice::<f32>().ctx("matmul input")?;
-        let (a, b) = layout
-            .contiguous_offsets()
-            .ok_or_else(|| EngineError::Unsupported {
-                what: "a non-contiguous matmul input".into(),
-            })?;
-        let xs = &all[a..b];
-        QuantMatrix::products(kernels, xs).map_err(|e| EngineError::Unsupported {
-            what: e.to_string(),
+        with_f32(&x, |xs| QuantMatrix::products(kernels, xs))?.map_err(|e| {
+            EngineError::Unsupported {
+                what: e.to_string(),
+            }
         })
     }
 }
@@ -511,7 +496,7 @@ pub(crate) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, 
     let (storage, layout) = t.storage_and_layout();
     let candle_core::Storage::Cpu(cpu) = &*storage else {
         return Err(EngineError::Unsupported {
-            what: "attention and activations run on the CPU only".into(),
+            what: "shoal's kernels and the ops around them run on the CPU only".into(),
         });
     };
     let all = cpu.as_slice::<f32>().ctx("f32 activations")?;
