@@ -316,22 +316,20 @@ impl Attention {
         let positions = &tables.positions;
         // Each sequence appends its row (for one position, `(nkv, hd)` is `(nkv, 1, hd)`)
         // and attends over its own cache, all sequences in parallel.
-        let vs = &v;
-        let failed = {
-            out.par_chunks_mut(width)
-                .zip(caches.par_iter_mut())
-                .enumerate()
-                .map(|(i, (o, cache))| -> Result<(), EngineError> {
-                    let row = i * kv_width..(i + 1) * kv_width;
-                    cache.append(layer, &ks[row.clone()], &vs[row])?;
-                    let (kc, vc) = cache.buffers(layer).expect("appended above");
-                    let shape = self.shape(cache.capacity());
-                    let qi = &qs[i * width..(i + 1) * width];
-                    shape.decode(positions[i], qi, kc, vc, o);
-                    Ok(())
-                })
-                .find_any(|r| r.is_err())
-        };
+        let failed = out
+            .par_chunks_mut(width)
+            .zip(caches.par_iter_mut())
+            .enumerate()
+            .map(|(i, (o, cache))| -> Result<(), EngineError> {
+                let row = i * kv_width..(i + 1) * kv_width;
+                cache.append(layer, &ks[row.clone()], &v[row])?;
+                let (kc, vc) = cache.buffers(layer).expect("appended above");
+                let shape = self.shape(cache.capacity());
+                let qi = &qs[i * width..(i + 1) * width];
+                shape.decode(positions[i], qi, kc, vc, o);
+                Ok(())
+            })
+            .find_any(|r| r.is_err());
         if let Some(Err(e)) = failed {
             return Err(e);
         }
