@@ -96,23 +96,6 @@ impl Matrix {
             .collect()
     }
 
-    /// `x @ W^T` as plain values, row after row (no tensor to copy them out of again: the
-    /// output head's logits for sampling).
-    ///
-    /// # Errors
-    /// On a shape mismatch.
-    pub fn forward_values(&self, x: &Tensor) -> Result<Vec<f32>, EngineError> {
-        match self {
-            Matrix::Kernel(k) => Ok(Self::kernel_products(&[&**k], x)?.remove(0)),
-            Matrix::Candle(_) => self
-                .forward(x)?
-                .flatten_all()
-                .and_then(|y| y.to_dtype(DType::F32))
-                .and_then(|y| y.to_vec1::<f32>())
-                .ctx("matmul output"),
-        }
-    }
-
     /// [`Matrix::forward_many`] as plain values, row after row.
     ///
     /// # Errors
@@ -182,8 +165,6 @@ fn check_shape(src: &dyn WeightSource, name: &str, expected: &[usize]) -> Result
 pub struct ColumnLinear {
     weight: Matrix,
     bias: Option<Tensor>,
-    /// The bias as plain values, for [`ColumnLinear::forward_many_values`].
-    bias_values: Option<Vec<f32>>,
 }
 
 impl ColumnLinear {
@@ -220,28 +201,12 @@ impl ColumnLinear {
         } else {
             None
         };
-        let bias_values = match &bias {
-            Some(b) => Some(
-                b.flatten_all()
-                    .and_then(|b| b.to_vec1::<f32>())
-                    .ctx(prefix)?,
-            ),
-            None => None,
-        };
-        Ok(ColumnLinear {
-            weight,
-            bias,
-            bias_values,
-        })
+        Ok(ColumnLinear { weight, bias })
     }
 
     /// Wraps an already-loaded matrix (the tied output head).
     pub fn from_matrix(weight: Matrix) -> Self {
-        ColumnLinear {
-            weight,
-            bias: None,
-            bias_values: None,
-        }
+        ColumnLinear { weight, bias: None }
     }
 
     /// `x @ W^T (+ b)`; x is `(.., in)`, the result `(.., out_slice)`.
@@ -253,19 +218,14 @@ impl ColumnLinear {
         Ok(ys.pop().expect("one product per layer"))
     }
 
-    /// [`ColumnLinear::forward`] as plain values, row after row ([`Matrix::forward_values`]).
+    /// [`ColumnLinear::forward`] as plain values, row after row: the output head's logits
+    /// for sampling, with no tensor to copy them out of again.
     ///
     /// # Errors
     /// On a shape mismatch.
     pub fn forward_values(&self, x: &Tensor) -> Result<Vec<f32>, EngineError> {
-        match &self.bias {
-            None => self.weight.forward_values(x),
-            Some(_) => self
-                .forward(x)?
-                .flatten_all()
-                .and_then(|y| y.to_vec1::<f32>())
-                .ctx("column linear output"),
-        }
+        let mut ys = Self::forward_many_values(&[self], x)?;
+        Ok(ys.pop().expect("one product per layer"))
     }
 
     /// [`ColumnLinear::forward_many`] as plain values, row after row, the biases added in
@@ -282,12 +242,16 @@ impl ColumnLinear {
         let mats: Vec<&Matrix> = layers.iter().map(|l| &l.weight).collect();
         let mut ys = Matrix::forward_many_values(&mats, x)?;
         for (l, y) in layers.iter().zip(&mut ys) {
-            if let Some(b) = &l.bias_values {
-                for row in y.chunks_exact_mut(b.len()) {
-                    for (v, b) in row.iter_mut().zip(b) {
-                        *v += b;
+            if let Some(b) = &l.bias {
+                with_f32(b, |b| {
+                    if !b.is_empty() {
+                        for row in y.chunks_exact_mut(b.len()) {
+                            for (v, b) in row.iter_mut().zip(b) {
+                                *v += b;
+                            }
+                        }
                     }
-                }
+                })?;
             }
         }
         Ok(ys)
