@@ -102,7 +102,7 @@ impl Matrix {
     /// On a shape mismatch.
     pub fn forward_many_values(mats: &[&Matrix], x: &Tensor) -> Result<Vec<Vec<f32>>, EngineError> {
         match Self::all_kernels(mats) {
-            Some(kernels) if !kernels.is_empty() => Self::kernel_products(&kernels, x),
+            Some(kernels) => Self::kernel_products(&kernels, x),
             _ => Self::forward_many(mats, x)?
                 .into_iter()
                 .map(|y| {
@@ -135,8 +135,11 @@ impl Matrix {
                 m.cols()
             ),
         };
-        if x.dims().last() != kernels.first().map(|m| m.cols()).as_ref() {
-            return Err(shape_error(kernels[0]));
+        let Some(first) = kernels.first() else {
+            return Ok(Vec::new());
+        };
+        if x.dims().last() != Some(&first.cols()) {
+            return Err(shape_error(first));
         }
         let x = x.contiguous().ctx("matmul input")?;
         with_f32(&x, |xs| QuantMatrix::products(kernels, xs))?.map_err(|e| {

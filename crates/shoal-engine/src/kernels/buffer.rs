@@ -4,10 +4,10 @@
 //! weight once per token, and with 4 KiB pages that is a TLB miss and a page walk every 64
 //! cache lines; on 2 MiB pages the walks all but vanish. The request is a hint: where the
 //! kernel refuses it (THP off, another OS) the buffer is ordinary anonymous memory and
-//! nothing else changes. Measured on an AMD EPYC (Zen 3) VM with THP in `madvise` mode, in one process,
-//! in turn: a plain 256 MiB read 16.0 -> 17.5 GB/s at one thread and 21.8 -> 26.1 at two
-//! (medians of 8); matrix products over 95-148 MB, five types, one and two threads, 0.97x
-//! to 1.14x, median 1.03x (medians of 10-20).
+//! nothing else changes. Measured on an AMD EPYC (Zen 3) VM with THP in `madvise` mode, in
+//! one process, in turn: a plain 256 MiB read 16.0 -> 17.5 GB/s at one thread and 21.8 ->
+//! 26.1 at two (medians of 8); matrix products over 95-148 MB, five types, one and two
+//! threads, 0.97x to 1.14x, median 1.03x (medians of 10-20).
 
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex};

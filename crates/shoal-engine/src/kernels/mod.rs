@@ -317,9 +317,10 @@ const ARGMAX_LANES: usize = 8;
 ///
 /// A first pass keeps eight running maxima, each with the index where it was first reached
 /// (AVX2: one compare and two blends per eight logits, in four independent chains, see
-/// `x86::lane_maxima`); the lanes and the last few values are then reduced in order. A single running maximum is a compare-and-branch chain per logit:
-/// medians of 2,000 calls in turn on an AMD EPYC (Zen 3), 126-129 us against 17 us for
-/// Qwen's 151,936 logits, 40 us against 5 us for SmolLM2's 49,152.
+/// `x86::lane_maxima`); the lanes and the last few values are then reduced in order. A
+/// single running maximum is a compare-and-branch chain per logit: medians of 2,000 calls
+/// in turn on an AMD EPYC (Zen 3), 126-129 us against 17 us for Qwen's 151,936 logits, 40
+/// us against 5 us for SmolLM2's 49,152.
 pub fn argmax(xs: &[f32]) -> usize {
     // lane indices are u32, as wide as the values; a vocabulary never nears 2^32, and past
     // it the plain loop below takes everything
