@@ -40,7 +40,8 @@ fn every_api_answers_in_its_own_shape() {
         assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
         assert!(text.contains("chat.completion.chunk"));
 
-        // sampled with a random seed, so the tiny model may stop at EOS before 3 tokens
+        // sampled with a random seed, so the tiny model may stop at EOS before 3 tokens, the
+        // first one included (seen once in CI-like runs: 0 completion tokens, "stop")
         let (s, b) = call(&app, "POST", "/v1/completions",
             json!({"model": "tiny", "prompt": "abc", "max_tokens": 3}).to_string().as_bytes()).await;
         assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
@@ -48,7 +49,7 @@ fn every_api_answers_in_its_own_shape() {
         let n = v["usage"]["completion_tokens"].as_u64().unwrap();
         match v["choices"][0]["finish_reason"].as_str() {
             Some("length") => assert_eq!(n, 3, "{v}"),
-            Some("stop") => assert!((1..=3).contains(&n), "{v}"),
+            Some("stop") => assert!(n <= 3, "{v}"),
             other => panic!("finish reason {other:?}: {v}"),
         }
 
