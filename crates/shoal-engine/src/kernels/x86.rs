@@ -214,14 +214,12 @@ unsafe fn amax32(p: *const f32) -> f32 {
     _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)))
 }
 
-/// `round_ties_even(x * s)` of eight values at `p`, as i32 lanes.
+/// `round_ties_even(x * s)` of eight values at `p`, as i32 lanes: the conversion rounds in
+/// the MXCSR's mode, which Rust leaves at its default, to nearest with ties to even.
 #[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn scale_round(p: *const f32, s: __m256) -> __m256i {
-    let v = _mm256_mul_ps(_mm256_loadu_ps(p), s);
-    _mm256_cvtps_epi32(_mm256_round_ps::<
-        { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
-    >(v))
+    _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p), s))
 }
 
 /// Packs four vectors of eight i32 (each in -128..=127) into 32 bytes, in order.
@@ -269,38 +267,89 @@ pub unsafe fn quantize_q8(x: &[f32], out: &mut [BlockQ8]) {
     }
 }
 
-/// [`super::formats::quantize_q8k`] with AVX2, bit for bit.
+/// [`super::formats::quantize_q8k`] with AVX2, bit for bit. One pass finds the block's
+/// largest magnitude (one horizontal reduction per block, not one per 32 values), a vector
+/// compare finds the first value of that magnitude, and the 16-value sums come from one
+/// transpose-and-add tree per 128 values instead of a horizontal sum each.
 ///
 /// # Safety
 /// The CPU has AVX2; `x.len() == 256 * out.len()`.
 #[target_feature(enable = "avx2")]
 pub unsafe fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
+    let sign = _mm256_set1_ps(-0.0);
     for (i, b) in out.iter_mut().enumerate() {
-        let xs = &x[i * QK_K..(i + 1) * QK_K];
-        let mut amax = 0f32;
+        let p = x.as_ptr().add(i * QK_K);
+        // four running maxima, so the max chain does not wait on itself
+        let mut ms = [_mm256_setzero_ps(); 4];
         for k in 0..QK_K / 32 {
-            amax = amax.max(amax32(xs.as_ptr().add(32 * k)));
+            for (j, m) in ms.iter_mut().enumerate() {
+                let v = _mm256_loadu_ps(p.add(32 * k + 8 * j));
+                *m = _mm256_max_ps(*m, _mm256_andnot_ps(sign, v));
+            }
         }
+        let m = _mm256_max_ps(_mm256_max_ps(ms[0], ms[1]), _mm256_max_ps(ms[2], ms[3]));
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
         if amax == 0.0 {
             *b = BlockQ8K::default();
             continue;
         }
         // the first value of that magnitude, as the scalar scan finds it
-        let max = *xs.iter().find(|v| v.abs() == amax).unwrap_or(&amax);
+        let av = _mm256_set1_ps(amax);
+        let mut max = amax;
+        for k in 0..QK_K / 8 {
+            let v = _mm256_loadu_ps(p.add(8 * k));
+            let eq = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_andnot_ps(sign, v), av));
+            if eq != 0 {
+                max = *p.add(8 * k + eq.trailing_zeros() as usize);
+                break;
+            }
+        }
         let iscale = -127.0 / max;
         let s = _mm256_set1_ps(iscale);
         let top = _mm256_set1_epi32(127);
-        for k in 0..QK_K / 32 {
-            let p = xs.as_ptr().add(32 * k);
-            let v: [__m256i; 4] =
-                core::array::from_fn(|j| _mm256_min_epi32(scale_round(p.add(8 * j), s), top));
-            pack32(v, b.qs.as_mut_ptr().add(32 * k));
-            b.bsums[2 * k] = hsum_epi32(_mm256_add_epi32(v[0], v[1])) as i16;
-            b.bsums[2 * k + 1] = hsum_epi32(_mm256_add_epi32(v[2], v[3])) as i16;
-            b.sums32[k] = b.bsums[2 * k] + b.bsums[2 * k + 1];
+        for k4 in 0..QK_K / 128 {
+            // eight runs of 16 values: their sums, lane r of `sums` holding run r
+            let mut runs = [_mm256_setzero_si256(); 8];
+            for k in 0..4 {
+                let q = p.add(128 * k4 + 32 * k);
+                let v: [__m256i; 4] =
+                    core::array::from_fn(|j| _mm256_min_epi32(scale_round(q.add(8 * j), s), top));
+                pack32(v, b.qs.as_mut_ptr().add(128 * k4 + 32 * k));
+                runs[2 * k] = _mm256_add_epi32(v[0], v[1]);
+                runs[2 * k + 1] = _mm256_add_epi32(v[2], v[3]);
+            }
+            let sums = sum8_epi32(runs);
+            let mut lanes = [0i32; 8];
+            _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, sums);
+            for r in 0..8 {
+                b.bsums[8 * k4 + r] = lanes[r] as i16;
+            }
+            for r in 0..4 {
+                b.sums32[4 * k4 + r] = b.bsums[8 * k4 + 2 * r] + b.bsums[8 * k4 + 2 * r + 1];
+            }
         }
         b.d = 1.0 / iscale;
     }
+}
+
+/// Lane `r` of the result is the sum of the eight lanes of `v[r]`: a transpose-and-add
+/// tree, the integer twin of [`sum8`].
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn sum8_epi32(v: [__m256i; 8]) -> __m256i {
+    let a0 = _mm256_hadd_epi32(v[0], v[1]);
+    let a1 = _mm256_hadd_epi32(v[2], v[3]);
+    let a2 = _mm256_hadd_epi32(v[4], v[5]);
+    let a3 = _mm256_hadd_epi32(v[6], v[7]);
+    let b0 = _mm256_hadd_epi32(a0, a1);
+    let b1 = _mm256_hadd_epi32(a2, a3);
+    // b0 lanes: low half [v0 v1 v2 v3] of the low 128 bits, then the same of the high
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(b0, b1),
+        _mm256_permute2x128_si256::<0x31>(b0, b1),
+    )
 }
 
 /// `out[j] = scale * sum(q[i] * rows[j * q.len() + i])` for every row of f16 keys (the KV
