@@ -1132,11 +1132,13 @@ impl Transformer {
 /// pool's other threads spin between its matrix products instead of falling asleep and
 /// being woken for each (measured on a 2-vCPU Intel VM: see the module). Prefill keeps
 /// rayon alone: its products are long, and its attention is a rayon loop that a spinning
-/// helper would leave to one thread.
+/// helper would leave to one thread (so it first sends away the helpers that linger after
+/// a decode step).
 fn on_pool<R: Send>(decode: bool, f: impl FnOnce() -> R + Send) -> R {
     if decode {
         crate::kernels::team::step(f)
     } else {
+        crate::kernels::team::release();
         rayon::scope(|_| f())
     }
 }

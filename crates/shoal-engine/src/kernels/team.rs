@@ -1,17 +1,28 @@
-//! The compute pool's threads held together for one decode step ([`step`]), so the matrix
-//! products of the step are split between threads that are already awake. A decode step
-//! runs a few hundred parallel loops of 10-400 µs each with short serial stretches between
-//! them; rayon puts an idle worker to sleep within microseconds, and waking it again cost
-//! 80-100 µs on a 2-vCPU VM (logged per job: the woken worker often started after the
-//! caller had done every job alone, and the caller then slept on the join and was woken as
-//! late). Within a step, the other workers instead run a helper that spins until the caller
-//! publishes a loop ([`for_each`]), takes indices from it as the caller does, and leaves
-//! when the step ends. Outside a step, [`for_each`] is rayon's parallel loop.
+//! The compute pool's threads held together for decode steps ([`step`]), so the matrix
+//! products of a step are split between threads that are already awake. A decode step runs
+//! a few hundred parallel loops of 10-400 µs each with short serial stretches between them;
+//! rayon puts an idle worker to sleep within microseconds, and waking it again cost 80-100
+//! µs on a 2-vCPU VM (logged per job: the woken worker often started after the caller had
+//! done every job alone, and the caller then slept on the join and was woken as late).
+//! Within a step, the other workers instead run a helper that spins until the caller
+//! publishes a loop ([`for_each`]) and takes indices from it as the caller does. Outside a
+//! step, [`for_each`] is rayon's parallel loop.
+//!
+//! Helpers also outlive their step by up to [`LINGER`], spinning, so that the caller's next
+//! step (the next token, after sampling) finds them awake. Spawning a helper wakes a
+//! sleeping worker, and that wake alone cost the caller 29 µs per token on that VM, with
+//! the helper arriving 26 µs later still (rdtsc marks, qwen05 decode at 2 threads).
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// How long helpers keep spinning after a step ends, for the caller's next step. Between
+/// two decode steps lie sampling and the hand-over of a token, tens of microseconds; a
+/// helper left over after the last step spins this long for nothing.
+pub const LINGER: Duration = Duration::from_millis(1);
 
 /// A published loop: its body, its length and its number.
 #[derive(Clone, Copy)]
@@ -25,7 +36,8 @@ struct Job {
 // running (see `Team::run`).
 unsafe impl Send for Job {}
 
-/// What the caller and the helpers of one step share.
+/// What the caller and the helpers of one caller's steps share. Kept by the caller's thread
+/// between its steps (see [`OWN`]), so helpers can linger on it.
 struct Team {
     /// The loop now published (read once per loop by each helper).
     job: Mutex<Option<Job>>,
@@ -36,25 +48,53 @@ struct Team {
     finished: AtomicUsize,
     /// A body panicked in the current loop.
     panicked: AtomicBool,
-    /// The step is over: helpers leave.
-    over: AtomicBool,
+    /// A step of this team is running.
+    running: AtomicBool,
+    /// Helpers spawned for this team that have not left: queued, helping, or lingering.
+    enlisted: AtomicUsize,
+    /// When the last step ended, in nanoseconds since [`since_start`]'s origin.
+    ended: AtomicU64,
+    /// Lingering helpers leave now ([`release`]).
+    released: AtomicBool,
 }
 
 /// A step with helpers is running somewhere in the process. One at a time: a helper is a
 /// rayon task that spins until its step ends, and a worker waiting inside a rayon join
 /// may pick one up; with two teams, the helper of one could sit inside a join of the
-/// other's caller and each wait for the other. Alone, a team's helpers are the oldest
-/// tasks its caller pushed, so a thread that takes work from the caller takes a helper
-/// first, and no thread helps while holding half of the caller's join. Later steps run
-/// without helpers until it ends.
-static TEAM_RUNNING: AtomicBool = AtomicBool::new(false);
+/// other's caller and each wait for the other. Alone, a team's helpers are tasks its caller
+/// pushed, so a thread that takes work from the caller takes a helper first, and no thread
+/// helps while holding half of the caller's join. Later steps run without helpers until it
+/// ends, and a lingering helper of another team leaves as soon as a step holds this. Holds
+/// the running team's address (0: none).
+static TEAM_RUNNING: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
     /// The team of the step this thread is running, if any.
     static CURRENT: Cell<*const Team> = const { Cell::new(std::ptr::null()) };
+    /// The team this thread's steps use, kept between them.
+    static OWN: RefCell<Option<Arc<Team>>> = const { RefCell::new(None) };
+}
+
+/// Nanoseconds since the first call.
+fn since_start() -> u64 {
+    static ORIGIN: OnceLock<Instant> = OnceLock::new();
+    ORIGIN.get_or_init(Instant::now).elapsed().as_nanos() as u64
 }
 
 impl Team {
+    fn new() -> Self {
+        Team {
+            job: Mutex::new(None),
+            next: AtomicU64::new(0),
+            finished: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            running: AtomicBool::new(false),
+            enlisted: AtomicUsize::new(0),
+            ended: AtomicU64::new(0),
+            released: AtomicBool::new(false),
+        }
+    }
+
     /// Takes and runs indices of loop `job` until none is left (or a newer loop is out).
     fn work(&self, job: Job) {
         loop {
@@ -102,74 +142,123 @@ impl Team {
         }
     }
 
-    /// A helper's life: wait (spinning) for each new loop and work on it, until the step is
-    /// over.
+    /// Whether a helper with no step to help should leave: released, another team's step
+    /// holds the pool, or [`LINGER`] has passed since the last step ended.
+    fn linger_over(&self) -> bool {
+        let holder = TEAM_RUNNING.load(Ordering::Acquire);
+        self.released.load(Ordering::Acquire)
+            || (holder != 0 && holder != self as *const Team as usize)
+            || since_start().saturating_sub(self.ended.load(Ordering::Acquire))
+                > LINGER.as_nanos() as u64
+    }
+
+    /// A helper's life: wait (spinning) for each new loop and work on it, through this
+    /// team's steps, until no step has run for [`LINGER`].
     fn help(&self) {
-        let mut seen = 0u32;
+        #[cfg(test)]
+        let _helping = tests::Helping::start();
+        // none seen yet: a helper that arrives during a loop joins it
+        let mut seen = None;
         loop {
             let epoch = (self.next.load(Ordering::Acquire) >> 32) as u32;
-            if epoch != seen {
-                seen = epoch;
+            if seen != Some(epoch) {
+                seen = Some(epoch);
                 let job = *self.job.lock().unwrap_or_else(|e| e.into_inner());
                 if let Some(job) = job {
                     self.work(job);
                 }
                 continue;
             }
-            if self.over.load(Ordering::Acquire) {
+            if self.running.load(Ordering::Acquire) {
+                std::hint::spin_loop();
+                continue;
+            }
+            if self.linger_over() {
+                self.enlisted.fetch_sub(1, Ordering::SeqCst);
+                // a step that began meanwhile may have counted this helper as present
+                // (both sides order their store before their load: see `step`)
+                if self.running.load(Ordering::SeqCst) {
+                    self.enlisted.fetch_add(1, Ordering::SeqCst);
+                    continue;
+                }
                 return;
             }
-            std::hint::spin_loop();
+            // lingering holds a pool thread: let the pool's other work run on it meanwhile
+            rayon::yield_now();
         }
     }
 }
 
 /// Runs `f` (on a pool thread, with several in the pool) as one step whose [`for_each`]
-/// loops are shared with the pool's other threads, kept spinning until `f` returns. With
-/// one thread, inside a step already, or while another step has the team, it just runs
-/// `f` (its loops then go to rayon).
+/// loops are shared with the pool's other threads, kept spinning until `f` returns and for
+/// [`LINGER`] after. With one thread, inside a step already, or while another step has the
+/// team, it just runs `f` (its loops then go to rayon).
 pub fn step<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    let team = Team {
-        job: Mutex::new(None),
-        next: AtomicU64::new(0),
-        finished: AtomicUsize::new(0),
-        panicked: AtomicBool::new(false),
-        over: AtomicBool::new(false),
-    };
-    let team = &team;
-    rayon::scope(|s| {
+    rayon::scope(|_| {
         let helpers = rayon::current_num_threads().saturating_sub(1);
-        if helpers == 0
-            || !CURRENT.with(|c| c.get().is_null())
-            || TEAM_RUNNING
-                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-                .is_err()
+        if helpers == 0 || !CURRENT.with(|c| c.get().is_null()) {
+            return f();
+        }
+        let team = OWN.with(|o| {
+            o.borrow_mut()
+                .get_or_insert_with(|| Arc::new(Team::new()))
+                .clone()
+        });
+        if TEAM_RUNNING
+            .compare_exchange(
+                0,
+                Arc::as_ptr(&team) as usize,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_err()
         {
             return f();
         }
-        for _ in 0..helpers {
-            s.spawn(move |_| {
+        team.released.store(false, Ordering::Release);
+        team.running.store(true, Ordering::SeqCst);
+        // helpers still lingering from the last step need no new spawn (a leaving one
+        // either is counted out here, or sees `running` and stays: see `Team::help`)
+        let present = team.enlisted.load(Ordering::SeqCst);
+        for _ in present..helpers {
+            #[cfg(test)]
+            tests::SPAWNED.with(|n| n.set(n.get() + 1));
+            team.enlisted.fetch_add(1, Ordering::SeqCst);
+            let t = team.clone();
+            rayon::spawn(move || {
                 // the caller itself may pick this up while it waits in a rayon join of its
                 // own: then there is nobody to help
-                if !CURRENT.with(|c| std::ptr::eq(c.get(), team)) {
-                    team.help();
+                if CURRENT.with(|c| std::ptr::eq(c.get(), &*t)) {
+                    t.enlisted.fetch_sub(1, Ordering::SeqCst);
+                } else {
+                    t.help();
                 }
             });
         }
-        /// Ends the step however `f` leaves (a panic included), so the helpers return
-        /// and the scope can close.
+        /// Ends the step however `f` leaves (a panic included); the helpers linger.
         struct End<'a>(&'a Team);
         impl Drop for End<'_> {
             fn drop(&mut self) {
                 CURRENT.with(|c| c.set(std::ptr::null()));
-                self.0.over.store(true, Ordering::Release);
-                TEAM_RUNNING.store(false, Ordering::Release);
+                self.0.ended.store(since_start(), Ordering::Release);
+                self.0.running.store(false, Ordering::Release);
+                TEAM_RUNNING.store(0, Ordering::Release);
             }
         }
-        CURRENT.with(|c| c.set(team));
-        let _end = End(team);
+        CURRENT.with(|c| c.set(&*team));
+        let _end = End(&team);
         f()
     })
+}
+
+/// Sends this thread's lingering helpers away, for work that needs the whole pool (a
+/// prefill's rayon loops would otherwise find a thread spinning for up to [`LINGER`]).
+pub fn release() {
+    OWN.with(|o| {
+        if let Some(t) = &*o.borrow() {
+            t.released.store(true, Ordering::Release);
+        }
+    });
 }
 
 /// Whether this thread runs a step with helpers, so its [`for_each`] loops go to a team
@@ -196,10 +285,154 @@ pub fn for_each(n: usize, body: impl Fn(usize) + Sync) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicUsize;
+
+    thread_local! {
+        /// Helpers spawned by the steps this thread ran.
+        pub(super) static SPAWNED: Cell<usize> = const { Cell::new(0) };
+    }
+    /// The tests that count on a team forming run one at a time.
+    static SERIAL: Mutex<()> = Mutex::new(());
+
+    fn spawned() -> usize {
+        SPAWNED.with(|n| n.get())
+    }
+
+    thread_local! {
+        /// This thread runs a helper (maybe with other pool work nested in its wait).
+        static HELPING: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Marks the thread as a helper's until dropped.
+    pub(super) struct Helping(bool);
+
+    impl Helping {
+        pub(super) fn start() -> Self {
+            Helping(HELPING.with(|h| h.replace(true)))
+        }
+    }
+
+    impl Drop for Helping {
+        fn drop(&mut self) {
+            HELPING.with(|h| h.set(self.0));
+        }
+    }
+
+    /// The helpers enlisted in this thread's team.
+    fn enlisted() -> usize {
+        OWN.with(|o| {
+            o.borrow()
+                .as_ref()
+                .map_or(0, |t| t.enlisted.load(Ordering::SeqCst))
+        })
+    }
+
+    /// Runs steps on a 2-thread pool until one forms a team (other tests of the process may
+    /// hold the one team for a moment); returns the helpers spawned meanwhile.
+    fn formed_step(pool: &rayon::ThreadPool) -> usize {
+        let before = spawned();
+        for _ in 0..400 {
+            if pool.install(|| step(in_step)) {
+                return spawned() - before;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!("no team formed in 400 tries");
+    }
+
+    #[test]
+    fn helpers_linger_for_the_next_step_then_leave() {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            assert!(formed_step(&pool) <= 1);
+            // the next steps, straight after, find the helper still there (another test's
+            // step may hold the team now and then: count the steps that had it)
+            let before = spawned();
+            let mut formed = 0;
+            for _ in 0..2000 {
+                let n = AtomicUsize::new(0);
+                formed += usize::from(step(|| {
+                    for_each(4, |_| {
+                        n.fetch_add(1, Ordering::Relaxed);
+                    });
+                    in_step()
+                }));
+                assert_eq!(n.load(Ordering::Relaxed), 4);
+                if formed == 40 {
+                    break;
+                }
+            }
+            let spawned = spawned() - before;
+            assert!(
+                formed == 40 && spawned <= 10,
+                "{formed} steps with a team, {spawned} helpers spawned for them"
+            );
+            // then it leaves, by itself after LINGER, or at once when released
+            let t0 = Instant::now();
+            while enlisted() > 0 {
+                assert!(t0.elapsed() < LINGER * 200, "the helper never left");
+                std::thread::sleep(LINGER / 4);
+            }
+            assert!(step(in_step));
+            release();
+            let t0 = Instant::now();
+            while enlisted() > 0 {
+                assert!(t0.elapsed() < LINGER * 200, "a released helper stayed");
+                std::thread::yield_now();
+            }
+        });
+    }
+
+    #[test]
+    fn a_lingering_helper_lets_other_pool_work_run() {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let (done, formed) = (AtomicBool::new(false), AtomicBool::new(false));
+        let (mut tries, mut in_helper) = (0, 0);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                pool.install(|| {
+                    // steps back to back, as decoding runs them, until the other work is done
+                    while !done.load(Ordering::Acquire) {
+                        if step(|| {
+                            for_each(2, |_| std::hint::black_box(()));
+                            in_step()
+                        }) {
+                            formed.store(true, Ordering::Release);
+                        }
+                    }
+                })
+            });
+            while !formed.load(Ordering::Acquire) {
+                std::thread::yield_now();
+            }
+            // work injected from outside the pool while both threads are taken (the caller
+            // and its helper) runs on the helper, between steps. Not every time: while a
+            // step of another test holds the team, or after the OS held the caller up for
+            // LINGER, the helper has left and its thread is free: the count that has to run
+            // on a helper is reached once the other tests are done.
+            let t0 = Instant::now();
+            while in_helper < 10 && t0.elapsed() < Duration::from_secs(10) {
+                tries += 1;
+                in_helper += usize::from(pool.install(|| HELPING.with(|h| h.get())));
+            }
+            done.store(true, Ordering::Release);
+        });
+        assert!(
+            in_helper >= 10,
+            "{in_helper} of {tries} jobs ran on a lingering helper"
+        );
+    }
 
     #[test]
     fn every_index_runs_once_in_and_out_of_a_step() {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(3)
             .build()
@@ -229,6 +462,7 @@ mod tests {
 
     #[test]
     fn in_step_says_whether_loops_go_to_a_team() {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         assert!(!in_step());
         let one = rayon::ThreadPoolBuilder::new()
             .num_threads(1)
@@ -257,6 +491,7 @@ mod tests {
 
     #[test]
     fn steps_nest_and_run_beside_each_other() {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
             .build()
@@ -287,6 +522,7 @@ mod tests {
 
     #[test]
     fn a_panicking_body_fails_the_loop_and_ends_the_step() {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
             .build()

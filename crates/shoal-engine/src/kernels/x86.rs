@@ -323,8 +323,8 @@ pub unsafe fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
             let sums = sum8_epi32(runs);
             let mut lanes = [0i32; 8];
             _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, sums);
-            for r in 0..8 {
-                b.bsums[8 * k4 + r] = lanes[r] as i16;
+            for (s, &l) in b.bsums[8 * k4..8 * k4 + 8].iter_mut().zip(&lanes) {
+                *s = l as i16;
             }
             for r in 0..4 {
                 b.sums32[4 * k4 + r] = b.bsums[8 * k4 + 2 * r] + b.bsums[8 * k4 + 2 * r + 1];
