@@ -221,6 +221,15 @@ impl ColumnLinear {
         Ok(ys.pop().expect("one product per layer"))
     }
 
+    /// The kernels' matrix, when they hold the weight and there is no bias: for layers that
+    /// are combined into one matrix (a feed-forward's gate and up).
+    pub fn kernel_matrix(&self) -> Option<&QuantMatrix> {
+        match (&self.weight, &self.bias) {
+            (Matrix::Kernel(m), None) => Some(m),
+            _ => None,
+        }
+    }
+
     /// [`ColumnLinear::forward`] as plain values, row after row: the output head's logits
     /// for sampling, with no tensor to copy them out of again.
     ///

@@ -21,7 +21,7 @@ use crate::activation;
 use crate::attention::AttentionShape;
 use crate::config::{Activation, ModelConfig, RopeStyle};
 use crate::error::CandleContext;
-use crate::kernels::QuantMatrix;
+use crate::kernels::{GatePair, QuantMatrix};
 use crate::kv_cache::KvCache;
 use crate::layers::{with_f32, ColumnLinear, Matrix, RmsNorm, RowLinear};
 use crate::profile::{self, Op};
@@ -483,10 +483,21 @@ type Heads = (Vec<f32>, Vec<f32>, Vec<f32>);
 /// The gated feed-forward block over this rank's features.
 #[derive(Debug)]
 pub struct FeedForward {
-    gate: ColumnLinear,
-    up: ColumnLinear,
+    gate_up: GateUp,
     down: RowLinear,
     activation: Activation,
+}
+
+/// A feed-forward's gate and up projections: one interleaved matrix where the kernels hold
+/// both alike ([`GatePair`]: the activation then runs inside the product's parallel loop),
+/// else two layers.
+#[derive(Debug)]
+enum GateUp {
+    Paired(GatePair),
+    Apart {
+        gate: ColumnLinear,
+        up: ColumnLinear,
+    },
 }
 
 impl FeedForward {
@@ -498,23 +509,26 @@ impl FeedForward {
         comm: Arc<dyn Communicator>,
     ) -> Result<Self, EngineError> {
         let p = format!("blk.{layer}");
+        let column = |name: &str| {
+            ColumnLinear::load(
+                src,
+                &format!("{p}.{name}"),
+                cfg.ffn,
+                cfg.hidden,
+                shard.ffn.clone(),
+                false,
+            )
+        };
+        let (gate, up) = (column("ffn_gate")?, column("ffn_up")?);
+        let pair = match (gate.kernel_matrix(), up.kernel_matrix()) {
+            (Some(g), Some(u)) => GatePair::new(g, u),
+            _ => None,
+        };
         Ok(FeedForward {
-            gate: ColumnLinear::load(
-                src,
-                &format!("{p}.ffn_gate"),
-                cfg.ffn,
-                cfg.hidden,
-                shard.ffn.clone(),
-                false,
-            )?,
-            up: ColumnLinear::load(
-                src,
-                &format!("{p}.ffn_up"),
-                cfg.ffn,
-                cfg.hidden,
-                shard.ffn.clone(),
-                false,
-            )?,
+            gate_up: match pair {
+                Some(pair) => GateUp::Paired(pair),
+                None => GateUp::Apart { gate, up },
+            },
             down: RowLinear::load(
                 src,
                 &format!("{p}.ffn_down"),
@@ -528,21 +542,43 @@ impl FeedForward {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
-        // as values: read once by the activation, never as tensors
-        let (g, u) = {
-            let _p = profile::scope(Op::GateUp);
-            let mut gu = ColumnLinear::forward_many_values(&[&self.gate, &self.up], x)?;
-            let u = gu.pop().expect("two products");
-            (gu.pop().expect("two products"), u)
+        let h = match &self.gate_up {
+            GateUp::Paired(pair) => {
+                let _p = profile::scope(Op::GateUp);
+                if x.dims().last() != Some(&pair.cols()) {
+                    return Err(EngineError::Unsupported {
+                        what: format!(
+                            "a feed-forward input of shape {:?} for {} columns",
+                            x.dims(),
+                            pair.cols()
+                        ),
+                    });
+                }
+                let x = x.contiguous().ctx("feed-forward input")?;
+                with_f32(&x, |xs| pair.gated_products(xs, self.activation))?.map_err(|e| {
+                    EngineError::Unsupported {
+                        what: e.to_string(),
+                    }
+                })?
+            }
+            GateUp::Apart { gate, up } => {
+                // as values: read once by the activation, never as tensors
+                let (g, u) = {
+                    let _p = profile::scope(Op::GateUp);
+                    let mut gu = ColumnLinear::forward_many_values(&[gate, up], x)?;
+                    let u = gu.pop().expect("two products");
+                    (gu.pop().expect("two products"), u)
+                };
+                let _act = profile::scope(Op::Activation);
+                let mut h = vec![0f32; g.len()];
+                activation::gated(self.activation, &g, &u, &mut h);
+                h
+            }
         };
-        let act = profile::scope(Op::Activation);
-        let mut h = vec![0f32; g.len()];
-        activation::gated(self.activation, &g, &u, &mut h);
         let mut dims = x.dims().to_vec();
         let rows = x.elem_count() / dims.pop().unwrap_or(1).max(1);
         dims.push(h.len() / rows.max(1));
         let h = Tensor::from_vec(h, dims, &Device::Cpu).ctx("gate * up")?;
-        drop(act);
         let _p = profile::scope(Op::Down);
         self.down.forward(&h)
     }

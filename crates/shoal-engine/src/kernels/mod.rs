@@ -82,6 +82,7 @@ macro_rules! run_kernels {
 
 mod buffer;
 pub mod formats;
+mod gate_pair;
 pub mod math;
 #[cfg(target_arch = "aarch64")]
 mod neon_tiled;
@@ -105,6 +106,7 @@ use half::f16;
 
 pub use buffer::WeightBuffer;
 pub use formats::{ActFormat, BlockQ8, BlockQ8K, WeightType, QK, QK_K};
+pub use gate_pair::GatePair;
 pub use prefetch::Prefetch;
 
 /// Quantizes activations `x` (a multiple of 32 long) to [`BlockQ8`], with SIMD where the CPU
@@ -407,6 +409,31 @@ pub fn gated(act: crate::config::Activation, gate: &[f32], up: &[f32], out: &mut
         return;
     }
     math::gated(act, gate, up, out)
+}
+
+/// `out = act(gate) * up` over tile pairs: `pairs` holds eight gate values, then the same
+/// eight features' up values, and so on (a [`GatePair`]'s product), `out` one value per
+/// feature. The same values as [`gated`] over the separated halves.
+///
+/// # Panics
+/// When `pairs` is not twice as long as `out`, or not a whole number of tile pairs.
+pub fn gated_pairs(act: crate::config::Activation, pairs: &[f32], out: &mut [f32]) {
+    assert!(
+        pairs.len() == 2 * out.len() && out.len().is_multiple_of(tiled::TILE_ROWS),
+        "gated_pairs lengths: {} values into {}",
+        pairs.len(),
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if active_isa() >= Isa::Avx2 {
+        // SAFETY: AVX2 and FMA are part of the level; the lengths were checked.
+        unsafe { x86::gated_pairs(act, pairs, out) };
+        return;
+    }
+    const R: usize = tiled::TILE_ROWS;
+    for (p, o) in pairs.chunks_exact(2 * R).zip(out.chunks_exact_mut(R)) {
+        math::gated(act, &p[..R], &p[R..], o);
+    }
 }
 
 /// Softmax in place ([`math::softmax`]), 8-wide where the CPU has AVX2.
@@ -715,6 +742,13 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 // SAFETY: as above; the pointer is only written through, at disjoint positions.
 unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The pointer (a method, so a closure captures the `Sync` wrapper, not its field).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
 
 /// Writes the first `live` of a tile's (or a pair of tiles') `R` row results to `dst`. A
 /// whole tile is a copy of a constant `R` values (vector moves); a loop over `live` values
@@ -1055,7 +1089,7 @@ impl QuantMatrix {
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         if t > 0 && Self::share_activations(mats) {
             let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
-            Self::shared_tiled(mats, x, t, &outs);
+            Self::shared_tiled(mats, x, t, &outs, None);
             return Ok(());
         }
         for (m, y) in mats.iter().zip(ys.iter_mut()) {
@@ -1090,7 +1124,7 @@ impl QuantMatrix {
                 .iter_mut()
                 .map(|y| OutPtr(y.spare_capacity_mut().as_mut_ptr().cast::<f32>()))
                 .collect();
-            Self::shared_tiled(mats, x, t, &outs);
+            Self::shared_tiled(mats, x, t, &outs, None);
             for (y, m) in ys.iter_mut().zip(mats) {
                 // SAFETY: `shared_tiled` wrote all `t * rows` values of every output: each
                 // tile range writes its rows for every token, and the ranges cover the rows.
@@ -1106,10 +1140,17 @@ impl QuantMatrix {
 
     /// The shared tiled path of [`QuantMatrix::matmul_many`]: quantizes `x` (`t` rows) once
     /// and runs every matrix's tiles in one parallel region into `outs` (room for `t` rows of
-    /// each matrix's row count). Callers have checked the shapes and
+    /// each matrix's row count), and `after` over each job's tiles once the job has written
+    /// them (see [`drive_many`]). Callers have checked the shapes and
     /// [`QuantMatrix::share_activations`].
     #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-    fn shared_tiled(mats: &[&QuantMatrix], x: &[f32], t: usize, outs: &[OutPtr]) {
+    fn shared_tiled(
+        mats: &[&QuantMatrix],
+        x: &[f32],
+        t: usize,
+        outs: &[OutPtr],
+        after: Option<&AfterJob<'_>>,
+    ) {
         let cols = mats[0].cols;
         match mats[0].ty.act_format() {
             ActFormat::Q8 => SCRATCH_Q8.with(|s| {
@@ -1117,7 +1158,7 @@ impl QuantMatrix {
                 acts.resize(x.len() / QK, BlockQ8::default());
                 quantize_rows(x, &mut acts, quantize_q8);
                 let ks: Vec<_> = mats.iter().map(|m| tile_kernels(m.ty, m.isa)).collect();
-                drive_many(mats, &ks, outs, &acts, cols / QK, t);
+                drive_many(mats, &ks, outs, &acts, cols / QK, t, after);
                 *s.borrow_mut() = acts;
             }),
             _ => SCRATCH_Q8K.with(|s| {
@@ -1125,7 +1166,7 @@ impl QuantMatrix {
                 acts.resize(x.len() / QK_K, BlockQ8K::default());
                 quantize_rows(x, &mut acts, quantize_q8k);
                 let ks: Vec<_> = mats.iter().map(|m| tile_kernels_k(m.ty, m.isa)).collect();
-                drive_many(mats, &ks, outs, &acts, cols / QK_K, t);
+                drive_many(mats, &ks, outs, &acts, cols / QK_K, t, after);
                 *s.borrow_mut() = acts;
             }),
         }
@@ -1204,7 +1245,15 @@ impl QuantMatrix {
         debug_assert_eq!(acts.len(), per_row * t);
         debug_assert_eq!(y.len(), t * self.rows);
         let out = OutPtr(y.as_mut_ptr());
-        drive_many(&[self], std::slice::from_ref(k), &[out], acts, per_row, t);
+        drive_many(
+            &[self],
+            std::slice::from_ref(k),
+            &[out],
+            acts,
+            per_row,
+            t,
+            None,
+        );
     }
 
     /// Whether `mats` can share one quantization of their activations: all tiled, for one
@@ -1223,16 +1272,16 @@ impl QuantMatrix {
     }
 
     /// The tile ranges of about `chunks` jobs for the pool's threads; one range when
-    /// `chunks` is 1 or the matrix is small.
-    fn tile_chunks(&self, t: usize, chunks: usize, pairs: bool) -> Vec<Range<usize>> {
+    /// `chunks` is 1 or the matrix is small. With `even`, every range but the last starts
+    /// and ends on an even tile.
+    fn tile_chunks(&self, chunks: usize, even: bool) -> Vec<Range<usize>> {
         let tiles = self.tiles();
         if chunks <= 1 || tiles < 4 {
             return std::iter::once(0..tiles).collect();
         }
         let chunks = chunks.min(tiles);
         let mut per_chunk = tiles.div_ceil(chunks);
-        if pairs && t >= 4 {
-            // whole pairs per chunk: an odd tile left in every chunk would run at half width
+        if even {
             per_chunk += per_chunk % 2;
         }
         (0..tiles.div_ceil(per_chunk))
@@ -1355,8 +1404,13 @@ fn high_bits(isa: Isa, ty: WeightType) -> tiled::HighBits {
     }
 }
 
+/// What runs after each job of [`drive_many`]: the matrix's index and the job's tiles, whose
+/// rows the job has just written (for every token).
+type AfterJob<'a> = dyn Fn(usize, Range<usize>) + Sync + 'a;
+
 /// [`QuantMatrix::drive_tiles`] for several matrices sharing quantized activations `acts`,
-/// matrix `i` with kernels `ks[i]` into output `outs[i]`, in one parallel region.
+/// matrix `i` with kernels `ks[i]` into output `outs[i]`, in one parallel region; `after`
+/// (when given) runs on the same thread after each job, over ranges of whole tile pairs.
 fn drive_many<A: Sync>(
     mats: &[&QuantMatrix],
     ks: &[TilePair<A>],
@@ -1364,6 +1418,7 @@ fn drive_many<A: Sync>(
     acts: &[A],
     per_row: usize,
     t: usize,
+    after: Option<&AfterJob<'_>>,
 ) {
     let threads = rayon::current_num_threads();
     // Jobs per thread for the whole region, shared among the matrices by their tiles (four
@@ -1384,21 +1439,23 @@ fn drive_many<A: Sync>(
             } else {
                 (threads * per_thread * m.tiles()).div_ceil(total.max(1))
             };
-            m.tile_chunks(t, chunks, ks[i].pair_four.is_some())
-                .into_iter()
-                .map(move |r| (i, r))
+            // whole pairs per job: for `after`, and for the pair kernels (an odd tile left
+            // in every job would run at half width)
+            let even = after.is_some() || (ks[i].pair_four.is_some() && t >= 4);
+            m.tile_chunks(chunks, even).into_iter().map(move |r| (i, r))
         })
         .collect();
-    if threads <= 1 || jobs.len() <= 1 {
-        for (i, r) in jobs {
-            mats[i].drive_tile_range(r, acts, per_row, t, outs[i], &ks[i]);
+    let run = |(i, r): (usize, Range<usize>)| {
+        mats[i].drive_tile_range(r.clone(), acts, per_row, t, outs[i], &ks[i]);
+        if let Some(after) = after {
+            after(i, r);
         }
+    };
+    if threads <= 1 || jobs.len() <= 1 {
+        jobs.into_iter().for_each(run);
         return;
     }
-    team::for_each(jobs.len(), |j| {
-        let (i, r) = jobs[j].clone();
-        mats[i].drive_tile_range(r, acts, per_row, t, outs[i], &ks[i]);
-    });
+    team::for_each(jobs.len(), |j| run(jobs[j].clone()));
 }
 
 #[cfg(test)]

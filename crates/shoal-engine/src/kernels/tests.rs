@@ -588,3 +588,90 @@ fn argmax_is_the_first_largest_and_simd_lanes_match_the_portable_ones() {
     assert_eq!(argmax(&[f32::NAN, 1.0, 2.0]), 2, "a NaN never wins");
     assert_eq!(argmax(&[f32::NEG_INFINITY; 3]), 0);
 }
+
+/// A gate/up pair gives what the two matrices and the activation give apart, bit for bit:
+/// every tiled type at every level, token counts on both sides of the four- and eight-token
+/// kernels, one to three threads, on rayon and in a decode step's team; matrices that cannot
+/// pair are refused.
+#[test]
+fn gate_pairs_equal_gate_and_up_apart() {
+    use crate::config::Activation;
+    use WeightType::*;
+    let mut rng = StdRng::seed_from_u64(31);
+    for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K] {
+        let cols = 256;
+        let blocks = cols / ty.block_elems();
+        for isa in Isa::levels().iter().copied().filter(|i| i.runs_here()) {
+            let rows = 40;
+            let gate = QuantMatrix::with_isa(
+                isa,
+                ty,
+                rows,
+                cols,
+                random_matrix(ty, rows, blocks, &mut rng),
+            )
+            .unwrap();
+            let up = QuantMatrix::with_isa(
+                isa,
+                ty,
+                rows,
+                cols,
+                random_matrix(ty, rows, blocks, &mut rng),
+            )
+            .unwrap();
+            let Some(pair) = GatePair::new(&gate, &up) else {
+                assert!(!gate.tiled, "{ty:?} {isa:?}: tiled matrices pair");
+                continue;
+            };
+            assert_eq!((pair.features(), pair.cols()), (rows, cols));
+            assert_eq!(pair.bytes(), gate.bytes() + up.bytes());
+            for act in [Activation::Silu, Activation::GeluTanh] {
+                for t in [1, 3, 4, 9] {
+                    let x = random_acts(t * cols, &mut rng);
+                    let mut g = vec![0f32; t * rows];
+                    let mut u = vec![0f32; t * rows];
+                    gate.matmul(&x, &mut g).unwrap();
+                    up.matmul(&x, &mut u).unwrap();
+                    let mut want = vec![0f32; t * rows];
+                    gated(act, &g, &u, &mut want);
+                    for threads in 1..=3 {
+                        let pool = rayon::ThreadPoolBuilder::new()
+                            .num_threads(threads)
+                            .build()
+                            .unwrap();
+                        let got = pool.install(|| pair.gated_products(&x, act)).unwrap();
+                        assert_eq!(got, want, "{ty:?} {isa:?} {act:?} t={t} threads={threads}");
+                        let got = pool
+                            .install(|| team::step(|| pair.gated_products(&x, act)))
+                            .unwrap();
+                        assert_eq!(got, want, "in a step: {ty:?} {isa:?} {act:?} t={t}");
+                    }
+                }
+            }
+            assert!(pair.gated_products(&[0.0; 255], Activation::Silu).is_err());
+            assert!(pair
+                .gated_products(&[], Activation::Silu)
+                .unwrap()
+                .is_empty());
+            // unequal shapes, a ragged tile, another type
+            let short =
+                QuantMatrix::with_isa(isa, ty, 32, cols, random_matrix(ty, 32, blocks, &mut rng))
+                    .unwrap();
+            assert!(GatePair::new(&gate, &short).is_none());
+            let ragged =
+                QuantMatrix::with_isa(isa, ty, 36, cols, random_matrix(ty, 36, blocks, &mut rng))
+                    .unwrap();
+            assert!(GatePair::new(&ragged, &ragged).is_none());
+            let other = if ty == Q8_0 { Q4_0 } else { Q8_0 };
+            let o = QuantMatrix::with_isa(
+                isa,
+                other,
+                rows,
+                cols,
+                random_matrix(other, rows, cols / 32, &mut rng),
+            )
+            .unwrap();
+            assert!(GatePair::new(&gate, &o).is_none());
+        }
+    }
+}

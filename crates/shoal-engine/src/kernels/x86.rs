@@ -501,34 +501,54 @@ unsafe fn exp8(x: __m256) -> __m256 {
     _mm256_mul_ps(er, _mm256_castsi256_ps(pow2))
 }
 
+/// `act(g) * u` on eight lanes: `g / (1 + e^(-z)) * u`, with `z = g` for SiLU and `2y` for
+/// GELU-tanh.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gated8(act: crate::config::Activation, g: __m256, u: __m256) -> __m256 {
+    use crate::config::Activation;
+    let one = _mm256_set1_ps(1.0);
+    let z = match act {
+        Activation::Silu => g,
+        Activation::GeluTanh => {
+            let x2 = _mm256_mul_ps(g, g);
+            let inner = _mm256_fmadd_ps(_mm256_set1_ps(0.044_715), x2, one);
+            _mm256_mul_ps(_mm256_set1_ps(2.0 * 0.797_884_6), _mm256_mul_ps(g, inner))
+        }
+    };
+    let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), z));
+    _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u)
+}
+
 /// [`super::math::gated`] with [`exp8`].
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; the slices are equally long.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn gated(act: crate::config::Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
-    use crate::config::Activation;
     let n = out.len() / 8 * 8;
-    let one = _mm256_set1_ps(1.0);
     let mut i = 0;
     while i < n {
         let g = _mm256_loadu_ps(gate.as_ptr().add(i));
         let u = _mm256_loadu_ps(up.as_ptr().add(i));
-        // x / (1 + e^(-z)): z = x for SiLU, 2y for GELU-tanh
-        let z = match act {
-            Activation::Silu => g,
-            Activation::GeluTanh => {
-                let x2 = _mm256_mul_ps(g, g);
-                let inner = _mm256_fmadd_ps(_mm256_set1_ps(0.044_715), x2, one);
-                _mm256_mul_ps(_mm256_set1_ps(2.0 * 0.797_884_6), _mm256_mul_ps(g, inner))
-            }
-        };
-        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), z));
-        let a = _mm256_div_ps(g, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(a, u));
+        _mm256_storeu_ps(out.as_mut_ptr().add(i), gated8(act, g, u));
         i += 8;
     }
     super::math::gated(act, &gate[n..], &up[n..], &mut out[n..]);
+}
+
+/// [`super::gated_pairs`]: eight gate values then their eight up values, and so on, into
+/// eight outputs each, as [`gated`] computes them.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `pairs.len() == 2 * out.len()`, a multiple of 16.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn gated_pairs(act: crate::config::Activation, pairs: &[f32], out: &mut [f32]) {
+    for (p, o) in out.chunks_exact_mut(8).enumerate() {
+        let g = _mm256_loadu_ps(pairs.as_ptr().add(16 * p));
+        let u = _mm256_loadu_ps(pairs.as_ptr().add(16 * p + 8));
+        _mm256_storeu_ps(o.as_mut_ptr(), gated8(act, g, u));
+    }
 }
 
 /// [`super::math::softmax_weights`] with [`exp8`].
