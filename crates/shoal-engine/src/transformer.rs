@@ -407,6 +407,11 @@ impl Attention {
     ) -> Result<Tensor, EngineError> {
         let (nh, hd) = (self.n_head, self.head_dim);
         let p = cache.len();
+        // the keys and values the attention reads after the q/k/v product: the last token's
+        // weights pushed them out of every cache
+        if let Some((kc, vc)) = cache.buffers(layer) {
+            self.shape(cache.capacity()).prefetch(p, kc, vc);
+        }
         let (qs, ks, v) = self.roped_heads(x, 1, tables)?;
         let attention = profile::scope(Op::Attention);
         cache.append(layer, &ks, &v)?;

@@ -436,6 +436,27 @@ pub fn gated_pairs(act: crate::config::Activation, pairs: &[f32], out: &mut [f32
     }
 }
 
+/// Asks for the cache lines of `data` to be brought into L2 (x86: `prefetcht1`; nothing on
+/// other CPUs), for data that a decode step reads soon after the weight stream pushed it out
+/// of every cache: the KV cache of a layer, wanted by its attention once the q/k/v product
+/// is done.
+pub fn prefetch_l2<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let bytes = std::mem::size_of_val(data);
+        let p = data.as_ptr().cast::<i8>();
+        for off in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch has no effect on the program's state and never faults; the
+            // address lies inside `data` anyway.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.add(off))
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
+}
+
 /// Softmax in place ([`math::softmax`]), 8-wide where the CPU has AVX2.
 pub fn softmax(x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
