@@ -89,6 +89,7 @@ mod neon_tiled;
 mod portable;
 mod prefetch;
 pub mod reference;
+mod shares;
 pub mod team;
 mod tiled;
 #[cfg(target_arch = "x86_64")]
@@ -1425,6 +1426,72 @@ fn high_bits(isa: Isa, ty: WeightType) -> tiled::HighBits {
     }
 }
 
+/// Bytes per thread from which a decode step's product is split into [`shares::Shares`].
+/// Two threads' speeds differ by a few percent, so the wait at a loop's end grows with the
+/// loop, and a steal costs a cold start of about 1.7 µs: at qwen05's feed-forward (3 MB a
+/// thread) the faster thread waited a median 4 µs, too little to win back with a steal (a
+/// trace with shares from 1 MB on: no steals, the same waits); at its output head (72 MB a
+/// thread) 52-365 µs, and 3-12 µs with shares (rdtsc marks, 2-vCPU Intel VM).
+const STEAL_BYTES: usize = 8 << 20;
+/// The fewest bytes a thread takes from its share at once in [`stolen_shares`]; four times
+/// as many left are worth taking half of.
+const GRAIN_BYTES: usize = 64 << 10;
+
+/// [`drive_many`] for one token in a decode step's team, over [`shares::Shares`] of the
+/// matrices' tiles (one after another as one run of units), when they hold
+/// [`STEAL_BYTES`] or more; false (nothing done) otherwise.
+fn stolen_shares<A: Sync>(
+    mats: &[&QuantMatrix],
+    ks: &[TilePair<A>],
+    outs: &[OutPtr],
+    acts: &[A],
+    per_row: usize,
+    after: Option<&AfterJob<'_>>,
+) -> bool {
+    let bytes: usize = mats.iter().map(|m| m.bytes()).sum();
+    let starts: Vec<usize> = mats
+        .iter()
+        .scan(0, |at, m| {
+            let s = *at;
+            *at += m.tiles();
+            Some(s)
+        })
+        .collect();
+    let total: usize = mats.iter().map(|m| m.tiles()).sum();
+    // `after` wants whole tile pairs of each matrix: units in pairs, each matrix starting
+    // on one
+    let step = if after.is_some() { 2 } else { 1 };
+    let threads = rayon::current_num_threads();
+    if bytes / threads < STEAL_BYTES
+        || total > u32::MAX as usize
+        || starts.iter().any(|s| s % step != 0)
+    {
+        return false;
+    }
+    let tile_bytes = mats
+        .iter()
+        .map(|m| m.bytes() / m.tiles().max(1))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let grain = (GRAIN_BYTES / tile_bytes).max(1);
+    let shares = shares::Shares::new(total, threads, grain, 4 * grain, step);
+    let body = |r: Range<usize>| {
+        for (i, m) in mats.iter().enumerate() {
+            let (lo, hi) = (r.start.max(starts[i]), r.end.min(starts[i] + m.tiles()));
+            if lo < hi {
+                let local = lo - starts[i]..hi - starts[i];
+                m.drive_tile_range(local.clone(), acts, per_row, 1, outs[i], &ks[i]);
+                if let Some(after) = after {
+                    after(i, local);
+                }
+            }
+        }
+    };
+    team::for_each(shares.parts(), |me| shares.work(me, &body));
+    true
+}
+
 /// What runs after each job of [`drive_many`]: the matrix's index and the job's tiles, whose
 /// rows the job has just written (for every token).
 type AfterJob<'a> = dyn Fn(usize, Range<usize>) + Sync + 'a;
@@ -1442,6 +1509,13 @@ fn drive_many<A: Sync>(
     after: Option<&AfterJob<'_>>,
 ) {
     let threads = rayon::current_num_threads();
+    if t == 1
+        && threads > 1
+        && team::in_step()
+        && stolen_shares(mats, ks, outs, acts, per_row, after)
+    {
+        return;
+    }
     // Jobs per thread for the whole region, shared among the matrices by their tiles (four
     // per thread per matrix made SmolLM2's q/k/v 24 jobs, k's and v's of three tiles each).
     // Four on rayon, so a thread that wakes late is not left with a quarter of the work.

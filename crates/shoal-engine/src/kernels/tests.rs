@@ -675,3 +675,60 @@ fn gate_pairs_equal_gate_and_up_apart() {
         }
     }
 }
+
+/// One-token products big enough for a decode step's team to share them out with stealing
+/// (`STEAL_BYTES` a thread) give what rayon gives, a gate/up pair included, at 2 and 3
+/// threads.
+#[test]
+fn stolen_shares_give_the_products_rayon_gives() {
+    use crate::config::Activation;
+    let mut rng = StdRng::seed_from_u64(41);
+    let ty = WeightType::Q8_0;
+    let cols = 512;
+    let row_bytes = cols / 32 * ty.block_bytes();
+    // past the threshold at three threads, with a ragged last tile
+    let rows = 3 * STEAL_BYTES / row_bytes + 13;
+    let big =
+        QuantMatrix::new(ty, rows, cols, random_matrix(ty, rows, cols / 32, &mut rng)).unwrap();
+    let half = (rows / 2).next_multiple_of(16);
+    let gate =
+        QuantMatrix::new(ty, half, cols, random_matrix(ty, half, cols / 32, &mut rng)).unwrap();
+    let up =
+        QuantMatrix::new(ty, half, cols, random_matrix(ty, half, cols / 32, &mut rng)).unwrap();
+    let pair = GatePair::new(&gate, &up);
+    let x = random_acts(cols, &mut rng);
+    let want = QuantMatrix::products(&[&big], &x).unwrap();
+    let mut g = vec![0f32; half];
+    let mut u = vec![0f32; half];
+    gate.matmul(&x, &mut g).unwrap();
+    up.matmul(&x, &mut u).unwrap();
+    let mut want_h = vec![0f32; half];
+    gated(Activation::Silu, &g, &u, &mut want_h);
+    for threads in [2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        // other tests may hold the process's one team for a moment: until a step forms one
+        let teamed = (0..400).any(|_| {
+            let (got, got_h, teamed) = pool.install(|| {
+                team::step(|| {
+                    let got = QuantMatrix::products(&[&big], &x).unwrap();
+                    let got_h = pair
+                        .as_ref()
+                        .map(|p| p.gated_products(&x, Activation::Silu).unwrap());
+                    (got, got_h, team::in_step())
+                })
+            });
+            assert_eq!(got, want, "{threads} threads");
+            if let Some(h) = got_h {
+                assert_eq!(h, want_h, "gate/up pair, {threads} threads");
+            }
+            teamed || {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+                false
+            }
+        });
+        assert!(teamed, "no team formed in 400 tries");
+    }
+}
