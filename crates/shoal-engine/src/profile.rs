@@ -24,7 +24,8 @@ pub enum Op {
     AttnOut,
     /// Gate and up projections.
     GateUp,
-    /// Activation and gating product.
+    /// Activation and gating product, where gate and up are two matrices (a gate/up pair
+    /// applies it inside its product, counted under `GateUp`).
     Activation,
     /// Down projection (and its all-reduce).
     Down,
