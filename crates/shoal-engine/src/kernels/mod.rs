@@ -1448,7 +1448,11 @@ fn stolen_shares<A: Sync>(
     per_row: usize,
     after: Option<&AfterJob<'_>>,
 ) -> bool {
+    let threads = rayon::current_num_threads();
     let bytes: usize = mats.iter().map(|m| m.bytes()).sum();
+    if bytes / threads < STEAL_BYTES {
+        return false;
+    }
     let starts: Vec<usize> = mats
         .iter()
         .scan(0, |at, m| {
@@ -1461,11 +1465,7 @@ fn stolen_shares<A: Sync>(
     // `after` wants whole tile pairs of each matrix: units in pairs, each matrix starting
     // on one
     let step = if after.is_some() { 2 } else { 1 };
-    let threads = rayon::current_num_threads();
-    if bytes / threads < STEAL_BYTES
-        || total > u32::MAX as usize
-        || starts.iter().any(|s| s % step != 0)
-    {
+    if total > u32::MAX as usize || starts.iter().any(|s| s % step != 0) {
         return false;
     }
     let tile_bytes = mats
