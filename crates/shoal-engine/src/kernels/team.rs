@@ -349,7 +349,9 @@ mod tests {
         pool.install(|| {
             assert!(formed_step(&pool) <= 1);
             // the next steps, straight after, find the helper still there (another test's
-            // step may hold the team now and then: count the steps that had it)
+            // step may hold the team now and then, and send the helper away: count the
+            // steps that had it, and allow a respawn for every other one; without the
+            // linger nearly every step spawns one)
             let before = spawned();
             let mut formed = 0;
             for _ in 0..2000 {
@@ -367,7 +369,7 @@ mod tests {
             }
             let spawned = spawned() - before;
             assert!(
-                formed == 40 && spawned <= 10,
+                formed == 40 && spawned <= 20,
                 "{formed} steps with a team, {spawned} helpers spawned for them"
             );
             // then it leaves, by itself after LINGER, or at once when released
