@@ -340,19 +340,24 @@ mod tests {
         }
     }
 
-    #[test]
-    fn parallel_decode_splits_ragged_groups() {
-        // 7 local heads from global head 1, 2 per KV head: groups of 1, 2, 2, 2
-        let a = AttentionShape {
+    /// 7 local heads from global head 1, 2 per KV head (groups of 1, 2, 2, 2), a cache of 9
+    /// positions.
+    fn ragged_shard(window: Option<usize>) -> AttentionShape {
+        AttentionShape {
             n_head: 7,
             first_head: 1,
             first_kv: 0,
             group: 2,
             head_dim: 8,
             capacity: 9,
-            window: None,
+            window,
             scale: 0.5,
-        };
+        }
+    }
+
+    #[test]
+    fn parallel_decode_splits_ragged_groups() {
+        let a = ragged_shard(None);
         let q: Vec<f32> = (0..7 * 8).map(|i| val(i, 7)).collect();
         let k: Vec<f16> = (0..4 * 9 * 8).map(|i| f16::from_f32(val(i, 8))).collect();
         let v: Vec<f16> = (0..4 * 9 * 8).map(|i| f16::from_f32(val(i, 9))).collect();
@@ -411,16 +416,7 @@ mod tests {
         // heads, and a cache too short for its shape (a caller's mistake) asks for nothing
         // past its end
         for window in [None, Some(3)] {
-            let a = AttentionShape {
-                n_head: 7,
-                first_head: 1,
-                first_kv: 0,
-                group: 2,
-                head_dim: 8,
-                capacity: 9,
-                window,
-                scale: 0.5,
-            };
+            let a = ragged_shard(window);
             assert_eq!(a.kv_heads(), 4);
             let k = vec![f16::ZERO; 4 * 9 * 8];
             for pos in 0..9 {

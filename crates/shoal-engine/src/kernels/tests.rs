@@ -600,25 +600,13 @@ fn gate_pairs_equal_gate_and_up_apart() {
     let mut rng = StdRng::seed_from_u64(31);
     for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K] {
         let cols = 256;
-        let blocks = cols / ty.block_elems();
         for isa in Isa::levels().iter().copied().filter(|i| i.runs_here()) {
             let rows = 40;
-            let gate = QuantMatrix::with_isa(
-                isa,
-                ty,
-                rows,
-                cols,
-                random_matrix(ty, rows, blocks, &mut rng),
-            )
-            .unwrap();
-            let up = QuantMatrix::with_isa(
-                isa,
-                ty,
-                rows,
-                cols,
-                random_matrix(ty, rows, blocks, &mut rng),
-            )
-            .unwrap();
+            let matrix = |ty: WeightType, rows: usize, rng: &mut StdRng| {
+                let data = random_matrix(ty, rows, cols / ty.block_elems(), rng);
+                QuantMatrix::with_isa(isa, ty, rows, cols, data).unwrap()
+            };
+            let (gate, up) = (matrix(ty, rows, &mut rng), matrix(ty, rows, &mut rng));
             let Some(pair) = GatePair::new(&gate, &up) else {
                 assert!(!gate.tiled, "{ty:?} {isa:?}: tiled matrices pair");
                 continue;
@@ -654,24 +642,12 @@ fn gate_pairs_equal_gate_and_up_apart() {
                 .unwrap()
                 .is_empty());
             // unequal shapes, a ragged tile, another type
-            let short =
-                QuantMatrix::with_isa(isa, ty, 32, cols, random_matrix(ty, 32, blocks, &mut rng))
-                    .unwrap();
+            let short = matrix(ty, 32, &mut rng);
             assert!(GatePair::new(&gate, &short).is_none());
-            let ragged =
-                QuantMatrix::with_isa(isa, ty, 36, cols, random_matrix(ty, 36, blocks, &mut rng))
-                    .unwrap();
+            let ragged = matrix(ty, 36, &mut rng);
             assert!(GatePair::new(&ragged, &ragged).is_none());
-            let other = if ty == Q8_0 { Q4_0 } else { Q8_0 };
-            let o = QuantMatrix::with_isa(
-                isa,
-                other,
-                rows,
-                cols,
-                random_matrix(other, rows, cols / 32, &mut rng),
-            )
-            .unwrap();
-            assert!(GatePair::new(&gate, &o).is_none());
+            let other = matrix(if ty == Q8_0 { Q4_0 } else { Q8_0 }, rows, &mut rng);
+            assert!(GatePair::new(&gate, &other).is_none());
         }
     }
 }
