@@ -102,6 +102,18 @@ impl AttentionShape {
         }
     }
 
+    /// The first local query head of local KV group `g`; `n_head` for `g` = [`Self::kv_heads`]
+    /// (a shard's first and last groups may be partial).
+    fn group_start(&self, g: usize) -> usize {
+        if g == 0 {
+            0
+        } else {
+            ((self.first_kv + g) * self.group)
+                .saturating_sub(self.first_head)
+                .min(self.n_head)
+        }
+    }
+
     /// The local KV heads this rank's query heads read.
     fn kv_heads(&self) -> usize {
         if self.n_head == 0 {
@@ -139,28 +151,24 @@ impl AttentionShape {
     pub fn decode_parallel(&self, pos: usize, q: &[f32], k: &[f16], v: &[f16], out: &mut [f32]) {
         let threads = rayon::current_num_threads();
         if threads > 1 && team::in_step() && self.visible(pos).len() >= TEAM_MIN_KEYS {
-            // the first head of every KV group, and the end
-            let mut cuts: Vec<usize> = (0..self.n_head)
-                .filter(|&h| h == 0 || self.kv_of(h - 1) != self.kv_of(h))
-                .collect();
-            cuts.push(self.n_head);
-            let groups = cuts.len() - 1;
+            let groups = self.kv_heads();
             let parts = threads.min(groups);
             if parts > 1 {
-                let bounds: Vec<usize> = (0..=parts).map(|j| cuts[j * groups / parts]).collect();
+                // part j: the KV groups from j * groups / parts on, as heads
+                let bound = |j: usize| self.group_start(j * groups / parts);
                 let hd = self.head_dim;
                 let mut rest = &mut out[..self.n_head * hd];
-                let outs: Vec<Mutex<&mut [f32]>> = bounds
-                    .windows(2)
-                    .map(|w| {
-                        let (o, r) = std::mem::take(&mut rest).split_at_mut((w[1] - w[0]) * hd);
+                let outs: Vec<Mutex<&mut [f32]>> = (0..parts)
+                    .map(|j| {
+                        let (o, r) =
+                            std::mem::take(&mut rest).split_at_mut((bound(j + 1) - bound(j)) * hd);
                         rest = r;
                         Mutex::new(o)
                     })
                     .collect();
                 team::for_each(parts, |j| {
                     let mut o = outs[j].lock().unwrap_or_else(|e| e.into_inner());
-                    self.decode_heads(pos, bounds[j]..bounds[j + 1], q, k, v, &mut o, false);
+                    self.decode_heads(pos, bound(j)..bound(j + 1), q, k, v, &mut o, false);
                 });
                 return;
             }
@@ -358,6 +366,9 @@ mod tests {
     #[test]
     fn parallel_decode_splits_ragged_groups() {
         let a = ragged_shard(None);
+        // the groups' first heads, as the KV head of each head says
+        let firsts: Vec<usize> = (0..=a.kv_heads()).map(|g| a.group_start(g)).collect();
+        assert_eq!(firsts, [0, 1, 3, 5, 7]);
         let q: Vec<f32> = (0..7 * 8).map(|i| val(i, 7)).collect();
         let k: Vec<f16> = (0..4 * 9 * 8).map(|i| f16::from_f32(val(i, 8))).collect();
         let v: Vec<f16> = (0..4 * 9 * 8).map(|i| f16::from_f32(val(i, 9))).collect();
@@ -388,22 +399,15 @@ mod tests {
                 .num_threads(threads)
                 .build()
                 .unwrap();
-            // other tests may hold the process's one team for a moment
-            let in_team = (0..400).any(|_| {
-                let mut par = vec![f32::NAN; 7 * 8];
-                let teamed = pool.install(|| {
-                    team::step(|| {
-                        a.decode_parallel(pos, &q, &k, &v, &mut par);
-                        team::in_step()
-                    })
-                });
-                assert_eq!(want, par, "{threads} threads");
-                teamed || {
-                    std::thread::sleep(std::time::Duration::from_millis(5));
-                    false
-                }
-            });
-            assert!(in_team, "no team formed in 400 tries");
+            team::until_teamed(
+                &pool,
+                || {
+                    let mut par = vec![f32::NAN; 7 * 8];
+                    a.decode_parallel(pos, &q, &k, &v, &mut par);
+                    par
+                },
+                |par, _| assert_eq!(want, par, "{threads} threads"),
+            );
         }
         for (i, (got, want)) in want.iter().zip(naive(&a, pos, &q, &k, &v)).enumerate() {
             assert!((*got as f64 - want).abs() < 1e-5, "{i}: {got} vs {want}");

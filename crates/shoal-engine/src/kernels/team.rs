@@ -282,6 +282,29 @@ pub fn for_each(n: usize, body: impl Fn(usize) + Sync) {
     unsafe { &*team }.run(n, &body);
 }
 
+/// Test support: runs `f` in decode steps on `pool`, handing each result and whether its step
+/// formed a team to `check`, until one does (other tests of the process may hold the one
+/// team for a moment).
+///
+/// # Panics
+/// When no step forms a team in 400 tries.
+#[cfg(test)]
+pub(crate) fn until_teamed<R: Send>(
+    pool: &rayon::ThreadPool,
+    f: impl Fn() -> R + Sync,
+    mut check: impl FnMut(R, bool),
+) {
+    for _ in 0..400 {
+        let (r, teamed) = pool.install(|| step(|| (f(), in_step())));
+        check(r, teamed);
+        if teamed {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    panic!("no team formed in 400 tries");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -330,13 +353,8 @@ mod tests {
     /// hold the one team for a moment); returns the helpers spawned meanwhile.
     fn formed_step(pool: &rayon::ThreadPool) -> usize {
         let before = spawned();
-        for _ in 0..400 {
-            if pool.install(|| step(in_step)) {
-                return spawned() - before;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        panic!("no team formed in 400 tries");
+        until_teamed(pool, || (), |_, _| {});
+        spawned() - before
     }
 
     #[test]
@@ -491,19 +509,13 @@ mod tests {
             .num_threads(2)
             .build()
             .unwrap();
-        // other tests of this process may hold the one team for a moment
-        let formed = (0..400).any(|_| {
-            let inside = two.install(|| step(|| (in_step(), step(in_step))));
-            assert_eq!(
-                inside.1, inside.0,
-                "a nested step's loops go to the outer team"
-            );
-            inside.0 || {
-                std::thread::sleep(std::time::Duration::from_millis(5));
-                false
-            }
-        });
-        assert!(formed, "no team formed in 400 tries");
+        until_teamed(
+            &two,
+            || step(in_step),
+            |nested, teamed| {
+                assert_eq!(nested, teamed, "a nested step's loops go to the outer team")
+            },
+        );
         assert!(!in_step());
     }
 

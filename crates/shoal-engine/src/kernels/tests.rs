@@ -685,26 +685,21 @@ fn stolen_shares_give_the_products_rayon_gives() {
             .num_threads(threads)
             .build()
             .unwrap();
-        // other tests may hold the process's one team for a moment: until a step forms one
-        let teamed = (0..400).any(|_| {
-            let (got, got_h, teamed) = pool.install(|| {
-                team::step(|| {
-                    let got = QuantMatrix::products(&[&big], &x).unwrap();
-                    let got_h = pair
-                        .as_ref()
-                        .map(|p| p.gated_products(&x, Activation::Silu).unwrap());
-                    (got, got_h, team::in_step())
-                })
-            });
-            assert_eq!(got, want, "{threads} threads");
-            if let Some(h) = got_h {
-                assert_eq!(h, want_h, "gate/up pair, {threads} threads");
-            }
-            teamed || {
-                std::thread::sleep(std::time::Duration::from_millis(5));
-                false
-            }
-        });
-        assert!(teamed, "no team formed in 400 tries");
+        team::until_teamed(
+            &pool,
+            || {
+                let got = QuantMatrix::products(&[&big], &x).unwrap();
+                let got_h = pair
+                    .as_ref()
+                    .map(|p| p.gated_products(&x, Activation::Silu).unwrap());
+                (got, got_h)
+            },
+            |(got, got_h), _| {
+                assert_eq!(got, want, "{threads} threads");
+                if let Some(h) = got_h {
+                    assert_eq!(h, want_h, "gate/up pair, {threads} threads");
+                }
+            },
+        );
     }
 }
