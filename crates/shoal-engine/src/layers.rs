@@ -115,6 +115,31 @@ impl Matrix {
         }
     }
 
+    /// [`Matrix::forward_many_values`] of plain values: `xs` holds rows of `cols` inputs
+    /// (a decode step's activations, which never become tensors on the slice path).
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn forward_many_slice(
+        mats: &[&Matrix],
+        xs: &[f32],
+        cols: usize,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        if cols == 0 || !xs.len().is_multiple_of(cols) {
+            return Err(EngineError::Unsupported {
+                what: format!("{} activations in rows of {cols}", xs.len()),
+            });
+        }
+        match Self::all_kernels(mats) {
+            Some(kernels) => Self::slice_products(&kernels, xs, cols),
+            None => {
+                let x = Tensor::from_slice(xs, (1, xs.len() / cols, cols), &Device::Cpu)
+                    .ctx("matmul input")?;
+                Self::forward_many_values(mats, &x)
+            }
+        }
+    }
+
     /// The kernels' matrices of `mats`, when shoal's kernels hold every one.
     fn all_kernels<'a>(mats: &[&'a Matrix]) -> Option<Vec<&'a QuantMatrix>> {
         mats.iter()
@@ -142,10 +167,26 @@ impl Matrix {
             return Err(shape_error(first));
         }
         let x = x.contiguous().ctx("matmul input")?;
-        with_f32(&x, |xs| QuantMatrix::products(kernels, xs))?.map_err(|e| {
-            EngineError::Unsupported {
-                what: e.to_string(),
-            }
+        with_f32(&x, |xs| Self::slice_products(kernels, xs, first.cols()))?
+    }
+
+    /// The products of rows `xs` of `cols` values with each of `kernels`.
+    fn slice_products(
+        kernels: &[&QuantMatrix],
+        xs: &[f32],
+        cols: usize,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        if let Some(m) = kernels.iter().find(|m| m.cols() != cols) {
+            return Err(EngineError::Unsupported {
+                what: format!(
+                    "a matmul of rows of {cols} with a {}x{} weight",
+                    m.rows(),
+                    m.cols()
+                ),
+            });
+        }
+        QuantMatrix::products(kernels, xs).map_err(|e| EngineError::Unsupported {
+            what: e.to_string(),
         })
     }
 }
@@ -252,7 +293,30 @@ impl ColumnLinear {
         x: &Tensor,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
         let mats: Vec<&Matrix> = layers.iter().map(|l| &l.weight).collect();
-        let mut ys = Matrix::forward_many_values(&mats, x)?;
+        let ys = Matrix::forward_many_values(&mats, x)?;
+        Self::add_biases(layers, ys)
+    }
+
+    /// [`ColumnLinear::forward_many_values`] of plain values: `xs` holds rows of `cols`
+    /// inputs.
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn forward_many_slice(
+        layers: &[&ColumnLinear],
+        xs: &[f32],
+        cols: usize,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let mats: Vec<&Matrix> = layers.iter().map(|l| &l.weight).collect();
+        let ys = Matrix::forward_many_slice(&mats, xs, cols)?;
+        Self::add_biases(layers, ys)
+    }
+
+    /// Each layer's bias added in place to every row of its output.
+    fn add_biases(
+        layers: &[&ColumnLinear],
+        mut ys: Vec<Vec<f32>>,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
         for (l, y) in layers.iter().zip(&mut ys) {
             if let Some(b) = &l.bias {
                 with_f32(b, |b| {
@@ -346,6 +410,21 @@ impl RowLinear {
         self.comm.all_reduce_sum(&mut data)?;
         Tensor::from_vec(data, shape, y.device()).ctx("row linear scatter")
     }
+
+    /// [`RowLinear::forward`] of plain values: `xs` holds rows of `cols` inputs; the partial
+    /// sums are reduced in place.
+    ///
+    /// # Errors
+    /// On a shape mismatch or a failed all-reduce.
+    pub fn forward_slice(&self, xs: &[f32], cols: usize) -> Result<Vec<f32>, EngineError> {
+        let mut y = Matrix::forward_many_slice(&[&self.weight], xs, cols)?
+            .pop()
+            .expect("one product per matrix");
+        if self.comm.world_size() > 1 {
+            self.comm.all_reduce_sum(&mut y)?;
+        }
+        Ok(y)
+    }
 }
 
 /// Root-mean-square normalisation with a learned scale.
@@ -419,6 +498,43 @@ impl RmsNorm {
             Tensor::from_vec(h, x.dims(), &Device::Cpu).ctx("residual")?,
             Tensor::from_vec(hn, x.dims(), &Device::Cpu).ctx("rms norm")?,
         ))
+    }
+
+    /// [`RmsNorm::forward`] of plain values: every row of `xs` normalised.
+    ///
+    /// # Errors
+    /// When `xs` is not a whole number of rows.
+    pub fn forward_slice(&self, xs: &[f32]) -> Result<Vec<f32>, EngineError> {
+        self.check_len(xs.len())?;
+        Ok(self.rows(xs))
+    }
+
+    /// [`RmsNorm::add_forward`] of plain values: the residual `x + a` replaces `x`, and its
+    /// normalised copy is returned.
+    ///
+    /// # Errors
+    /// When the lengths differ or are not a whole number of rows.
+    pub fn add_forward_slice(&self, x: &mut [f32], a: &[f32]) -> Result<Vec<f32>, EngineError> {
+        self.check_len(x.len())?;
+        if x.len() != a.len() {
+            return Err(EngineError::Unsupported {
+                what: format!("a residual add of {} and {} values", x.len(), a.len()),
+            });
+        }
+        for (x, a) in x.iter_mut().zip(a) {
+            *x += a;
+        }
+        Ok(self.rows(x))
+    }
+
+    fn check_len(&self, len: usize) -> Result<(), EngineError> {
+        let n = self.weight.len();
+        if n == 0 || !len.is_multiple_of(n) {
+            return Err(EngineError::Unsupported {
+                what: format!("rms norm of width {n} over {len} values"),
+            });
+        }
+        Ok(())
     }
 
     fn check_width(&self, x: &Tensor) -> Result<(), EngineError> {

@@ -308,7 +308,8 @@ impl Attention {
     ) -> Result<Tensor, EngineError> {
         let (_, rows, _) = x.dims3().ctx("attention input")?;
         let (nh, nkv, hd) = (self.n_head, self.n_kv_head, self.head_dim);
-        let (qs, ks, v) = self.roped_heads(x, rows, tables)?;
+        let x = x.contiguous().ctx("attention input")?;
+        let (qs, ks, v) = with_f32(&x, |xs| self.roped_heads(xs, rows, tables))??;
         let attention = profile::scope(Op::Attention);
         let width = nh * hd;
         let kv_width = nkv * hd;
@@ -354,14 +355,15 @@ impl Attention {
     /// transposes are needed).
     fn roped_heads(
         &self,
-        x: &Tensor,
+        xs: &[f32],
         rows: usize,
         tables: &mut StepTables,
     ) -> Result<Heads, EngineError> {
         let hd = self.head_dim;
         let (q, k, v) = {
             let _p = profile::scope(Op::Qkv);
-            let mut qkv = ColumnLinear::forward_many_values(&[&self.q, &self.k, &self.v], x)?;
+            let cols = xs.len() / rows.max(1);
+            let mut qkv = ColumnLinear::forward_many_slice(&[&self.q, &self.k, &self.v], xs, cols)?;
             let v = qkv.pop().expect("three products");
             let k = qkv.pop().expect("three products");
             (qkv.pop().expect("three products"), k, v)
@@ -387,24 +389,25 @@ impl Attention {
         let Some(nm) = norm else {
             return Ok(y);
         };
-        let y =
-            Tensor::from_vec(y, (1, rows, n, self.head_dim), &Device::Cpu).ctx("split heads")?;
-        nm.forward(&y)?
-            .flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .ctx("heads")
+        if y.len() != rows * n * self.head_dim {
+            return Err(EngineError::Unsupported {
+                what: format!("{} values for {rows} rows of {n} heads", y.len()),
+            });
+        }
+        nm.forward_slice(&y)
     }
 
-    /// One token `(1, 1, d)` of one sequence, on slices: the heads of one position are
+    /// One token of one sequence, its normed hidden state `x` as values, into this rank's
+    /// part of the attention's output (summed over ranks): the heads of one position are
     /// already `(n, head_dim)`, so the tensor path's reshapes, transposes and RoPE ops (and
     /// their allocations) are skipped. The arithmetic is the tensor path's, bit for bit.
     fn forward_token(
         &self,
-        x: &Tensor,
+        x: &[f32],
         cache: &mut KvCache,
         layer: usize,
         tables: &mut StepTables,
-    ) -> Result<Tensor, EngineError> {
+    ) -> Result<Vec<f32>, EngineError> {
         let (nh, hd) = (self.n_head, self.head_dim);
         let p = cache.len();
         // the keys and values the attention reads after the q/k/v product: the last token's
@@ -419,10 +422,9 @@ impl Attention {
         let mut out = vec![0f32; nh * hd];
         self.shape(cache.capacity())
             .decode_parallel(p, &qs, kc, vc, &mut out);
-        let y = Tensor::from_vec(out, (1, 1, nh * hd), &Device::Cpu).ctx("attention output")?;
         drop(attention);
         let _p = profile::scope(Op::AttnOut);
-        self.o.forward(&y)
+        self.o.forward_slice(&out, nh * hd)
     }
 
     /// Rows `(1, t, d)` of one sequence at consecutive positions after what `cache` holds.
@@ -434,9 +436,6 @@ impl Attention {
         tables: &mut StepTables,
     ) -> Result<Tensor, EngineError> {
         let (b, t, _) = x.dims3().ctx("attention input")?;
-        if (b, t) == (1, 1) {
-            return self.forward_token(x, cache, layer, tables);
-        }
         let (nh, nkv, hd) = (self.n_head, self.n_kv_head, self.head_dim);
         let p = cache.len();
         let heads = |y: Tensor, n: usize| -> Result<Tensor, EngineError> {
@@ -546,31 +545,38 @@ impl FeedForward {
         })
     }
 
+    /// x `(.., d)` → `(.., d)` (summed over ranks).
     fn forward(&self, x: &Tensor) -> Result<Tensor, EngineError> {
+        let x = x.contiguous().ctx("feed-forward input")?;
+        let cols = x.dims().last().copied().unwrap_or(0);
+        let y = with_f32(&x, |xs| self.forward_slice(xs, cols))??;
+        Tensor::from_vec(y, x.dims(), &Device::Cpu).ctx("feed-forward output")
+    }
+
+    /// [`FeedForward::forward`] of plain values: `xs` holds rows of `cols` inputs.
+    fn forward_slice(&self, xs: &[f32], cols: usize) -> Result<Vec<f32>, EngineError> {
         let h = match &self.gate_up {
             GateUp::Paired(pair) => {
                 let _p = profile::scope(Op::GateUp);
-                if x.dims().last() != Some(&pair.cols()) {
+                if cols != pair.cols() || !xs.len().is_multiple_of(cols) {
                     return Err(EngineError::Unsupported {
                         what: format!(
-                            "a feed-forward input of shape {:?} for {} columns",
-                            x.dims(),
+                            "a feed-forward input of {} values in rows of {cols} for {} columns",
+                            xs.len(),
                             pair.cols()
                         ),
                     });
                 }
-                let x = x.contiguous().ctx("feed-forward input")?;
-                with_f32(&x, |xs| pair.gated_products(xs, self.activation))?.map_err(|e| {
-                    EngineError::Unsupported {
+                pair.gated_products(xs, self.activation)
+                    .map_err(|e| EngineError::Unsupported {
                         what: e.to_string(),
-                    }
-                })?
+                    })?
             }
             GateUp::Apart { gate, up } => {
                 // as values: read once by the activation, never as tensors
                 let (g, u) = {
                     let _p = profile::scope(Op::GateUp);
-                    let mut gu = ColumnLinear::forward_many_values(&[gate, up], x)?;
+                    let mut gu = ColumnLinear::forward_many_slice(&[gate, up], xs, cols)?;
                     let u = gu.pop().expect("two products");
                     (gu.pop().expect("two products"), u)
                 };
@@ -580,12 +586,9 @@ impl FeedForward {
                 h
             }
         };
-        let mut dims = x.dims().to_vec();
-        let rows = x.elem_count() / dims.pop().unwrap_or(1).max(1);
-        dims.push(h.len() / rows.max(1));
-        let h = Tensor::from_vec(h, dims, &Device::Cpu).ctx("gate * up")?;
+        let rows = xs.len() / cols.max(1);
         let _p = profile::scope(Op::Down);
-        self.down.forward(&h)
+        self.down.forward_slice(&h, h.len() / rows.max(1))
     }
 }
 
@@ -656,6 +659,43 @@ impl Block {
             f = profiled(Op::Norm, || n.forward(&f))?;
         }
         profiled(Op::Residual, || (h + f).ctx("ffn residual"))
+    }
+
+    /// [`Block::forward`] for one token of one sequence, on values: `x` (the hidden state,
+    /// `d` values) becomes the block's output in place. Between the matrix products a
+    /// decode step only norms, adds and rotates a few thousand values; as tensors, each of
+    /// those allocated, dispatched and wrapped its result, touching code and data that the
+    /// weight stream had just pushed out of the caches.
+    ///
+    /// # Errors
+    /// On a shape mismatch, a full cache or a failed all-reduce.
+    fn forward_token(
+        &self,
+        x: &mut [f32],
+        cache: &mut KvCache,
+        layer: usize,
+        tables: &mut StepTables,
+    ) -> Result<(), EngineError> {
+        let xn = profiled(Op::Norm, || self.attn_norm.forward_slice(x))?;
+        let mut a = self.attn.forward_token(&xn, cache, layer, tables)?;
+        if let Some(n) = &self.post_attn_norm {
+            a = profiled(Op::Norm, || n.forward_slice(&a))?;
+        }
+        let hn = profiled(Op::Norm, || self.ffn_norm.add_forward_slice(x, &a))?;
+        let mut f = self.ffn.forward_slice(&hn, hn.len())?;
+        if let Some(n) = &self.post_ffn_norm {
+            f = profiled(Op::Norm, || n.forward_slice(&f))?;
+        }
+        let _p = profile::scope(Op::Residual);
+        if f.len() != x.len() {
+            return Err(EngineError::Unsupported {
+                what: format!("a residual add of {} and {} values", x.len(), f.len()),
+            });
+        }
+        for (h, f) in x.iter_mut().zip(&f) {
+            *h += f;
+        }
+        Ok(())
     }
 }
 
@@ -953,8 +993,18 @@ impl Transformer {
                 ctx: cache.capacity(),
             });
         }
-        let mut x = x;
         let mut tables = StepTables::new(cache.len(), t);
+        if t == 1 {
+            // one token: the blocks work on values (see `Block::forward_token`)
+            let x = x.contiguous().ctx("hidden states")?;
+            let mut xs = with_f32(&x, |v| v.to_vec())?;
+            for (layer, block) in self.blocks.iter().enumerate() {
+                block.forward_token(&mut xs, cache, layer, &mut tables)?;
+            }
+            cache.advance(1);
+            return Tensor::from_vec(xs, x.dims(), &Device::Cpu).ctx("hidden states");
+        }
+        let mut x = x;
         let mut caches = StepCaches::One(cache);
         for (layer, block) in self.blocks.iter().enumerate() {
             x = block.forward(&x, &mut caches, layer, &mut tables)?;
