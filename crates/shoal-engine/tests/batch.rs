@@ -3,7 +3,8 @@
 //! decoded alone, on the test kit's tiny models (F32, Q8_0, Q4_K, Gemma 3 with a sliding
 //! window shorter than the positions reached) and on SmolLM2; and the scheduler, with
 //! sequences joining and leaving the batch, gives every request the greedy tokens it gets
-//! alone, cancels on a dropped ticket, and refuses when full.
+//! alone, cancels on a dropped ticket, and refuses when full. A one-token step (on plain
+//! values) and a batch of one (on tensors) give the same logits bit for bit.
 
 mod common;
 
@@ -128,6 +129,50 @@ fn tiny_models_batched_equal_alone() {
         // gemma3's window is 4: 12 steps take every prompt past it
         batched_matches_alone(&m.transformer, &prompts(320), 12, 1e-4);
         eprintln!("{name}: batched decode equals decoding alone");
+    }
+}
+
+/// A one-token step of one sequence runs its blocks on plain values (`forward_last`), a
+/// batched step on tensors (`forward_batch`); for a batch of one they are the same
+/// arithmetic, so the logits agree bit for bit, step after step (biases, head norms, the
+/// post-norms and sliding window of Gemma 3, a K-quant gate/up pair).
+#[test]
+fn one_token_steps_on_values_equal_a_batch_of_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (TinyModelSpec::llama(3), GgmlType::F32),
+        (TinyModelSpec::qwen2(4), GgmlType::Q8_0),
+        (TinyModelSpec::gemma3(5), GgmlType::F32),
+        (TinyModelSpec::llama(6).k_quant_shapes(), GgmlType::Q4_K),
+    ];
+    for (spec, ty) in cases {
+        let name = format!("{} {ty:?}", spec.name);
+        let t = load(&tiny(spec, ty, dir.path())).transformer;
+        let prompt = &prompts(320)[1];
+        let (mut alone, mut batch) = (t.new_cache(32), t.new_cache(32));
+        let mut logits = t.forward_last(prompt, &mut alone).unwrap();
+        t.forward_last(prompt, &mut batch).unwrap();
+        for step in 0..12 {
+            let tok = argmax(&logits) as u32;
+            logits = t.forward_last(&[tok], &mut alone).unwrap();
+            let row = t
+                .forward_batch(&[tok], &mut [&mut batch])
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap()
+                .remove(0);
+            let same = logits.len() == row.len()
+                && logits
+                    .iter()
+                    .zip(&row)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{name} step {step}: logits differ by {}",
+                rel_diff(&logits, &row)
+            );
+        }
+        eprintln!("{name}: one-token steps equal a batch of one, bit for bit");
     }
 }
 
