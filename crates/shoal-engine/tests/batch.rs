@@ -114,16 +114,21 @@ fn prompts(vocab: u32) -> Vec<Vec<u32>> {
     ]
 }
 
-#[test]
-fn tiny_models_batched_equal_alone() {
-    let dir = tempfile::tempdir().unwrap();
-    let cases = [
+/// The test kit's tiny models the batch tests run: F32, Q8_0 with q/k/v biases, Gemma 3
+/// (post-norms, a sliding window of 4), and Q4_K (a gate/up pair).
+fn tiny_cases() -> [(TinyModelSpec, GgmlType); 4] {
+    [
         (TinyModelSpec::llama(3), GgmlType::F32),
         (TinyModelSpec::qwen2(4), GgmlType::Q8_0),
         (TinyModelSpec::gemma3(5), GgmlType::F32),
         (TinyModelSpec::llama(6).k_quant_shapes(), GgmlType::Q4_K),
-    ];
-    for (spec, ty) in cases {
+    ]
+}
+
+#[test]
+fn tiny_models_batched_equal_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    for (spec, ty) in tiny_cases() {
         let name = format!("{} {ty:?}", spec.name);
         let m = load(&tiny(spec, ty, dir.path()));
         // gemma3's window is 4: 12 steps take every prompt past it
@@ -139,13 +144,7 @@ fn tiny_models_batched_equal_alone() {
 #[test]
 fn one_token_steps_on_values_equal_a_batch_of_one() {
     let dir = tempfile::tempdir().unwrap();
-    let cases = [
-        (TinyModelSpec::llama(3), GgmlType::F32),
-        (TinyModelSpec::qwen2(4), GgmlType::Q8_0),
-        (TinyModelSpec::gemma3(5), GgmlType::F32),
-        (TinyModelSpec::llama(6).k_quant_shapes(), GgmlType::Q4_K),
-    ];
-    for (spec, ty) in cases {
+    for (spec, ty) in tiny_cases() {
         let name = format!("{} {ty:?}", spec.name);
         let t = load(&tiny(spec, ty, dir.path())).transformer;
         let prompt = &prompts(320)[1];
