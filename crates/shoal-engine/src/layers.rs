@@ -488,12 +488,8 @@ impl RmsNorm {
             x.contiguous().ctx("residual")?,
             a.contiguous().ctx("residual")?,
         );
-        let h = with_f32(&x, |xs| {
-            with_f32(&a, |r| {
-                xs.iter().zip(r).map(|(x, r)| x + r).collect::<Vec<f32>>()
-            })
-        })??;
-        let hn = self.rows(&h);
+        let mut h = with_f32(&x, |xs| xs.to_vec())?;
+        let hn = with_f32(&a, |r| self.add_forward_slice(&mut h, r))??;
         Ok((
             Tensor::from_vec(h, x.dims(), &Device::Cpu).ctx("residual")?,
             Tensor::from_vec(hn, x.dims(), &Device::Cpu).ctx("rms norm")?,
