@@ -793,14 +793,26 @@ impl<'m> Worker<'m> {
                     Store::Slot { .. } => None,
                 })
                 .collect();
-            model
-                .transformer
-                .forward_batch(&tokens, &mut caches)
-                .and_then(|l| {
-                    l.to_vec2::<f32>().map_err(|e| EngineError::Unsupported {
-                        what: format!("reading batched logits: {e}"),
-                    })
-                })
+            match &mut caches[..] {
+                // one sequence: the one-token step (on plain values, its attention shared by
+                // the team) gives the same logits as a batch of one, bit for bit (see
+                // `tests/batch.rs`), and costs less. SmolLM2 at 2 threads: 381 against 314
+                // tokens/s in `shoal bench` (a batch of one forced for the comparison,
+                // medians of 6 in turn); one stream through `shoal serve`, 350-356 against
+                // 327-345 (`shoal bench serve`, medians of 3, two pairs of runs)
+                [cache] => model
+                    .transformer
+                    .forward_last(&tokens, cache)
+                    .map(|l| vec![l]),
+                _ => model
+                    .transformer
+                    .forward_batch(&tokens, &mut caches)
+                    .and_then(|l| {
+                        l.to_vec2::<f32>().map_err(|e| EngineError::Unsupported {
+                            what: format!("reading batched logits: {e}"),
+                        })
+                    }),
+            }
         };
         let rows = match result {
             Ok(rows) => rows,
