@@ -10,11 +10,10 @@
 //! `T = p + t`, `nh`/`nkv` local query/KV heads, `hd` head dimension, `d` hidden width.
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
-use rayon::prelude::*;
 use shoal_comm::Communicator;
 
 use crate::activation;
@@ -316,22 +315,33 @@ impl Attention {
         let mut out = vec![0f32; rows * width];
         let positions = &tables.positions;
         // Each sequence appends its row (for one position, `(nkv, hd)` is `(nkv, 1, hd)`)
-        // and attends over its own cache, all sequences in parallel.
-        let failed = out
-            .par_chunks_mut(width)
-            .zip(caches.par_iter_mut())
-            .enumerate()
-            .map(|(i, (o, cache))| -> Result<(), EngineError> {
-                let row = i * kv_width..(i + 1) * kv_width;
-                cache.append(layer, &ks[row.clone()], &v[row])?;
-                let (kc, vc) = cache.buffers(layer).expect("appended above");
-                let shape = self.shape(cache.capacity());
-                let qi = &qs[i * width..(i + 1) * width];
-                shape.decode(positions[i], qi, kc, vc, o);
-                Ok(())
-            })
-            .find_any(|r| r.is_err());
-        if let Some(Err(e)) = failed {
+        // and attends over its own cache, all sequences in parallel: on the decode step's
+        // team, whose helpers spin rather than take rayon's work (a rayon loop here ran
+        // every sequence on the calling thread).
+        let parts: Vec<Mutex<(&mut [f32], &mut &mut KvCache)>> = out
+            .chunks_mut(width)
+            .zip(caches.iter_mut())
+            .map(Mutex::new)
+            .collect();
+        let failed: Mutex<Option<EngineError>> = Mutex::new(None);
+        crate::kernels::team::for_each(parts.len(), |i| {
+            let mut part = parts[i].lock().unwrap_or_else(|e| e.into_inner());
+            let (o, cache) = &mut *part;
+            let row = i * kv_width..(i + 1) * kv_width;
+            if let Err(e) = cache.append(layer, &ks[row.clone()], &v[row]) {
+                failed
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_or_insert(e);
+                return;
+            }
+            let (kc, vc) = cache.buffers(layer).expect("appended above");
+            let shape = self.shape(cache.capacity());
+            let qi = &qs[i * width..(i + 1) * width];
+            shape.decode(positions[i], qi, kc, vc, o);
+        });
+        drop(parts);
+        if let Some(e) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
             return Err(e);
         }
         let y = Tensor::from_vec(out, (1, rows, width), &Device::Cpu).ctx("attention output")?;
