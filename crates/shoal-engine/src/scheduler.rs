@@ -782,7 +782,7 @@ impl<'m> Worker<'m> {
             .fetch_add(ready.len() as u64, Ordering::Relaxed);
         let model = self.model.clone();
         let result = if self.lead.is_some() {
-            self.split_decode(&ready, &tokens)
+            self.split_decode(&ready, &tokens).map(StepLogits::Rows)
         } else {
             let mut caches: Vec<&mut KvCache> = self
                 .active
@@ -803,15 +803,11 @@ impl<'m> Worker<'m> {
                 [cache] => model
                     .transformer
                     .forward_last(&tokens, cache)
-                    .map(|l| vec![l]),
+                    .map(|l| StepLogits::Rows(vec![l])),
                 _ => model
                     .transformer
-                    .forward_batch(&tokens, &mut caches)
-                    .and_then(|l| {
-                        l.to_vec2::<f32>().map_err(|e| EngineError::Unsupported {
-                            what: format!("reading batched logits: {e}"),
-                        })
-                    }),
+                    .forward_batch_values(&tokens, &mut caches)
+                    .and_then(|l| StepLogits::flat(l, tokens.len())),
             }
         };
         let rows = match result {
@@ -837,8 +833,10 @@ impl<'m> Worker<'m> {
         };
         // Sampling (a pass over the vocabulary, a mask for constrained sequences) runs for
         // every sequence at once.
-        let mut by_seq: Vec<Option<Vec<f32>>> = vec![None; self.active.len()];
-        for (&i, row) in ready.iter().zip(rows) {
+        let mut rows = rows;
+        let mut by_seq: Vec<Option<&mut [f32]>> = Vec::new();
+        by_seq.resize_with(self.active.len(), || None);
+        for (&i, row) in ready.iter().zip(rows.rows()) {
             by_seq[i] = Some(row);
         }
         let keep: Vec<bool> = self
@@ -846,9 +844,9 @@ impl<'m> Worker<'m> {
             .par_iter_mut()
             .zip(by_seq.par_iter_mut())
             .map(|(seq, row)| match row.take() {
-                Some(mut row) => {
+                Some(row) => {
                     seq.next = None;
-                    accept(&model, seq, &mut row)
+                    accept(&model, seq, row)
                 }
                 None => true,
             })
@@ -859,6 +857,37 @@ impl<'m> Worker<'m> {
             i += 1;
             k
         });
+    }
+}
+
+/// A decode step's logits, one row per sequence in the step.
+enum StepLogits {
+    /// A row each.
+    Rows(Vec<Vec<f32>>),
+    /// The rows one after another (the output head's own values), and how many.
+    Flat(Vec<f32>, usize),
+}
+
+impl StepLogits {
+    /// `n` rows laid one after another in `values`.
+    fn flat(values: Vec<f32>, n: usize) -> Result<Self, EngineError> {
+        if n == 0 || values.is_empty() || !values.len().is_multiple_of(n) {
+            return Err(EngineError::Unsupported {
+                what: format!("{} logits for a step of {n} sequences", values.len()),
+            });
+        }
+        Ok(StepLogits::Flat(values, n))
+    }
+
+    /// Each row, in order.
+    fn rows(&mut self) -> Vec<&mut [f32]> {
+        match self {
+            StepLogits::Rows(rows) => rows.iter_mut().map(|r| &mut r[..]).collect(),
+            StepLogits::Flat(values, n) => {
+                let width = values.len() / *n;
+                values.chunks_mut(width).collect()
+            }
+        }
     }
 }
 
