@@ -810,7 +810,7 @@ impl<'m> Worker<'m> {
                     .and_then(|l| StepLogits::flat(l, tokens.len())),
             }
         };
-        let rows = match result {
+        let mut rows = match result {
             Ok(rows) => rows,
             Err(e) if self.lead.is_some() => {
                 self.fail_all(&format!("decoding failed: {e}"));
@@ -833,7 +833,6 @@ impl<'m> Worker<'m> {
         };
         // Sampling (a pass over the vocabulary, a mask for constrained sequences) runs for
         // every sequence at once.
-        let mut rows = rows;
         let mut by_seq: Vec<Option<&mut [f32]>> = Vec::new();
         by_seq.resize_with(self.active.len(), || None);
         for (&i, row) in ready.iter().zip(rows.rows()) {
