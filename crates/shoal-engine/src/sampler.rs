@@ -215,10 +215,7 @@ impl Sampler {
     /// over a 151k vocabulary the list and the C library's `expf` took 12% of a 16-stream
     /// serve step.
     fn sample_whole(&mut self, logits: &[f32]) -> u32 {
-        let max = logits
-            .iter()
-            .filter(|l| l.is_finite())
-            .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let max = max_finite(logits);
         if max == f32::NEG_INFINITY {
             return greedy(logits);
         }
@@ -245,6 +242,29 @@ impl Sampler {
     }
 }
 
+/// The largest finite value of `xs` (minus infinity when there is none), kept in eight
+/// running lanes so that it vectorizes: one running maximum is a chain of dependent
+/// compares, 230 µs over Qwen's 151,936 logits. The maximum of finite values does not
+/// depend on the order they are met in (two zeros of either sign give the same weights).
+fn max_finite(xs: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut chunks = xs.chunks_exact(8);
+    for c in &mut chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            if v.is_finite() && v > *m {
+                *m = v;
+            }
+        }
+    }
+    let mut best = f32::NEG_INFINITY;
+    for &v in lanes.iter().chain(chunks.remainder()) {
+        if v.is_finite() && v > best {
+            best = v;
+        }
+    }
+    best
+}
+
 /// Index of the largest logit (the lowest index on ties).
 pub fn greedy(logits: &[f32]) -> u32 {
     crate::transformer::argmax(logits) as u32
@@ -253,6 +273,33 @@ pub fn greedy(logits: &[f32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn max_finite_is_the_filtered_maximum() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for len in [0usize, 1, 7, 8, 9, 63, 1000] {
+            let v: Vec<f32> = (0..len)
+                .map(|_| match next() % 10 {
+                    0 => f32::NAN,
+                    1 => f32::INFINITY,
+                    2 => f32::NEG_INFINITY,
+                    _ => (next() % 2001) as f32 / 100.0 - 10.0,
+                })
+                .collect();
+            let want = v
+                .iter()
+                .filter(|l| l.is_finite())
+                .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            assert_eq!(max_finite(&v), want, "{len} values");
+        }
+        assert_eq!(max_finite(&[f32::NAN, f32::INFINITY]), f32::NEG_INFINITY);
+    }
 
     #[test]
     fn greedy_by_default() {
