@@ -246,7 +246,7 @@ impl Sampler {
 /// running lanes so that it vectorizes: one running maximum is a chain of dependent
 /// compares, 230 µs over Qwen's 151,936 logits. The maximum of finite values does not
 /// depend on the order they are met in (two zeros of either sign give the same weights).
-fn max_finite(xs: &[f32]) -> f32 {
+pub(crate) fn max_finite(xs: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; 8];
     let mut chunks = xs.chunks_exact(8);
     for c in &mut chunks {
