@@ -395,10 +395,7 @@ mod tests {
         let mut want = vec![0f32; 7 * 8];
         a.decode(pos, &q, &k, &v, &mut want);
         for threads in [2, 3] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
+            let pool = team::test_pool(threads);
             team::until_teamed(
                 &pool,
                 || {

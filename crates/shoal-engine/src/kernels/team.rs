@@ -282,6 +282,15 @@ pub fn for_each(n: usize, body: impl Fn(usize) + Sync) {
     unsafe { &*team }.run(n, &body);
 }
 
+/// Test support: a rayon pool of `threads` threads.
+#[cfg(test)]
+pub(crate) fn test_pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("a test's thread pool")
+}
+
 /// Test support: runs `f` in decode steps on `pool`, handing each result and whether its step
 /// formed a team to `check`, until one does (other tests of the process may hold the one
 /// team for a moment).
@@ -360,10 +369,7 @@ mod tests {
     #[test]
     fn helpers_linger_for_the_next_step_then_leave() {
         let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
+        let pool = test_pool(2);
         pool.install(|| {
             assert!(formed_step(&pool) <= 1);
             // after a step the helper stays: 100 µs later (a tenth of LINGER) it is still
@@ -425,10 +431,7 @@ mod tests {
     #[test]
     fn a_lingering_helper_lets_other_pool_work_run() {
         let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
+        let pool = test_pool(2);
         let (done, formed) = (AtomicBool::new(false), AtomicBool::new(false));
         let (mut tries, mut in_helper) = (0, 0);
         std::thread::scope(|s| {
@@ -469,10 +472,7 @@ mod tests {
     #[test]
     fn every_index_runs_once_in_and_out_of_a_step() {
         let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .unwrap();
+        let pool = test_pool(3);
         pool.install(|| {
             for in_step in [false, true] {
                 let run = || {
@@ -500,15 +500,9 @@ mod tests {
     fn in_step_says_whether_loops_go_to_a_team() {
         let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         assert!(!in_step());
-        let one = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
+        let one = test_pool(1);
         assert!(!one.install(|| step(in_step)), "one thread has no helpers");
-        let two = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
+        let two = test_pool(2);
         until_teamed(
             &two,
             || step(in_step),
@@ -522,10 +516,7 @@ mod tests {
     #[test]
     fn steps_nest_and_run_beside_each_other() {
         let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
+        let pool = test_pool(2);
         let total = AtomicUsize::new(0);
         std::thread::scope(|s| {
             for _ in 0..3 {
@@ -553,10 +544,7 @@ mod tests {
     #[test]
     fn a_panicking_body_fails_the_loop_and_ends_the_step() {
         let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
+        let pool = test_pool(2);
         let r = pool.install(|| {
             std::panic::catch_unwind(|| {
                 step(|| {

@@ -92,10 +92,7 @@ fn check_data(ty: WeightType, isa: Isa, rows: usize, cols: usize, data: Vec<u8>,
 
 #[test]
 fn every_type_at_every_level_matches_the_reference() {
-    let one_thread = rayon::ThreadPoolBuilder::new()
-        .num_threads(1)
-        .build()
-        .unwrap();
+    let one_thread = team::test_pool(1);
     for isa in Isa::available() {
         for ty in WeightType::ALL {
             let blocks = if ty.block_elems() == 1 { 67 } else { 3 };
@@ -221,10 +218,7 @@ fn many_threads_give_the_same_result_as_one() {
             QuantMatrix::new(ty, rows, cols, random_matrix(ty, rows, blocks, &mut rng)).unwrap();
         let x = random_acts(t * cols, &mut rng);
         let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
+            let pool = team::test_pool(threads);
             let mut y = vec![0f32; t * rows];
             pool.install(|| m.matmul(&x, &mut y)).unwrap();
             y
@@ -327,7 +321,7 @@ proptest! {
     ) {
         let ty = WeightType::ALL[ty_i];
         let blocks = if ty.block_elems() == 1 { blocks * 32 } else { blocks };
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let pool = team::test_pool(threads);
         for isa in Isa::available() {
             pool.install(|| check(ty, isa, rows, blocks, t, seed));
         }
@@ -419,10 +413,7 @@ fn matmul_many_equals_one_by_one() {
         &[(Q8_0, 3)],
     ];
     for threads in [1, 3] {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap();
+        let pool = team::test_pool(threads);
         for group in groups {
             for t in [1usize, 5, 16] {
                 let mats: Vec<QuantMatrix> = group
@@ -476,10 +467,7 @@ fn matmul_many_equals_one_by_one() {
 fn parallel_quantization_equals_serial() {
     let mut rng = StdRng::seed_from_u64(5);
     let x = random_acts(16 * 1536, &mut rng);
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(3)
-        .build()
-        .unwrap();
+    let pool = team::test_pool(3);
     let mut serial = vec![BlockQ8::default(); x.len() / QK];
     quantize_q8(&x, &mut serial);
     let mut par = vec![BlockQ8::default(); x.len() / QK];
@@ -623,10 +611,7 @@ fn gate_pairs_equal_gate_and_up_apart() {
                     let mut want = vec![0f32; t * rows];
                     gated(act, &g, &u, &mut want);
                     for threads in 1..=3 {
-                        let pool = rayon::ThreadPoolBuilder::new()
-                            .num_threads(threads)
-                            .build()
-                            .unwrap();
+                        let pool = team::test_pool(threads);
                         let got = pool.install(|| pair.gated_products(&x, act)).unwrap();
                         assert_eq!(got, want, "{ty:?} {isa:?} {act:?} t={t} threads={threads}");
                         let got = pool
@@ -681,10 +666,7 @@ fn stolen_shares_give_the_products_rayon_gives() {
     let mut want_h = vec![0f32; half];
     gated(Activation::Silu, &g, &u, &mut want_h);
     for threads in [2, 3] {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap();
+        let pool = team::test_pool(threads);
         team::until_teamed(
             &pool,
             || {
