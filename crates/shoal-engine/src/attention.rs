@@ -173,7 +173,9 @@ impl AttentionShape {
                 return;
             }
         }
-        self.decode_heads(pos, 0..self.n_head, q, k, v, out, threads > 1);
+        // a rayon join inside a team's step would only run both halves on this thread
+        let parallel = threads > 1 && !team::in_step();
+        self.decode_heads(pos, 0..self.n_head, q, k, v, out, parallel);
     }
 
     /// [`AttentionShape::decode`] for query heads `heads`, `out` being theirs; with
