@@ -87,7 +87,7 @@ impl Prefetch {
         Prefetch { block, k, l2 }
     }
 
-    /// Makes the kernels of this process use these distances from their next block on (to
+    /// Makes the kernels of this process use these distances from their next call on (to
     /// measure others; results do not depend on them).
     pub fn set(self) {
         BLOCK.store(self.block.min(UNSET - 1), Ordering::Relaxed);
@@ -95,36 +95,14 @@ impl Prefetch {
         L2.store(self.l2.min(UNSET - 1), Ordering::Relaxed);
     }
 
-    /// The distance for the 32-value kernels, read in their inner loop.
+    /// No requests (for kernels over several activation rows, which are not bound by
+    /// memory).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    #[inline]
-    pub(crate) fn block_distance() -> usize {
-        distance(&BLOCK, |p| p.block)
-    }
-
-    /// The distance for the K-quant kernels, read in their inner loop.
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    #[inline]
-    pub(crate) fn k_distance() -> usize {
-        distance(&K, |p| p.k)
-    }
-
-    /// The distance of the second request into L2 (0: none), read in the kernels' inner
-    /// loops.
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    #[inline]
-    pub(crate) fn l2_distance() -> usize {
-        distance(&L2, |p| p.l2)
-    }
-}
-
-/// The distance in `slot`, chosen first if it is not yet.
-#[inline]
-fn distance(slot: &AtomicUsize, field: fn(Prefetch) -> usize) -> usize {
-    match slot.load(Ordering::Relaxed) {
-        UNSET => field(Prefetch::current()),
-        d => d,
-    }
+    pub(crate) const NONE: Prefetch = Prefetch {
+        block: 0,
+        k: 0,
+        l2: 0,
+    };
 }
 
 /// Whether CPUID names AMD or Hygon as the maker.
@@ -160,14 +138,6 @@ mod tests {
         };
         other.set();
         assert_eq!(Prefetch::current(), other);
-        assert_eq!(
-            (
-                Prefetch::block_distance(),
-                Prefetch::k_distance(),
-                Prefetch::l2_distance()
-            ),
-            (64, 4096, 0)
-        );
         chosen.set();
         assert_eq!(Prefetch::current(), chosen);
     }

@@ -18,15 +18,14 @@ use super::tiled::kinds::{block_bytes, has_high_bit, has_min, offsets, Q4_0, Q5_
 use super::tiled::{k_offsets, TILE_ROWS};
 
 /// Asks for `lines` cache lines from `dist + 64 * lines * part` bytes past `t` into L1, and
-/// for as many from [`Prefetch::l2_distance`] instead of `dist` into L2 where that is not 0.
+/// for as many from `l2` bytes instead of `dist` into L2 where `l2` is not 0.
 #[inline]
 #[target_feature(enable = "sse")]
-unsafe fn prefetch_lines(t: *const u8, dist: usize, lines: usize, part: usize) {
+unsafe fn prefetch_lines(t: *const u8, dist: usize, l2: usize, lines: usize, part: usize) {
     let from = t.wrapping_add(dist + 64 * lines * part);
     for l in 0..lines {
         _mm_prefetch::<_MM_HINT_T0>(from.wrapping_add(64 * l) as *const i8);
     }
-    let l2 = Prefetch::l2_distance();
     if l2 != 0 {
         let from = t.wrapping_add(l2 + 64 * lines * part);
         for l in 0..lines {
@@ -35,9 +34,9 @@ unsafe fn prefetch_lines(t: *const u8, dist: usize, lines: usize, part: usize) {
     }
 }
 
-/// Quarter `part` (0..4) of the lines [`Prefetch::k_distance`] bytes past the `len`-byte
-/// block at `t`: the K-quant kernels (blocks of 1184 to 1680 bytes, 19 to 27 lines) spread
-/// their prefetches over the block's work, a few lines at a time. Asked for all at once, a
+/// Quarter `part` (0..4) of the lines `pf.k` bytes past the `len`-byte block at `t`: the
+/// K-quant kernels (blocks of 1184 to 1680 bytes, 19 to 27 lines) spread their prefetches
+/// over the block's work, a few lines at a time. Asked for all at once, a
 /// Q6_K block's 27 lines are more misses than the core keeps in flight, the last ones are
 /// dropped, and the loop stalls on them (`perf annotate`: the first loads of each block's
 /// codes). Measured, one-row decode at 1 thread, binaries in turn: qwen15 17.1 -> 21.6
@@ -46,18 +45,18 @@ unsafe fn prefetch_lines(t: *const u8, dist: usize, lines: usize, part: usize) {
 /// the block after, which is read next anyway.
 #[inline]
 #[target_feature(enable = "sse")]
-unsafe fn prefetch_quarter(t: *const u8, len: usize, part: usize) {
-    prefetch_lines(t, Prefetch::k_distance(), len.div_ceil(4 * 64), part);
+unsafe fn prefetch_quarter(t: *const u8, len: usize, part: usize, pf: Prefetch) {
+    prefetch_lines(t, pf.k, pf.l2, len.div_ceil(4 * 64), part);
 }
 
-/// Asks for the cache lines [`Prefetch::block_distance`] bytes past the `len`-byte block at
-/// `t`: the kernels read one long stream, and the hardware prefetcher alone loses pace at
-/// page boundaries (measured: Q5_0 decode 7.9 -> 10.3 GB/s). A prefetch never faults, even
-/// past the end.
+/// Asks for the cache lines `pf.block` bytes past the `len`-byte block at `t` (and `pf.l2`
+/// past it into L2): the kernels read one long stream, and the hardware prefetcher alone
+/// loses pace at page boundaries (measured: Q5_0 decode 7.9 -> 10.3 GB/s). A prefetch never
+/// faults, even past the end.
 #[inline]
 #[target_feature(enable = "sse")]
-unsafe fn prefetch_block(t: *const u8, len: usize) {
-    prefetch_lines(t, Prefetch::block_distance(), len.div_ceil(64), 0);
+unsafe fn prefetch_block(t: *const u8, len: usize, pf: Prefetch) {
+    prefetch_lines(t, pf.block, pf.l2, len.div_ceil(64), 0);
 }
 
 /// VNNI: `acc + sums of four u8 x i8 products` in one instruction, exact.
@@ -113,15 +112,24 @@ unsafe fn codes5_avx2(qs: *const u8, top: *const u8) -> [__m256i; 8] {
 }
 
 /// AVX-512 BW: the same from nibbles and the fifth-bit masks at `masks`
-/// ([`super::tiled::HighBits::Masks`]), each a byte-mask register for one masked add.
+/// ([`super::tiled::HighBits::Masks`]), each a byte-mask register: a zero-masked move
+/// makes each code's 16, and one ternary-logic op takes the nibble and adds that bit. Two
+/// vector instructions per code vector where a masked add of the nibbles took three (LLVM
+/// emits `_mm256_mask_add_epi8` as an `or` and a masked move after the `and`). The same
+/// codes bit for bit; measured together with [`run_dot`]'s loop.
 #[inline]
 #[target_feature(enable = "avx2,avx512vl,avx512bw")]
 unsafe fn codes5_bw(qs: *const u8, masks: *const u8) -> [__m256i; 8] {
-    let mut q = nibbles(qs);
-    let c16 = _mm256_set1_epi8(0x10);
-    for (k, qk) in q.iter_mut().enumerate() {
-        let mask = (masks.add(4 * k) as *const u32).read_unaligned();
-        *qk = _mm256_mask_add_epi8(*qk, mask, *qk, c16);
+    let (m4, c16) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
+    let mut q = [_mm256_setzero_si256(); 8];
+    for g in 0..4 {
+        let v = _mm256_loadu_si256(qs.add(32 * g) as *const __m256i);
+        let fifth = |k: usize| {
+            _mm256_maskz_mov_epi8((masks.add(4 * k) as *const u32).read_unaligned(), c16)
+        };
+        // (nibble & 0x0F) | fifth bit: table 0xEC is `(a & c) | b`
+        q[g] = _mm256_ternarylogic_epi32::<0xEC>(v, fifth(g), m4);
+        q[g + 4] = _mm256_ternarylogic_epi32::<0xEC>(_mm256_srli_epi16(v, 4), fifth(g + 4), m4);
     }
     q
 }
@@ -193,11 +201,12 @@ unsafe fn q8_pair_vnni(q: __m256i, y: __m256i) -> (__m256i, __m256i) {
 #[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn widened<const K: usize, const G: usize>(
+    seed: __m256i,
     u: &[__m256i; K],
     s: &[__m256i; K],
     w: __m256i,
 ) -> __m256i {
-    let mut acc = _mm256_setzero_si256();
+    let mut acc = seed;
     for c in 0..K / G {
         let mut p = _mm256_maddubs_epi16(u[c * G], s[c * G]);
         for g in 1..G {
@@ -208,11 +217,15 @@ unsafe fn widened<const K: usize, const G: usize>(
     acc
 }
 
-/// AVX2: `sum_k dot(u[k], s[k])` per 32-bit lane (see [`widened`] for `G`).
+/// AVX2: `seed + sum_k dot(u[k], s[k])` per 32-bit lane (see [`widened`] for `G`).
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn dots_avx2<const K: usize, const G: usize>(u: &[__m256i; K], s: &[__m256i; K]) -> __m256i {
-    widened::<K, G>(u, s, _mm256_set1_epi16(1))
+unsafe fn dots_avx2<const K: usize, const G: usize>(
+    seed: __m256i,
+    u: &[__m256i; K],
+    s: &[__m256i; K],
+) -> __m256i {
+    widened::<K, G>(seed, u, s, _mm256_set1_epi16(1))
 }
 
 /// AVX2: `f + scale * sum_k dot(u[k], s[k])` per lane, the scale applied in the widening
@@ -227,7 +240,8 @@ unsafe fn scaled_avx2<const K: usize, const G: usize>(
     _sf: __m256,
     si: __m256i,
 ) -> __m256 {
-    _mm256_add_ps(f, _mm256_cvtepi32_ps(widened::<K, G>(u, s, si)))
+    let zero = _mm256_setzero_si256();
+    _mm256_add_ps(f, _mm256_cvtepi32_ps(widened::<K, G>(zero, u, s, si)))
 }
 
 /// Eight per-row scales (i32 lanes) as [`scaled_avx2`] wants them.
@@ -240,11 +254,16 @@ unsafe fn scales_avx2(x: __m256i) -> __m256i {
     )
 }
 
-/// VNNI: `sum_k dot(u[k], s[k])` in two chains of `vpdpbusd` (exact; `G` is unused).
+/// VNNI: `seed + sum_k dot(u[k], s[k])` in two chains of `vpdpbusd`, the first starting
+/// from `seed` (exact; `G` is unused).
 #[inline]
 #[target_feature(enable = "avx2,avx512vl,avx512vnni")]
-unsafe fn dots_vnni<const K: usize, const G: usize>(u: &[__m256i; K], s: &[__m256i; K]) -> __m256i {
-    let mut pp = [_mm256_setzero_si256(); 2];
+unsafe fn dots_vnni<const K: usize, const G: usize>(
+    seed: __m256i,
+    u: &[__m256i; K],
+    s: &[__m256i; K],
+) -> __m256i {
+    let mut pp = [seed, _mm256_setzero_si256()];
     for k in 0..K {
         pp[k & 1] = dot_vnni(pp[k & 1], u[k], s[k]);
     }
@@ -261,7 +280,8 @@ unsafe fn scaled_vnni<const K: usize, const G: usize>(
     sf: __m256,
     _si: __m256i,
 ) -> __m256 {
-    _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots_vnni::<K, G>(u, s)), sf, f)
+    let zero = _mm256_setzero_si256();
+    _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots_vnni::<K, G>(zero, u, s)), sf, f)
 }
 
 /// VNNI needs no integer form of the scales.
@@ -300,62 +320,19 @@ macro_rules! tiled_kernels {
                 a: [&[BlockQ8]; N],
             ) -> [[f32; TILE_ROWS]; N] {
                 let tb = block_bytes(KIND) * TILE_ROWS;
-                let (m_off, mask_off, qs_off) = offsets(KIND);
-                let offset: i32 = match KIND {
-                    Q4_0 => 8,
-                    Q5_0 => 16,
-                    Q8_0 => $q8off,
-                    _ => 0,
-                };
+                let pf = if N == 1 { Prefetch::current() } else { Prefetch::NONE };
                 let mut acc = [_mm256_setzero_ps(); N];
                 for b in 0..w.len() / tb {
                     let t = w.as_ptr().add(b * tb);
                     if N == 1 {
-                        prefetch_block(t, tb);
+                        prefetch_block(t, tb, pf);
                     }
-                    let d = _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i));
-                    let m = if has_min(KIND) {
-                        _mm256_cvtph_ps(_mm_loadu_si128(t.add(m_off) as *const __m128i))
-                    } else {
-                        _mm256_setzero_ps()
-                    };
-                    let q = if KIND == Q8_0 {
-                        core::array::from_fn(|k| {
-                            $q8prep(_mm256_loadu_si256(t.add(qs_off + 32 * k) as *const __m256i))
-                        })
-                    } else if has_high_bit(KIND) {
-                        $codes5(t.add(qs_off), t.add(mask_off))
-                    } else {
-                        nibbles(t.add(qs_off))
-                    };
+                    let q = block_codes::<KIND>(t);
                     for j in 0..N {
                         let y = a[j].get_unchecked(b);
-                        let yp = y.qs.as_ptr() as *const i32;
-                        let ys: [__m256i; 8] =
-                            core::array::from_fn(|k| _mm256_set1_epi32(yp.add(k).read_unaligned()));
-                        let mut p = if KIND == Q8_0 {
-                            let mut u = q;
-                            let mut v = ys;
-                            for k in 0..8 {
-                                (u[k], v[k]) = $q8pair(q[k], ys[k]);
-                            }
-                            $dots::<8, 1>(&u, &v)
-                        } else if has_high_bit(KIND) {
-                            $dots::<8, 4>(&q, &ys)
-                        } else {
-                            $dots::<8, 8>(&q, &ys)
-                        };
-                        if offset != 0 {
-                            p = _mm256_sub_epi32(p, _mm256_set1_epi32(offset * y.sum));
-                        }
-                        acc[j] = _mm256_fmadd_ps(
-                            _mm256_mul_ps(d, _mm256_set1_ps(y.d)),
-                            _mm256_cvtepi32_ps(p),
-                            acc[j],
-                        );
-                        if has_min(KIND) {
-                            acc[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(y.s), acc[j]);
-                        }
+                        let seed = _mm256_set1_epi32(offset_part(KIND, y.sum));
+                        let p = block_dot::<KIND>(&q, y, seed);
+                        acc[j] = block_acc::<KIND>(acc[j], t, y, p);
                     }
                 }
                 let mut out = [[0f32; TILE_ROWS]; N];
@@ -363,6 +340,184 @@ macro_rules! tiled_kernels {
                     _mm256_storeu_ps(out[j].as_mut_ptr(), acc[j]);
                 }
                 out
+            }
+
+            /// The eight unsigned code vectors of the `KIND` tile block at `t` (see the
+            /// module).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn block_codes<const KIND: u8>(t: *const u8) -> [__m256i; 8] {
+                let (_, mask_off, qs_off) = offsets(KIND);
+                if KIND == Q8_0 {
+                    core::array::from_fn(|k| {
+                        $q8prep(_mm256_loadu_si256(t.add(qs_off + 32 * k) as *const __m256i))
+                    })
+                } else if has_high_bit(KIND) {
+                    $codes5(t.add(qs_off), t.add(mask_off))
+                } else {
+                    nibbles(t.add(qs_off))
+                }
+            }
+
+            /// `seed` plus each row's integer dot product of codes `q` with activation
+            /// block `y`.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn block_dot<const KIND: u8>(
+                q: &[__m256i; 8],
+                y: &BlockQ8,
+                seed: __m256i,
+            ) -> __m256i {
+                let yp = y.qs.as_ptr() as *const i32;
+                let ys: [__m256i; 8] =
+                    core::array::from_fn(|k| _mm256_set1_epi32(yp.add(k).read_unaligned()));
+                if KIND == Q8_0 {
+                    let mut u = *q;
+                    let mut v = ys;
+                    for k in 0..8 {
+                        (u[k], v[k]) = $q8pair(q[k], ys[k]);
+                    }
+                    $dots::<8, 1>(seed, &u, &v)
+                } else if has_high_bit(KIND) {
+                    $dots::<8, 4>(seed, q, &ys)
+                } else {
+                    $dots::<8, 8>(seed, q, &ys)
+                }
+            }
+
+            /// `acc` plus the tile block at `t`'s row scales times `y`'s times the integer
+            /// dot products `p` (and its row minimums times `y`'s sum, for the types with
+            /// one).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn block_acc<const KIND: u8>(
+                acc: __m256,
+                t: *const u8,
+                y: &BlockQ8,
+                p: __m256i,
+            ) -> __m256 {
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i));
+                let acc = _mm256_fmadd_ps(
+                    _mm256_mul_ps(d, _mm256_set1_ps(y.d)),
+                    _mm256_cvtepi32_ps(p),
+                    acc,
+                );
+                if has_min(KIND) {
+                    let (m_off, _, _) = offsets(KIND);
+                    let m = _mm256_cvtph_ps(_mm_loadu_si128(t.add(m_off) as *const __m128i));
+                    _mm256_fmadd_ps(m, _mm256_set1_ps(y.s), acc)
+                } else {
+                    acc
+                }
+            }
+
+            /// The code offset's part of an activation block's dot product:
+            /// `-offset * sum`, where codes are stored `offset` above their values (Q4_0 8,
+            /// Q5_0 16, Q8_0 128 under VNNI, others 0). Wrapping, as the i32 lanes are.
+            #[inline]
+            fn offset_part(kind: u8, sum: i32) -> i32 {
+                let offset: i32 = match kind {
+                    Q4_0 => 8,
+                    Q5_0 => 16,
+                    Q8_0 => $q8off,
+                    _ => 0,
+                };
+                offset.wrapping_mul(sum).wrapping_neg()
+            }
+
+            /// [`tile_dot`] over whole tiles `w` (each `tile_bytes` long) against one
+            /// activation row, tile `i`'s eight results to `out[8 i..8 i + 8]`: the decode
+            /// product's inner loop. Per call, not per block: the prefetch distances are
+            /// read, and each activation block's offset part is computed once for every
+            /// tile, then read as one broadcast that starts a `vpdpbusd` chain. The weight
+            /// and activation pointers each step by their block (LLVM had folded them into
+            /// one index, and an indexed memory operand of `vpdpbusd` costs a second
+            /// micro-op to issue). A Q5_0 tile block now issues about 58 micro-ops where it
+            /// issued about 72 (the fifth bits' ternary logic in [`codes5_bw`] included).
+            /// Streaming from memory, these loops were bound by what the core issues, not by
+            /// its vector ports: dropping the fifth bits altogether (wrong sums) made Q5_0
+            /// 4.6% faster, while moving the masks from loads to registers (more
+            /// micro-ops) made it slower. Measured on a 2-vCPU Xeon (AVX-512), qwen05-shaped
+            /// synthetic products (406 MB) in one process, old and new loops in turn, 15
+            /// rounds, medians: the gate/up products per token 9.35 -> 8.90 ms at 1 thread
+            /// and 5.01 -> 4.71 at 2, the Q8_0 output head 8.59 -> 8.46 and 4.46 -> 4.39.
+            /// qwen05 decode (`shoal bench qwen05 -p 0 -n 32`, binaries in turn, medians of
+            /// 5-6): 36.3-37.1 -> 37.7-38.5 tokens/s at 1 thread, 69.3-70.2 -> 72.3-73.3
+            /// at 2.
+            ///
+            /// # Safety
+            /// As [`tile_dot`]; `tile_bytes` is a whole number of tile blocks, `out` has
+            /// room for eight values per tile.
+            #[target_feature(enable = $features)]
+            pub unsafe fn run_dot<const KIND: u8>(
+                w: &[u8],
+                tile_bytes: usize,
+                a: &[BlockQ8],
+                out: *mut f32,
+            ) {
+                let blocks = tile_bytes / (block_bytes(KIND) * TILE_ROWS);
+                let a = &a[..blocks];
+                let pf = Prefetch::current();
+                const ON_STACK: usize = 1024;
+                let mut stack = [core::mem::MaybeUninit::<i32>::uninit(); ON_STACK];
+                let heap: Vec<i32>;
+                let parts: &[i32] = if blocks <= ON_STACK {
+                    for (p, y) in stack.iter_mut().zip(a) {
+                        p.write(offset_part(KIND, y.sum));
+                    }
+                    // SAFETY: the first `blocks` entries were written just above.
+                    core::slice::from_raw_parts(stack.as_ptr() as *const i32, blocks)
+                } else {
+                    heap = a.iter().map(|y| offset_part(KIND, y.sum)).collect();
+                    &heap
+                };
+                if pf.l2 != 0 {
+                    run_dot_with::<KIND, true>(w, tile_bytes, a, parts, pf, out)
+                } else {
+                    run_dot_with::<KIND, false>(w, tile_bytes, a, parts, pf, out)
+                }
+            }
+
+            /// [`run_dot`]'s loop, with the second prefetch into L2 (`L2`, at `pf.l2`) or
+            /// without, each activation block's offset part in `parts`.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn run_dot_with<const KIND: u8, const L2: bool>(
+                w: &[u8],
+                tile_bytes: usize,
+                a: &[BlockQ8],
+                parts: &[i32],
+                pf: Prefetch,
+                out: *mut f32,
+            ) {
+                let tb = block_bytes(KIND) * TILE_ROWS;
+                let lines = tb.div_ceil(64);
+                for (i, tile) in w.chunks_exact(tile_bytes).enumerate() {
+                    let mut acc = _mm256_setzero_ps();
+                    let (mut t, mut y, mut part) = (tile.as_ptr(), a.as_ptr(), parts.as_ptr());
+                    for _ in 0..a.len() {
+                        prefetch_lines(t, pf.block, if L2 { pf.l2 } else { 0 }, lines, 0);
+                        let q = block_codes::<KIND>(t);
+                        let seed = if offset_part(KIND, 1) != 0 {
+                            _mm256_set1_epi32(*part)
+                        } else {
+                            _mm256_setzero_si256()
+                        };
+                        let p = block_dot::<KIND>(&q, &*y, seed);
+                        acc = block_acc::<KIND>(acc, t, &*y, p);
+                        t = t.add(tb);
+                        part = part.add(1);
+                        // the next activation block, through an empty `asm!` that LLVM cannot
+                        // see through, so it keeps this pointer apart from `t` (see above)
+                        let mut next = y.add(1) as usize;
+                        core::arch::asm!("/* {0} */", inout(reg) next,
+                            options(pure, nomem, nostack, preserves_flags));
+                        y = next as *const BlockQ8;
+                    }
+                    out.add(TILE_ROWS * i)
+                        .cast::<__m256>()
+                        .write_unaligned(acc);
+                }
             }
 
             /// Eight bytes at `p` (one per row), widened to eight i32 lanes, unsigned.
@@ -417,6 +572,18 @@ macro_rules! tiled_kernels {
                 w: &[u8],
                 a: [&[BlockQ8K]; N],
             ) -> [[f32; TILE_ROWS]; N] {
+                let pf = if N == 1 { Prefetch::current() } else { Prefetch::NONE };
+                q45k_with::<N, HIGH>(w, a, pf)
+            }
+
+            /// [`tile_q45k`] with the prefetch distances `pf` (used when `N` is 1).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn q45k_with<const N: usize, const HIGH: bool>(
+                w: &[u8],
+                a: [&[BlockQ8K]; N],
+                pf: Prefetch,
+            ) -> [[f32; TILE_ROWS]; N] {
                 use k_offsets::*;
                 let tb = if HIGH { 1440 } else { 1184 };
                 let qs_off = if HIGH { QS5 } else { QS4 };
@@ -433,7 +600,7 @@ macro_rules! tiled_kernels {
                     let mut msum = [_mm256_setzero_si256(); N];
                     for c in 0..4 {
                         if N == 1 {
-                            prefetch_quarter(t, tb, c);
+                            prefetch_quarter(t, tb, c, pf);
                         }
                         let mut lo = [_mm256_setzero_si256(); 8];
                         let mut hi = [_mm256_setzero_si256(); 8];
@@ -514,6 +681,18 @@ macro_rules! tiled_kernels {
                 w: &[u8],
                 a: [&[BlockQ8K]; N],
             ) -> [[f32; TILE_ROWS]; N] {
+                let pf = if N == 1 { Prefetch::current() } else { Prefetch::NONE };
+                q6k_with::<N>(w, a, pf)
+            }
+
+            /// [`tile_q6k`] with the prefetch distances `pf` (used when `N` is 1).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn q6k_with<const N: usize>(
+                w: &[u8],
+                a: [&[BlockQ8K]; N],
+                pf: Prefetch,
+            ) -> [[f32; TILE_ROWS]; N] {
                 use k_offsets::*;
                 let tb = 1680;
                 let mut acc = [_mm256_setzero_ps(); N];
@@ -524,7 +703,7 @@ macro_rules! tiled_kernels {
                     for n in 0..2 {
                         for h in 0..2 {
                             if N == 1 {
-                                prefetch_quarter(t, tb, 2 * n + h);
+                                prefetch_quarter(t, tb, 2 * n + h, pf);
                             }
                             // groups 4h..4h+4 of half n: values 4g..4g+4 of each quarter
                             let q: [[__m256i; 4]; 4] =
@@ -579,8 +758,41 @@ macro_rules! tiled_kernels {
                 out
             }
 
-            // one activation row over a range of tiles, for decode
-            run_kernels!($features);
+            /// [`run_dot`] for Q4_K (`HIGH` false) and Q5_K (`HIGH` true), the prefetch
+            /// distances read once per call.
+            ///
+            /// # Safety
+            /// As [`tile_q45k`]; `out` has room for eight values per tile.
+            #[target_feature(enable = $features)]
+            pub unsafe fn run_q45k<const HIGH: bool>(
+                w: &[u8],
+                tile_bytes: usize,
+                a: &[BlockQ8K],
+                out: *mut f32,
+            ) {
+                let pf = Prefetch::current();
+                for (i, t) in w.chunks_exact(tile_bytes).enumerate() {
+                    let [o] = q45k_with::<1, HIGH>(t, [a], pf);
+                    out.add(TILE_ROWS * i)
+                        .cast::<[f32; TILE_ROWS]>()
+                        .write_unaligned(o);
+                }
+            }
+
+            /// [`run_q45k`] for Q6_K.
+            ///
+            /// # Safety
+            /// As [`tile_q6k`]; `out` has room for eight values per tile.
+            #[target_feature(enable = $features)]
+            pub unsafe fn run_q6k(w: &[u8], tile_bytes: usize, a: &[BlockQ8K], out: *mut f32) {
+                let pf = Prefetch::current();
+                for (i, t) in w.chunks_exact(tile_bytes).enumerate() {
+                    let [o] = q6k_with::<1>(t, [a], pf);
+                    out.add(TILE_ROWS * i)
+                        .cast::<[f32; TILE_ROWS]>()
+                        .write_unaligned(o);
+                }
+            }
         }
     };
 }
