@@ -66,6 +66,22 @@ unsafe fn dot_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(acc, u, s)
 }
 
+/// `p`, through an empty `asm!` LLVM cannot see through. [`run_dot`]'s activation pointer
+/// goes through it so that LLVM keeps it as a base register of its own: left to itself, it
+/// folds it and the weight pointer into one shared index, and the 32-value loops ran slower
+/// so (see there). The K-quant loops ran 2-4% slower with their activation pointers
+/// through it (qwen05-shaped Q4_K/Q6_K products at 1 and 2 threads, in one process, in
+/// turn), so they do without.
+#[inline(always)]
+fn opaque<T>(p: *const T) -> *const T {
+    let mut addr = p as usize;
+    // SAFETY: the empty template reads and writes only `addr`'s register.
+    unsafe {
+        core::arch::asm!("/* {0} */", inout(reg) addr, options(pure, nomem, nostack, preserves_flags))
+    };
+    addr as *const T
+}
+
 /// The low nibbles (vectors 0-3) and high nibbles (4-7) of the four quant vectors at `qs`.
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -320,7 +336,11 @@ macro_rules! tiled_kernels {
                 a: [&[BlockQ8]; N],
             ) -> [[f32; TILE_ROWS]; N] {
                 let tb = block_bytes(KIND) * TILE_ROWS;
-                let pf = if N == 1 { Prefetch::current() } else { Prefetch::NONE };
+                let pf = if N == 1 {
+                    Prefetch::current()
+                } else {
+                    Prefetch::NONE
+                };
                 let mut acc = [_mm256_setzero_ps(); N];
                 for b in 0..w.len() / tb {
                     let t = w.as_ptr().add(b * tb);
@@ -430,17 +450,18 @@ macro_rules! tiled_kernels {
             /// product's inner loop. Per call, not per block: the prefetch distances are
             /// read, and each activation block's offset part is computed once for every
             /// tile, then read as one broadcast that starts a `vpdpbusd` chain. The weight
-            /// and activation pointers each step by their block (LLVM had folded them into
-            /// one index, and an indexed memory operand of `vpdpbusd` costs a second
-            /// micro-op to issue). A Q5_0 tile block now issues about 58 micro-ops where it
-            /// issued about 72 (the fifth bits' ternary logic in [`codes5_bw`] included).
-            /// Streaming from memory, these loops were bound by what the core issues, not by
-            /// its vector ports: dropping the fifth bits altogether (wrong sums) made Q5_0
-            /// 4.6% faster, while moving the masks from loads to registers (more
-            /// micro-ops) made it slower. Measured on a 2-vCPU Xeon (AVX-512), qwen05-shaped
-            /// synthetic products (406 MB) in one process, old and new loops in turn, 15
-            /// rounds, medians: the gate/up products per token 9.35 -> 8.90 ms at 1 thread
-            /// and 5.01 -> 4.71 at 2, the Q8_0 output head 8.59 -> 8.46 and 4.46 -> 4.39.
+            /// and activation pointers step by their own block sizes, the activation one
+            /// through [`opaque`]: left alone, LLVM folded both into one index register, and
+            /// that loop ran the gate/up products 3% slower than the old one where this one
+            /// runs them 5% faster. With the fifth bits' ternary logic ([`codes5_bw`]), a
+            /// Q5_0 tile block is about 58 instructions where it was about 72. Even
+            /// streaming from memory, each instruction of these loops counts: dropping the
+            /// fifth bits altogether (wrong sums) made Q5_0 products 4.6% faster, and making
+            /// the masks in registers instead of loading them (more instructions) made them
+            /// slower. Measured on a 2-vCPU Xeon (AVX-512), qwen05-shaped synthetic products
+            /// (406 MB) in one process, old and new loops in turn, 15 rounds, medians: the
+            /// gate/up products per token 9.35 -> 8.90 ms at 1 thread and 5.01 -> 4.71 at 2,
+            /// the Q8_0 output head 8.59 -> 8.46 and 4.46 -> 4.39.
             /// qwen05 decode (`shoal bench qwen05 -p 0 -n 32`, binaries in turn, medians of
             /// 5-6): 36.3-37.1 -> 37.7-38.5 tokens/s at 1 thread, 69.3-70.2 -> 72.3-73.3
             /// at 2.
@@ -507,16 +528,9 @@ macro_rules! tiled_kernels {
                         acc = block_acc::<KIND>(acc, t, &*y, p);
                         t = t.add(tb);
                         part = part.add(1);
-                        // the next activation block, through an empty `asm!` that LLVM cannot
-                        // see through, so it keeps this pointer apart from `t` (see above)
-                        let mut next = y.add(1) as usize;
-                        core::arch::asm!("/* {0} */", inout(reg) next,
-                            options(pure, nomem, nostack, preserves_flags));
-                        y = next as *const BlockQ8;
+                        y = opaque(y.add(1));
                     }
-                    out.add(TILE_ROWS * i)
-                        .cast::<__m256>()
-                        .write_unaligned(acc);
+                    out.add(TILE_ROWS * i).cast::<__m256>().write_unaligned(acc);
                 }
             }
 
@@ -572,7 +586,11 @@ macro_rules! tiled_kernels {
                 w: &[u8],
                 a: [&[BlockQ8K]; N],
             ) -> [[f32; TILE_ROWS]; N] {
-                let pf = if N == 1 { Prefetch::current() } else { Prefetch::NONE };
+                let pf = if N == 1 {
+                    Prefetch::current()
+                } else {
+                    Prefetch::NONE
+                };
                 q45k_with::<N, HIGH>(w, a, pf)
             }
 
@@ -681,7 +699,11 @@ macro_rules! tiled_kernels {
                 w: &[u8],
                 a: [&[BlockQ8K]; N],
             ) -> [[f32; TILE_ROWS]; N] {
-                let pf = if N == 1 { Prefetch::current() } else { Prefetch::NONE };
+                let pf = if N == 1 {
+                    Prefetch::current()
+                } else {
+                    Prefetch::NONE
+                };
                 q6k_with::<N>(w, a, pf)
             }
 
@@ -759,7 +781,9 @@ macro_rules! tiled_kernels {
             }
 
             /// [`run_dot`] for Q4_K (`HIGH` false) and Q5_K (`HIGH` true), the prefetch
-            /// distances read once per call.
+            /// distances read once per call: read per quarter block as before, the
+            /// qwen05-shaped down products (Q4_K and Q6_K) ran 2.5% slower at 1 thread and
+            /// 2.2% at 2 (in one process, in turn, 12 rounds).
             ///
             /// # Safety
             /// As [`tile_q45k`]; `out` has room for eight values per tile.
