@@ -726,6 +726,34 @@ unsafe fn store_rows<const R: usize>(dst: *mut f32, vals: &[f32; R], live: usize
     }
 }
 
+/// The loop of the one-row run kernels (`x86_tiled` and `neon_tiled`): `tile` over each
+/// whole tile of `w` (`tile_bytes` long), tile `i`'s eight results to `out[8 i..8 i + 8]`.
+/// Inlined into each kernel, so `tile` runs with that kernel's CPU features.
+///
+/// # Safety
+/// `out` is valid for eight writes per tile of `w` that no other thread makes.
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(dead_code)
+)]
+#[inline(always)]
+unsafe fn each_tile(
+    w: &[u8],
+    tile_bytes: usize,
+    out: *mut f32,
+    mut tile: impl FnMut(&[u8]) -> [f32; tiled::TILE_ROWS],
+) {
+    for (i, t) in w.chunks_exact(tile_bytes).enumerate() {
+        let vals = tile(t);
+        // SAFETY: the caller's; tile i's eight values start at 8 i.
+        unsafe {
+            out.add(tiled::TILE_ROWS * i)
+                .cast::<[f32; tiled::TILE_ROWS]>()
+                .write_unaligned(vals)
+        };
+    }
+}
+
 /// One pair of adjacent tiles being multiplied: their weights and where their rows land.
 struct PairAt<'a> {
     w0: &'a [u8],

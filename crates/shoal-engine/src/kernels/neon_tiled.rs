@@ -21,6 +21,7 @@
 use std::arch::aarch64::*;
 use std::arch::asm;
 
+use super::each_tile;
 use super::formats::{BlockQ8, BlockQ8K};
 use super::tiled::kinds::{block_bytes, has_high_bit, has_min, offsets, Q4_0, Q5_0, Q8_0};
 use super::tiled::{k_offsets, TILE_ROWS};
@@ -52,12 +53,10 @@ macro_rules! run_kernels {
             a: &[BlockQ8],
             out: *mut f32,
         ) {
-            for (i, t) in w.chunks_exact(tile_bytes).enumerate() {
+            each_tile(w, tile_bytes, out, |t| {
                 let [o] = tile_dot::<1, KIND>(t, [a]);
-                out.add(TILE_ROWS * i)
-                    .cast::<[f32; TILE_ROWS]>()
-                    .write_unaligned(o);
-            }
+                o
+            })
         }
 
         /// [`run_dot`] for Q4_K (`HIGH` false) and Q5_K (`HIGH` true).
@@ -71,12 +70,10 @@ macro_rules! run_kernels {
             a: &[BlockQ8K],
             out: *mut f32,
         ) {
-            for (i, t) in w.chunks_exact(tile_bytes).enumerate() {
+            each_tile(w, tile_bytes, out, |t| {
                 let [o] = tile_q45k::<1, HIGH>(t, [a]);
-                out.add(TILE_ROWS * i)
-                    .cast::<[f32; TILE_ROWS]>()
-                    .write_unaligned(o);
-            }
+                o
+            })
         }
 
         /// [`run_dot`] for Q6_K.
@@ -85,12 +82,10 @@ macro_rules! run_kernels {
         /// As [`tile_q6k`]; `out` has room for eight values per tile.
         #[target_feature(enable = $features)]
         pub unsafe fn run_q6k(w: &[u8], tile_bytes: usize, a: &[BlockQ8K], out: *mut f32) {
-            for (i, t) in w.chunks_exact(tile_bytes).enumerate() {
+            each_tile(w, tile_bytes, out, |t| {
                 let [o] = tile_q6k::<1>(t, [a]);
-                out.add(TILE_ROWS * i)
-                    .cast::<[f32; TILE_ROWS]>()
-                    .write_unaligned(o);
-            }
+                o
+            })
         }
     };
 }

@@ -12,6 +12,7 @@
 
 use std::arch::x86_64::*;
 
+use super::each_tile;
 use super::formats::{BlockQ8, BlockQ8K};
 use super::prefetch::Prefetch;
 use super::tiled::kinds::{block_bytes, has_high_bit, has_min, offsets, Q4_0, Q5_0, Q8_0};
@@ -513,7 +514,7 @@ macro_rules! tiled_kernels {
             ) {
                 let tb = block_bytes(KIND) * TILE_ROWS;
                 let lines = tb.div_ceil(64);
-                for (i, tile) in w.chunks_exact(tile_bytes).enumerate() {
+                each_tile(w, tile_bytes, out, |tile| {
                     let mut acc = _mm256_setzero_ps();
                     let (mut t, mut y, mut part) = (tile.as_ptr(), a.as_ptr(), parts.as_ptr());
                     for _ in 0..a.len() {
@@ -530,8 +531,10 @@ macro_rules! tiled_kernels {
                         part = part.add(1);
                         y = opaque(y.add(1));
                     }
-                    out.add(TILE_ROWS * i).cast::<__m256>().write_unaligned(acc);
-                }
+                    let mut o = [0f32; TILE_ROWS];
+                    _mm256_storeu_ps(o.as_mut_ptr(), acc);
+                    o
+                })
             }
 
             /// Eight bytes at `p` (one per row), widened to eight i32 lanes, unsigned.
@@ -795,12 +798,10 @@ macro_rules! tiled_kernels {
                 out: *mut f32,
             ) {
                 let pf = Prefetch::current();
-                for (i, t) in w.chunks_exact(tile_bytes).enumerate() {
+                each_tile(w, tile_bytes, out, |t| {
                     let [o] = q45k_with::<1, HIGH>(t, [a], pf);
-                    out.add(TILE_ROWS * i)
-                        .cast::<[f32; TILE_ROWS]>()
-                        .write_unaligned(o);
-                }
+                    o
+                })
             }
 
             /// [`run_q45k`] for Q6_K.
@@ -810,12 +811,10 @@ macro_rules! tiled_kernels {
             #[target_feature(enable = $features)]
             pub unsafe fn run_q6k(w: &[u8], tile_bytes: usize, a: &[BlockQ8K], out: *mut f32) {
                 let pf = Prefetch::current();
-                for (i, t) in w.chunks_exact(tile_bytes).enumerate() {
+                each_tile(w, tile_bytes, out, |t| {
                     let [o] = q6k_with::<1>(t, [a], pf);
-                    out.add(TILE_ROWS * i)
-                        .cast::<[f32; TILE_ROWS]>()
-                        .write_unaligned(o);
-                }
+                    o
+                })
             }
         }
     };
