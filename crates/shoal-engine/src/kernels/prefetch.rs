@@ -95,14 +95,21 @@ impl Prefetch {
         L2.store(self.l2.min(UNSET - 1), Ordering::Relaxed);
     }
 
-    /// No requests (for kernels over several activation rows, which are not bound by
-    /// memory).
+    /// The distances for a kernel over `rows` activation rows: [`Prefetch::current`] for
+    /// one row (decode, bound by memory), none for more (their products are bound by
+    /// arithmetic, and the kernels ask for nothing then).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    pub(crate) const NONE: Prefetch = Prefetch {
-        block: 0,
-        k: 0,
-        l2: 0,
-    };
+    pub(crate) fn for_rows(rows: usize) -> Prefetch {
+        if rows == 1 {
+            Prefetch::current()
+        } else {
+            Prefetch {
+                block: 0,
+                k: 0,
+                l2: 0,
+            }
+        }
+    }
 }
 
 /// Whether CPUID names AMD or Hygon as the maker.

@@ -365,11 +365,7 @@ macro_rules! tiled_kernels {
                 a: [&[BlockQ8]; N],
             ) -> [[f32; TILE_ROWS]; N] {
                 let tb = block_bytes(KIND) * TILE_ROWS;
-                let pf = if N == 1 {
-                    Prefetch::current()
-                } else {
-                    Prefetch::NONE
-                };
+                let pf = Prefetch::for_rows(N);
                 let mut acc = [_mm256_setzero_ps(); N];
                 for b in 0..w.len() / tb {
                     let t = w.as_ptr().add(b * tb);
@@ -460,18 +456,23 @@ macro_rules! tiled_kernels {
                 }
             }
 
-            /// The code offset's part of an activation block's dot product:
-            /// `-offset * sum`, where codes are stored `offset` above their values (Q4_0 8,
-            /// Q5_0 16, Q8_0 128 under VNNI, others 0). Wrapping, as the i32 lanes are.
+            /// How far above their values `kind`'s codes are stored: Q4_0 8, Q5_0 16, Q8_0
+            /// 128 under VNNI, others 0.
             #[inline]
-            fn offset_part(kind: u8, sum: i32) -> i32 {
-                let offset: i32 = match kind {
+            const fn code_offset(kind: u8) -> i32 {
+                match kind {
                     Q4_0 => 8,
                     Q5_0 => 16,
                     Q8_0 => $q8off,
                     _ => 0,
-                };
-                offset.wrapping_mul(sum).wrapping_neg()
+                }
+            }
+
+            /// The code offset's part of the dot product with an activation block whose
+            /// codes sum to `sum`: `-offset * sum`, wrapping as the i32 lanes do.
+            #[inline]
+            fn offset_part(kind: u8, sum: i32) -> i32 {
+                code_offset(kind).wrapping_mul(sum).wrapping_neg()
             }
 
             /// [`tile_dot`] over whole tiles `w` (each `tile_bytes` long) against one
@@ -511,7 +512,9 @@ macro_rules! tiled_kernels {
                 const ON_STACK: usize = 1024;
                 let mut stack = [core::mem::MaybeUninit::<i32>::uninit(); ON_STACK];
                 let heap: Vec<i32>;
-                let parts: &[i32] = if blocks <= ON_STACK {
+                let parts: &[i32] = if code_offset(KIND) == 0 {
+                    &[]
+                } else if blocks <= ON_STACK {
                     for (p, y) in stack.iter_mut().zip(a) {
                         p.write(offset_part(KIND, y.sum));
                     }
@@ -529,7 +532,8 @@ macro_rules! tiled_kernels {
             }
 
             /// [`run_dot`]'s loop, with the second prefetch into L2 (`L2`, at `pf.l2`) or
-            /// without, each activation block's offset part in `parts`.
+            /// without, each activation block's offset part in `parts` (empty for the types
+            /// without an offset).
             #[inline]
             #[target_feature(enable = $features)]
             unsafe fn run_dot_with<const KIND: u8, const L2: bool>(
@@ -548,15 +552,16 @@ macro_rules! tiled_kernels {
                     for _ in 0..a.len() {
                         prefetch_lines(t, pf.block, if L2 { pf.l2 } else { 0 }, lines, 0);
                         let q = block_codes::<KIND>(t);
-                        let seed = if offset_part(KIND, 1) != 0 {
-                            _mm256_set1_epi32(*part)
+                        let seed = if code_offset(KIND) != 0 {
+                            let seed = _mm256_set1_epi32(*part);
+                            part = part.add(1);
+                            seed
                         } else {
                             _mm256_setzero_si256()
                         };
                         let p = block_dot::<KIND>(&q, &*y, seed);
                         acc = block_acc::<KIND>(acc, t, &*y, p);
                         t = t.add(tb);
-                        part = part.add(1);
                         y = opaque(y.add(1));
                     }
                     let mut o = [0f32; TILE_ROWS];
@@ -617,11 +622,7 @@ macro_rules! tiled_kernels {
                 w: &[u8],
                 a: [&[BlockQ8K]; N],
             ) -> [[f32; TILE_ROWS]; N] {
-                let pf = if N == 1 {
-                    Prefetch::current()
-                } else {
-                    Prefetch::NONE
-                };
+                let pf = Prefetch::for_rows(N);
                 q45k_with::<N, HIGH>(w, a, pf)
             }
 
@@ -735,11 +736,7 @@ macro_rules! tiled_kernels {
                 w: &[u8],
                 a: [&[BlockQ8K]; N],
             ) -> [[f32; TILE_ROWS]; N] {
-                let pf = if N == 1 {
-                    Prefetch::current()
-                } else {
-                    Prefetch::NONE
-                };
+                let pf = Prefetch::for_rows(N);
                 q6k_with::<N>(w, a, pf)
             }
 
