@@ -459,6 +459,8 @@ mod tests {
                 proptest::prop_assert!(weights[got as usize] > 0.0);
             }
         });
+        // no token of positive weight (the reference's answer, token 0)
+        assert_eq!(draw(&[0.0; 300], 0.0), reference(&[0.0; 300], 0.0));
         // every edge of the first blocks, and the first token after one
         let weights = vec![1.0f32; 3 * DRAW_BLOCK + 5];
         for t in 0..weights.len() + 2 {
