@@ -1,7 +1,9 @@
 //! `shoal bench MODEL`: prefill and decode speed the way llama-bench measures them (`-p`
-//! prompt tokens in one batch from an empty context; `-n` tokens decoded one at a time from
-//! an empty context), repeated, with median and spread — and beside the decode figure the
-//! memory-bandwidth ceiling: weight bytes read per token over the measured read bandwidth.
+//! prompt tokens in one batch; `-n` tokens decoded one at a time; both from an empty
+//! context, or with `-d` after that many tokens already in the cache, filled untimed),
+//! repeated, with median and spread — and beside the decode figure the memory-bandwidth
+//! ceiling: weight bytes read per token over the measured read bandwidth (the KV cache's
+//! reads, which grow with the depth, are printed beside it and not counted in it).
 //! A shared machine's bandwidth drifts between minutes, so the bandwidth is probed after
 //! every decode repetition and each repetition is set against its own probe; the host's
 //! steal time (CPU time the hypervisor gave other guests) during the decodes is printed too.
@@ -30,6 +32,10 @@ pub struct BenchArgs {
     /// Tokens per decode run (0 skips decode).
     #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
     pub n_gen: usize,
+    /// Tokens already in the cache when each prefill and decode run starts (llama-bench's
+    /// `-d`), filled untimed before each run: how fast a long conversation goes on.
+    #[arg(short = 'd', long = "depth", default_value_t = 0)]
+    pub depth: usize,
     /// Repetitions of each measurement.
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     pub reps: usize,
@@ -114,6 +120,14 @@ struct Report {
     threads: usize,
     n_prompt: usize,
     n_gen: usize,
+    /// Tokens in the cache before each run.
+    depth: usize,
+    /// Positions in a decoding sequence's cache after its last run: `depth + n_gen`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    decode_end_position: Option<usize>,
+    /// KV cache bytes attention reads per decoded token, on average over a run (not in
+    /// the ceiling, which counts weights).
+    kv_bytes_per_token: u64,
     repetitions: usize,
     /// Median prefill tokens/s.
     prefill_tok_s: Option<f64>,
@@ -151,6 +165,27 @@ struct OpTime {
     /// (absent for other ops, and for models whose tensors the bench cannot attribute).
     #[serde(skip_serializing_if = "Option::is_none")]
     weight_gb_s: Option<f64>,
+}
+
+/// KV cache bytes attention reads per decoded token, on average over `n_gen` tokens decoded
+/// after `depth`: the step at position `p` reads `p + 1` positions of every layer, or at
+/// most the sliding window's in a local layer.
+fn kv_bytes_per_token(cfg: &shoal_engine::config::ModelConfig, depth: usize, n_gen: usize) -> u64 {
+    let per_layer =
+        shoal_engine::kv_cache::KvCache::bytes_per_token_per_layer(cfg.n_kv_head, cfg.head_dim);
+    let steps = n_gen.max(1);
+    let positions: u64 = (0..cfg.n_layer)
+        .map(|layer| {
+            let window = cfg
+                .sliding_window
+                .filter(|_| cfg.is_local_layer(layer))
+                .unwrap_or(usize::MAX);
+            (0..steps)
+                .map(|i| (depth + i + 1).min(window) as u64)
+                .sum::<u64>()
+        })
+        .sum();
+    per_layer * positions / steps as u64
 }
 
 /// Deterministic pseudo-random prompt tokens (as llama-bench uses random tokens).
@@ -299,6 +334,9 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         );
     }
     if args.split.is_split() {
+        if args.depth > 0 {
+            anyhow::bail!("-d/--depth is measured on one rank for now; use it without --tp/--pp");
+        }
         if args.profile {
             anyhow::bail!("--profile times one rank's step; use it without --tp/--pp");
         }
@@ -308,15 +346,27 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
     let model = crate::models::open(&model_arg)?;
     let t = &model.transformer;
     let vocab = t.config().vocab;
-    let ctx = (args.n_prompt.max(args.n_gen) + 1).min(t.config().context_len);
-    if args.n_prompt > ctx || args.n_gen > ctx {
+    let deepest = args.depth.saturating_add(args.n_prompt.max(args.n_gen));
+    if deepest > t.config().context_len {
         anyhow::bail!(
-            "-p {} / -n {} exceed the model's context of {}",
+            "-d {} with -p {} / -n {} needs {deepest} positions, more than the model's \
+             context of {}; ask for fewer",
+            args.depth,
             args.n_prompt,
             args.n_gen,
             t.config().context_len
         );
     }
+    let ctx = (deepest + 1).min(t.config().context_len);
+    // the same `depth` tokens before every run, as if a conversation went on
+    let history = prompt_tokens(args.depth, vocab);
+    let fill = |cache: &mut shoal_engine::kv_cache::KvCache| -> anyhow::Result<()> {
+        cache.clear();
+        if !history.is_empty() {
+            prefill(t, &history, cache)?;
+        }
+        Ok(())
+    };
     let mut cache = t.new_cache(ctx);
     // warm-up: page the weights in, fill allocator pools
     prefill(t, &prompt_tokens(16.min(ctx), vocab), &mut cache)?;
@@ -326,10 +376,11 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
     let probe = ReadProbe::new(PROBE_BYTES);
     let mut bws = Vec::new();
     let (mut stolen, mut ticks) = (Some(0u64), 0u64);
+    let mut decode_end = None;
     shoal_engine::profile::reset();
     for rep in 0..args.reps {
         if args.n_prompt > 0 {
-            cache.clear();
+            fill(&mut cache)?;
             let toks = prompt_tokens(args.n_prompt, vocab);
             let t0 = Instant::now();
             prefill(t, &toks, &mut cache)?;
@@ -339,6 +390,9 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         if args.n_gen > 0 && args.seqs > 1 {
             // one batched step decodes a token of every sequence (continuous batching)
             let mut caches: Vec<_> = (0..args.seqs).map(|_| t.new_cache(ctx)).collect();
+            for c in &mut caches {
+                fill(c)?;
+            }
             let mut toks: Vec<u32> = prompt_tokens(args.seqs + rep, vocab)[rep..].to_vec();
             shoal_engine::profile::enable(args.profile);
             let secs = timed_on_pool(|| {
@@ -356,8 +410,9 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
             shoal_engine::profile::enable(false);
             decode_secs += secs;
             tg.push((args.n_gen * args.seqs) as f64 / secs);
+            decode_end = caches.first().map(|c| c.len());
         } else if args.n_gen > 0 {
-            cache.clear();
+            fill(&mut cache)?;
             let mut tok = prompt_tokens(1 + rep, vocab)[rep];
             shoal_engine::profile::enable(args.profile);
             let secs = timed_on_pool(|| {
@@ -370,6 +425,7 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
             shoal_engine::profile::enable(false);
             decode_secs += secs;
             tg.push(args.n_gen as f64 / secs);
+            decode_end = Some(cache.len());
         }
         if args.n_gen > 0 {
             match (before, cpu_ticks()) {
@@ -428,6 +484,9 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         threads,
         n_prompt: args.n_prompt,
         n_gen: args.n_gen,
+        depth: args.depth,
+        decode_end_position: decode_end,
+        kv_bytes_per_token: kv_bytes_per_token(t.config(), args.depth, args.n_gen),
         repetitions: args.reps,
         prefill_tok_s: prefill.map(|s| s.median),
         prefill,
@@ -449,16 +508,26 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         "model {}  threads {}  repetitions {}",
         report.model, threads, args.reps
     );
+    // llama-bench's names: "pp128", "tg64", and "pp128 @ d2048" after a fill
+    let at = if args.depth > 0 {
+        format!(" @ d{}", args.depth)
+    } else {
+        String::new()
+    };
+    let width = 7 + at.len();
     if let Some(p) = prefill {
         println!(
-            "pp{:<5} {:>9.1} tok/s  (min {:.1}, max {:.1})",
-            args.n_prompt, p.median, p.min, p.max
+            "{:<width$} {:>9.1} tok/s  (min {:.1}, max {:.1})",
+            format!("pp{}{at}", args.n_prompt),
+            p.median,
+            p.min,
+            p.max
         );
     }
     if let Some(d) = decode {
         println!(
-            "tg{:<5} {:>9.1} tok/s  (min {:.1}, max {:.1})  ceiling {:.1} tok/s = {:.1} MB/token at {:.1} GB/s -> {:.0}% of ceiling",
-            args.n_gen,
+            "{:<width$} {:>9.1} tok/s  (min {:.1}, max {:.1})  ceiling {:.1} tok/s = {:.1} MB/token at {:.1} GB/s -> {:.0}% of ceiling",
+            format!("tg{}{at}", args.n_gen),
             d.median,
             d.min,
             d.max,
@@ -473,6 +542,12 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
                 100.0 * f.median,
                 100.0 * f.min,
                 100.0 * f.max
+            );
+        }
+        if args.depth > 0 {
+            println!(
+                "             the KV cache adds {:.1} MB read per token at this depth (not in the ceiling)",
+                report.kv_bytes_per_token as f64 / 1e6
             );
         }
         if let Some(steal) = host_steal {

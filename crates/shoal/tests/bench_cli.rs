@@ -107,3 +107,57 @@ fn profile_gives_each_matrix_product_its_weight_bandwidth() {
         "{read} of {bytes} bytes attributed"
     );
 }
+
+/// `-d` fills the cache before every run: each decoding sequence ends at `depth + n_gen`
+/// positions, and the KV bytes read per token grow by one position's bytes per token of
+/// depth (the average decode step at depth `d` reads `d + (n + 1) / 2` positions).
+#[test]
+fn depth_fills_the_cache_before_each_run() {
+    let args = |d: &'static str| ["-p", "4", "-n", "6", "-d", d, "-r", "2", "-t", "1"];
+    let shallow = bench_report(3, &args("0"));
+    let deep = bench_report(3, &args("20"));
+    assert_eq!(shallow["depth"], 0);
+    assert_eq!(deep["depth"], 20);
+    assert_eq!(shallow["decode_end_position"], 6, "{shallow}");
+    assert_eq!(deep["decode_end_position"], 26, "{deep}");
+    assert!(deep["prefill_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(deep["decode_tok_s"].as_f64().unwrap() > 0.0);
+    let kv = |r: &serde_json::Value| r["kv_bytes_per_token"].as_f64().unwrap();
+    // 3.5 positions on average without depth, 23.5 with
+    let per_position = kv(&shallow) / 3.5;
+    assert!(
+        per_position > 0.0 && per_position.fract() == 0.0,
+        "{shallow}"
+    );
+    assert_eq!(kv(&deep), per_position * 23.5, "{deep}");
+    // batched decode fills every sequence's cache
+    let batched = bench_report(
+        3,
+        &["-p", "0", "-n", "6", "-d", "20", "--seqs", "3", "-r", "1"],
+    );
+    assert_eq!(batched["decode_end_position"], 26, "{batched}");
+}
+
+/// A depth the model's context cannot hold is refused up front, with the numbers.
+#[test]
+fn depth_past_the_context_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    TinyModelSpec::llama(3)
+        .build()
+        .unwrap()
+        .write_gguf(&model, GgmlType::Q8_0)
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .arg("bench")
+        .arg(&model)
+        .args(["-p", "4", "-n", "4", "-d", "1000000", "-r", "1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("-d 1000000") && err.contains("context of"),
+        "{err}"
+    );
+}
