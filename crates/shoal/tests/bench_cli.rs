@@ -8,8 +8,9 @@ use std::process::Command;
 
 use shoal_testkit::{GgmlType, TinyModelSpec};
 
-/// `shoal bench --json` with `args` on a tiny Q8_0 llama (weights from `seed`): the report.
-fn bench_report(seed: u64, args: &[&str]) -> serde_json::Value {
+/// `shoal bench --json` with `args` on a tiny Q8_0 llama (weights from `seed`): the run's
+/// output, whatever its status.
+fn bench_output(seed: u64, args: &[&str]) -> std::process::Output {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("tiny.gguf");
     TinyModelSpec::llama(seed)
@@ -17,13 +18,18 @@ fn bench_report(seed: u64, args: &[&str]) -> serde_json::Value {
         .unwrap()
         .write_gguf(&model, GgmlType::Q8_0)
         .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+    Command::new(env!("CARGO_BIN_EXE_shoal"))
         .arg("bench")
         .arg(&model)
         .args(args)
         .arg("--json")
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+/// [`bench_output`] of a run that must succeed: the report.
+fn bench_report(seed: u64, args: &[&str]) -> serde_json::Value {
+    let out = bench_output(seed, args);
     assert!(
         out.status.success(),
         "shoal bench failed: {}",
@@ -141,19 +147,7 @@ fn depth_fills_the_cache_before_each_run() {
 /// A depth the model's context cannot hold is refused up front, with the numbers.
 #[test]
 fn depth_past_the_context_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tiny.gguf");
-    TinyModelSpec::llama(3)
-        .build()
-        .unwrap()
-        .write_gguf(&model, GgmlType::Q8_0)
-        .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
-        .arg("bench")
-        .arg(&model)
-        .args(["-p", "4", "-n", "4", "-d", "1000000", "-r", "1"])
-        .output()
-        .unwrap();
+    let out = bench_output(3, &["-p", "4", "-n", "4", "-d", "1000000", "-r", "1"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
