@@ -206,9 +206,10 @@ impl Streams for TcpIo {
         idle: Duration,
     ) -> Result<(), CommError> {
         // A peer usually answers within microseconds to a few milliseconds (whatever the
-        // ranks' imbalance is); waking from poll(2) costs tens of microseconds on a VM, which
-        // added up to 2.5 ms of every qwen05 token at TP 2. So retry the non-blocking calls
-        // first, yielding the core to any other runnable thread, and sleep only after that.
+        // ranks' imbalance is); waking from poll(2) can cost tens of microseconds on a VM,
+        // and a tensor-parallel token waits on its peers at every layer. So retry the
+        // non-blocking calls first, yielding the core to any other runnable thread, and sleep
+        // only after that.
         if idle < SPIN_BEFORE_POLL {
             std::hint::spin_loop();
             return Ok(());

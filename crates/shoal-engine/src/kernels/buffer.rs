@@ -4,10 +4,7 @@
 //! weight once per token, and with 4 KiB pages that is a TLB miss and a page walk every 64
 //! cache lines; on 2 MiB pages the walks all but vanish. The request is a hint: where the
 //! kernel refuses it (THP off, another OS) the buffer is ordinary anonymous memory and
-//! nothing else changes. Measured on an AMD EPYC (Zen 3) VM with THP in `madvise` mode, in
-//! one process, in turn: a plain 256 MiB read 16.0 -> 17.5 GB/s at one thread and 21.8 ->
-//! 26.1 at two (medians of 8); matrix products over 95-148 MB, five types, one and two
-//! threads, 0.97x to 1.14x, median 1.03x (medians of 10-20).
+//! nothing else changes.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex};
@@ -24,9 +21,8 @@ const ALIGN: usize = 64;
 /// A fixed-length, zero-initialized byte buffer, on transparent huge pages where the OS
 /// grants them. Buffers below [`OWN_MAPPING`] are carved out of shared 64 MiB chunks, one
 /// after the other, so that a model's many small matrices (SmolLM2's are all below 2 MiB,
-/// Qwen's attention matrices too) sit on huge pages as well: measured on an Intel Xeon,
-/// one-row Q4_K products over a gigabyte of 1 MiB matrices, each in its own allocation,
-/// read 11.7 GB/s at one thread, against 15.7 for 2 MiB matrices on huge pages. A chunk is
+/// Qwen's attention matrices too) sit on huge pages as well: a matrix in an allocation of
+/// its own below 2 MiB would stay on 4 KiB pages and pay their page walks. A chunk is
 /// unmapped when the last buffer in it is dropped.
 pub struct WeightBuffer {
     storage: Storage,

@@ -32,14 +32,8 @@ const HALF: usize = TILE_ROWS / 2;
 /// The one-row run kernels of one level of this module, over its `tile_dot`, `tile_q45k` and
 /// `tile_q6k` compiled for `$features`: whole tiles `w` (each `tile_bytes` long) against one
 /// activation row, tile `i`'s eight results to `out[8 i..8 i + 8]`. One call per range of
-/// tiles, the one-tile kernel inlined: no call, result copy and bounds arithmetic per tile (a
-/// decode's `perf` profile put 4% of the kernels' samples there). Measured on x86, where
-/// these were the run kernels until `x86_tiled` grew its own (which also read the prefetch
-/// distances and offsets once per call), with a throw-away harness, in-process alternation,
-/// medians of 15: a Q5_0 matrix in cache 4-8% faster; qwen05's decode products at 1 thread
-/// (synthetic weights, 406 MB per pass) -0.7% to +4.5%, median +2.5%, in six runs; qwen15
-/// decode at 1 thread, binaries in turn four times, 13.3-14.6 -> 13.9-16.2 tokens/s. Not
-/// measured on arm64.
+/// tiles, the one-tile kernel inlined: no call, result copy and bounds arithmetic per tile,
+/// which a decode would otherwise pay on every tile of every matrix.
 macro_rules! run_kernels {
     ($features:literal) => {
         /// [`tile_dot`] over whole tiles, one activation row (see `run_kernels`).

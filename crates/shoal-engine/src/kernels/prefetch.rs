@@ -1,9 +1,8 @@
 //! How far ahead of the weights being read the x86 decode kernels ask for cache lines
-//! ([`Prefetch`]). The best distance is a property of the CPU, not of the code: on an AMD
-//! EPYC (Zen 3) the K-quant kernels ran best 8 KiB ahead, and on an Intel Xeon (AVX-512,
-//! AMX; 2026-11) that distance cost them a third of their speed. So the distances are
-//! chosen per CPU vendor at first use, and `shoal bench kernels --prefetch` sets others to
-//! measure a new machine with.
+//! ([`Prefetch`]). The best distance is a property of the CPU, not of the code: the 8 KiB
+//! the K-quant kernels run best at on an AMD EPYC (Zen 3) is far too long for an Intel Xeon
+//! (AVX-512, AMX). So the distances are chosen per CPU vendor at first use, and `shoal
+//! bench kernels --prefetch` sets others to measure a new machine with.
 //!
 //! Each line is asked for twice where the maker's entry says so: into L1 a short distance
 //! ahead, and into L2 (`prefetcht1`) farther ahead. One request per line keeps too few
@@ -31,26 +30,15 @@ static K: AtomicUsize = AtomicUsize::new(UNSET);
 static L2: AtomicUsize = AtomicUsize::new(UNSET);
 
 impl Prefetch {
-    /// The distances measured best on this CPU's vendor.
+    /// The distances that ran fastest on this CPU's vendor, of those tried.
     ///
-    /// - AMD (and Hygon, its licensee): 2 KiB and 8 KiB into L1, none into L2. On an EPYC
-    ///   (Zen 3) at 16 GB/s, qwen15 decode at 1 thread was 11.4 tokens/s with the K-quants
-    ///   2 KiB ahead, 12.0 at 4 KiB and 12.3 at 8 KiB (medians of 4, binaries in turn); 4
-    ///   KiB was no better than 2 KiB for the 32-value types on smollm2 and qwen05. The L2
-    ///   request was not measured there.
-    /// - Everyone else (measured on Intel): 1.5 KiB for both into L1, and 4 KiB into L2. On
-    ///   a Xeon with AVX-512 and a 480 MiB L3, `shoal bench kernels -t 1` decode over 512
-    ///   MB matrices, four rounds in turn, medians (GB/s, probe 19): 2 KiB / 8 KiB gave Q4_K
-    ///   11.6, Q6_K 10.1, Q5_0 12.0, Q8_0 16.1, Q4_1 15.1; 1.5 KiB / 1.5 KiB gave 15.8,
-    ///   14.5, 14.0, 15.7, 14.9. 1 KiB was within noise for the 32-value types and 3-5%
-    ///   slower for the K-quants; 2.5 to 16 KiB were 15-40% slower (single runs). The L2
-    ///   request 4 KiB ahead then took the fraction of the probe (medians of 3 in turn,
-    ///   2026-11-26) from 77.5 to 85.7% (Q5_0), 85.7 to 92.6 (Q8_0), 79.2 to 88.7 (Q6_K),
-    ///   87.7 to 91.8 (Q4_K); 3 KiB gained a little less, 5 KiB less again, and 6 KiB or
-    ///   more lost (8 KiB: 74% for Q5_0). The probe itself read no faster with it (18.0
-    ///   GB/s either way). `shoal bench M -p 0 -n 32` decode, binaries in turn, medians of
-    ///   3-4, went from 79 to 81% of the ceiling (qwen05) and 80 to 84% (qwen15) at 1
-    ///   thread, 72.5 to 76.5% and 76 to 80% at 2.
+    /// - AMD (and Hygon, its licensee): 2 KiB and 8 KiB into L1, none into L2 (not tried
+    ///   there). On an EPYC (Zen 3) the K-quants run faster the farther ahead up to 8 KiB,
+    ///   and the 32-value types gain nothing past 2 KiB.
+    /// - Everyone else (chosen on Intel): 1.5 KiB for both into L1, and 4 KiB into L2. On a
+    ///   Xeon with AVX-512 and a large L3, shorter L1 distances slow the K-quants and longer
+    ///   ones slow every type; the L2 request brings the one-row products closer to the
+    ///   machine's read bandwidth, most at 4 KiB, and loses from 6 KiB on.
     pub fn for_this_cpu() -> Prefetch {
         let [amd, other] = Prefetch::KNOWN;
         if vendor_is_amd() {

@@ -1,12 +1,11 @@
 //! Contiguous shares of a parallel loop's units, one per thread, balanced at the end by
 //! stealing ([`Shares`]). Two threads streaming halves of a matrix from memory do not
 //! finish together: their speeds differ by a few percent, and by chance, not by core (the
-//! sign flips from token to token). At a loop's end the faster thread waited for the other
-//! 330-750 µs per qwen05 token at two threads, 2.5-5.8% of it (rdtsc marks on a 2-vCPU
-//! Intel VM; 52-365 µs of that in the output head alone). Here a thread takes its share
-//! from the front, half of what is left at a time, and a thread with nothing left takes the
-//! back half of the largest share still open. A thread thus streams one run of memory from
-//! start to end, and a steal costs one cold start (about 1.7 µs) where it saves more.
+//! sign flips from token to token), so with fixed halves the faster thread would wait at
+//! every loop's end for the other. Here a thread takes its share from the front, half of
+//! what is left at a time, and a thread with nothing left takes the back half of the
+//! largest share still open. A thread thus streams one run of memory from start to end, and
+//! a steal costs one cold start where it saves more.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};

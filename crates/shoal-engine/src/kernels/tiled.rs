@@ -41,7 +41,7 @@ pub enum HighBits {
     /// twice and its 2-bit pairs, byte `i` of vector `k` (0..3) holds the group's code `k`
     /// whole in bits 0-5, and in bits 6-7 two bits of code 3 (bits 4-5, 2-3 and 0-1 of it
     /// for `k` = 0, 1, 2): 11 instructions for the four code vectors where nibbles and pairs
-    /// took 17.
+    /// take 17.
     Whole,
 }
 

@@ -136,10 +136,9 @@ const ARGMAX_AHEAD: usize = 512;
 /// Per lane `k` of eight, the largest of `xs[k]`, `xs[k + 8]`, ... (an ordered compare:
 /// NaN never wins) and the first index where it was reached; minus infinity at index 0 when
 /// no value is larger. Four running maxima per lane, each over every fourth vector, so the
-/// compare-and-blend chains overlap (one chain waits about six cycles per eight values: 47
-/// µs for Qwen's 151,936 logits on a 2-vCPU Intel Xeon VM); they are merged at the end,
-/// the smaller index winning a tie, which keeps the first index where the lane's maximum
-/// is reached.
+/// compare-and-blend chains overlap (a single chain waits about six cycles per eight
+/// values on the compare and blend before it); they are merged at the end, the smaller
+/// index winning a tie, which keeps the first index where the lane's maximum is reached.
 ///
 /// # Safety
 /// The CPU has AVX2; `xs.len()` is a multiple of 8 below 2^32.

@@ -39,11 +39,9 @@ unsafe fn prefetch_lines(t: *const u8, dist: usize, l2: usize, lines: usize, par
 /// K-quant kernels (blocks of 1184 to 1680 bytes, 19 to 27 lines) spread their prefetches
 /// over the block's work, a few lines at a time. Asked for all at once, a
 /// Q6_K block's 27 lines are more misses than the core keeps in flight, the last ones are
-/// dropped, and the loop stalls on them (`perf annotate`: the first loads of each block's
-/// codes). Measured, one-row decode at 1 thread, binaries in turn: qwen15 17.1 -> 21.6
-/// tok/s, qwen05 46.0 -> 54.4 (medians of 6 and 5 runs). A quarter is a whole number of
-/// lines (`len` is a constant, so the loop unrolls); the last may reach a line or two into
-/// the block after, which is read next anyway.
+/// dropped, and the loop stalls on them (at the first loads of each block's codes). A
+/// quarter is a whole number of lines (`len` is a constant, so the loop unrolls); the last
+/// may reach a line or two into the block after, which is read next anyway.
 #[inline]
 #[target_feature(enable = "sse")]
 unsafe fn prefetch_quarter(t: *const u8, len: usize, part: usize, pf: Prefetch) {
@@ -53,13 +51,8 @@ unsafe fn prefetch_quarter(t: *const u8, len: usize, part: usize, pf: Prefetch) 
 /// Half `half` (0 or 1) of [`prefetch_quarter`]'s lines: the first half of them, or the
 /// rest. The Q4_K and Q5_K kernels ask for the first half before they read a quarter's
 /// codes and the rest between its two sub-blocks' products, so the requests are spread
-/// over the quarter's work instead of leaving together. qwen15-shaped products (synthetic,
-/// 1 GB, Q4_K and Q6_K) in one process, the two ways in turn, 8-10 rounds, medians, four
-/// runs: the Q4_K gate/up products per token 1.8-3.6% faster at 1 thread and 1.0-2.4% at
-/// 2. The Q6_K kernel spread the same way over its four groups of code vectors was no
-/// faster (its output head 0.3% faster at 1 thread, 2.5% slower at 2), so it asks for a
-/// quarter at once. Q5_K was not measured. qwen15 decode (`shoal bench qwen15 -p 0 -n 32`,
-/// binaries in turn, medians of 5): 15.5 -> 15.7 tokens/s at 1 thread, 28.8 -> 30.6 at 2.
+/// over the quarter's work instead of leaving together. The Q6_K kernel gains nothing from
+/// the same spread over its four groups of code vectors, so it asks for a quarter at once.
 #[inline]
 #[target_feature(enable = "sse")]
 unsafe fn prefetch_quarter_half(t: *const u8, len: usize, part: usize, half: usize, pf: Prefetch) {
@@ -80,8 +73,7 @@ unsafe fn prefetch_quarter_half(t: *const u8, len: usize, part: usize, half: usi
 
 /// Asks for the cache lines `pf.block` bytes past the `len`-byte block at `t` (and `pf.l2`
 /// past it into L2): the kernels read one long stream, and the hardware prefetcher alone
-/// loses pace at page boundaries (measured: Q5_0 decode 7.9 -> 10.3 GB/s). A prefetch never
-/// faults, even past the end.
+/// loses pace at page boundaries. A prefetch never faults, even past the end.
 #[inline]
 #[target_feature(enable = "sse")]
 unsafe fn prefetch_block(t: *const u8, len: usize, pf: Prefetch) {
@@ -97,10 +89,9 @@ unsafe fn dot_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
 
 /// `p`, through an empty `asm!` LLVM cannot see through. [`run_dot`]'s activation pointer
 /// goes through it so that LLVM keeps it as a base register of its own: left to itself, it
-/// folds it and the weight pointer into one shared index, and the 32-value loops ran slower
-/// so (see there). The K-quant loops ran 2-4% slower with their activation pointers
-/// through it (qwen05-shaped Q4_K/Q6_K products at 1 and 2 threads, in one process, in
-/// turn), so they do without.
+/// folds it and the weight pointer into one shared index, and the 32-value loops run slower
+/// so (see there). The K-quant loops run slower with their activation pointers through it,
+/// so they do without.
 #[inline(always)]
 fn opaque<T>(p: *const T) -> *const T {
     let mut addr = p as usize;
@@ -159,9 +150,9 @@ unsafe fn codes5_avx2(qs: *const u8, top: *const u8) -> [__m256i; 8] {
 /// AVX-512 BW: the same from nibbles and the fifth-bit masks at `masks`
 /// ([`super::tiled::HighBits::Masks`]), each a byte-mask register: a zero-masked move
 /// makes each code's 16, and one ternary-logic op takes the nibble and adds that bit. Two
-/// vector instructions per code vector where a masked add of the nibbles took three (LLVM
+/// vector instructions per code vector where a masked add of the nibbles takes three (LLVM
 /// emits `_mm256_mask_add_epi8` as an `or` and a masked move after the `and`). The same
-/// codes bit for bit; measured together with [`run_dot`]'s loop.
+/// codes bit for bit.
 #[inline]
 #[target_feature(enable = "avx2,avx512vl,avx512bw")]
 unsafe fn codes5_bw(qs: *const u8, masks: *const u8) -> [__m256i; 8] {
@@ -481,20 +472,12 @@ macro_rules! tiled_kernels {
             /// read, and each activation block's offset part is computed once for every
             /// tile, then read as one broadcast that starts a `vpdpbusd` chain. The weight
             /// and activation pointers step by their own block sizes, the activation one
-            /// through [`opaque`]: left alone, LLVM folded both into one index register, and
-            /// that loop ran the gate/up products 3% slower than the old one where this one
-            /// runs them 5% faster. With the fifth bits' ternary logic ([`codes5_bw`]), a
-            /// Q5_0 tile block is about 58 instructions where it was about 72. Even
-            /// streaming from memory, each instruction of these loops counts: dropping the
-            /// fifth bits altogether (wrong sums) made Q5_0 products 4.6% faster, and making
-            /// the masks in registers instead of loading them (more instructions) made them
-            /// slower. Measured on a 2-vCPU Xeon (AVX-512), qwen05-shaped synthetic products
-            /// (406 MB) in one process, old and new loops in turn, 15 rounds, medians: the
-            /// gate/up products per token 9.35 -> 8.90 ms at 1 thread and 5.01 -> 4.71 at 2,
-            /// the Q8_0 output head 8.59 -> 8.46 and 4.46 -> 4.39.
-            /// qwen05 decode (`shoal bench qwen05 -p 0 -n 32`, binaries in turn, medians of
-            /// 5-6): 36.3-37.1 -> 37.7-38.5 tokens/s at 1 thread, 69.3-70.2 -> 72.3-73.3
-            /// at 2.
+            /// through [`opaque`]: left alone, LLVM folds both into one index register, and
+            /// the loop runs slower so. With the fifth bits' ternary logic ([`codes5_bw`]),
+            /// a Q5_0 tile block is about 58 instructions where masked adds make it about
+            /// 72. Even streaming from memory, each instruction of these loops counts, so
+            /// the fifth-bit masks are loaded rather than made in registers (which takes
+            /// more instructions).
             ///
             /// # Safety
             /// As [`tile_dot`]; `tile_bytes` is a whole number of tile blocks, `out` has
@@ -814,9 +797,8 @@ macro_rules! tiled_kernels {
             }
 
             /// [`run_dot`] for Q4_K (`HIGH` false) and Q5_K (`HIGH` true), the prefetch
-            /// distances read once per call: read per quarter block as before, the
-            /// qwen05-shaped down products (Q4_K and Q6_K) ran 2.5% slower at 1 thread and
-            /// 2.2% at 2 (in one process, in turn, 12 rounds).
+            /// distances read once per call rather than per quarter block (reading them
+            /// in the loop slows the products).
             ///
             /// # Safety
             /// As [`tile_q45k`]; `out` has room for eight values per tile.
