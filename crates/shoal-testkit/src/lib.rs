@@ -1,7 +1,7 @@
 //! Test kit for shoal: synthetic tiny models written as real files.
 //!
-//! [`TinyModelSpec`] describes a small random Llama, Qwen2 or Gemma 3 model (seeded, so the
-//! same spec always gives the same numbers). [`TinyModel`] writes it both as a GGUF file with
+//! [`TinyModelSpec`] describes a small random Llama (optionally with Llama 3.1 RoPE scaling),
+//! Qwen2, Qwen3 or Gemma 3 model (seeded, so the same spec always gives the same numbers). [`TinyModel`] writes it both as a GGUF file with
 //! llama.cpp's tensor names and metadata ([`TinyModel::write_gguf`]) and as a Hugging Face
 //! folder (`config.json`, `model.safetensors`, `tokenizer.json`, ...;
 //! [`TinyModel::write_safetensors_dir`], or in the Hub cache layout with
@@ -31,7 +31,7 @@ pub use quants::{
     dequantize, dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, quantize, quantize_q4_0,
     quantize_q4_1, quantize_q8_0, round_trip, GgmlType,
 };
-pub use tiny_model::{Arch, SafetensorsDtype, TinyModel, TinyModelSpec, Weight};
+pub use tiny_model::{Arch, Llama3Rope, SafetensorsDtype, TinyModel, TinyModelSpec, Weight};
 pub use tokenizer::TinyTokenizer;
 
 /// Everything that can go wrong while building or writing test files.

@@ -267,7 +267,7 @@ fn check_pair(spec: TinyModelSpec, gguf_ty: GgmlType) {
         kv_str(&g, "tokenizer.ggml.pre"),
         match s.arch {
             Arch::Llama | Arch::Gemma3 => "smollm",
-            Arch::Qwen2 => "qwen2",
+            Arch::Qwen2 | Arch::Qwen3 => "qwen2",
         }
     );
     assert_eq!(kv_str(&g, "tokenizer.chat_template"), CHATML_TEMPLATE);

@@ -11,7 +11,10 @@
 //! RoPE, local layers (see [`crate::TinyModelSpec::is_local_layer`]) with their own RoPE base
 //! and a sliding window (`t - u < sliding_window`), the attention output and the FFN output
 //! each RMSNormed before their residual add, a pre-FFN norm, and `gelu` (tanh approximation)
-//! in place of SiLU; scale `1/sqrt(head_dim)`. It has been checked against llama.cpp
+//! in place of SiLU; scale `1/sqrt(head_dim)`. Qwen3 is Qwen2 without biases and with the
+//! q/k RMSNorm per head before RoPE (plain `w` scaling). Llama 3.1 RoPE scaling divides
+//! each pair's inverse frequency by its factor ([`crate::Llama3Rope::freq_factors`]). It
+//! has been checked against llama.cpp
 //! running the GGUF written by [`TinyModel::write_gguf`] (F32 weights, F32 KV cache, no flash
 //! attention: logits agree to about 1e-6).
 
@@ -48,12 +51,14 @@ fn linear(x: &[f64], w: &Weight, b: Option<&Weight>) -> Vec<f64> {
         .collect()
 }
 
-/// Rotate-half RoPE on one head vector at position `pos`.
-fn rope(v: &mut [f64], pos: usize, theta: f64) {
+/// Rotate-half RoPE on one head vector at position `pos`; `factors` divide each pair's
+/// inverse frequency.
+fn rope(v: &mut [f64], pos: usize, theta: f64, factors: Option<&[f32]>) {
     let hd = v.len();
     let half = hd / 2;
     for i in 0..half {
-        let inv = theta.powf(-((2 * i) as f64) / hd as f64);
+        let f = factors.map_or(1.0, |f| f[i] as f64);
+        let inv = theta.powf(-((2 * i) as f64) / hd as f64) / f;
         let (s, c) = (pos as f64 * inv).sin_cos();
         let (a, b) = (v[i], v[i + half]);
         v[i] = a * c - b * s;
@@ -90,6 +95,9 @@ impl TinyModel {
         };
         let eps = s.rms_eps as f64;
         let gemma = s.arch == Arch::Gemma3;
+        let factors = s
+            .llama3_rope
+            .map(|r| r.freq_factors(s.rope_theta as f64, s.head_dim));
         let off = if gemma { 1.0 } else { 0.0 };
         let norm = |x: &[f64], name: &str| rms_norm(x, w(name), eps, off);
         let (hd, nh, nkv) = (s.head_dim, s.n_head, s.n_kv_head);
@@ -127,11 +135,11 @@ impl TinyModel {
                 let v = linear(&hn, w(&format!("{p}.self_attn.v_proj.weight")), bias("v"));
                 for (v, norm_name) in [(&mut q, "q_norm"), (&mut k, "k_norm")] {
                     for head in v.chunks_mut(hd) {
-                        if gemma {
+                        if s.arch.has_qk_norm() {
                             let n = norm(head, &format!("{p}.self_attn.{norm_name}.weight"));
                             head.copy_from_slice(&n);
                         }
-                        rope(head, pos, theta);
+                        rope(head, pos, theta, factors.as_deref());
                     }
                 }
                 let store = |x: Vec<f64>| -> Vec<f64> {

@@ -1,5 +1,5 @@
-//! Tiny random Llama / Qwen2 / Gemma 3 models written as a GGUF file and as a Hugging Face
-//! folder.
+//! Tiny random Llama / Qwen2 / Qwen3 / Gemma 3 models written as a GGUF file and as a Hugging
+//! Face folder.
 //!
 //! A [`TinyModelSpec`] (architecture, seed, hyperparameters) builds a [`TinyModel`] whose
 //! weights come from the kit's fixed SplitMix64 generator, one stream per tensor, so a spec
@@ -14,10 +14,13 @@
 //! `lm_head.weight` unless tied). For `llama`, the GGUF q and k weights have their rows
 //! permuted as the converter does (HF's rotate-half RoPE layout → GGUF's interleaved pairs):
 //! within each head of `head_dim` rows, GGUF row `2i + j` is HF row `j * head_dim/2 + i`.
-//! `qwen2` and `gemma3` keep HF's order; `gemma3` norm weights are stored in GGUF as `w + 1`
+//! `qwen2`, `qwen3` and `gemma3` keep HF's order; `gemma3` norm weights are stored in GGUF as
+//! `w + 1`
 //! (HF's Gemma RMSNorm scales by `1 + w`), exact because the kit draws `1 + w` first.
 //! GGUF `ne` lists dimensions innermost first, so an HF weight of
-//! shape `[out, in]` has `ne = [in, out]`.
+//! shape `[out, in]` has `ne = [in, out]`. A spec with [`Llama3Rope`] scaling writes its
+//! per-pair frequency divisors as `rope_freqs.weight` into the GGUF (as llama.cpp's converter
+//! does) and as `rope_scaling` into `config.json`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -39,6 +42,9 @@ pub enum Arch {
     Llama,
     /// Qwen2: q/k/v biases, tokenizer pre type `qwen2`.
     Qwen2,
+    /// Qwen3 (dense): no biases, an RMSNorm over each query and key head before RoPE, a head
+    /// size of its own (`key_length`), NeoX RoPE; tokenizer pre type `qwen2`.
+    Qwen3,
     /// Gemma 3 (text): q/k norms, post-attention and post-FFN norms, `(1 + w)` RMSNorm
     /// weights in HF (GGUF stores `w + 1`), embeddings scaled by `sqrt(hidden)`, GELU (tanh)
     /// FFN, sliding-window layers with their own RoPE base. Tokenizer pre type `smollm`.
@@ -51,6 +57,7 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
         }
     }
@@ -60,6 +67,7 @@ impl Arch {
         match self {
             Arch::Llama => "LlamaForCausalLM",
             Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Qwen3 => "Qwen3ForCausalLM",
             Arch::Gemma3 => "Gemma3ForCausalLM",
         }
     }
@@ -69,6 +77,7 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3_text",
         }
     }
@@ -76,6 +85,11 @@ impl Arch {
     /// Whether q, k and v projections carry biases.
     pub fn has_qkv_bias(self) -> bool {
         matches!(self, Arch::Qwen2)
+    }
+
+    /// Whether each query and key head is RMS-normed before RoPE.
+    pub fn has_qk_norm(self) -> bool {
+        matches!(self, Arch::Qwen3 | Arch::Gemma3)
     }
 
     /// Whether GGUF stores q/k rows permuted relative to HF.
@@ -87,7 +101,7 @@ impl Arch {
     pub fn pre_tokenizer(self) -> PreTokenizer {
         match self {
             Arch::Llama | Arch::Gemma3 => PreTokenizer::Smollm,
-            Arch::Qwen2 => PreTokenizer::Qwen2,
+            Arch::Qwen2 | Arch::Qwen3 => PreTokenizer::Qwen2,
         }
     }
 }
@@ -137,6 +151,49 @@ impl SafetensorsDtype {
     }
 }
 
+/// Llama 3.1's RoPE scaling (Hugging Face `rope_scaling` with `rope_type: llama3`): pairs
+/// whose wavelength is below `original_context / high_freq_factor` keep their frequency,
+/// those above `original_context / low_freq_factor` have it divided by `factor`, and those
+/// between are blended.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3Rope {
+    /// Divisor of the slowest pairs' frequencies.
+    pub factor: f64,
+    /// Wavelength bound (as a divisor of the original context) above which pairs are scaled.
+    pub low_freq_factor: f64,
+    /// Wavelength bound below which pairs are kept.
+    pub high_freq_factor: f64,
+    /// The context the model was first trained for.
+    pub original_context: usize,
+}
+
+impl Llama3Rope {
+    /// The per-pair divisors of the frequencies (`head_dim / 2` values): 1 where a pair
+    /// keeps its frequency. Computed in f64 from the transformers formula and rounded to
+    /// f32, the type GGUF stores them in.
+    pub fn freq_factors(&self, theta: f64, head_dim: usize) -> Vec<f32> {
+        let orig = self.original_context as f64;
+        let (low_wavelen, high_wavelen) =
+            (orig / self.low_freq_factor, orig / self.high_freq_factor);
+        (0..head_dim / 2)
+            .map(|i| {
+                let inv = theta.powf(-((2 * i) as f64) / head_dim as f64);
+                let wavelen = 2.0 * std::f64::consts::PI / inv;
+                let scaled = if wavelen < high_wavelen {
+                    inv
+                } else if wavelen > low_wavelen {
+                    inv / self.factor
+                } else {
+                    let smooth = (orig / wavelen - self.low_freq_factor)
+                        / (self.high_freq_factor - self.low_freq_factor);
+                    (1.0 - smooth) * inv / self.factor + smooth * inv
+                };
+                (inv / scaled) as f32
+            })
+            .collect()
+    }
+}
+
 /// Hyperparameters and seed of a tiny model. Start from [`TinyModelSpec::llama`] or
 /// [`TinyModelSpec::qwen2`] and change fields as needed; [`TinyModelSpec::build`] checks them.
 #[derive(Debug, Clone, PartialEq)]
@@ -180,6 +237,8 @@ pub struct TinyModelSpec {
     /// Gemma 3 only: RoPE base of the local layers (`rope.freq_base_swa`,
     /// `rope_local_base_freq`).
     pub rope_local_theta: f32,
+    /// Llama only: Llama 3.1's RoPE scaling.
+    pub llama3_rope: Option<Llama3Rope>,
 }
 
 impl TinyModelSpec {
@@ -205,6 +264,24 @@ impl TinyModelSpec {
             sliding_window: 256,
             sliding_window_pattern: 1,
             rope_local_theta: 10000.0,
+            llama3_rope: None,
+        }
+    }
+
+    /// A Llama with Llama 3.1's RoPE scaling at a scale where it shows in a short context:
+    /// factor 8, low and high frequency factors 1 and 4, an original context of 32 (with
+    /// head_dim 16 and base 10000 the first pair keeps its frequency, the second is blended
+    /// and the rest are divided by 8).
+    pub fn llama31(seed: u64) -> Self {
+        TinyModelSpec {
+            name: "tiny-llama31".to_string(),
+            llama3_rope: Some(Llama3Rope {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_context: 32,
+            }),
+            ..Self::llama(seed)
         }
     }
 
@@ -214,6 +291,21 @@ impl TinyModelSpec {
         TinyModelSpec {
             arch: Arch::Qwen2,
             name: "tiny-qwen2".to_string(),
+            rms_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            tied_embeddings: true,
+            ..Self::llama(seed)
+        }
+    }
+
+    /// [`TinyModelSpec::llama`]'s hidden size, heads and FFN for Qwen3, with heads of 32 (so
+    /// the query width, 128, is not the hidden size and the file must say `key_length`):
+    /// eps 1e-6, rope theta 1e6, no biases, q/k norms, tied output.
+    pub fn qwen3(seed: u64) -> Self {
+        TinyModelSpec {
+            arch: Arch::Qwen3,
+            name: "tiny-qwen3".to_string(),
+            head_dim: 32,
             rms_eps: 1e-6,
             rope_theta: 1_000_000.0,
             tied_embeddings: true,
@@ -305,6 +397,9 @@ impl TinyModelSpec {
             && (self.sliding_window == 0 || self.sliding_window_pattern == 0)
         {
             return bad("gemma3 needs sliding_window and sliding_window_pattern > 0".to_string());
+        }
+        if self.llama3_rope.is_some() && self.arch != Arch::Llama {
+            return bad("llama3_rope is a Llama setting".to_string());
         }
         if self.n_layers == 0 || self.context_length == 0 {
             return bad("n_layers and context_length must be positive".to_string());
@@ -414,7 +509,7 @@ impl TinyModel {
                 0.0,
                 0.08,
             );
-            if s.arch == Arch::Gemma3 {
+            if s.arch.has_qk_norm() {
                 add(
                     format!("{p}.self_attn.q_norm.weight"),
                     vec![s.head_dim],
@@ -631,7 +726,7 @@ impl TinyModel {
             .add_kv(format!("{a}.rope.freq_base"), s.rope_theta)
             .add_kv(format!("{a}.rope.dimension_count"), s.head_dim as u32)
             .add_kv(format!("{a}.vocab_size"), s.vocab_size as u32);
-        if s.head_dim * s.n_head != s.hidden_size || s.arch == Arch::Gemma3 {
+        if s.head_dim * s.n_head != s.hidden_size || matches!(s.arch, Arch::Gemma3 | Arch::Qwen3) {
             w.add_kv(format!("{a}.attention.key_length"), s.head_dim as u32)
                 .add_kv(format!("{a}.attention.value_length"), s.head_dim as u32);
         }
@@ -661,6 +756,15 @@ impl TinyModel {
             .add_kv("tokenizer.ggml.padding_token_id", tok.bos_id())
             .add_kv("tokenizer.ggml.add_bos_token", false)
             .add_kv("tokenizer.chat_template", CHATML_TEMPLATE);
+        if let Some(r) = &s.llama3_rope {
+            let factors = r.freq_factors(s.rope_theta as f64, s.head_dim);
+            w.add_tensor(
+                "rope_freqs.weight",
+                &[factors.len() as u64],
+                GgmlType::F32,
+                &factors,
+            )?;
+        }
         for (name, weight) in self.gguf_weights() {
             let t = if weight.shape.len() == 1 {
                 GgmlType::F32
@@ -711,12 +815,24 @@ impl TinyModel {
         let obj = c.as_object_mut().expect("object");
         match s.arch {
             Arch::Llama => {
+                if let Some(r) = &s.llama3_rope {
+                    obj.insert(
+                        "rope_scaling".into(),
+                        json!({
+                            "rope_type": "llama3",
+                            "factor": r.factor,
+                            "low_freq_factor": r.low_freq_factor,
+                            "high_freq_factor": r.high_freq_factor,
+                            "original_max_position_embeddings": r.original_context,
+                        }),
+                    );
+                }
                 obj.insert("attention_bias".into(), json!(false));
                 obj.insert("mlp_bias".into(), json!(false));
                 obj.insert("attention_dropout".into(), json!(0.0));
                 obj.insert("pretraining_tp".into(), json!(1));
             }
-            Arch::Qwen2 => {
+            Arch::Qwen2 | Arch::Qwen3 => {
                 obj.insert("use_sliding_window".into(), json!(false));
                 obj.insert("sliding_window".into(), json!(s.context_length));
                 obj.insert("max_window_layers".into(), json!(s.n_layers));
@@ -873,6 +989,7 @@ pub fn gguf_name_for(arch: Arch, hf_name: &str) -> Option<String> {
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let gemma = arch == Arch::Gemma3;
+    let qk_norm = arch.has_qk_norm();
     let part = match rest {
         "input_layernorm.weight" => "attn_norm.weight",
         "self_attn.q_proj.weight" => "attn_q.weight",
@@ -882,8 +999,8 @@ pub fn gguf_name_for(arch: Arch, hf_name: &str) -> Option<String> {
         "self_attn.v_proj.weight" => "attn_v.weight",
         "self_attn.v_proj.bias" => "attn_v.bias",
         "self_attn.o_proj.weight" => "attn_output.weight",
-        "self_attn.q_norm.weight" if gemma => "attn_q_norm.weight",
-        "self_attn.k_norm.weight" if gemma => "attn_k_norm.weight",
+        "self_attn.q_norm.weight" if qk_norm => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" if qk_norm => "attn_k_norm.weight",
         "post_attention_layernorm.weight" if gemma => "post_attention_norm.weight",
         "post_attention_layernorm.weight" => "ffn_norm.weight",
         "pre_feedforward_layernorm.weight" if gemma => "ffn_norm.weight",
