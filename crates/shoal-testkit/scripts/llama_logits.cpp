@@ -1,48 +1,323 @@
+// Teacher-forced oracle: what llama.cpp computes for a GGUF file, as one JSON line.
+//
+// Usage:
+//   llama_logits MODEL.gguf [--text TEXT | --tokens 1,2,3] [--generate N] [--top K] [--all-logits]
+//
+// The prompt is TEXT tokenized by the model's vocabulary (no BOS added, special tokens such
+// as <|im_end|> parsed) or the comma-separated ids of --tokens. The whole prompt is decoded
+// as one batch with logits requested at every position; then N more tokens (default 0) are
+// generated greedily (argmax, the lowest id on an exact tie), one decode each. Everything
+// runs with an F32 KV cache, flash attention disabled and one thread, so F32 weights give
+// logits within rounding of an exact forward pass.
+//
+// Output, one line of JSON:
+//   ids           the prompt's ids
+//   generated     the N greedy ids
+//   n_vocab, eos, bos
+//   chat          the model's chat template applied to one user message "hi" with the
+//                 assistant prefix (null when the model has no template)
+//   steps         N+1 entries: the logits after the last prompt token, then after each
+//                 generated token; each is the top K (default 8) as [[id, logit], ...], best
+//                 first (ties: lower id first)
+//   prompt_steps  the same top K at every prompt position (entry i: after prompt token i)
+//   logits        with --all-logits only: the full logit rows of `steps`
+// Floats are printed with %.9g (exact for f32); a non-finite logit is printed as null.
+//
+// scripts/build-llama-oracle.sh builds it against a minimal CPU-only llama.cpp; the test
+// kit's oracle module (crates/shoal-testkit/src/oracle.rs) runs it and parses the line.
 #include "llama.h"
+
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
-// Prints, as one JSON line, what llama.cpp makes of a GGUF file: the ids of TEXT (no BOS,
-// specials parsed), EOS/BOS ids, and the logits of the last position (F32 KV cache, no flash
-// attention, one thread, so F32 weights give logits within ~1e-6 of the reference).
-// Build against a llama.cpp build tree (SRC = source, BIN = folder holding libllama.so):
-//   g++ -O1 -std=c++17 llama_logits.cpp -I$SRC/include -I$SRC/ggml/include -L$BIN \
-//       -lllama -lggml -lggml-base -Wl,-rpath,$BIN -o llama_logits
-// Usage: llama_logits MODEL.gguf TEXT
-// The test `llama_cpp_agrees_with_reference` runs it when SHOAL_LLAMA_LOGITS_BIN names it.
+
+static void die(const char * msg) {
+    fprintf(stderr, "llama_logits: %s\n", msg);
+    exit(1);
+}
+
+static void usage() {
+    die("usage: llama_logits MODEL.gguf [--text TEXT | --tokens 1,2,3] [--generate N] [--top K] "
+        "[--all-logits]");
+}
+
+static void print_float(float v) {
+    if (std::isfinite(v)) {
+        printf("%.9g", v);
+    } else {
+        printf("null");
+    }
+}
+
+static void print_string(const std::string & s) {
+    putchar('"');
+    for (unsigned char c : s) {
+        if (c == '"' || c == '\\') {
+            printf("\\%c", c);
+        } else if (c == '\n') {
+            printf("\\n");
+        } else if (c < 0x20) {
+            printf("\\u%04x", c);
+        } else {
+            putchar(c);
+        }
+    }
+    putchar('"');
+}
+
+static void print_ids(const std::vector<llama_token> & ids) {
+    putchar('[');
+    for (size_t i = 0; i < ids.size(); i++) {
+        printf("%s%d", i ? "," : "", ids[i]);
+    }
+    putchar(']');
+}
+
+// The k largest entries of a row as (id, logit), best first, the lower id first on a tie.
+static std::vector<std::pair<int, float>> top_k(const float * row, int n_vocab, int k) {
+    std::vector<int> idx(n_vocab);
+    for (int i = 0; i < n_vocab; i++) {
+        idx[i] = i;
+    }
+    k = std::min(k, n_vocab);
+    auto better = [row](int a, int b) {
+        // NaN sorts last
+        bool na = std::isnan(row[a]), nb = std::isnan(row[b]);
+        if (na != nb) {
+            return nb;
+        }
+        if (!na && row[a] != row[b]) {
+            return row[a] > row[b];
+        }
+        return a < b;
+    };
+    std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), better);
+    std::vector<std::pair<int, float>> out;
+    for (int i = 0; i < k; i++) {
+        out.emplace_back(idx[i], row[idx[i]]);
+    }
+    return out;
+}
+
+static void print_top(const std::vector<std::pair<int, float>> & top) {
+    putchar('[');
+    for (size_t i = 0; i < top.size(); i++) {
+        printf("%s[%d,", i ? "," : "", top[i].first);
+        print_float(top[i].second);
+        putchar(']');
+    }
+    putchar(']');
+}
+
 int main(int argc, char ** argv) {
+    if (argc < 2) {
+        usage();
+    }
+    const char * model_path = argv[1];
+    std::string text;
+    bool have_text = false;
+    std::vector<llama_token> ids;
+    bool have_tokens = false;
+    int n_generate = 0;
+    int k = 8;
+    bool all_logits = false;
+    for (int i = 2; i < argc; i++) {
+        std::string a = argv[i];
+        bool has_value = i + 1 < argc;
+        if (a == "--text" && has_value) {
+            text = argv[++i];
+            have_text = true;
+        } else if (a == "--tokens" && has_value) {
+            std::string list = argv[++i];
+            size_t start = 0;
+            while (start <= list.size()) {
+                size_t end = list.find(',', start);
+                if (end == std::string::npos) {
+                    end = list.size();
+                }
+                std::string item = list.substr(start, end - start);
+                char * rest = nullptr;
+                long v = strtol(item.c_str(), &rest, 10);
+                if (item.empty() || *rest != '\0' || v < 0) {
+                    die("--tokens takes comma-separated non-negative ids");
+                }
+                ids.push_back((llama_token) v);
+                start = end + 1;
+            }
+            have_tokens = true;
+        } else if (a == "--generate" && has_value) {
+            n_generate = atoi(argv[++i]);
+        } else if (a == "--top" && has_value) {
+            k = atoi(argv[++i]);
+        } else if (a == "--all-logits") {
+            all_logits = true;
+        } else {
+            usage();
+        }
+    }
+    if (have_text == have_tokens) {
+        die("give exactly one of --text and --tokens");
+    }
+    if (n_generate < 0 || k < 1) {
+        die("--generate must be >= 0 and --top >= 1");
+    }
+
+    llama_log_set([](enum ggml_log_level level, const char * msg, void *) {
+        if (level >= GGML_LOG_LEVEL_ERROR) {
+            fputs(msg, stderr);
+        }
+    }, nullptr);
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
-    llama_model * model = llama_model_load_from_file(argv[1], mp);
-    if (!model) { fprintf(stderr, "load failed\n"); return 1; }
-    const llama_vocab * vocab = llama_model_get_vocab(model);
-    std::string text = argv[2];
-    int n = -llama_tokenize(vocab, text.c_str(), text.size(), NULL, 0, false, true);
-    std::vector<llama_token> toks(n);
-    llama_tokenize(vocab, text.c_str(), text.size(), toks.data(), n, false, true);
-    llama_context_params cp = llama_context_default_params();
-    cp.n_ctx = 256; cp.n_batch = 256; cp.n_threads = 1; cp.type_k = GGML_TYPE_F32; cp.type_v = GGML_TYPE_F32; cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
-    llama_context * ctx = llama_init_from_model(model, cp);
-    if (!ctx) { fprintf(stderr, "ctx failed\n"); return 1; }
-    llama_batch b = llama_batch_get_one(toks.data(), n);
-    if (llama_decode(ctx, b)) { fprintf(stderr, "decode failed\n"); return 1; }
-    const float * logits = llama_get_logits_ith(ctx, -1);
-    int nv = llama_vocab_n_tokens(vocab);
-    printf("{\"ids\":[");
-    for (int i = 0; i < n; i++) printf("%s%d", i ? "," : "", toks[i]);
-    printf("],\"n_vocab\":%d,\"eos\":%d,\"bos\":%d,\"logits\":[", nv, llama_vocab_eos(vocab), llama_vocab_bos(vocab));
-    for (int i = 0; i < nv; i++) printf("%s%.9g", i ? "," : "", logits[i]);
-    printf("]");
-    const char * tmpl = llama_model_chat_template(model, NULL);
-    llama_chat_message msgs[1] = {{"user", "hi"}};
-    char buf[1024];
-    int r = llama_chat_apply_template(tmpl, msgs, 1, true, buf, sizeof buf);
-    printf(",\"chat\":\"");
-    for (int i = 0; i < r && i < (int) sizeof buf; i++) {
-        if (buf[i] == '\n') printf("\\n"); else if (buf[i] == '"' || buf[i] == '\\') printf("\\%c", buf[i]); else putchar(buf[i]);
+    mp.n_gpu_layers = 0;
+    mp.progress_callback = [](float, void *) { return true; };  // no progress dots
+    llama_model * model = llama_model_load_from_file(model_path, mp);
+    if (!model) {
+        die("cannot load the model");
     }
-    printf("\"}\n");
-    llama_free(ctx); llama_model_free(model);
+    const llama_vocab * vocab = llama_model_get_vocab(model);
+    const int n_vocab = llama_vocab_n_tokens(vocab);
+
+    if (have_text) {
+        int n = -llama_tokenize(vocab, text.c_str(), (int32_t) text.size(), nullptr, 0, false, true);
+        ids.resize(std::max(n, 0));
+        if (n > 0 &&
+            llama_tokenize(vocab, text.c_str(), (int32_t) text.size(), ids.data(), n, false, true) != n) {
+            die("tokenization failed");
+        }
+    }
+    if (ids.empty()) {
+        die("the prompt has no tokens");
+    }
+    for (llama_token t : ids) {
+        if (t >= n_vocab) {
+            die("a token id is not below n_vocab");
+        }
+    }
+    const int n_prompt = (int) ids.size();
+
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = (uint32_t) (n_prompt + n_generate + 16);
+    cp.n_batch = cp.n_ctx;
+    cp.n_ubatch = cp.n_ctx;
+    cp.n_seq_max = 1;
+    cp.n_threads = 1;
+    cp.n_threads_batch = 1;
+    cp.type_k = GGML_TYPE_F32;
+    cp.type_v = GGML_TYPE_F32;
+    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    llama_context * ctx = llama_init_from_model(model, cp);
+    if (!ctx) {
+        die("cannot create the context");
+    }
+
+    // The prompt, one batch, logits at every position.
+    llama_batch batch = llama_batch_init(n_prompt, 0, 1);
+    for (int i = 0; i < n_prompt; i++) {
+        batch.token[i] = ids[i];
+        batch.pos[i] = i;
+        batch.n_seq_id[i] = 1;
+        batch.seq_id[i][0] = 0;
+        batch.logits[i] = 1;
+    }
+    batch.n_tokens = n_prompt;
+    if (llama_decode(ctx, batch)) {
+        die("decoding the prompt failed");
+    }
+    std::vector<std::vector<std::pair<int, float>>> prompt_steps;
+    for (int i = 0; i < n_prompt; i++) {
+        prompt_steps.push_back(top_k(llama_get_logits_ith(ctx, i), n_vocab, k));
+    }
+    llama_batch_free(batch);
+
+    // Step 0 is the last prompt position; each generated token adds one step.
+    std::vector<std::vector<std::pair<int, float>>> steps;
+    std::vector<std::vector<float>> rows;
+    std::vector<llama_token> generated;
+    const float * row = llama_get_logits_ith(ctx, n_prompt - 1);
+    llama_batch one = llama_batch_init(1, 0, 1);
+    for (int g = 0;; g++) {
+        steps.push_back(top_k(row, n_vocab, k));
+        if (all_logits) {
+            rows.emplace_back(row, row + n_vocab);
+        }
+        if (g == n_generate) {
+            break;
+        }
+        llama_token next = (llama_token) top_k(row, n_vocab, 1)[0].first;
+        generated.push_back(next);
+        one.token[0] = next;
+        one.pos[0] = n_prompt + g;
+        one.n_seq_id[0] = 1;
+        one.seq_id[0][0] = 0;
+        one.logits[0] = 1;
+        one.n_tokens = 1;
+        if (llama_decode(ctx, one)) {
+            die("decoding a generated token failed");
+        }
+        row = llama_get_logits_ith(ctx, 0);
+    }
+    llama_batch_free(one);
+
+    printf("{\"ids\":");
+    print_ids(ids);
+    printf(",\"generated\":");
+    print_ids(generated);
+    printf(",\"n_vocab\":%d,\"eos\":%d,\"bos\":%d,\"chat\":", n_vocab, llama_vocab_eos(vocab),
+           llama_vocab_bos(vocab));
+    const char * tmpl = llama_model_chat_template(model, nullptr);
+    if (tmpl) {
+        llama_chat_message msgs[1] = { { "user", "hi" } };
+        std::vector<char> buf(1024);
+        int r = llama_chat_apply_template(tmpl, msgs, 1, true, buf.data(), (int32_t) buf.size());
+        if (r > (int) buf.size()) {
+            buf.resize(r);
+            r = llama_chat_apply_template(tmpl, msgs, 1, true, buf.data(), (int32_t) buf.size());
+        }
+        if (r < 0) {
+            die("the chat template cannot be applied");
+        }
+        print_string(std::string(buf.data(), r));
+    } else {
+        printf("null");
+    }
+    printf(",\"steps\":[");
+    for (size_t s = 0; s < steps.size(); s++) {
+        if (s) {
+            putchar(',');
+        }
+        print_top(steps[s]);
+    }
+    printf("],\"prompt_steps\":[");
+    for (size_t s = 0; s < prompt_steps.size(); s++) {
+        if (s) {
+            putchar(',');
+        }
+        print_top(prompt_steps[s]);
+    }
+    putchar(']');
+    if (all_logits) {
+        printf(",\"logits\":[");
+        for (size_t s = 0; s < rows.size(); s++) {
+            printf("%s[", s ? "," : "");
+            for (int i = 0; i < n_vocab; i++) {
+                if (i) {
+                    putchar(',');
+                }
+                print_float(rows[s][i]);
+            }
+            putchar(']');
+        }
+        putchar(']');
+    }
+    printf("}\n");
+
+    llama_free(ctx);
+    llama_model_free(model);
+    llama_backend_free();
     return 0;
 }

@@ -913,7 +913,8 @@ mod tests {
     }
 
     /// Writes `every_type_writer()` plus tensors to a file and, when Python with the `gguf`
-    /// package is installed, reads it back with the official reader. Skipped otherwise.
+    /// package is installed, reads it back with the official reader. Skipped otherwise,
+    /// except under CI.
     #[test]
     fn official_python_reader_accepts_file() {
         let ok = std::process::Command::new("python3")
@@ -922,7 +923,10 @@ mod tests {
             .map(|o| o.status.success())
             .unwrap_or(false);
         if !ok {
-            eprintln!("skipped: python3 with the gguf package not installed");
+            crate::skip_or_fail(
+                "official_python_reader_accepts_file",
+                "python3 with the gguf package is not installed (python3 -m pip install gguf)",
+            );
             return;
         }
         let dir = tempfile::tempdir().unwrap();

@@ -10,11 +10,14 @@
 //! [`quants`] holds reference quantizers and dequantizers for the block formats.
 //! [`TinyModel::reference_logits`] is a plain `f64` forward pass to test engines against.
 //!
-//! `scripts/` holds two independent checkers used by optional tests: `hf_reference.py` (a numpy
-//! forward pass of the HF folder) and `llama_logits.cpp` (llama.cpp's tokens and logits for a
-//! GGUF file; set `SHOAL_LLAMA_LOGITS_BIN` to the built binary to run that test).
+//! `scripts/` holds two independent checkers: `hf_reference.py` (a numpy forward pass of the
+//! HF folder) and `llama_logits.cpp`, llama.cpp as a teacher-forced oracle for a GGUF file
+//! (built by `scripts/build-llama-oracle.sh`; [`oracle`] runs it and compares logits with
+//! it). Tests that need an outside tool skip with a printed line when it is missing, except
+//! under CI (`CI=true`), where they fail instead ([`skip_or_fail`]).
 
 pub mod gguf_writer;
+pub mod oracle;
 pub mod quants;
 pub mod reference;
 pub mod rng;
@@ -27,12 +30,30 @@ pub use gguf_writer::{
     GgufLayout, GgufTensor, GgufValue, GgufValueType, GgufWriter, TensorPlacement,
     GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION,
 };
+pub use oracle::{
+    compare_teacher_forced, oracle_bin, require_oracle, run_llama_oracle, Comparison, OracleInput,
+    OracleRun, Tolerance,
+};
 pub use quants::{
     dequantize, dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, quantize, quantize_q4_0,
     quantize_q4_1, quantize_q8_0, round_trip, GgmlType,
 };
 pub use tiny_model::{Arch, Llama3Rope, SafetensorsDtype, TinyModel, TinyModelSpec, Weight};
 pub use tokenizer::TinyTokenizer;
+
+/// Whether this run is CI: the environment variable `CI` is `true`.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+/// Reports that `test` cannot run because `why` (a missing tool, and how to get it): prints
+/// a skip line, or under CI ([`in_ci`]) panics, since CI must run every check.
+pub fn skip_or_fail(test: &str, why: &str) {
+    if in_ci() {
+        panic!("{test}: {why}; CI (CI=true) does not skip tests");
+    }
+    eprintln!("skipped: {test}: {why}");
+}
 
 /// Everything that can go wrong while building or writing test files.
 #[derive(Debug, thiserror::Error)]

@@ -2,12 +2,18 @@
 
 use std::collections::BTreeMap;
 
+use std::path::Path;
+
 use crate::gguf_writer::parse::parse;
 use crate::gguf_writer::GgufValue;
+use crate::oracle::{
+    compare_teacher_forced, require_oracle, run_llama_oracle, Comparison, OracleInput, OracleRun,
+    Tolerance,
+};
 use crate::quants::{dequantize, GgmlType};
 use crate::tiny_model::{permute_rows, unpermute_rows, Arch, SafetensorsDtype, Weight};
 use crate::tokenizer::CHATML_TEMPLATE;
-use crate::TinyModelSpec;
+use crate::{TinyModel, TinyModelSpec};
 
 /// Parsed GGUF: metadata and tensors (name → (ne, type, dequantized values)).
 struct Gguf {
@@ -597,7 +603,8 @@ fn gguf_writer_of_model_can_be_mangled() {
 
 /// Reads a model GGUF with the official Python reader and checks, independently of this
 /// crate's permutation code, that `attn_q`/`attn_k` are the HF weights permuted as llama.cpp's
-/// converter does (`reshape(n_head, 2, hd/2, in).swapaxes(1, 2)`). Skipped without `gguf`.
+/// converter does (`reshape(n_head, 2, hd/2, in).swapaxes(1, 2)`). Skipped without `gguf`,
+/// except under CI.
 #[test]
 fn python_reader_sees_converter_layout() {
     let ok = std::process::Command::new("python3")
@@ -606,7 +613,11 @@ fn python_reader_sees_converter_layout() {
         .map(|o| o.status.success())
         .unwrap_or(false);
     if !ok {
-        eprintln!("skipped: python3 with the gguf package not installed");
+        crate::skip_or_fail(
+            "python_reader_sees_converter_layout",
+            "python3 with the gguf and numpy packages is not installed \
+             (python3 -m pip install gguf numpy)",
+        );
         return;
     }
     let model = TinyModelSpec::llama(21)
@@ -717,11 +728,15 @@ fn reference_logits_are_causal_and_sane() {
 }
 
 /// `TinyModel::reference_logits` against the independent numpy forward pass in
-/// `scripts/hf_reference.py` run on the written HF folder. Skipped without numpy.
+/// `scripts/hf_reference.py` run on the written HF folder. Skipped without numpy, except
+/// under CI.
 #[test]
 fn reference_matches_numpy() {
     if !python_has("numpy") {
-        eprintln!("skipped: python3 with numpy not installed");
+        crate::skip_or_fail(
+            "reference_matches_numpy",
+            "python3 with numpy is not installed (python3 -m pip install numpy)",
+        );
         return;
     }
     for spec in [
@@ -754,87 +769,247 @@ fn reference_matches_numpy() {
     }
 }
 
-/// Runs llama.cpp (the `scripts/llama_logits.cpp` checker, built and named by the
-/// `SHOAL_LLAMA_LOGITS_BIN` environment variable) on written GGUF files and checks that it
-/// tokenizes like HF `tokenizers`, renders the chat template as ChatML, and computes the
-/// reference logits. Skipped when the variable is unset.
-#[test]
-fn llama_cpp_agrees_with_reference() {
-    let Some(bin) = std::env::var_os("SHOAL_LLAMA_LOGITS_BIN") else {
-        eprintln!("skipped: SHOAL_LLAMA_LOGITS_BIN not set");
-        return;
-    };
-    let text = "the cat sat on the mat<|im_end|> 42";
-    for (spec, ty, tol) in [
-        (TinyModelSpec::llama(50), GgmlType::F32, 1e-4),
-        (TinyModelSpec::llama(51).tied(true), GgmlType::F32, 1e-4),
-        (TinyModelSpec::qwen2(52), GgmlType::F32, 1e-4),
-        (TinyModelSpec::qwen2(53).tied(false), GgmlType::F32, 1e-4),
-        // llama.cpp's CPU GELU goes through an f16 lookup table
-        (TinyModelSpec::gemma3(58), GgmlType::F32, 2e-2),
-        (TinyModelSpec::gemma3(59).tied(false), GgmlType::Q8_0, 0.2),
-        // quantized matmuls also quantize activations to 8 bits: looser, and more so for
-        // the wider K-quant shapes (a Q8_0 model of those shapes is off by ~0.2 as well)
-        (TinyModelSpec::llama(54), GgmlType::Q8_0, 0.15),
-        (TinyModelSpec::qwen2(55), GgmlType::Q4_0, 0.15),
+/// The prompt the oracle tests give llama.cpp: words, a special token, a number.
+const ORACLE_TEXT: &str = "the cat sat on the mat<|im_end|> 42";
+
+/// Tokens llama.cpp generates after the prompt in the oracle tests.
+const ORACLE_GENERATE: usize = 8;
+
+/// The tiny models compared with llama.cpp: Llama, Qwen2 and Gemma 3, tied and untied
+/// outputs, F32 and the quantized types, each with the tolerance its arithmetic calls for
+/// (see [`Tolerance`]'s constants).
+fn oracle_specs() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
+    vec![
+        (TinyModelSpec::llama(50), GgmlType::F32, Tolerance::F32),
+        (
+            TinyModelSpec::llama(51).tied(true),
+            GgmlType::F32,
+            Tolerance::F32,
+        ),
+        (TinyModelSpec::qwen2(52), GgmlType::F32, Tolerance::F32),
+        (
+            TinyModelSpec::qwen2(53).tied(false),
+            GgmlType::F32,
+            Tolerance::F32,
+        ),
+        (
+            TinyModelSpec::gemma3(58),
+            GgmlType::F32,
+            Tolerance::F32_GELU,
+        ),
+        (
+            TinyModelSpec::gemma3(59).tied(false),
+            GgmlType::Q8_0,
+            Tolerance::QUANTIZED,
+        ),
+        (
+            TinyModelSpec::llama(54),
+            GgmlType::Q8_0,
+            Tolerance::QUANTIZED,
+        ),
+        (
+            TinyModelSpec::qwen2(55),
+            GgmlType::Q4_0,
+            Tolerance::QUANTIZED,
+        ),
         (
             TinyModelSpec::llama(56).k_quant_shapes(),
             GgmlType::Q4_K,
-            0.5,
+            Tolerance::QUANTIZED_WIDE,
         ),
         (
             TinyModelSpec::qwen2(57).k_quant_shapes(),
             GgmlType::Q6_K,
-            0.5,
+            Tolerance::QUANTIZED_WIDE,
         ),
-    ] {
+    ]
+}
+
+/// Runs the oracle on `gguf` (the test prompt, [`ORACLE_GENERATE`] greedy tokens, full
+/// rows) and compares `reference`'s f64 forward pass, fed the same tokens, with it: the
+/// generated steps on every logit of the vocabulary, the prompt positions on llama.cpp's
+/// top 8. Returns the run and the two comparisons merged (prompt failures are labelled).
+fn oracle_compare(
+    bin: &Path,
+    gguf: &Path,
+    reference: &TinyModel,
+    tol: Tolerance,
+) -> (OracleRun, Comparison) {
+    let run = run_llama_oracle(
+        bin,
+        gguf,
+        OracleInput::Text(ORACLE_TEXT.into()),
+        ORACLE_GENERATE,
+        8,
+        true,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let rows = reference.reference_logits(&run.sequence());
+    let n_prompt = run.ids.len();
+    let mut c = compare_teacher_forced(&run.full_steps().unwrap(), &rows[n_prompt - 1..], tol);
+    let prompt = compare_teacher_forced(&run.prompt_steps, &rows[..n_prompt], tol);
+    c.failures
+        .extend(prompt.failures.iter().map(|f| format!("prompt {f}")));
+    c.excused
+        .extend(prompt.excused.iter().map(|f| format!("prompt {f}")));
+    c.worst_rel = c.worst_rel.max(prompt.worst_rel);
+    c.steps += prompt.steps;
+    (run, c)
+}
+
+/// llama.cpp (the `scripts/llama_logits.cpp` oracle, named by `SHOAL_LLAMA_LOGITS_BIN`) on
+/// written GGUF files: it tokenizes like HF `tokenizers`, renders the chat template as
+/// ChatML, and, teacher-forced over its own greedy continuation, computes the logits of
+/// [`TinyModel::reference_logits`] at every prompt position and every generated step, within
+/// each spec's tolerance. Skipped without the variable, except under CI, where it fails.
+#[test]
+fn llama_cpp_agrees_with_reference() {
+    let Some(bin) = require_oracle("llama_cpp_agrees_with_reference") else {
+        return;
+    };
+    let mut failures = Vec::new();
+    for (spec, ty, tol) in oracle_specs() {
         let m = spec.snapped_to(ty).build().unwrap();
+        let label = format!("{:?} {ty:?} seed {}", m.spec().arch, m.spec().seed);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.gguf");
         m.write_gguf(&path, ty).unwrap();
-        let out = std::process::Command::new(&bin)
-            .arg(&path)
-            .arg(text)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let ids: Vec<u32> = serde_json::from_value(v["ids"].clone()).unwrap();
+        let (run, c) = oracle_compare(&bin, &path, &m, tol);
+
         let hf: tokenizers::Tokenizer =
             serde_json::to_string(&m.tokenizer().tokenizer_json(m.spec().arch.pre_tokenizer()))
                 .unwrap()
                 .parse()
                 .unwrap();
-        let hf_ids = hf.encode(text, false).unwrap().get_ids().to_vec();
-        assert_eq!(ids, hf_ids, "{:?}", m.spec().arch);
-        assert_eq!(v["eos"], m.tokenizer().eos_id());
-        assert_eq!(v["bos"], m.tokenizer().bos_id());
-        assert_eq!(v["n_vocab"], m.spec().vocab_size);
+        let hf_ids = hf.encode(ORACLE_TEXT, false).unwrap().get_ids().to_vec();
+        assert_eq!(run.ids, hf_ids, "{label}");
+        assert_eq!(run.eos, Some(m.tokenizer().eos_id()), "{label}");
+        assert_eq!(run.bos, Some(m.tokenizer().bos_id()), "{label}");
+        assert_eq!(run.n_vocab, m.spec().vocab_size, "{label}");
         assert_eq!(
-            v["chat"],
-            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+            run.chat.as_deref(),
+            Some("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"),
+            "{label}"
         );
-        let logits: Vec<f32> = serde_json::from_value(v["logits"].clone()).unwrap();
-        let reference = m.reference_logits(&ids);
-        let last = reference.last().unwrap();
-        let max_diff = logits
-            .iter()
-            .zip(last)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        let scale = last.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert_eq!(run.generated.len(), ORACLE_GENERATE, "{label}");
         eprintln!(
-            "{:?} {ty:?}: max |llama.cpp - reference| = {max_diff} (max |logit| {scale})",
-            m.spec().arch
+            "{label}: worst |llama.cpp - reference| / scale = {:.3e} over {} steps \
+             (tolerance {:e}), generated {:?}, {} near-ties excused",
+            c.worst_rel,
+            c.steps,
+            tol.rel_logit,
+            run.generated,
+            c.excused.len()
         );
+        for e in &c.excused {
+            eprintln!("  {label}: {e}");
+        }
+        failures.extend(c.failures.iter().map(|f| format!("{label}: {f}")));
+    }
+    assert!(
+        failures.is_empty(),
+        "llama.cpp and the reference disagree:\n  {}",
+        failures.join("\n  ")
+    );
+}
+
+/// The specs the planted-fault tests corrupt: F32, so their tolerance is the tightest.
+fn planted_specs() -> [TinyModelSpec; 2] {
+    [TinyModelSpec::llama(50), TinyModelSpec::qwen2(52)]
+}
+
+/// Checks that the oracle comparison can fail: a GGUF whose layer-0 `attn_q` has the rows
+/// of heads 0 and 1 exchanged, compared with the honest model's reference, fails; the same
+/// file compared with a reference that carries the same swap passes (so the failure is the
+/// swap, not the file).
+#[test]
+fn llama_cpp_comparison_catches_swapped_head() {
+    let Some(bin) = require_oracle("llama_cpp_comparison_catches_swapped_head") else {
+        return;
+    };
+    for spec in planted_specs() {
+        let honest = spec.build().unwrap();
+        let mut swapped = spec.build().unwrap();
+        let hd = spec.head_dim;
+        let h = spec.hidden_size;
+        let q = swapped
+            .weights_mut()
+            .get_mut("model.layers.0.self_attn.q_proj.weight")
+            .unwrap();
+        // HF rows [0, hd) are head 0 and [hd, 2 hd) head 1; GGUF's per-head row permutation
+        // stays inside a head, so the written blk.0.attn_q.weight has them exchanged too
+        let (head0, rest) = q.data.split_at_mut(hd * h);
+        head0.swap_with_slice(&mut rest[..hd * h]);
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("swapped.gguf");
+        swapped.write_gguf(&path, GgmlType::F32).unwrap();
+        let written = read_gguf(&std::fs::read(&path).unwrap());
+        let clean = read_gguf(&honest.gguf_writer(GgmlType::F32).unwrap().bytes().unwrap());
+        let (wq, cq) = (
+            &written.tensors["blk.0.attn_q.weight"].2,
+            &clean.tensors["blk.0.attn_q.weight"].2,
+        );
+        let head = hd * h;
+        assert_eq!(&wq[..head], &cq[head..2 * head]);
+        assert_eq!(&wq[head..2 * head], &cq[..head]);
+        assert_eq!(&wq[2 * head..], &cq[2 * head..]);
+
+        let label = format!("{:?} with heads 0 and 1 of blk.0.attn_q swapped", spec.arch);
+        let (_, c) = oracle_compare(&bin, &path, &honest, Tolerance::F32);
         assert!(
-            max_diff < tol,
-            "{:?} {ty:?}: llama.cpp logits differ from reference by {max_diff}",
-            m.spec().arch
+            !c.passed(),
+            "{label}: the comparison passed (worst {:.3e})",
+            c.worst_rel
         );
+        eprintln!(
+            "{label}: {} failures, worst |diff|/scale {:.3e}; first: {}",
+            c.failures.len(),
+            c.worst_rel,
+            c.failures[0]
+        );
+        let (_, control) = oracle_compare(&bin, &path, &swapped, Tolerance::F32);
+        control.assert_ok(&format!("{label}, against the swapped reference"));
+    }
+}
+
+/// Checks that the oracle comparison can fail: a GGUF whose `<arch>.rope.freq_base` is twice
+/// the model's, compared with the honest model's reference, fails; the same file compared
+/// with the reference of a spec with the doubled base passes.
+#[test]
+fn llama_cpp_comparison_catches_wrong_rope_base() {
+    let Some(bin) = require_oracle("llama_cpp_comparison_catches_wrong_rope_base") else {
+        return;
+    };
+    for spec in planted_specs() {
+        let honest = spec.build().unwrap();
+        let key = format!("{}.rope.freq_base", spec.arch.gguf_name());
+        let mut w = honest.gguf_writer(GgmlType::F32).unwrap();
+        w.set_kv(&key, spec.rope_theta * 2.0);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rope.gguf");
+        w.write_to(&path).unwrap();
+        let written = read_gguf(&std::fs::read(&path).unwrap());
+        assert_eq!(written.kv[&key], GgufValue::F32(spec.rope_theta * 2.0));
+
+        let label = format!("{:?} with {key} doubled", spec.arch);
+        let (_, c) = oracle_compare(&bin, &path, &honest, Tolerance::F32);
+        assert!(
+            !c.passed(),
+            "{label}: the comparison passed (worst {:.3e})",
+            c.worst_rel
+        );
+        eprintln!(
+            "{label}: {} failures, worst |diff|/scale {:.3e}; first: {}",
+            c.failures.len(),
+            c.worst_rel,
+            c.failures[0]
+        );
+        let mut doubled = spec.clone();
+        doubled.rope_theta *= 2.0;
+        let control = doubled.build().unwrap();
+        assert_eq!(control.weights(), honest.weights());
+        let (_, c) = oracle_compare(&bin, &path, &control, Tolerance::F32);
+        c.assert_ok(&format!("{label}, against a reference with the same base"));
     }
 }

@@ -1,8 +1,10 @@
 //! `shoal bench MODEL --json` end to end on a tiny model the test kit writes as GGUF: the
-//! report holds a bandwidth probe per decode repetition, each repetition's fraction of its
-//! own ceiling agrees with the decode rate and that probe, and the host's steal time, where
-//! there is one, is a fraction; with `--profile`, each matrix product carries the bandwidth
-//! its weights were read at, and together they account for the token's weights.
+//! report holds a bandwidth probe per decode repetition, the weight bytes per token and the
+//! ceiling are those of the tiny model's file (counted by hand below), each repetition's
+//! fraction of the ceiling is its decode rate against the ceiling of one probe of its own,
+//! and the host's steal time, where there is one, is a fraction; with `--profile`, each
+//! matrix product's bandwidth times its time is that product's bytes in the file, and the
+//! profile's times add up to the decode time the decode rates give.
 
 use std::process::Command;
 
@@ -25,6 +27,27 @@ fn bench_output(seed: u64, args: &[&str]) -> std::process::Output {
         .arg("--json")
         .output()
         .unwrap()
+}
+
+/// Weight bytes a token of the tiny Q8_0 llama reads, counted by hand from its shapes
+/// (hidden 64, 4 heads and 2 KV heads of 16, FFN 128, vocab 320, 2 layers, untied head).
+/// Q8_0 stores 32 weights in 34 bytes (an f16 scale and 32 signed bytes); 1-D norms are F32.
+/// Per layer: q 64x64 = 4352 B, k and v 32x64 = 2176 B each (q/k/v 8704 B), attn out
+/// 64x64 = 4352 B, gate and up 128x64 = 8704 B each (17408 B), down 64x128 = 8704 B.
+const QKV_BYTES: f64 = 2.0 * 8704.0;
+const ATTN_OUT_BYTES: f64 = 2.0 * 4352.0;
+const GATE_UP_BYTES: f64 = 2.0 * 17408.0;
+const DOWN_BYTES: f64 = 2.0 * 8704.0;
+/// The output head, 320x64 in Q8_0.
+const HEAD_BYTES: f64 = 21760.0;
+/// Every block tensor (the products above and the two 64-float norms of each layer, 512 B)
+/// plus the head; the embedding row and the final norm are not counted.
+const TOKEN_BYTES: f64 =
+    QKV_BYTES + ATTN_OUT_BYTES + GATE_UP_BYTES + DOWN_BYTES + 2.0 * 512.0 + HEAD_BYTES;
+
+/// Whether `a` and `b` agree to a relative 1e-9 (float rounding, not approximation).
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * a.abs().max(b.abs())
 }
 
 /// [`bench_output`] of a run that must succeed: the report.
@@ -57,21 +80,43 @@ fn bench_probes_after_every_decode_repetition() {
         "the median"
     );
 
-    // every repetition against its own probe: the spread brackets decode / ceiling
-    let bytes = report["weight_bytes_per_token"].as_f64().unwrap();
-    let decode = &report["decode"];
-    let frac = &report["decode_fraction_of_ceiling"];
-    let (lo, mid, hi) = (
-        frac["min"].as_f64().unwrap(),
-        frac["median"].as_f64().unwrap(),
-        frac["max"].as_f64().unwrap(),
+    // the bytes are the file's, counted by hand, and the ceiling is the median probe's
+    assert_eq!(
+        report["weight_bytes_per_token"].as_f64().unwrap(),
+        TOKEN_BYTES,
+        "{report}"
     );
-    assert!(0.0 < lo && lo <= mid && mid <= hi, "{frac}");
-    let slowest = decode["min"].as_f64().unwrap() * bytes / (sorted[2] * 1e9);
-    let fastest = decode["max"].as_f64().unwrap() * bytes / (sorted[0] * 1e9);
+    let bw = report["mem_read_gb_s"].as_f64().unwrap();
+    let ceiling = report["decode_ceiling_tok_s"].as_f64().unwrap();
+    assert!(close(ceiling, bw * 1e9 / TOKEN_BYTES), "ceiling {ceiling}");
+
+    // each repetition against its own probe: the ceiling scales with the probe, so a rate
+    // paired with probe p is a fraction rate / (ceiling * p / median). The report gives the
+    // three rates (min, median, max) but not their order, so the three fractions must be
+    // some one-to-one pairing of rates with probes; set against the median or mean probe,
+    // or against the wrong bytes, they are none
+    let decode = &report["decode"];
+    let rates = ["min", "median", "max"].map(|k| decode[k].as_f64().unwrap());
+    let frac = &report["decode_fraction_of_ceiling"];
+    let fractions = ["min", "median", "max"].map(|k| frac[k].as_f64().unwrap());
+    let pairings = [
+        [0, 1, 2],
+        [0, 2, 1],
+        [1, 0, 2],
+        [1, 2, 0],
+        [2, 0, 1],
+        [2, 1, 0],
+    ];
+    let paired = pairings.iter().any(|rate_of_probe| {
+        let mut want: Vec<f64> = (0..3)
+            .map(|i| rates[rate_of_probe[i]] / (ceiling * probes[i] / bw))
+            .collect();
+        want.sort_by(f64::total_cmp);
+        want.iter().zip(&fractions).all(|(w, f)| close(*w, *f))
+    });
     assert!(
-        slowest <= lo * (1.0 + 1e-9) && hi <= fastest * (1.0 + 1e-9),
-        "fractions {frac} outside [{slowest}, {fastest}]"
+        paired,
+        "fractions {frac} are no pairing of rates {rates:?} with probes {probes:?}"
     );
 
     // absent without /proc/stat, or when the decodes took less than a clock tick
@@ -87,30 +132,46 @@ fn profile_gives_each_matrix_product_its_weight_bandwidth() {
         &["-p", "0", "-n", "16", "-r", "2", "-t", "1", "--profile"],
     );
     let ops = report["decode_profile"].as_array().expect("a profile");
+    // each product's bandwidth times its time per token is its weights' bytes in the file
     let products = [
-        "q/k/v matmul",
-        "attn out matmul",
-        "gate/up matmul",
-        "down matmul",
-        "output head",
+        ("q/k/v matmul", QKV_BYTES),
+        ("attn out matmul", ATTN_OUT_BYTES),
+        ("gate/up matmul", GATE_UP_BYTES),
+        ("down matmul", DOWN_BYTES),
+        ("output head", HEAD_BYTES),
     ];
-    let mut read = 0.0;
+    let mut seen = 0;
+    let mut total_ms = 0.0;
     for op in ops {
         let name = op["op"].as_str().unwrap();
+        let ms = op["ms_per_token"].as_f64().unwrap();
+        total_ms += ms;
         let gb_s = op["weight_gb_s"].as_f64();
-        if products.contains(&name) {
-            let gb_s = gb_s.unwrap_or_else(|| panic!("{name} has no bandwidth: {op}"));
-            assert!(gb_s > 0.0, "{op}");
-            read += gb_s * 1e9 * op["ms_per_token"].as_f64().unwrap() / 1e3;
-        } else {
-            assert!(gb_s.is_none(), "{name} reads no weights: {op}");
+        match products.iter().find(|(p, _)| *p == name) {
+            Some((_, bytes)) => {
+                seen += 1;
+                let gb_s = gb_s.unwrap_or_else(|| panic!("{name} has no bandwidth: {op}"));
+                let read = gb_s * 1e9 * ms / 1e3;
+                assert!(
+                    close(read, *bytes),
+                    "{name}: {read} bytes, not {bytes}: {op}"
+                );
+            }
+            None => assert!(gb_s.is_none(), "{name} reads no weights: {op}"),
         }
     }
-    // the products read every weight of a token but the norms and the embedding row
-    let bytes = report["weight_bytes_per_token"].as_f64().unwrap();
+    assert_eq!(seen, products.len(), "{ops:?}");
+    // the times per token (the rest line included) add up to the decode time, which the two
+    // repetitions' rates give: 16 tokens at each rate, over the 32 tokens decoded
+    let decode = &report["decode"];
+    let (slow, fast) = (
+        decode["min"].as_f64().unwrap(),
+        decode["max"].as_f64().unwrap(),
+    );
+    let decode_ms = (16.0 / slow + 16.0 / fast) * 1e3 / 32.0;
     assert!(
-        read <= bytes * 1.001 && read >= 0.8 * bytes,
-        "{read} of {bytes} bytes attributed"
+        close(total_ms, decode_ms),
+        "profile {total_ms} ms per token, decode {decode_ms}"
     );
 }
 
@@ -129,13 +190,10 @@ fn depth_fills_the_cache_before_each_run() {
     assert!(deep["prefill_tok_s"].as_f64().unwrap() > 0.0);
     assert!(deep["decode_tok_s"].as_f64().unwrap() > 0.0);
     let kv = |r: &serde_json::Value| r["kv_bytes_per_token"].as_f64().unwrap();
-    // 3.5 positions on average without depth, 23.5 with
-    let per_position = kv(&shallow) / 3.5;
-    assert!(
-        per_position > 0.0 && per_position.fract() == 0.0,
-        "{shallow}"
-    );
-    assert_eq!(kv(&deep), per_position * 23.5, "{deep}");
+    // a position holds, per layer, f16 keys and values of 2 KV heads of 16: 128 bytes, 256
+    // over the two layers; 3.5 positions on average without depth, 23.5 with
+    assert_eq!(kv(&shallow), 256.0 * 3.5, "{shallow}");
+    assert_eq!(kv(&deep), 256.0 * 23.5, "{deep}");
     // batched decode fills every sequence's cache
     let batched = bench_report(
         3,
