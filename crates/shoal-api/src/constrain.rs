@@ -8,28 +8,11 @@ use std::sync::Arc;
 
 use shoal_engine::constrain::{self, Constraint, ConstraintVocab, Grammar};
 use shoal_engine::scheduler::TokenConstraint;
-use shoal_engine::EngineError;
 
 use crate::error::ApiError;
 use crate::generation::{GenRequest, OutputFormat, ToolChoice};
 use crate::state::ServedModel;
 use crate::tools::ToolFormat;
-
-struct Enforced(Constraint);
-
-impl TokenConstraint for Enforced {
-    fn mask(&mut self, logits: &mut [f32]) -> Result<(), EngineError> {
-        self.0.mask(logits)
-    }
-
-    fn commit(&mut self, token: u32) -> Result<(), EngineError> {
-        self.0.commit(token)
-    }
-
-    fn is_finished(&self) -> bool {
-        self.0.is_finished()
-    }
-}
 
 /// The grammar `req` must follow, if any.
 fn grammar(served: &ServedModel, req: &GenRequest) -> Option<Grammar> {
@@ -102,5 +85,5 @@ pub fn for_request(
             format!("cannot enforce the requested output shape: {e}"),
         )
     })?;
-    Ok(Some(Box::new(Enforced(c))))
+    Ok(Some(Box::new(c)))
 }

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use shoal_engine::generate::FinishReason;
 use shoal_engine::scheduler::{Event, SequenceRequest, Ticket, TokenConstraint};
+use shoal_engine::stop::FinishReason;
 use shoal_engine::SamplerConfig;
 use tokio::sync::mpsc;
 

@@ -1,6 +1,9 @@
 //! The resolved hyperparameters of a decoder-only transformer, whatever file they came from.
 //! Each architecture module reads its own field names (GGUF metadata keys or Hugging Face
-//! `config.json` fields) into this one struct; the forward pass reads only this.
+//! `config.json` fields) into this one struct; the forward pass reads only this and the
+//! tensors its architecture's table says a file holds.
+
+use std::sync::Arc;
 
 /// The architectures the engine runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -9,6 +12,8 @@ pub enum Arch {
     Llama,
     /// Qwen2 / Qwen2.5: Llama plus q/k/v biases, NeoX-style RoPE.
     Qwen2,
+    /// Qwen3 (dense): Qwen2 without biases, with per-head q/k norms.
+    Qwen3,
     /// Gemma 3: q/k norms, post-attention and post-FFN norms, GELU gate, scaled embeddings,
     /// sliding-window attention on five of every six layers.
     Gemma3,
@@ -17,11 +22,7 @@ pub enum Arch {
 impl Arch {
     /// The name used in GGUF `general.architecture`.
     pub fn name(self) -> &'static str {
-        match self {
-            Arch::Llama => "llama",
-            Arch::Qwen2 => "qwen2",
-            Arch::Gemma3 => "gemma3",
-        }
+        crate::arch::spec(self).gguf_name
     }
 }
 
@@ -73,12 +74,11 @@ pub struct ModelConfig {
     pub rope_scale: f64,
     /// How RoPE pairs dimensions.
     pub rope_style: RopeStyle,
+    /// Per-pair divisors of the global layers' RoPE frequencies (Llama 3.1 scaling) from
+    /// a `config.json`; GGUF files hold them as a tensor instead.
+    pub rope_freq_factors: Option<Arc<[f32]>>,
     /// Context length the model was trained for.
     pub context_len: usize,
-    /// Whether the output head reuses the token embedding.
-    pub tied_embeddings: bool,
-    /// Whether q/k/v projections carry a bias.
-    pub qkv_bias: bool,
     /// Scale applied to queries before the dot product.
     pub attn_scale: f64,
     /// Multiplier applied to token embeddings (Gemma: sqrt(hidden)).

@@ -181,6 +181,20 @@ impl Constraint {
     }
 }
 
+impl crate::scheduler::TokenConstraint for Constraint {
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), EngineError> {
+        Constraint::mask(self, logits)
+    }
+
+    fn commit(&mut self, token: u32) -> Result<(), EngineError> {
+        Constraint::commit(self, token)
+    }
+
+    fn is_finished(&self) -> bool {
+        Constraint::is_finished(self)
+    }
+}
+
 /// How a model family writes tool calls (see the API layer's parsers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ToolFormat {

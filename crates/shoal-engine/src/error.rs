@@ -44,10 +44,26 @@ pub enum EngineError {
         /// What is wrong.
         problem: String,
     },
-    /// Something shoal does not support (yet).
+    /// Something shoal does not support (yet): a file feature, an architecture, a split.
     #[error("unsupported: {what}")]
     Unsupported {
         /// What.
+        what: String,
+    },
+    /// The caller asked for something that cannot be done: a token outside the
+    /// vocabulary, an empty step, lengths that do not agree.
+    #[error("invalid input: {what}")]
+    InvalidInput {
+        /// What was wrong.
+        what: String,
+    },
+    /// A generation request ended in failure; the message says why.
+    #[error("generation failed: {0}")]
+    Generation(String),
+    /// A broken internal invariant: a bug in shoal, not in the input.
+    #[error("internal error (a bug in shoal; please report it): {what}")]
+    Internal {
+        /// What did not hold.
         what: String,
     },
     /// Reading a weights file failed.

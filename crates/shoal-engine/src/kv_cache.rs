@@ -1,33 +1,34 @@
-//! The key/value cache of one sequence: per layer, keys and values of every position seen so
-//! far, in buffers allocated once for the sequence's capacity and written in place, so a
-//! decode step appends without copying the past. Keys and values are stored as f16, as
-//! llama.cpp does by default: at 16 concurrent SmolLM2 sequences a few hundred positions
-//! long, reading an f32 cache took as long as reading the weights (attention 18% of a
-//! batched step at 64 positions); f16 halves that traffic and the memory a slot holds.
+//! The key/value cache of one sequence as the rest of the engine sees it: how many
+//! positions it holds and has room for. The keys and values themselves are the backend's
+//! (for the CPU, f16 buffers per layer: `backend::cpu::kv`), made by the model that fills
+//! them ([`crate::Transformer::new_cache`]) and read only by it.
 
-use half::f16;
+use std::any::Any;
 
-use crate::kernels::to_f16;
-use crate::EngineError;
-
-/// Keys and values of one sequence, all layers, as f16 buffers laid out
-/// `(n_kv_head, capacity, head_dim)`.
-#[derive(Debug)]
+/// One sequence's cache: its length, its capacity and the backend's storage.
 pub struct KvCache {
-    layers: Vec<Option<(Vec<f16>, Vec<f16>)>>,
-    n_kv_head: usize,
-    head_dim: usize,
+    store: Box<dyn Any + Send>,
+    backend: &'static str,
     len: usize,
     capacity: usize,
 }
 
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("backend", &self.backend)
+            .field("len", &self.len)
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
+
 impl KvCache {
-    /// An empty cache; buffers are allocated on first use of each layer.
-    pub fn new(n_layer: usize, n_kv_head: usize, head_dim: usize, capacity: usize) -> Self {
+    /// An empty cache over a backend's `store` with room for `capacity` positions.
+    pub(crate) fn new(store: Box<dyn Any + Send>, capacity: usize, backend: &'static str) -> Self {
         KvCache {
-            layers: (0..n_layer).map(|_| None).collect(),
-            n_kv_head,
-            head_dim,
+            store,
+            backend,
             len: 0,
             capacity,
         }
@@ -36,7 +37,7 @@ impl KvCache {
     /// Bytes one position takes in one layer: keys and values of every KV head, f16 each
     /// (what the planner counts for a sequence's cache).
     pub fn bytes_per_token_per_layer(n_kv_head: usize, head_dim: usize) -> u64 {
-        (2 * n_kv_head * head_dim * std::mem::size_of::<f16>()) as u64
+        (2 * n_kv_head * head_dim * std::mem::size_of::<half::f16>()) as u64
     }
 
     /// Positions stored.
@@ -59,64 +60,28 @@ impl KvCache {
         self.len = 0;
     }
 
-    /// Forgets positions from `len` on (to re-run from a common prefix).
+    /// Forgets positions from `len` on (to run again from a common prefix).
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
     }
 
-    /// Writes keys `k` and values `v` of `t` new positions of `layer`, each laid out
-    /// `(n_kv_head, t, head_dim)`, at the current end, rounded to f16. [`KvCache::advance`]
-    /// moves the end once all layers have been written.
-    ///
-    /// # Errors
-    /// When the new positions do not fit or the lengths are wrong.
-    pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), EngineError> {
-        let (nkv, hd) = (self.n_kv_head, self.head_dim);
-        let per_pos = nkv * hd;
-        if per_pos == 0 || k.len() != v.len() || !k.len().is_multiple_of(per_pos) {
-            return Err(EngineError::Unsupported {
-                what: format!(
-                    "kv append of {} keys and {} values ({nkv} kv heads of {hd})",
-                    k.len(),
-                    v.len()
-                ),
-            });
-        }
-        let t = k.len() / per_pos;
-        if self.len + t > self.capacity {
-            return Err(EngineError::ContextFull {
-                prompt: self.len + t,
-                ctx: self.capacity,
-            });
-        }
-        let size = nkv * self.capacity * hd;
-        let slot = self
-            .layers
-            .get_mut(layer)
-            .ok_or_else(|| EngineError::Unsupported {
-                what: format!("kv cache has no layer {layer}"),
-            })?;
-        let (kc, vc) = slot.get_or_insert_with(|| (vec![f16::ZERO; size], vec![f16::ZERO; size]));
-        for h in 0..nkv {
-            let dst = (h * self.capacity + self.len) * hd..(h * self.capacity + self.len + t) * hd;
-            let src = h * t * hd..(h + 1) * t * hd;
-            to_f16(&k[src.clone()], &mut kc[dst.clone()]);
-            to_f16(&v[src], &mut vc[dst]);
-        }
-        Ok(())
+    /// The backend that made it.
+    pub(crate) fn backend(&self) -> &'static str {
+        self.backend
     }
 
-    /// The whole key and value buffers of `layer`, `(n_kv_head, capacity, head_dim)`, once
-    /// it has been appended to.
-    pub fn buffers(&self, layer: usize) -> Option<(&[f16], &[f16])> {
-        self.layers
-            .get(layer)?
-            .as_ref()
-            .map(|(k, v)| (k.as_slice(), v.as_slice()))
+    /// The backend's storage, when it is of type `T`.
+    pub(crate) fn store<T: 'static>(&self) -> Option<&T> {
+        self.store.downcast_ref::<T>()
     }
 
-    /// Marks `t` more positions as stored (after every layer appended them).
-    pub fn advance(&mut self, t: usize) {
+    /// The backend's storage, when it is of type `T`, to write.
+    pub(crate) fn store_mut<T: 'static>(&mut self) -> Option<&mut T> {
+        self.store.downcast_mut::<T>()
+    }
+
+    /// Marks `t` more positions as stored (after every layer wrote them).
+    pub(crate) fn advance(&mut self, t: usize) {
         self.len += t;
     }
 }

@@ -1,25 +1,27 @@
-//! The shoal inference engine: the forward pass of each supported architecture (built from
-//! layers that are already cut for tensor parallelism and are plain layers at world size 1),
-//! the KV cache, the sampler and the generation loop. It reads weights through a
-//! [`weights::WeightSource`] in their file's quantization and talks to other ranks only
-//! through `shoal_comm::Communicator`.
+//! The shoal inference engine: the forward pass of each supported architecture, written
+//! once over a backend seam ([`backend::Backend`]; the CPU backend owns shoal's kernels)
+//! from layers that are already cut for tensor parallelism and are plain layers at world
+//! size 1; the architectures' tensor tables ([`arch`]); the KV cache, the sampler, the
+//! continuous-batching scheduler that every generation runs through, and split execution
+//! over ranks. It reads weights through a [`weights::WeightSource`] in their file's
+//! quantization and talks to other ranks only through `shoal_comm::Communicator`.
 
-pub mod activation;
 pub mod arch;
-pub mod attention;
+pub mod backend;
 pub mod config;
 pub mod constrain;
 mod error;
-pub mod generate;
 pub mod kernels;
 pub mod kv_cache;
-pub mod layers;
 pub mod model;
+mod network;
 pub mod parallel;
+pub mod planning;
 pub mod profile;
 pub mod sampler;
 pub mod scheduler;
 pub mod shard;
+pub mod stop;
 pub mod transformer;
 pub mod weights;
 

@@ -9,14 +9,14 @@ use shoal_comm::Communicator;
 use shoal_model::chat_template::{ChatTemplate, RenderInput};
 use shoal_model::gguf::GgufFile;
 use shoal_model::source::ModelSource;
-use shoal_model::tokenizer::{StreamDecoder, Tokenizer};
+use shoal_model::tokenizer::Tokenizer;
 
-use crate::generate::{self, Detokenizer, GenerateParams, Generation, Stepper};
+use crate::arch::{ArchSpec, Role};
 use crate::profile::Op;
 use crate::shard::{self, Layout, ShardPlan};
 use crate::transformer::Transformer;
 use crate::weights::{GgufWeights, HfNaming, SafetensorsWeights, WeightSource};
-use crate::{arch, Arch, EngineError, KvCache, ModelConfig, Sampler};
+use crate::{arch, EngineError, KvCache, ModelConfig};
 
 /// A loaded model with everything needed to chat with it.
 pub struct LoadedModel {
@@ -138,7 +138,7 @@ impl LoadedModel {
             None => None,
         };
         let weight_bytes_per_token = per_token_bytes(&file);
-        let weight_bytes_by_op = per_op_bytes(&file);
+        let weight_bytes_by_op = per_op_bytes(&file, crate::arch::spec(cfg.arch));
         let src = GgufWeights::new(file);
         let transformer = build(&src, cfg)?;
         Ok(LoadedModel {
@@ -182,9 +182,7 @@ impl LoadedModel {
         let files = source.safetensors_files().map_err(|e| EngineError::Load {
             what: e.to_string(),
         })?;
-        let naming = HfNaming {
-            permute_qk: (cfg.arch == Arch::Llama).then_some((cfg.n_head, cfg.n_kv_head)),
-        };
+        let naming = HfNaming::for_config(&cfg);
         let src = SafetensorsWeights::open(&files, naming)?;
         let weight_bytes_per_token = files
             .iter()
@@ -261,90 +259,6 @@ impl LoadedModel {
         self.transformer
             .new_cache(ctx.min(self.transformer.config().context_len).max(1))
     }
-
-    /// Generates from `prompt`, streaming text to `on_text` (return `false` to stop).
-    ///
-    /// # Errors
-    /// When the prompt does not fit or a forward pass fails.
-    pub fn generate(
-        &self,
-        prompt: &[u32],
-        cache: &mut KvCache,
-        sampler: &mut Sampler,
-        params: &GenerateParams,
-        on_text: &mut dyn FnMut(&str) -> bool,
-    ) -> Result<Generation, EngineError> {
-        let mut detok = TokenizerDetok {
-            tok: &self.tokenizer,
-            stream: StreamDecoder::new(true),
-        };
-        generate::generate(
-            &self.transformer,
-            prompt,
-            cache,
-            sampler,
-            &mut detok,
-            params,
-            on_text,
-        )
-    }
-
-    /// Like [`LoadedModel::generate`] on any [`Stepper`] (a split model's lead rank).
-    ///
-    /// # Errors
-    /// When the prompt does not fit or a forward pass fails.
-    pub fn generate_on(
-        &self,
-        stepper: &mut dyn Stepper,
-        prompt: &[u32],
-        sampler: &mut Sampler,
-        params: &GenerateParams,
-        on_text: &mut dyn FnMut(&str) -> bool,
-    ) -> Result<Generation, EngineError> {
-        let mut detok = TokenizerDetok {
-            tok: &self.tokenizer,
-            stream: StreamDecoder::new(true),
-        };
-        generate::generate_on(stepper, prompt, sampler, &mut detok, params, on_text)
-    }
-
-    /// Like [`LoadedModel::generate`] when `cache` already holds `cached` (the start of the
-    /// conversation): only `new` is run, the sampler's repetition window sees both.
-    ///
-    /// # Errors
-    /// As [`LoadedModel::generate`].
-    pub fn generate_continuing(
-        &self,
-        cached: &[u32],
-        new: &[u32],
-        cache: &mut KvCache,
-        sampler: &mut Sampler,
-        params: &GenerateParams,
-        on_text: &mut dyn FnMut(&str) -> bool,
-    ) -> Result<Generation, EngineError> {
-        debug_assert_eq!(cache.len(), cached.len());
-        sampler.observe(cached);
-        self.generate(new, cache, sampler, params, on_text)
-    }
-}
-
-struct TokenizerDetok<'a> {
-    tok: &'a Tokenizer,
-    stream: StreamDecoder,
-}
-
-impl Detokenizer for TokenizerDetok<'_> {
-    fn is_eog(&self, id: u32) -> bool {
-        self.tok.is_eog(id)
-    }
-
-    fn push(&mut self, id: u32) -> String {
-        self.stream.push(self.tok, id)
-    }
-
-    fn finish(&mut self) -> String {
-        self.stream.finish()
-    }
 }
 
 /// The chat template of a Hugging Face folder: `chat_template.jinja`, or the
@@ -366,33 +280,31 @@ fn read_hf_template(dir: &Path) -> Option<String> {
     }
 }
 
-/// Bytes read from weights for one decoded token: every block tensor plus the output head
-/// (the embedding when tied). The embedding lookup itself reads one row and is ignored.
-/// The profile's matrix-product op that reads block tensor `role` (`attn_q`, `ffn_up`, ...).
-fn op_of_role(role: &str) -> Option<Op> {
+/// The profile's matrix-product op that reads a block tensor of `role`.
+fn op_of_role(role: Role) -> Option<Op> {
     Some(match role {
-        "attn_q" | "attn_k" | "attn_v" | "attn_qkv" => Op::Qkv,
-        "attn_output" => Op::AttnOut,
-        "ffn_gate" | "ffn_up" | "ffn_gate_up" => Op::GateUp,
-        "ffn_down" => Op::Down,
+        Role::AttnQ | Role::AttnK | Role::AttnV => Op::Qkv,
+        Role::AttnOut => Op::AttnOut,
+        Role::FfnGate | Role::FfnUp => Op::GateUp,
+        Role::FfnDown => Op::Down,
         _ => return None,
     })
 }
 
-/// Bytes per token each matrix-product op reads: the block tensors by role
-/// (`blk.N.ROLE.weight` and its bias), and the output head as [`per_token_bytes`] counts it.
-fn per_op_bytes(file: &GgufFile) -> Vec<(Op, u64)> {
+/// Bytes per token each matrix-product op reads: the block tensors by role (the
+/// architecture's table), and the output head as [`per_token_bytes`] counts it.
+fn per_op_bytes(file: &GgufFile, spec: &ArchSpec) -> Vec<(Op, u64)> {
     let mut by_op: Vec<(Op, u64)> = Vec::new();
     let mut add = |op: Op, n: u64| match by_op.iter_mut().find(|(o, _)| *o == op) {
         Some((_, total)) => *total += n,
         None => by_op.push((op, n)),
     };
     for t in file.tensors() {
-        let role = t
-            .name
-            .strip_prefix("blk.")
-            .and_then(|r| r.split('.').nth(1));
-        if let Some(op) = role.and_then(op_of_role) {
+        let op = spec
+            .entry(&t.name)
+            .filter(|(_, layer)| layer.is_some())
+            .and_then(|(e, _)| op_of_role(e.role));
+        if let Some(op) = op {
             add(op, t.size);
         }
     }
@@ -410,11 +322,13 @@ fn head_bytes(file: &GgufFile) -> Option<u64> {
         .ok()
 }
 
+/// Bytes read from weights for one decoded token: every block tensor plus the output head
+/// (the embedding when tied). The embedding lookup itself reads one row and is ignored.
 fn per_token_bytes(file: &GgufFile) -> u64 {
     let blocks: u64 = file
         .tensors()
         .iter()
-        .filter(|t| t.name.starts_with("blk."))
+        .filter(|t| crate::arch::layer_of(&t.name).is_some())
         .map(|t| t.size)
         .sum();
     blocks + head_bytes(file).unwrap_or(0)

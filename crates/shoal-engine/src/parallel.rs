@@ -16,11 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Tensor};
 use shoal_comm::{CommError, Communicator, Group, Transport};
 
-use crate::error::CandleContext;
-use crate::generate::Stepper;
 use crate::kv_cache::KvCache;
 use crate::sampler::SamplerConfig;
 use crate::shard::{Layout, ShardPlan};
@@ -258,60 +255,60 @@ impl Header {
     }
 }
 
-/// The hidden states `(1, tokens, d)` a step starts from on this rank: the embedded tokens
-/// in the first stage, else what the same tensor-parallel index of the stage before sent.
+/// The hidden states a step starts from on this rank (a row per token): the embedded
+/// tokens in the first stage, else what the same tensor-parallel index of the stage before
+/// sent.
 fn stage_input(
     ctx: &RankContext,
     model: &Transformer,
     tokens: &[u32],
-) -> Result<Tensor, EngineError> {
+) -> Result<Vec<f32>, EngineError> {
     if ctx.layout.stage(ctx.rank) == 0 {
         return model.embed(tokens);
     }
     let (t, d) = (tokens.len(), model.config().hidden);
     let mut buf = vec![0u8; t * d * 4];
     ctx.world.recv(ctx.rank - ctx.layout.tp, &mut buf)?;
-    let v: Vec<f32> = buf
+    Ok(buf
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    Tensor::from_vec(v, (1, t, d), &Device::Cpu).ctx("received hidden states")
+        .collect())
 }
 
 /// Sends the hidden states `x` on to the next stage; `false` (nothing sent) on the last.
-fn pass_on(ctx: &RankContext, x: &Tensor) -> Result<bool, EngineError> {
+fn pass_on(ctx: &RankContext, x: &[f32]) -> Result<bool, EngineError> {
     if ctx.layout.stage(ctx.rank) + 1 >= ctx.layout.pp {
         return Ok(false);
     }
-    let v = x
-        .flatten_all()
-        .and_then(|x| x.to_vec1::<f32>())
-        .ctx("hidden states")?;
-    let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
+    let bytes: Vec<u8> = x.iter().flat_map(|f| f.to_le_bytes()).collect();
     ctx.world.send(ctx.rank + ctx.layout.tp, &bytes)?;
     Ok(true)
 }
 
-/// Runs this rank's part of one step: embed or receive, run the layers, send on or reply.
-/// Returns the reply (last stage only), for the lead to merge or to send it.
+/// Runs this rank's part of one step of sequences that add `counts[i]` of `tokens` after
+/// what `caches[i]` holds: embed or receive, run the layers, send on or reply. Returns the
+/// last stage's replies (a row per sequence: its last position), for the lead to merge or
+/// to send.
 fn run_step(
     ctx: &RankContext,
     model: &Transformer,
-    cache: &mut KvCache,
+    caches: &mut [&mut KvCache],
     tokens: &[u32],
+    counts: &[usize],
     want: Want,
 ) -> Result<Vec<u8>, EngineError> {
     let x = stage_input(ctx, model, tokens)?;
-    let x = model.forward_layers(x, cache)?;
+    let x = model.forward_layers(x, counts, caches)?;
     if pass_on(ctx, &x)? || want == Want::Nothing {
         return Ok(Vec::new());
     }
-    let logits = model.logits(&x, 1)?;
-    let logits = logits
-        .squeeze(0)
-        .and_then(|l| l.to_vec1::<f32>())
-        .ctx("logits")?;
-    Ok(encode_reply(&logits, model.plan().vocab.start as u32, want))
+    let logits = model.logits(&x, counts, 1)?;
+    let first = model.plan().vocab.start as u32;
+    let width = model.plan().vocab.len();
+    Ok(logits
+        .chunks_exact(width.max(1))
+        .flat_map(|r| encode_reply(r, first, want))
+        .collect())
 }
 
 /// What a last-stage rank sends the lead for one row of its vocabulary slice of the logits
@@ -341,37 +338,6 @@ fn encode_reply(logits: &[f32], first: u32, want: Want) -> Vec<u8> {
     }
 }
 
-/// This rank's part of a batched decode step: row `i` is `tokens[i]` after what `caches[i]`
-/// holds. Returns the last stage's replies, row after row.
-fn run_batch_step(
-    ctx: &RankContext,
-    model: &Transformer,
-    caches: &mut [&mut KvCache],
-    tokens: &[u32],
-    want: Want,
-) -> Result<Vec<u8>, EngineError> {
-    let b = tokens.len();
-    let x = stage_input(ctx, model, tokens)?;
-    let x = match caches {
-        // one row: the one-token step, the same values as a batch of one (bit for bit, see
-        // `tests/batch.rs`) for less work between the products
-        [cache] => model.forward_layers(x, cache)?,
-        _ => model.forward_layers_batch(x, caches)?,
-    };
-    if pass_on(ctx, &x)? || want == Want::Nothing {
-        return Ok(Vec::new());
-    }
-    let rows = model
-        .logits(&x, b)?
-        .to_vec2::<f32>()
-        .ctx("batched logits")?;
-    let first = model.plan().vocab.start as u32;
-    Ok(rows
-        .iter()
-        .flat_map(|r| encode_reply(r, first, want))
-        .collect())
-}
-
 /// The caches of `seqs` (ascending, distinct, each below `caches.len()`), in that order.
 fn caches_of<'c>(caches: &'c mut [KvCache], seqs: &[usize]) -> Vec<&'c mut KvCache> {
     caches
@@ -396,7 +362,7 @@ enum Pending {
     Merged(Vec<f32>),
 }
 
-/// The lead rank's view of a split model: a [`Stepper`] whose steps run on every rank.
+/// The lead rank's view of a split model: steps that run on every rank.
 /// Dropping it tells the other ranks to stop.
 ///
 /// Several sequences (each with its own KV cache on every rank) can be in flight at once:
@@ -408,12 +374,11 @@ pub struct Lead<'a> {
     ctx: RankContext,
     model: &'a Transformer,
     caches: Vec<KvCache>,
-    /// The sequence [`Stepper`] calls run.
+    /// The sequence [`Lead::step_with`] runs.
     current: usize,
     /// Submitted steps not yet collected: sequence, what was asked, rank 0's own reply
     /// (or, when rank 0 is in the last stage, the merged logits already).
     pending: VecDeque<(usize, Want, Pending)>,
-    want: Want,
     stopped: bool,
 }
 
@@ -456,17 +421,11 @@ impl<'a> Lead<'a> {
             caches: (0..n).map(|_| model.new_cache(capacity)).collect(),
             current: 0,
             pending: VecDeque::new(),
-            want: Want::Best,
             stopped: false,
         })
     }
 
-    /// Sets what each step asks for, to suit `cfg`'s sampler.
-    pub fn set_sampler(&mut self, cfg: &SamplerConfig) {
-        self.want = Want::for_sampler(cfg);
-    }
-
-    /// Makes `seq` the sequence [`Stepper`] calls run.
+    /// Makes `seq` the sequence [`Lead::step_with`] runs.
     ///
     /// # Errors
     /// When there is no such sequence.
@@ -546,7 +505,14 @@ impl<'a> Lead<'a> {
         self.ctx.world.broadcast(&mut header.encode(), 0)?;
         let mut ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         self.ctx.world.broadcast(&mut ids, 0)?;
-        let mine = run_step(&self.ctx, self.model, cache, tokens, want)?;
+        let mine = run_step(
+            &self.ctx,
+            self.model,
+            &mut [cache],
+            tokens,
+            &[tokens.len()],
+            want,
+        )?;
         let pending = if self.ctx.layout.pp == 1 {
             // The last stage's replies share links with the stage's collectives: take them
             // before the next step's collectives start.
@@ -669,7 +635,8 @@ impl<'a> Lead<'a> {
         self.ctx.world.broadcast(&mut header.encode(), 0)?;
         self.ctx.world.broadcast(&mut body, 0)?;
         let mut caches = caches_of(&mut self.caches, &sorted);
-        let mine = run_batch_step(&self.ctx, self.model, &mut caches, &toks, want)?;
+        let counts = vec![1; toks.len()];
+        let mine = run_step(&self.ctx, self.model, &mut caches, &toks, &counts, want)?;
         drop(caches);
         let rows = self.gather_rows(want, &mine, sorted.len())?;
         let mut out = vec![Vec::new(); rows.len()];
@@ -733,21 +700,6 @@ impl<'a> Lead<'a> {
 impl Drop for Lead<'_> {
     fn drop(&mut self) {
         let _ = self.stop();
-    }
-}
-
-impl Stepper for Lead<'_> {
-    fn len(&self) -> usize {
-        self.caches[self.current].len()
-    }
-
-    fn capacity(&self) -> usize {
-        self.caches[self.current].capacity()
-    }
-
-    fn step(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
-        let want = self.want;
-        self.step_with(tokens, want)
     }
 }
 
@@ -838,7 +790,8 @@ fn serve_batch(
     }
     let tokens: Vec<u32> = (0..b).map(|r| word(r, 2) as u32).collect();
     let mut refs = caches_of(caches, &seqs);
-    let reply = run_batch_step(ctx, model, &mut refs, &tokens, header.want)?;
+    let counts = vec![1; tokens.len()];
+    let reply = run_step(ctx, model, &mut refs, &tokens, &counts, header.want)?;
     if !reply.is_empty() {
         ctx.world.send(0, &reply)?;
     }
@@ -903,7 +856,7 @@ pub fn serve(ctx: &RankContext, model: &Transformer, capacity: usize) -> Result<
                 ),
             });
         }
-        let reply = run_step(ctx, model, cache, &tokens, header.want)?;
+        let reply = run_step(ctx, model, &mut [cache], &tokens, &[t], header.want)?;
         if !reply.is_empty() {
             ctx.world.send(0, &reply)?;
         }

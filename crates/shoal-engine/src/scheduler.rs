@@ -28,14 +28,15 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 use shoal_model::tokenizer::StreamDecoder;
 
-use crate::generate::{FinishReason, StopMatcher};
 use crate::model::LoadedModel;
 use crate::parallel::{Lead, RankContext, Want};
 use crate::sampler::{Sampler, SamplerConfig};
+use crate::stop::{FinishReason, StopMatcher};
 use crate::{EngineError, KvCache};
 
-/// Prompt tokens run per scheduler iteration at most.
-pub const PROMPT_CHUNK: usize = 256;
+/// Prompt tokens run per scheduler iteration at most: a long prompt delays the decode
+/// steps of running sequences by one chunk at a time, and bounds attention's scratch.
+pub const PROMPT_CHUNK: usize = 512;
 
 /// Restricts which tokens may come next (constrained decoding: JSON schemas, forced tool
 /// calls). Implemented by the constraint engine; the scheduler only calls it.
@@ -107,6 +108,8 @@ pub struct Finished {
     pub stop: Option<String>,
     /// Prompt tokens processed.
     pub prompt_tokens: usize,
+    /// Of the prompt tokens, those a finished sequence's cache already held (not run again).
+    pub cached_tokens: usize,
     /// Tokens generated (an end-of-generation token is not counted).
     pub completion_tokens: usize,
     /// From submission to the first sampled token.
@@ -388,6 +391,86 @@ impl Scheduler {
     }
 }
 
+/// A sequence that ran to its end through [`Scheduler::generate`].
+#[derive(Debug, Clone)]
+pub struct Completion {
+    /// The generated tokens (an end-of-generation token is not among them).
+    pub tokens: Vec<u32>,
+    /// The text, cut before a matched stop string.
+    pub text: String,
+    /// How it ended, with its counts and timings.
+    pub finished: Finished,
+}
+
+impl Scheduler {
+    /// Runs one sequence to its end, streaming each piece of text to `on_text` as it
+    /// becomes final; `on_text` returns `false` to cancel it (the completion then ends
+    /// with [`FinishReason::Cancelled`] and the text so far). `shoal run` and `shoal chat`
+    /// generate through this, so their chunking, penalties, stop strings, constraints and
+    /// streamed text are those of every served request.
+    ///
+    /// # Errors
+    /// [`EngineError::Generation`] when the queue is full or the sequence fails.
+    pub fn generate(
+        &self,
+        request: SequenceRequest,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<Completion, EngineError> {
+        let prompt_tokens = request.prompt.len();
+        let started = Instant::now();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let ticket = self
+            .submit(request, Box::new(move |e| tx.send(e).is_ok()))
+            .map_err(|b| {
+                EngineError::Generation(format!(
+                    "the model is busy ({} sequences queued)",
+                    b.queued
+                ))
+            })?;
+        let (mut tokens, mut text) = (Vec::new(), String::new());
+        let mut first_token = None;
+        for event in rx {
+            let piece = match event {
+                Event::Token { id, text, .. } => {
+                    first_token.get_or_insert_with(|| started.elapsed());
+                    tokens.push(id);
+                    text
+                }
+                Event::Text(t) => t,
+                Event::Done(finished) => {
+                    return Ok(Completion {
+                        tokens,
+                        text,
+                        finished,
+                    })
+                }
+                Event::Failed(why) => return Err(EngineError::Generation(why)),
+            };
+            text.push_str(&piece);
+            if !piece.is_empty() && !on_text(&piece) {
+                ticket.cancel();
+                let completion_tokens = tokens.len();
+                return Ok(Completion {
+                    tokens,
+                    text,
+                    finished: Finished {
+                        reason: FinishReason::Cancelled,
+                        stop: None,
+                        prompt_tokens,
+                        cached_tokens: 0,
+                        completion_tokens,
+                        time_to_first_token: first_token.unwrap_or_default(),
+                        total: started.elapsed(),
+                    },
+                });
+            }
+        }
+        Err(EngineError::Generation(
+            "the scheduler stopped before the sequence ended".into(),
+        ))
+    }
+}
+
 impl Drop for Scheduler {
     fn drop(&mut self) {
         self.shared
@@ -455,10 +538,36 @@ struct Sequence {
     decoder: StreamDecoder,
     stops: StopMatcher,
     generated: usize,
+    /// The generated tokens, in order.
+    generated_ids: Vec<u32>,
+    /// Prompt tokens its cache held from a finished sequence.
+    cached: usize,
     counts: HashMap<u32, u32>,
     /// The last sampled token, to run in the next decode step.
     next: Option<u32>,
     first_token: Option<Duration>,
+}
+
+impl Sequence {
+    /// The tokens its cache holds, in order: the prompt and the generated tokens run so far.
+    fn history(&self) -> Vec<u32> {
+        let mut h = self.job.request.prompt.clone();
+        h.extend_from_slice(&self.generated_ids);
+        h.truncate(self.cache.len());
+        h
+    }
+}
+
+/// The cache of a sequence that ended, kept so that a later request sharing a start with
+/// it runs only the rest (a conversation's next turn re-sends the whole conversation).
+struct Parked {
+    cache: Store,
+    tokens: Vec<u32>,
+}
+
+/// Length of the common prefix of two token sequences.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// What [`Worker::admit`] found.
@@ -477,6 +586,8 @@ struct Worker<'m> {
     config: SchedulerConfig,
     shared: Arc<Shared>,
     active: Vec<Sequence>,
+    /// Caches of ended sequences, oldest first, at most one per slot.
+    parked: Vec<Parked>,
     /// The split this scheduler leads, if the model is split.
     lead: Option<Lead<'m>>,
     /// The split is unusable (its failure is in `shared.failure`).
@@ -496,6 +607,7 @@ impl<'m> Worker<'m> {
             config,
             shared,
             active: Vec::new(),
+            parked: Vec::new(),
             lead,
             broken,
         }
@@ -629,24 +741,12 @@ impl<'m> Worker<'m> {
             return None;
         }
         let capacity = (r.prompt.len() + r.max_tokens.max(1)).min(ctx);
-        let cache = if let Some(lead) = self.lead.as_mut() {
-            let used: Vec<usize> = self.active.iter().filter_map(|s| s.cache.slot()).collect();
-            let Some(slot) = (0..self.config.max_batch).find(|s| !used.contains(s)) else {
-                fail(&mut job, "no free slot in the split model".into());
-                return None;
-            };
-            if let Err(e) = lead.select(slot) {
-                fail(&mut job, e.to_string());
+        let (cache, cached) = match self.cache_for(&r.prompt, capacity) {
+            Ok(c) => c,
+            Err(msg) => {
+                fail(&mut job, msg);
                 return None;
             }
-            lead.truncate(0);
-            Store::Slot {
-                slot,
-                len: 0,
-                capacity,
-            }
-        } else {
-            Store::Local(self.model.new_cache(capacity))
         };
         let mut sampler = Sampler::new(r.sampler.clone());
         sampler.observe(&r.prompt);
@@ -655,19 +755,122 @@ impl<'m> Worker<'m> {
             job,
             cache,
             sampler,
-            prefilled: 0,
+            prefilled: cached,
             decoder: StreamDecoder::new(true),
             stops,
             generated: 0,
+            generated_ids: Vec::new(),
+            cached,
             counts: HashMap::new(),
             next: None,
             first_token: None,
         })
     }
 
+    /// A cache for a sequence of `prompt` that needs room for `capacity` positions, and how
+    /// many of the prompt's tokens it already holds: the parked cache that shares the
+    /// longest start with the prompt (all but its last token at most, which must run to
+    /// give logits), copied into a larger cache where it is too small, else an empty one.
+    fn cache_for(&mut self, prompt: &[u32], capacity: usize) -> Result<(Store, usize), String> {
+        let best = self
+            .parked
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (i, common_prefix(&p.tokens, prompt).min(prompt.len() - 1)))
+            .filter(|&(_, n)| n > 0)
+            .max_by_key(|&(i, n)| (n, i));
+        let reuse = best.map(|(i, n)| (self.parked.remove(i), n));
+        if let Some(lead) = self.lead.as_mut() {
+            // every slot holds the scheduler's whole context on every rank
+            let (slot, len) = match reuse {
+                Some((p, n)) => (p.cache.slot().unwrap_or(0), n),
+                None => {
+                    let held: Vec<usize> =
+                        self.active.iter().filter_map(|s| s.cache.slot()).collect();
+                    let parked: Vec<usize> =
+                        self.parked.iter().filter_map(|p| p.cache.slot()).collect();
+                    let free = (0..self.config.max_batch)
+                        .find(|s| !held.contains(s) && !parked.contains(s));
+                    let slot = match free {
+                        Some(s) => s,
+                        None => {
+                            // the oldest parked slot that no active sequence holds
+                            let i = self
+                                .parked
+                                .iter()
+                                .position(|p| p.cache.slot().is_some_and(|s| !held.contains(&s)))
+                                .ok_or_else(|| "no free slot in the split model".to_string())?;
+                            self.parked.remove(i).cache.slot().unwrap_or(0)
+                        }
+                    };
+                    (slot, 0)
+                }
+            };
+            lead.select(slot).map_err(|e| e.to_string())?;
+            lead.truncate(len);
+            return Ok((
+                Store::Slot {
+                    slot,
+                    len,
+                    capacity,
+                },
+                len,
+            ));
+        }
+        let model = &self.model;
+        match reuse {
+            Some((
+                Parked {
+                    cache: Store::Local(mut c),
+                    ..
+                },
+                n,
+            )) => {
+                c.truncate(n);
+                if c.capacity() >= capacity {
+                    return Ok((Store::Local(c), n));
+                }
+                let mut bigger = model.new_cache(capacity);
+                model
+                    .transformer
+                    .copy_prefix(&c, &mut bigger, n)
+                    .map_err(|e| e.to_string())?;
+                Ok((Store::Local(bigger), n))
+            }
+            _ => Ok((Store::Local(model.new_cache(capacity)), 0)),
+        }
+    }
+
+    /// Ends `seq`'s hold on its slot. A sequence that ended well (finished or cancelled,
+    /// not failed) leaves its cache parked for a later request that starts the same way;
+    /// the oldest parked cache goes when there are more than slots.
+    fn retire(&mut self, seq: Sequence, healthy: bool) {
+        if !healthy || self.broken {
+            return;
+        }
+        let tokens = seq.history();
+        if tokens.is_empty() {
+            return;
+        }
+        self.parked.push(Parked {
+            cache: seq.cache,
+            tokens,
+        });
+        if self.parked.len() > self.config.max_batch {
+            self.parked.remove(0);
+        }
+    }
+
     fn drop_cancelled(&mut self) {
-        self.active
-            .retain(|s| !s.job.cancelled.load(Ordering::Acquire));
+        let mut i = 0;
+        while i < self.active.len() {
+            if self.active[i].job.cancelled.load(Ordering::Acquire) {
+                let seq = self.active.remove(i);
+                self.retire(seq, true);
+            } else {
+                i += 1;
+            }
+        }
     }
 
     /// Runs the next chunk of the oldest sequence still reading its prompt; when its prompt is
@@ -712,6 +915,7 @@ impl<'m> Worker<'m> {
             .prompt_tokens
             .fetch_add(chunk.len() as u64, Ordering::Relaxed);
         seq.prefilled = end;
+        let seq_ok = result.is_ok();
         let keep = match result {
             Err(e) => {
                 (seq.job.sink)(Event::Failed(format!("prompt processing failed: {e}")));
@@ -721,7 +925,8 @@ impl<'m> Worker<'m> {
             Ok(_) => true,
         };
         if !keep {
-            self.active.swap_remove(i);
+            let seq = self.active.remove(i);
+            self.retire(seq, split_error.is_none() && seq_ok);
         }
         if let Some(why) = split_error {
             self.fail_all(&why);
@@ -732,6 +937,7 @@ impl<'m> Worker<'m> {
     /// state unknown).
     fn fail_all(&mut self, why: &str) {
         self.break_split(why);
+        self.parked.clear();
         for seq in self.active.drain(..) {
             let mut sink = seq.job.sink;
             sink(Event::Failed(why.to_string()));
@@ -793,22 +999,10 @@ impl<'m> Worker<'m> {
                     Store::Slot { .. } => None,
                 })
                 .collect();
-            match &mut caches[..] {
-                // one sequence: the one-token step (on plain values, its attention shared by
-                // the team) gives the same logits as a batch of one, bit for bit (see
-                // `tests/batch.rs`), and costs less. SmolLM2 at 2 threads: 381 against 314
-                // tokens/s in `shoal bench` (a batch of one forced for the comparison,
-                // medians of 6 in turn); one stream through `shoal serve`, 350-356 against
-                // 327-345 (`shoal bench serve`, medians of 3, two pairs of runs)
-                [cache] => model
-                    .transformer
-                    .forward_last(&tokens, cache)
-                    .map(|l| StepLogits::Rows(vec![l])),
-                _ => model
-                    .transformer
-                    .forward_batch_values(&tokens, &mut caches)
-                    .and_then(|l| StepLogits::flat(l, tokens.len())),
-            }
+            model
+                .transformer
+                .forward_batch(&tokens, &mut caches)
+                .and_then(|l| StepLogits::flat(l, tokens.len()))
         };
         let mut rows = match result {
             Ok(rows) => rows,
@@ -850,12 +1044,12 @@ impl<'m> Worker<'m> {
                 None => true,
             })
             .collect();
-        let mut i = 0;
-        self.active.retain(|_| {
-            let k = keep[i];
-            i += 1;
-            k
-        });
+        for i in (0..keep.len()).rev() {
+            if !keep[i] {
+                let seq = self.active.remove(i);
+                self.retire(seq, true);
+            }
+        }
     }
 }
 
@@ -956,6 +1150,7 @@ fn accept(model: &LoadedModel, seq: &mut Sequence, logits: &mut [f32]) -> bool {
         return finish(seq, FinishReason::Stop);
     }
     seq.generated += 1;
+    seq.generated_ids.push(id);
     *seq.counts.entry(id).or_insert(0) += 1;
     let piece = seq.decoder.push(tok, id);
     let (text, matched) = seq.stops.push(&piece);
@@ -997,6 +1192,7 @@ fn finish(seq: &mut Sequence, reason: FinishReason) -> bool {
         reason,
         stop: seq.stops.matched().map(str::to_string),
         prompt_tokens: seq.job.request.prompt.len(),
+        cached_tokens: seq.cached,
         completion_tokens: seq.generated,
         time_to_first_token: seq.first_token.unwrap_or_default(),
         total: seq.job.submitted.elapsed(),

@@ -15,6 +15,7 @@ use std::ops::Range;
 
 use shoal_planner::split::cut;
 
+use crate::arch::{ArchSpec, Role};
 use crate::config::ModelConfig;
 use crate::weights::WeightSource;
 use crate::EngineError;
@@ -117,17 +118,49 @@ fn lcm(a: usize, b: usize) -> usize {
     a / gcd(a, b) * b
 }
 
-/// The largest block length of tensor `blk.L.{suffix}` over `layers`.
+/// The largest block length of the layer tensors of `role` over `layers`.
 fn column_block(
     src: &dyn WeightSource,
+    spec: &ArchSpec,
     layers: Range<usize>,
-    suffix: &str,
+    role: Role,
 ) -> Result<usize, EngineError> {
     let mut b = 1;
     for l in layers {
-        b = lcm(b, src.block_len(&format!("blk.{l}.{suffix}"))?);
+        if let Some(name) = spec.layer_name(role, l) {
+            b = lcm(b, src.block_len(&name)?);
+        }
     }
     Ok(b)
+}
+
+/// Bytes of the tensors of each layer as stored (what a decode step reads of it), and of
+/// the output head (the embedding when tied), by the architecture's table.
+///
+/// # Errors
+/// When a required tensor is missing.
+pub fn stored_bytes(
+    cfg: &ModelConfig,
+    src: &dyn WeightSource,
+) -> Result<(Vec<u64>, u64), EngineError> {
+    let spec = crate::arch::spec(cfg.arch);
+    let mut layers = vec![0u64; cfg.n_layer];
+    for (l, bytes) in layers.iter_mut().enumerate() {
+        for (_, name) in spec.layer_names(l) {
+            if src.contains(&name) {
+                *bytes += src.stored_bytes(&name)?;
+            }
+        }
+    }
+    let head = [Role::Output, Role::TokenEmbd]
+        .iter()
+        .filter_map(|&r| spec.model_tensor(r))
+        .find(|t| src.contains(t.gguf))
+        .ok_or_else(|| EngineError::MissingTensor {
+            file: src.describe(),
+            name: "token_embd.weight".into(),
+        })?;
+    Ok((layers, src.stored_bytes(head.gguf)?))
 }
 
 /// Contiguous layer ranges of `sizes` (one per stage), or as even as possible when `None`
@@ -235,26 +268,8 @@ pub fn plan(
     let stage_sizes = match stage_sizes {
         Some(s) => Some(s),
         None if pp > 1 && pp <= cfg.n_layer => {
-            let mut layer = vec![0u64; cfg.n_layer];
-            for (l, bytes) in layer.iter_mut().enumerate() {
-                for suffix in [
-                    "attn_q.weight",
-                    "attn_k.weight",
-                    "attn_v.weight",
-                    "attn_output.weight",
-                    "ffn_gate.weight",
-                    "ffn_up.weight",
-                    "ffn_down.weight",
-                ] {
-                    *bytes += src.stored_bytes(&format!("blk.{l}.{suffix}"))?;
-                }
-            }
-            let head_name = if src.contains("output.weight") {
-                "output.weight"
-            } else {
-                "token_embd.weight"
-            };
-            balanced = balanced_stage_sizes(&layer, src.stored_bytes(head_name)?, pp);
+            let (layer, head) = stored_bytes(cfg, src)?;
+            balanced = balanced_stage_sizes(&layer, head, pp);
             Some(&balanced[..])
         }
         None => None,
@@ -262,8 +277,9 @@ pub fn plan(
     let stages = stage_layers(cfg.n_layer, pp, stage_sizes)?;
     let mut plans = Vec::with_capacity(tp * pp);
     for (s, layers) in stages.iter().enumerate() {
-        let o_block = column_block(src, layers.clone(), "attn_output.weight")?;
-        let down_block = column_block(src, layers.clone(), "ffn_down.weight")?;
+        let spec = crate::arch::spec(cfg.arch);
+        let o_block = column_block(src, spec, layers.clone(), Role::AttnOut)?;
+        let down_block = column_block(src, spec, layers.clone(), Role::FfnDown)?;
         let hd = cfg.head_dim;
         let group = cfg.n_head / cfg.n_kv_head.max(1);
         // Heads go in units whose columns of the output projection are whole blocks; whole

@@ -12,8 +12,9 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{Device, Tensor};
 use shoal_model::gguf::{GgmlType, GgufFile};
 
+use crate::arch::{ArchSpec, Role};
 use crate::kernels::{QuantMatrix, WeightType};
-use crate::EngineError;
+use crate::{EngineError, ModelConfig};
 
 /// Which part of a tensor to load. Rows are the outer dimension of a `[out, in]` weight
 /// (output features); columns the inner one (input features), cut on quantization blocks.
@@ -300,12 +301,27 @@ struct StEntry {
     end: usize,
 }
 
-/// How Hugging Face names map onto GGUF names, and which rows need the llama q/k
-/// permutation (the GGUF converter permutes them so interleaved RoPE can be used).
+/// How Hugging Face names map onto GGUF names (the architecture's table), and which rows
+/// need the llama q/k permutation (the GGUF converter permutes them so interleaved RoPE can
+/// be used).
 #[derive(Debug, Clone)]
 pub struct HfNaming {
-    /// Permute q/k rows from `rotate_half` order into interleaved order (llama-family).
+    /// The architecture's tensor table.
+    pub arch: &'static ArchSpec,
+    /// Permute q/k rows from `rotate_half` order into interleaved order: the model's query
+    /// and KV head counts.
     pub permute_qk: Option<(usize, usize)>,
+}
+
+impl HfNaming {
+    /// The naming of `cfg`'s architecture, permuting q/k rows where its GGUF files do.
+    pub fn for_config(cfg: &ModelConfig) -> Self {
+        let arch = crate::arch::spec(cfg.arch);
+        HfNaming {
+            arch,
+            permute_qk: arch.permutes_qk.then_some((cfg.n_head, cfg.n_kv_head)),
+        }
+    }
 }
 
 /// Weights read from Hugging Face safetensors files (one or several shards), converted to
@@ -315,35 +331,6 @@ pub struct SafetensorsWeights {
     maps: Vec<memmap2::Mmap>,
     entries: HashMap<String, StEntry>,
     naming: HfNaming,
-}
-
-/// The Hugging Face name of a GGUF tensor name, for the llama/qwen2 layout.
-pub fn hf_name(gguf: &str) -> Option<String> {
-    let fixed = match gguf {
-        "token_embd.weight" => Some("model.embed_tokens.weight"),
-        "output_norm.weight" => Some("model.norm.weight"),
-        "output.weight" => Some("lm_head.weight"),
-        _ => None,
-    };
-    if let Some(f) = fixed {
-        return Some(f.to_string());
-    }
-    let rest = gguf.strip_prefix("blk.")?;
-    let (layer, rest) = rest.split_once('.')?;
-    let (part, suffix) = rest.split_once('.')?;
-    let hf = match part {
-        "attn_norm" => "input_layernorm",
-        "ffn_norm" => "post_attention_layernorm",
-        "attn_q" => "self_attn.q_proj",
-        "attn_k" => "self_attn.k_proj",
-        "attn_v" => "self_attn.v_proj",
-        "attn_output" => "self_attn.o_proj",
-        "ffn_gate" => "mlp.gate_proj",
-        "ffn_up" => "mlp.up_proj",
-        "ffn_down" => "mlp.down_proj",
-        _ => return None,
-    };
-    Some(format!("model.layers.{layer}.{hf}.{suffix}"))
 }
 
 impl SafetensorsWeights {
@@ -391,10 +378,14 @@ impl SafetensorsWeights {
     }
 
     fn entry(&self, gguf: &str) -> Result<(String, &StEntry), EngineError> {
-        let hf = hf_name(gguf).ok_or_else(|| EngineError::MissingTensor {
-            file: self.describe(),
-            name: gguf.into(),
-        })?;
+        let hf = self
+            .naming
+            .arch
+            .hf_name(gguf)
+            .ok_or_else(|| EngineError::MissingTensor {
+                file: self.describe(),
+                name: gguf.into(),
+            })?;
         let e = self
             .entries
             .get(&hf)
@@ -480,7 +471,10 @@ impl WeightSource for SafetensorsWeights {
     }
 
     fn contains(&self, name: &str) -> bool {
-        hf_name(name).is_some_and(|h| self.entries.contains_key(&h))
+        self.naming
+            .arch
+            .hf_name(name)
+            .is_some_and(|h| self.entries.contains_key(&h))
     }
 
     fn shape(&self, name: &str) -> Result<Vec<usize>, EngineError> {
@@ -492,12 +486,10 @@ impl WeightSource for SafetensorsWeights {
         let mut data = self.f32_data(&hf, e)?;
         let mut shape = e.shape.clone();
         if let Some((n_head, n_kv_head)) = self.naming.permute_qk {
-            let heads = if name.contains(".attn_q.") {
-                Some(n_head)
-            } else if name.contains(".attn_k.") {
-                Some(n_kv_head)
-            } else {
-                None
+            let heads = match self.naming.arch.entry(name).map(|(t, _)| t.role) {
+                Some(Role::AttnQ | Role::AttnQBias) => Some(n_head),
+                Some(Role::AttnK | Role::AttnKBias) => Some(n_kv_head),
+                _ => None,
             };
             if let Some(h) = heads {
                 let row_len = if shape.len() == 2 { shape[1] } else { 1 };
@@ -542,20 +534,6 @@ impl WeightSource for SafetensorsWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hf_names() {
-        assert_eq!(
-            hf_name("blk.12.attn_q.bias").as_deref(),
-            Some("model.layers.12.self_attn.q_proj.bias")
-        );
-        assert_eq!(
-            hf_name("blk.0.ffn_norm.weight").as_deref(),
-            Some("model.layers.0.post_attention_layernorm.weight")
-        );
-        assert_eq!(hf_name("output.weight").as_deref(), Some("lm_head.weight"));
-        assert_eq!(hf_name("blk.x"), None);
-    }
 
     #[test]
     fn permutation_interleaves_halves() {

@@ -13,9 +13,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use shoal_engine::generate::{FinishReason, GenerateParams};
 use shoal_engine::model::LoadedModel;
 use shoal_engine::scheduler::{Event, Scheduler, SchedulerConfig, SequenceRequest};
+use shoal_engine::stop::FinishReason;
 use shoal_engine::transformer::argmax;
 use shoal_engine::{KvCache, Sampler, SamplerConfig, Transformer};
 use shoal_model::source::ModelSource;
@@ -82,24 +82,21 @@ fn batched_matches_alone(t: &Transformer, prompts: &[Vec<u32>], steps: usize, to
             .filter(|(i, _)| members.contains(i))
             .map(|(_, c)| c)
             .collect();
-        let rows = t
-            .forward_batch(&tokens, &mut refs)
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap();
-        for (&i, row) in members.iter().zip(rows) {
+        let rows = t.forward_batch(&tokens, &mut refs).unwrap();
+        let vocab = rows.len() / tokens.len();
+        for (&i, row) in members.iter().zip(rows.chunks_exact(vocab)) {
             let (want_tok, want_logits) = &alone[i][done[i]];
             assert_eq!(
                 tokens[members.iter().position(|&m| m == i).unwrap()],
                 *want_tok
             );
-            let d = rel_diff(&row, want_logits);
+            let d = rel_diff(row, want_logits);
             assert!(
                 d <= tol,
                 "sequence {i} step {}: logits differ by {d}",
                 done[i]
             );
-            next[i] = argmax(&row) as u32;
+            next[i] = argmax(row) as u32;
             done[i] += 1;
         }
     }
@@ -116,12 +113,14 @@ fn prompts(vocab: u32) -> Vec<Vec<u32>> {
 
 /// The test kit's tiny models the batch tests run: F32, Q8_0 with q/k/v biases, Gemma 3
 /// (post-norms, a sliding window of 4), and Q4_K (a gate/up pair).
-fn tiny_cases() -> [(TinyModelSpec, GgmlType); 4] {
+fn tiny_cases() -> [(TinyModelSpec, GgmlType); 6] {
     [
         (TinyModelSpec::llama(3), GgmlType::F32),
         (TinyModelSpec::qwen2(4), GgmlType::Q8_0),
         (TinyModelSpec::gemma3(5), GgmlType::F32),
         (TinyModelSpec::llama(6).k_quant_shapes(), GgmlType::Q4_K),
+        (TinyModelSpec::qwen3(7), GgmlType::Q8_0),
+        (TinyModelSpec::llama31(8), GgmlType::F32),
     ]
 }
 
@@ -154,12 +153,7 @@ fn one_token_steps_on_values_equal_a_batch_of_one() {
         for step in 0..12 {
             let tok = argmax(&logits) as u32;
             logits = t.forward_last(&[tok], &mut alone).unwrap();
-            let row = t
-                .forward_batch(&[tok], &mut [&mut batch])
-                .unwrap()
-                .to_vec2::<f32>()
-                .unwrap()
-                .remove(0);
+            let row = t.forward_batch(&[tok], &mut [&mut batch]).unwrap();
             let same = logits.len() == row.len()
                 && logits
                     .iter()
@@ -257,23 +251,8 @@ fn scheduler_gives_each_request_its_own_tokens() {
     )));
     let ps = prompts(320);
     let lens = [20usize, 7, 13, 30];
-    // alone, through the one-sequence generation loop
-    let want: Vec<Vec<u32>> = ps
-        .iter()
-        .zip(lens)
-        .map(|(p, n)| {
-            let mut cache = m.new_cache(256);
-            let params = GenerateParams {
-                max_tokens: n,
-                stop: Vec::new(),
-                ignore_eos: true,
-            };
-            let mut s = Sampler::new(SamplerConfig::default());
-            m.generate(p, &mut cache, &mut s, &params, &mut |_| true)
-                .unwrap()
-                .tokens
-        })
-        .collect();
+    // alone, step by step
+    let want: Vec<Vec<u32>> = ps.iter().zip(lens).map(|(p, n)| alone(&m, p, n)).collect();
     let sched = Scheduler::start(
         m.clone(),
         SchedulerConfig {
@@ -303,6 +282,73 @@ fn scheduler_gives_each_request_its_own_tokens() {
         sched.stats().decode_steps.load(Ordering::Relaxed) < 70,
         "steps were batched"
     );
+}
+
+/// `n` tokens after `prompt`, sampled with the default sampler, one step at a time.
+fn alone(m: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = m.new_cache(256);
+    let mut s = Sampler::new(SamplerConfig::default());
+    s.observe(prompt);
+    let mut logits = m.transformer.prefill(prompt, &mut cache).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let id = s.sample(&mut logits);
+        out.push(id);
+        logits = m.transformer.forward_last(&[id], &mut cache).unwrap();
+    }
+    out
+}
+
+/// A request that starts as an ended one did runs only the rest: its cache is the ended
+/// sequence's (in place when large enough, else copied into a larger one), and its tokens
+/// are those it gets alone.
+#[test]
+fn scheduler_reuses_the_cache_of_an_ended_sequence() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Arc::new(load(&tiny(
+        TinyModelSpec::llama(15),
+        GgmlType::Q8_0,
+        dir.path(),
+    )));
+    let sched = Scheduler::start(
+        m.clone(),
+        SchedulerConfig {
+            max_batch: 1,
+            max_queue: 1,
+            ctx: 256,
+        },
+    )
+    .unwrap();
+    let first = prompts(320)[0].clone();
+    let r1 = sched
+        .generate(request(first.clone(), 10), &mut |_| true)
+        .unwrap();
+    assert_eq!(r1.finished.cached_tokens, 0);
+    assert_eq!(r1.tokens, alone(&m, &first, 10));
+    // the next turn of a conversation: everything so far, then more; its cache must grow
+    // (the first held room for its prompt and 10 tokens), so the prefix is copied
+    let mut second = first.clone();
+    second.extend_from_slice(&r1.tokens);
+    second.extend_from_slice(&[7, 8, 9]);
+    let r2 = sched
+        .generate(request(second.clone(), 30), &mut |_| true)
+        .unwrap();
+    // the cache held the prompt and all generated tokens but the last, which never ran
+    assert_eq!(r2.finished.cached_tokens, first.len() + 9);
+    assert_eq!(r2.tokens, alone(&m, &second, 30));
+    // a shorter request that shares only the first prompt's start reuses that part in place
+    let third = first[..first.len() - 2].to_vec();
+    let r3 = sched
+        .generate(request(third.clone(), 5), &mut |_| true)
+        .unwrap();
+    assert_eq!(r3.finished.cached_tokens, third.len() - 1);
+    assert_eq!(r3.tokens, alone(&m, &third, 5));
+    // nothing in common: a new cache
+    let r4 = sched
+        .generate(request(vec![300, 301], 5), &mut |_| true)
+        .unwrap();
+    assert_eq!(r4.finished.cached_tokens, 0);
+    assert_eq!(r4.tokens, alone(&m, &[300, 301], 5));
 }
 
 #[test]

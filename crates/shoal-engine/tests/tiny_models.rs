@@ -29,7 +29,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
 use shoal_engine::weights::{GgufWeights, HfNaming, SafetensorsWeights, Slice, WeightSource};
-use shoal_engine::{arch, Arch, EngineError, Transformer};
+use shoal_engine::{arch, EngineError, Transformer};
 use shoal_model::gguf::GgufFile;
 use shoal_model::source::{self, ModelSource, ResolveContext};
 use shoal_testkit::{GgmlType, SafetensorsDtype, TinyModel, TinyModelSpec};
@@ -59,21 +59,27 @@ fn load_hf(source: &ModelSource) -> Result<Transformer, EngineError> {
     let label = source.path().display().to_string();
     let cfg = arch::config_from_hf(&json, &label)?;
     let files = source.safetensors_files().unwrap();
-    let naming = HfNaming {
-        permute_qk: (cfg.arch == Arch::Llama).then_some((cfg.n_head, cfg.n_kv_head)),
-    };
-    let src = SafetensorsWeights::open(&files, naming)?;
+    let src = SafetensorsWeights::open(&files, HfNaming::for_config(&cfg))?;
     Transformer::load(&src, cfg, Arc::new(shoal_comm::Solo))
 }
 
-fn to_rows(t: candle_core::Tensor) -> Vec<Vec<f32>> {
-    t.to_vec2::<f32>().unwrap()
+/// Logit rows of a step of `n` rows.
+fn to_rows(logits: Vec<f32>, n: usize) -> Vec<Vec<f32>> {
+    assert!(
+        n > 0 && logits.len().is_multiple_of(n),
+        "{} logits for {n} rows",
+        logits.len()
+    );
+    logits
+        .chunks_exact(logits.len() / n)
+        .map(<[f32]>::to_vec)
+        .collect()
 }
 
 /// Logits at every position, the whole prompt in one forward pass.
 fn prefill(m: &Transformer, ids: &[u32]) -> Vec<Vec<f32>> {
     let mut cache = m.new_cache(64);
-    let l = to_rows(m.forward(ids, &mut cache, ids.len()).unwrap());
+    let l = to_rows(m.forward(ids, &mut cache, ids.len()).unwrap(), ids.len());
     assert_eq!(l.len(), ids.len());
     assert_eq!(cache.len(), ids.len());
     l
@@ -87,7 +93,10 @@ fn chunked(m: &Transformer, ids: &[u32], chunks: &[usize]) -> Vec<Vec<f32>> {
     let mut out = Vec::new();
     let mut at = 0;
     for &n in chunks {
-        out.extend(to_rows(m.forward(&ids[at..at + n], &mut cache, n).unwrap()));
+        out.extend(to_rows(
+            m.forward(&ids[at..at + n], &mut cache, n).unwrap(),
+            n,
+        ));
         at += n;
         assert_eq!(cache.len(), at);
     }
@@ -231,6 +240,19 @@ fn gemma3_untied_f32_gguf_matches_oracle() {
     check_f32_gguf(TinyModelSpec::gemma3(6).tied(false));
 }
 
+#[test]
+fn qwen3_f32_gguf_matches_oracle() {
+    check_f32_gguf(TinyModelSpec::qwen3(9));
+    check_f32_gguf(TinyModelSpec::qwen3(10).tied(false));
+}
+
+/// Llama 3.1's RoPE scaling: the GGUF's `rope_freqs.weight` divides each pair's frequency.
+#[test]
+fn llama31_rope_scaling_f32_gguf_matches_oracle() {
+    check_f32_gguf(TinyModelSpec::llama31(11));
+    check_f32_gguf(TinyModelSpec::llama31(12).tied(true));
+}
+
 /// The wider K-quant shapes (head_dim 64, hidden 256) in F32, so a mistake specific to those
 /// shapes is not blamed on quantization in the quantized tests.
 #[test]
@@ -362,6 +384,14 @@ fn llama_f32_safetensors_bit_identical_to_gguf() {
 #[test]
 fn llama_tied_f32_safetensors_bit_identical_to_gguf() {
     check_gguf_equals_safetensors(TinyModelSpec::llama(12).tied(true));
+}
+
+/// Qwen3 from `config.json` (its head size, q/k norms), and Llama 3.1 whose RoPE factors
+/// the loader computes from `rope_scaling` where the GGUF holds them as a tensor.
+#[test]
+fn qwen3_and_llama31_f32_safetensors_bit_identical_to_gguf() {
+    check_gguf_equals_safetensors(TinyModelSpec::qwen3(13).tied(false));
+    check_gguf_equals_safetensors(TinyModelSpec::llama31(14));
 }
 
 #[test]
@@ -529,6 +559,24 @@ fn k_quant_gguf_greedy_matches_oracle() {
     );
     check_quantized(
         TinyModelSpec::gemma3(100).k_quant_shapes(),
+        GgmlType::Q4_K,
+        0.5,
+    );
+}
+
+/// The two architectures added through the architecture tables, in the test kit's
+/// quantized types: Qwen3 (q/k norms, its own head size) and Llama 3.1 RoPE scaling.
+#[test]
+fn qwen3_and_llama31_quantized_logits_match_oracle() {
+    check_quantized_logits(TinyModelSpec::qwen3(160), GgmlType::Q8_0, 0.15);
+    check_quantized_logits(TinyModelSpec::llama31(161), GgmlType::Q8_0, 0.15);
+    check_quantized_logits(
+        TinyModelSpec::qwen3(162).k_quant_shapes(),
+        GgmlType::Q4_K,
+        0.5,
+    );
+    check_quantized_logits(
+        TinyModelSpec::llama31(163).k_quant_shapes(),
         GgmlType::Q4_K,
         0.5,
     );
@@ -768,7 +816,7 @@ fn token_out_of_vocab_is_an_error() {
     assert!(e.to_string().contains(&u32::MAX.to_string()), "{e}");
     // nothing was appended, and the cache still works
     assert_eq!(cache.len(), 2);
-    let after = to_rows(t.forward(&[3], &mut cache, 1).unwrap());
+    let after = to_rows(t.forward(&[3], &mut cache, 1).unwrap(), 1);
     let oracle = m.reference_logits_f16_kv(&[1, 2, 3]);
     assert!(max_abs_diff(&after, &oracle[2..]) < F32_TOL);
 }

@@ -318,9 +318,20 @@ pub struct Comparison {
     pub worst_rel: f32,
     /// Steps where the argmaxes differ but the reference itself rates them a near-tie.
     pub excused: Vec<String>,
+    /// The sum of |ours - reference| / scale over every compared entry, and how many were
+    /// compared: a deviation spread over many entries (a systematic fault) shows in their
+    /// mean before any single entry crosses `rel_logit`.
+    pub sum_rel: f64,
+    /// Entries compared.
+    pub entries: usize,
 }
 
 impl Comparison {
+    /// The mean |ours - reference| / scale over every compared entry (0 when none was).
+    pub fn mean_rel(&self) -> f64 {
+        self.sum_rel / self.entries.max(1) as f64
+    }
+
     /// Whether every rule held at every step.
     pub fn passed(&self) -> bool {
         self.failures.is_empty()
@@ -376,6 +387,7 @@ pub fn compare_teacher_forced(
     let mut failures = Vec::new();
     let mut excused = Vec::new();
     let mut worst_rel = 0f32;
+    let (mut sum_rel, mut entries) = (0f64, 0usize);
     if reference.len() != ours.len() {
         failures.push(format!(
             "the reference has {} steps and ours {}",
@@ -408,6 +420,8 @@ pub fn compare_teacher_forced(
             let rel = diff / scale;
             let within = diff <= limit; // false for NaN
             worst_rel = worst_rel.max(if rel.is_nan() { f32::INFINITY } else { rel });
+            sum_rel += f64::from(rel);
+            entries += 1;
             if !within {
                 failures.push(format!(
                     "step {s}: id {id}: ours {o} vs reference {r} (|diff| {diff:.3e} > \
@@ -443,6 +457,8 @@ pub fn compare_teacher_forced(
         failures,
         worst_rel,
         excused,
+        sum_rel,
+        entries,
     }
 }
 
@@ -526,6 +542,27 @@ mod tests {
             "{}",
             c.worst_rel
         );
+    }
+
+    /// A deviation spread over every entry shows in the mean, at its own size, while no
+    /// single entry fails: what a caller bounding the mean catches.
+    #[test]
+    fn spread_deviation_shows_in_the_mean() {
+        let rows = steps(4);
+        let ours: Vec<Vec<f32>> = rows
+            .iter()
+            .map(|r| r.iter().map(|v| v - 0.25 * TOL.rel_logit * 5.0).collect())
+            .collect();
+        let c = compare_teacher_forced(&reference_of(&rows), &ours, TOL);
+        assert!(c.passed(), "{:?}", c.failures);
+        assert_eq!(c.entries, 4 * 8);
+        assert!(
+            (c.mean_rel() - f64::from(0.25 * TOL.rel_logit)).abs() < 1e-7,
+            "{}",
+            c.mean_rel()
+        );
+        let same = compare_teacher_forced(&reference_of(&rows), &rows, TOL);
+        assert_eq!(same.mean_rel(), 0.0);
     }
 
     #[test]

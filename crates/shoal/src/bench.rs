@@ -12,7 +12,6 @@ use std::time::Instant;
 
 use clap::Args;
 use serde::Serialize;
-use shoal_engine::generate::prefill;
 use shoal_engine::kernels::WeightBuffer;
 use shoal_engine::transformer::argmax;
 
@@ -363,13 +362,13 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
     let fill = |cache: &mut shoal_engine::kv_cache::KvCache| -> anyhow::Result<()> {
         cache.clear();
         if !history.is_empty() {
-            prefill(t, &history, cache)?;
+            t.prefill(&history, cache)?;
         }
         Ok(())
     };
     let mut cache = t.new_cache(ctx);
     // warm-up: page the weights in, fill allocator pools
-    prefill(t, &prompt_tokens(16.min(ctx), vocab), &mut cache)?;
+    t.prefill(&prompt_tokens(16.min(ctx), vocab), &mut cache)?;
     let mut pp = Vec::new();
     let mut tg = Vec::new();
     let mut decode_secs = 0.0;
@@ -383,7 +382,7 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
             fill(&mut cache)?;
             let toks = prompt_tokens(args.n_prompt, vocab);
             let t0 = Instant::now();
-            prefill(t, &toks, &mut cache)?;
+            t.prefill(&toks, &mut cache)?;
             pp.push(args.n_prompt as f64 / t0.elapsed().as_secs_f64());
         }
         let before = cpu_ticks();
@@ -399,7 +398,7 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
                 for _ in 0..args.n_gen {
                     let mut refs: Vec<_> = caches.iter_mut().collect();
                     // the values the server's scheduler samples from (no tensor)
-                    let logits = t.forward_batch_values(&toks, &mut refs)?;
+                    let logits = t.forward_batch(&toks, &mut refs)?;
                     let width = (logits.len() / toks.len()).max(1);
                     for (tok, row) in toks.iter_mut().zip(logits.chunks(width)) {
                         *tok = argmax(row) as u32;

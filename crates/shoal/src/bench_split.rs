@@ -74,10 +74,10 @@ pub fn main(args: &BenchArgs, model_arg: &str) -> anyhow::Result<()> {
             let toks = prompt_tokens(args.n_prompt, cfg.vocab);
             let t0 = Instant::now();
             for (i, chunk) in toks
-                .chunks(shoal_engine::generate::PREFILL_CHUNK)
+                .chunks(shoal_engine::scheduler::PROMPT_CHUNK)
                 .enumerate()
             {
-                let last = (i + 1) * shoal_engine::generate::PREFILL_CHUNK >= toks.len();
+                let last = (i + 1) * shoal_engine::scheduler::PROMPT_CHUNK >= toks.len();
                 lead.step_with(chunk, if last { Want::Best } else { Want::Nothing })?;
             }
             pp.push(args.n_prompt as f64 / t0.elapsed().as_secs_f64());

@@ -1,10 +1,13 @@
 //! `shoal chat MODEL`: an interactive multi-turn conversation in the terminal. Each turn
-//! re-renders the whole conversation through the chat template, but only the tokens after
-//! the part the KV cache already holds are run again.
+//! re-renders the whole conversation through the chat template and generates through the
+//! scheduler `shoal serve` uses (one slot), which keeps the last turn's KV cache and runs
+//! only the tokens after the part it already holds.
 
 use std::io::{BufRead, Write};
+use std::sync::Arc;
 
 use clap::Args;
+use shoal_engine::scheduler::{Scheduler, SchedulerConfig};
 
 use crate::run::SamplingArgs;
 use crate::ComputeArgs;
@@ -28,11 +31,6 @@ pub struct ChatArgs {
     pub key: Option<String>,
 }
 
-/// Length of the common prefix of two token sequences.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
-
 pub fn main(args: ChatArgs) -> anyhow::Result<()> {
     if let Some(url) = &args.url {
         let client = crate::client::ClientArgs {
@@ -42,22 +40,29 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
         return crate::remote::chat(&client, &args.model, args.system.as_deref(), &args.sampling);
     }
     args.compute.apply()?;
-    let model = crate::models::open(&args.model)?;
+    let model = Arc::new(crate::models::open(&args.model)?);
     if model.chat_template.is_none() {
         anyhow::bail!(
             "{} has no chat template (a base model?); use `shoal run --raw` to continue text",
             model.name
         );
     }
-    let mut cache = model.new_cache(args.sampling.ctx());
-    let mut sampler = args.sampling.sampler(0.7)?;
-    let params = args.sampling.params();
+    let ctx = args
+        .sampling
+        .ctx()
+        .min(model.transformer.config().context_len);
+    let scheduler = Scheduler::start(
+        model.clone(),
+        SchedulerConfig {
+            max_batch: 1,
+            max_queue: 0,
+            ctx,
+        },
+    )?;
     let mut messages = Vec::new();
     if let Some(s) = &args.system {
         messages.push(serde_json::json!({"role": "system", "content": s}));
     }
-    // Tokens the cache holds, in order.
-    let mut cached: Vec<u32> = Vec::new();
     eprintln!(
         "chatting with {} — /reset clears the conversation, /exit or Ctrl-D quits",
         model.name
@@ -75,8 +80,6 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
             "/exit" | "/quit" => break,
             "/reset" => {
                 messages.retain(|m| m["role"] == "system");
-                cache.clear();
-                cached.clear();
                 eprintln!("(conversation cleared)");
                 continue;
             }
@@ -87,48 +90,21 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
         if prompt.is_empty() {
             anyhow::bail!("the chat template rendered an empty prompt");
         }
-        if prompt.len() + params.max_tokens > cache.capacity() {
-            eprintln!(
-                "(the conversation no longer fits the context of {} tokens; use /reset)",
-                cache.capacity()
-            );
+        if prompt.len() + args.sampling.max_tokens > ctx {
+            eprintln!("(the conversation no longer fits the context of {ctx} tokens; use /reset)");
             messages.pop();
             continue;
         }
-        // Reuse the cached prefix; keep at least one token to run so there are logits.
-        let keep = common_prefix(&cached, &prompt).min(prompt.len() - 1);
-        cache.truncate(keep);
+        let request = args.sampling.request(&model, prompt, 0.7)?;
         let mut stdout = std::io::stdout().lock();
-        let gen = model.generate_continuing(
-            &prompt[..keep],
-            &prompt[keep..],
-            &mut cache,
-            &mut sampler,
-            &params,
-            &mut |t| {
-                stdout
-                    .write_all(t.as_bytes())
-                    .and_then(|_| stdout.flush())
-                    .is_ok()
-            },
-        )?;
+        let done = scheduler.generate(request, &mut |t| {
+            stdout
+                .write_all(t.as_bytes())
+                .and_then(|_| stdout.flush())
+                .is_ok()
+        })?;
         writeln!(stdout)?;
-        cached = prompt;
-        cached.extend_from_slice(&gen.tokens);
-        // The cache holds every generated token but the last one sampled.
-        cached.truncate(cache.len());
-        messages.push(serde_json::json!({"role": "assistant", "content": gen.text}));
+        messages.push(serde_json::json!({"role": "assistant", "content": done.text}));
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::common_prefix;
-
-    #[test]
-    fn prefix() {
-        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2, 4]), 2);
-        assert_eq!(common_prefix(&[], &[1]), 0);
-    }
 }

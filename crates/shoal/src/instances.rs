@@ -869,7 +869,7 @@ impl Driver {
         let mut needed: BTreeSet<u64> =
             (0..m.data_offset.min(m.size).div_ceil(CHUNK).max(1)).collect();
         for (name, start, len) in &m.tensors {
-            let wanted = match block_index(name) {
+            let wanted = match shoal_engine::arch::layer_of(name) {
                 Some(i) => layers.contains(&i),
                 None => true,
             };
@@ -1374,11 +1374,6 @@ fn is_running(state: &InstanceState) -> bool {
     )
 }
 
-/// The block index of a tensor named `blk.N.…`.
-fn block_index(name: &str) -> Option<usize> {
-    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
-}
-
 impl InstanceControl for Driver {
     fn load(&self, request: Value) -> ControlFuture {
         let me = self.self_arc();
@@ -1428,17 +1423,5 @@ impl Driver {
         self.me
             .upgrade()
             .expect("the driver is alive while it is called")
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn block_indices() {
-        assert_eq!(block_index("blk.12.attn_q.weight"), Some(12));
-        assert_eq!(block_index("token_embd.weight"), None);
-        assert_eq!(block_index("blk.x.attn_q.weight"), None);
     }
 }

@@ -12,8 +12,8 @@ use anyhow::{bail, Context};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use shoal_engine::kv_cache::KvCache;
-use shoal_engine::weights::{GgufWeights, HfNaming, SafetensorsWeights, WeightSource};
-use shoal_engine::ModelConfig;
+use shoal_engine::planning::model_profile;
+use shoal_engine::weights::{GgufWeights, HfNaming, SafetensorsWeights};
 use shoal_model::gguf::GgufFile;
 use shoal_model::source::ModelSource;
 use shoal_planner::{
@@ -381,104 +381,6 @@ impl ModelEntry {
     }
 }
 
-/// Tensors of block `L` the engine loads (named the GGUF way; absent ones are skipped).
-const BLOCK_TENSORS: &[&str] = &[
-    "attn_norm.weight",
-    "attn_q.weight",
-    "attn_q.bias",
-    "attn_k.weight",
-    "attn_k.bias",
-    "attn_v.weight",
-    "attn_v.bias",
-    "attn_q_norm.weight",
-    "attn_k_norm.weight",
-    "attn_output.weight",
-    "post_attention_norm.weight",
-    "ffn_norm.weight",
-    "ffn_gate.weight",
-    "ffn_up.weight",
-    "ffn_down.weight",
-    "post_ffw_norm.weight",
-];
-
-fn lcm(a: usize, b: usize) -> usize {
-    fn gcd(a: usize, b: usize) -> usize {
-        if b == 0 {
-            a
-        } else {
-            gcd(b, a % b)
-        }
-    }
-    if a == 0 || b == 0 {
-        return a.max(b);
-    }
-    a / gcd(a, b) * b
-}
-
-/// The profile of a model from its weights' sizes as stored (what each rank would hold).
-fn profile_of(
-    name: &str,
-    cfg: &ModelConfig,
-    src: &dyn WeightSource,
-) -> anyhow::Result<ModelProfile> {
-    let elems =
-        |t: &str| -> anyhow::Result<u64> { Ok(src.shape(t)?.iter().map(|&d| d as u64).product()) };
-    let mut layer_bytes = Vec::with_capacity(cfg.n_layer);
-    let mut params = 0u64;
-    let (mut ffn_block, mut attn_block) = (1usize, 1usize);
-    for l in 0..cfg.n_layer {
-        let mut bytes = 0;
-        for suffix in BLOCK_TENSORS {
-            let t = format!("blk.{l}.{suffix}");
-            if src.contains(&t) {
-                bytes += src.stored_bytes(&t)?;
-                params += elems(&t)?;
-            }
-        }
-        layer_bytes.push(bytes);
-        ffn_block = lcm(
-            ffn_block,
-            src.block_len(&format!("blk.{l}.ffn_down.weight"))?,
-        );
-        attn_block = lcm(
-            attn_block,
-            src.block_len(&format!("blk.{l}.attn_output.weight"))?,
-        );
-    }
-    let embedding_bytes = src.stored_bytes("token_embd.weight")?;
-    params += elems("token_embd.weight")?;
-    let tied = !src.contains("output.weight");
-    let head_bytes = if tied {
-        embedding_bytes
-    } else {
-        params += elems("output.weight")?;
-        src.stored_bytes("output.weight")?
-    };
-    Ok(ModelProfile {
-        name: name.into(),
-        n_layers: cfg.n_layer,
-        hidden: cfg.hidden,
-        n_heads: cfg.n_head,
-        n_kv_heads: cfg.n_kv_head,
-        head_dim: cfg.head_dim,
-        ffn: cfg.ffn,
-        vocab: cfg.vocab,
-        params,
-        layer_bytes,
-        embedding_bytes,
-        head_bytes,
-        tied_embeddings: tied,
-        kv_bytes_per_token_per_layer: KvCache::bytes_per_token_per_layer(
-            cfg.n_kv_head,
-            cfg.head_dim,
-        ),
-        quant_block: u32::try_from(ffn_block).unwrap_or(u32::MAX),
-        attn_quant_block: (attn_block != ffn_block)
-            .then(|| u32::try_from(attn_block).unwrap_or(u32::MAX)),
-        experts: None,
-    })
-}
-
 fn file_name(p: &Path) -> String {
     p.file_name()
         .map(|s| s.to_string_lossy().into_owned())
@@ -499,7 +401,11 @@ pub(crate) fn profile_from_model(arg: &str) -> anyhow::Result<ModelProfile> {
                 .copied()
                 .unwrap_or(0);
             let cfg = shoal_engine::arch::config_from_gguf(file.metadata(), vocab, &label)?;
-            profile_of(&file_name(path), &cfg, &GgufWeights::new(file))
+            Ok(model_profile(
+                &file_name(path),
+                &cfg,
+                &GgufWeights::new(file),
+            )?)
         }
         ModelSource::HfFolder(dir) => {
             let config = dir.join("config.json");
@@ -509,8 +415,8 @@ pub(crate) fn profile_from_model(arg: &str) -> anyhow::Result<ModelProfile> {
                 .with_context(|| format!("{} is not valid JSON", config.display()))?;
             let cfg = shoal_engine::arch::config_from_hf(&json, &dir.display().to_string())?;
             let files = source.safetensors_files()?;
-            let src = SafetensorsWeights::open(&files, HfNaming { permute_qk: None })?;
-            profile_of(&file_name(dir), &cfg, &src)
+            let src = SafetensorsWeights::open(&files, HfNaming::for_config(&cfg))?;
+            Ok(model_profile(&file_name(dir), &cfg, &src)?)
         }
     }
 }

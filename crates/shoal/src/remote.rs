@@ -21,7 +21,7 @@ struct Answer {
     total: f64,
 }
 
-fn sampling_fields(s: &SamplingArgs, body: &mut Value) {
+fn sampling_fields(s: &SamplingArgs, body: &mut Value) -> anyhow::Result<()> {
     body["max_tokens"] = json!(s.max_tokens);
     body["temperature"] = json!(s.temp.unwrap_or(0.7));
     body["top_k"] = json!(s.top_k);
@@ -37,8 +37,15 @@ fn sampling_fields(s: &SamplingArgs, body: &mut Value) {
     if s.ignore_eos {
         body["ignore_eos"] = json!(true);
     }
+    if let Some(schema) = s.schema()? {
+        body["response_format"] = json!({
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": schema},
+        });
+    }
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
+    Ok(())
 }
 
 /// Streams one request's text to stdout.
@@ -110,7 +117,7 @@ pub fn run(
             json!({"model": model, "messages": messages}),
         )
     };
-    sampling_fields(sampling, &mut body);
+    sampling_fields(sampling, &mut body)?;
     let a = stream(&c, path, &body, !raw)?;
     if !raw {
         println!();
@@ -152,7 +159,7 @@ pub fn chat(
             text => messages.push(json!({"role": "user", "content": text})),
         }
         let mut body = json!({"model": model, "messages": messages});
-        sampling_fields(sampling, &mut body);
+        sampling_fields(sampling, &mut body)?;
         match stream(&c, "/v1/chat/completions", &body, true) {
             Ok(a) => {
                 println!();

@@ -1,6 +1,6 @@
 //! `shoal serve` end to end as a process, on a tiny model the test kit writes as GGUF: it
 //! prints its ready line, `shoal run --url` answers exactly what `shoal run` answers
-//! locally, `shoal keys` manages keys through the HTTP API (the first is an administrator
+//! locally (greedy, seeded with penalties, and under a JSON schema), `shoal keys` manages keys through the HTTP API (the first is an administrator
 //! key, and once one exists requests without a key are refused), and SIGTERM stops it.
 
 use std::io::{BufRead, BufReader};
@@ -79,46 +79,63 @@ fn run_on_a_node_answers_like_running_here_and_keys_guard_it() {
     let server = serve(&model, &dir.path().join("node"));
     let url = server.url.as_str();
 
-    for raw in [true, false] {
-        let mut args = vec![
-            "run",
-            m,
-            "hello world",
-            "--temp",
-            "0",
-            "-n",
-            "24",
-            "-t",
-            "1",
-            "--ignore-eos",
-        ];
-        if raw {
-            args.push("--raw");
+    // `shoal run` and `shoal serve` generate through one scheduler: the same request gives
+    // the same text greedily, seeded with penalties, and under a JSON schema
+    // bounded, so the tiny model's answer completes within the token limit
+    let schema = r#"{"type":"object","properties":{"n":{"type":"integer","minimum":0,"maximum":99},"w":{"type":"string","maxLength":6}},"required":["n","w"],"additionalProperties":false}"#;
+    let variants: [(&str, Vec<&str>); 3] = [
+        ("greedy", vec!["--temp", "0", "--ignore-eos"]),
+        (
+            "seeded, penalised",
+            vec![
+                "--temp",
+                "0.9",
+                "--seed",
+                "7",
+                "--top-k",
+                "30",
+                "--top-p",
+                "0.9",
+                "--min-p",
+                "0.02",
+                "--repeat-penalty",
+                "1.3",
+                "--ignore-eos",
+            ],
+        ),
+        ("json schema", vec!["--temp", "0", "--json-schema", schema]),
+    ];
+    for (what, opts) in &variants {
+        for raw in [true, false] {
+            if raw && *what == "json schema" {
+                continue;
+            }
+            let mut args = vec!["run", m, "hello world", "-n", "40", "-t", "1"];
+            args.extend(opts);
+            if raw {
+                args.push("--raw");
+            }
+            let (ok, here, err) = run(&args);
+            assert!(ok, "{what}: {err}");
+            let mut remote = vec!["run", "tiny", "hello world", "-n", "40", "--url", url];
+            remote.extend(opts);
+            if raw {
+                remote.push("--raw");
+            }
+            let (ok, there, err) = run(&remote);
+            assert!(ok, "{what}: {err}");
+            assert_eq!(
+                there, here,
+                "{what}, raw {raw}: the node answers what a local run answers"
+            );
+            if *what == "json schema" {
+                let v: serde_json::Value = serde_json::from_str(here.trim())
+                    .unwrap_or_else(|e| panic!("{e}: not JSON: {here:?}"));
+                assert!(v["n"].is_i64() && v["w"].is_string(), "{v}");
+            } else {
+                assert!(err.contains("generation: 40 tokens"), "{what}: {err}");
+            }
         }
-        let (ok, here, err) = run(&args);
-        assert!(ok, "{err}");
-        let mut remote = vec![
-            "run",
-            "tiny",
-            "hello world",
-            "--temp",
-            "0",
-            "-n",
-            "24",
-            "--ignore-eos",
-            "--url",
-            url,
-        ];
-        if raw {
-            remote.push("--raw");
-        }
-        let (ok, there, err) = run(&remote);
-        assert!(ok, "{err}");
-        assert_eq!(
-            there, here,
-            "raw {raw}: the node answers what a local run answers"
-        );
-        assert!(err.contains("generation: 24 tokens"), "{err}");
     }
 
     // keys: the first is an administrator key; then a key is required

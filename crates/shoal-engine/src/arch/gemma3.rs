@@ -8,9 +8,60 @@
 
 use shoal_model::gguf::Metadata;
 
-use super::{common_gguf, DIM_MAX};
+use super::{common_gguf, required, ArchSpec, Role, DECODER_TENSORS, DIM_MAX};
 use crate::config::{Activation, Arch, ModelConfig, RopeStyle};
 use crate::EngineError;
+
+/// The gemma3 architecture. Hugging Face checkpoints store the norms as `w` where GGUF
+/// holds `1 + w`, so they are not loaded from safetensors.
+pub static SPEC: ArchSpec = ArchSpec {
+    arch: Arch::Gemma3,
+    gguf_name: "gemma3",
+    hf_model_types: &[],
+    model_tensors: &DECODER_TENSORS,
+    layer_tensors: &[
+        required(Role::AttnNorm, "attn_norm.weight", "input_layernorm.weight"),
+        required(Role::AttnQ, "attn_q.weight", "self_attn.q_proj.weight"),
+        required(Role::AttnK, "attn_k.weight", "self_attn.k_proj.weight"),
+        required(Role::AttnV, "attn_v.weight", "self_attn.v_proj.weight"),
+        required(
+            Role::AttnQNorm,
+            "attn_q_norm.weight",
+            "self_attn.q_norm.weight",
+        ),
+        required(
+            Role::AttnKNorm,
+            "attn_k_norm.weight",
+            "self_attn.k_norm.weight",
+        ),
+        required(
+            Role::AttnOut,
+            "attn_output.weight",
+            "self_attn.o_proj.weight",
+        ),
+        required(
+            Role::PostAttnNorm,
+            "post_attention_norm.weight",
+            "post_attention_layernorm.weight",
+        ),
+        required(
+            Role::FfnNorm,
+            "ffn_norm.weight",
+            "pre_feedforward_layernorm.weight",
+        ),
+        required(Role::FfnGate, "ffn_gate.weight", "mlp.gate_proj.weight"),
+        required(Role::FfnUp, "ffn_up.weight", "mlp.up_proj.weight"),
+        required(Role::FfnDown, "ffn_down.weight", "mlp.down_proj.weight"),
+        required(
+            Role::PostFfnNorm,
+            "post_ffw_norm.weight",
+            "post_feedforward_layernorm.weight",
+        ),
+    ],
+    from_gguf,
+    from_hf: None,
+    permutes_qk: false,
+};
 
 /// RoPE base of the sliding-window layers when the file does not say (llama.cpp's value).
 const LOCAL_ROPE_THETA: f64 = 10_000.0;
@@ -28,7 +79,6 @@ pub fn from_gguf(md: &Metadata, vocab: usize) -> Result<ModelConfig, EngineError
         .opt_f64("gemma3.rope.freq_base_swa")?
         .filter(|&t| t > 0.0)
         .unwrap_or(LOCAL_ROPE_THETA);
-    c.tied_embeddings = true;
     c.activation = Activation::GeluTanh;
     c.embed_scale = (c.hidden as f64).sqrt();
     // Queries are scaled by 1/sqrt(query_pre_attn_scalar), which GGUF does not store: it is

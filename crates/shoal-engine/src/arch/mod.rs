@@ -1,16 +1,257 @@
-//! One module per architecture, each the same shape: read that architecture's
-//! hyperparameters from a GGUF file's metadata (and, where supported, from a Hugging Face
-//! `config.json`) into a [`ModelConfig`]. The blocks themselves are shared
-//! (`crate::transformer`), switched by the config's fields.
+//! One module per architecture, each the same shape: a table of the tensors it has (GGUF
+//! name, Hugging Face name, role, required or optional) and readers of its hyperparameters
+//! from a GGUF file's metadata and, where supported, from a Hugging Face `config.json`,
+//! into one [`ModelConfig`]. Everything that names tensors reads the tables: the network's
+//! loader (`crate::network`), the safetensors mapper (`crate::weights`), the shard planner
+//! (`crate::shard`), the planner's model profile (`crate::planning`) and the cluster's slice
+//! fetch ([`layer_of`]). The blocks themselves are shared, switched by the config's fields
+//! and by which tensors a file holds.
+//!
+//! Adding an architecture is one module here (its table and config readers), one entry in
+//! [`ARCHS`], and its writer in the test kit.
 
 pub mod gemma3;
 pub mod llama;
 pub mod qwen2;
+pub mod qwen3;
 
 use shoal_model::gguf::Metadata;
 
 use crate::config::{Arch, ModelConfig};
 use crate::EngineError;
+
+/// What a tensor is for. Layer roles name one tensor of every block (`blk.N.…` in GGUF);
+/// the others name one tensor of the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Token embedding table `[vocab, hidden]`.
+    TokenEmbd,
+    /// Final norm before the output head.
+    OutputNorm,
+    /// Output head `[vocab, hidden]` (absent when tied to the embedding).
+    Output,
+    /// Per-pair RoPE frequency divisors (Llama 3.1 scaling), `head_dim / 2` values.
+    RopeFreqs,
+    /// Norm before attention.
+    AttnNorm,
+    /// Query projection.
+    AttnQ,
+    /// Key projection.
+    AttnK,
+    /// Value projection.
+    AttnV,
+    /// Query bias.
+    AttnQBias,
+    /// Key bias.
+    AttnKBias,
+    /// Value bias.
+    AttnVBias,
+    /// Per-head norm of queries.
+    AttnQNorm,
+    /// Per-head norm of keys.
+    AttnKNorm,
+    /// Attention output projection.
+    AttnOut,
+    /// Norm of the attention output, before its residual add.
+    PostAttnNorm,
+    /// Norm before the feed-forward block.
+    FfnNorm,
+    /// Feed-forward gate projection.
+    FfnGate,
+    /// Feed-forward up projection.
+    FfnUp,
+    /// Feed-forward down projection.
+    FfnDown,
+    /// Norm of the feed-forward output, before its residual add.
+    PostFfnNorm,
+}
+
+impl Role {
+    /// Whether the tensor is a matrix that a decode step multiplies by (as opposed to a
+    /// norm, a bias or a table of factors).
+    pub fn is_matrix(self) -> bool {
+        matches!(
+            self,
+            Role::Output
+                | Role::AttnQ
+                | Role::AttnK
+                | Role::AttnV
+                | Role::AttnOut
+                | Role::FfnGate
+                | Role::FfnUp
+                | Role::FfnDown
+        )
+    }
+}
+
+/// Whether a model of the architecture must have a tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// Loading fails without it.
+    Required,
+    /// Used when the file has it.
+    Optional,
+}
+
+/// One tensor of an architecture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// What it is for.
+    pub role: Role,
+    /// Its GGUF name: the whole name for a model tensor, the part after `blk.N.` for a
+    /// layer tensor.
+    pub gguf: &'static str,
+    /// Its Hugging Face name, the same way (after `model.layers.N.` for a layer tensor);
+    /// empty when checkpoints do not store it.
+    pub hf: &'static str,
+    /// Whether it must be present.
+    pub need: Need,
+}
+
+/// Shorthand for the tables: a tensor that must be present.
+pub(crate) const fn required(role: Role, gguf: &'static str, hf: &'static str) -> TensorSpec {
+    TensorSpec {
+        role,
+        gguf,
+        hf,
+        need: Need::Required,
+    }
+}
+
+/// Shorthand for the tables: a tensor used when present.
+pub(crate) const fn optional(role: Role, gguf: &'static str, hf: &'static str) -> TensorSpec {
+    TensorSpec {
+        role,
+        gguf,
+        hf,
+        need: Need::Optional,
+    }
+}
+
+/// The model tensors of every decoder here: embedding, final norm, and an output head
+/// unless it is tied to the embedding.
+pub(crate) const DECODER_TENSORS: [TensorSpec; 3] = [
+    required(
+        Role::TokenEmbd,
+        "token_embd.weight",
+        "model.embed_tokens.weight",
+    ),
+    required(Role::OutputNorm, "output_norm.weight", "model.norm.weight"),
+    optional(Role::Output, "output.weight", "lm_head.weight"),
+];
+
+/// Reads an architecture's hyperparameters from GGUF metadata and the vocabulary size.
+pub type GgufConfigReader = fn(&Metadata, usize) -> Result<ModelConfig, EngineError>;
+
+/// Reads an architecture's hyperparameters from a `config.json` (and names the source in
+/// errors).
+pub type HfConfigReader = fn(&serde_json::Value, &str) -> Result<ModelConfig, EngineError>;
+
+/// An architecture: its names, its tensors and how to read its hyperparameters.
+#[derive(Debug)]
+pub struct ArchSpec {
+    /// The architecture.
+    pub arch: Arch,
+    /// `general.architecture` of its GGUF files (and the prefix of their keys).
+    pub gguf_name: &'static str,
+    /// `model_type` values of its Hugging Face checkpoints that load (empty: GGUF only).
+    pub hf_model_types: &'static [&'static str],
+    /// Tensors of the whole model.
+    pub model_tensors: &'static [TensorSpec],
+    /// Tensors of every layer.
+    pub layer_tensors: &'static [TensorSpec],
+    /// Reads the hyperparameters from GGUF metadata and the vocabulary size.
+    pub from_gguf: GgufConfigReader,
+    /// Reads the hyperparameters from a `config.json` (`None`: not supported).
+    pub from_hf: Option<HfConfigReader>,
+    /// Whether the GGUF converter permuted the q/k rows of Hugging Face checkpoints (into
+    /// interleaved RoPE order), so a safetensors loader must do the same.
+    pub permutes_qk: bool,
+}
+
+/// Every architecture the engine runs.
+pub static ARCHS: [&ArchSpec; 4] = [&llama::SPEC, &qwen2::SPEC, &qwen3::SPEC, &gemma3::SPEC];
+
+/// The spec of `arch`.
+pub fn spec(arch: Arch) -> &'static ArchSpec {
+    ARCHS
+        .iter()
+        .copied()
+        .find(|s| s.arch == arch)
+        .expect("every Arch has a spec in ARCHS")
+}
+
+/// The prefix of every layer tensor's GGUF name.
+const LAYER_PREFIX: &str = "blk.";
+
+/// The prefix of every layer tensor's Hugging Face name.
+const HF_LAYER_PREFIX: &str = "model.layers.";
+
+/// The layer a GGUF tensor name belongs to (`blk.N.…`), or `None` for a model tensor.
+pub fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix(LAYER_PREFIX)?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
+impl ArchSpec {
+    /// The model tensor of `role`, if the architecture has one.
+    pub fn model_tensor(&self, role: Role) -> Option<&TensorSpec> {
+        self.model_tensors.iter().find(|t| t.role == role)
+    }
+
+    /// The layer tensor of `role`, if the architecture has one.
+    pub fn layer_tensor(&self, role: Role) -> Option<&TensorSpec> {
+        self.layer_tensors.iter().find(|t| t.role == role)
+    }
+
+    /// The GGUF name of layer `layer`'s tensor of `role`.
+    pub fn layer_name(&self, role: Role, layer: usize) -> Option<String> {
+        self.layer_tensor(role)
+            .map(|t| format!("{LAYER_PREFIX}{layer}.{}", t.gguf))
+    }
+
+    /// Every tensor of layer `layer` with its GGUF name.
+    pub fn layer_names(&self, layer: usize) -> impl Iterator<Item = (&TensorSpec, String)> + '_ {
+        self.layer_tensors
+            .iter()
+            .map(move |t| (t, format!("{LAYER_PREFIX}{layer}.{}", t.gguf)))
+    }
+
+    /// The table entry of a GGUF tensor name, and its layer for a layer tensor.
+    pub fn entry(&self, gguf: &str) -> Option<(&TensorSpec, Option<usize>)> {
+        if let Some(t) = self.model_tensors.iter().find(|t| t.gguf == gguf) {
+            return Some((t, None));
+        }
+        let layer = layer_of(gguf)?;
+        let suffix = gguf.strip_prefix(&format!("{LAYER_PREFIX}{layer}."))?;
+        let t = self.layer_tensors.iter().find(|t| t.gguf == suffix)?;
+        Some((t, Some(layer)))
+    }
+
+    /// The Hugging Face name of a GGUF tensor name, where checkpoints store it.
+    pub fn hf_name(&self, gguf: &str) -> Option<String> {
+        let (t, layer) = self.entry(gguf)?;
+        if t.hf.is_empty() {
+            return None;
+        }
+        Some(match layer {
+            Some(l) => format!("{HF_LAYER_PREFIX}{l}.{}", t.hf),
+            None => t.hf.to_string(),
+        })
+    }
+}
+
+/// The names of the architectures [`config_from_gguf`] reads, for error messages.
+fn gguf_names() -> String {
+    ARCHS
+        .iter()
+        .map(|s| s.gguf_name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 /// Reads the config of whichever architecture `general.architecture` names.
 ///
@@ -21,17 +262,18 @@ pub fn config_from_gguf(
     vocab: usize,
     source: &str,
 ) -> Result<ModelConfig, EngineError> {
-    let arch = md.str("general.architecture")?;
-    let cfg = match arch {
-        "llama" => llama::from_gguf(md, vocab)?,
-        "qwen2" => qwen2::from_gguf(md, vocab)?,
-        "gemma3" => gemma3::from_gguf(md, vocab)?,
-        other => {
-            return Err(EngineError::Unsupported {
-                what: format!("{source}: architecture `{other}` (supported: llama, qwen2, gemma3)"),
-            })
-        }
-    };
+    let name = md.str("general.architecture")?;
+    let spec =
+        ARCHS
+            .iter()
+            .find(|s| s.gguf_name == name)
+            .ok_or_else(|| EngineError::Unsupported {
+                what: format!(
+                    "{source}: architecture `{name}` (supported: {})",
+                    gguf_names()
+                ),
+            })?;
+    let cfg = (spec.from_gguf)(md, vocab)?;
     cfg.validate().map_err(|problem| EngineError::Config {
         file: source.into(),
         problem,
@@ -48,17 +290,23 @@ pub fn config_from_hf(json: &serde_json::Value, source: &str) -> Result<ModelCon
         .get("model_type")
         .and_then(|v| v.as_str())
         .unwrap_or("");
-    let cfg = match model_type {
-        "llama" | "mistral" => llama::from_hf(json, source)?,
-        "qwen2" => qwen2::from_hf(json, source)?,
-        other => {
-            return Err(EngineError::Unsupported {
-                what: format!(
-                    "{source}: safetensors model_type `{other}` (supported: llama, mistral, qwen2)"
-                ),
-            })
-        }
+    let found = ARCHS
+        .iter()
+        .find_map(|s| s.from_hf.filter(|_| s.hf_model_types.contains(&model_type)));
+    let Some(read) = found else {
+        let supported: Vec<&str> = ARCHS
+            .iter()
+            .filter(|s| s.from_hf.is_some())
+            .flat_map(|s| s.hf_model_types.iter().copied())
+            .collect();
+        return Err(EngineError::Unsupported {
+            what: format!(
+                "{source}: safetensors model_type `{model_type}` (supported: {})",
+                supported.join(", ")
+            ),
+        });
     };
+    let cfg = read(json, source)?;
     cfg.validate().map_err(|problem| EngineError::Config {
         file: source.into(),
         problem,
@@ -75,7 +323,7 @@ pub(crate) fn common_gguf(
     arch: Arch,
     vocab: usize,
 ) -> Result<ModelConfig, EngineError> {
-    let p = arch.name();
+    let p = spec(arch).gguf_name;
     let k = |s: &str| format!("{p}.{s}");
     let hidden = md.usize_max(&k("embedding_length"), DIM_MAX)?;
     let n_head = md.usize_max(&k("attention.head_count"), DIM_MAX)?;
@@ -113,11 +361,10 @@ pub(crate) fn common_gguf(
         rope_theta_local: rope_theta,
         rope_scale: if rope_scale > 0.0 { rope_scale } else { 1.0 },
         rope_style: crate::config::RopeStyle::Halves,
+        rope_freq_factors: None,
         context_len: md
             .opt_usize_max(&k("context_length"), 1 << 24)?
             .unwrap_or(4096),
-        tied_embeddings: false,
-        qkv_bias: false,
         attn_scale: if head_dim > 0 {
             1.0 / (head_dim as f64).sqrt()
         } else {
@@ -166,12 +413,8 @@ pub(crate) fn common_hf(
         rope_theta_local: rope_theta,
         rope_scale: 1.0,
         rope_style: crate::config::RopeStyle::Halves,
+        rope_freq_factors: None,
         context_len: num("max_position_embeddings").unwrap_or(4096),
-        tied_embeddings: json
-            .get("tie_word_embeddings")
-            .and_then(|v| v.as_bool())
-            .unwrap_or(false),
-        qkv_bias: false,
         attn_scale: if head_dim > 0 {
             1.0 / (head_dim as f64).sqrt()
         } else {
@@ -182,4 +425,69 @@ pub(crate) fn common_hf(
         sliding_window: None,
         sliding_pattern: 0,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_tables() {
+        let llama = spec(Arch::Llama);
+        assert_eq!(
+            llama.hf_name("blk.12.attn_q.bias").as_deref(),
+            Some("model.layers.12.self_attn.q_proj.bias")
+        );
+        assert_eq!(
+            llama.hf_name("blk.0.ffn_norm.weight").as_deref(),
+            Some("model.layers.0.post_attention_layernorm.weight")
+        );
+        assert_eq!(
+            llama.hf_name("output.weight").as_deref(),
+            Some("lm_head.weight")
+        );
+        assert_eq!(
+            llama.hf_name("rope_freqs.weight"),
+            None,
+            "not in checkpoints"
+        );
+        assert_eq!(llama.hf_name("blk.x"), None);
+        assert_eq!(
+            llama.hf_name("blk.3.attn_q_norm.weight"),
+            None,
+            "not a llama tensor"
+        );
+        assert_eq!(
+            spec(Arch::Qwen3)
+                .hf_name("blk.3.attn_q_norm.weight")
+                .as_deref(),
+            Some("model.layers.3.self_attn.q_norm.weight")
+        );
+        assert_eq!(
+            llama.layer_name(Role::FfnDown, 7).as_deref(),
+            Some("blk.7.ffn_down.weight")
+        );
+        assert_eq!(layer_of("blk.12.attn_q.weight"), Some(12));
+        assert_eq!(layer_of("token_embd.weight"), None);
+        assert_eq!(layer_of("blk.x.attn_q.weight"), None);
+    }
+
+    #[test]
+    fn every_table_names_each_role_once() {
+        for s in ARCHS {
+            for tensors in [s.model_tensors, s.layer_tensors] {
+                for (i, t) in tensors.iter().enumerate() {
+                    assert!(
+                        tensors[i + 1..]
+                            .iter()
+                            .all(|u| u.role != t.role && u.gguf != t.gguf),
+                        "{}: {:?} twice",
+                        s.gguf_name,
+                        t.role
+                    );
+                }
+            }
+            assert_eq!(spec(s.arch).gguf_name, s.gguf_name);
+        }
+    }
 }

@@ -66,13 +66,30 @@ impl GatePair {
         self.m.bytes()
     }
 
-    /// `act(x G^T) * (x U^T)`: `x` holds `t` rows of [`GatePair::cols`] values, the result
-    /// `t` rows of [`GatePair::features`] values. The activation runs inside the product's
-    /// parallel loop, each job over the features it has just computed.
+    /// [`GatePair::gated_products_into`] into a new vector.
     ///
     /// # Errors
     /// When `x` is not a whole number of rows.
     pub fn gated_products(&self, x: &[f32], act: Activation) -> Result<Vec<f32>, KernelError> {
+        let mut h = Vec::new();
+        self.gated_products_into(x, act, &mut h)?;
+        Ok(h)
+    }
+
+    /// `act(x G^T) * (x U^T)` into `h`: `x` holds `t` rows of [`GatePair::cols`] values,
+    /// `h` becomes `t` rows of [`GatePair::features`] values (its capacity is kept from
+    /// call to call). The activation runs inside the product's parallel loop, each job over
+    /// the features it has just computed; the pair's own output goes to a scratch buffer of
+    /// the calling thread.
+    ///
+    /// # Errors
+    /// When `x` is not a whole number of rows.
+    pub fn gated_products_into(
+        &self,
+        x: &[f32],
+        act: Activation,
+        h: &mut Vec<f32>,
+    ) -> Result<(), KernelError> {
         let (n, cols) = (self.m.rows, self.m.cols);
         if !x.len().is_multiple_of(cols) {
             return Err(KernelError::Shape {
@@ -83,57 +100,68 @@ impl GatePair {
         }
         let t = x.len() / cols;
         let half = n / 2;
+        h.clear();
         if t == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         {
             use super::{gated_pairs, OutPtr};
+            use std::cell::RefCell;
             use std::ops::Range;
-            let mut y: Vec<f32> = Vec::with_capacity(t * n);
-            let yp = OutPtr(y.spare_capacity_mut().as_mut_ptr().cast::<f32>());
-            // not zeroed: the jobs write every feature (35 KB a qwen15 layer to zero before)
-            let mut h: Vec<f32> = Vec::with_capacity(t * half);
-            let hp = OutPtr(h.spare_capacity_mut().as_mut_ptr().cast::<f32>());
-            let after = |_: usize, tiles: Range<usize>| {
-                let rows = tiles.start * TILE_ROWS..tiles.end * TILE_ROWS;
-                for tok in 0..t {
-                    // SAFETY: the job that ran `tiles` has just written these rows of token
-                    // `tok` (inside `y`'s t * n capacity) on this thread; `after` runs over
-                    // whole tile pairs (`rows` starts on a multiple of 16), so its features
-                    // `rows / 2` lie inside `h` (t * half long), and no other job's tiles
-                    // map to them.
-                    let (ys, hs) = unsafe {
-                        (
-                            std::slice::from_raw_parts(
-                                yp.get().add(tok * n + rows.start),
-                                rows.len(),
-                            ),
-                            std::slice::from_raw_parts_mut(
-                                hp.get().add(tok * half + rows.start / 2),
-                                rows.len() / 2,
-                            ),
-                        )
-                    };
-                    gated_pairs(act, ys, hs);
-                }
-            };
-            QuantMatrix::shared_tiled(&[&self.m], x, t, &[yp], Some(&after));
+            thread_local! {
+                static PAIRS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+            }
+            // taken out while the product runs: a thread waiting in its parallel loop may
+            // run another product's job, which then finds an empty buffer of its own
+            let mut y = PAIRS.with(|p| std::mem::take(&mut *p.borrow_mut()));
+            {
+                y.clear();
+                y.reserve(t * n);
+                let yp = OutPtr(y.spare_capacity_mut().as_mut_ptr().cast::<f32>());
+                h.reserve(t * half);
+                let hp = OutPtr(h.spare_capacity_mut().as_mut_ptr().cast::<f32>());
+                let after = |_: usize, tiles: Range<usize>| {
+                    let rows = tiles.start * TILE_ROWS..tiles.end * TILE_ROWS;
+                    for tok in 0..t {
+                        // SAFETY: the job that ran `tiles` has just written these rows of
+                        // token `tok` (inside `y`'s t * n capacity) on this thread; `after`
+                        // runs over whole tile pairs (`rows` starts on a multiple of 16), so
+                        // its features `rows / 2` lie inside `h` (t * half capacity), and no
+                        // other job's tiles map to them.
+                        let (ys, hs) = unsafe {
+                            (
+                                std::slice::from_raw_parts(
+                                    yp.get().add(tok * n + rows.start),
+                                    rows.len(),
+                                ),
+                                std::slice::from_raw_parts_mut(
+                                    hp.get().add(tok * half + rows.start / 2),
+                                    rows.len() / 2,
+                                ),
+                            )
+                        };
+                        gated_pairs(act, ys, hs);
+                    }
+                };
+                QuantMatrix::shared_tiled(&[&self.m], x, t, &[yp], Some(&after));
+            }
+            PAIRS.with(|p| *p.borrow_mut() = y);
             // SAFETY: `after` ran over every tile pair of the matrix (the jobs cover its
             // tiles), and each run wrote all of its features for every token: all t * half
             // values of `h`.
             unsafe { h.set_len(t * half) };
-            Ok(h)
+            Ok(())
         }
         #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         {
-            let mut h = vec![0f32; t * half];
+            h.resize(t * half, 0.0);
             let mut y = vec![0f32; t * n];
             self.m.matmul(x, &mut y)?;
             for (ys, hs) in y.chunks_exact(n).zip(h.chunks_exact_mut(half)) {
                 super::gated_pairs(act, ys, hs);
             }
-            Ok(h)
+            Ok(())
         }
     }
 }

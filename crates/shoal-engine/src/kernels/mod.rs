@@ -1122,6 +1122,53 @@ impl QuantMatrix {
         Ok(ys)
     }
 
+    /// [`QuantMatrix::products`] into the caller's vectors, resized to `t` rows of each
+    /// matrix's row count; their capacity is kept from step to step. Where the shared tiled
+    /// path runs, values past a vector's old length are not zeroed first: the kernels write
+    /// every value.
+    ///
+    /// # Errors
+    /// As [`QuantMatrix::matmul_many`].
+    pub fn products_into(
+        mats: &[&QuantMatrix],
+        x: &[f32],
+        outs: &mut [&mut Vec<f32>],
+    ) -> Result<(), KernelError> {
+        let Some(first) = mats.first() else {
+            return Ok(());
+        };
+        let t = x.len() / first.cols;
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+        if t > 0
+            && outs.len() == mats.len()
+            && x.len().is_multiple_of(first.cols)
+            && mats.iter().all(|m| m.cols == first.cols)
+            && Self::share_activations(mats)
+        {
+            let ptrs: Vec<OutPtr> = outs
+                .iter_mut()
+                .zip(mats)
+                .map(|(y, m)| {
+                    y.clear();
+                    y.reserve(t * m.rows);
+                    OutPtr(y.spare_capacity_mut().as_mut_ptr().cast::<f32>())
+                })
+                .collect();
+            Self::shared_tiled(mats, x, t, &ptrs, None);
+            for (y, m) in outs.iter_mut().zip(mats) {
+                // SAFETY: `shared_tiled` wrote all `t * rows` values of every output: each
+                // tile range writes its rows for every token, and the ranges cover the rows.
+                unsafe { y.set_len(t * m.rows) };
+            }
+            return Ok(());
+        }
+        for (y, m) in outs.iter_mut().zip(mats) {
+            y.resize(t * m.rows, 0.0);
+        }
+        let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|y| &mut y[..]).collect();
+        Self::matmul_many(mats, x, &mut slices)
+    }
+
     /// The shared tiled path of [`QuantMatrix::matmul_many`]: quantizes `x` (`t` rows) once
     /// and runs every matrix's tiles in one parallel region into `outs` (room for `t` rows of
     /// each matrix's row count), and `after` over each job's tiles once the job has written

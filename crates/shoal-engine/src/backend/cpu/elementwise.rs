@@ -1,15 +1,75 @@
-//! The gated feed-forward's elementwise step, `act(gate) * up`, in one pass over plain
-//! slices, split across the pool when long, with the vectorized exponential of
-//! `kernels::math`. Through candle (three tensor ops, the C library's scalar `expf`) it took
-//! 2.5% of a qwen05 decode step (`shoal bench --profile`), 50 µs per layer for 4,864 values.
+//! The CPU backend's elementwise steps on plain slices: RMS norms (the mean of squares
+//! summed in eight lanes, so it vectorizes), residual adds, and the gated feed-forward's
+//! `act(gate) * up` with the vectorized exponential of `kernels::math`. Long inputs are
+//! split across the pool.
 
 use rayon::prelude::*;
 
 use crate::config::Activation;
 use crate::kernels;
 
-/// Values per parallel chunk (below this the step runs on the calling thread).
+/// Values per parallel chunk of the gated step (below this it runs on the calling thread).
 const CHUNK: usize = 4 * 1024;
+
+/// Values from which a norm's rows are split across the pool.
+const NORM_PARALLEL: usize = 64 * 1024;
+
+/// The root mean square of `row` plus `eps`, as an RMS norm divides by it.
+fn rms(row: &[f32], eps: f32) -> f32 {
+    let mut lanes = [0f32; 8];
+    let mut chunks = row.chunks_exact(8);
+    for c in &mut chunks {
+        for (l, v) in lanes.iter_mut().zip(c) {
+            *l += v * v;
+        }
+    }
+    let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+    let sum2 = lanes.iter().sum::<f32>() + tail;
+    (sum2 / row.len() as f32 + eps).sqrt()
+}
+
+/// Every row of `xs` (rows as long as `w`) normalised into `out` (the same length).
+pub fn rms_norm(xs: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
+    let row = |src: &[f32], dst: &mut [f32]| {
+        let m = rms(src, eps);
+        for ((d, s), w) in dst.iter_mut().zip(src).zip(w) {
+            *d = *s / m * *w;
+        }
+    };
+    if xs.len() >= NORM_PARALLEL {
+        xs.par_chunks(n)
+            .zip(out.par_chunks_mut(n))
+            .for_each(|(s, d)| row(s, d));
+    } else {
+        for (s, d) in xs.chunks(n).zip(out.chunks_mut(n)) {
+            row(s, d);
+        }
+    }
+}
+
+/// [`rms_norm`] in place.
+pub fn rms_norm_in_place(xs: &mut [f32], w: &[f32], eps: f32) {
+    let n = w.len();
+    let row = |x: &mut [f32]| {
+        let m = rms(x, eps);
+        for (x, w) in x.iter_mut().zip(w) {
+            *x = *x / m * *w;
+        }
+    };
+    if xs.len() >= NORM_PARALLEL {
+        xs.par_chunks_mut(n).for_each(row);
+    } else {
+        xs.chunks_mut(n).for_each(row);
+    }
+}
+
+/// `x += a`.
+pub fn add(x: &mut [f32], a: &[f32]) {
+    for (x, a) in x.iter_mut().zip(a) {
+        *x += a;
+    }
+}
 
 /// `out[i] = act(gate[i]) * up[i]`.
 ///

@@ -1,9 +1,8 @@
-//! Attention over the KV cache on plain slices: for each query, scores against every visible
-//! cached key, a softmax, and the weighted sum of the values. Decode runs one query per head;
-//! prefill runs `t` queries per head, heads in parallel. Dispatching several candle tensor
-//! ops per layer cost more than the arithmetic at decode (16% of a SmolLM2 token, measured
-//! with `shoal bench --profile`), and slices let a tensor-parallel rank map any range of
-//! query heads onto the KV heads they read, which grouped tensor reshapes cannot.
+//! The CPU backend's attention over its KV cache layout ([`super::kv`]), on plain slices:
+//! for each query, scores against every visible cached key, a softmax, and the weighted sum
+//! of the values. Decode runs one query per head, the query heads of a KV group together;
+//! prefill runs `t` queries per head, heads in parallel. Each query head reads the KV head
+//! its group maps to, so a tensor-parallel rank can hold any range of query heads.
 
 use std::cell::RefCell;
 use std::sync::Mutex;
@@ -54,6 +53,20 @@ thread_local! {
 }
 
 impl AttentionShape {
+    /// The shape of `heads` over cache buffers of `capacity` positions.
+    pub fn new(heads: &crate::backend::Heads, capacity: usize) -> Self {
+        AttentionShape {
+            n_head: heads.n_head,
+            first_head: heads.first_head,
+            first_kv: heads.first_kv,
+            group: heads.group,
+            head_dim: heads.head_dim,
+            capacity,
+            window: heads.window,
+            scale: heads.scale,
+        }
+    }
+
     /// The local KV head that local query head `h` reads.
     fn kv_of(&self, h: usize) -> usize {
         (self.first_head + h) / self.group - self.first_kv
@@ -247,31 +260,43 @@ impl AttentionShape {
         });
     }
 
-    /// Prefill: `t` queries at positions `p..p + t`, causal. `q` is `(n_head, t, head_dim)`;
-    /// `out` gets `(t, n_head * head_dim)` (heads merged, ready for the output projection).
+    /// Prefill: `t` queries at positions `p..p + t`, causal. `q` is `(t, n_head, head_dim)`
+    /// (rows of a step); `out` gets the same layout. Heads run in parallel, each writing
+    /// its own columns of every row.
     ///
     /// # Panics
     /// When a slice is shorter than the shapes say (the caller sized them).
     pub fn prefill(&self, p: usize, t: usize, q: &[f32], k: &[f16], v: &[f16], out: &mut [f32]) {
         let hd = self.head_dim;
-        let mut by_head = vec![0f32; self.n_head * t * hd];
-        by_head
-            .par_chunks_mut(t * hd)
-            .zip(q.par_chunks(t * hd))
-            .enumerate()
-            .for_each(|(h, (oh, qh))| {
-                for i in 0..t {
-                    let r = i * hd..(i + 1) * hd;
-                    self.one(h, p + i, &qh[r.clone()], k, v, &mut oh[r]);
-                }
-            });
         let width = self.n_head * hd;
-        for (h, oh) in by_head.chunks_exact(t * hd).enumerate() {
+        assert!(
+            q.len() >= t * width && out.len() >= t * width,
+            "prefill slices"
+        );
+        let outp = SendPtr(out.as_mut_ptr());
+        (0..self.n_head).into_par_iter().for_each(|h| {
             for i in 0..t {
-                out[i * width + h * hd..i * width + (h + 1) * hd]
-                    .copy_from_slice(&oh[i * hd..(i + 1) * hd]);
+                let at = i * width + h * hd;
+                // SAFETY: head `h` alone writes columns `h * hd..(h + 1) * hd` of each row,
+                // inside `out` (checked above), and nothing reads `out` meanwhile.
+                let o = unsafe { std::slice::from_raw_parts_mut(outp.get().add(at), hd) };
+                self.one(h, p + i, &q[at..at + hd], k, v, o);
             }
-        }
+        });
+    }
+}
+
+/// A pointer the parallel prefill's heads share (each writes its own columns).
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+
+// SAFETY: the heads of `prefill` write disjoint parts of one buffer through it.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    fn get(self) -> *mut f32 {
+        self.0
     }
 }
 
@@ -477,11 +502,9 @@ mod tests {
             let mut out = vec![0f32; t * 3 * hd];
             a.prefill(p, t, &q, &k, &v, &mut out);
             for i in 0..t {
-                let qi: Vec<f32> = (0..3)
-                    .flat_map(|h| q[(h * t + i) * hd..(h * t + i + 1) * hd].to_vec())
-                    .collect();
+                let qi = &q[i * 3 * hd..(i + 1) * 3 * hd];
                 let mut want = vec![0f32; 3 * hd];
-                a.decode(p + i, &qi, &k, &v, &mut want);
+                a.decode(p + i, qi, &k, &v, &mut want);
                 assert_eq!(
                     &out[i * 3 * hd..(i + 1) * 3 * hd],
                     &want[..],

@@ -1,0 +1,214 @@
+//! The CPU backend's weight matrices: shoal's kernels ([`QuantMatrix`]) for the types they
+//! cover, candle's quantized matmul for the rest (BF16, Q8_1, ...) and, on arm64 with the
+//! portable kernels (`SHOAL_KERNELS=portable`), for everything: there candle's NEON code is
+//! faster than shoal's portable Rust.
+
+use std::sync::Arc;
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+
+use crate::error::CandleContext;
+use crate::kernels::{GatePair, Isa, QuantMatrix};
+use crate::weights::{load_quant_matrix, quant_matrix, Slice, WeightSource};
+use crate::EngineError;
+
+/// A weight matrix and what multiplies by it.
+#[derive(Debug, Clone)]
+pub enum CpuMatrix {
+    /// Multiplied by [`crate::kernels`].
+    Kernel(Arc<QuantMatrix>),
+    /// Multiplied by candle; the stored tensor is kept for row lookups (an embedding).
+    Candle {
+        /// The product.
+        matmul: QMatMul,
+        /// The tensor as stored.
+        table: Arc<QTensor>,
+    },
+}
+
+/// Whether every matrix goes to candle: on arm64 when shoal's NEON kernels are switched
+/// off.
+pub(crate) fn candle_only() -> bool {
+    cfg!(target_arch = "aarch64") && crate::kernels::active_isa() == Isa::Portable
+}
+
+impl CpuMatrix {
+    /// Loads `slice` of matrix `name`: straight from the source's bytes into the kernels'
+    /// layout where it can, else through a candle tensor.
+    ///
+    /// # Errors
+    /// When the tensor is missing, misshapen or cannot be cut that way.
+    pub fn load(src: &dyn WeightSource, name: &str, slice: &Slice) -> Result<Self, EngineError> {
+        if !candle_only() {
+            if let Some(m) = load_quant_matrix(src, name, slice)? {
+                return Ok(CpuMatrix::Kernel(Arc::new(m)));
+            }
+        }
+        Self::from_qtensor(name, src.load(name, slice)?)
+    }
+
+    /// Wraps a loaded tensor `name`.
+    ///
+    /// # Errors
+    /// When the tensor is not 2-D or its bytes do not fit its shape.
+    pub fn from_qtensor(name: &str, q: QTensor) -> Result<Self, EngineError> {
+        if !candle_only() {
+            if let Some(m) = quant_matrix(name, &q)? {
+                return Ok(CpuMatrix::Kernel(Arc::new(m)));
+            }
+        }
+        let table = Arc::new(q);
+        Ok(CpuMatrix::Candle {
+            matmul: QMatMul::from_arc(table.clone()).ctx(name)?,
+            table,
+        })
+    }
+
+    /// `[rows, cols]`.
+    pub fn dims(&self) -> [usize; 2] {
+        match self {
+            CpuMatrix::Kernel(m) => [m.rows(), m.cols()],
+            CpuMatrix::Candle { table, .. } => {
+                let d = table.shape().dims();
+                [d[0], d.get(1).copied().unwrap_or(1)]
+            }
+        }
+    }
+
+    /// The kernels' matrix, when they hold this one.
+    pub fn kernel(&self) -> Option<&QuantMatrix> {
+        match self {
+            CpuMatrix::Kernel(m) => Some(m),
+            CpuMatrix::Candle { .. } => None,
+        }
+    }
+
+    /// `outs[i] = x W_i^T` for each matrix; `x` holds rows of the matrices' columns. The
+    /// activations are quantized once and every product runs in one parallel region when
+    /// shoal's kernels hold every matrix.
+    ///
+    /// # Errors
+    /// On a shape mismatch.
+    pub fn products(
+        mats: &[&CpuMatrix],
+        x: &[f32],
+        outs: &mut [&mut Vec<f32>],
+    ) -> Result<(), EngineError> {
+        let Some(first) = mats.first() else {
+            return Ok(());
+        };
+        let cols = first.dims()[1];
+        if mats.len() != outs.len()
+            || cols == 0
+            || !x.len().is_multiple_of(cols)
+            || mats.iter().any(|m| m.dims()[1] != cols)
+        {
+            return Err(EngineError::Internal {
+                what: format!(
+                    "products of {} values with matrices {:?} into {} outputs",
+                    x.len(),
+                    mats.iter().map(|m| m.dims()).collect::<Vec<_>>(),
+                    outs.len()
+                ),
+            });
+        }
+        let kernels: Option<Vec<&QuantMatrix>> = mats.iter().map(|m| m.kernel()).collect();
+        if let Some(kernels) = kernels {
+            return QuantMatrix::products_into(&kernels, x, outs).map_err(|e| {
+                EngineError::Internal {
+                    what: e.to_string(),
+                }
+            });
+        }
+        let rows = x.len() / cols;
+        for (m, out) in mats.iter().zip(outs.iter_mut()) {
+            match m {
+                CpuMatrix::Kernel(k) => {
+                    QuantMatrix::products_into(&[k], x, std::slice::from_mut(out)).map_err(|e| {
+                        EngineError::Internal {
+                            what: e.to_string(),
+                        }
+                    })?
+                }
+                CpuMatrix::Candle { matmul, .. } => {
+                    let xt =
+                        Tensor::from_slice(x, (rows, cols), &Device::Cpu).ctx("matmul input")?;
+                    let y = matmul
+                        .forward(&xt)
+                        .and_then(|y| y.to_dtype(candle_core::DType::F32))
+                        .and_then(|y| y.flatten_all())
+                        .and_then(|y| y.to_vec1::<f32>())
+                        .ctx("quantized matmul")?;
+                    **out = y;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Row `r` as values into `out` (`cols` long): an embedding lookup.
+    ///
+    /// # Errors
+    /// When `r` is out of range or the stored type cannot be read by row.
+    pub fn row(&self, r: usize, out: &mut [f32]) -> Result<(), EngineError> {
+        match self {
+            CpuMatrix::Kernel(m) => m.dequantize_row(r, out).map_err(|e| EngineError::Internal {
+                what: format!("embedding lookup: {e}"),
+            }),
+            CpuMatrix::Candle { table, .. } => {
+                let ids = Tensor::new(&[r as u32], &Device::Cpu).ctx("token id")?;
+                let row = table
+                    .embedding(&ids)
+                    .and_then(|x| x.flatten_all())
+                    .and_then(|x| x.to_vec1::<f32>())
+                    .ctx("embedding")?;
+                if row.len() != out.len() {
+                    return Err(EngineError::Internal {
+                        what: format!("an embedding row of {} into {}", row.len(), out.len()),
+                    });
+                }
+                out.copy_from_slice(&row);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A feed-forward's gate and up projections: one interleaved matrix where the kernels hold
+/// both alike ([`GatePair`]: the activation then runs inside the product's parallel loop),
+/// else two matrices.
+#[derive(Debug)]
+pub enum CpuGateUp {
+    /// Interleaved by tile.
+    Paired(GatePair),
+    /// Apart.
+    Apart {
+        /// The gate projection.
+        gate: CpuMatrix,
+        /// The up projection.
+        up: CpuMatrix,
+    },
+}
+
+impl CpuGateUp {
+    /// `gate` and `up`, paired where the kernels can.
+    pub fn new(gate: CpuMatrix, up: CpuMatrix) -> Self {
+        let pair = match (gate.kernel(), up.kernel()) {
+            (Some(g), Some(u)) => GatePair::new(g, u),
+            _ => None,
+        };
+        match pair {
+            Some(pair) => CpuGateUp::Paired(pair),
+            None => CpuGateUp::Apart { gate, up },
+        }
+    }
+
+    /// `[features, cols]`.
+    pub fn dims(&self) -> [usize; 2] {
+        match self {
+            CpuGateUp::Paired(p) => [p.features(), p.cols()],
+            CpuGateUp::Apart { gate, .. } => gate.dims(),
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! Rotary position embeddings on the CPU: cosine and sine tables for a step's positions,
+//! computed the way ggml computes them (in f32, the angle of pair `i` built by repeated
+//! multiplication by `base^(-2/head_dim)`, divided by a frequency factor where the model
+//! has them, then scaled), so positions match the reference implementation bit for bit
+//! where the libm does; and the rotation of every head of every row by its row's table.
+
+use crate::backend::{Rope, StepRows};
+use crate::config::RopeStyle;
+
+/// One kind of layer's table for a step: `(rows, head_dim / 2)` cosines and sines.
+#[derive(Debug, Default)]
+struct Table {
+    key: (u64, u64, usize, usize),
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+/// The RoPE tables of one step, made on first use by each kind of layer (a model has at
+/// most a few: global, and sliding-window with its own base), kept between steps for
+/// their buffers.
+#[derive(Debug, Default)]
+pub struct RopeTables {
+    tables: Vec<Table>,
+    used: usize,
+}
+
+impl RopeTables {
+    /// Forgets the last step's tables (keeps their buffers).
+    pub fn reset(&mut self) {
+        self.used = 0;
+    }
+
+    /// The table of `rope` for `positions`.
+    fn get(&mut self, rope: &Rope, positions: &[usize]) -> &Table {
+        let key = (
+            rope.base.to_bits(),
+            rope.scale.to_bits(),
+            rope.head_dim,
+            rope.freq_factors
+                .as_ref()
+                .map_or(0, |f| f.as_ptr() as usize),
+        );
+        if let Some(i) = self.tables[..self.used].iter().position(|t| t.key == key) {
+            return &self.tables[i];
+        }
+        if self.used == self.tables.len() {
+            self.tables.push(Table::default());
+        }
+        let t = &mut self.tables[self.used];
+        self.used += 1;
+        t.key = key;
+        fill(rope, positions, &mut t.cos, &mut t.sin);
+        t
+    }
+}
+
+/// Cosines and sines of `rope` at `positions`, `(positions, head_dim / 2)`.
+fn fill(rope: &Rope, positions: &[usize], cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
+    let half = rope.head_dim / 2;
+    let theta_scale = (rope.base as f32).powf(-2.0 / rope.head_dim as f32);
+    let freq_scale = (1.0 / rope.scale) as f32;
+    cos.clear();
+    sin.clear();
+    for &p in positions {
+        let mut theta = p as f32;
+        for i in 0..half {
+            let extrapolated = match &rope.freq_factors {
+                Some(f) => theta / f[i],
+                None => theta,
+            };
+            let a = freq_scale * extrapolated;
+            cos.push(a.cos());
+            sin.push(a.sin());
+            theta *= theta_scale;
+        }
+    }
+}
+
+/// Rotates every head of every row of `x` (rows laid out `(heads, head_dim)`) by its row's
+/// position.
+pub fn rotate(x: &mut [f32], rope: &Rope, rows: &StepRows, tables: &mut RopeTables) {
+    let n = rows.len();
+    if n == 0 || x.is_empty() {
+        return;
+    }
+    let table = tables.get(rope, &rows.positions);
+    let (hd, half) = (rope.head_dim, rope.head_dim / 2);
+    let per_row = x.len() / n;
+    for (r, row) in x.chunks_exact_mut(per_row).enumerate() {
+        let (c, s) = (
+            &table.cos[r * half..(r + 1) * half],
+            &table.sin[r * half..(r + 1) * half],
+        );
+        for head in row.chunks_exact_mut(hd) {
+            match rope.style {
+                RopeStyle::Interleaved => {
+                    for (i, pair) in head.chunks_exact_mut(2).enumerate() {
+                        let (a, b) = (pair[0], pair[1]);
+                        pair[0] = a * c[i] - b * s[i];
+                        pair[1] = a * s[i] + b * c[i];
+                    }
+                }
+                RopeStyle::Halves => {
+                    let (lo, hi) = head.split_at_mut(half);
+                    for i in 0..half {
+                        let (a, b) = (lo[i], hi[i]);
+                        lo[i] = a * c[i] - b * s[i];
+                        hi[i] = a * s[i] + b * c[i];
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn rope(style: RopeStyle, factors: Option<Vec<f32>>) -> Rope {
+        Rope {
+            style,
+            head_dim: 8,
+            base: 10_000.0,
+            scale: 1.0,
+            freq_factors: factors.map(Arc::from),
+        }
+    }
+
+    #[test]
+    fn position_zero_is_identity() {
+        let mut tables = RopeTables::default();
+        let rows = StepRows::new(&[1], &[0]);
+        let x: Vec<f32> = (0..16).map(|i| i as f32 - 3.5).collect();
+        for style in [RopeStyle::Interleaved, RopeStyle::Halves] {
+            let mut y = x.clone();
+            tables.reset();
+            rotate(&mut y, &rope(style, None), &rows, &mut tables);
+            assert_eq!(y, x);
+        }
+    }
+
+    #[test]
+    fn rotation_keeps_pair_norms_and_follows_each_rows_position() {
+        // two sequences: positions 5, 6 and 2
+        let rows = StepRows::new(&[2, 1], &[5, 2]);
+        let x: Vec<f32> = (0..3 * 8).map(|i| (i as f32 * 0.37).sin()).collect();
+        for style in [RopeStyle::Interleaved, RopeStyle::Halves] {
+            let r = rope(style, Some(vec![1.0, 2.0, 8.0, 8.0]));
+            let mut y = x.clone();
+            let mut tables = RopeTables::default();
+            rotate(&mut y, &r, &rows, &mut tables);
+            let pairs = |v: &[f32]| -> Vec<(f32, f32)> {
+                match style {
+                    RopeStyle::Interleaved => v.chunks(2).map(|p| (p[0], p[1])).collect(),
+                    RopeStyle::Halves => (0..4).map(|i| (v[i], v[i + 4])).collect(),
+                }
+            };
+            for row in 0..3 {
+                let pos = rows.positions[row] as f64;
+                let (a, b) = (
+                    pairs(&x[row * 8..row * 8 + 8]),
+                    pairs(&y[row * 8..row * 8 + 8]),
+                );
+                for (i, ((x0, x1), (y0, y1))) in a.iter().zip(&b).enumerate() {
+                    let f = [1.0, 2.0, 8.0, 8.0][i];
+                    let angle = pos * 10_000f64.powf(-2.0 * i as f64 / 8.0) / f;
+                    let (c, s) = (angle.cos(), angle.sin());
+                    let want0 = *x0 as f64 * c - *x1 as f64 * s;
+                    let want1 = *x0 as f64 * s + *x1 as f64 * c;
+                    assert!((*y0 as f64 - want0).abs() < 1e-5, "{style:?} {row} {i}");
+                    assert!((*y1 as f64 - want1).abs() < 1e-5, "{style:?} {row} {i}");
+                }
+            }
+        }
+    }
+}

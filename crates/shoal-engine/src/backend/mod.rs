@@ -1,0 +1,288 @@
+//! The seam between the network and the hardware it runs on. A [`Backend`] owns where
+//! weights and activations live and how each operation a transformer block needs is
+//! computed: quantized matrix products over a batch of rows, RMSNorm, RoPE, attention over
+//! its own KV cache layout, the gated activation, residual adds, embedding lookups, and the
+//! host buffers collectives read and write. The blocks (`crate::network`) are written once
+//! over this trait; [`cpu::Cpu`] implements it with shoal's kernels and thread team, and a
+//! GPU backend is a second implementation of the same trait.
+//!
+//! Activations are rows of `f32` values ([`Backend::Act`]); an operation's widths come from
+//! its weights (a matrix's columns and rows, a norm's length), and the number of rows from
+//! its input. A step's rows belong to one or more sequences ([`StepRows`]): a prefill chunk
+//! is one sequence of many rows, a batched decode step one row of each of several
+//! sequences, and any mix of the two is one step.
+
+pub mod cpu;
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use shoal_comm::Communicator;
+
+use crate::config::{Activation, RopeStyle};
+use crate::weights::{Slice, WeightSource};
+use crate::EngineError;
+
+/// What a block's operations run on. See the module.
+pub trait Backend: Send + Sync + Sized + 'static {
+    /// Activations: rows of `f32` values in this backend's memory, sized by the operation
+    /// that writes them.
+    type Act: Send + Default;
+    /// A weight matrix `[rows, cols]` (any stored type) ready for products.
+    type Matrix: Send + Sync;
+    /// A feed-forward's gate and up projections, ready for the gated product.
+    type GateUp: Send + Sync;
+    /// A weight vector (a norm's scale, a bias) in `f32`.
+    type Vector: Send + Sync;
+    /// One sequence's keys and values for the layers a rank holds.
+    type Kv: Send + 'static;
+    /// Values derived from a step's positions that its layers share (RoPE tables).
+    type Tables: Send + Default;
+
+    /// The backend's name, for logs and errors.
+    fn name(&self) -> &'static str;
+
+    /// Loads `slice` of the matrix `name` from `src`.
+    ///
+    /// # Errors
+    /// When the tensor is missing, misshapen, of an unsupported type, or cannot be cut so.
+    fn matrix(
+        &self,
+        src: &dyn WeightSource,
+        name: &str,
+        slice: &Slice,
+    ) -> Result<Self::Matrix, EngineError>;
+
+    /// `[rows, cols]` of a matrix.
+    fn dims(m: &Self::Matrix) -> [usize; 2];
+
+    /// Gate and up projections (the same shape) held for [`Backend::gated`].
+    fn gate_up(&self, gate: Self::Matrix, up: Self::Matrix) -> Self::GateUp;
+
+    /// Features (rows of gate and of up) and columns of a gate/up pair.
+    fn gate_up_dims(g: &Self::GateUp) -> [usize; 2];
+
+    /// A weight vector holding `values`.
+    fn vector(&self, values: Vec<f32>) -> Self::Vector;
+
+    /// Elements of a weight vector.
+    fn vector_len(v: &Self::Vector) -> usize;
+
+    /// Empty KV storage for one sequence: `layers` layers of `kv_heads` heads of
+    /// `head_dim` keys and values, room for `capacity` positions.
+    fn kv(&self, layers: usize, kv_heads: usize, head_dim: usize, capacity: usize) -> Self::Kv;
+
+    /// Copies the first `positions` positions of every layer of `from` into `to` (whose
+    /// capacity is at least as large).
+    ///
+    /// # Errors
+    /// When the two caches' layouts differ or `to` has no room.
+    fn copy_kv(
+        &self,
+        from: &Self::Kv,
+        to: &mut Self::Kv,
+        positions: usize,
+    ) -> Result<(), EngineError>;
+
+    /// Host values as activations.
+    fn upload(&self, host: Vec<f32>) -> Self::Act;
+
+    /// Activations as host values.
+    fn download(&self, act: Self::Act) -> Vec<f32>;
+
+    /// Sums `x` over the ranks of `comm` (every rank gets the same values).
+    ///
+    /// # Errors
+    /// When a peer fails or misses the deadline.
+    fn all_reduce(&self, comm: &dyn Communicator, x: &mut Self::Act) -> Result<(), EngineError>;
+
+    /// Row `ids[i] - rows.start` of `table` (which holds vocabulary rows `rows`) times
+    /// `scale` into row `i` of `out`, zeros for ids outside `rows`.
+    ///
+    /// # Errors
+    /// When the table cannot be read row by row.
+    fn embed(
+        &self,
+        table: &Self::Matrix,
+        rows: Range<usize>,
+        ids: &[u32],
+        scale: f32,
+        out: &mut Self::Act,
+    ) -> Result<(), EngineError>;
+
+    /// `outs[i] = x W_i^T` for every matrix (the same columns), the input read once.
+    ///
+    /// # Errors
+    /// When `x` is not a whole number of rows of the matrices' columns.
+    fn matmul(
+        &self,
+        mats: &[&Self::Matrix],
+        x: &Self::Act,
+        outs: &mut [&mut Self::Act],
+    ) -> Result<(), EngineError>;
+
+    /// Adds `bias` to every row of `y`.
+    fn add_bias(&self, y: &mut Self::Act, bias: &Self::Vector);
+
+    /// `act(x G^T) * (x U^T)` into `out`.
+    ///
+    /// # Errors
+    /// When `x` is not a whole number of rows of the pair's columns.
+    fn gated(
+        &self,
+        gate_up: &Self::GateUp,
+        act: Activation,
+        x: &Self::Act,
+        out: &mut Self::Act,
+    ) -> Result<(), EngineError>;
+
+    /// Every row of `x` (rows as long as `w`) normalised: `x / sqrt(mean(x^2) + eps) * w`.
+    fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32, out: &mut Self::Act);
+
+    /// [`Backend::rms_norm`] in place.
+    fn rms_norm_in_place(&self, x: &mut Self::Act, w: &Self::Vector, eps: f32);
+
+    /// The residual add `x += a`, and `out` = `x` normalised by `w`.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Act,
+        a: &Self::Act,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Act,
+    );
+
+    /// The residual add `x += a`.
+    fn add(&self, x: &mut Self::Act, a: &Self::Act);
+
+    /// Starts a step over `rows`: the tables of the last step no longer hold.
+    fn begin_step(&self, rows: &StepRows, tables: &mut Self::Tables);
+
+    /// Rotates every head (`head_dim` values) of every row of `x` by its row's position.
+    fn rope(&self, x: &mut Self::Act, rope: &Rope, rows: &StepRows, tables: &mut Self::Tables);
+
+    /// Says that attention of `layer` will read the caches of `rows` soon (before the
+    /// step's q/k/v products, so a backend may start fetching them).
+    fn prefetch_kv(&self, _kv: &[&mut Self::Kv], _layer: usize, _heads: &Heads, _rows: &StepRows) {}
+
+    /// Appends keys `k` and values `v` (rows of `heads.kv_heads()` heads) to each
+    /// sequence's cache at its position, then attends: row `i` of `q` (its query heads) over
+    /// the cached keys its sequence sees at its position, into row `i` of `out`.
+    ///
+    /// # Errors
+    /// When a sequence's cache has no room for its rows.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        kv: &mut [&mut Self::Kv],
+        layer: usize,
+        heads: &Heads,
+        rows: &StepRows,
+        out: &mut Self::Act,
+    ) -> Result<(), EngineError>;
+
+    /// Rows `which` of `x` (rows of `width` values) into `out`, in that order.
+    fn select_rows(&self, x: &Self::Act, width: usize, which: &[usize], out: &mut Self::Act);
+
+    /// Runs one step of a model this process holds whole: `decode` when every sequence
+    /// adds one row. The backend decides where and on how many threads it runs; a rank of
+    /// a split model runs its steps in place instead (it waits for peers inside a step).
+    fn run_step<R: Send>(&self, decode: bool, f: impl FnOnce() -> R + Send) -> R;
+}
+
+/// The rows of one step: each sequence's rows are consecutive, at positions after what
+/// its cache holds.
+#[derive(Debug, Clone, Default)]
+pub struct StepRows {
+    /// Per sequence, in order: its rows of the step.
+    pub seqs: Vec<SeqRows>,
+    /// The position of every row.
+    pub positions: Vec<usize>,
+}
+
+/// One sequence's rows of a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqRows {
+    /// Its rows of the step.
+    pub rows: Range<usize>,
+    /// The position of its first row (the positions its cache held before the step).
+    pub start: usize,
+}
+
+impl StepRows {
+    /// Rows for sequences that add `counts[i]` rows after `starts[i]` cached positions.
+    pub fn new(counts: &[usize], starts: &[usize]) -> Self {
+        let mut s = StepRows::default();
+        s.reset(counts, starts);
+        s
+    }
+
+    /// Makes these the rows of another step (keeping the buffers).
+    pub fn reset(&mut self, counts: &[usize], starts: &[usize]) {
+        self.seqs.clear();
+        self.positions.clear();
+        let mut row = 0;
+        for (&n, &start) in counts.iter().zip(starts) {
+            self.seqs.push(SeqRows {
+                rows: row..row + n,
+                start,
+            });
+            self.positions.extend(start..start + n);
+            row += n;
+        }
+    }
+
+    /// Rows in the step.
+    pub fn len(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// Whether the step has no rows.
+    pub fn is_empty(&self) -> bool {
+        self.positions.is_empty()
+    }
+
+    /// Whether every sequence adds one row (a decode step).
+    pub fn is_decode(&self) -> bool {
+        self.seqs.iter().all(|s| s.rows.len() == 1)
+    }
+}
+
+/// How one layer rotates queries and keys.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rope {
+    /// How dimensions pair up.
+    pub style: RopeStyle,
+    /// Values per head.
+    pub head_dim: usize,
+    /// Base frequency.
+    pub base: f64,
+    /// Linear position scaling (1 = none): positions are divided by it.
+    pub scale: f64,
+    /// Per-pair divisors of the frequencies (Llama 3.1's `rope_freqs`), `head_dim / 2` long.
+    pub freq_factors: Option<Arc<[f32]>>,
+}
+
+/// The query heads a rank holds in one layer and the KV heads they read.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Heads {
+    /// Query heads of this rank.
+    pub n_head: usize,
+    /// Global index of its first query head.
+    pub first_head: usize,
+    /// KV heads of this rank.
+    pub n_kv_head: usize,
+    /// Global index of its first KV head.
+    pub first_kv: usize,
+    /// Query heads per KV head in the whole model.
+    pub group: usize,
+    /// Values per head.
+    pub head_dim: usize,
+    /// Keys `window` or more positions back are not seen (sliding-window layers).
+    pub window: Option<usize>,
+    /// Score scale.
+    pub scale: f32,
+}

@@ -1,0 +1,157 @@
+//! Multi-head (grouped-query) self-attention over a rank's query heads, written once for
+//! every kind of step: q/k/v products (with biases where the file has them), per-head q/k
+//! norms (Qwen3, Gemma 3), RoPE, the backend's attention over its KV cache, and the output
+//! projection, whose partial sums one all-reduce makes whole when the heads are cut across
+//! ranks.
+
+use std::sync::Arc;
+
+use shoal_comm::Communicator;
+
+use super::linear::{Linear, Norm, Tensors};
+use super::Workspace;
+use crate::arch::Role;
+use crate::backend::{Backend, Heads, Rope};
+use crate::config::ModelConfig;
+use crate::profile::{self, Op};
+use crate::shard::LayerShard;
+use crate::EngineError;
+
+/// One layer's attention on one rank.
+pub(crate) struct Attention<B: Backend> {
+    q: Linear<B>,
+    k: Linear<B>,
+    v: Linear<B>,
+    o: Linear<B>,
+    q_norm: Option<Norm<B>>,
+    k_norm: Option<Norm<B>>,
+    heads: Heads,
+    rope: Rope,
+}
+
+impl<B: Backend> Attention<B> {
+    /// Loads layer `layer`'s attention as `shard` cuts it; `freq_factors` are the global
+    /// layers' RoPE frequency divisors, when the model has them.
+    ///
+    /// # Errors
+    /// When a tensor is missing or misshapen.
+    pub fn load(
+        t: &Tensors<'_, B>,
+        cfg: &ModelConfig,
+        layer: usize,
+        shard: &LayerShard,
+        freq_factors: Option<&Arc<[f32]>>,
+    ) -> Result<Self, EngineError> {
+        let hd = cfg.head_dim;
+        let (q_out, kv_out) = (cfg.n_head * hd, cfg.n_kv_head * hd);
+        let rows = |r: &std::ops::Range<usize>| r.start * hd..r.end * hd;
+        let column =
+            |role: Role, bias: Role, out: usize, heads| -> Result<Linear<B>, EngineError> {
+                let name = t.layer_required(role, layer)?;
+                let bias = t.layer(bias, layer)?;
+                Linear::rows(t, &name, bias.as_deref(), [out, cfg.hidden], rows(heads))
+            };
+        let q = column(Role::AttnQ, Role::AttnQBias, q_out, &shard.heads)?;
+        let k = column(Role::AttnK, Role::AttnKBias, kv_out, &shard.kv_heads)?;
+        let v = column(Role::AttnV, Role::AttnVBias, kv_out, &shard.kv_heads)?;
+        let o = Linear::cols(
+            t,
+            &t.layer_required(Role::AttnOut, layer)?,
+            [cfg.hidden, q_out],
+            rows(&shard.heads),
+        )?;
+        let local = cfg.is_local_layer(layer);
+        Ok(Attention {
+            q,
+            k,
+            v,
+            o,
+            q_norm: Norm::layer(t, Role::AttnQNorm, layer, hd, cfg.rms_eps)?,
+            k_norm: Norm::layer(t, Role::AttnKNorm, layer, hd, cfg.rms_eps)?,
+            heads: Heads {
+                n_head: shard.heads.len(),
+                first_head: shard.heads.start,
+                n_kv_head: shard.kv_heads.len(),
+                first_kv: shard.kv_heads.start,
+                group: cfg.n_head / cfg.n_kv_head.max(1),
+                head_dim: hd,
+                window: if local { cfg.sliding_window } else { None },
+                scale: cfg.attn_scale as f32,
+            },
+            rope: Rope {
+                style: cfg.rope_style,
+                head_dim: hd,
+                base: if local {
+                    cfg.rope_theta_local
+                } else {
+                    cfg.rope_theta
+                },
+                scale: if local { 1.0 } else { cfg.rope_scale },
+                freq_factors: if local { None } else { freq_factors.cloned() },
+            },
+        })
+    }
+
+    /// The attention of the step's normed rows `ws.xn` into `ws.out` (summed over the
+    /// ranks of `tp`), appending their keys and values to each sequence's cache.
+    ///
+    /// # Errors
+    /// When a cache has no room, or a peer fails.
+    pub fn forward(
+        &self,
+        be: &B,
+        ws: &mut Workspace<B>,
+        kv: &mut [&mut B::Kv],
+        layer: usize,
+        tp: &dyn Communicator,
+    ) -> Result<(), EngineError> {
+        {
+            let _p = profile::scope(Op::Qkv);
+            be.prefetch_kv(kv, layer, &self.heads, &ws.rows);
+            be.matmul(
+                &[&*self.q.w, &*self.k.w, &*self.v.w],
+                &ws.xn,
+                &mut [&mut ws.q, &mut ws.k, &mut ws.v],
+            )?;
+            for (l, y) in [
+                (&self.q, &mut ws.q),
+                (&self.k, &mut ws.k),
+                (&self.v, &mut ws.v),
+            ] {
+                if let Some(b) = &l.bias {
+                    be.add_bias(y, b);
+                }
+            }
+        }
+        {
+            let _p = profile::scope(Op::Rope);
+            if let Some(n) = &self.q_norm {
+                be.rms_norm_in_place(&mut ws.q, &n.w, n.eps);
+            }
+            if let Some(n) = &self.k_norm {
+                be.rms_norm_in_place(&mut ws.k, &n.w, n.eps);
+            }
+            be.rope(&mut ws.q, &self.rope, &ws.rows, &mut ws.tables);
+            be.rope(&mut ws.k, &self.rope, &ws.rows, &mut ws.tables);
+        }
+        {
+            let _p = profile::scope(Op::Attention);
+            be.attention(
+                &ws.q,
+                &ws.k,
+                &ws.v,
+                kv,
+                layer,
+                &self.heads,
+                &ws.rows,
+                &mut ws.att,
+            )?;
+        }
+        let _p = profile::scope(Op::AttnOut);
+        be.matmul(&[&*self.o.w], &ws.att, &mut [&mut ws.out])?;
+        if tp.world_size() > 1 {
+            be.all_reduce(tp, &mut ws.out)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,506 @@
+//! The decoder-only transformer every supported architecture is, written once over a
+//! [`Backend`]: token embedding, a stack of [`block::Block`]s, a final norm and the output
+//! head. Differences between architectures are fields of [`ModelConfig`] and the tensors
+//! their table says a file holds.
+//!
+//! A [`Network`] holds one rank's [`ShardPlan`]: the layers of its pipeline stage, and in
+//! each a range of query heads (with the KV heads they read) and of feed-forward features;
+//! the first stage embeds tokens and the last holds the final norm and the output head, both
+//! cut by vocabulary across the stage's tensor-parallel ranks. At world size 1 the plan is
+//! everything. Activations of a step live in a [`Workspace`] whose buffers are reused from
+//! step to step.
+
+pub(crate) mod attention;
+pub(crate) mod block;
+pub(crate) mod feed_forward;
+pub(crate) mod linear;
+
+use std::sync::{Arc, Mutex};
+
+use shoal_comm::Communicator;
+
+use self::block::Block;
+use self::linear::{Linear, Norm, Tensors};
+use crate::arch::{self, Role};
+use crate::backend::{Backend, StepRows};
+use crate::config::ModelConfig;
+use crate::kv_cache::KvCache;
+use crate::profile::{self, Op};
+use crate::shard::ShardPlan;
+use crate::weights::{Slice, WeightSource};
+use crate::EngineError;
+
+/// The activations of one step, reused by the next.
+pub(crate) struct Workspace<B: Backend> {
+    /// The residual stream, a row per token of the step.
+    pub x: B::Act,
+    /// A sublayer's normed input.
+    pub xn: B::Act,
+    /// Queries, keys and values.
+    pub q: B::Act,
+    pub k: B::Act,
+    pub v: B::Act,
+    /// Attention's output before its projection.
+    pub att: B::Act,
+    /// A sublayer's output.
+    pub out: B::Act,
+    /// The feed-forward's gated features.
+    pub h: B::Act,
+    /// Logits.
+    pub logits: B::Act,
+    /// The step's rows.
+    pub rows: StepRows,
+    /// What the step's layers share.
+    pub tables: B::Tables,
+}
+
+impl<B: Backend> Default for Workspace<B> {
+    fn default() -> Self {
+        Workspace {
+            x: B::Act::default(),
+            xn: B::Act::default(),
+            q: B::Act::default(),
+            k: B::Act::default(),
+            v: B::Act::default(),
+            att: B::Act::default(),
+            out: B::Act::default(),
+            h: B::Act::default(),
+            logits: B::Act::default(),
+            rows: StepRows::default(),
+            tables: B::Tables::default(),
+        }
+    }
+}
+
+/// One rank's share of a model on backend `B`.
+pub(crate) struct Network<B: Backend> {
+    be: B,
+    cfg: ModelConfig,
+    plan: ShardPlan,
+    /// The ranks of this rank's pipeline stage (sums partial results; world size 1 when the
+    /// stage is not cut).
+    tp: Arc<dyn Communicator>,
+    /// The embedding table's rows this rank holds (first stage).
+    embed: Option<Arc<B::Matrix>>,
+    blocks: Vec<Block<B>>,
+    norm: Option<Norm<B>>,
+    head: Option<Linear<B>>,
+    /// Workspaces of finished steps, for the next ones.
+    spare: Mutex<Vec<Workspace<B>>>,
+}
+
+impl<B: Backend> Network<B> {
+    /// Loads what `plan` says this rank holds on `be`; `tp` is the communicator of the
+    /// ranks of its pipeline stage.
+    ///
+    /// # Errors
+    /// When a tensor is missing or misshapen.
+    pub fn load(
+        be: B,
+        src: &dyn WeightSource,
+        cfg: ModelConfig,
+        plan: ShardPlan,
+        tp: Arc<dyn Communicator>,
+    ) -> Result<Self, EngineError> {
+        let spec = arch::spec(cfg.arch);
+        let t = Tensors { be: &be, src, spec };
+        let embed_name = t
+            .model(Role::TokenEmbd)?
+            .ok_or_else(|| EngineError::Internal {
+                what: format!("the {} table has no token embedding", spec.gguf_name),
+            })?;
+        t.check_shape(&embed_name, &[cfg.vocab, cfg.hidden])?;
+        let head_name = t.model(Role::Output)?;
+        let tied = head_name.is_none();
+        let vocab_slice = if plan.vocab == (0..cfg.vocab) {
+            Slice::Full
+        } else {
+            Slice::Rows(plan.vocab.clone())
+        };
+        let embed = if plan.first_stage || (plan.last_stage && tied) {
+            Some(Arc::new(be.matrix(src, &embed_name, &vocab_slice)?))
+        } else {
+            None
+        };
+        let freq_factors = match (&cfg.rope_freq_factors, t.model(Role::RopeFreqs)?) {
+            (Some(f), _) => Some(f.clone()),
+            (None, Some(name)) => {
+                t.check_shape(&name, &[cfg.head_dim / 2])?;
+                Some(Arc::from(t.values(&name, &Slice::Full)?))
+            }
+            (None, None) => None,
+        };
+        let mut blocks = Vec::with_capacity(plan.layers.len());
+        for layer in plan.layers.clone() {
+            blocks.push(Block::load(
+                &t,
+                &cfg,
+                layer,
+                &plan.shard,
+                freq_factors.as_ref(),
+            )?);
+        }
+        let (norm, head) = if plan.last_stage {
+            let norm_name = t
+                .model(Role::OutputNorm)?
+                .ok_or_else(|| EngineError::Internal {
+                    what: format!("the {} table has no output norm", spec.gguf_name),
+                })?;
+            let norm = Norm::load(&t, &norm_name, cfg.hidden, cfg.rms_eps)?;
+            let head = match (&embed, &head_name) {
+                (Some(e), None) => Linear {
+                    w: e.clone(),
+                    bias: None,
+                },
+                (_, Some(name)) => {
+                    Linear::rows(&t, name, None, [cfg.vocab, cfg.hidden], plan.vocab.clone())?
+                }
+                (None, None) => {
+                    return Err(EngineError::Internal {
+                        what: "a tied output head without the embedding".into(),
+                    })
+                }
+            };
+            (Some(norm), Some(head))
+        } else {
+            (None, None)
+        };
+        let embed = if plan.first_stage { embed } else { None };
+        Ok(Network {
+            be,
+            cfg,
+            plan,
+            tp,
+            embed,
+            blocks,
+            norm,
+            head,
+            spare: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The model's hyperparameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// What this rank holds.
+    pub fn plan(&self) -> &ShardPlan {
+        &self.plan
+    }
+
+    /// The backend's name.
+    pub fn backend_name(&self) -> &'static str {
+        self.be.name()
+    }
+
+    /// An empty cache for one sequence of up to `capacity` positions of this rank's layers.
+    pub fn new_cache(&self, capacity: usize) -> KvCache {
+        let kv = self.be.kv(
+            self.plan.layers.len(),
+            self.plan.shard.kv_heads.len(),
+            self.cfg.head_dim,
+            capacity,
+        );
+        KvCache::new(Box::new(kv), capacity, self.be.name())
+    }
+
+    /// Makes `to` hold the first `len` positions `from` holds.
+    ///
+    /// # Errors
+    /// When either cache is another backend's, `from` holds fewer positions, or `to` has no
+    /// room for them.
+    pub fn copy_prefix(
+        &self,
+        from: &KvCache,
+        to: &mut KvCache,
+        len: usize,
+    ) -> Result<(), EngineError> {
+        if len > from.len() || len > to.capacity() {
+            return Err(EngineError::InvalidInput {
+                what: format!(
+                    "copying {len} positions from a cache holding {} into one with room for {}",
+                    from.len(),
+                    to.capacity()
+                ),
+            });
+        }
+        let src = from.store::<B::Kv>().ok_or_else(|| self.foreign(from))?;
+        let to_backend = to.backend();
+        let dst = to
+            .store_mut::<B::Kv>()
+            .ok_or_else(|| self.foreign_named(to_backend))?;
+        self.be.copy_kv(src, dst, len)?;
+        to.truncate(0);
+        to.advance(len);
+        Ok(())
+    }
+
+    /// The error for a cache another backend made.
+    fn foreign(&self, c: &KvCache) -> EngineError {
+        self.foreign_named(c.backend())
+    }
+
+    fn foreign_named(&self, made_by: &str) -> EngineError {
+        EngineError::InvalidInput {
+            what: format!(
+                "a KV cache made by the {made_by} backend, for a model on the {} backend",
+                self.be.name()
+            ),
+        }
+    }
+
+    /// Runs `f` with a workspace for the step whose sequences add `counts[i]` rows after
+    /// what `caches[i]` holds, and this backend's storage of those caches; the caches'
+    /// ends move past the rows when `f` succeeds.
+    fn with_step<R>(
+        &self,
+        counts: &[usize],
+        caches: &mut [&mut KvCache],
+        f: impl FnOnce(&mut Workspace<B>, &mut [&mut B::Kv]) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        check_rows(counts, caches)?;
+        let mut ws = self
+            .spare
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .unwrap_or_default();
+        let starts: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        ws.rows.reset(counts, &starts);
+        let backend = self.be.name();
+        let mut kv: Vec<&mut B::Kv> = Vec::with_capacity(caches.len());
+        for c in caches.iter_mut() {
+            let made_by = c.backend();
+            kv.push(
+                c.store_mut::<B::Kv>()
+                    .ok_or_else(|| EngineError::InvalidInput {
+                        what: format!(
+                    "a KV cache made by the {made_by} backend, for a model on the {backend} \
+                     backend"
+                ),
+                    })?,
+            );
+        }
+        let result = f(&mut ws, &mut kv);
+        drop(kv);
+        self.spare
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(ws);
+        let r = result?;
+        for (c, &n) in caches.iter_mut().zip(counts) {
+            c.advance(n);
+        }
+        Ok(r)
+    }
+
+    /// Checks the token ids of a step against the vocabulary.
+    fn check_ids(&self, tokens: &[u32]) -> Result<(), EngineError> {
+        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= self.cfg.vocab) {
+            return Err(EngineError::InvalidInput {
+                what: format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    self.cfg.vocab
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The embedded `tokens` into `ws.x` (first stage), gathered across the stage's ranks
+    /// when the vocabulary is cut.
+    fn embed_into(&self, tokens: &[u32], ws: &mut Workspace<B>) -> Result<(), EngineError> {
+        let Some(table) = &self.embed else {
+            return Err(EngineError::Internal {
+                what: "embedding tokens on a rank that is not in the first pipeline stage".into(),
+            });
+        };
+        self.check_ids(tokens)?;
+        let _p = profile::scope(Op::Embed);
+        // ggml scales in f32: round the factor the same way
+        let scale = self.cfg.embed_scale as f32;
+        self.be
+            .embed(table, self.plan.vocab.clone(), tokens, scale, &mut ws.x)?;
+        if self.tp.world_size() > 1 {
+            self.be.all_reduce(&*self.tp, &mut ws.x)?;
+        }
+        Ok(())
+    }
+
+    /// This rank's layers over `ws.x`.
+    fn layers(&self, ws: &mut Workspace<B>, kv: &mut [&mut B::Kv]) -> Result<(), EngineError> {
+        self.be.begin_step(&ws.rows, &mut ws.tables);
+        for (layer, block) in self.blocks.iter().enumerate() {
+            block.forward(&self.be, ws, kv, layer, &*self.tp)?;
+        }
+        Ok(())
+    }
+
+    /// The logits of the last `last` rows of each sequence of the step (last stage):
+    /// `(rows, vocabulary slice)`.
+    fn head(&self, ws: &mut Workspace<B>, last: usize) -> Result<Vec<f32>, EngineError> {
+        let (Some(norm), Some(head)) = (&self.norm, &self.head) else {
+            return Err(EngineError::Internal {
+                what: "logits on a rank that is not in the last pipeline stage".into(),
+            });
+        };
+        let _p = profile::scope(Op::Head);
+        let which: Vec<usize> = ws
+            .rows
+            .seqs
+            .iter()
+            .flat_map(|s| s.rows.end - last.clamp(1, s.rows.len())..s.rows.end)
+            .collect();
+        self.be
+            .select_rows(&ws.x, self.cfg.hidden, &which, &mut ws.out);
+        self.be.rms_norm(&ws.out, &norm.w, norm.eps, &mut ws.xn);
+        self.be.matmul(&[&*head.w], &ws.xn, &mut [&mut ws.logits])?;
+        Ok(self.be.download(std::mem::take(&mut ws.logits)))
+    }
+
+    /// A whole step on a rank that holds the whole model: `tokens` (each sequence's
+    /// `counts[i]` tokens in turn) after what each of `caches` holds, and the logits of
+    /// the last `last` rows of each sequence.
+    ///
+    /// # Errors
+    /// When a cache has no room, an id is out of range, the lengths do not agree, or this
+    /// rank holds only part of the model.
+    pub fn step(
+        &self,
+        tokens: &[u32],
+        counts: &[usize],
+        caches: &mut [&mut KvCache],
+        last: usize,
+    ) -> Result<Vec<f32>, EngineError> {
+        if !self.plan.is_full(&self.cfg) {
+            return Err(EngineError::Internal {
+                what: format!(
+                    "a whole forward pass on a rank holding only part of the model ({:?})",
+                    self.plan
+                ),
+            });
+        }
+        check_tokens(tokens, counts)?;
+        self.check_ids(tokens)?;
+        let decode = counts.iter().all(|&n| n == 1);
+        self.be.run_step(decode, || {
+            self.with_step(counts, caches, |ws, kv| {
+                self.embed_into(tokens, ws)?;
+                self.layers(ws, kv)?;
+                self.head(ws, last)
+            })
+        })
+    }
+
+    /// The hidden states of `tokens`, a row each (first stage only).
+    ///
+    /// # Errors
+    /// When this rank is not in the first stage, an id is out of range, or a peer fails.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        let mut ws = Workspace::<B>::default();
+        self.embed_into(tokens, &mut ws)?;
+        Ok(self.be.download(ws.x))
+    }
+
+    /// Runs this rank's layers over hidden states `x` (a row per token, each sequence's
+    /// `counts[i]` rows in turn, after what `caches[i]` holds) and returns them.
+    ///
+    /// # Errors
+    /// When the rows and caches do not agree, a cache has no room, or a peer fails (the
+    /// caches of a failed step are unusable).
+    pub fn forward_layers(
+        &self,
+        x: Vec<f32>,
+        counts: &[usize],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Vec<f32>, EngineError> {
+        let rows: usize = counts.iter().sum();
+        if x.len() != rows * self.cfg.hidden {
+            return Err(EngineError::InvalidInput {
+                what: format!(
+                    "{} hidden values for {rows} rows of {}",
+                    x.len(),
+                    self.cfg.hidden
+                ),
+            });
+        }
+        let run = || {
+            self.with_step(counts, caches, |ws, kv| {
+                ws.x = self.be.upload(x);
+                self.layers(ws, kv)?;
+                Ok(self.be.download(std::mem::take(&mut ws.x)))
+            })
+        };
+        if self.plan.is_full(&self.cfg) {
+            self.be.run_step(counts.iter().all(|&n| n == 1), run)
+        } else {
+            run()
+        }
+    }
+
+    /// This rank's vocabulary slice of the logits of the last `last` rows of each
+    /// sequence of hidden states `x` (last stage only).
+    ///
+    /// # Errors
+    /// When this rank is not in the last stage, or the rows do not agree.
+    pub fn logits(
+        &self,
+        x: &[f32],
+        counts: &[usize],
+        last: usize,
+    ) -> Result<Vec<f32>, EngineError> {
+        let rows: usize = counts.iter().sum();
+        if x.len() != rows * self.cfg.hidden || counts.contains(&0) {
+            return Err(EngineError::InvalidInput {
+                what: format!(
+                    "{} hidden values for sequences of {counts:?} rows of {}",
+                    x.len(),
+                    self.cfg.hidden
+                ),
+            });
+        }
+        let mut ws = Workspace::<B>::default();
+        let starts = vec![0; counts.len()];
+        ws.rows.reset(counts, &starts);
+        ws.x = self.be.upload(x.to_vec());
+        self.head(&mut ws, last)
+    }
+}
+
+/// Checks that the tokens of a step are the sequences' rows.
+fn check_tokens(tokens: &[u32], counts: &[usize]) -> Result<(), EngineError> {
+    if tokens.len() != counts.iter().sum::<usize>() {
+        return Err(EngineError::InvalidInput {
+            what: format!("{} tokens for sequences of {counts:?} tokens", tokens.len()),
+        });
+    }
+    Ok(())
+}
+
+/// Checks that a step has rows, one count per cache, and room for them in every cache.
+fn check_rows(counts: &[usize], caches: &[&mut KvCache]) -> Result<(), EngineError> {
+    if counts.is_empty() || counts.contains(&0) {
+        return Err(EngineError::InvalidInput {
+            what: format!("a forward pass over sequences of {counts:?} tokens"),
+        });
+    }
+    if counts.len() != caches.len() {
+        return Err(EngineError::InvalidInput {
+            what: format!(
+                "a step of {} sequences with {} caches",
+                counts.len(),
+                caches.len()
+            ),
+        });
+    }
+    for (c, &n) in caches.iter().zip(counts) {
+        if c.len() + n > c.capacity() {
+            return Err(EngineError::ContextFull {
+                prompt: c.len() + n,
+                ctx: c.capacity(),
+            });
+        }
+    }
+    Ok(())
+}
