@@ -1,14 +1,18 @@
 // Teacher-forced oracle: what llama.cpp computes for a GGUF file, as one JSON line.
 //
 // Usage:
-//   llama_logits MODEL.gguf [--text TEXT | --tokens 1,2,3] [--generate N] [--top K] [--all-logits]
+//   llama_logits MODEL.gguf [--text TEXT | --raw-text TEXT | --tokens 1,2,3] [--generate N]
+//                [--top K] [--all-logits] [--kv-f16]
 //
 // The prompt is TEXT tokenized by the model's vocabulary (no BOS added, special tokens such
-// as <|im_end|> parsed) or the comma-separated ids of --tokens. The whole prompt is decoded
+// as <|im_end|> parsed), TEXT of --raw-text tokenized as `shoal run --raw` does (a BOS where
+// the model asks for one, special tokens taken literally), or the comma-separated ids of
+// --tokens. The whole prompt is decoded
 // as one batch with logits requested at every position; then N more tokens (default 0) are
 // generated greedily (argmax, the lowest id on an exact tie), one decode each. Everything
-// runs with an F32 KV cache, flash attention disabled and one thread, so F32 weights give
-// logits within rounding of an exact forward pass.
+// runs with an F32 KV cache (F16 with --kv-f16, llama.cpp's default and shoal's cache type),
+// flash attention disabled and one thread, so F32 weights give logits within rounding of an
+// exact forward pass.
 //
 // Output, one line of JSON:
 //   ids           the prompt's ids
@@ -41,8 +45,8 @@ static void die(const char * msg) {
 }
 
 static void usage() {
-    die("usage: llama_logits MODEL.gguf [--text TEXT | --tokens 1,2,3] [--generate N] [--top K] "
-        "[--all-logits]");
+    die("usage: llama_logits MODEL.gguf [--text TEXT | --raw-text TEXT | --tokens 1,2,3] "
+        "[--generate N] [--top K] [--all-logits] [--kv-f16]");
 }
 
 static void print_float(float v) {
@@ -120,17 +124,20 @@ int main(int argc, char ** argv) {
     const char * model_path = argv[1];
     std::string text;
     bool have_text = false;
+    bool raw_text = false;
     std::vector<llama_token> ids;
     bool have_tokens = false;
     int n_generate = 0;
     int k = 8;
     bool all_logits = false;
+    bool kv_f16 = false;
     for (int i = 2; i < argc; i++) {
         std::string a = argv[i];
         bool has_value = i + 1 < argc;
-        if (a == "--text" && has_value) {
+        if ((a == "--text" || a == "--raw-text") && has_value) {
             text = argv[++i];
             have_text = true;
+            raw_text = a == "--raw-text";
         } else if (a == "--tokens" && has_value) {
             std::string list = argv[++i];
             size_t start = 0;
@@ -155,12 +162,14 @@ int main(int argc, char ** argv) {
             k = atoi(argv[++i]);
         } else if (a == "--all-logits") {
             all_logits = true;
+        } else if (a == "--kv-f16") {
+            kv_f16 = true;
         } else {
             usage();
         }
     }
     if (have_text == have_tokens) {
-        die("give exactly one of --text and --tokens");
+        die("give exactly one of --text, --raw-text and --tokens");
     }
     if (n_generate < 0 || k < 1) {
         die("--generate must be >= 0 and --top >= 1");
@@ -183,10 +192,13 @@ int main(int argc, char ** argv) {
     const int n_vocab = llama_vocab_n_tokens(vocab);
 
     if (have_text) {
-        int n = -llama_tokenize(vocab, text.c_str(), (int32_t) text.size(), nullptr, 0, false, true);
+        // --text: no BOS, specials parsed; --raw-text: BOS as the model asks, specials literal
+        const bool add_special = raw_text, parse_special = !raw_text;
+        int n = -llama_tokenize(vocab, text.c_str(), (int32_t) text.size(), nullptr, 0,
+                                add_special, parse_special);
         ids.resize(std::max(n, 0));
-        if (n > 0 &&
-            llama_tokenize(vocab, text.c_str(), (int32_t) text.size(), ids.data(), n, false, true) != n) {
+        if (n > 0 && llama_tokenize(vocab, text.c_str(), (int32_t) text.size(), ids.data(), n,
+                                    add_special, parse_special) != n) {
             die("tokenization failed");
         }
     }
@@ -207,8 +219,8 @@ int main(int argc, char ** argv) {
     cp.n_seq_max = 1;
     cp.n_threads = 1;
     cp.n_threads_batch = 1;
-    cp.type_k = GGML_TYPE_F32;
-    cp.type_v = GGML_TYPE_F32;
+    cp.type_k = kv_f16 ? GGML_TYPE_F16 : GGML_TYPE_F32;
+    cp.type_v = kv_f16 ? GGML_TYPE_F16 : GGML_TYPE_F32;
     cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
     llama_context * ctx = llama_init_from_model(model, cp);
     if (!ctx) {
