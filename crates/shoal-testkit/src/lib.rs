@@ -31,8 +31,8 @@ pub use gguf_writer::{
     GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION,
 };
 pub use oracle::{
-    compare_teacher_forced, oracle_bin, require_oracle, run_llama_oracle, Comparison, OracleInput,
-    OracleRun, Tolerance,
+    compare_teacher_forced, oracle_bin, require_oracle, run_llama_oracle, run_llama_oracle_with,
+    Comparison, OracleCache, OracleInput, OracleRun, Tolerance,
 };
 pub use quants::{
     dequantize, dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, quantize, quantize_q4_0,

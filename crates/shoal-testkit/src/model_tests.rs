@@ -775,8 +775,8 @@ const ORACLE_TEXT: &str = "the cat sat on the mat<|im_end|> 42";
 /// Tokens llama.cpp generates after the prompt in the oracle tests.
 const ORACLE_GENERATE: usize = 8;
 
-/// The tiny models compared with llama.cpp: Llama, Qwen2 and Gemma 3, tied and untied
-/// outputs, F32 and the quantized types, each with the tolerance its arithmetic calls for
+/// The tiny models compared with llama.cpp: Llama (also with Llama 3.1 RoPE scaling), Qwen2,
+/// Qwen3 and Gemma 3, tied and untied outputs, F32 and the quantized types, each with the tolerance its arithmetic calls for
 /// (see [`Tolerance`]'s constants).
 fn oracle_specs() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
     vec![
@@ -820,6 +820,18 @@ fn oracle_specs() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
         (
             TinyModelSpec::qwen2(57).k_quant_shapes(),
             GgmlType::Q6_K,
+            Tolerance::QUANTIZED_WIDE,
+        ),
+        (TinyModelSpec::qwen3(60), GgmlType::F32, Tolerance::F32),
+        (
+            TinyModelSpec::qwen3(61).tied(false),
+            GgmlType::Q8_0,
+            Tolerance::QUANTIZED,
+        ),
+        (TinyModelSpec::llama31(62), GgmlType::F32, Tolerance::F32),
+        (
+            TinyModelSpec::llama31(63).k_quant_shapes(),
+            GgmlType::Q4_K,
             Tolerance::QUANTIZED_WIDE,
         ),
     ]
@@ -870,7 +882,7 @@ fn llama_cpp_agrees_with_reference() {
     let mut failures = Vec::new();
     for (spec, ty, tol) in oracle_specs() {
         let m = spec.snapped_to(ty).build().unwrap();
-        let label = format!("{:?} {ty:?} seed {}", m.spec().arch, m.spec().seed);
+        let label = format!("{} {ty:?} seed {}", m.spec().name, m.spec().seed);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.gguf");
         m.write_gguf(&path, ty).unwrap();

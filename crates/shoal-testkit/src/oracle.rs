@@ -103,9 +103,19 @@ pub fn require_oracle(test: &str) -> Option<PathBuf> {
     bin
 }
 
+/// The KV cache type the oracle runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OracleCache {
+    /// F32 keys and values: the closest to an exact forward pass.
+    F32,
+    /// F16 keys and values: llama.cpp's default, and the type shoal's CPU cache keeps.
+    F16,
+}
+
 /// Runs the oracle at `bin` on `gguf`: the prompt, then `generate` greedy tokens, reporting
-/// the top `top_k` logits per step (and full rows with `all_logits`). An error says what
-/// failed: the binary not starting, a non-zero exit (with its stderr), or unreadable output.
+/// the top `top_k` logits per step (and full rows with `all_logits`), with an F32 KV cache.
+/// An error says what failed: the binary not starting, a non-zero exit (with its stderr),
+/// or unreadable output.
 pub fn run_llama_oracle(
     bin: &Path,
     gguf: &Path,
@@ -113,6 +123,27 @@ pub fn run_llama_oracle(
     generate: usize,
     top_k: usize,
     all_logits: bool,
+) -> Result<OracleRun, String> {
+    run_llama_oracle_with(
+        bin,
+        gguf,
+        input,
+        generate,
+        top_k,
+        all_logits,
+        OracleCache::F32,
+    )
+}
+
+/// [`run_llama_oracle`] with the KV cache of type `cache`.
+pub fn run_llama_oracle_with(
+    bin: &Path,
+    gguf: &Path,
+    input: OracleInput,
+    generate: usize,
+    top_k: usize,
+    all_logits: bool,
+    cache: OracleCache,
 ) -> Result<OracleRun, String> {
     let mut cmd = Command::new(bin);
     cmd.arg(gguf);
@@ -131,6 +162,9 @@ pub fn run_llama_oracle(
         .arg(top_k.to_string());
     if all_logits {
         cmd.arg("--all-logits");
+    }
+    if cache == OracleCache::F16 {
+        cmd.arg("--kv-f16");
     }
     let out = cmd
         .output()

@@ -1,0 +1,207 @@
+//! shoal against llama.cpp on synthetic models of every supported architecture (Llama,
+//! Llama 3.1 RoPE scaling, Qwen2, Qwen3, Gemma 3) in F32, Q8_0 and Q4_K: the test kit
+//! writes each as GGUF, llama.cpp (the test kit's oracle, with an F16 KV cache as shoal
+//! keeps) loads it, decodes a prompt and 8 greedy tokens, and shoal, fed the same tokens,
+//! must give its logits at every prompt position and every generated step: every logit of
+//! the generated steps and llama.cpp's top 8 at the prompt positions within a tolerance
+//! relative to the step's scale, and the same argmax unless llama.cpp's own top two are
+//! within that tolerance. Qwen3 and Llama 3.1 have no weights on the registries, so this is
+//! their oracle.
+//!
+//! Tolerances, measured here (`-- --nocapture` prints them): F32 models differ by at most
+//! 3.8e-4 of the scale (both sides round keys and values to f16, and f32 sums in other
+//! orders can flip a rounding); quantized ones by up to 1.7e-2 (4.6e-2 on the K-quant
+//! shapes), since both engines round activations to 8 bits from values that differ in the
+//! last bits. Skipped without `SHOAL_LLAMA_LOGITS_BIN`, except
+//! under CI, where it fails.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use common::SwappedHeads;
+use shoal_engine::weights::GgufWeights;
+use shoal_engine::{arch, ModelConfig, Transformer};
+use shoal_model::gguf::GgufFile;
+use shoal_testkit::{
+    compare_teacher_forced, require_oracle, run_llama_oracle_with, Comparison, GgmlType,
+    OracleCache, OracleInput, OracleRun, TinyModelSpec, Tolerance,
+};
+
+/// Prompt ids of the tiny tokenizer's vocabulary.
+const PROMPT: [u32; 10] = [294, 267, 266, 278, 7, 300, 296, 12, 99, 42];
+
+/// Tokens llama.cpp generates after the prompt.
+const GENERATE: usize = 8;
+
+/// F32 weights: both sides compute in f32 and round keys and values to f16, where a last-bit
+/// difference can flip an f16 rounding (measured worst: 3.8e-4 of the scale).
+const F32: Tolerance = Tolerance {
+    rel_logit: 1e-3,
+    near_tie: 1e-3,
+};
+
+/// F32 weights through GELU: llama.cpp reads GELU from an f16 table.
+const F32_GELU: Tolerance = Tolerance {
+    rel_logit: 3e-3,
+    near_tie: 3e-3,
+};
+
+/// Quantized weights of the default shapes: 8-bit activations rounded from slightly
+/// different values (measured worst: 1.7e-2 of the scale).
+const QUANTIZED: Tolerance = Tolerance {
+    rel_logit: 0.05,
+    near_tie: 0.05,
+};
+
+/// Quantized weights of the K-quant shapes (256-wide rows): the same over longer dot
+/// products (measured worst: 4.6e-2 of the scale).
+const QUANTIZED_WIDE: Tolerance = Tolerance {
+    rel_logit: 0.10,
+    near_tie: 0.10,
+};
+
+fn open(path: &Path) -> (GgufFile, ModelConfig) {
+    let file = GgufFile::open(path).unwrap();
+    let vocab = file.tensor("token_embd.weight").unwrap().shape()[0];
+    let cfg = arch::config_from_gguf(file.metadata(), vocab, "llamacpp test").unwrap();
+    (file, cfg)
+}
+
+fn load(path: &Path) -> Transformer {
+    let (file, cfg) = open(path);
+    Transformer::load(&GgufWeights::new(file), cfg, Arc::new(shoal_comm::Solo)).unwrap()
+}
+
+/// llama.cpp's run of the test prompt on `path`: 8 greedy tokens, every logit.
+fn oracle(bin: &Path, path: &Path) -> OracleRun {
+    run_llama_oracle_with(
+        bin,
+        path,
+        OracleInput::Tokens(PROMPT.to_vec()),
+        GENERATE,
+        8,
+        true,
+        OracleCache::F16,
+    )
+    .unwrap_or_else(|e| panic!("llama.cpp cannot run {}: {e}", path.display()))
+}
+
+/// `t` fed `run`'s tokens, compared with it: the generated steps on every logit, the prompt
+/// positions on llama.cpp's top 8.
+fn compare(t: &Transformer, run: &OracleRun, tol: Tolerance) -> (Comparison, Comparison) {
+    let vocab = t.config().vocab;
+    let mut cache = t.new_cache(run.sequence().len() + 1);
+    let n = PROMPT.len();
+    let prompt_rows: Vec<Vec<f32>> = t
+        .forward(&PROMPT, &mut cache, n)
+        .unwrap()
+        .chunks_exact(vocab)
+        .map(<[f32]>::to_vec)
+        .collect();
+    let mut rows = vec![prompt_rows[n - 1].clone()];
+    for &id in &run.generated {
+        rows.push(t.forward_last(&[id], &mut cache).unwrap());
+    }
+    (
+        compare_teacher_forced(&run.full_steps().unwrap(), &rows, tol),
+        compare_teacher_forced(&run.prompt_steps, &prompt_rows, tol),
+    )
+}
+
+fn cases() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
+    let mut v = Vec::new();
+    for spec in [
+        TinyModelSpec::llama(70),
+        TinyModelSpec::llama31(71),
+        TinyModelSpec::qwen2(72),
+        TinyModelSpec::qwen3(73),
+        TinyModelSpec::qwen3(74).tied(false),
+    ] {
+        v.push((spec.clone(), GgmlType::F32, F32));
+        v.push((spec.clone(), GgmlType::Q8_0, QUANTIZED));
+        v.push((spec.k_quant_shapes(), GgmlType::Q4_K, QUANTIZED_WIDE));
+    }
+    v.push((TinyModelSpec::gemma3(75), GgmlType::F32, F32_GELU));
+    v.push((TinyModelSpec::gemma3(76), GgmlType::Q8_0, QUANTIZED));
+    v
+}
+
+#[test]
+fn shoal_matches_llamacpp_on_every_architecture() {
+    let Some(bin) = require_oracle("shoal_matches_llamacpp_on_every_architecture") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut failed = Vec::new();
+    for (i, (spec, ty, tol)) in cases().into_iter().enumerate() {
+        let label = format!("{} seed {} {ty:?}", spec.name, spec.seed);
+        let m = spec.snapped_to(ty).build().unwrap();
+        let path = dir.path().join(format!("{i}.gguf"));
+        m.write_gguf(&path, ty).unwrap();
+        let run = oracle(&bin, &path);
+        let (generated, prompt) = compare(&load(&path), &run, tol);
+        eprintln!(
+            "{label}: worst |shoal - llama.cpp| {:.2e} of the scale over {} generated steps, \
+             {:.2e} over {} prompt positions (tolerance {:e}); {} near-ties excused",
+            generated.worst_rel,
+            generated.steps,
+            prompt.worst_rel,
+            prompt.steps,
+            tol.rel_logit,
+            generated.excused.len() + prompt.excused.len()
+        );
+        for c in [generated, prompt] {
+            if !c.passed() {
+                failed.push(format!("{label}:\n  {}", c.failures.join("\n  ")));
+            }
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// The comparison fails on planted faults: on an F32 Qwen3 model, shoal reading the file
+/// with the RoPE base doubled, or with query heads 0 and 1 of every layer exchanged.
+#[test]
+fn planted_faults_fail_the_comparison() {
+    let Some(bin) = require_oracle("planted_faults_fail_the_comparison") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("qwen3.gguf");
+    TinyModelSpec::qwen3(73)
+        .build()
+        .unwrap()
+        .write_gguf(&path, GgmlType::F32)
+        .unwrap();
+    let run = oracle(&bin, &path);
+    let (g, p) = compare(&load(&path), &run, F32);
+    assert!(g.passed() && p.passed(), "the model as it is");
+    let solo = || Arc::new(shoal_comm::Solo);
+    let (file, cfg) = open(&path);
+    let doubled = ModelConfig {
+        rope_theta: 2.0 * cfg.rope_theta,
+        ..cfg.clone()
+    };
+    let wrong_base = Transformer::load(&GgufWeights::new(file), doubled, solo()).unwrap();
+    let (file, _) = open(&path);
+    let swapped = SwappedHeads {
+        inner: GgufWeights::new(file),
+        head_rows: cfg.head_dim,
+        heads: (0, 1),
+    };
+    let wrong_heads = Transformer::load(&swapped, cfg, solo()).unwrap();
+    for (what, t) in [
+        ("RoPE base doubled", wrong_base),
+        ("query heads 0 and 1 exchanged", wrong_heads),
+    ] {
+        let (g, p) = compare(&t, &run, F32);
+        eprintln!(
+            "{what}: {} failures, worst {:.2e} of the scale",
+            g.failures.len() + p.failures.len(),
+            g.worst_rel.max(p.worst_rel)
+        );
+        assert!(!g.passed() && !p.passed(), "{what} passed");
+    }
+}
