@@ -45,7 +45,7 @@ impl std::fmt::Debug for ConstraintVocab {
 }
 
 fn err(what: impl std::fmt::Display) -> EngineError {
-    EngineError::Unsupported {
+    EngineError::InvalidInput {
         what: format!("constrained decoding: {what}"),
     }
 }

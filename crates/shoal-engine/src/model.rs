@@ -102,7 +102,7 @@ impl LoadedModel {
             let plan = plans
                 .get(rank)
                 .cloned()
-                .ok_or_else(|| EngineError::Unsupported {
+                .ok_or_else(|| EngineError::InvalidInput {
                     what: format!("rank {rank} in a split of {} ranks", layout.world()),
                 })?;
             Transformer::load_shard(src, cfg, plan, tp.clone())

@@ -52,7 +52,7 @@ impl RankContext {
     ) -> Result<Self, EngineError> {
         let rank = transport.rank();
         if transport.world_size() != layout.world() {
-            return Err(EngineError::Unsupported {
+            return Err(EngineError::InvalidInput {
                 what: format!(
                     "a split of {} x {} ranks over a transport of {}",
                     layout.tp,
@@ -232,7 +232,7 @@ impl Header {
     fn decode(b: &[u8; HEADER_BYTES]) -> Result<Header, EngineError> {
         let word =
             |i: usize| u32::from_le_bytes([b[i * 4], b[i * 4 + 1], b[i * 4 + 2], b[i * 4 + 3]]);
-        let bad = |what: String| EngineError::Unsupported {
+        let bad = |what: String| EngineError::InvalidInput {
             what: format!("step header from the lead rank: {what}"),
         };
         let op = word(0);
@@ -406,12 +406,12 @@ impl<'a> Lead<'a> {
         n: usize,
     ) -> Result<Self, EngineError> {
         if ctx.rank != 0 {
-            return Err(EngineError::Unsupported {
+            return Err(EngineError::InvalidInput {
                 what: format!("rank {} cannot lead; rank 0 does", ctx.rank),
             });
         }
         if n == 0 || n > MAX_SEQUENCES {
-            return Err(EngineError::Unsupported {
+            return Err(EngineError::InvalidInput {
                 what: format!("{n} sequences (1 to {MAX_SEQUENCES})"),
             });
         }
@@ -431,7 +431,7 @@ impl<'a> Lead<'a> {
     /// When there is no such sequence.
     pub fn select(&mut self, seq: usize) -> Result<(), EngineError> {
         if seq >= self.caches.len() {
-            return Err(EngineError::Unsupported {
+            return Err(EngineError::InvalidInput {
                 what: format!("sequence {seq} of {}", self.caches.len()),
             });
         }
@@ -454,7 +454,7 @@ impl<'a> Lead<'a> {
     /// with [`Lead::submit`] are still uncollected.
     pub fn step_with(&mut self, tokens: &[u32], want: Want) -> Result<Vec<f32>, EngineError> {
         if !self.pending.is_empty() {
-            return Err(EngineError::Unsupported {
+            return Err(EngineError::InvalidInput {
                 what: "a blocking step while submitted steps are uncollected".into(),
             });
         }
@@ -476,11 +476,11 @@ impl<'a> Lead<'a> {
         let cache = self
             .caches
             .get_mut(seq)
-            .ok_or_else(|| EngineError::Unsupported {
+            .ok_or_else(|| EngineError::InvalidInput {
                 what: format!("sequence {seq} of a lead with fewer"),
             })?;
         if tokens.is_empty() {
-            return Err(EngineError::Unsupported {
+            return Err(EngineError::InvalidInput {
                 what: "a forward pass over zero tokens".into(),
             });
         }
@@ -491,7 +491,7 @@ impl<'a> Lead<'a> {
             });
         }
         if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= cfg.vocab) {
-            return Err(EngineError::Unsupported {
+            return Err(EngineError::InvalidInput {
                 what: format!("token id {bad} is outside the vocabulary of {}", cfg.vocab),
             });
         }
@@ -554,7 +554,7 @@ impl<'a> Lead<'a> {
         let (seq, want, pending) =
             self.pending
                 .pop_front()
-                .ok_or_else(|| EngineError::Unsupported {
+                .ok_or_else(|| EngineError::InvalidInput {
                     what: "collecting with no step submitted".into(),
                 })?;
         let logits = match pending {
@@ -577,7 +577,7 @@ impl<'a> Lead<'a> {
         tokens: &[u32],
         want: Want,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
-        let bad = |what: String| EngineError::Unsupported { what };
+        let bad = |what: String| EngineError::InvalidInput { what };
         if !self.pending.is_empty() {
             return Err(bad(
                 "a batched step while submitted steps are uncollected".into()
@@ -665,7 +665,7 @@ impl<'a> Lead<'a> {
                 &buf[..]
             };
             if reply.len() != per_row * b {
-                return Err(EngineError::Unsupported {
+                return Err(EngineError::InvalidInput {
                     what: format!("rank {r} replied {} bytes for {b} rows", reply.len()),
                 });
             }
@@ -726,7 +726,7 @@ fn merge(
                     continue;
                 }
                 if !slice.contains(&id) {
-                    return Err(EngineError::Unsupported {
+                    return Err(EngineError::InvalidInput {
                         what: format!(
                             "rank {rank} sent token {id}, outside its vocabulary slice {slice:?}"
                         ),
@@ -748,7 +748,7 @@ fn serve_batch(
     header: Header,
 ) -> Result<(), EngineError> {
     let b = header.n_tokens as usize;
-    let bad = |what: String| EngineError::Unsupported {
+    let bad = |what: String| EngineError::InvalidInput {
         what: format!("batched step from the lead rank: {what}"),
     };
     if b == 0 || b > MAX_SEQUENCES {
@@ -817,7 +817,7 @@ pub fn serve(ctx: &RankContext, model: &Transformer, capacity: usize) -> Result<
         }
         let t = header.n_tokens as usize;
         if t == 0 || header.cache_len as usize + t > capacity {
-            return Err(EngineError::Unsupported {
+            return Err(EngineError::InvalidInput {
                 what: format!(
                     "the lead asked for {t} tokens after {} cached, beyond this rank's \
                      capacity of {capacity}",
@@ -833,7 +833,7 @@ pub fn serve(ctx: &RankContext, model: &Transformer, capacity: usize) -> Result<
             .collect();
         if let Want::TopK(k) = header.want {
             if k > model.config().vocab {
-                return Err(EngineError::Unsupported {
+                return Err(EngineError::InvalidInput {
                     what: format!(
                         "the lead asked for the top {k} of a vocabulary of {}",
                         model.config().vocab
@@ -848,7 +848,7 @@ pub fn serve(ctx: &RankContext, model: &Transformer, capacity: usize) -> Result<
         let cache = &mut caches[seq];
         cache.truncate(header.cache_len as usize);
         if cache.len() != header.cache_len as usize {
-            return Err(EngineError::Unsupported {
+            return Err(EngineError::InvalidInput {
                 what: format!(
                     "the lead's cache of sequence {seq} holds {} positions, this rank's only {}",
                     header.cache_len,

@@ -263,7 +263,7 @@ impl Scheduler {
         config: SchedulerConfig,
     ) -> Result<Self, EngineError> {
         if ctx.rank != 0 {
-            return Err(EngineError::Unsupported {
+            return Err(EngineError::InvalidInput {
                 what: format!(
                     "rank {} cannot schedule a split model; rank 0 does",
                     ctx.rank
@@ -271,7 +271,7 @@ impl Scheduler {
             });
         }
         if config.max_batch > crate::parallel::MAX_SEQUENCES {
-            return Err(EngineError::Unsupported {
+            return Err(EngineError::InvalidInput {
                 what: format!(
                     "{} slots for a split model (at most {})",
                     config.max_batch,
@@ -288,7 +288,7 @@ impl Scheduler {
         split: Option<RankContext>,
     ) -> Result<Self, EngineError> {
         if config.max_batch == 0 || config.ctx < 2 {
-            return Err(EngineError::Unsupported {
+            return Err(EngineError::InvalidInput {
                 what: format!(
                     "a scheduler with {} slots and a context of {} tokens (need at least 1 slot and 2 tokens)",
                     config.max_batch, config.ctx
@@ -321,8 +321,8 @@ impl Scheduler {
                     let broken = split_failed(&shared);
                     Worker::new(model, config, shared, lead, broken).run()
                 })
-                .map_err(|e| EngineError::Unsupported {
-                    what: format!("starting the scheduler thread: {e}"),
+                .map_err(|e| {
+                    EngineError::Generation(format!("cannot start the scheduler thread: {e}"))
                 })?
         };
         Ok(Scheduler {
@@ -586,7 +586,8 @@ struct Worker<'m> {
     config: SchedulerConfig,
     shared: Arc<Shared>,
     active: Vec<Sequence>,
-    /// Caches of ended sequences, oldest first, at most one per slot.
+    /// Caches of ended sequences, oldest first; with the active sequences' caches, at most
+    /// one per slot.
     parked: Vec<Parked>,
     /// The split this scheduler leads, if the model is split.
     lead: Option<Lead<'m>>,
@@ -635,8 +636,7 @@ impl<'m> Worker<'m> {
 
     fn run(mut self) {
         // Wait for work here; run each busy period on a compute-pool thread, so the many
-        // parallel loops of a step start without a cross-thread hand-off each (measured:
-        // one SmolLM2 stream 66 -> 111 tokens/s).
+        // parallel loops of a step start without a cross-thread hand-off each.
         while self.admit(true) != Admit::Shutdown {
             let me = &mut self;
             if rayon::scope(move |_| me.run_busy()) {
@@ -837,13 +837,22 @@ impl<'m> Worker<'m> {
                     .map_err(|e| e.to_string())?;
                 Ok((Store::Local(bigger), n))
             }
-            _ => Ok((Store::Local(model.new_cache(capacity)), 0)),
+            _ => {
+                // the caches held, active and parked, stay within the slots
+                while !self.parked.is_empty()
+                    && self.parked.len() + self.active.len() >= self.config.max_batch
+                {
+                    self.parked.remove(0);
+                }
+                Ok((Store::Local(model.new_cache(capacity)), 0))
+            }
         }
     }
 
     /// Ends `seq`'s hold on its slot. A sequence that ended well (finished or cancelled,
     /// not failed) leaves its cache parked for a later request that starts the same way;
-    /// the oldest parked cache goes when there are more than slots.
+    /// the oldest parked caches go when the caches held, active and parked, would outnumber
+    /// the slots.
     fn retire(&mut self, seq: Sequence, healthy: bool) {
         if !healthy || self.broken {
             return;
@@ -856,7 +865,7 @@ impl<'m> Worker<'m> {
             cache: seq.cache,
             tokens,
         });
-        if self.parked.len() > self.config.max_batch {
+        while self.parked.len() + self.active.len() > self.config.max_batch {
             self.parked.remove(0);
         }
     }
@@ -902,7 +911,7 @@ impl<'m> Worker<'m> {
                 *len += chunk.len();
                 r
             }
-            (Store::Slot { .. }, None) => Err(EngineError::Unsupported {
+            (Store::Slot { .. }, None) => Err(EngineError::Internal {
                 what: "a split sequence without a lead".into(),
             }),
         };
@@ -952,7 +961,7 @@ impl<'m> Worker<'m> {
         ready: &[usize],
         tokens: &[u32],
     ) -> Result<Vec<Vec<f32>>, EngineError> {
-        let lead = self.lead.as_mut().ok_or_else(|| EngineError::Unsupported {
+        let lead = self.lead.as_mut().ok_or_else(|| EngineError::Internal {
             what: "a split sequence without a lead".into(),
         })?;
         let mut slots = Vec::with_capacity(ready.len());
@@ -960,7 +969,7 @@ impl<'m> Worker<'m> {
         for &i in ready {
             let seq = &mut self.active[i];
             let Store::Slot { slot, len, .. } = &mut seq.cache else {
-                return Err(EngineError::Unsupported {
+                return Err(EngineError::Internal {
                     what: "a local sequence in a split scheduler".into(),
                 });
             };
@@ -1065,7 +1074,7 @@ impl StepLogits {
     /// `n` rows laid one after another in `values`.
     fn flat(values: Vec<f32>, n: usize) -> Result<Self, EngineError> {
         if n == 0 || values.is_empty() || !values.len().is_multiple_of(n) {
-            return Err(EngineError::Unsupported {
+            return Err(EngineError::Internal {
                 what: format!("{} logits for a step of {n} sequences", values.len()),
             });
         }
@@ -1203,8 +1212,8 @@ fn finish(seq: &mut Sequence, reason: FinishReason) -> bool {
 /// The log of the softmax's normalizer over the finite `logits`, and the `k` largest
 /// log-probabilities (best first). The normalizer's sum takes the sampler's vectorized
 /// weights (`kernels::softmax_weights`, within an ulp of `exp` each, summed in eight f32
-/// lanes): an f64 `exp` per logit took about 1 ms over Qwen's vocabulary, every token of a
-/// request that asked for log-probabilities.
+/// lanes), not an f64 `exp` per logit, which over a vocabulary would cost a large part of
+/// a token's time for every request that asks for log-probabilities.
 fn log_softmax_top(logits: &[f32], k: usize) -> (f32, Vec<(u32, f32)>) {
     thread_local! {
         static WEIGHTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };

@@ -173,7 +173,7 @@ pub fn stage_layers(
     pp: usize,
     sizes: Option<&[usize]>,
 ) -> Result<Vec<Range<usize>>, EngineError> {
-    let bad = |what: String| EngineError::Unsupported { what };
+    let bad = |what: String| EngineError::InvalidInput { what };
     if pp == 0 || pp > n_layer {
         return Err(bad(format!(
             "{pp} pipeline stages for a model of {n_layer} layers (use 1 to {n_layer})"
@@ -260,7 +260,7 @@ pub fn plan(
 ) -> Result<Vec<ShardPlan>, EngineError> {
     let Layout { tp, pp } = layout;
     if tp == 0 {
-        return Err(EngineError::Unsupported {
+        return Err(EngineError::InvalidInput {
             what: "0 tensor-parallel ranks".into(),
         });
     }
@@ -291,7 +291,7 @@ pub fn plan(
         } else {
             cut(cfg.n_head, head_unit, tp)
         }
-        .ok_or_else(|| EngineError::Unsupported {
+        .ok_or_else(|| EngineError::InvalidInput {
             what: format!(
                 "{tp} tensor-parallel ranks for {} attention heads cut in units of {head_unit} \
                  (the output projection's {o_block}-column blocks); use at most {} ranks",
@@ -299,7 +299,7 @@ pub fn plan(
                 cfg.n_head / head_unit
             ),
         })?;
-        let ffn = cut(cfg.ffn, down_block, tp).ok_or_else(|| EngineError::Unsupported {
+        let ffn = cut(cfg.ffn, down_block, tp).ok_or_else(|| EngineError::InvalidInput {
             what: format!(
                 "{tp} tensor-parallel ranks for {} feed-forward features in blocks of \
                  {down_block}; use at most {} ranks",
@@ -307,7 +307,7 @@ pub fn plan(
                 cfg.ffn.div_ceil(down_block)
             ),
         })?;
-        let vocab = cut(cfg.vocab, 16, tp).ok_or_else(|| EngineError::Unsupported {
+        let vocab = cut(cfg.vocab, 16, tp).ok_or_else(|| EngineError::InvalidInput {
             what: format!("{tp} ranks for a vocabulary of {}", cfg.vocab),
         })?;
         for i in 0..tp {

@@ -204,17 +204,12 @@ pub fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
 /// than the caches the way the weight kernels do (32-byte loads), best of several passes
 /// with the hardware prefetchers alone and with each pair of software prefetch distances
 /// (into L1, into L2) the kernels use on some CPU (`kernels::Prefetch::KNOWN`) or were told
-/// to use, so the ceiling is never what one way of reading alone happened to reach. On an
-/// Intel Xeon the ways were within noise of each other (1 thread, best of 5 in each of
-/// three rounds: 18.0-18.1 GB/s alone, 17.6-17.7 with 1.5 KiB into L1, 17.8-18.1 with 4 KiB
-/// into L2 as well); on an AMD EPYC (Zen 3) the hardware prefetchers alone read 5-10%
-/// faster than either (14.6 against 12.4 and 13.2 GB/s).
+/// to use, so the ceiling is never what one way of reading alone happened to reach (which
+/// way reads fastest differs between CPUs).
 ///
 /// The buffer is a [`WeightBuffer`], on the transparent huge pages the weights live on:
-/// the ceiling is what reading that memory gives. On 4 KiB pages the same loop read 8-23%
-/// less on that EPYC (256 MiB, medians of 8 in turn, two runs: 16.0 and 13.8 against 17.5
-/// and 15.8 GB/s at one thread, 21.8 and 17.1 against 26.1 and 22.2 at two), and set
-/// against that, decode looked closer to the ceiling than it was.
+/// the ceiling is what reading that memory gives (4 KiB pages read less, and set against
+/// that, decode would look closer to the ceiling than it is).
 pub fn measure_read_bandwidth(threads: usize) -> f64 {
     measure_read_bandwidth_with(threads, PROBE_BYTES, PROBE_PASSES)
 }
@@ -280,9 +275,7 @@ impl ReadProbe {
 
 /// Seconds `decode` takes on a compute-pool thread, where the server's scheduler runs its
 /// steps (`Scheduler::run`). From any other thread each step starts and ends with a hand-off
-/// to the pool and back, which the server never pays: 31 and 30 µs per token (rdtsc marks
-/// around the step, qwen05 at 2 threads, a 2-vCPU Intel VM). Measured in turn there,
-/// medians of 5 and 3: 74.1 -> 74.6 tokens/s at 2 threads, 38.8 -> 39.3 at 1.
+/// to the pool and back, which the server never pays.
 fn timed_on_pool(decode: impl FnOnce() -> anyhow::Result<()> + Send) -> anyhow::Result<f64> {
     rayon::scope(|_| {
         let t0 = Instant::now();

@@ -2,11 +2,10 @@
 //! eight-row tiles alternate: gate rows `8i..8i + 8`, then up rows `8i..8i + 8`. One product
 //! of it gives both projections of the same features side by side, so the thread that
 //! computed a run of tiles applies the activation to it straight away, from its own cache.
-//! With gate and up as two matrices, each thread's share held gate or up values only, and
-//! the activation ran after the parallel loop on one thread, reading the other thread's
-//! half across cores: 6.4-6.8 µs per layer between the two loops of a qwen05 decode step at
-//! two threads (rdtsc marks, a 2-vCPU Intel VM). The tiles are the same bytes in another
-//! order, so the pair costs no memory and no kernel of its own.
+//! With gate and up as two matrices, each thread's share holds gate or up values only, and
+//! the activation runs after the parallel loop on one thread, reading the other thread's
+//! half across cores. The tiles are the same bytes in another order, so the pair costs no
+//! memory and no kernel of its own.
 
 use super::{tiled::TILE_ROWS, KernelError, QuantMatrix, WeightBuffer};
 use crate::config::Activation;

@@ -255,9 +255,8 @@ const ARGMAX_LANES: usize = 8;
 /// A first pass keeps eight running maxima, each with the index where it was first reached
 /// (AVX2: one compare and two blends per eight logits, in four independent chains, see
 /// `x86::lane_maxima`); the lanes and the last few values are then reduced in order. A
-/// single running maximum is a compare-and-branch chain per logit: medians of 2,000 calls
-/// in turn on an AMD EPYC (Zen 3), 126-129 us against 17 us for Qwen's 151,936 logits, 40
-/// us against 5 us for SmolLM2's 49,152.
+/// single running maximum would be a compare-and-branch chain per logit, several times
+/// slower over a vocabulary.
 pub fn argmax(xs: &[f32]) -> usize {
     // lane indices are u32, as wide as the values; a vocabulary never nears 2^32, and past
     // it the plain loop below takes everything
@@ -708,8 +707,7 @@ impl OutPtr {
 
 /// Writes the first `live` of a tile's (or a pair of tiles') `R` row results to `dst`. A
 /// whole tile is a copy of a constant `R` values (vector moves); a loop over `live` values
-/// compiled to a call of libc's `memcpy` per tile, 1.8-2.7% of a SmolLM2 decode's samples
-/// (`perf record`).
+/// would compile to a call of libc's `memcpy` per tile.
 ///
 /// # Safety
 /// `dst` is valid for `live` (at most `R`) writes that no other thread makes.
@@ -1084,8 +1082,8 @@ impl QuantMatrix {
 
     /// [`QuantMatrix::matmul_many`] into new vectors, one per matrix (`t` rows of its row
     /// count each). Where the shared tiled path runs, the vectors are not zeroed first: the
-    /// kernels write every value (zeroing the output head's 600 KB of logits took 26 µs of
-    /// a 13 ms qwen05 token at 2 threads, rdtsc marks on a 2-vCPU Intel VM).
+    /// kernels write every value (zeroing an output head's logits would be a pass over
+    /// hundreds of kilobytes per token).
     ///
     /// # Errors
     /// As [`QuantMatrix::matmul_many`].
@@ -1437,10 +1435,8 @@ fn high_bits(isa: Isa, ty: WeightType) -> tiled::HighBits {
 
 /// Bytes per thread from which a decode step's product is split into [`shares::Shares`].
 /// Two threads' speeds differ by a few percent, so the wait at a loop's end grows with the
-/// loop, and a steal costs a cold start of about 1.7 µs: at qwen05's feed-forward (3 MB a
-/// thread) the faster thread waited a median 4 µs, too little to win back with a steal (a
-/// trace with shares from 1 MB on: no steals, the same waits); at its output head (72 MB a
-/// thread) 52-365 µs, and 3-12 µs with shares (rdtsc marks, 2-vCPU Intel VM).
+/// loop, and a steal costs a cold start: below this size the faster thread's wait is too
+/// short to win back with a steal; at an output head's size it is many times a steal.
 const STEAL_BYTES: usize = 8 << 20;
 /// The fewest bytes a thread takes from its share at once in [`stolen_shares`]; four times
 /// as many left are worth taking half of.
@@ -1529,9 +1525,8 @@ fn drive_many<A: Sync>(
     // per thread per matrix made SmolLM2's q/k/v 24 jobs, k's and v's of three tiles each).
     // Four on rayon, so a thread that wakes late is not left with a quarter of the work.
     // One in a decode step's team, whose helpers are already spinning: a thread that moves
-    // on to a job elsewhere in memory restarts its stream, at about 1.6 µs (one-row
-    // products over 69 KB matrices at 1 thread: 14.7 GB/s in memory order, 11.0 in a
-    // permuted order).
+    // on to a job elsewhere in memory restarts its stream (one-row products read in a
+    // permuted order stream markedly slower than in memory order).
     let per_thread = if t == 1 && team::in_step() { 1 } else { 4 };
     let total: usize = mats.iter().map(|m| m.tiles()).sum();
     let jobs: Vec<(usize, Range<usize>)> = mats

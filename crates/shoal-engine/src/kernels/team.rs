@@ -1,17 +1,16 @@
 //! The compute pool's threads held together for decode steps ([`step`]), so the matrix
 //! products of a step are split between threads that are already awake. A decode step runs
-//! a few hundred parallel loops of 10-400 µs each with short serial stretches between them;
-//! rayon puts an idle worker to sleep within microseconds, and waking it again cost 80-100
-//! µs on a 2-vCPU VM (logged per job: the woken worker often started after the caller had
-//! done every job alone, and the caller then slept on the join and was woken as late).
+//! a few hundred short parallel loops with short serial stretches between them; rayon puts
+//! an idle worker to sleep within microseconds, and waking it again can take longer than a
+//! whole loop (the woken worker starting after the caller has done every job alone, and
+//! the caller then sleeping on the join and being woken as late).
 //! Within a step, the other workers instead run a helper that spins until the caller
 //! publishes a loop ([`for_each`]) and takes indices from it as the caller does. Outside a
 //! step, [`for_each`] is rayon's parallel loop.
 //!
 //! Helpers also outlive their step by up to [`LINGER`], spinning, so that the caller's next
-//! step (the next token, after sampling) finds them awake. Spawning a helper wakes a
-//! sleeping worker, and that wake alone cost the caller 29 µs per token on that VM, with
-//! the helper arriving 26 µs later still (rdtsc marks, qwen05 decode at 2 threads).
+//! step (the next token, after sampling) finds them awake: spawning a helper wakes a
+//! sleeping worker, which costs the caller time every token and brings the helper late.
 
 use std::cell::{Cell, RefCell};
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -260,28 +260,22 @@ impl<B: Backend> Network<B> {
         f: impl FnOnce(&mut Workspace<B>, &mut [&mut B::Kv]) -> Result<R, EngineError>,
     ) -> Result<R, EngineError> {
         check_rows(counts, caches)?;
+        let starts: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        let mut kv: Vec<&mut B::Kv> = Vec::with_capacity(caches.len());
+        for c in caches.iter_mut() {
+            let made_by = c.backend();
+            kv.push(
+                c.store_mut::<B::Kv>()
+                    .ok_or_else(|| self.foreign_named(made_by))?,
+            );
+        }
         let mut ws = self
             .spare
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .pop()
             .unwrap_or_default();
-        let starts: Vec<usize> = caches.iter().map(|c| c.len()).collect();
         ws.rows.reset(counts, &starts);
-        let backend = self.be.name();
-        let mut kv: Vec<&mut B::Kv> = Vec::with_capacity(caches.len());
-        for c in caches.iter_mut() {
-            let made_by = c.backend();
-            kv.push(
-                c.store_mut::<B::Kv>()
-                    .ok_or_else(|| EngineError::InvalidInput {
-                        what: format!(
-                    "a KV cache made by the {made_by} backend, for a model on the {backend} \
-                     backend"
-                ),
-                    })?,
-            );
-        }
         let result = f(&mut ws, &mut kv);
         drop(kv);
         self.spare

@@ -42,10 +42,7 @@ const PREFETCH_MAX: usize = 256 << 10;
 
 /// Keys from which a decode step's team shares the attention: below, the other thread's
 /// hand-over and its reads across cores (the queries, its group's keys and values, its
-/// output back) cost about what the half it takes saves. Measured with rdtsc marks in a
-/// qwen05 decode step at 2 threads on a 2-vCPU Intel VM, the keys and values prefetched
-/// (one thread / the team, µs per layer): position 20, 2.75-2.97 / 2.96; 40, 3.93 / 3.59;
-/// 60, 5.75 / 4.59.
+/// output back) cost about what the half it takes saves.
 const TEAM_MIN_KEYS: usize = 32;
 
 thread_local! {
@@ -154,9 +151,8 @@ impl AttentionShape {
     /// sequence. The gain is not the attention itself (a few groups of a few microseconds
     /// each: the fork costs about as much) but the pool: left idle through a
     /// single-threaded attention, its other threads fall asleep and are woken late for the
-    /// output projection that follows (measured on qwen15 decode at 2 threads: the output
-    /// projection 3.1 -> 2.45 ms per token, attention 0.21 -> 0.31 ms). A batch of
-    /// sequences is already parallel over its sequences and uses [`AttentionShape::decode`].
+    /// output projection that follows. A batch of sequences is already parallel over its
+    /// sequences and uses [`AttentionShape::decode`].
     ///
     /// Inside a decode step's team (`kernels::team`), whose helpers spin rather than steal
     /// rayon's work (a join there runs both halves on the caller), the groups are cut into
