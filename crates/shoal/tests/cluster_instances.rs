@@ -301,18 +301,50 @@ fn a_model_split_over_nodes_answers_like_one_and_survives_losing_nodes() {
         );
     }
 
-    // the memory it holds is taken: a second copy does not fit (each node offers 800 MB)
-    let (ok, _, err) = run(&[
+    // the memory it holds is taken: a second copy goes only to the nodes it left free, and
+    // fits nowhere when it left fewer than two (each node offers 800 MB, a copy needs two)
+    let (ok, out, err) = run(&[
         "load",
         "qwen05",
         "--id",
         "second",
         "--ctx",
         "512",
+        "--json",
         "--url",
         &nodes[0].url,
     ]);
-    assert!(!ok && err.contains("fits nowhere"), "{err}");
+    if used.len() >= nodes.len() - 1 {
+        assert!(!ok && err.contains("fits nowhere"), "{err}");
+    } else {
+        assert!(
+            ok,
+            "a second copy on the {} free nodes: {err}",
+            nodes.len() - used.len()
+        );
+        let second: Value = serde_json::from_str(&out).unwrap();
+        let overlap: Vec<&Value> = second["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|n| used.iter().any(|u| n.as_str() == Some(u.as_str())))
+            .collect();
+        assert!(
+            overlap.is_empty(),
+            "the second copy shares {overlap:?}: {second}"
+        );
+        let (ok, _, err) = run(&["unload", "second", "--url", &nodes[0].url]);
+        assert!(ok, "{err}");
+        for n in &nodes {
+            wait_until(Duration::from_secs(30), "the second copy unloaded", || {
+                json(&["ps", "--json", "--url", &n.url])
+                    .as_array()?
+                    .iter()
+                    .all(|i| i["id"] != "second")
+                    .then_some(())
+            });
+        }
+    }
 
     // every node answers for the instance: the others list it and forward to the lead
     for n in nodes.iter().filter(|n| !n.url.ends_with(&lead)) {
