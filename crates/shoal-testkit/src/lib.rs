@@ -1,14 +1,17 @@
 //! Test kit for shoal: synthetic tiny models written as real files.
 //!
 //! [`TinyModelSpec`] describes a small random Llama (optionally with Llama 3.1 RoPE scaling),
-//! Qwen2, Qwen3 or Gemma 3 model (seeded, so the same spec always gives the same numbers). [`TinyModel`] writes it both as a GGUF file with
-//! llama.cpp's tensor names and metadata ([`TinyModel::write_gguf`]) and as a Hugging Face
-//! folder (`config.json`, `model.safetensors`, `tokenizer.json`, ...;
+//! Qwen2, Qwen3 or Gemma 3 model, or a mixture-of-experts Qwen3 MoE, DeepSeek V2/V3 (latent
+//! attention, YaRN; [`moe`]) or Mixtral model (seeded, so the same spec always gives the same
+//! numbers). [`TinyModel`] writes it both as a GGUF file with llama.cpp's tensor names and
+//! metadata ([`TinyModel::write_gguf`]) and, for the dense ones, as a Hugging Face folder
+//! (`config.json`, `model.safetensors`, `tokenizer.json`, ...;
 //! [`TinyModel::write_safetensors_dir`], or in the Hub cache layout with
 //! [`TinyModel::write_hf_cache`]), and the two represent the same weights. [`GgufWriter`] is
 //! the underlying GGUF writer, which can also produce deliberately broken files, and
 //! [`quants`] holds reference quantizers and dequantizers for the block formats.
 //! [`TinyModel::reference_logits`] is a plain `f64` forward pass to test engines against.
+//! [`synth`] streams GGUF files of real models' shapes with random weights, for benchmarks.
 //!
 //! `scripts/` holds two independent checkers: `hf_reference.py` (a numpy forward pass of the
 //! HF folder) and `llama_logits.cpp`, llama.cpp as a teacher-forced oracle for a GGUF file
@@ -17,10 +20,12 @@
 //! under CI (`CI=true`), where they fail instead ([`skip_or_fail`]).
 
 pub mod gguf_writer;
+pub mod moe;
 pub mod oracle;
 pub mod quants;
 pub mod reference;
 pub mod rng;
+pub mod synth;
 pub mod tiny_model;
 pub mod tokenizer;
 
@@ -29,6 +34,9 @@ use std::path::PathBuf;
 pub use gguf_writer::{
     GgufLayout, GgufTensor, GgufValue, GgufValueType, GgufWriter, TensorPlacement,
     GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION,
+};
+pub use moe::{
+    route, route_margin, route_scale_margin, ExpertGating, MlaSpec, MoeFault, MoeSpec, YarnRope,
 };
 pub use oracle::{
     compare_teacher_forced, oracle_bin, require_oracle, run_llama_oracle, run_llama_oracle_with,

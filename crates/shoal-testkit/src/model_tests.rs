@@ -11,7 +11,9 @@ use crate::oracle::{
     Tolerance,
 };
 use crate::quants::{dequantize, GgmlType};
-use crate::tiny_model::{permute_rows, unpermute_rows, Arch, SafetensorsDtype, Weight};
+use crate::tiny_model::{
+    permute_row_chunks, permute_rows, unpermute_rows, Arch, SafetensorsDtype, Weight,
+};
 use crate::tokenizer::CHATML_TEMPLATE;
 use crate::{TinyModel, TinyModelSpec};
 
@@ -272,8 +274,8 @@ fn check_pair(spec: TinyModelSpec, gguf_ty: GgmlType) {
     assert_eq!(
         kv_str(&g, "tokenizer.ggml.pre"),
         match s.arch {
-            Arch::Llama | Arch::Gemma3 => "smollm",
-            Arch::Qwen2 | Arch::Qwen3 => "qwen2",
+            Arch::Llama | Arch::Gemma3 | Arch::Deepseek2 | Arch::Mixtral => "smollm",
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => "qwen2",
         }
     );
     assert_eq!(kv_str(&g, "tokenizer.chat_template"), CHATML_TEMPLATE);
@@ -775,9 +777,37 @@ const ORACLE_TEXT: &str = "the cat sat on the mat<|im_end|> 42";
 /// Tokens llama.cpp generates after the prompt in the oracle tests.
 const ORACLE_GENERATE: usize = 8;
 
+/// For quantized weights on the K-quant shapes of the DeepSeek mixture-of-experts models
+/// ([`TinyModelSpec::deepseek2`], [`TinyModelSpec::deepseek3`] with
+/// [`TinyModelSpec::k_quant_shapes`]): llama.cpp's rounding of the activations to 8-bit
+/// blocks, over three layers with shared and scaled routed experts and latent attention,
+/// moved logits by up to 1.5e-1 of the scale over 96 seeds of the V3 spec (V2: 1.0e-1; only
+/// runs whose routing [`ROUTE_SCALE_MARGIN`] holds, see there); 0.25 leaves a factor of 1.7.
+/// Qwen3 MoE and Mixtral stay within [`Tolerance::QUANTIZED_WIDE`] (5.7e-2 and 8.5e-2 over
+/// 96 seeds) and all four within [`Tolerance::QUANTIZED`] on their default shapes with Q8_0
+/// (at most 3.0e-2).
+const QUANTIZED_WIDE_MOE: Tolerance = Tolerance {
+    rel_logit: 0.25,
+    near_tie: 0.25,
+};
+
+/// How much a quantized comparison's routing must withstand. Expert choice is discontinuous:
+/// where llama.cpp's arithmetic moves the router's scores across a near-tie it runs other
+/// experts and its logits land far from the reference's (0.2 to 0.7 of the scale), which no
+/// tolerance can tell from a fault. The MoE specs reserve [`crate::MoeSpec::router_dims`], so
+/// the only thing llama.cpp's quantized products change in the router's input is the scale
+/// of the normed FFN input, a factor common to every expert: softmax routing ignores it, and
+/// sigmoid routing with a selection bias (DeepSeek V3) changes its choice only past the
+/// sequence's [`TinyModel::reference_route_scale_margins`]. Over 96 seeds of the V3 spec, the
+/// runs that failed by a flipped choice all had margins of 4.1e-3 or less (Q4_K; none failed
+/// at Q8_0), so a quantized comparison asserts a margin of at least 1.6e-2, four times that.
+const ROUTE_SCALE_MARGIN: f64 = 1.6e-2;
+
 /// The tiny models compared with llama.cpp: Llama (also with Llama 3.1 RoPE scaling), Qwen2,
-/// Qwen3 and Gemma 3, tied and untied outputs, F32 and the quantized types, each with the tolerance its arithmetic calls for
-/// (see [`Tolerance`]'s constants).
+/// Qwen3 and Gemma 3, tied and untied outputs, F32 and the quantized types, and the mixture of
+/// experts models (Qwen3 MoE, Mixtral, DeepSeek V2 and V3) in F32, Q8_0 and Q4_K, each with
+/// the tolerance its arithmetic calls for (see [`Tolerance`]'s constants and
+/// [`QUANTIZED_WIDE_MOE`]).
 fn oracle_specs() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
     vec![
         (TinyModelSpec::llama(50), GgmlType::F32, Tolerance::F32),
@@ -833,6 +863,50 @@ fn oracle_specs() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
             TinyModelSpec::llama31(63).k_quant_shapes(),
             GgmlType::Q4_K,
             Tolerance::QUANTIZED_WIDE,
+        ),
+        (TinyModelSpec::qwen3moe(64), GgmlType::F32, Tolerance::F32),
+        (
+            TinyModelSpec::qwen3moe(65),
+            GgmlType::Q8_0,
+            Tolerance::QUANTIZED,
+        ),
+        (
+            TinyModelSpec::qwen3moe(66).k_quant_shapes(),
+            GgmlType::Q4_K,
+            Tolerance::QUANTIZED_WIDE,
+        ),
+        (TinyModelSpec::mixtral(67), GgmlType::F32, Tolerance::F32),
+        (
+            TinyModelSpec::mixtral(68),
+            GgmlType::Q8_0,
+            Tolerance::QUANTIZED,
+        ),
+        (
+            TinyModelSpec::mixtral(69).k_quant_shapes(),
+            GgmlType::Q4_K,
+            Tolerance::QUANTIZED_WIDE,
+        ),
+        (TinyModelSpec::deepseek2(70), GgmlType::F32, Tolerance::F32),
+        (
+            TinyModelSpec::deepseek2(71),
+            GgmlType::Q8_0,
+            Tolerance::QUANTIZED,
+        ),
+        (
+            TinyModelSpec::deepseek2(72).k_quant_shapes(),
+            GgmlType::Q4_K,
+            QUANTIZED_WIDE_MOE,
+        ),
+        (TinyModelSpec::deepseek3(73), GgmlType::F32, Tolerance::F32),
+        (
+            TinyModelSpec::deepseek3(76),
+            GgmlType::Q8_0,
+            Tolerance::QUANTIZED,
+        ),
+        (
+            TinyModelSpec::deepseek3(78).k_quant_shapes(),
+            GgmlType::Q4_K,
+            QUANTIZED_WIDE_MOE,
         ),
     ]
 }
@@ -904,14 +978,28 @@ fn llama_cpp_agrees_with_reference() {
             "{label}"
         );
         assert_eq!(run.generated.len(), ORACLE_GENERATE, "{label}");
+        let route_margin = m
+            .reference_route_scale_margins(&run.sequence())
+            .into_iter()
+            .fold(f64::INFINITY, f64::min);
+        if ty != GgmlType::F32 {
+            assert!(
+                route_margin >= ROUTE_SCALE_MARGIN,
+                "{label}: the sequence's routing changes when the router's input scale moves \
+                 by {route_margin:.1e}, within what quantized arithmetic can move it \
+                 ({ROUTE_SCALE_MARGIN:.1e}), so a difference could be a flipped expert rather \
+                 than a fault: pick another seed"
+            );
+        }
         eprintln!(
             "{label}: worst |llama.cpp - reference| / scale = {:.3e} over {} steps \
-             (tolerance {:e}), generated {:?}, {} near-ties excused",
+             (tolerance {:e}), generated {:?}, {} near-ties excused, routing scale margin {:.1e}",
             c.worst_rel,
             c.steps,
             tol.rel_logit,
             run.generated,
-            c.excused.len()
+            c.excused.len(),
+            route_margin
         );
         for e in &c.excused {
             eprintln!("  {label}: {e}");
@@ -1023,5 +1111,796 @@ fn llama_cpp_comparison_catches_wrong_rope_base() {
         assert_eq!(control.weights(), honest.weights());
         let (_, c) = oracle_compare(&bin, &path, &control, Tolerance::F32);
         c.assert_ok(&format!("{label}, against a reference with the same base"));
+    }
+}
+
+/// One of each mixture-of-experts spec at its default shapes.
+fn moe_specs() -> [TinyModelSpec; 4] {
+    [
+        TinyModelSpec::qwen3moe(80),
+        TinyModelSpec::mixtral(81),
+        TinyModelSpec::deepseek2(82),
+        TinyModelSpec::deepseek3(83),
+    ]
+}
+
+/// The GGUF tensors of layer `l` of a MoE spec, after `blk.N.`, in file order.
+fn expected_moe_layer(spec: &TinyModelSpec, l: usize) -> Vec<&'static str> {
+    let mut v = vec!["attn_norm.weight"];
+    match &spec.mla {
+        Some(mla) => {
+            if mla.q_lora_rank == 0 {
+                v.push("attn_q.weight");
+            } else {
+                v.extend(["attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight"]);
+            }
+            v.extend([
+                "attn_kv_a_mqa.weight",
+                "attn_kv_a_norm.weight",
+                "attn_k_b.weight",
+                "attn_v_b.weight",
+            ]);
+        }
+        None if spec.arch == Arch::Qwen3Moe => v.extend([
+            "attn_q.weight",
+            "attn_q_norm.weight",
+            "attn_k.weight",
+            "attn_k_norm.weight",
+            "attn_v.weight",
+        ]),
+        None => v.extend(["attn_q.weight", "attn_k.weight", "attn_v.weight"]),
+    }
+    v.extend(["attn_output.weight", "ffn_norm.weight"]);
+    let moe = spec.moe.as_ref().unwrap();
+    if l < moe.leading_dense {
+        v.extend(["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]);
+        return v;
+    }
+    v.push("ffn_gate_inp.weight");
+    if moe.probs_bias {
+        v.push("exp_probs_b.bias");
+    }
+    v.extend([
+        "ffn_gate_exps.weight",
+        "ffn_up_exps.weight",
+        "ffn_down_exps.weight",
+    ]);
+    if moe.n_shared_expert > 0 {
+        v.extend([
+            "ffn_gate_shexp.weight",
+            "ffn_up_shexp.weight",
+            "ffn_down_shexp.weight",
+        ]);
+    }
+    v
+}
+
+/// The `ne` llama.cpp's loader declares for tensor `part` (after `blk.N.`) of a MoE spec.
+fn expected_moe_ne(spec: &TinyModelSpec, part: &str) -> Vec<u64> {
+    let u = |v: usize| v as u64;
+    let (h, nh, hd, nkv) = (spec.hidden_size, spec.n_head, spec.head_dim, spec.n_kv_head);
+    let moe = spec.moe.as_ref().unwrap();
+    let (n, f) = (moe.n_expert, moe.expert_ffn);
+    let fs = moe.n_shared_expert * f;
+    let mla = spec.mla.unwrap_or(crate::MlaSpec {
+        kv_lora_rank: 0,
+        q_lora_rank: 0,
+        rope_dim: 0,
+        nope_dim: 0,
+        v_dim: 0,
+    });
+    let (rank, qr, rope, nope, dv) = (
+        mla.kv_lora_rank,
+        mla.q_lora_rank,
+        mla.rope_dim,
+        mla.nope_dim,
+        mla.v_dim,
+    );
+    let dims: Vec<usize> = match part {
+        "attn_norm.weight" | "ffn_norm.weight" => vec![h],
+        "attn_q_norm.weight" | "attn_k_norm.weight" => vec![hd],
+        "attn_q.weight" if spec.mla.is_some() => vec![h, nh * (nope + rope)],
+        "attn_q.weight" => vec![h, nh * hd],
+        "attn_k.weight" | "attn_v.weight" => vec![h, nkv * hd],
+        "attn_output.weight" if spec.mla.is_some() => vec![nh * dv, h],
+        "attn_output.weight" => vec![nh * hd, h],
+        "attn_q_a.weight" => vec![h, qr],
+        "attn_q_a_norm.weight" => vec![qr],
+        "attn_q_b.weight" => vec![qr, nh * (nope + rope)],
+        "attn_kv_a_mqa.weight" => vec![h, rank + rope],
+        "attn_kv_a_norm.weight" => vec![rank],
+        "attn_k_b.weight" => vec![nope, rank, nh],
+        "attn_v_b.weight" => vec![rank, dv, nh],
+        "ffn_gate.weight" | "ffn_up.weight" => vec![h, spec.ffn_size],
+        "ffn_down.weight" => vec![spec.ffn_size, h],
+        "ffn_gate_inp.weight" => vec![h, n],
+        "exp_probs_b.bias" => vec![n],
+        "ffn_gate_exps.weight" | "ffn_up_exps.weight" => vec![h, f, n],
+        "ffn_down_exps.weight" => vec![f, h, n],
+        "ffn_gate_shexp.weight" | "ffn_up_shexp.weight" => vec![h, fs],
+        "ffn_down_shexp.weight" => vec![fs, h],
+        other => panic!("no expected shape for {other}"),
+    };
+    dims.into_iter().map(u).collect()
+}
+
+fn kv_f32(g: &Gguf, k: &str) -> f32 {
+    match g.kv.get(k) {
+        Some(GgufValue::F32(v)) => *v,
+        other => panic!("{k}: {other:?}"),
+    }
+}
+
+/// The metadata llama.cpp reads for the experts, the latent attention and YaRN, with the
+/// values each spec constructor documents.
+fn check_moe_keys(g: &Gguf, spec: &TinyModelSpec) {
+    let moe = spec.moe.as_ref().unwrap();
+    let a = kv_str(g, "general.architecture");
+    let k = |key: &str| format!("{a}.{key}");
+    assert_eq!(kv_u32(g, &k("expert_count")), moe.n_expert as u32);
+    assert_eq!(kv_u32(g, &k("expert_used_count")), moe.n_expert_used as u32);
+    match spec.arch {
+        Arch::Mixtral => {
+            assert_eq!(a, "llama");
+            assert_eq!(kv_u32(g, "llama.feed_forward_length"), 64);
+            assert!(!g.kv.contains_key("llama.expert_feed_forward_length"));
+            assert!(!g.kv.contains_key("llama.attention.key_length"));
+        }
+        Arch::Qwen3Moe => {
+            assert_eq!(a, "qwen3moe");
+            assert_eq!(kv_u32(g, "qwen3moe.expert_feed_forward_length"), 32);
+            assert_eq!(kv_u32(g, "qwen3moe.attention.key_length"), 32);
+            assert_eq!(kv_u32(g, "qwen3moe.attention.value_length"), 32);
+            assert_eq!(kv_u32(g, "qwen3moe.rope.dimension_count"), 32);
+        }
+        Arch::Deepseek2 => {
+            assert_eq!(a, "deepseek2");
+            let v3 = spec.yarn.is_some();
+            let u = |key: &str| kv_u32(g, &k(key));
+            assert_eq!(u("expert_feed_forward_length"), 32);
+            assert_eq!(u("feed_forward_length"), 128);
+            assert_eq!(u("leading_dense_block_count"), 1);
+            assert_eq!(u("attention.head_count"), 4);
+            assert_eq!(u("attention.head_count_kv"), 1);
+            assert_eq!(u("attention.kv_lora_rank"), 32);
+            assert_eq!(u("attention.q_lora_rank"), if v3 { 32 } else { 0 });
+            assert_eq!(u("attention.key_length"), 32 + 16);
+            assert_eq!(u("attention.value_length"), 32);
+            assert_eq!(u("attention.key_length_mla"), 32 + 16);
+            assert_eq!(u("attention.value_length_mla"), 16);
+            assert_eq!(u("rope.dimension_count"), 16);
+            assert_eq!(u("expert_shared_count"), if v3 { 1 } else { 2 });
+            assert_eq!(u("expert_gating_func"), if v3 { 2 } else { 1 });
+            assert_eq!(u("expert_group_count"), if v3 { 4 } else { 1 });
+            assert_eq!(u("expert_group_used_count"), if v3 { 2 } else { 1 });
+            assert_eq!(
+                kv_f32(g, &k("expert_weights_scale")),
+                if v3 { 2.5 } else { 1.0 }
+            );
+            assert_eq!(
+                g.kv.get(&k("expert_weights_norm")).cloned(),
+                v3.then_some(GgufValue::Bool(true))
+            );
+            if v3 {
+                assert_eq!(kv_str(g, &k("rope.scaling.type")), "yarn");
+                assert_eq!(kv_f32(g, &k("rope.scaling.factor")), 4.0);
+                assert_eq!(u("rope.scaling.original_context_length"), 32);
+                assert_eq!(kv_f32(g, &k("rope.scaling.yarn_beta_fast")), 32.0);
+                assert_eq!(kv_f32(g, &k("rope.scaling.yarn_beta_slow")), 1.0);
+                // the converter writes 0.1 * mscale_all_dim
+                assert_eq!(kv_f32(g, &k("rope.scaling.yarn_log_multiplier")), 0.0707);
+            } else {
+                assert!(!g.kv.contains_key(&k("rope.scaling.type")));
+            }
+        }
+        other => panic!("{other:?} is not a MoE arch"),
+    }
+}
+
+/// A MoE spec's GGUF as llama.cpp's loader expects it: names in order, `ne` as llama.cpp
+/// declares each tensor (3-D expert and latent tensors included), types (the router, norms,
+/// biases and a non-block `attn_k_b` in F32), values equal to the model's weights (Mixtral's
+/// q and k rows permuted), and the metadata.
+fn check_moe_gguf(spec: TinyModelSpec, ty: GgmlType) {
+    let m = spec.snapped_to(ty).build().unwrap();
+    let s = m.spec();
+    let label = format!("{} {ty:?}", s.name);
+    let g = read_gguf(&m.gguf_writer(ty).unwrap().bytes().unwrap());
+    let mut names = vec!["token_embd.weight".to_string()];
+    for l in 0..s.n_layers {
+        names.extend(
+            expected_moe_layer(s, l)
+                .iter()
+                .map(|p| format!("blk.{l}.{p}")),
+        );
+    }
+    names.extend(["output_norm.weight".into(), "output.weight".into()]);
+    assert_eq!(g.order, names, "{label}");
+    let vocab = s.vocab_size as u64;
+    let h = s.hidden_size as u64;
+    for (name, (ne, t, _)) in &g.tensors {
+        let want_ne = match name.as_str() {
+            "token_embd.weight" | "output.weight" => vec![h, vocab],
+            "output_norm.weight" => vec![h],
+            _ => expected_moe_ne(
+                s,
+                name.split_once('.').unwrap().1.split_once('.').unwrap().1,
+            ),
+        };
+        assert_eq!(ne, &want_ne, "{label}: {name}");
+        let f32_kept = ne.len() == 1
+            || name.ends_with("ffn_gate_inp.weight")
+            || (name.ends_with("attn_k_b.weight") && ne[0] % ty.block_size() as u64 != 0);
+        let want_ty = if f32_kept { GgmlType::F32 } else { ty };
+        assert_eq!(*t, want_ty, "{label}: {name}");
+    }
+    for (name, w) in m.gguf_weights() {
+        let vals = &g.tensors[&name].2;
+        assert!(
+            vals.iter()
+                .zip(&w.data)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{label}: {name} differs from the model's weight"
+        );
+    }
+    if s.arch == Arch::Mixtral {
+        let hf = m.weight("model.layers.0.self_attn.q_proj.weight").unwrap();
+        let gq = Weight {
+            shape: hf.shape.clone(),
+            data: g.tensors["blk.0.attn_q.weight"].2.clone(),
+        };
+        assert_ne!(&gq, hf, "{label}: q is permuted");
+        assert_eq!(&unpermute_rows(&gq, s.n_head), hf, "{label}");
+    }
+    if s.mla.is_some() {
+        // the latent attention is written unpermuted
+        let hf = m
+            .weight("model.layers.1.self_attn.kv_a_proj_with_mqa.weight")
+            .unwrap();
+        assert_eq!(
+            g.tensors["blk.1.attn_kv_a_mqa.weight"].2, hf.data,
+            "{label}"
+        );
+    }
+    check_moe_keys(&g, s);
+    assert_eq!(
+        kv_u32(&g, "general.file_type"),
+        match ty {
+            GgmlType::F32 => 0,
+            GgmlType::Q8_0 => 7,
+            GgmlType::Q4_K => 15,
+            other => panic!("{other:?}"),
+        }
+    );
+}
+
+#[test]
+fn moe_gguf_layout() {
+    for spec in moe_specs() {
+        check_moe_gguf(spec.clone(), GgmlType::F32);
+        check_moe_gguf(spec.clone(), GgmlType::Q8_0);
+        if spec.arch != Arch::Deepseek2 {
+            continue;
+        }
+        // attn_k_b's rows are 32 wide: whole Q8_0 blocks, so it is quantized there
+        let m = spec.snapped_to(GgmlType::Q8_0).build().unwrap();
+        let g = read_gguf(&m.gguf_writer(GgmlType::Q8_0).unwrap().bytes().unwrap());
+        assert_eq!(g.tensors["blk.0.attn_k_b.weight"].1, GgmlType::Q8_0);
+    }
+    for spec in moe_specs() {
+        let wide = spec.k_quant_shapes();
+        if let Some(mla) = &wide.mla {
+            assert_eq!((mla.nope_dim, mla.rope_dim, mla.v_dim), (64, 32, 64));
+        }
+        // keys checked at the default shapes; here names, shapes, types and values
+        let m = wide.clone().snapped_to(GgmlType::Q4_K).build().unwrap();
+        let g = read_gguf(&m.gguf_writer(GgmlType::Q4_K).unwrap().bytes().unwrap());
+        for (name, w) in m.gguf_weights() {
+            let (ne, t, vals) = &g.tensors[&name];
+            assert_eq!(ne, &w.ne(), "{name}");
+            let f32_kept = w.shape.len() == 1
+                || name.ends_with("ffn_gate_inp.weight")
+                || name.ends_with("attn_k_b.weight");
+            assert_eq!(
+                *t,
+                if f32_kept {
+                    GgmlType::F32
+                } else {
+                    GgmlType::Q4_K
+                },
+                "{name}"
+            );
+            assert!(
+                vals.iter()
+                    .zip(&w.data)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name}"
+            );
+        }
+        assert_eq!(
+            g.tensors["blk.1.ffn_down_exps.weight"].0,
+            expected_moe_ne(&wide, "ffn_down_exps.weight")
+        );
+    }
+    // an unsnapped model written quantized: close to its weights, not equal
+    let m = TinyModelSpec::qwen3moe(84).build().unwrap();
+    let g = read_gguf(&m.gguf_writer(GgmlType::Q8_0).unwrap().bytes().unwrap());
+    let w = m
+        .weight("model.layers.1.mlp.experts.down_proj.weight")
+        .unwrap();
+    let q = &g.tensors["blk.1.ffn_down_exps.weight"].2;
+    assert_ne!(q, &w.data);
+    assert!(q.iter().zip(&w.data).all(|(a, b)| (a - b).abs() < 0.01));
+}
+
+#[test]
+fn moe_weights_and_reserved_router_dims() {
+    let m = TinyModelSpec::deepseek3(85).build().unwrap();
+    let s = m.spec();
+    let moe = s.moe.as_ref().unwrap();
+    let shape = |n: &str| m.weight(n).unwrap().shape.clone();
+    assert_eq!(
+        shape("model.layers.1.mlp.experts.gate_proj.weight"),
+        vec![16, 32, 64]
+    );
+    assert_eq!(
+        shape("model.layers.2.mlp.experts.down_proj.weight"),
+        vec![16, 64, 32]
+    );
+    assert_eq!(
+        shape("model.layers.1.mlp.shared_experts.up_proj.weight"),
+        vec![32, 64]
+    );
+    assert_eq!(shape("model.layers.0.mlp.gate_proj.weight"), vec![128, 64]);
+    assert_eq!(
+        shape("model.layers.0.self_attn.k_b_proj.weight"),
+        vec![4, 32, 32]
+    );
+    assert_eq!(
+        shape("model.layers.0.self_attn.v_b_proj.weight"),
+        vec![4, 16, 32]
+    );
+    assert_eq!(
+        shape("model.layers.0.self_attn.kv_a_proj_with_mqa.weight"),
+        vec![48, 64]
+    );
+    assert_eq!(
+        shape("model.layers.0.self_attn.q_b_proj.weight"),
+        vec![4 * 48, 32]
+    );
+    assert!(m.weight("model.layers.0.mlp.gate.weight").is_none());
+    assert_eq!(
+        m.gguf_name("model.layers.1.mlp.gate.e_score_correction_bias")
+            .unwrap(),
+        "blk.1.exp_probs_b.bias"
+    );
+    // the router reads only the reserved dimensions, and nothing writes them
+    let d = moe.router_dims;
+    assert_eq!(d, 16);
+    let router = m.weight("model.layers.1.mlp.gate.weight").unwrap();
+    for row in router.data.chunks(64) {
+        assert!(row[..d].iter().all(|v| *v != 0.0));
+        assert!(row[d..].iter().all(|v| *v == 0.0));
+    }
+    for name in [
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.2.mlp.experts.down_proj.weight",
+        "model.layers.2.mlp.shared_experts.down_proj.weight",
+    ] {
+        let w = m.weight(name).unwrap();
+        let cols = *w.shape.last().unwrap();
+        for matrix in w.data.chunks(64 * cols) {
+            assert!(matrix[..d * cols].iter().all(|v| *v == 0.0), "{name}");
+            assert!(matrix[d * cols..].iter().any(|v| *v != 0.0), "{name}");
+        }
+    }
+    // the same for Mixtral's names; no HF folder for MoE models
+    let mx = TinyModelSpec::mixtral(86).build().unwrap();
+    let w2 = mx
+        .weight("model.layers.1.block_sparse_moe.experts.w2.weight")
+        .unwrap();
+    assert_eq!(w2.shape, vec![8, 64, 64]);
+    assert!(w2.data[..16 * 64].iter().all(|v| *v == 0.0));
+    assert_eq!(
+        mx.gguf_name("model.layers.1.block_sparse_moe.experts.w3.weight")
+            .unwrap(),
+        "blk.1.ffn_up_exps.weight"
+    );
+    assert!(mx.hf_files(SafetensorsDtype::F32).is_err());
+    assert_eq!(
+        mx.config_json(SafetensorsDtype::F32)["num_local_experts"],
+        8
+    );
+    let c = m.config_json(SafetensorsDtype::F32);
+    assert_eq!(c["n_routed_experts"], 16);
+    assert_eq!(c["rope_scaling"]["type"], "yarn");
+}
+
+#[test]
+fn moe_spec_validation() {
+    for spec in moe_specs() {
+        spec.build().unwrap();
+        spec.clone()
+            .k_quant_shapes()
+            .snapped_to(GgmlType::Q4_K)
+            .build()
+            .unwrap();
+        spec.clone().snapped_to(GgmlType::Q8_0).build().unwrap();
+        // the default shapes are too narrow for 256-element blocks
+        assert!(spec.snapped_to(GgmlType::Q4_K).build().is_err());
+    }
+    // each spec is refused, for the reason its message names
+    let rejected = |spec: TinyModelSpec, why: &str, needle: &str| {
+        let e = spec.build().expect_err(why).to_string();
+        assert!(e.contains(needle), "{why}: {e}");
+    };
+    let mut s = TinyModelSpec::llama(1);
+    s.moe = TinyModelSpec::mixtral(1).moe;
+    rejected(s, "experts on a dense arch", "takes no mixture");
+    let mut s = TinyModelSpec::qwen3moe(1);
+    s.moe = None;
+    rejected(s, "a MoE arch without experts", "needs a mixture");
+    let mut s = TinyModelSpec::qwen3moe(1);
+    s.moe.as_mut().unwrap().gating = crate::ExpertGating::Sigmoid;
+    rejected(
+        s,
+        "sigmoid gating outside DeepSeek",
+        "are Deepseek2 settings",
+    );
+    let mut s = TinyModelSpec::mixtral(1);
+    s.moe.as_mut().unwrap().n_shared_expert = 1;
+    rejected(
+        s,
+        "shared experts outside DeepSeek",
+        "are Deepseek2 settings",
+    );
+    let mut s = TinyModelSpec::mixtral(1);
+    s.ffn_size = 128;
+    rejected(
+        s,
+        "Mixtral's ffn_size differs from its experts'",
+        "must equal moe.expert_ffn",
+    );
+    let mut s = TinyModelSpec::qwen3moe(1);
+    s.moe.as_mut().unwrap().n_expert_used = 9;
+    rejected(s, "more experts used than there are", "8 experts, 9 used");
+    let mut s = TinyModelSpec::deepseek3(1);
+    s.moe.as_mut().unwrap().n_group = 3;
+    rejected(s, "groups that do not divide the experts", "in 3 groups");
+    let mut s = TinyModelSpec::deepseek3(1);
+    s.moe.as_mut().unwrap().n_group_used = 4;
+    rejected(s, "every group kept", "4 kept");
+    let mut s = TinyModelSpec::deepseek3(1);
+    s.moe.as_mut().unwrap().n_group_used = 1;
+    s.moe.as_mut().unwrap().n_expert_used = 5;
+    rejected(
+        s,
+        "fewer experts in the kept groups than used",
+        "cannot choose 5",
+    );
+    let mut s = TinyModelSpec::deepseek2(1);
+    s.moe.as_mut().unwrap().leading_dense = 3;
+    rejected(s, "no MoE layer left", "leaves none");
+    let mut s = TinyModelSpec::deepseek2(1);
+    s.mla = None;
+    rejected(
+        s,
+        "DeepSeek without latent attention",
+        "`mla` is set exactly",
+    );
+    let mut s = TinyModelSpec::deepseek2(1);
+    s.head_dim = 32;
+    rejected(s, "head_dim not nope + rope", "(they are 1 and 32)");
+    let mut s = TinyModelSpec::deepseek2(1);
+    s.n_kv_head = 4;
+    rejected(
+        s,
+        "latent attention with several KV heads",
+        "(they are 4 and 48)",
+    );
+    let mut s = TinyModelSpec::qwen3moe(1);
+    s.yarn = TinyModelSpec::deepseek3(1).yarn;
+    rejected(s, "YaRN outside DeepSeek", "yarn is a Deepseek2 setting");
+    let mut s = TinyModelSpec::deepseek3(1);
+    s.yarn.as_mut().unwrap().beta_fast = 16.0;
+    rejected(s, "a beta llama.cpp ignores", "has 16 and 1");
+    let mut s = TinyModelSpec::qwen3moe(1);
+    s.moe.as_mut().unwrap().router_dims = 65;
+    rejected(s, "more router dims than hidden", "router_dims 65");
+    let mut s = TinyModelSpec::deepseek3(1);
+    s.mla.as_mut().unwrap().kv_lora_rank = 48;
+    rejected(
+        s,
+        "a latent rank of partial blocks",
+        "mla.kv_lora_rank = 48",
+    );
+}
+
+#[test]
+fn moe_reference_is_causal_and_sane() {
+    let ids = [267u32, 266, 278, 279, 260, 281, 5, 100, 267, 12];
+    for spec in moe_specs() {
+        let m = spec.build().unwrap();
+        let name = &m.spec().name;
+        let all = m.reference_logits(&ids);
+        assert!(all
+            .iter()
+            .all(|l| l.len() == 320 && l.iter().all(|v| v.is_finite())));
+        let pre = m.reference_logits(&ids[..4]);
+        for t in 0..4 {
+            assert!(
+                pre[t]
+                    .iter()
+                    .zip(&all[t])
+                    .all(|(a, b)| (a - b).abs() < 1e-6),
+                "{name}"
+            );
+        }
+        let last = &all[ids.len() - 1];
+        let mean = last.iter().sum::<f32>() / 320.0;
+        let std = (last.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / 320.0).sqrt();
+        assert!((0.5..5.0).contains(&std), "{name}: {std}");
+        // the f16 cache rounds what it holds (keys and values, or the latent and the rotated
+        // key): a small, non-zero change
+        let f16 = m.reference_logits_f16_kv(&ids);
+        let diff = f16
+            .iter()
+            .flatten()
+            .zip(all.iter().flatten())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(diff > 0.0 && diff < 1e-2, "{name}: {diff}");
+        // routing margins are finite for MoE layers and absent for dense models
+        let margins = m.reference_route_margins(&ids);
+        assert!(margins.iter().all(|v| v.is_finite() && *v >= 0.0), "{name}");
+    }
+    let dense = TinyModelSpec::llama(1).build().unwrap();
+    assert!(dense
+        .reference_route_margins(&ids)
+        .iter()
+        .all(|v| v.is_infinite()));
+}
+
+/// A copy of `m` with the router rows of experts `a` and `b` exchanged in layer `l`.
+fn with_router_rows_exchanged(m: &TinyModel, l: usize, a: usize, b: usize) -> TinyModel {
+    let mut out = m.clone();
+    let name = if m.spec().arch == Arch::Mixtral {
+        format!("model.layers.{l}.block_sparse_moe.gate.weight")
+    } else {
+        format!("model.layers.{l}.mlp.gate.weight")
+    };
+    let w = out.weights_mut().get_mut(&name).unwrap();
+    let h = w.shape[1];
+    let (lo, hi) = (a.min(b), a.max(b));
+    let (first, rest) = w.data.split_at_mut(hi * h);
+    first[lo * h..(lo + 1) * h].swap_with_slice(&mut rest[..h]);
+    out
+}
+
+/// A copy of `m` with every MoE layer's selection bias zeroed: a reference that ignores it.
+fn without_routing_bias(m: &TinyModel) -> TinyModel {
+    let mut out = m.clone();
+    for (name, w) in out.weights_mut().iter_mut() {
+        if name.ends_with("e_score_correction_bias") {
+            w.data.iter_mut().for_each(|v| *v = 0.0);
+        }
+    }
+    out
+}
+
+/// A copy of a latent-attention model whose rotated query rows (each head's last `rope_dim`
+/// rows of `q_proj` / `q_b_proj`) and rotated key rows (the last `rope_dim` of
+/// `kv_a_proj_with_mqa`) are reordered by the converter's Llama permutation. Rotating
+/// adjacent pairs of the reordered rows rotates the first and second halves of the original
+/// ones, so its reference is the model with NeoX-style pairing.
+fn with_half_split_rope(m: &TinyModel) -> TinyModel {
+    let s = m.spec();
+    let mla = s.mla.unwrap();
+    let (dk, nope, rope, rank) = (mla.qk_dim(), mla.nope_dim, mla.rope_dim, mla.kv_lora_rank);
+    let mut out = m.clone();
+    let permute = |w: &mut Weight, first_row: usize| {
+        let cols = w.shape[1];
+        let block = &mut w.data[first_row * cols..(first_row + rope) * cols];
+        let moved = permute_row_chunks(block, cols, 1);
+        block.copy_from_slice(&moved);
+    };
+    for l in 0..s.n_layers {
+        let p = format!("model.layers.{l}.self_attn");
+        let q = if mla.q_lora_rank == 0 {
+            "q_proj"
+        } else {
+            "q_b_proj"
+        };
+        let w = out
+            .weights_mut()
+            .get_mut(&format!("{p}.{q}.weight"))
+            .unwrap();
+        for h in 0..s.n_head {
+            permute(w, h * dk + nope);
+        }
+        let w = out
+            .weights_mut()
+            .get_mut(&format!("{p}.kv_a_proj_with_mqa.weight"))
+            .unwrap();
+        permute(w, rank);
+    }
+    out
+}
+
+/// Checks that the oracle comparison catches faults of the MoE path: llama.cpp on the honest
+/// F32 file against a faulted reference must fail (two experts' router rows exchanged in the
+/// last layer, for Qwen3 MoE, Mixtral and DeepSeek V3; DeepSeek V3's selection bias ignored;
+/// DeepSeek's RoPE pairing taken as first/second halves instead of adjacent pairs; DeepSeek
+/// V3's YaRN left out), while llama.cpp on the faulted model's own file agrees with it (so
+/// the failure is the fault, not the file).
+#[test]
+fn llama_cpp_comparison_catches_moe_faults() {
+    let Some(bin) = require_oracle("llama_cpp_comparison_catches_moe_faults") else {
+        return;
+    };
+    let qwen = TinyModelSpec::qwen3moe(64).build().unwrap();
+    let mixtral = TinyModelSpec::mixtral(67).build().unwrap();
+    let v2 = TinyModelSpec::deepseek2(70).build().unwrap();
+    let v3 = TinyModelSpec::deepseek3(73).build().unwrap();
+    let no_yarn = TinyModelSpec {
+        yarn: None,
+        ..TinyModelSpec::deepseek3(73)
+    }
+    .build()
+    .unwrap();
+    assert_eq!(no_yarn.weights(), v3.weights());
+    let cases = [
+        (
+            "qwen3moe, router rows 0 and 1 of layer 1 exchanged",
+            &qwen,
+            with_router_rows_exchanged(&qwen, 1, 0, 1),
+        ),
+        (
+            "mixtral, router rows 0 and 1 of layer 1 exchanged",
+            &mixtral,
+            with_router_rows_exchanged(&mixtral, 1, 0, 1),
+        ),
+        (
+            "deepseek3, router rows 0 and 1 of layer 2 exchanged",
+            &v3,
+            with_router_rows_exchanged(&v3, 2, 0, 1),
+        ),
+        (
+            "deepseek3, selection bias ignored",
+            &v3,
+            without_routing_bias(&v3),
+        ),
+        (
+            "deepseek2, RoPE on first/second halves",
+            &v2,
+            with_half_split_rope(&v2),
+        ),
+        (
+            "deepseek3, RoPE on first/second halves",
+            &v3,
+            with_half_split_rope(&v3),
+        ),
+        ("deepseek3, YaRN left out", &v3, no_yarn),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    for (i, (label, honest, faulted)) in cases.iter().enumerate() {
+        assert!(
+            faulted.weights() != honest.weights() || faulted.spec() != honest.spec(),
+            "{label}: nothing planted"
+        );
+        let path = dir.path().join(format!("honest{i}.gguf"));
+        honest.write_gguf(&path, GgmlType::F32).unwrap();
+        let (_, c) = oracle_compare(&bin, &path, faulted, Tolerance::F32);
+        assert!(
+            !c.passed(),
+            "{label}: the comparison passed (worst {:.3e})",
+            c.worst_rel
+        );
+        eprintln!(
+            "{label}: {} failures, worst |diff|/scale {:.3e}; first: {}",
+            c.failures.len(),
+            c.worst_rel,
+            c.failures[0]
+        );
+        let path = dir.path().join(format!("faulted{i}.gguf"));
+        faulted.write_gguf(&path, GgmlType::F32).unwrap();
+        let (_, control) = oracle_compare(&bin, &path, faulted, Tolerance::F32);
+        control.assert_ok(&format!("{label}, against its own file"));
+    }
+}
+
+#[test]
+fn moe_faulty_files() {
+    use crate::MoeFault;
+    for spec in [
+        TinyModelSpec::qwen3moe(90),
+        TinyModelSpec::mixtral(91),
+        TinyModelSpec::deepseek3(92),
+    ] {
+        let m = spec.build().unwrap();
+        let s = m.spec();
+        let n = s.moe.as_ref().unwrap().n_expert;
+        let a = s.arch.gguf_name();
+        let honest = read_gguf(&m.gguf_writer(GgmlType::F32).unwrap().bytes().unwrap());
+        let last_up = format!("blk.{}.ffn_up_exps.weight", s.n_layers - 1);
+        assert!(honest.tensors.contains_key(&last_up));
+        let faulty = |fault| {
+            read_gguf(
+                &m.moe_faulty_gguf_writer(GgmlType::F32, fault)
+                    .unwrap()
+                    .bytes()
+                    .unwrap(),
+            )
+        };
+        let g = faulty(MoeFault::MissingExpertTensor);
+        assert!(!g.tensors.contains_key(&last_up));
+        assert_eq!(g.order.len() + 1, honest.order.len());
+        assert_eq!(g.kv, honest.kv);
+        let g = faulty(MoeFault::ExpertCountMismatch);
+        assert_eq!(kv_u32(&g, &format!("{a}.expert_count")), 2 * n as u32);
+        assert_eq!(g.tensors[&last_up].0[2], n as u64);
+        assert_eq!(g.order, honest.order);
+        let g = faulty(MoeFault::ExpertsUsedAboveCount);
+        assert_eq!(kv_u32(&g, &format!("{a}.expert_count")), n as u32);
+        assert_eq!(kv_u32(&g, &format!("{a}.expert_used_count")), n as u32 + 1);
+    }
+    let dense = TinyModelSpec::llama(1).build().unwrap();
+    assert!(dense
+        .moe_faulty_gguf_writer(GgmlType::F32, MoeFault::MissingExpertTensor)
+        .is_err());
+}
+
+/// llama.cpp refuses each file of [`crate::MoeFault`] (it loads the honest file), so the
+/// files are really broken for a loader that follows llama.cpp.
+#[test]
+fn llama_cpp_refuses_moe_faulty_files() {
+    use crate::MoeFault;
+    let Some(bin) = require_oracle("llama_cpp_refuses_moe_faulty_files") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let run = |path: &Path| {
+        std::process::Command::new(&bin)
+            .arg(path)
+            .args(["--tokens", "1,2,3"])
+            .env("GGML_NO_BACKTRACE", "1")
+            .output()
+            .unwrap()
+    };
+    for spec in [TinyModelSpec::qwen3moe(90), TinyModelSpec::deepseek3(92)] {
+        let m = spec.build().unwrap();
+        let path = dir.path().join("honest.gguf");
+        m.write_gguf(&path, GgmlType::F32).unwrap();
+        let out = run(&path);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for fault in [
+            MoeFault::MissingExpertTensor,
+            MoeFault::ExpertCountMismatch,
+            MoeFault::ExpertsUsedAboveCount,
+        ] {
+            let path = dir.path().join(format!("{fault:?}.gguf"));
+            m.moe_faulty_gguf_writer(GgmlType::F32, fault)
+                .unwrap()
+                .write_to(&path)
+                .unwrap();
+            let out = run(&path);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                !out.status.success(),
+                "{} {fault:?}: llama.cpp loaded it",
+                m.spec().name
+            );
+            eprintln!(
+                "{} {fault:?}: llama.cpp refuses it ({}): {}",
+                m.spec().name,
+                out.status,
+                err.lines().find(|l| !l.trim().is_empty()).unwrap_or("")
+            );
+        }
     }
 }

@@ -1,7 +1,8 @@
 //! A slow, plain reference forward pass of a tiny model, as an oracle for engine tests.
 //!
-//! It follows the transformers implementation of Llama / Qwen2 on the HF-layout weights of
-//! [`TinyModel::weights`], in `f64` with naive loops: token embedding; per layer RMSNorm
+//! For the dense architectures it follows the transformers implementation of Llama / Qwen2
+//! on the HF-layout weights of [`TinyModel::weights`], in `f64` with naive loops: token
+//! embedding; per layer RMSNorm
 //! (`x / sqrt(mean(x²) + eps) * w`), q/k/v projections (+ biases for Qwen2), rotate-half RoPE
 //! (`inv_freq[i] = theta^(-2i/head_dim)`, the first and second halves of each head form the
 //! pairs), causal grouped-query attention scaled by `1/sqrt(head_dim)`, output projection and
@@ -17,7 +18,30 @@
 //! has been checked against llama.cpp
 //! running the GGUF written by [`TinyModel::write_gguf`] (F32 weights, F32 KV cache, no flash
 //! attention: logits agree to about 1e-6).
+//!
+//! Mixture-of-experts layers follow llama.cpp's `build_moe_ffn` on the GGUF's settings: the
+//! router's logits over the FFN-normed input, the experts and weights [`crate::route`]
+//! chooses, each chosen expert's SwiGLU FFN (`down_e(silu(gate_e(x)) * up_e(x))`) times its
+//! weight, summed, plus DeepSeek's shared experts (one SwiGLU FFN, unweighted); DeepSeek's
+//! first `leading_dense` layers keep a dense FFN. Qwen3 MoE keeps Qwen3's attention and
+//! Mixtral Llama's.
+//!
+//! DeepSeek's multi-head latent attention follows llama.cpp's `deepseek2` graph: the query is
+//! `attn_q` of the normed input, or `attn_q_b(rmsnorm(attn_q_a(x)))` with a query rank; each
+//! head's last `rope_dim` dimensions are rotated. `attn_kv_a_mqa` gives the latent (its
+//! first `kv_lora_rank` values, RMS-normed by `attn_kv_a_norm`) and one rotated key part
+//! shared by every head (the remaining `rope_dim`). RoPE rotates adjacent pairs `(2i, 2i +
+//! 1)` (llama.cpp's `LLAMA_ROPE_TYPE_NORM` for `deepseek2`; Hugging Face's DeepSeek code
+//! de-interleaves q and k before rotating halves, which is the same thing on the same
+//! weights), at `pos * theta^(-2i/rope_dim)`, or at [`crate::YarnRope::angle`] with YaRN. The
+//! reference computes the expanded form (Hugging Face's): per head, keys `[k_b[h]ᵀ c,
+//! k_pe]` and values `v_b[h] c` from the latent `c`, scores `q · k` times `1/sqrt(nope_dim +
+//! rope_dim)` (times [`crate::YarnRope::attention_factor`] with YaRN), softmax, and `o_proj`
+//! of the heads' weighted values. llama.cpp computes the absorbed form (`k_b[h] q_nope`
+//! against the latent, `v_b` applied after the weighted sum of latents), which is the same
+//! arithmetic regrouped.
 
+use crate::moe::{route, route_margin, route_scale_margin, MlaSpec, MoeNames, MoeSpec, YarnRope};
 use crate::tiny_model::{Arch, TinyModel, Weight};
 
 /// RMSNorm; `offset` is 1 for Gemma's `(1 + w)` weights, 0 otherwise.
@@ -66,6 +90,69 @@ fn rope(v: &mut [f64], pos: usize, theta: f64, factors: Option<&[f32]>) {
     }
 }
 
+/// Rotates adjacent pairs `(v[2i], v[2i + 1])` of `v` for position `pos`: by `pos *
+/// theta^(-2i/len)`, or by YaRN's angle for that pair.
+fn rope_adjacent(v: &mut [f64], pos: usize, theta: f64, yarn: Option<&YarnRope>) {
+    let n = v.len();
+    for i in 0..n / 2 {
+        let angle = match yarn {
+            Some(y) => y.angle(pos, i, n, theta),
+            None => pos as f64 * theta.powf(-((2 * i) as f64) / n as f64),
+        };
+        let (s, c) = angle.sin_cos();
+        let (a, b) = (v[2 * i], v[2 * i + 1]);
+        v[2 * i] = a * c - b * s;
+        v[2 * i + 1] = b * c + a * s;
+    }
+}
+
+/// Softmax of attention scores.
+fn softmax(scores: &[f64]) -> Vec<f64> {
+    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+    let z: f64 = e.iter().sum();
+    e.iter().map(|e| e / z).collect()
+}
+
+/// `down(act(gate(x)) * up(x))` with `act` SiLU, or GELU (tanh) when `gelu`.
+fn swiglu(x: &[f64], gate: &Weight, up: &Weight, down: &Weight, gelu: bool) -> Vec<f64> {
+    let g = linear(x, gate, None);
+    let u = linear(x, up, None);
+    let act: Vec<f64> = g
+        .iter()
+        .zip(&u)
+        .map(|(g, u)| {
+            if gelu {
+                gelu_tanh(*g) * u
+            } else {
+                g / (1.0 + (-g).exp()) * u
+            }
+        })
+        .collect();
+    linear(&act, down, None)
+}
+
+/// Expert `e`'s matrix of a stacked `[n_expert, out, in]` weight.
+fn expert(w: &Weight, e: usize) -> Weight {
+    let size = w.shape[1] * w.shape[2];
+    Weight {
+        shape: w.shape[1..].to_vec(),
+        data: w.data[e * size..(e + 1) * size].to_vec(),
+    }
+}
+
+/// What the KV cache gives back for `x`: `x` itself, or with `f16` each value rounded to
+/// f32 and then to the nearest f16.
+fn kv_store(x: Vec<f64>, f16: bool) -> Vec<f64> {
+    if f16 {
+        x.iter()
+            .map(|&a| half::f16::from_f32(a as f32).to_f64())
+            .collect()
+    } else {
+        x
+    }
+}
+
 impl TinyModel {
     /// Logits (vocab_size values) at every position of `ids`, from a plain `f64` forward pass
     /// over [`TinyModel::weights`]; see the module docs for the exact semantics.
@@ -78,12 +165,44 @@ impl TinyModel {
     /// [`TinyModel::reference_logits`] of an engine that stores its KV cache in f16 (as
     /// llama.cpp does by default, and shoal does): every key (after RoPE) and value is
     /// rounded to f32 and then to the nearest f16 before attention reads it; everything else
-    /// stays f64.
+    /// stays f64. With latent attention (DeepSeek) the cache holds what llama.cpp's holds, the
+    /// normed latent and the rotated shared key part: those two are rounded, and each head's
+    /// keys and values are expanded from the rounded latent.
     pub fn reference_logits_f16_kv(&self, ids: &[u32]) -> Vec<Vec<f32>> {
         self.forward(ids, true)
     }
 
+    /// How close each position of `ids` is to choosing other experts: the smallest
+    /// [`crate::route_margin`] over the model's MoE layers (infinite for a dense model).
+    /// An engine whose arithmetic moves the router's scores by more than this at a position
+    /// may route that position differently from the reference.
+    pub fn reference_route_margins(&self, ids: &[u32]) -> Vec<f64> {
+        let mut margins = vec![[f64::INFINITY; 2]; ids.len()];
+        self.forward_with(ids, false, Some(&mut margins));
+        margins.iter().map(|m| m[0]).collect()
+    }
+
+    /// How far each position of `ids` is from choosing other experts when the router's
+    /// logits are all scaled by one factor: the smallest [`crate::moe::route_scale_margin`]
+    /// over the model's MoE layers (infinite for a dense model).
+    pub fn reference_route_scale_margins(&self, ids: &[u32]) -> Vec<f64> {
+        let mut margins = vec![[f64::INFINITY; 2]; ids.len()];
+        self.forward_with(ids, false, Some(&mut margins));
+        margins.iter().map(|m| m[1]).collect()
+    }
+
     fn forward(&self, ids: &[u32], f16_kv: bool) -> Vec<Vec<f32>> {
+        self.forward_with(ids, f16_kv, None)
+    }
+
+    /// The forward pass; with `margins`, each position's entry is lowered to its routing
+    /// margin in every MoE layer.
+    fn forward_with(
+        &self,
+        ids: &[u32],
+        f16_kv: bool,
+        mut margins: Option<&mut Vec<[f64; 2]>>,
+    ) -> Vec<Vec<f32>> {
         let s = self.spec();
         assert!(
             ids.len() <= s.context_length,
@@ -95,13 +214,8 @@ impl TinyModel {
         };
         let eps = s.rms_eps as f64;
         let gemma = s.arch == Arch::Gemma3;
-        let factors = s
-            .llama3_rope
-            .map(|r| r.freq_factors(s.rope_theta as f64, s.head_dim));
         let off = if gemma { 1.0 } else { 0.0 };
         let norm = |x: &[f64], name: &str| rms_norm(x, w(name), eps, off);
-        let (hd, nh, nkv) = (s.head_dim, s.n_head, s.n_kv_head);
-        let group = nh / nkv;
         let emb = w("model.embed_tokens.weight");
         let h = s.hidden_size;
         let mut xs: Vec<Vec<f64>> = ids
@@ -118,74 +232,11 @@ impl TinyModel {
             .collect();
         for l in 0..s.n_layers {
             let p = format!("model.layers.{l}");
-            let local = s.is_local_layer(l);
-            let theta = if local {
-                s.rope_local_theta as f64
-            } else {
-                s.rope_theta as f64
+            let attn = match &s.mla {
+                Some(mla) => self.mla_attention(l, &xs, mla, f16_kv),
+                None => self.attention(l, &xs, f16_kv),
             };
-            let bias = |n: &str| self.weight(&format!("{p}.self_attn.{n}_proj.bias"));
-            let mut qs = Vec::new();
-            let mut ks = Vec::new();
-            let mut vs = Vec::new();
-            for (pos, x) in xs.iter().enumerate() {
-                let hn = norm(x, &format!("{p}.input_layernorm.weight"));
-                let mut q = linear(&hn, w(&format!("{p}.self_attn.q_proj.weight")), bias("q"));
-                let mut k = linear(&hn, w(&format!("{p}.self_attn.k_proj.weight")), bias("k"));
-                let v = linear(&hn, w(&format!("{p}.self_attn.v_proj.weight")), bias("v"));
-                for (v, norm_name) in [(&mut q, "q_norm"), (&mut k, "k_norm")] {
-                    for head in v.chunks_mut(hd) {
-                        if s.arch.has_qk_norm() {
-                            let n = norm(head, &format!("{p}.self_attn.{norm_name}.weight"));
-                            head.copy_from_slice(&n);
-                        }
-                        rope(head, pos, theta, factors.as_deref());
-                    }
-                }
-                let store = |x: Vec<f64>| -> Vec<f64> {
-                    if f16_kv {
-                        x.iter()
-                            .map(|&a| half::f16::from_f32(a as f32).to_f64())
-                            .collect()
-                    } else {
-                        x
-                    }
-                };
-                qs.push(q);
-                ks.push(store(k));
-                vs.push(store(v));
-            }
-            let scale = 1.0 / (hd as f64).sqrt();
-            for t in 0..xs.len() {
-                let mut attn = vec![0.0f64; nh * hd];
-                for head in 0..nh {
-                    let kvh = head / group;
-                    let q = &qs[t][head * hd..(head + 1) * hd];
-                    let first = if local {
-                        (t + 1).saturating_sub(s.sliding_window)
-                    } else {
-                        0
-                    };
-                    let scores: Vec<f64> = (first..=t)
-                        .map(|u| {
-                            let k = &ks[u][kvh * hd..(kvh + 1) * hd];
-                            q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() * scale
-                        })
-                        .collect();
-                    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                    let z: f64 = e.iter().sum();
-                    for (i, eu) in e.iter().enumerate() {
-                        let v = &vs[first + i][kvh * hd..(kvh + 1) * hd];
-                        for d in 0..hd {
-                            attn[head * hd + d] += eu / z * v[d];
-                        }
-                    }
-                }
-                let mut o = linear(&attn, w(&format!("{p}.self_attn.o_proj.weight")), None);
-                if gemma {
-                    o = norm(&o, &format!("{p}.post_attention_layernorm.weight"));
-                }
+            for (t, o) in attn.into_iter().enumerate() {
                 for (x, o) in xs[t].iter_mut().zip(o) {
                     *x += o;
                 }
@@ -195,23 +246,28 @@ impl TinyModel {
                     "post_attention_layernorm"
                 };
                 let hn = norm(&xs[t], &format!("{p}.{ffn_norm}.weight"));
-                let g = linear(&hn, w(&format!("{p}.mlp.gate_proj.weight")), None);
-                let u = linear(&hn, w(&format!("{p}.mlp.up_proj.weight")), None);
-                let act: Vec<f64> = g
-                    .iter()
-                    .zip(&u)
-                    .map(|(g, u)| {
-                        if gemma {
-                            gelu_tanh(*g) * u
-                        } else {
-                            g / (1.0 + (-g).exp()) * u
+                let d = match &s.moe {
+                    Some(moe) if s.is_moe_layer(l) => {
+                        let (d, margin) = self.moe_ffn(&p, &hn, moe, margins.is_some());
+                        if let Some(m) = margins.as_deref_mut() {
+                            m[t] = [m[t][0].min(margin[0]), m[t][1].min(margin[1])];
                         }
-                    })
-                    .collect();
-                let mut d = linear(&act, w(&format!("{p}.mlp.down_proj.weight")), None);
-                if gemma {
-                    d = norm(&d, &format!("{p}.post_feedforward_layernorm.weight"));
-                }
+                        d
+                    }
+                    _ => {
+                        let mut d = swiglu(
+                            &hn,
+                            w(&format!("{p}.mlp.gate_proj.weight")),
+                            w(&format!("{p}.mlp.up_proj.weight")),
+                            w(&format!("{p}.mlp.down_proj.weight")),
+                            gemma,
+                        );
+                        if gemma {
+                            d = norm(&d, &format!("{p}.post_feedforward_layernorm.weight"));
+                        }
+                        d
+                    }
+                };
                 for (x, d) in xs[t].iter_mut().zip(d) {
                     *x += d;
                 }
@@ -229,5 +285,245 @@ impl TinyModel {
                     .collect()
             })
             .collect()
+    }
+
+    /// The weight named `n`; panics when the model lacks it.
+    fn w(&self, n: &str) -> &Weight {
+        self.weight(n)
+            .unwrap_or_else(|| panic!("missing weight {n}"))
+    }
+
+    /// Layer `l`'s attention output (after `o_proj`, and Gemma's post-attention norm) at every
+    /// position of `xs`, the layer's input.
+    fn attention(&self, l: usize, xs: &[Vec<f64>], f16_kv: bool) -> Vec<Vec<f64>> {
+        let s = self.spec();
+        let p = format!("model.layers.{l}");
+        let eps = s.rms_eps as f64;
+        let gemma = s.arch == Arch::Gemma3;
+        let off = if gemma { 1.0 } else { 0.0 };
+        let norm = |x: &[f64], name: &str| rms_norm(x, self.w(name), eps, off);
+        let factors = s
+            .llama3_rope
+            .map(|r| r.freq_factors(s.rope_theta as f64, s.head_dim));
+        let (hd, nh, nkv) = (s.head_dim, s.n_head, s.n_kv_head);
+        let group = nh / nkv;
+        let local = s.is_local_layer(l);
+        let theta = if local {
+            s.rope_local_theta as f64
+        } else {
+            s.rope_theta as f64
+        };
+        let bias = |n: &str| self.weight(&format!("{p}.self_attn.{n}_proj.bias"));
+        let mut qs = Vec::new();
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        for (pos, x) in xs.iter().enumerate() {
+            let hn = norm(x, &format!("{p}.input_layernorm.weight"));
+            let mut q = linear(
+                &hn,
+                self.w(&format!("{p}.self_attn.q_proj.weight")),
+                bias("q"),
+            );
+            let mut k = linear(
+                &hn,
+                self.w(&format!("{p}.self_attn.k_proj.weight")),
+                bias("k"),
+            );
+            let v = linear(
+                &hn,
+                self.w(&format!("{p}.self_attn.v_proj.weight")),
+                bias("v"),
+            );
+            for (v, norm_name) in [(&mut q, "q_norm"), (&mut k, "k_norm")] {
+                for head in v.chunks_mut(hd) {
+                    if s.arch.has_qk_norm() {
+                        let n = norm(head, &format!("{p}.self_attn.{norm_name}.weight"));
+                        head.copy_from_slice(&n);
+                    }
+                    rope(head, pos, theta, factors.as_deref());
+                }
+            }
+            qs.push(q);
+            ks.push(kv_store(k, f16_kv));
+            vs.push(kv_store(v, f16_kv));
+        }
+        let scale = 1.0 / (hd as f64).sqrt();
+        (0..xs.len())
+            .map(|t| {
+                let mut attn = vec![0.0f64; nh * hd];
+                for head in 0..nh {
+                    let kvh = head / group;
+                    let q = &qs[t][head * hd..(head + 1) * hd];
+                    let first = if local {
+                        (t + 1).saturating_sub(s.sliding_window)
+                    } else {
+                        0
+                    };
+                    let scores: Vec<f64> = (first..=t)
+                        .map(|u| {
+                            let k = &ks[u][kvh * hd..(kvh + 1) * hd];
+                            q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() * scale
+                        })
+                        .collect();
+                    for (i, a) in softmax(&scores).iter().enumerate() {
+                        let v = &vs[first + i][kvh * hd..(kvh + 1) * hd];
+                        for d in 0..hd {
+                            attn[head * hd + d] += a * v[d];
+                        }
+                    }
+                }
+                let mut o = linear(&attn, self.w(&format!("{p}.self_attn.o_proj.weight")), None);
+                if gemma {
+                    o = norm(&o, &format!("{p}.post_attention_layernorm.weight"));
+                }
+                o
+            })
+            .collect()
+    }
+
+    /// Layer `l`'s multi-head latent attention output (after `o_proj`) at every position of
+    /// `xs`, in the expanded form; see the module docs.
+    fn mla_attention(
+        &self,
+        l: usize,
+        xs: &[Vec<f64>],
+        mla: &MlaSpec,
+        f16_kv: bool,
+    ) -> Vec<Vec<f64>> {
+        let s = self.spec();
+        let p = format!("model.layers.{l}");
+        let eps = s.rms_eps as f64;
+        let norm = |x: &[f64], name: &str| rms_norm(x, self.w(&format!("{p}.{name}")), eps, 0.0);
+        let theta = s.rope_theta as f64;
+        let (nh, rank, dk, nope, dv) = (
+            s.n_head,
+            mla.kv_lora_rank,
+            mla.qk_dim(),
+            mla.nope_dim,
+            mla.v_dim,
+        );
+        let k_b = self.w(&format!("{p}.self_attn.k_b_proj.weight"));
+        let v_b = self.w(&format!("{p}.self_attn.v_b_proj.weight"));
+        let mut qs = Vec::new();
+        let mut k_pes = Vec::new();
+        let mut k_nopes = Vec::new();
+        let mut vs = Vec::new();
+        for (pos, x) in xs.iter().enumerate() {
+            let hn = norm(x, "input_layernorm.weight");
+            let mut q = if mla.q_lora_rank == 0 {
+                linear(&hn, self.w(&format!("{p}.self_attn.q_proj.weight")), None)
+            } else {
+                let qa = linear(&hn, self.w(&format!("{p}.self_attn.q_a_proj.weight")), None);
+                let qa = norm(&qa, "self_attn.q_a_layernorm.weight");
+                linear(&qa, self.w(&format!("{p}.self_attn.q_b_proj.weight")), None)
+            };
+            for head in q.chunks_mut(dk) {
+                rope_adjacent(&mut head[nope..], pos, theta, s.yarn.as_ref());
+            }
+            let kv = linear(
+                &hn,
+                self.w(&format!("{p}.self_attn.kv_a_proj_with_mqa.weight")),
+                None,
+            );
+            let c = norm(&kv[..rank], "self_attn.kv_a_layernorm.weight");
+            let mut k_pe = kv[rank..].to_vec();
+            rope_adjacent(&mut k_pe, pos, theta, s.yarn.as_ref());
+            // the cache holds the latent and the rotated key; keys and values come from it
+            let c = kv_store(c, f16_kv);
+            let mut k_nope = vec![0.0f64; nh * nope];
+            let mut v = vec![0.0f64; nh * dv];
+            for hh in 0..nh {
+                for (r, cr) in c.iter().enumerate() {
+                    let row = &k_b.data[(hh * rank + r) * nope..(hh * rank + r + 1) * nope];
+                    for (d, kb) in row.iter().enumerate() {
+                        k_nope[hh * nope + d] += *kb as f64 * cr;
+                    }
+                }
+                for j in 0..dv {
+                    let row = &v_b.data[(hh * dv + j) * rank..(hh * dv + j + 1) * rank];
+                    v[hh * dv + j] = row.iter().zip(&c).map(|(a, b)| *a as f64 * b).sum();
+                }
+            }
+            qs.push(q);
+            k_pes.push(kv_store(k_pe, f16_kv));
+            k_nopes.push(k_nope);
+            vs.push(v);
+        }
+        let yarn = s.yarn.as_ref().map_or(1.0, YarnRope::attention_factor);
+        let scale = yarn / (dk as f64).sqrt();
+        (0..xs.len())
+            .map(|t| {
+                let mut attn = vec![0.0f64; nh * dv];
+                for hh in 0..nh {
+                    let q = &qs[t][hh * dk..(hh + 1) * dk];
+                    let scores: Vec<f64> = (0..=t)
+                        .map(|u| {
+                            let k_nope = &k_nopes[u][hh * nope..(hh + 1) * nope];
+                            let dot_nope: f64 =
+                                q[..nope].iter().zip(k_nope).map(|(a, b)| a * b).sum();
+                            let dot_pe: f64 =
+                                q[nope..].iter().zip(&k_pes[u]).map(|(a, b)| a * b).sum();
+                            (dot_nope + dot_pe) * scale
+                        })
+                        .collect();
+                    for (u, a) in softmax(&scores).iter().enumerate() {
+                        let v = &vs[u][hh * dv..(hh + 1) * dv];
+                        for d in 0..dv {
+                            attn[hh * dv + d] += a * v[d];
+                        }
+                    }
+                }
+                linear(&attn, self.w(&format!("{p}.self_attn.o_proj.weight")), None)
+            })
+            .collect()
+    }
+
+    /// The mixture-of-experts FFN of layer prefix `p` on the normed input `hn`: the routed
+    /// experts' SwiGLU outputs weighted as [`crate::route`] says, plus the shared experts';
+    /// and the routing's [`crate::route_margin`].
+    fn moe_ffn(&self, p: &str, hn: &[f64], moe: &MoeSpec, margins: bool) -> (Vec<f64>, [f64; 2]) {
+        let s = self.spec();
+        let names = MoeNames::of(s.arch, p);
+        let logits = linear(hn, self.w(&names.router), None);
+        let bias = moe
+            .probs_bias
+            .then(|| self.w(&format!("{p}.mlp.gate.e_score_correction_bias")));
+        let (gate, up, down) = (self.w(&names.gate), self.w(&names.up), self.w(&names.down));
+        let bias = bias.map(|b| b.data.as_slice());
+        let margin = if margins {
+            [
+                route_margin(&logits, moe, bias),
+                route_scale_margin(&logits, moe, bias),
+            ]
+        } else {
+            [f64::INFINITY; 2]
+        };
+        let mut out = vec![0.0f64; hn.len()];
+        for (e, weight) in route(&logits, moe, bias) {
+            let d = swiglu(
+                hn,
+                &expert(gate, e),
+                &expert(up, e),
+                &expert(down, e),
+                false,
+            );
+            for (o, d) in out.iter_mut().zip(d) {
+                *o += weight * d;
+            }
+        }
+        if moe.n_shared_expert > 0 {
+            let sp = format!("{p}.mlp.shared_experts");
+            let d = swiglu(
+                hn,
+                self.w(&format!("{sp}.gate_proj.weight")),
+                self.w(&format!("{sp}.up_proj.weight")),
+                self.w(&format!("{sp}.down_proj.weight")),
+                false,
+            );
+            for (o, d) in out.iter_mut().zip(d) {
+                *o += d;
+            }
+        }
+        (out, margin)
     }
 }

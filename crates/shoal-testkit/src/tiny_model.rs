@@ -1,5 +1,6 @@
 //! Tiny random Llama / Qwen2 / Qwen3 / Gemma 3 models written as a GGUF file and as a Hugging
-//! Face folder.
+//! Face folder, and tiny mixture-of-experts models (Qwen3 MoE, DeepSeek V2/V3 with multi-head
+//! latent attention, Mixtral) written as a GGUF file.
 //!
 //! A [`TinyModelSpec`] (architecture, seed, hyperparameters) builds a [`TinyModel`] whose
 //! weights come from the kit's fixed SplitMix64 generator, one stream per tensor, so a spec
@@ -21,6 +22,26 @@
 //! shape `[out, in]` has `ne = [in, out]`. A spec with [`Llama3Rope`] scaling writes its
 //! per-pair frequency divisors as `rope_freqs.weight` into the GGUF (as llama.cpp's converter
 //! does) and as `rope_scaling` into `config.json`.
+//!
+//! Mixture-of-experts models ([`crate::MoeSpec`]) hold each layer's routed experts stacked, as
+//! llama.cpp's converters stack them before naming them: `mlp.experts.gate_proj.weight` of
+//! shape `[n_expert, expert_ffn, hidden]` (Mixtral: `block_sparse_moe.experts.w1.weight`,
+//! `w3` for up and `w2` for down), which GGUF writes as `blk.N.ffn_gate_exps.weight` with `ne =
+//! [hidden, expert_ffn, n_expert]`; the router `mlp.gate.weight` becomes `ffn_gate_inp.weight`
+//! and DeepSeek's `mlp.gate.e_score_correction_bias` `exp_probs_b.bias`, its shared experts
+//! `mlp.shared_experts.*` `ffn_*_shexp`. DeepSeek's attention ([`crate::MlaSpec`]) holds
+//! `kv_b_proj` already split the way the converter splits it: `self_attn.k_b_proj.weight` of
+//! shape `[n_head, kv_lora_rank, nope_dim]` (`attn_k_b`, `ne = [nope_dim, kv_lora_rank,
+//! n_head]`) and `self_attn.v_b_proj.weight` of shape `[n_head, v_dim, kv_lora_rank]`
+//! (`attn_v_b`); its rotated dimensions are paired as llama.cpp's `deepseek2` pairs them
+//! (adjacent), so nothing is permuted. Every weight of two or more dimensions is snapped along
+//! its last (innermost) dimension, except two that GGUF keeps in F32 in every file: the router
+//! (llama.cpp's converter and quantizer never quantize it) and `attn_k_b` when `nope_dim` is
+//! not a whole number of the type's blocks (llama.cpp's quantizer falls back to another type
+//! there). Mixtral's q and k rows are permuted as Llama's. With [`MoeSpec::router_dims`] set,
+//! the router's columns past it and the rows below it of every attention output and FFN down
+//! projection are zero before snapping. These models have no Hugging Face folder
+//! ([`TinyModel::hf_files`] refuses them).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -30,6 +51,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::gguf_writer::{GgufValue, GgufWriter};
+use crate::moe::{ExpertGating, MlaSpec, MoeNames, MoeSpec, YarnRope};
 use crate::quants::{dequantize, quantize, GgmlType};
 use crate::rng::SplitMix64;
 use crate::tokenizer::{PreTokenizer, TinyTokenizer, CHATML_TEMPLATE};
@@ -49,6 +71,17 @@ pub enum Arch {
     /// weights in HF (GGUF stores `w + 1`), embeddings scaled by `sqrt(hidden)`, GELU (tanh)
     /// FFN, sliding-window layers with their own RoPE base. Tokenizer pre type `smollm`.
     Gemma3,
+    /// Qwen3 MoE: the Qwen3 block with a routed mixture of experts in place of the FFN
+    /// (softmax router, weights renormalised); tokenizer pre type `qwen2`.
+    Qwen3Moe,
+    /// DeepSeek V2 / V3 (`deepseek2` in llama.cpp): multi-head latent attention with YaRN
+    /// where set, leading dense layers, then routed and shared experts. Tokenizer pre type
+    /// `smollm`.
+    Deepseek2,
+    /// Mixtral: GGUF architecture `llama` with `llama.expert_count`: the Llama block with a
+    /// routed mixture of experts (softmax router, weights renormalised). Tokenizer pre type
+    /// `smollm`.
+    Mixtral,
 }
 
 impl Arch {
@@ -59,6 +92,9 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen3Moe => "qwen3moe",
+            Arch::Deepseek2 => "deepseek2",
+            Arch::Mixtral => "llama",
         }
     }
 
@@ -69,6 +105,9 @@ impl Arch {
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Qwen3 => "Qwen3ForCausalLM",
             Arch::Gemma3 => "Gemma3ForCausalLM",
+            Arch::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Arch::Deepseek2 => "DeepseekV2ForCausalLM",
+            Arch::Mixtral => "MixtralForCausalLM",
         }
     }
 
@@ -79,6 +118,9 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3_text",
+            Arch::Qwen3Moe => "qwen3_moe",
+            Arch::Deepseek2 => "deepseek_v2",
+            Arch::Mixtral => "mixtral",
         }
     }
 
@@ -89,20 +131,26 @@ impl Arch {
 
     /// Whether each query and key head is RMS-normed before RoPE.
     pub fn has_qk_norm(self) -> bool {
-        matches!(self, Arch::Qwen3 | Arch::Gemma3)
+        matches!(self, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe)
     }
 
     /// Whether GGUF stores q/k rows permuted relative to HF.
     pub fn permutes_qk(self) -> bool {
-        matches!(self, Arch::Llama)
+        matches!(self, Arch::Llama | Arch::Mixtral)
     }
 
     /// The tokenizer's pre-tokenizer for this architecture.
     pub fn pre_tokenizer(self) -> PreTokenizer {
         match self {
-            Arch::Llama | Arch::Gemma3 => PreTokenizer::Smollm,
-            Arch::Qwen2 | Arch::Qwen3 => PreTokenizer::Qwen2,
+            Arch::Llama | Arch::Gemma3 | Arch::Deepseek2 | Arch::Mixtral => PreTokenizer::Smollm,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => PreTokenizer::Qwen2,
         }
+    }
+
+    /// Whether the architecture routes its feed-forward through experts (its spec needs
+    /// [`TinyModelSpec::moe`]).
+    pub fn is_moe(self) -> bool {
+        matches!(self, Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Mixtral)
     }
 }
 
@@ -226,7 +274,8 @@ pub struct TinyModelSpec {
     pub context_length: usize,
     /// Output head shares the token embedding (no `output.weight` / `lm_head.weight`).
     pub tied_embeddings: bool,
-    /// Every 2-D weight is made exactly representable in this type.
+    /// Every weight of two or more dimensions (but those [`kept_f32`] names) is made exactly
+    /// representable in this type.
     pub snap_to: GgmlType,
     /// Gemma 3 only: sliding-window size of the local layers (a query at position `t` sees
     /// keys at `u` with `t - u < sliding_window`).
@@ -239,6 +288,15 @@ pub struct TinyModelSpec {
     pub rope_local_theta: f32,
     /// Llama only: Llama 3.1's RoPE scaling.
     pub llama3_rope: Option<Llama3Rope>,
+    /// The mixture of experts: set exactly for the architectures that route
+    /// ([`Arch::is_moe`]).
+    pub moe: Option<MoeSpec>,
+    /// DeepSeek only (and required there): multi-head latent attention. `head_dim` must then
+    /// be its `nope_dim + rope_dim` and `n_kv_head` 1 (the latent is one shared KV head).
+    pub mla: Option<MlaSpec>,
+    /// DeepSeek only: YaRN RoPE scaling (`beta_fast` 32 and `beta_slow` 1, the values
+    /// llama.cpp's `deepseek2` uses whatever the file says).
+    pub yarn: Option<YarnRope>,
 }
 
 impl TinyModelSpec {
@@ -265,6 +323,9 @@ impl TinyModelSpec {
             sliding_window_pattern: 1,
             rope_local_theta: 10000.0,
             llama3_rope: None,
+            moe: None,
+            mla: None,
+            yarn: None,
         }
     }
 
@@ -330,6 +391,154 @@ impl TinyModelSpec {
         }
     }
 
+    /// A 2-layer Qwen3 MoE: [`TinyModelSpec::qwen3`]'s attention (hidden 64, 4 heads of 32, 2
+    /// KV heads, q/k norms, NeoX RoPE, base 1e6, eps 1e-6) and an untied output; every layer
+    /// routes through 8 experts of FFN 32, 4 per token, softmax router, weights renormalised.
+    /// `ffn_size` (128) is written as `feed_forward_length` and used by no layer. As in every
+    /// MoE spec, the router reads the first quarter of the hidden dimensions, which no layer
+    /// writes ([`MoeSpec::router_dims`] 16).
+    pub fn qwen3moe(seed: u64) -> Self {
+        TinyModelSpec {
+            arch: Arch::Qwen3Moe,
+            name: "tiny-qwen3moe".to_string(),
+            tied_embeddings: false,
+            moe: Some(MoeSpec {
+                n_expert: 8,
+                n_expert_used: 4,
+                expert_ffn: 32,
+                n_shared_expert: 0,
+                leading_dense: 0,
+                gating: ExpertGating::Softmax,
+                norm_weights: true,
+                weights_scale: None,
+                n_group: 0,
+                n_group_used: 0,
+                probs_bias: false,
+                router_dims: 16,
+            }),
+            ..Self::qwen3(seed)
+        }
+    }
+
+    /// A 2-layer Mixtral (GGUF architecture `llama`): [`TinyModelSpec::llama`]'s attention
+    /// (hidden 64, 4 heads of 16, 2 KV heads, q/k rows permuted in GGUF), rope base 1e6, an
+    /// untied output; every layer routes through 8 experts of FFN 64 (`ffn_size` too, the
+    /// `feed_forward_length` llama.cpp sizes Mixtral's experts by), 2 per token, softmax
+    /// router, weights renormalised; [`MoeSpec::router_dims`] 16.
+    pub fn mixtral(seed: u64) -> Self {
+        TinyModelSpec {
+            arch: Arch::Mixtral,
+            name: "tiny-mixtral".to_string(),
+            ffn_size: 64,
+            rope_theta: 1_000_000.0,
+            moe: Some(MoeSpec {
+                n_expert: 8,
+                n_expert_used: 2,
+                expert_ffn: 64,
+                n_shared_expert: 0,
+                leading_dense: 0,
+                gating: ExpertGating::Softmax,
+                norm_weights: true,
+                weights_scale: None,
+                n_group: 0,
+                n_group_used: 0,
+                probs_bias: false,
+                router_dims: 16,
+            }),
+            ..Self::llama(seed)
+        }
+    }
+
+    /// A 3-layer DeepSeek V2 (`deepseek2`, shaped like DeepSeek-V2-Lite): hidden 64, 4 heads,
+    /// multi-head latent attention with a plain `attn_q` (no query rank), latent rank 32,
+    /// 32 position-free and 16 rotated dimensions per query/key head, values of 16, rope base
+    /// 1e4, no RoPE scaling, eps 1e-6, untied output; layer 0 has a dense FFN of 128, layers
+    /// 1-2 route through 8 experts of FFN 32, 2 per token, by softmax, with the weights
+    /// neither normalised nor scaled (`expert_weights_scale` 1), 1 group, plus 2 shared
+    /// experts (one FFN of 64); [`MoeSpec::router_dims`] 16.
+    pub fn deepseek2(seed: u64) -> Self {
+        TinyModelSpec {
+            arch: Arch::Deepseek2,
+            name: "tiny-deepseek2".to_string(),
+            n_head: 4,
+            n_kv_head: 1,
+            head_dim: 48,
+            ffn_size: 128,
+            n_layers: 3,
+            rms_eps: 1e-6,
+            rope_theta: 10000.0,
+            moe: Some(MoeSpec {
+                n_expert: 8,
+                n_expert_used: 2,
+                expert_ffn: 32,
+                n_shared_expert: 2,
+                leading_dense: 1,
+                gating: ExpertGating::Softmax,
+                norm_weights: false,
+                weights_scale: Some(1.0),
+                n_group: 1,
+                n_group_used: 1,
+                probs_bias: false,
+                router_dims: 16,
+            }),
+            mla: Some(MlaSpec {
+                kv_lora_rank: 32,
+                q_lora_rank: 0,
+                rope_dim: 16,
+                nope_dim: 32,
+                v_dim: 16,
+            }),
+            ..Self::llama(seed)
+        }
+    }
+
+    /// A 3-layer DeepSeek V3 (`deepseek2` in llama.cpp): [`TinyModelSpec::deepseek2`]'s
+    /// shapes with a query rank of 32 (`attn_q_a`, `attn_q_a_norm`, `attn_q_b`) and YaRN
+    /// (factor 4 over an original context of 32, beta 32 and 1, `mscale_all_dim` 0.707: with
+    /// 16 rotated dimensions pair 0 keeps its frequency, pair 1 is blended and pairs 2-7 are
+    /// divided by 4, and the attention scale grows by `(1 + 0.0707 ln 4)²`); layers 1-2 route
+    /// through 16 experts of FFN 32 in 4 groups, keeping the 2 best groups and then the 4 best
+    /// experts by sigmoid plus a per-expert selection bias, weights normalised and scaled by
+    /// 2.5, plus 1 shared expert; [`MoeSpec::router_dims`] 16.
+    pub fn deepseek3(seed: u64) -> Self {
+        let base = Self::deepseek2(seed);
+        TinyModelSpec {
+            name: "tiny-deepseek3".to_string(),
+            moe: Some(MoeSpec {
+                n_expert: 16,
+                n_expert_used: 4,
+                expert_ffn: 32,
+                n_shared_expert: 1,
+                leading_dense: 1,
+                gating: ExpertGating::Sigmoid,
+                norm_weights: true,
+                weights_scale: Some(2.5),
+                n_group: 4,
+                n_group_used: 2,
+                probs_bias: true,
+                router_dims: 16,
+            }),
+            mla: base.mla.map(|m| MlaSpec {
+                q_lora_rank: 32,
+                ..m
+            }),
+            yarn: Some(YarnRope {
+                factor: 4.0,
+                original_context: 32,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                log_multiplier: 0.707,
+            }),
+            ..base
+        }
+    }
+
+    /// Whether layer `il` routes its FFN through experts (a MoE model past its leading dense
+    /// layers).
+    pub fn is_moe_layer(&self, il: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| il >= m.leading_dense)
+    }
+
     /// Whether layer `il` is a local (sliding-window) layer: Gemma 3 only,
     /// `il % pattern < pattern - 1`.
     pub fn is_local_layer(&self, il: usize) -> bool {
@@ -345,12 +554,34 @@ impl TinyModelSpec {
     }
 
     /// This spec widened so every row is a whole number of 256-element K-quant blocks:
-    /// hidden 256, FFN 512, head_dim 64 (4 heads, 2 KV heads kept).
+    /// hidden 256, FFN 512, head_dim 64 (4 heads, 2 KV heads kept). Experts get an FFN of 256
+    /// (Mixtral's `ffn_size` too); DeepSeek's latent attention a latent and query rank of 256,
+    /// 64 position-free, 32 rotated and 64 value dimensions per head (`attn_k_b`, whose rows
+    /// are the 64 position-free dimensions, stays F32).
     pub fn k_quant_shapes(mut self) -> Self {
         self.hidden_size = 256;
         self.ffn_size = 512;
         self.head_dim = 64;
         self.n_head = 4;
+        if let Some(moe) = &mut self.moe {
+            moe.expert_ffn = 256;
+            if moe.router_dims > 0 {
+                moe.router_dims = 64;
+            }
+            if self.arch == Arch::Mixtral {
+                self.ffn_size = 256;
+            }
+        }
+        if let Some(mla) = &mut self.mla {
+            mla.kv_lora_rank = 256;
+            if mla.q_lora_rank > 0 {
+                mla.q_lora_rank = 256;
+            }
+            mla.nope_dim = 64;
+            mla.rope_dim = 32;
+            mla.v_dim = 64;
+            self.head_dim = mla.qk_dim();
+        }
         self
     }
 
@@ -372,11 +603,24 @@ impl TinyModelSpec {
             ));
         }
         let block = self.snap_to.block_size().max(32);
-        for (what, v) in [
+        let mut rows = vec![
             ("hidden_size", self.hidden_size),
             ("ffn_size", self.ffn_size),
-            ("n_head * head_dim", self.n_head * self.head_dim),
-        ] {
+        ];
+        match &self.mla {
+            None => rows.push(("n_head * head_dim", self.n_head * self.head_dim)),
+            Some(mla) => {
+                rows.push(("mla.kv_lora_rank", mla.kv_lora_rank));
+                rows.push(("n_head * mla.v_dim", self.n_head * mla.v_dim));
+                if mla.q_lora_rank > 0 {
+                    rows.push(("mla.q_lora_rank", mla.q_lora_rank));
+                }
+            }
+        }
+        if let Some(moe) = &self.moe {
+            rows.push(("moe.expert_ffn", moe.expert_ffn));
+        }
+        for (what, v) in rows {
             if v == 0 || !v.is_multiple_of(block) {
                 return bad(format!(
                     "{what} = {v} must be a positive multiple of {block} (quant blocks of {:?} run along rows)",
@@ -401,8 +645,123 @@ impl TinyModelSpec {
         if self.llama3_rope.is_some() && self.arch != Arch::Llama {
             return bad("llama3_rope is a Llama setting".to_string());
         }
+        self.validate_moe()?;
         if self.n_layers == 0 || self.context_length == 0 {
             return bad("n_layers and context_length must be positive".to_string());
+        }
+        Ok(())
+    }
+
+    /// The checks of [`TinyModelSpec::validate`] on `moe`, `mla` and `yarn`.
+    fn validate_moe(&self) -> Result<(), TestkitError> {
+        let bad = |m: String| Err(TestkitError::InvalidSpec(m));
+        let arch = self.arch;
+        if arch.is_moe() != self.moe.is_some() {
+            return bad(format!(
+                "{arch:?} {} (`moe`)",
+                if arch.is_moe() {
+                    "needs a mixture of experts"
+                } else {
+                    "takes no mixture of experts"
+                }
+            ));
+        }
+        if (arch == Arch::Deepseek2) != self.mla.is_some() {
+            return bad(format!(
+                "`mla` is set exactly for Deepseek2 (the spec is {arch:?})"
+            ));
+        }
+        if self.yarn.is_some() && arch != Arch::Deepseek2 {
+            return bad("yarn is a Deepseek2 setting".to_string());
+        }
+        if let Some(moe) = &self.moe {
+            if moe.n_expert < 2 || moe.n_expert_used == 0 || moe.n_expert_used > moe.n_expert {
+                return bad(format!(
+                    "moe: {} experts, {} used: need 2 or more experts and 1 to all of them used",
+                    moe.n_expert, moe.n_expert_used
+                ));
+            }
+            let deepseek_only = moe.n_shared_expert > 0
+                || moe.leading_dense > 0
+                || moe.gating != ExpertGating::Softmax
+                || !moe.norm_weights
+                || moe.weights_scale.is_some()
+                || moe.n_group > 0
+                || moe.probs_bias;
+            if arch != Arch::Deepseek2 && deepseek_only {
+                return bad(format!(
+                    "moe: llama.cpp's {arch:?} routes by softmax with renormalised weights; shared \
+                     experts, leading dense layers, sigmoid gating, a weight scale, groups and \
+                     a selection bias are Deepseek2 settings"
+                ));
+            }
+            if moe.router_dims > self.hidden_size {
+                return bad(format!(
+                    "moe.router_dims {} exceeds hidden_size {}",
+                    moe.router_dims, self.hidden_size
+                ));
+            }
+            if moe.leading_dense >= self.n_layers {
+                return bad(format!(
+                    "moe.leading_dense {} leaves none of the {} layers to the experts",
+                    moe.leading_dense, self.n_layers
+                ));
+            }
+            if moe.n_group > 1 {
+                let size = moe.n_expert / moe.n_group;
+                if !moe.n_expert.is_multiple_of(moe.n_group)
+                    || size < 2
+                    || moe.n_group_used == 0
+                    || moe.n_group_used >= moe.n_group
+                    || moe.n_expert_used > moe.n_group_used * size
+                {
+                    return bad(format!(
+                        "moe: {} experts in {} groups, {} kept, cannot choose {}: groups must \
+                         divide the experts, hold 2 or more each, and keep 1 to n_group - 1 \
+                         groups holding at least n_expert_used experts",
+                        moe.n_expert, moe.n_group, moe.n_group_used, moe.n_expert_used
+                    ));
+                }
+            }
+            if arch == Arch::Mixtral && self.ffn_size != moe.expert_ffn {
+                return bad(format!(
+                    "Mixtral: ffn_size {} must equal moe.expert_ffn {} (llama.cpp sizes \
+                     Mixtral's experts by feed_forward_length)",
+                    self.ffn_size, moe.expert_ffn
+                ));
+            }
+        }
+        if let Some(mla) = &self.mla {
+            if mla.rope_dim == 0 || !mla.rope_dim.is_multiple_of(2) || mla.nope_dim == 0 {
+                return bad(format!(
+                    "mla: rope_dim {} must be even and positive, nope_dim {} positive",
+                    mla.rope_dim, mla.nope_dim
+                ));
+            }
+            if self.n_kv_head != 1 || self.head_dim != mla.qk_dim() {
+                return bad(format!(
+                    "mla: n_kv_head must be 1 and head_dim nope_dim + rope_dim = {} (they are {} \
+                     and {})",
+                    mla.qk_dim(),
+                    self.n_kv_head,
+                    self.head_dim
+                ));
+            }
+        }
+        if let Some(y) = &self.yarn {
+            if y.factor <= 1.0 || y.original_context == 0 {
+                return bad(format!(
+                    "yarn: factor {} must exceed 1 and original_context {} be positive",
+                    y.factor, y.original_context
+                ));
+            }
+            if y.beta_fast != 32.0 || y.beta_slow != 1.0 {
+                return bad(format!(
+                    "yarn: llama.cpp's deepseek2 uses beta_fast 32 and beta_slow 1 whatever the \
+                     file says (the spec has {} and {})",
+                    y.beta_fast, y.beta_slow
+                ));
+            }
         }
         Ok(())
     }
@@ -435,7 +794,7 @@ pub struct TinyModel {
     spec: TinyModelSpec,
     tokenizer: TinyTokenizer,
     weights: BTreeMap<String, Weight>,
-    /// For a quantized `snap_to`: the encoded blocks of each 2-D weight (HF row order), so the
+    /// For a quantized `snap_to`: the encoded blocks of each snapped weight (HF row order), so the
     /// GGUF gets exactly the blocks the values came from (re-quantizing is not always exact).
     encoded: BTreeMap<String, Vec<u8>>,
 }
@@ -464,7 +823,12 @@ impl TinyModel {
             let n: usize = shape.iter().product();
             let mut rng = SplitMix64::new(tensor_seed(s.seed, &name));
             let mut data: Vec<f32> = (0..n).map(|_| mean + std * rng.normal()).collect();
-            if shape.len() == 2 && s.snap_to != GgmlType::F32 {
+            let gguf = gguf_name_for(s.arch, &name);
+            if let Some(moe) = s.moe.as_ref().filter(|m| m.router_dims > 0) {
+                reserve_router_dims(gguf.as_deref().unwrap_or(""), &shape, &mut data, moe);
+            }
+            let f32_in_gguf = gguf.is_some_and(|g| kept_f32(&g, &shape, s.snap_to));
+            if shape.len() >= 2 && s.snap_to != GgmlType::F32 && !f32_in_gguf {
                 let bytes = quantize(s.snap_to, &data).expect("rows are whole blocks");
                 data = dequantize(s.snap_to, &bytes, n).expect("whole blocks");
                 if s.snap_to.is_quantized() {
@@ -491,49 +855,53 @@ impl TinyModel {
         for l in 0..s.n_layers {
             let p = format!("model.layers.{l}");
             add(format!("{p}.input_layernorm.weight"), vec![h], 1.0, 0.05);
-            add(
-                format!("{p}.self_attn.q_proj.weight"),
-                vec![q_out, h],
-                0.0,
-                0.08,
-            );
-            add(
-                format!("{p}.self_attn.k_proj.weight"),
-                vec![kv_out, h],
-                0.0,
-                0.08,
-            );
-            add(
-                format!("{p}.self_attn.v_proj.weight"),
-                vec![kv_out, h],
-                0.0,
-                0.08,
-            );
-            if s.arch.has_qk_norm() {
+            if let Some(mla) = &s.mla {
+                Self::add_mla(&mut add, &p, s, mla);
+            } else {
                 add(
-                    format!("{p}.self_attn.q_norm.weight"),
-                    vec![s.head_dim],
-                    1.0,
-                    0.05,
+                    format!("{p}.self_attn.q_proj.weight"),
+                    vec![q_out, h],
+                    0.0,
+                    0.08,
                 );
                 add(
-                    format!("{p}.self_attn.k_norm.weight"),
-                    vec![s.head_dim],
-                    1.0,
-                    0.05,
+                    format!("{p}.self_attn.k_proj.weight"),
+                    vec![kv_out, h],
+                    0.0,
+                    0.08,
+                );
+                add(
+                    format!("{p}.self_attn.v_proj.weight"),
+                    vec![kv_out, h],
+                    0.0,
+                    0.08,
+                );
+                if s.arch.has_qk_norm() {
+                    add(
+                        format!("{p}.self_attn.q_norm.weight"),
+                        vec![s.head_dim],
+                        1.0,
+                        0.05,
+                    );
+                    add(
+                        format!("{p}.self_attn.k_norm.weight"),
+                        vec![s.head_dim],
+                        1.0,
+                        0.05,
+                    );
+                }
+                if s.arch.has_qkv_bias() {
+                    add(format!("{p}.self_attn.q_proj.bias"), vec![q_out], 0.0, 0.1);
+                    add(format!("{p}.self_attn.k_proj.bias"), vec![kv_out], 0.0, 0.1);
+                    add(format!("{p}.self_attn.v_proj.bias"), vec![kv_out], 0.0, 0.1);
+                }
+                add(
+                    format!("{p}.self_attn.o_proj.weight"),
+                    vec![h, q_out],
+                    0.0,
+                    0.08,
                 );
             }
-            if s.arch.has_qkv_bias() {
-                add(format!("{p}.self_attn.q_proj.bias"), vec![q_out], 0.0, 0.1);
-                add(format!("{p}.self_attn.k_proj.bias"), vec![kv_out], 0.0, 0.1);
-                add(format!("{p}.self_attn.v_proj.bias"), vec![kv_out], 0.0, 0.1);
-            }
-            add(
-                format!("{p}.self_attn.o_proj.weight"),
-                vec![h, q_out],
-                0.0,
-                0.08,
-            );
             add(
                 format!("{p}.post_attention_layernorm.weight"),
                 vec![h],
@@ -554,24 +922,29 @@ impl TinyModel {
                     0.05,
                 );
             }
-            add(
-                format!("{p}.mlp.gate_proj.weight"),
-                vec![s.ffn_size, h],
-                0.0,
-                0.08,
-            );
-            add(
-                format!("{p}.mlp.up_proj.weight"),
-                vec![s.ffn_size, h],
-                0.0,
-                0.08,
-            );
-            add(
-                format!("{p}.mlp.down_proj.weight"),
-                vec![h, s.ffn_size],
-                0.0,
-                0.06,
-            );
+            match &s.moe {
+                Some(moe) if s.is_moe_layer(l) => Self::add_moe(&mut add, &p, s, moe),
+                _ => {
+                    add(
+                        format!("{p}.mlp.gate_proj.weight"),
+                        vec![s.ffn_size, h],
+                        0.0,
+                        0.08,
+                    );
+                    add(
+                        format!("{p}.mlp.up_proj.weight"),
+                        vec![s.ffn_size, h],
+                        0.0,
+                        0.08,
+                    );
+                    add(
+                        format!("{p}.mlp.down_proj.weight"),
+                        vec![h, s.ffn_size],
+                        0.0,
+                        0.06,
+                    );
+                }
+            }
         }
         add("model.norm.weight".into(), vec![h], 1.0, 0.05);
         if !s.tied_embeddings {
@@ -583,6 +956,107 @@ impl TinyModel {
             weights,
             encoded,
         })
+    }
+
+    /// Adds layer `p`'s multi-head latent attention weights through `add` (name, shape, mean,
+    /// standard deviation).
+    fn add_mla(
+        add: &mut impl FnMut(String, Vec<usize>, f32, f32),
+        p: &str,
+        s: &TinyModelSpec,
+        mla: &MlaSpec,
+    ) {
+        let h = s.hidden_size;
+        let (rank, q_rank) = (mla.kv_lora_rank, mla.q_lora_rank);
+        let q_out = s.n_head * mla.qk_dim();
+        if q_rank == 0 {
+            add(
+                format!("{p}.self_attn.q_proj.weight"),
+                vec![q_out, h],
+                0.0,
+                0.08,
+            );
+        } else {
+            add(
+                format!("{p}.self_attn.q_a_proj.weight"),
+                vec![q_rank, h],
+                0.0,
+                0.08,
+            );
+            add(
+                format!("{p}.self_attn.q_a_layernorm.weight"),
+                vec![q_rank],
+                1.0,
+                0.05,
+            );
+            add(
+                format!("{p}.self_attn.q_b_proj.weight"),
+                vec![q_out, q_rank],
+                0.0,
+                0.08,
+            );
+        }
+        add(
+            format!("{p}.self_attn.kv_a_proj_with_mqa.weight"),
+            vec![rank + mla.rope_dim, h],
+            0.0,
+            0.08,
+        );
+        add(
+            format!("{p}.self_attn.kv_a_layernorm.weight"),
+            vec![rank],
+            1.0,
+            0.05,
+        );
+        add(
+            format!("{p}.self_attn.k_b_proj.weight"),
+            vec![s.n_head, rank, mla.nope_dim],
+            0.0,
+            0.08,
+        );
+        add(
+            format!("{p}.self_attn.v_b_proj.weight"),
+            vec![s.n_head, mla.v_dim, rank],
+            0.0,
+            0.08,
+        );
+        add(
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![h, s.n_head * mla.v_dim],
+            0.0,
+            0.08,
+        );
+    }
+
+    /// Adds layer `p`'s router, selection bias, stacked experts and shared experts through
+    /// `add` (name, shape, mean, standard deviation).
+    fn add_moe(
+        add: &mut impl FnMut(String, Vec<usize>, f32, f32),
+        p: &str,
+        s: &TinyModelSpec,
+        moe: &MoeSpec,
+    ) {
+        let (h, n, f) = (s.hidden_size, moe.n_expert, moe.expert_ffn);
+        let names = MoeNames::of(s.arch, p);
+        add(names.router, vec![n, h], 0.0, 1.0);
+        if moe.probs_bias {
+            add(
+                format!("{p}.mlp.gate.e_score_correction_bias"),
+                vec![n],
+                0.0,
+                0.05,
+            );
+        }
+        add(names.gate, vec![n, f, h], 0.0, 0.08);
+        add(names.up, vec![n, f, h], 0.0, 0.08);
+        add(names.down, vec![n, h, f], 0.0, 0.08);
+        if moe.n_shared_expert > 0 {
+            let fs = moe.n_shared_expert * f;
+            let sp = format!("{p}.mlp.shared_experts");
+            add(format!("{sp}.gate_proj.weight"), vec![fs, h], 0.0, 0.08);
+            add(format!("{sp}.up_proj.weight"), vec![fs, h], 0.0, 0.08);
+            add(format!("{sp}.down_proj.weight"), vec![h, fs], 0.0, 0.06);
+        }
     }
 
     /// The spec this model was built from.
@@ -664,7 +1138,7 @@ impl TinyModel {
             .keys()
             .find(|hf| self.gguf_name(hf).as_deref() == Some(gguf))?;
         let bytes = self.encoded.get(hf)?;
-        let rows = weight.shape[0];
+        let rows = weight.data.len() / weight.shape.last()?;
         let row_bytes = bytes.len() / rows;
         let bytes = match self.qk_heads(hf) {
             Some(n_head) => permute_row_chunks(bytes, row_bytes, n_head),
@@ -686,21 +1160,25 @@ impl TinyModel {
             GgmlType::Q4_0 => 2,
             GgmlType::Q4_1 => 3,
             GgmlType::Q8_0 => 7,
+            GgmlType::Q2_K => 10,
+            GgmlType::Q3_K => 12, // MOSTLY_Q3_K_M
             GgmlType::Q4_K => 15, // MOSTLY_Q4_K_M
             GgmlType::Q6_K => 18,
             GgmlType::BF16 => 32,
         }
     }
 
-    /// A [`GgufWriter`] loaded with this model (metadata, tokenizer, tensors) with 2-D weights
-    /// in `ty`, for tests that want to alter it before writing.
+    /// A [`GgufWriter`] loaded with this model (metadata, tokenizer, tensors) with its weights
+    /// of two or more dimensions in `ty` (see [`TinyModel::write_gguf`]), for tests that want
+    /// to alter it before writing.
     pub fn gguf_writer(&self, ty: GgmlType) -> Result<GgufWriter, TestkitError> {
         self.gguf_writer_mixed(ty, |_, _| ty)
     }
 
     /// Like [`TinyModel::gguf_writer`] but `choose(gguf_name, weight)` picks the type of each
-    /// 2-D weight (a mix like llama.cpp's `Q4_K_M`, which keeps some tensors in `Q6_K`);
-    /// `file_type` sets `general.file_type`. 1-D tensors stay F32.
+    /// weight of two or more dimensions (a mix like llama.cpp's `Q4_K_M`, which keeps some
+    /// tensors in `Q6_K`); `file_type` sets `general.file_type`. 1-D tensors, and those
+    /// [`kept_f32`] names for the chosen type, stay F32.
     pub fn gguf_writer_mixed(
         &self,
         file_type: GgmlType,
@@ -726,10 +1204,14 @@ impl TinyModel {
             .add_kv(format!("{a}.rope.freq_base"), s.rope_theta)
             .add_kv(format!("{a}.rope.dimension_count"), s.head_dim as u32)
             .add_kv(format!("{a}.vocab_size"), s.vocab_size as u32);
-        if s.head_dim * s.n_head != s.hidden_size || matches!(s.arch, Arch::Gemma3 | Arch::Qwen3) {
+        if s.mla.is_none()
+            && (s.head_dim * s.n_head != s.hidden_size
+                || matches!(s.arch, Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe))
+        {
             w.add_kv(format!("{a}.attention.key_length"), s.head_dim as u32)
                 .add_kv(format!("{a}.attention.value_length"), s.head_dim as u32);
         }
+        self.add_moe_kvs(&mut w);
         if s.arch == Arch::Gemma3 {
             w.add_kv(
                 format!("{a}.attention.sliding_window"),
@@ -769,7 +1251,12 @@ impl TinyModel {
             let t = if weight.shape.len() == 1 {
                 GgmlType::F32
             } else {
-                choose(&name, &weight)
+                let t = choose(&name, &weight);
+                if kept_f32(&name, &weight.shape, t) {
+                    GgmlType::F32
+                } else {
+                    t
+                }
             };
             match self.snapped_blocks(&name, &weight, t) {
                 Some(bytes) => w.add_tensor_bytes(name, &weight.ne(), t, bytes)?,
@@ -779,7 +1266,67 @@ impl TinyModel {
         Ok(w)
     }
 
-    /// Writes the GGUF file (2-D weights as `ty`, 1-D as F32). Its values equal the
+    /// The metadata of the experts, the latent attention and YaRN, under the keys llama.cpp's
+    /// converters write (DeepSeek's `rope.dimension_count` is then the rotated dimensions,
+    /// `head_count_kv` 1 and `key_length` / `value_length` the latent's, replacing the plain
+    /// values written before).
+    fn add_moe_kvs(&self, w: &mut GgufWriter) {
+        let s = &self.spec;
+        let a = s.arch.gguf_name();
+        let Some(moe) = &s.moe else {
+            return;
+        };
+        let k = |key: &str| format!("{a}.{key}");
+        w.add_kv(k("expert_count"), moe.n_expert as u32)
+            .add_kv(k("expert_used_count"), moe.n_expert_used as u32);
+        if s.arch != Arch::Mixtral {
+            w.add_kv(k("expert_feed_forward_length"), moe.expert_ffn as u32);
+        }
+        let Some(mla) = &s.mla else {
+            return;
+        };
+        w.set_kv(&k("attention.head_count_kv"), 1u32)
+            .set_kv(&k("rope.dimension_count"), mla.rope_dim as u32);
+        w.add_kv(k("leading_dense_block_count"), moe.leading_dense as u32)
+            .add_kv(k("attention.q_lora_rank"), mla.q_lora_rank as u32)
+            .add_kv(k("attention.kv_lora_rank"), mla.kv_lora_rank as u32)
+            .add_kv(
+                k("attention.key_length"),
+                (mla.kv_lora_rank + mla.rope_dim) as u32,
+            )
+            .add_kv(k("attention.value_length"), mla.kv_lora_rank as u32)
+            .add_kv(k("attention.key_length_mla"), mla.qk_dim() as u32)
+            .add_kv(k("attention.value_length_mla"), mla.v_dim as u32)
+            .add_kv(k("expert_shared_count"), moe.n_shared_expert as u32);
+        if let Some(scale) = moe.weights_scale {
+            w.add_kv(k("expert_weights_scale"), scale);
+        }
+        if moe.norm_weights {
+            w.add_kv(k("expert_weights_norm"), true);
+        }
+        w.add_kv(k("expert_gating_func"), moe.gating.gguf_id());
+        if moe.n_group > 0 {
+            w.add_kv(k("expert_group_count"), moe.n_group as u32)
+                .add_kv(k("expert_group_used_count"), moe.n_group_used as u32);
+        }
+        if let Some(y) = &s.yarn {
+            w.add_kv(k("rope.scaling.type"), "yarn")
+                .add_kv(k("rope.scaling.factor"), y.factor)
+                .add_kv(
+                    k("rope.scaling.original_context_length"),
+                    y.original_context as u32,
+                )
+                .add_kv(k("rope.scaling.yarn_beta_fast"), y.beta_fast)
+                .add_kv(k("rope.scaling.yarn_beta_slow"), y.beta_slow)
+                .add_kv(
+                    k("rope.scaling.yarn_log_multiplier"),
+                    y.gguf_log_multiplier(),
+                );
+        }
+    }
+
+    /// Writes the GGUF file (weights of two or more dimensions as `ty`, 1-D ones and those
+    /// [`kept_f32`] names as F32). Its values equal the
     /// safetensors' F32 values when `ty` is F32 or the spec's `snap_to`.
     pub fn write_gguf(&self, path: impl AsRef<Path>, ty: GgmlType) -> Result<(), TestkitError> {
         self.gguf_writer(ty)?.write_to(path)
@@ -863,12 +1410,90 @@ impl TinyModel {
                 obj.insert("attention_bias".into(), json!(false));
                 obj.insert("attention_dropout".into(), json!(0.0));
             }
+            Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Mixtral => {
+                if let Some(moe) = &s.moe {
+                    Self::moe_config(obj, s, moe);
+                }
+            }
         }
         c
     }
 
-    /// `model.safetensors` bytes (HF names and layout, every tensor in `dtype`).
+    /// The mixture-of-experts, latent attention and YaRN fields of `config.json` (the file
+    /// describes the model; no HF folder is written for these architectures).
+    fn moe_config(obj: &mut serde_json::Map<String, Value>, s: &TinyModelSpec, moe: &MoeSpec) {
+        obj.insert("num_experts_per_tok".into(), json!(moe.n_expert_used));
+        match s.arch {
+            Arch::Mixtral => {
+                obj.insert("num_local_experts".into(), json!(moe.n_expert));
+            }
+            Arch::Qwen3Moe => {
+                obj.insert("num_experts".into(), json!(moe.n_expert));
+                obj.insert("moe_intermediate_size".into(), json!(moe.expert_ffn));
+                obj.insert("norm_topk_prob".into(), json!(moe.norm_weights));
+            }
+            _ => {
+                let scoring = match moe.gating {
+                    ExpertGating::Softmax => "softmax",
+                    ExpertGating::Sigmoid => "sigmoid",
+                };
+                let topk_method = if moe.probs_bias {
+                    "noaux_tc"
+                } else if moe.n_group > 1 {
+                    "group_limited_greedy"
+                } else {
+                    "greedy"
+                };
+                if moe.gating == ExpertGating::Sigmoid {
+                    obj.insert("architectures".into(), json!(["DeepseekV3ForCausalLM"]));
+                    obj.insert("model_type".into(), json!("deepseek_v3"));
+                }
+                obj.insert("topk_method".into(), json!(topk_method));
+                obj.insert("n_routed_experts".into(), json!(moe.n_expert));
+                obj.insert("moe_intermediate_size".into(), json!(moe.expert_ffn));
+                obj.insert("n_shared_experts".into(), json!(moe.n_shared_expert));
+                obj.insert("first_k_dense_replace".into(), json!(moe.leading_dense));
+                obj.insert("scoring_func".into(), json!(scoring));
+                obj.insert("norm_topk_prob".into(), json!(moe.norm_weights));
+                obj.insert("routed_scaling_factor".into(), json!(moe.weights_scale));
+                obj.insert("n_group".into(), json!(moe.n_group));
+                obj.insert("topk_group".into(), json!(moe.n_group_used));
+                if let Some(mla) = &s.mla {
+                    let q_rank = (mla.q_lora_rank > 0).then_some(mla.q_lora_rank);
+                    obj.insert("kv_lora_rank".into(), json!(mla.kv_lora_rank));
+                    obj.insert("q_lora_rank".into(), json!(q_rank));
+                    obj.insert("qk_rope_head_dim".into(), json!(mla.rope_dim));
+                    obj.insert("qk_nope_head_dim".into(), json!(mla.nope_dim));
+                    obj.insert("v_head_dim".into(), json!(mla.v_dim));
+                    obj.remove("head_dim");
+                }
+                if let Some(y) = &s.yarn {
+                    obj.insert(
+                        "rope_scaling".into(),
+                        json!({
+                            "type": "yarn",
+                            "factor": y.factor,
+                            "original_max_position_embeddings": y.original_context,
+                            "beta_fast": y.beta_fast,
+                            "beta_slow": y.beta_slow,
+                            "mscale": y.log_multiplier,
+                            "mscale_all_dim": y.log_multiplier,
+                        }),
+                    );
+                }
+            }
+        }
+    }
+
+    /// `model.safetensors` bytes (HF names and layout, every tensor in `dtype`). Refused for
+    /// mixture-of-experts models, whose experts are held stacked rather than one tensor each.
     pub fn safetensors_bytes(&self, dtype: SafetensorsDtype) -> Result<Vec<u8>, TestkitError> {
+        if self.spec.arch.is_moe() {
+            return Err(TestkitError::InvalidSpec(format!(
+                "{:?}: no Hugging Face safetensors are written for mixture-of-experts models",
+                self.spec.arch
+            )));
+        }
         let encoded: Vec<(String, Vec<usize>, Vec<u8>)> = self
             .weights
             .iter()
@@ -886,7 +1511,8 @@ impl TinyModel {
             .map_err(|e| TestkitError::Safetensors(e.to_string()))
     }
 
-    /// Every file of the HF folder, by file name, as bytes.
+    /// Every file of the HF folder, by file name, as bytes (refused for mixture-of-experts
+    /// models, as [`TinyModel::safetensors_bytes`] is).
     pub fn hf_files(
         &self,
         dtype: SafetensorsDtype,
@@ -1008,30 +1634,122 @@ pub fn gguf_name_for(arch: Arch, hf_name: &str) -> Option<String> {
         "mlp.gate_proj.weight" => "ffn_gate.weight",
         "mlp.up_proj.weight" => "ffn_up.weight",
         "mlp.down_proj.weight" => "ffn_down.weight",
-        _ => return None,
+        _ => return moe_gguf_part(arch, rest).map(|part| format!("blk.{layer}.{part}")),
     };
     Some(format!("blk.{layer}.{part}"))
+}
+
+/// The GGUF name (after `blk.N.`) of a mixture-of-experts or latent-attention tensor of
+/// `arch`, from its name after `model.layers.N.`.
+fn moe_gguf_part(arch: Arch, rest: &str) -> Option<&'static str> {
+    let part = match (arch, rest) {
+        (Arch::Mixtral, "block_sparse_moe.gate.weight") => "ffn_gate_inp.weight",
+        (Arch::Mixtral, "block_sparse_moe.experts.w1.weight") => "ffn_gate_exps.weight",
+        (Arch::Mixtral, "block_sparse_moe.experts.w3.weight") => "ffn_up_exps.weight",
+        (Arch::Mixtral, "block_sparse_moe.experts.w2.weight") => "ffn_down_exps.weight",
+        (Arch::Qwen3Moe | Arch::Deepseek2, "mlp.gate.weight") => "ffn_gate_inp.weight",
+        (Arch::Qwen3Moe | Arch::Deepseek2, "mlp.experts.gate_proj.weight") => {
+            "ffn_gate_exps.weight"
+        }
+        (Arch::Qwen3Moe | Arch::Deepseek2, "mlp.experts.up_proj.weight") => "ffn_up_exps.weight",
+        (Arch::Qwen3Moe | Arch::Deepseek2, "mlp.experts.down_proj.weight") => {
+            "ffn_down_exps.weight"
+        }
+        (Arch::Deepseek2, rest) => match rest {
+            "mlp.gate.e_score_correction_bias" => "exp_probs_b.bias",
+            "mlp.shared_experts.gate_proj.weight" => "ffn_gate_shexp.weight",
+            "mlp.shared_experts.up_proj.weight" => "ffn_up_shexp.weight",
+            "mlp.shared_experts.down_proj.weight" => "ffn_down_shexp.weight",
+            "self_attn.q_a_proj.weight" => "attn_q_a.weight",
+            "self_attn.q_a_layernorm.weight" => "attn_q_a_norm.weight",
+            "self_attn.q_b_proj.weight" => "attn_q_b.weight",
+            "self_attn.kv_a_proj_with_mqa.weight" => "attn_kv_a_mqa.weight",
+            "self_attn.kv_a_layernorm.weight" => "attn_kv_a_norm.weight",
+            "self_attn.k_b_proj.weight" => "attn_k_b.weight",
+            "self_attn.v_b_proj.weight" => "attn_v_b.weight",
+            _ => return None,
+        },
+        _ => return None,
+    };
+    Some(part)
+}
+
+/// Zeroes what [`MoeSpec::router_dims`] reserves in weight `gguf` (of HF shape `shape`): the
+/// router's columns from `router_dims` on, and the rows below `router_dims` of every matrix
+/// that writes the hidden state (attention output, FFN and expert down projections).
+fn reserve_router_dims(gguf: &str, shape: &[usize], data: &mut [f32], moe: &MoeSpec) {
+    let cols = shape.last().copied().unwrap_or(0);
+    let writes_hidden = [
+        ".attn_output.weight",
+        ".ffn_down.weight",
+        ".ffn_down_exps.weight",
+        ".ffn_down_shexp.weight",
+    ]
+    .iter()
+    .any(|suffix| gguf.ends_with(suffix));
+    if gguf.ends_with(".ffn_gate_inp.weight") {
+        for row in data.chunks_mut(cols) {
+            row[moe.router_dims..].iter_mut().for_each(|v| *v = 0.0);
+        }
+    } else if writes_hidden {
+        let rows = shape[shape.len() - 2];
+        for matrix in data.chunks_mut(rows * cols) {
+            matrix[..moe.router_dims * cols]
+                .iter_mut()
+                .for_each(|v| *v = 0.0);
+        }
+    }
+}
+
+/// Whether GGUF holds weight `gguf` (of HF shape `shape`) in F32 whatever type `ty` the file
+/// asks for: the expert router always (llama.cpp's converter and quantizer never quantize
+/// it), and `attn_k_b` when its rows (the last dimension) are not whole blocks of `ty`.
+pub fn kept_f32(gguf: &str, shape: &[usize], ty: GgmlType) -> bool {
+    gguf.ends_with(".ffn_gate_inp.weight")
+        || (gguf.ends_with(".attn_k_b.weight")
+            && !shape
+                .last()
+                .is_some_and(|c| c.is_multiple_of(ty.block_size())))
 }
 
 /// Sort key placing tensors as llama.cpp files usually have them: embedding, blocks in
 /// order, then output norm and head.
 fn gguf_order_key(hf: &str) -> (usize, usize, usize) {
-    const PARTS: [&str; 17] = [
+    const PARTS: &[&str] = &[
         "input_layernorm.weight",
         "self_attn.q_proj.weight",
         "self_attn.q_proj.bias",
         "self_attn.q_norm.weight",
+        "self_attn.q_a_proj.weight",
+        "self_attn.q_a_layernorm.weight",
+        "self_attn.q_b_proj.weight",
         "self_attn.k_proj.weight",
         "self_attn.k_proj.bias",
         "self_attn.k_norm.weight",
         "self_attn.v_proj.weight",
         "self_attn.v_proj.bias",
+        "self_attn.kv_a_proj_with_mqa.weight",
+        "self_attn.kv_a_layernorm.weight",
+        "self_attn.k_b_proj.weight",
+        "self_attn.v_b_proj.weight",
         "self_attn.o_proj.weight",
         "post_attention_layernorm.weight",
         "pre_feedforward_layernorm.weight",
         "mlp.gate_proj.weight",
         "mlp.up_proj.weight",
         "mlp.down_proj.weight",
+        "mlp.gate.weight",
+        "mlp.gate.e_score_correction_bias",
+        "mlp.experts.gate_proj.weight",
+        "mlp.experts.up_proj.weight",
+        "mlp.experts.down_proj.weight",
+        "block_sparse_moe.gate.weight",
+        "block_sparse_moe.experts.w1.weight",
+        "block_sparse_moe.experts.w3.weight",
+        "block_sparse_moe.experts.w2.weight",
+        "mlp.shared_experts.gate_proj.weight",
+        "mlp.shared_experts.up_proj.weight",
+        "mlp.shared_experts.down_proj.weight",
         "post_feedforward_layernorm.weight",
         "",
     ];
