@@ -48,7 +48,7 @@ for i in range(1, r + 1):
         (lp if row["n_prompt"] > 0 else lt).append(row["avg_ts"])
     s = json.load(open(f"{out}/shoal-{i}.json"))
     sp.append(s["prefill_tok_s"]); st.append(s["decode_tok_s"]); bw.append(s["mem_read_gb_s"])
-    wb, kv = s["weight_bytes_per_token"], s["kv_bytes_per_token"]
+    wb, kv = s["weight_bytes_per_token"], s["kv_read_bytes_per_token"]
 med = statistics.median
 ceiling = med(bw) * 1e9 / wb
 def row(name, xs):

@@ -13,7 +13,7 @@ use shoal_model::tokenizer::Tokenizer;
 
 use crate::arch::{ArchSpec, Role};
 use crate::profile::Op;
-use crate::shard::{self, Layout, ShardPlan};
+use crate::shard::{self, ExpertSplit, Layout, ShardPlan};
 use crate::transformer::Transformer;
 use crate::weights::{GgufWeights, HfNaming, SafetensorsWeights, WeightSource};
 use crate::{arch, EngineError, KvCache, ModelConfig};
@@ -84,8 +84,9 @@ impl LoadedModel {
     }
 
     /// Loads rank `rank`'s share of `source` split as `layout` (stage `i` holding
-    /// `stage_sizes[i]` layers, or an even split); `tp` is the communicator of the rank's
-    /// pipeline stage. Returns the model and what every rank holds.
+    /// `stage_sizes[i]` layers, or an even split, and a mixture of experts' routed experts
+    /// cut as `experts` says); `tp` is the communicator of the rank's pipeline stage.
+    /// Returns the model and what every rank holds.
     ///
     /// # Errors
     /// As [`LoadedModel::load`], or when the model cannot be split that way.
@@ -93,12 +94,13 @@ impl LoadedModel {
         source: &ModelSource,
         layout: Layout,
         stage_sizes: Option<&[usize]>,
+        experts: ExpertSplit,
         rank: usize,
         tp: Arc<dyn Communicator>,
     ) -> Result<(Self, Vec<ShardPlan>), EngineError> {
         let mut plans = Vec::new();
         let model = Self::load_built(source, &mut |src, cfg| {
-            plans = shard::plan(&cfg, src, layout, stage_sizes)?;
+            plans = shard::plan(&cfg, src, layout, stage_sizes, experts)?;
             let plan = plans
                 .get(rank)
                 .cloned()
@@ -137,8 +139,9 @@ impl LoadedModel {
             ),
             None => None,
         };
-        let weight_bytes_per_token = per_token_bytes(&file);
-        let weight_bytes_by_op = per_op_bytes(&file, crate::arch::spec(cfg.arch));
+        let spec = crate::arch::spec(cfg.arch);
+        let weight_bytes_per_token = per_token_bytes(&file, spec, &cfg);
+        let weight_bytes_by_op = per_op_bytes(&file, spec, &cfg);
         let src = GgufWeights::new(file);
         let transformer = build(&src, cfg)?;
         Ok(LoadedModel {
@@ -283,35 +286,58 @@ fn read_hf_template(dir: &Path) -> Option<String> {
 /// The profile's matrix-product op that reads a block tensor of `role`.
 fn op_of_role(role: Role) -> Option<Op> {
     Some(match role {
-        Role::AttnQ | Role::AttnK | Role::AttnV => Op::Qkv,
+        Role::AttnQ
+        | Role::AttnK
+        | Role::AttnV
+        | Role::AttnQA
+        | Role::AttnQB
+        | Role::AttnKvAMqa => Op::Qkv,
+        Role::AttnKB | Role::AttnVB | Role::AttnKvB => Op::Attention,
         Role::AttnOut => Op::AttnOut,
-        Role::FfnGate | Role::FfnUp => Op::GateUp,
-        Role::FfnDown => Op::Down,
+        Role::FfnGate
+        | Role::FfnUp
+        | Role::FfnGateExps
+        | Role::FfnUpExps
+        | Role::FfnGateShexp
+        | Role::FfnUpShexp => Op::GateUp,
+        Role::FfnDown | Role::FfnDownExps | Role::FfnDownShexp => Op::Down,
+        Role::FfnGateInp => Op::Router,
         _ => return None,
     })
 }
 
 /// Bytes per token each matrix-product op reads: the block tensors by role (the
-/// architecture's table), and the output head as [`per_token_bytes`] counts it.
-fn per_op_bytes(file: &GgufFile, spec: &ArchSpec) -> Vec<(Op, u64)> {
+/// architecture's table; routed experts at the share a token reads, see
+/// [`read_per_token`]), and the output head as [`per_token_bytes`] counts it.
+fn per_op_bytes(file: &GgufFile, spec: &ArchSpec, cfg: &ModelConfig) -> Vec<(Op, u64)> {
     let mut by_op: Vec<(Op, u64)> = Vec::new();
     let mut add = |op: Op, n: u64| match by_op.iter_mut().find(|(o, _)| *o == op) {
         Some((_, total)) => *total += n,
         None => by_op.push((op, n)),
     };
     for t in file.tensors() {
-        let op = spec
-            .entry(&t.name)
-            .filter(|(_, layer)| layer.is_some())
-            .and_then(|(e, _)| op_of_role(e.role));
-        if let Some(op) = op {
-            add(op, t.size);
+        let Some((entry, Some(_))) = spec.entry(&t.name) else {
+            continue;
+        };
+        if let Some(op) = op_of_role(entry.role) {
+            add(op, read_per_token(cfg, entry.role, t.size));
         }
     }
     if let Some(head) = head_bytes(file) {
         add(Op::Head, head);
     }
     by_op
+}
+
+/// Bytes of a tensor of `role` (`size` bytes as stored) that one decoded token reads: all
+/// of it, or for a tensor of every routed expert the share of its experts a token uses.
+pub(crate) fn read_per_token(cfg: &ModelConfig, role: Role, size: u64) -> u64 {
+    match &cfg.moe {
+        Some(m) if role.is_routed_expert() && m.n_expert > 0 => {
+            (u128::from(size) * m.n_expert_used as u128 / m.n_expert as u128) as u64
+        }
+        _ => size,
+    }
 }
 
 /// Bytes of the output head: `output.weight`, or the token embedding it is tied to.
@@ -322,14 +348,17 @@ fn head_bytes(file: &GgufFile) -> Option<u64> {
         .ok()
 }
 
-/// Bytes read from weights for one decoded token: every block tensor plus the output head
-/// (the embedding when tied). The embedding lookup itself reads one row and is ignored.
-fn per_token_bytes(file: &GgufFile) -> u64 {
+/// Bytes read from weights for one decoded token: every block tensor (routed experts at
+/// the share a token reads) plus the output head (the embedding when tied). The embedding
+/// lookup itself reads one row and is ignored.
+fn per_token_bytes(file: &GgufFile, spec: &ArchSpec, cfg: &ModelConfig) -> u64 {
     let blocks: u64 = file
         .tensors()
         .iter()
-        .filter(|t| crate::arch::layer_of(&t.name).is_some())
-        .map(|t| t.size)
+        .filter_map(|t| match spec.entry(&t.name) {
+            Some((entry, Some(_))) => Some(read_per_token(cfg, entry.role, t.size)),
+            _ => crate::arch::layer_of(&t.name).map(|_| t.size),
+        })
         .sum();
     blocks + head_bytes(file).unwrap_or(0)
 }

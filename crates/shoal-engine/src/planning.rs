@@ -2,10 +2,9 @@
 //! without loading weights: its shape and the stored bytes of every block, the embedding
 //! and the head ([`model_profile`]), by the architecture's tensor table.
 
-use shoal_planner::ModelProfile;
+use shoal_planner::{ModelProfile, MoeSpec};
 
 use crate::arch::{self, Role};
-use crate::kv_cache::KvCache;
 use crate::weights::WeightSource;
 use crate::{EngineError, ModelConfig};
 
@@ -38,16 +37,22 @@ pub fn model_profile(
         Ok(src.shape(t)?.iter().map(|&d| d as u64).product())
     };
     let mut layer_bytes = Vec::with_capacity(cfg.n_layer);
+    let mut expert_bytes = vec![0u64; cfg.n_layer];
     let mut params = 0u64;
-    let (mut ffn_block, mut attn_block) = (1usize, 1usize);
-    for l in 0..cfg.n_layer {
+    let (mut ffn_block, mut attn_block, mut expert_block) = (1usize, 1usize, 1usize);
+    for (l, experts) in expert_bytes.iter_mut().enumerate() {
         let mut bytes = 0;
         for (t, name) in spec.layer_names(l) {
             if src.contains(&name) {
-                bytes += src.stored_bytes(&name)?;
+                let stored = src.stored_bytes(&name)?;
+                bytes += stored;
                 params += elems(&name)?;
+                if t.role.is_routed_expert() {
+                    *experts += stored;
+                }
                 match t.role {
                     Role::FfnDown => ffn_block = lcm(ffn_block, src.block_len(&name)?),
+                    Role::FfnDownExps => expert_block = lcm(expert_block, src.block_len(&name)?),
                     Role::AttnOut => attn_block = lcm(attn_block, src.block_len(&name)?),
                     _ => {}
                 }
@@ -81,13 +86,16 @@ pub fn model_profile(
         embedding_bytes,
         head_bytes,
         tied_embeddings: head.is_none(),
-        kv_bytes_per_token_per_layer: KvCache::bytes_per_token_per_layer(
-            cfg.n_kv_head,
-            cfg.head_dim,
-        ),
+        kv_bytes_per_token_per_layer: cfg.kv_bytes_per_token_per_layer(),
         quant_block: u32::try_from(ffn_block).unwrap_or(u32::MAX),
         attn_quant_block: (attn_block != ffn_block)
             .then(|| u32::try_from(attn_block).unwrap_or(u32::MAX)),
-        experts: None,
+        experts: cfg.moe.as_ref().map(|m| MoeSpec {
+            n_experts: u32::try_from(m.n_expert).unwrap_or(u32::MAX),
+            active_experts: u32::try_from(m.n_expert_used).unwrap_or(u32::MAX),
+            expert_bytes_per_layer: expert_bytes,
+            expert_ffn: m.expert_ffn,
+            expert_block: u32::try_from(expert_block).unwrap_or(u32::MAX),
+        }),
     })
 }

@@ -29,6 +29,10 @@ pub enum Op {
     Activation,
     /// Down projection (and its all-reduce).
     Down,
+    /// A mixture of experts' router product and routing.
+    Router,
+    /// Gathering rows routed to each expert and adding their outputs back.
+    Experts,
     /// Residual additions.
     Residual,
     /// Final norm and output head.
@@ -37,7 +41,7 @@ pub enum Op {
 
 impl Op {
     /// Every op, in table order.
-    pub const ALL: [Op; 11] = [
+    pub const ALL: [Op; 13] = [
         Op::Embed,
         Op::Norm,
         Op::Qkv,
@@ -47,6 +51,8 @@ impl Op {
         Op::GateUp,
         Op::Activation,
         Op::Down,
+        Op::Router,
+        Op::Experts,
         Op::Residual,
         Op::Head,
     ];
@@ -63,6 +69,8 @@ impl Op {
             Op::GateUp => "gate/up matmul",
             Op::Activation => "activation",
             Op::Down => "down matmul",
+            Op::Router => "router",
+            Op::Experts => "expert gather/scatter",
             Op::Residual => "residual",
             Op::Head => "output head",
         }

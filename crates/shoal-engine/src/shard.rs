@@ -10,10 +10,20 @@
 //! where it must be, so any rank count up to the number of units works (qwen05's 14 heads
 //! over 3 ranks: 5, 4, 5). When ranks outnumber KV heads, ranks share them: each holds every
 //! KV head its query heads read.
+//!
+//! A mixture of experts' routed experts are cut one of two ways ([`ExpertSplit`]): whole
+//! experts per rank (expert parallelism: fewer, larger products, but a token's experts may
+//! fall unevenly on the ranks), or a slice of every expert's features per rank (tensor
+//! parallelism: perfectly even, but only in whole quantization blocks, so a 768-wide expert
+//! of 256-blocks cuts 512 + 256 over two ranks). Shared experts are cut by features like a
+//! dense feed-forward. [`ExpertSplit::Auto`] takes the one that reads fewer bytes on the
+//! busiest rank per token (`shoal_planner::split::expert_split_cost`, which the planner's
+//! cost model uses too).
 
 use std::ops::Range;
 
 use shoal_planner::split::cut;
+pub use shoal_planner::split::ExpertSplit;
 
 use crate::arch::{ArchSpec, Role};
 use crate::config::ModelConfig;
@@ -30,15 +40,28 @@ pub struct LayerShard {
     pub kv_heads: Range<usize>,
     /// Feed-forward features of this rank (block aligned).
     pub ffn: Range<usize>,
+    /// Routed experts of this rank (mixture-of-experts layers; empty otherwise).
+    pub experts: Range<usize>,
+    /// Features of each of those experts (all of them for whole experts; block aligned).
+    pub expert_ffn: Range<usize>,
+    /// Features of the shared experts (block aligned; empty without them).
+    pub shared_ffn: Range<usize>,
 }
 
 impl LayerShard {
     /// The whole layer (world size 1).
     pub fn full(cfg: &ModelConfig) -> Self {
+        let (experts, expert_ffn, shared) = match &cfg.moe {
+            Some(m) => (m.n_expert, m.expert_ffn, m.n_shared * m.expert_ffn),
+            None => (0, 0, 0),
+        };
         LayerShard {
             heads: 0..cfg.n_head,
             kv_heads: 0..cfg.n_kv_head,
             ffn: 0..cfg.ffn,
+            experts: 0..experts,
+            expert_ffn: 0..expert_ffn,
+            shared_ffn: 0..shared,
         }
     }
 }
@@ -127,15 +150,16 @@ fn column_block(
 ) -> Result<usize, EngineError> {
     let mut b = 1;
     for l in layers {
-        if let Some(name) = spec.layer_name(role, l) {
+        if let Some(name) = spec.layer_name(role, l).filter(|n| src.contains(n)) {
             b = lcm(b, src.block_len(&name)?);
         }
     }
     Ok(b)
 }
 
-/// Bytes of the tensors of each layer as stored (what a decode step reads of it), and of
-/// the output head (the embedding when tied), by the architecture's table.
+/// Bytes of the tensors of each layer that a decode step reads (as stored; routed experts
+/// at the share a token uses), and of the output head (the embedding when tied), by the
+/// architecture's table.
 ///
 /// # Errors
 /// When a required tensor is missing.
@@ -146,9 +170,9 @@ pub fn stored_bytes(
     let spec = crate::arch::spec(cfg.arch);
     let mut layers = vec![0u64; cfg.n_layer];
     for (l, bytes) in layers.iter_mut().enumerate() {
-        for (_, name) in spec.layer_names(l) {
+        for (t, name) in spec.layer_names(l) {
             if src.contains(&name) {
-                *bytes += src.stored_bytes(&name)?;
+                *bytes += crate::model::read_per_token(cfg, t.role, src.stored_bytes(&name)?);
             }
         }
     }
@@ -161,6 +185,63 @@ pub fn stored_bytes(
             name: "token_embd.weight".into(),
         })?;
     Ok((layers, src.stored_bytes(head.gguf)?))
+}
+
+/// The byte ranges of a GGUF file (offsets from the file's start) that a rank holding
+/// `plan` reads: the header, every tensor outside the blocks, every tensor of its stage's
+/// blocks, except that of a tensor holding every routed expert only its experts' parts are
+/// read (their rows of each expert's gate and up projections, each expert's down
+/// projection whole). What a node that lacks the file fetches for the rank.
+pub fn file_ranges(
+    cfg: &ModelConfig,
+    file: &shoal_model::gguf::GgufFile,
+    plan: &ShardPlan,
+) -> Vec<Range<u64>> {
+    let spec = crate::arch::spec(cfg.arch);
+    let base = file.header().data_offset;
+    let mut out: Vec<Range<u64>> = Vec::with_capacity(file.tensors().len() + 1);
+    out.push(0..base);
+    let n_expert = cfg.moe.as_ref().map_or(0, |m| m.n_expert) as u64;
+    let ffn = plan.shard.expert_ffn.clone();
+    for t in file.tensors() {
+        let start = base + t.offset;
+        let whole = start..start + t.size;
+        let Some((entry, layer)) = spec.entry(&t.name) else {
+            out.push(whole);
+            continue;
+        };
+        if let Some(l) = layer {
+            if !plan.layers.contains(&l) {
+                continue;
+            }
+        }
+        if !entry.role.is_routed_expert() || n_expert == 0 || !t.size.is_multiple_of(n_expert) {
+            out.push(whole);
+            continue;
+        }
+        let per_expert = t.size / n_expert;
+        let rows = t.n_rows() / n_expert;
+        let row_bytes = t.row_bytes();
+        for e in plan.shard.experts.clone() {
+            let at = start + e as u64 * per_expert;
+            // an expert's rows: its gate (or up) features, or both halves when fused
+            let halves: &[u64] = match entry.role {
+                crate::arch::Role::FfnGateUpExps => &[0, 1],
+                crate::arch::Role::FfnDownExps => &[],
+                _ => &[0],
+            };
+            if halves.is_empty() {
+                out.push(at..at + per_expert);
+            }
+            let half_rows = rows / halves.len().max(1) as u64;
+            for &h in halves {
+                let first = at + (h * half_rows + ffn.start as u64) * row_bytes;
+                out.push(first..first + ffn.len() as u64 * row_bytes);
+            }
+        }
+    }
+    out.sort_by_key(|r| r.start);
+    out
 }
 
 /// Contiguous layer ranges of `sizes` (one per stage), or as even as possible when `None`
@@ -247,16 +328,18 @@ pub fn balanced_stage_sizes(layer: &[u64], head: u64, pp: usize) -> Vec<usize> {
 }
 
 /// What every rank of `layout` holds, in rank order; `stage_sizes` gives each stage's layer
-/// count (when `None`, [`balanced_stage_sizes`] by the bytes each stage reads per token).
+/// count (when `None`, [`balanced_stage_sizes`] by the bytes each stage reads per token);
+/// `experts` says how a mixture of experts' routed experts are cut.
 ///
 /// # Errors
-/// When the model cannot be cut that finely (more ranks than heads, feature blocks or
-/// layers), naming the limit.
+/// When the model cannot be cut that finely (more ranks than heads, feature blocks, experts
+/// or layers), naming the limit.
 pub fn plan(
     cfg: &ModelConfig,
     src: &dyn WeightSource,
     layout: Layout,
     stage_sizes: Option<&[usize]>,
+    experts: ExpertSplit,
 ) -> Result<Vec<ShardPlan>, EngineError> {
     let Layout { tp, pp } = layout;
     if tp == 0 {
@@ -280,7 +363,7 @@ pub fn plan(
         let spec = crate::arch::spec(cfg.arch);
         let o_block = column_block(src, spec, layers.clone(), Role::AttnOut)?;
         let down_block = column_block(src, spec, layers.clone(), Role::FfnDown)?;
-        let hd = cfg.head_dim;
+        let hd = cfg.head_out_dim();
         let group = cfg.n_head / cfg.n_kv_head.max(1);
         // Heads go in units whose columns of the output projection are whole blocks; whole
         // KV groups when there are enough of them, so no KV head is held twice.
@@ -299,14 +382,20 @@ pub fn plan(
                 cfg.n_head / head_unit
             ),
         })?;
-        let ffn = cut(cfg.ffn, down_block, tp).ok_or_else(|| EngineError::InvalidInput {
-            what: format!(
-                "{tp} tensor-parallel ranks for {} feed-forward features in blocks of \
-                 {down_block}; use at most {} ranks",
-                cfg.ffn,
-                cfg.ffn.div_ceil(down_block)
-            ),
-        })?;
+        let dense = layers.clone().any(|l| !cfg.is_moe_layer(l));
+        let ffn = if dense || tp == 1 {
+            cut(cfg.ffn, down_block, tp).ok_or_else(|| EngineError::InvalidInput {
+                what: format!(
+                    "{tp} tensor-parallel ranks for {} feed-forward features in blocks of \
+                     {down_block}; use at most {} ranks",
+                    cfg.ffn,
+                    cfg.ffn.div_ceil(down_block)
+                ),
+            })?
+        } else {
+            vec![0..cfg.ffn; tp]
+        };
+        let moe = expert_cuts(cfg, src, layers.clone(), tp, experts)?;
         let vocab = cut(cfg.vocab, 16, tp).ok_or_else(|| EngineError::InvalidInput {
             what: format!("{tp} ranks for a vocabulary of {}", cfg.vocab),
         })?;
@@ -318,6 +407,9 @@ pub fn plan(
                     kv_heads: h.start / group..h.end.div_ceil(group),
                     heads: h,
                     ffn: ffn[i].clone(),
+                    experts: moe.experts[i].clone(),
+                    expert_ffn: moe.expert_ffn[i].clone(),
+                    shared_ffn: moe.shared_ffn[i].clone(),
                 },
                 vocab: vocab[i].clone(),
                 first_stage: s == 0,
@@ -326,6 +418,75 @@ pub fn plan(
         }
     }
     Ok(plans)
+}
+
+/// Each rank's routed experts, their features and the shared experts' features.
+struct ExpertCuts {
+    experts: Vec<Range<usize>>,
+    expert_ffn: Vec<Range<usize>>,
+    shared_ffn: Vec<Range<usize>>,
+}
+
+/// How `tp` ranks cut the experts of `layers` (empty ranges for a dense model).
+fn expert_cuts(
+    cfg: &ModelConfig,
+    src: &dyn WeightSource,
+    layers: Range<usize>,
+    tp: usize,
+    split: ExpertSplit,
+) -> Result<ExpertCuts, EngineError> {
+    let Some(m) = cfg.moe.as_ref() else {
+        return Ok(ExpertCuts {
+            experts: vec![0..0; tp],
+            expert_ffn: vec![0..0; tp],
+            shared_ffn: vec![0..0; tp],
+        });
+    };
+    let spec = crate::arch::spec(cfg.arch);
+    let block = column_block(src, spec, layers.clone(), Role::FfnDownExps)?;
+    let shared = m.n_shared * m.expert_ffn;
+    let shared_ffn = if shared == 0 {
+        vec![0..0; tp]
+    } else {
+        let b = column_block(src, spec, layers, Role::FfnDownShexp)?;
+        cut(shared, b, tp).ok_or_else(|| EngineError::InvalidInput {
+            what: format!(
+                "{tp} tensor-parallel ranks for {shared} shared-expert features in blocks of \
+                 {b}; use at most {} ranks",
+                shared.div_ceil(b)
+            ),
+        })?
+    };
+    let resolved = split.resolve(m.n_expert, m.n_expert_used, m.expert_ffn, block, tp);
+    let whole_experts = match (resolved, split) {
+        (Some(s), _) => s == ExpertSplit::Whole,
+        (None, asked) => asked != ExpertSplit::Sliced,
+    };
+    let (experts, expert_ffn) = if whole_experts {
+        let e = cut(m.n_expert, 1, tp).ok_or_else(|| EngineError::InvalidInput {
+            what: format!(
+                "{tp} tensor-parallel ranks holding whole experts of {}; use at most {} ranks, \
+                 or slice the experts",
+                m.n_expert, m.n_expert
+            ),
+        })?;
+        (e, vec![0..m.expert_ffn; tp])
+    } else {
+        let f = cut(m.expert_ffn, block, tp).ok_or_else(|| EngineError::InvalidInput {
+            what: format!(
+                "{tp} tensor-parallel ranks slicing experts of {} features in blocks of \
+                 {block}; use at most {} ranks, or split whole experts",
+                m.expert_ffn,
+                m.expert_ffn.div_ceil(block)
+            ),
+        })?;
+        (vec![0..m.n_expert; tp], f)
+    };
+    Ok(ExpertCuts {
+        experts,
+        expert_ffn,
+        shared_ffn,
+    })
 }
 
 #[cfg(test)]

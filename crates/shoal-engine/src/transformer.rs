@@ -129,7 +129,8 @@ impl Transformer {
                 tp: comm.world_size(),
                 pp: 1,
             };
-            crate::shard::plan(&cfg, src, layout, None)?.swap_remove(comm.rank())
+            crate::shard::plan(&cfg, src, layout, None, crate::shard::ExpertSplit::Auto)?
+                .swap_remove(comm.rank())
         };
         Self::load_shard(src, cfg, plan, comm)
     }

@@ -27,6 +27,24 @@ pub enum Slice {
     Rows(Range<usize>),
     /// Input columns `range`.
     Cols(Range<usize>),
+    /// Matrix `index` of a 3-D tensor `[n, rows, cols]` (one expert's, or one head's), cut
+    /// as `within` says (`Full`, `Rows` or `Cols` of that matrix).
+    Matrix {
+        /// Which matrix.
+        index: usize,
+        /// The part of it.
+        within: Box<Slice>,
+    },
+}
+
+impl Slice {
+    /// Matrix `index` of a 3-D tensor, cut as `within` says.
+    pub fn matrix(index: usize, within: Slice) -> Self {
+        Slice::Matrix {
+            index,
+            within: Box::new(within),
+        }
+    }
 }
 
 /// A matrix slice as stored: its type, `[rows, cols]`, and its bytes (borrowed from the
@@ -287,8 +305,67 @@ impl GgufWeights {
                 *s.last_mut().expect("tensors have at least one dimension") = c.len();
                 (Cow::Owned(self.file.tensor_cols(name, c.clone())?), s)
             }
+            Slice::Matrix { index, within } => self.matrix_bytes(name, &shape, *index, within)?,
         };
         Ok((bytes, shape))
+    }
+
+    /// The bytes and shape of `within` of matrix `index` of the 3-D tensor `name`.
+    fn matrix_bytes(
+        &self,
+        name: &str,
+        shape: &[usize],
+        index: usize,
+        within: &Slice,
+    ) -> Result<(Cow<'_, [u8]>, Vec<usize>), EngineError> {
+        let bad = |problem: String| EngineError::BadSlice {
+            tensor: name.into(),
+            problem,
+        };
+        let &[n, rows, cols] = shape else {
+            return Err(bad(format!("a matrix of a {}-D tensor", shape.len())));
+        };
+        if index >= n {
+            return Err(bad(format!("matrix {index} of {n}")));
+        }
+        let base = index * rows;
+        match within {
+            Slice::Full => Ok((
+                Cow::Borrowed(self.file.tensor_rows(name, base..base + rows)?),
+                vec![rows, cols],
+            )),
+            Slice::Rows(r) => {
+                if r.start >= r.end || r.end > rows {
+                    return Err(bad(format!("rows {r:?} of a matrix of {rows}")));
+                }
+                Ok((
+                    Cow::Borrowed(self.file.tensor_rows(name, base + r.start..base + r.end)?),
+                    vec![r.len(), cols],
+                ))
+            }
+            Slice::Cols(c) => {
+                let dtype = self.file.tensor(name)?.dtype;
+                let (bl, bb) = (dtype.block_len(), dtype.block_bytes());
+                if c.start >= c.end
+                    || c.end > cols
+                    || !c.start.is_multiple_of(bl)
+                    || !c.end.is_multiple_of(bl)
+                {
+                    return Err(bad(format!(
+                        "columns {c:?} of a matrix of {cols} (cuts fall on multiples of {bl})"
+                    )));
+                }
+                let data = self.file.tensor_rows(name, base..base + rows)?;
+                let row_bytes = cols / bl * bb;
+                let (b0, b1) = (c.start / bl * bb, c.end / bl * bb);
+                let mut out = Vec::with_capacity(rows * (b1 - b0));
+                for row in data.chunks_exact(row_bytes) {
+                    out.extend_from_slice(&row[b0..b1]);
+                }
+                Ok((Cow::Owned(out), vec![rows, c.len()]))
+            }
+            Slice::Matrix { .. } => Err(bad("a matrix of a matrix".into())),
+        }
     }
 }
 
@@ -522,6 +599,14 @@ impl WeightSource for SafetensorsWeights {
                     .flat_map(|row| row[c.clone()].iter().copied())
                     .collect();
                 *shape.last_mut().expect("non-empty shape") = c.len();
+            }
+            Slice::Matrix { .. } => {
+                return Err(EngineError::Unsupported {
+                    what: format!(
+                        "{}: `{hf}`: stacked expert or head tensors come from GGUF files only",
+                        self.describe()
+                    ),
+                })
             }
         }
         let t = Tensor::from_vec(data, shape, &Device::Cpu)

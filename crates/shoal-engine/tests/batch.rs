@@ -489,8 +489,15 @@ fn split_scheduler_matches_one_rank() {
             let mut ctx = RankContext::over(t, layout, Duration::from_secs(60)).unwrap();
             let source = source.clone();
             let h = std::thread::spawn(move || {
-                let (m, plans) =
-                    LoadedModel::load_split(&source, layout, None, r, ctx.tp.clone()).unwrap();
+                let (m, plans) = LoadedModel::load_split(
+                    &source,
+                    layout,
+                    None,
+                    Default::default(),
+                    r,
+                    ctx.tp.clone(),
+                )
+                .unwrap();
                 ctx.plans = plans;
                 (ctx, m)
             });
@@ -529,7 +536,9 @@ fn broken_split_fails_requests_and_says_why() {
     drop(ts); // rank 1 never serves: its end of the mesh is gone
     let mut ctx = RankContext::over(t0, layout, Duration::from_secs(5)).unwrap();
     let source = ModelSource::Gguf(path);
-    let (m, plans) = LoadedModel::load_split(&source, layout, None, 0, ctx.tp.clone()).unwrap();
+    let (m, plans) =
+        LoadedModel::load_split(&source, layout, None, Default::default(), 0, ctx.tp.clone())
+            .unwrap();
     ctx.plans = plans;
     let sched = Scheduler::start_split(
         Arc::new(m),

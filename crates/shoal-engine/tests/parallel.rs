@@ -20,7 +20,7 @@ use std::time::Duration;
 use common::{model_path, SwappedHeads};
 use shoal_comm::{mem_mesh, Transport};
 use shoal_engine::parallel::{serve, Lead, RankContext, Want};
-use shoal_engine::shard::{self, Layout};
+use shoal_engine::shard::{self, ExpertSplit, Layout};
 use shoal_engine::weights::GgufWeights;
 use shoal_engine::{arch, ModelConfig, Transformer};
 use shoal_model::gguf::GgufFile;
@@ -74,8 +74,8 @@ struct Ranks {
 }
 
 impl Ranks {
-    fn start(path: &Path, layout: Layout, capacity: usize) -> Ranks {
-        Self::start_with_fault(path, layout, capacity, None)
+    fn start(path: &Path, layout: Layout, experts: ExpertSplit, capacity: usize) -> Ranks {
+        Self::start_with_fault(path, layout, experts, capacity, None)
     }
 
     /// [`Ranks::start`], rank `faulty` (when given, not 0) loading its shard with query
@@ -83,11 +83,24 @@ impl Ranks {
     fn start_with_fault(
         path: &Path,
         layout: Layout,
+        experts: ExpertSplit,
         capacity: usize,
         faulty: Option<usize>,
     ) -> Ranks {
-        let (src, cfg) = open(path);
-        let plans = shard::plan(&cfg, &src, layout, None).unwrap();
+        let paths = vec![path.to_path_buf(); layout.world()];
+        Self::start_from(&paths, layout, experts, capacity, faulty)
+    }
+
+    /// [`Ranks::start_with_fault`], rank `r` reading its weights from `paths[r]`.
+    fn start_from(
+        paths: &[PathBuf],
+        layout: Layout,
+        experts: ExpertSplit,
+        capacity: usize,
+        faulty: Option<usize>,
+    ) -> Ranks {
+        let (src, cfg) = open(&paths[0]);
+        let plans = shard::plan(&cfg, &src, layout, None, experts).unwrap();
         let transports: Vec<Arc<dyn Transport>> = mem_mesh(layout.world())
             .into_iter()
             .map(|t| Arc::new(t) as Arc<dyn Transport>)
@@ -101,7 +114,7 @@ impl Ranks {
                 lead_ctx = Some(ctx);
                 continue;
             }
-            let (path, cfg, plan) = (path.to_path_buf(), cfg.clone(), plans[r].clone());
+            let (path, cfg, plan) = (paths[r].clone(), cfg.clone(), plans[r].clone());
             let fault = faulty == Some(r);
             workers.push(std::thread::spawn(move || {
                 let (src, _) = open(&path);
@@ -140,10 +153,11 @@ impl Ranks {
 fn split(
     path: &Path,
     layout: Layout,
+    experts: ExpertSplit,
     prompt: &[u32],
     n: usize,
 ) -> (Vec<u32>, Vec<Vec<f32>>, Vec<u32>) {
-    let ranks = Ranks::start(path, layout, prompt.len() + n + 1);
+    let ranks = Ranks::start(path, layout, experts, prompt.len() + n + 1);
     let mut lead = Lead::new(ranks.ctx.clone(), &ranks.model, prompt.len() + n + 1).unwrap();
     let greedy = |want: Want, lead: &mut Lead| {
         lead.truncate(0);
@@ -168,9 +182,20 @@ fn split(
 /// Checks every split of `layouts` of a tiny model against one rank: every token the same,
 /// pipeline logits bit for bit, tensor-parallel ones within `TP_TOL` of the largest.
 fn check(path: &Path, prompt: &[u32], n: usize, layouts: &[(usize, usize)]) {
+    check_experts(path, prompt, n, layouts, ExpertSplit::Auto)
+}
+
+/// [`check`] with a mixture of experts' routed experts cut as `experts` says.
+fn check_experts(
+    path: &Path,
+    prompt: &[u32],
+    n: usize,
+    layouts: &[(usize, usize)],
+    experts: ExpertSplit,
+) {
     let (want, want_logits) = one_rank(path, prompt, n);
     for &(tp, pp) in layouts {
-        let (got, logits, fast) = split(path, Layout { tp, pp }, prompt, n);
+        let (got, logits, fast) = split(path, Layout { tp, pp }, experts, prompt, n);
         assert_eq!(
             got, fast,
             "tp {tp} pp {pp}: best-only replies give other tokens"
@@ -186,8 +211,9 @@ fn check(path: &Path, prompt: &[u32], n: usize, layouts: &[(usize, usize)]) {
             .zip(want_logits.iter().flatten())
             .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         eprintln!(
-            "tp {tp} pp {pp}: all {n} tokens identical; max logit difference {diff:.3e} \
-             (largest |logit| {scale:.2})"
+            "tp {tp} pp {pp} ({} experts): all {n} tokens identical; max logit difference \
+             {diff:.3e} (largest |logit| {scale:.2})",
+            experts.name()
         );
         if tp == 1 {
             assert_eq!(
@@ -321,6 +347,145 @@ fn tiny_qwen3_and_llama31_split() {
     }
 }
 
+/// Mixtures of experts split every way: routed experts whole per rank and sliced across
+/// ranks, with tensor parallelism (its attention cut by heads as any model's, latent
+/// attention included), pipeline stages, and both; F32 and Q8_0 (experts 96 wide, so three
+/// 32-blocks slice over three ranks; heads, or DeepSeek's value heads, 32 wide so a head's
+/// output columns are a block).
+#[test]
+fn tiny_moe_every_split_matches_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let wider = |spec: TinyModelSpec| {
+        let moe = spec.moe.clone().map(|m| shoal_testkit::MoeSpec {
+            expert_ffn: 96,
+            ..m
+        });
+        let mla = spec.mla.map(|m| shoal_testkit::MlaSpec { v_dim: 32, ..m });
+        TinyModelSpec {
+            ffn_size: if spec.ffn_size == spec.moe.as_ref().unwrap().expert_ffn {
+                96
+            } else {
+                spec.ffn_size
+            },
+            head_dim: if mla.is_some() { spec.head_dim } else { 32 },
+            moe,
+            mla,
+            ..spec
+        }
+    };
+    let mut cases = Vec::new();
+    for (i, spec) in [
+        TinyModelSpec::qwen3moe(31),
+        TinyModelSpec::mixtral(32),
+        TinyModelSpec::deepseek2(33),
+        TinyModelSpec::deepseek3(34),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        cases.push((spec.clone(), GgmlType::F32));
+        let q = wider(TinyModelSpec {
+            seed: 40 + i as u64,
+            ..spec
+        });
+        cases.push((q.snapped_to(GgmlType::Q8_0), GgmlType::Q8_0));
+    }
+    for (spec, ty) in cases {
+        let spec = TinyModelSpec {
+            n_layers: spec.n_layers.max(3),
+            ..spec
+        };
+        let sub = dir.path().join(format!("{}-{ty:?}", spec.name));
+        std::fs::create_dir_all(&sub).unwrap();
+        let path = tiny(spec, ty, &sub);
+        for experts in [ExpertSplit::Whole, ExpertSplit::Sliced] {
+            check_experts(
+                &path,
+                &PROMPT,
+                8,
+                &[(2, 1), (3, 1), (1, 2), (2, 2)],
+                experts,
+            );
+        }
+    }
+}
+
+/// A rank that lacks the model file fetches only the byte ranges `shard::file_ranges` names
+/// for its plan (with whole experts, only its experts' parts of the expert tensors): each
+/// rank here reads a copy of the file holding only those ranges (zeros elsewhere), and the
+/// split still gives one rank's tokens; the copies hold well under the whole file.
+#[test]
+fn moe_ranks_load_from_only_their_byte_ranges() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinyModelSpec {
+        n_layers: 4,
+        ..TinyModelSpec::qwen3moe(51)
+    };
+    let path = tiny(spec, GgmlType::F32, dir.path());
+    let (want, _) = one_rank(&path, &PROMPT, 8);
+    let whole = std::fs::read(&path).unwrap();
+    for (layout, experts) in [
+        (Layout { tp: 2, pp: 1 }, ExpertSplit::Whole),
+        (Layout { tp: 2, pp: 1 }, ExpertSplit::Sliced),
+        (Layout { tp: 2, pp: 2 }, ExpertSplit::Whole),
+    ] {
+        let (src, cfg) = open(&path);
+        let plans = shard::plan(&cfg, &src, layout, None, experts).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        let mut paths = Vec::new();
+        for (r, plan) in plans.iter().enumerate() {
+            let mut sparse = vec![0u8; whole.len()];
+            let mut kept = 0u64;
+            for range in shard::file_ranges(&cfg, &file, plan) {
+                let (a, b) = (range.start as usize, range.end as usize);
+                sparse[a..b].copy_from_slice(&whole[a..b]);
+                kept += range.end - range.start;
+            }
+            let p = dir.path().join(format!("rank{r}-{}.gguf", experts.name()));
+            std::fs::write(&p, &sparse).unwrap();
+            eprintln!(
+                "tp {} pp {} ({} experts) rank {r}: {kept} of {} bytes",
+                layout.tp,
+                layout.pp,
+                experts.name(),
+                whole.len()
+            );
+            if experts == ExpertSplit::Whole && layout.pp == 1 {
+                // everything but the other rank's half of every expert tensor
+                let routed: u64 = file
+                    .tensors()
+                    .iter()
+                    .filter(|t| t.name.contains("_exps."))
+                    .map(|t| t.size)
+                    .sum();
+                assert_eq!(kept, whole.len() as u64 - routed / 2, "rank {r}");
+            }
+            paths.push(p);
+        }
+        let n = 8;
+        let ranks = Ranks::start_from(&paths, layout, experts, PROMPT.len() + n + 1, None);
+        let mut lead = Lead::new(ranks.ctx.clone(), &ranks.model, PROMPT.len() + n + 1).unwrap();
+        let mut logits = lead.step_with(&PROMPT, Want::Best).unwrap();
+        let mut got = Vec::new();
+        for _ in 0..n {
+            let id = shoal_engine::transformer::argmax(&logits) as u32;
+            got.push(id);
+            logits = lead.step_with(&[id], Want::Best).unwrap();
+        }
+        lead.stop().unwrap();
+        drop(lead);
+        ranks.join();
+        assert_eq!(
+            got,
+            want,
+            "tp {} pp {} ({} experts)",
+            layout.tp,
+            layout.pp,
+            experts.name()
+        );
+    }
+}
+
 /// Sampling through a split: top-k sampling (each last-stage rank sends its top k) and
 /// sampling with a repetition penalty (every logit is sent) draw the tokens one rank draws
 /// with the same seed.
@@ -366,7 +531,7 @@ fn sampled_tokens_match_one_rank() {
             out
         };
         for (tp, pp) in [(2, 1), (1, 2), (2, 2)] {
-            let ranks = Ranks::start(&path, Layout { tp, pp }, 64);
+            let ranks = Ranks::start(&path, Layout { tp, pp }, ExpertSplit::Auto, 64);
             let mut lead = Lead::new(ranks.ctx.clone(), &ranks.model, 64).unwrap();
             let want_back = Want::for_sampler(&cfg_s);
             let mut sampler = Sampler::new(cfg_s.clone());
@@ -400,7 +565,7 @@ fn sequences_in_flight_match_one_rank() {
     let n = 10;
     let want: Vec<Vec<u32>> = prompts.iter().map(|p| one_rank(&path, p, n).0).collect();
     for (tp, pp) in [(1, 2), (1, 3), (2, 2), (2, 1)] {
-        let ranks = Ranks::start(&path, Layout { tp, pp }, 64);
+        let ranks = Ranks::start(&path, Layout { tp, pp }, ExpertSplit::Auto, 64);
         let mut lead = Lead::with_sequences(ranks.ctx.clone(), &ranks.model, 64, 3).unwrap();
         for (seq, p) in prompts.iter().enumerate() {
             lead.submit(seq, p, Want::Best).unwrap();
@@ -432,7 +597,7 @@ fn split_forced(
     faulty: Option<usize>,
 ) -> Vec<Vec<f32>> {
     let capacity = prompt.len() + tokens.len() + 1;
-    let ranks = Ranks::start_with_fault(path, layout, capacity, faulty);
+    let ranks = Ranks::start_with_fault(path, layout, ExpertSplit::Auto, capacity, faulty);
     let mut lead = Lead::new(ranks.ctx.clone(), &ranks.model, capacity).unwrap();
     let mut rows = vec![lead.step_with(prompt, Want::All).unwrap()];
     for &t in tokens {

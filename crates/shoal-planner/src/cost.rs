@@ -54,7 +54,7 @@ use std::ops::Range;
 
 use crate::placement::{NodeMemory, Prediction};
 use crate::spec::{Cluster, LinkSpec, ModelProfile, PlanRequest};
-use crate::split::{tensor_split, RankShare};
+use crate::split::{tensor_split, ExpertSplit, RankShare};
 
 /// Fraction of its measured read bandwidth a node reaches streaming weights in decode.
 pub const MEM_EFFICIENCY: f64 = 0.8;
@@ -86,7 +86,9 @@ pub(crate) struct TpTable {
     /// Per index: prefix sums of weight bytes held.
     held: Vec<Vec<u64>>,
     /// Per index: prefix sums of routed-expert bytes held.
-    experts: Vec<Vec<u64>>,
+    routed_held: Vec<Vec<u64>>,
+    /// Per index: prefix sums of routed-expert bytes charged per decoded token.
+    routed_read: Vec<Vec<f64>>,
     /// Per index: prefix sums of weight bytes read per decoded token.
     read: Vec<Vec<f64>>,
     /// Per index: KV bytes per token per layer.
@@ -96,31 +98,35 @@ pub(crate) struct TpTable {
 }
 
 impl TpTable {
-    fn new(model: &ModelProfile, tp: usize) -> Result<Self, String> {
-        let ranks = tensor_split(model, tp)?;
+    fn new(model: &ModelProfile, tp: usize, asked: ExpertSplit) -> Result<Self, String> {
+        let ranks = tensor_split(model, tp, asked)?;
         let n = model.n_layers;
         let mut held = Vec::with_capacity(tp);
-        let mut experts = Vec::with_capacity(tp);
+        let mut routed_held = Vec::with_capacity(tp);
+        let mut routed_read = Vec::with_capacity(tp);
         let mut read = Vec::with_capacity(tp);
         for r in &ranks {
             let (mut h, mut e, mut d) = (vec![0u64; n + 1], vec![0u64; n + 1], vec![0.0; n + 1]);
+            let mut er = vec![0.0; n + 1];
             for l in 0..n {
-                let p = model.layer_parts(l);
                 h[l + 1] = h[l] + r.layer_bytes(model, l);
-                e[l + 1] = e[l] + crate::split::part(p.experts, &r.experts, model.n_experts());
+                e[l + 1] = e[l] + r.expert_bytes(model, l);
+                er[l + 1] = er[l] + r.routed_layer_read(model, l);
                 d[l + 1] = d[l] + r.layer_read(model, l);
             }
             held.push(h);
-            experts.push(e);
+            routed_held.push(e);
+            routed_read.push(er);
             read.push(d);
         }
         Ok(TpTable {
+            routed_held,
+            routed_read,
             kv: ranks.iter().map(|r| r.kv_per_token_layer(model)).collect(),
             emb: ranks.iter().map(|r| r.embedding_bytes(model)).collect(),
             head: ranks.iter().map(|r| r.head_bytes(model)).collect(),
             ranks,
             held,
-            experts,
             read,
         })
     }
@@ -168,7 +174,7 @@ impl<'a> Evaluator<'a> {
         max_tp: usize,
     ) -> Self {
         let tables = (1..=max_tp.max(1))
-            .map(|tp| (tp, TpTable::new(model, tp)))
+            .map(|tp| (tp, TpTable::new(model, tp, req.experts)))
             .collect();
         Evaluator {
             cluster,
@@ -256,21 +262,21 @@ impl<'a> Evaluator<'a> {
         let p = f64::from(self.req.prompt_tokens);
         let (a, b) = st.layers;
         let ppb = self.model.params_per_byte();
-        let af = self.model.active_fraction();
-        let expert_touch = (p * af).min(1.0);
+        let expert_touch = (p * self.model.active_fraction()).min(1.0);
         let compute = st
             .nodes
             .iter()
             .enumerate()
             .map(|(i, &n)| {
                 let read = t.read[i][b] - t.read[i][a];
-                let experts = (t.experts[i][b] - t.experts[i][a]) as f64;
+                let routed = t.routed_read[i][b] - t.routed_read[i][a];
+                let experts = (t.routed_held[i][b] - t.routed_held[i][a]) as f64;
                 let heads = t.ranks[i].heads.len() as f64;
                 let head = if st.last { t.head[i] as f64 } else { 0.0 };
                 let flop = 2.0 * p * ppb * read
                     + 2.0 * p * p * self.model.head_dim as f64 * heads * st.len() as f64
                     + 2.0 * ppb * head;
-                let weights = read - experts * af + experts * expert_touch + head;
+                let weights = read - routed + experts * expert_touch + head;
                 (flop / self.flops(n)).max(weights / self.bw(n))
             })
             .fold(0.0, f64::max);

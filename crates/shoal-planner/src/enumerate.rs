@@ -376,9 +376,11 @@ fn evaluate_stages(
     let ids = |s: &[usize]| -> Vec<String> {
         s.iter().map(|&i| ev.cluster.nodes[i].id.clone()).collect()
     };
+    let experts = crate::split::split_of(ev.model, tp, ev.req.experts).unwrap_or_default();
     let placement = |sizes: &[usize]| Placement {
         strategy: SplitKind::of(tp, pp),
         tp,
+        experts,
         stages: stages
             .iter()
             .zip(ranges(sizes))

@@ -65,6 +65,10 @@ pub struct Placement {
     pub tp: usize,
     /// The stages in pipeline order.
     pub stages: Vec<StagePlacement>,
+    /// How a mixture of experts' routed experts are cut across a stage's ranks (`auto` for a
+    /// dense model or one rank per stage).
+    #[serde(default)]
+    pub experts: crate::split::ExpertSplit,
 }
 
 impl Placement {

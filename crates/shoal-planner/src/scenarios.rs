@@ -6,7 +6,7 @@
 use proptest::prelude::*;
 use proptest::strategy::Strategy as _;
 
-use crate::split::{part, tensor_split};
+use crate::split::{part, tensor_split, ExpertSplit};
 use crate::testing::{deepseek_v3_q4, dense_model, link, mac_studios, mesh, node};
 use crate::{
     best, candidates, evaluate, plan, Candidate, Cluster, ModelProfile, PlanError, PlanRequest,
@@ -206,7 +206,7 @@ fn three_ranks_split_fourteen_heads_unevenly() {
     let all = candidates(&c, &m, &r).unwrap();
     let tp3 = all.iter().find(|c| c.placement.tp == 3).unwrap();
     assert!(tp3.fits(), "{tp3:?}");
-    let heads: Vec<usize> = tensor_split(&m, 3)
+    let heads: Vec<usize> = tensor_split(&m, 3, ExpertSplit::Auto)
         .unwrap()
         .iter()
         .map(|s| s.heads.len())
@@ -279,7 +279,7 @@ fn evaluate_checks_the_placement() {
 /// the last stage.
 fn replicated_bytes(m: &ModelProfile, c: &Candidate) -> u64 {
     let p = &c.placement;
-    let shares = tensor_split(m, p.tp).unwrap();
+    let shares = tensor_split(m, p.tp, p.experts).unwrap();
     let mut extra = 0;
     for s in &p.stages {
         for l in s.layers.clone() {
@@ -378,7 +378,7 @@ proptest! {
             prop_assert_eq!(weights, m.weight_bytes() + replicated_bytes(&m, cand));
             let kv: u64 = pred.memory.iter().map(|n| n.kv_bytes).sum();
             let kv_once = u64::from(ctx) * m.n_layers as u64 * m.kv_bytes_per_token_per_layer;
-            let kv_held: usize = tensor_split(&m, p.tp).unwrap().iter().map(|r| r.kv_heads.len()).sum();
+            let kv_held: usize = tensor_split(&m, p.tp, p.experts).unwrap().iter().map(|r| r.kv_heads.len()).sum();
             if kv_held == m.n_kv_heads {
                 prop_assert_eq!(kv, kv_once);
             } else {

@@ -178,8 +178,9 @@ impl Cluster {
     }
 }
 
-/// Mixture-of-experts facts of a model. Routed experts are placed by expert parallelism:
-/// a stage's tensor-parallel ranks hold whole experts, as evenly as the count allows.
+/// Mixture-of-experts facts of a model. A stage's tensor-parallel ranks hold whole routed
+/// experts (as evenly as the count allows) or a slice of every expert's features, whichever
+/// reads fewer bytes on the busiest rank per token (see [`crate::split::ExpertSplit`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MoeSpec {
     /// Routed experts per MoE layer.
@@ -189,6 +190,13 @@ pub struct MoeSpec {
     /// Bytes of all routed experts of each layer (0 for a dense layer); part of that layer's
     /// `layer_bytes`. One entry per layer.
     pub expert_bytes_per_layer: Vec<u64>,
+    /// Features of one routed expert (0 when unknown: experts are then only held whole).
+    #[serde(default)]
+    pub expert_ffn: usize,
+    /// Quantization block of the experts' down projection: sliced experts go to ranks in
+    /// whole blocks of features.
+    #[serde(default)]
+    pub expert_block: u32,
 }
 
 /// A model as the planner needs it: its shape and the stored bytes of each part.
@@ -481,6 +489,9 @@ pub struct PlanRequest {
     pub nodes: Option<Vec<String>>,
     /// Prompt length of the prefill prediction, tokens.
     pub prompt_tokens: u32,
+    /// How a mixture of experts' routed experts are cut across a stage's ranks.
+    #[serde(default)]
+    pub experts: crate::split::ExpertSplit,
 }
 
 impl Default for PlanRequest {
@@ -490,6 +501,7 @@ impl Default for PlanRequest {
             strategy: Strategy::Auto,
             nodes: None,
             prompt_tokens: crate::cost::DEFAULT_PROMPT_TOKENS,
+            experts: crate::split::ExpertSplit::Auto,
         }
     }
 }

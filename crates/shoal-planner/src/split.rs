@@ -2,9 +2,14 @@
 //! cuts it (`shoal-engine/src/shard.rs`): query heads in units whose columns of the attention
 //! output are whole quantization blocks (whole KV groups when there are enough), feed-forward
 //! features in whole blocks of the down projection, vocabulary rows in units of 16, routed
-//! experts whole; each as even as the units allow, so 14 heads over 3 ranks are 5, 4, 5. A
-//! rank holds every KV head its query heads read, so KV heads are replicated when ranks
-//! outnumber them.
+//! experts whole or sliced by features ([`ExpertSplit`]); each as even as the units allow, so
+//! 14 heads over 3 ranks are 5, 4, 5. A rank holds every KV head its query heads read, so KV
+//! heads are replicated when ranks outnumber them.
+//!
+//! A token reads `k` of a layer's `n` routed experts. With whole experts per rank, the rank
+//! that holds most of them sets the pace: [`expected_busiest`] is the expected largest count
+//! on one rank, exactly, over every choice of `k` of `n`. With sliced experts every rank reads
+//! all `k`, each its slice, so the widest slice sets the pace.
 //!
 //! Bytes follow the cuts: a rank's share of a part of `B` bytes cut into `n` units, holding
 //! units `a..b`, is `floor(B b / n) - floor(B a / n)`, so shares of a partition add up to `B`
@@ -19,9 +24,127 @@ use crate::spec::ModelProfile;
 /// Vocabulary rows go to ranks in units of this many (as the executor cuts them).
 pub const VOCAB_UNIT: usize = 16;
 
+/// How a stage's tensor-parallel ranks divide a mixture of experts' routed experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ExpertSplit {
+    /// Whichever reads fewer bytes on the busiest rank per decoded token
+    /// ([`expert_split_cost`]).
+    #[default]
+    Auto,
+    /// Each rank holds whole experts (expert parallelism).
+    Whole,
+    /// Each rank holds a slice of every expert's features (tensor parallelism).
+    Sliced,
+}
+
+impl ExpertSplit {
+    /// The split's name as the command line spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertSplit::Auto => "auto",
+            ExpertSplit::Whole => "whole",
+            ExpertSplit::Sliced => "sliced",
+        }
+    }
+
+    /// `Whole` or `Sliced` for `tp` ranks over `n` experts of `ffn` features in blocks of
+    /// `block`, `k` per token: this split where it is one of them, else the cheaper
+    /// possible one; `None` when neither is possible.
+    pub fn resolve(
+        self,
+        n: usize,
+        k: usize,
+        ffn: usize,
+        block: usize,
+        tp: usize,
+    ) -> Option<ExpertSplit> {
+        let (whole, sliced) = expert_split_cost(n, k, ffn, block, tp);
+        match self {
+            ExpertSplit::Whole => whole.map(|_| ExpertSplit::Whole),
+            ExpertSplit::Sliced => sliced.map(|_| ExpertSplit::Sliced),
+            ExpertSplit::Auto => match (whole, sliced) {
+                (Some(w), Some(s)) if s < w => Some(ExpertSplit::Sliced),
+                (Some(_), _) => Some(ExpertSplit::Whole),
+                (None, Some(_)) => Some(ExpertSplit::Sliced),
+                (None, None) => None,
+            },
+        }
+    }
+}
+
+impl std::str::FromStr for ExpertSplit {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(ExpertSplit::Auto),
+            "whole" => Ok(ExpertSplit::Whole),
+            "sliced" => Ok(ExpertSplit::Sliced),
+            other => Err(format!("expert split `{other}`: use whole, sliced or auto")),
+        }
+    }
+}
+
+/// The expected largest number of a token's `k` routed experts (of `n`) that fall on one
+/// rank when the ranks hold `cut` of them, over every way of choosing `k` of `n` (exact: the
+/// ranks' counts follow a multivariate hypergeometric law, counted by dynamic programming
+/// over the ranks).
+pub fn expected_busiest(n: usize, k: usize, cut: &[Range<usize>]) -> f64 {
+    let binom = |a: usize, b: usize| -> f64 {
+        if b > a {
+            return 0.0;
+        }
+        (0..b).fold(1.0, |acc, i| acc * (a - i) as f64 / (i + 1) as f64)
+    };
+    let total = binom(n, k);
+    if total == 0.0 {
+        return 0.0;
+    }
+    // E[max] = sum over m of P(max > m); ways[j]: choices of j experts among the ranks so
+    // far with at most m on each
+    let mut expected = 0.0;
+    for m in 0..k {
+        let mut ways = vec![0f64; k + 1];
+        ways[0] = 1.0;
+        for r in cut {
+            let mut next = vec![0f64; k + 1];
+            for (j, &w) in ways.iter().enumerate() {
+                if w == 0.0 {
+                    continue;
+                }
+                for c in 0..=m.min(r.len()).min(k - j) {
+                    next[j + c] += w * binom(r.len(), c);
+                }
+            }
+            ways = next;
+        }
+        expected += 1.0 - ways[k] / total;
+    }
+    expected
+}
+
+/// What one MoE layer's routed experts cost the busiest of `tp` ranks per decoded token, in
+/// experts' worth of bytes, split each way: `(whole, sliced)`; `None` where the split is
+/// impossible (fewer experts, or fewer feature blocks, than ranks).
+pub fn expert_split_cost(
+    n: usize,
+    k: usize,
+    ffn: usize,
+    block: usize,
+    tp: usize,
+) -> (Option<f64>, Option<f64>) {
+    let whole = cut(n, 1, tp).map(|c| expected_busiest(n, k, &c));
+    let sliced = (ffn > 0).then(|| cut(ffn, block, tp)).flatten().map(|c| {
+        let widest = c.iter().map(|r| r.len()).max().unwrap_or(0);
+        k as f64 * widest as f64 / ffn as f64
+    });
+    (whole, sliced)
+}
+
 /// What one tensor-parallel rank of a stage holds of every layer of the stage and of the
 /// vocabulary.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankShare {
     /// Query heads.
     pub heads: Range<usize>,
@@ -33,6 +156,13 @@ pub struct RankShare {
     pub vocab: Range<usize>,
     /// Routed experts (empty for a dense model).
     pub experts: Range<usize>,
+    /// Features of each held expert (all of them for whole experts; empty when unknown).
+    #[serde(default)]
+    pub expert_ffn: Range<usize>,
+    /// Experts' worth of routed bytes the busiest rank of the stage reads per token (see the
+    /// module): what this rank is charged for its routed experts per layer.
+    #[serde(default)]
+    pub routed_read: f64,
 }
 
 /// Cuts `0..len` into `parts` ranges, each a multiple of `unit` long except possibly the
@@ -78,12 +208,17 @@ pub fn part(bytes: u64, r: &Range<usize>, n: usize) -> u64 {
     at(r.end) - at(r.start.min(r.end))
 }
 
-/// What each of `tp` ranks of a stage holds, in tensor-parallel order.
+/// What each of `tp` ranks of a stage holds, in tensor-parallel order, routed experts cut
+/// as `experts` says (resolved as [`ExpertSplit::resolve`]; see [`split_of`]).
 ///
 /// # Errors
 /// A sentence naming the limit when the model cannot be cut that finely (more ranks than
 /// head units, feature blocks, vocabulary units or experts).
-pub fn tensor_split(model: &ModelProfile, tp: usize) -> Result<Vec<RankShare>, String> {
+pub fn tensor_split(
+    model: &ModelProfile,
+    tp: usize,
+    experts: ExpertSplit,
+) -> Result<Vec<RankShare>, String> {
     if tp == 0 {
         return Err("0 tensor-parallel ranks".into());
     }
@@ -114,9 +249,25 @@ pub fn tensor_split(model: &ModelProfile, tp: usize) -> Result<Vec<RankShare>, S
     })?;
     let vocab = cut(model.vocab, VOCAB_UNIT, tp)
         .ok_or_else(|| format!("tp {tp} exceeds a vocabulary of {}", model.vocab))?;
-    let experts = match model.n_experts() {
-        0 => vec![0..0; tp],
-        n => cut(n, 1, tp).ok_or_else(|| format!("tp {tp} exceeds the {n} experts"))?,
+    let (experts, expert_ffn, routed_read) = match &model.experts {
+        Some(m) if m.n_experts > 0 => {
+            let (n, k) = (m.n_experts as usize, m.active_experts as usize);
+            let (f, b) = (m.expert_ffn, m.expert_block.max(1) as usize);
+            match split_of(model, tp, experts) {
+                Some(ExpertSplit::Sliced) => {
+                    let c = cut(f, b, tp).expect("resolved as possible");
+                    let busiest = expert_split_cost(n, k, f, b, tp).1.unwrap_or(k as f64);
+                    (vec![0..n; tp], c, busiest)
+                }
+                Some(_) => {
+                    let c = cut(n, 1, tp).expect("resolved as possible");
+                    let busiest = expected_busiest(n, k, &c);
+                    (c, vec![0..f; tp], busiest)
+                }
+                None => return Err(format!("tp {tp} exceeds the {n} experts")),
+            }
+        }
+        _ => (vec![0..0; tp], vec![0..0; tp], 0.0),
     };
     Ok((0..tp)
         .map(|i| {
@@ -127,28 +278,76 @@ pub fn tensor_split(model: &ModelProfile, tp: usize) -> Result<Vec<RankShare>, S
                 ffn: ffn[i].clone(),
                 vocab: vocab[i].clone(),
                 experts: experts[i].clone(),
+                expert_ffn: expert_ffn[i].clone(),
+                routed_read,
             }
         })
         .collect())
 }
 
+/// The split `tp` ranks of `model` use for its routed experts: `Whole` or `Sliced` as
+/// `asked` resolves ([`ExpertSplit::resolve`]), `Auto` for a dense model or one rank, `None`
+/// when the experts cannot be cut so.
+pub fn split_of(model: &ModelProfile, tp: usize, asked: ExpertSplit) -> Option<ExpertSplit> {
+    match &model.experts {
+        Some(m) if m.n_experts > 0 && tp > 1 => asked.resolve(
+            m.n_experts as usize,
+            m.active_experts as usize,
+            m.expert_ffn,
+            m.expert_block.max(1) as usize,
+            tp,
+        ),
+        _ => Some(ExpertSplit::Auto),
+    }
+}
+
 impl RankShare {
+    /// Bytes of layer `l`'s routed experts this rank holds.
+    pub fn expert_bytes(&self, model: &ModelProfile, l: usize) -> u64 {
+        let p = model.layer_parts(l);
+        let whole = part(p.experts, &self.experts, model.n_experts());
+        match &model.experts {
+            Some(m) if m.expert_ffn > 0 => part(whole, &self.expert_ffn, m.expert_ffn),
+            _ => whole,
+        }
+    }
+
     /// Weight bytes of layer `l` this rank holds.
     pub fn layer_bytes(&self, model: &ModelProfile, l: usize) -> u64 {
         let p = model.layer_parts(l);
         part(p.attn_q_o, &self.heads, model.n_heads)
             + part(p.attn_kv, &self.kv_heads, model.n_kv_heads)
             + part(p.ffn, &self.ffn, model.ffn)
-            + part(p.experts, &self.experts, model.n_experts())
+            + self.expert_bytes(model, l)
+    }
+
+    /// Bytes of layer `l`'s routed experts this rank is charged per decoded token: the
+    /// busiest rank's experts' worth ([`RankShare::routed_read`]) of one expert's held part,
+    /// or on one rank the active fraction of them all.
+    pub fn routed_layer_read(&self, model: &ModelProfile, l: usize) -> f64 {
+        let n = model.n_experts();
+        if n == 0 {
+            return 0.0;
+        }
+        let all = model.layer_parts(l).experts as f64;
+        let per_expert_slice = match &model.experts {
+            Some(m) if m.expert_ffn > 0 => {
+                all / n as f64 * self.expert_ffn.len() as f64 / m.expert_ffn as f64
+            }
+            _ => all / n as f64,
+        };
+        if self.routed_read > 0.0 {
+            self.routed_read * per_expert_slice
+        } else {
+            self.expert_bytes(model, l) as f64 * model.active_fraction()
+        }
     }
 
     /// Weight bytes of layer `l` this rank reads per decoded token: all it holds but the
-    /// routed experts, of which a token reads the active fraction (in expectation, with
-    /// tokens routed evenly).
+    /// routed experts, and of those what [`RankShare::routed_layer_read`] charges.
     pub fn layer_read(&self, model: &ModelProfile, l: usize) -> f64 {
-        let p = model.layer_parts(l);
-        let experts = part(p.experts, &self.experts, model.n_experts());
-        (self.layer_bytes(model, l) - experts) as f64 + experts as f64 * model.active_fraction()
+        (self.layer_bytes(model, l) - self.expert_bytes(model, l)) as f64
+            + self.routed_layer_read(model, l)
     }
 
     /// KV cache bytes per token per layer this rank keeps.
@@ -192,14 +391,58 @@ mod tests {
         let mut m = dense_model(24, 14, 2, 64, 4864, 1000);
         m.quant_block = 256;
         m.attn_quant_block = Some(32);
-        let s = tensor_split(&m, 3).unwrap();
+        let s = tensor_split(&m, 3, ExpertSplit::Auto).unwrap();
         let heads: Vec<usize> = s.iter().map(|r| r.heads.len()).collect();
         assert_eq!(heads, vec![5, 4, 5]);
         assert_eq!(s[0].ffn.len() / 256, 6);
         assert_eq!(s[1].ffn.len() / 256, 7);
         // the middle rank's heads straddle both KV groups
         assert_eq!(s[1].kv_heads, 0..2);
-        assert!(tensor_split(&m, 15).unwrap_err().contains("head units"));
+        assert!(tensor_split(&m, 15, ExpertSplit::Auto)
+            .unwrap_err()
+            .contains("head units"));
+    }
+
+    #[test]
+    fn the_busiest_rank_expectation_is_exact() {
+        // 8 of 128 experts over two even halves: E max(X, 8 - X), X hypergeometric
+        let halves = [0..64, 64..128];
+        let binom = |a: f64, b: f64| -> f64 {
+            (0..b as usize).fold(1.0, |acc, i| acc * (a - i as f64) / (i as f64 + 1.0))
+        };
+        let want: f64 = (0..=8)
+            .map(|x| {
+                let p = binom(64.0, x as f64) * binom(64.0, (8 - x) as f64) / binom(128.0, 8.0);
+                p * (x.max(8 - x) as f64)
+            })
+            .sum();
+        assert!((expected_busiest(128, 8, &halves) - want).abs() < 1e-9);
+        // one rank holds every chosen expert
+        let all: Vec<Range<usize>> = std::iter::once(0..16).collect();
+        assert!((expected_busiest(16, 4, &all) - 4.0).abs() < 1e-12);
+        // each expert its own rank: the busiest holds one
+        let singles: Vec<_> = (0..4).map(|i| i..i + 1).collect();
+        assert!((expected_busiest(4, 2, &singles) - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn qwen3_30b_experts_go_whole_on_two_ranks_and_sliced_on_three() {
+        // 128 experts of 768 features in 256-blocks, 8 per token
+        let (w2, s2) = expert_split_cost(128, 8, 768, 256, 2);
+        assert!(w2.unwrap() < s2.unwrap(), "{w2:?} {s2:?}");
+        assert_eq!(
+            ExpertSplit::Auto.resolve(128, 8, 768, 256, 2),
+            Some(ExpertSplit::Whole)
+        );
+        let (w3, s3) = expert_split_cost(128, 8, 768, 256, 3);
+        assert!(s3.unwrap() < w3.unwrap(), "{w3:?} {s3:?}");
+        assert_eq!(
+            ExpertSplit::Auto.resolve(128, 8, 768, 256, 3),
+            Some(ExpertSplit::Sliced)
+        );
+        // four ranks cannot slice three blocks
+        assert_eq!(expert_split_cost(128, 8, 768, 256, 4).1, None);
+        assert_eq!(ExpertSplit::Sliced.resolve(128, 8, 768, 256, 4), None);
     }
 
     #[test]

@@ -133,6 +133,8 @@ pub fn deepseek_v3_q4() -> ModelProfile {
             n_experts: 256,
             active_experts: 8,
             expert_bytes_per_layer: expert_bytes,
+            expert_ffn: 2048,
+            expert_block: 256,
         }),
     }
 }

@@ -124,9 +124,12 @@ struct Report {
     /// Positions in a decoding sequence's cache after its last run: `depth + n_gen`.
     #[serde(skip_serializing_if = "Option::is_none")]
     decode_end_position: Option<usize>,
+    /// KV cache bytes one position takes in every layer (for latent attention, the latent
+    /// and its rope key).
+    kv_bytes_per_token: u64,
     /// KV cache bytes attention reads per decoded token, on average over a run (not in
     /// the ceiling, which counts weights).
-    kv_bytes_per_token: u64,
+    kv_read_bytes_per_token: u64,
     repetitions: usize,
     /// Median prefill tokens/s.
     prefill_tok_s: Option<f64>,
@@ -169,9 +172,12 @@ struct OpTime {
 /// KV cache bytes attention reads per decoded token, on average over `n_gen` tokens decoded
 /// after `depth`: the step at position `p` reads `p + 1` positions of every layer, or at
 /// most the sliding window's in a local layer.
-fn kv_bytes_per_token(cfg: &shoal_engine::config::ModelConfig, depth: usize, n_gen: usize) -> u64 {
-    let per_layer =
-        shoal_engine::kv_cache::KvCache::bytes_per_token_per_layer(cfg.n_kv_head, cfg.head_dim);
+fn kv_read_bytes_per_token(
+    cfg: &shoal_engine::config::ModelConfig,
+    depth: usize,
+    n_gen: usize,
+) -> u64 {
+    let per_layer = cfg.kv_bytes_per_token_per_layer();
     let steps = n_gen.max(1);
     let positions: u64 = (0..cfg.n_layer)
         .map(|layer| {
@@ -478,7 +484,8 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         n_gen: args.n_gen,
         depth: args.depth,
         decode_end_position: decode_end,
-        kv_bytes_per_token: kv_bytes_per_token(t.config(), args.depth, args.n_gen),
+        kv_bytes_per_token: t.config().kv_bytes_per_token_per_layer() * t.config().n_layer as u64,
+        kv_read_bytes_per_token: kv_read_bytes_per_token(t.config(), args.depth, args.n_gen),
         repetitions: args.reps,
         prefill_tok_s: prefill.map(|s| s.median),
         prefill,
@@ -539,7 +546,7 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         if args.depth > 0 {
             println!(
                 "             the KV cache adds {:.1} MB read per token at this depth (not in the ceiling)",
-                report.kv_bytes_per_token as f64 / 1e6
+                report.kv_read_bytes_per_token as f64 / 1e6
             );
         }
         if let Some(steal) = host_steal {

@@ -67,6 +67,32 @@ const MESH_WAIT: Duration = Duration::from_secs(600);
 /// membership (which closes the mesh), not by this timeout.
 const COLLECTIVE_WAIT: Duration = Duration::from_secs(24 * 3600);
 
+/// A sparse copy of a model file being fetched chunk by chunk.
+struct ChunkFetch {
+    /// Chunks written and verified.
+    done: BTreeSet<u64>,
+    /// The sparse file.
+    file: std::fs::File,
+    /// Where `done` is kept between attempts.
+    done_path: PathBuf,
+    /// The node fetched from.
+    src: String,
+    /// The file's SHA-256.
+    sha: String,
+}
+
+/// The chunks holding `ranges` of a file of `size` bytes.
+fn chunks_of(ranges: &[std::ops::Range<u64>], size: u64) -> BTreeSet<u64> {
+    let mut chunks = BTreeSet::new();
+    for r in ranges {
+        let end = r.end.min(size);
+        if r.start < end {
+            chunks.extend(r.start / CHUNK..end.div_ceil(CHUNK));
+        }
+    }
+    chunks
+}
+
 /// How the node's ranks are served.
 #[derive(Clone, Debug)]
 pub struct DriverConfig {
@@ -747,9 +773,15 @@ impl Driver {
         self.report(inst, "loading", Some("loading its shard".into()));
         let source = ModelSource::Gguf(path.clone());
         let sizes = inst.placement.stage_sizes();
-        let (model, plans) =
-            LoadedModel::load_split(&source, layout, Some(&sizes), rank, ctx.tp.clone())
-                .with_context(|| format!("loading rank {rank}'s shard of {}", path.display()))?;
+        let (model, plans) = LoadedModel::load_split(
+            &source,
+            layout,
+            Some(&sizes),
+            inst.placement.experts,
+            rank,
+            ctx.tp.clone(),
+        )
+        .with_context(|| format!("loading rank {rank}'s shard of {}", path.display()))?;
         ctx.plans = plans;
         let capacity = (inst.ctx as usize)
             .min(model.transformer.config().context_len)
@@ -823,16 +855,9 @@ impl Driver {
                 inst.model
             );
         }
-        let stage = inst.placement.tp.max(1);
-        let layers = inst
-            .placement
-            .stages
-            .get(rank / stage)
-            .map(|s| s.layers.clone())
-            .context("the rank is outside the placement")?;
         let mut last = None;
         for src in &sources {
-            match self.fetch_slice(inst, src, &sha, layers.clone(), stop) {
+            match self.fetch_slice(inst, src, &sha, rank, stop) {
                 Ok(p) => return Ok(p),
                 Err(e) => {
                     tracing::warn!(source = %src, "fetching from this node failed: {e:#}");
@@ -843,15 +868,18 @@ impl Driver {
         Err(last.expect("a source was tried"))
     }
 
-    /// Fetches, from node `src`, the chunks of file `sha` that hold its header, every tensor
-    /// outside the blocks, and blocks `layers`, into a sparse file of the full size; chunks
-    /// already verified by an earlier attempt are kept.
+    /// Fetches, from node `src`, the chunks of file `sha` that rank `rank` of `inst` reads
+    /// into a sparse file of the full size: first the header, from which the rank's share is
+    /// computed as the executor cuts it, then the byte ranges of that share
+    /// (`shard::file_ranges`: every tensor outside the blocks, the blocks of its stage, and
+    /// of the routed experts only its own). Chunks already verified by an earlier attempt
+    /// are kept.
     fn fetch_slice(
         &self,
         inst: &Instance,
         src: &str,
         sha: &str,
-        layers: std::ops::Range<usize>,
+        rank: usize,
         stop: &AtomicBool,
     ) -> anyhow::Result<PathBuf> {
         let answer = self
@@ -866,85 +894,68 @@ impl Driver {
         if m.chunk != CHUNK || m.hashes.len() as u64 != m.size.div_ceil(CHUNK) {
             bail!("node {src} sent a manifest that does not describe its file");
         }
-        let mut needed: BTreeSet<u64> =
-            (0..m.data_offset.min(m.size).div_ceil(CHUNK).max(1)).collect();
-        for (name, start, len) in &m.tensors {
-            let wanted = match shoal_engine::arch::layer_of(name) {
-                Some(i) => layers.contains(&i),
-                None => true,
-            };
-            if wanted && *len > 0 {
-                let end = start.saturating_add(*len).min(m.size);
-                needed.extend(start / CHUNK..end.div_ceil(CHUNK));
-            }
-        }
         let dir = self.cfg.data_dir.join("models");
         std::fs::create_dir_all(&dir)?;
         let path = dir.join(format!("{sha}.gguf"));
         let done_path = dir.join(format!("{sha}.chunks"));
-        let mut done: BTreeSet<u64> = std::fs::read_to_string(&done_path)
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
-            .unwrap_or_default();
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .open(&path)
-            .with_context(|| format!("opening {}", path.display()))?;
-        if f.metadata()?.len() != m.size {
-            f.set_len(m.size)?;
-            done.clear();
+        let mut fetch = ChunkFetch {
+            done: std::fs::read_to_string(&done_path)
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok())
+                .unwrap_or_default(),
+            file: std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .read(true)
+                .write(true)
+                .open(&path)
+                .with_context(|| format!("opening {}", path.display()))?,
+            done_path,
+            src: src.to_string(),
+            sha: sha.to_string(),
+        };
+        if fetch.file.metadata()?.len() != m.size {
+            fetch.file.set_len(m.size)?;
+            fetch.done.clear();
         }
-        let todo: Vec<u64> = needed
-            .iter()
-            .copied()
-            .filter(|c| !done.contains(c))
-            .collect();
+        let header: BTreeSet<u64> = (0..m.data_offset.min(m.size).div_ceil(CHUNK).max(1)).collect();
+        self.fetch_chunks(inst, &m, &mut fetch, &header, stop)?;
+        let needed = match self.rank_ranges(inst, rank, &path) {
+            Ok(ranges) => chunks_of(&ranges, m.size),
+            Err(e) => {
+                // the stage's whole blocks hold every byte the rank reads
+                tracing::warn!(instance = %inst.id, "fetching the stage's whole blocks: {e:#}");
+                let stage = inst.placement.tp.max(1);
+                let layers = inst
+                    .placement
+                    .stages
+                    .get(rank / stage)
+                    .map(|s| s.layers.clone())
+                    .context("the rank is outside the placement")?;
+                let mut chunks = header.clone();
+                for (name, start, len) in &m.tensors {
+                    let wanted = match shoal_engine::arch::layer_of(name) {
+                        Some(i) => layers.contains(&i),
+                        None => true,
+                    };
+                    if wanted && *len > 0 {
+                        let end = start.saturating_add(*len).min(m.size);
+                        chunks.extend(start / CHUNK..end.div_ceil(CHUNK));
+                    }
+                }
+                chunks
+            }
+        };
         let total_bytes: u64 = needed.iter().map(|&c| CHUNK.min(m.size - c * CHUNK)).sum();
         tracing::info!(
-            instance = %inst.id, source = %src,
-            chunks = needed.len(), already = needed.len() - todo.len(),
+            instance = %inst.id, source = %src, chunks = needed.len(),
             mb = total_bytes as f64 / 1e6, file_mb = m.size as f64 / 1e6,
             "fetching this rank's slice of the model"
         );
         let t0 = Instant::now();
-        for (k, &c) in todo.iter().enumerate() {
-            if stop.load(Ordering::Acquire) {
-                bail!("stopped while fetching");
-            }
-            let off = c * CHUNK;
-            let len = CHUNK.min(m.size - off);
-            debug_assert!(len <= MAX_FETCH_BYTES);
-            let bytes = self
-                .rt
-                .block_on(self.node.fetch(src, sha, off, len))
-                .map_err(anyhow::Error::msg)?;
-            let got = hex(&Sha256::digest(&bytes));
-            if got != m.hashes[c as usize] {
-                bail!("chunk {c} from node {src} failed its sha256 check (got {got})");
-            }
-            f.seek(SeekFrom::Start(off))?;
-            f.write_all(&bytes)?;
-            done.insert(c);
-            if k % 8 == 7 || k + 1 == todo.len() {
-                f.sync_data()?;
-                std::fs::write(&done_path, serde_json::to_string(&done)?)?;
-                let have = needed.iter().filter(|c| done.contains(c)).count();
-                self.report(
-                    inst,
-                    "loading",
-                    Some(format!(
-                        "fetched {have}/{} chunks of its slice from node {src}",
-                        needed.len()
-                    )),
-                );
-            }
-        }
-        let secs = t0.elapsed().as_secs_f64();
-        tracing::info!(instance = %inst.id, chunks = todo.len(), secs, "fetched");
-        if done.len() == m.hashes.len() {
+        self.fetch_chunks(inst, &m, &mut fetch, &needed, stop)?;
+        tracing::info!(instance = %inst.id, secs = t0.elapsed().as_secs_f64(), "fetched");
+        if fetch.done.len() == m.hashes.len() {
             // every chunk is here: check the whole file and offer it like a fetched model
             if sha256_file(&path)? == sha {
                 if let Some(profile) = self.profile(&inst.model) {
@@ -959,11 +970,96 @@ impl Driver {
                     tracing::info!(model = %inst.model, "the whole file is here and verified; offering it");
                 }
             } else {
-                let _ = std::fs::remove_file(&done_path);
+                let _ = std::fs::remove_file(&fetch.done_path);
                 bail!("the assembled file does not match sha256 {sha}; its chunks will be fetched again");
             }
         }
         Ok(path)
+    }
+
+    /// The byte ranges rank `rank` of `inst` reads, from the header of the (sparse) file at
+    /// `path`, as the executor will cut the model.
+    fn rank_ranges(
+        &self,
+        inst: &Instance,
+        rank: usize,
+        path: &Path,
+    ) -> anyhow::Result<Vec<std::ops::Range<u64>>> {
+        let file = GgufFile::open(path)?;
+        let vocab = file
+            .tensor("token_embd.weight")?
+            .shape()
+            .first()
+            .copied()
+            .unwrap_or(0);
+        let label = path.display().to_string();
+        let cfg = shoal_engine::arch::config_from_gguf(file.metadata(), vocab, &label)?;
+        let layout = Layout {
+            tp: inst.placement.tp,
+            pp: inst.placement.pp(),
+        };
+        let sizes = inst.placement.stage_sizes();
+        let src = shoal_engine::weights::GgufWeights::new(file);
+        let plans =
+            shoal_engine::shard::plan(&cfg, &src, layout, Some(&sizes), inst.placement.experts)?;
+        let plan = plans
+            .get(rank)
+            .context("the rank is outside the placement")?;
+        Ok(shoal_engine::shard::file_ranges(&cfg, src.file(), plan))
+    }
+
+    /// Fetches the chunks of `chunks` not yet done, checking each against the manifest,
+    /// and reports progress.
+    fn fetch_chunks(
+        &self,
+        inst: &Instance,
+        m: &Manifest,
+        fetch: &mut ChunkFetch,
+        chunks: &BTreeSet<u64>,
+        stop: &AtomicBool,
+    ) -> anyhow::Result<()> {
+        let todo: Vec<u64> = chunks
+            .iter()
+            .copied()
+            .filter(|c| !fetch.done.contains(c))
+            .collect();
+        for (k, &c) in todo.iter().enumerate() {
+            if stop.load(Ordering::Acquire) {
+                bail!("stopped while fetching");
+            }
+            let off = c * CHUNK;
+            let len = CHUNK.min(m.size - off);
+            debug_assert!(len <= MAX_FETCH_BYTES);
+            let bytes = self
+                .rt
+                .block_on(self.node.fetch(&fetch.src, &fetch.sha, off, len))
+                .map_err(anyhow::Error::msg)?;
+            let got = hex(&Sha256::digest(&bytes));
+            if got != m.hashes[c as usize] {
+                bail!(
+                    "chunk {c} from node {} failed its sha256 check (got {got})",
+                    fetch.src
+                );
+            }
+            fetch.file.seek(SeekFrom::Start(off))?;
+            fetch.file.write_all(&bytes)?;
+            fetch.done.insert(c);
+            if k % 8 == 7 || k + 1 == todo.len() {
+                fetch.file.sync_data()?;
+                std::fs::write(&fetch.done_path, serde_json::to_string(&fetch.done)?)?;
+                let have = chunks.iter().filter(|c| fetch.done.contains(c)).count();
+                self.report(
+                    inst,
+                    "loading",
+                    Some(format!(
+                        "fetched {have}/{} chunks of its slice from node {}",
+                        chunks.len(),
+                        fetch.src
+                    )),
+                );
+            }
+        }
+        Ok(())
     }
 
     // ---------------------------------------------------------------- requests

@@ -16,6 +16,7 @@ use shoal_engine::planning::model_profile;
 use shoal_engine::weights::{GgufWeights, HfNaming, SafetensorsWeights};
 use shoal_model::gguf::GgufFile;
 use shoal_model::source::ModelSource;
+use shoal_planner::split::ExpertSplit;
 use shoal_planner::{
     Candidate, Cluster, LinkSpec, ModelProfile, MoeSpec, NodeSpec, Placement, PlanRequest,
     Prediction, Strategy,
@@ -74,6 +75,8 @@ CLUSTER FILE (TOML; GB = 1e9 bytes, Gbit/s = 1e9 bits/s):
   [model.moe]
   n_experts = 256
   active_experts = 8
+  expert_ffn = 2048            # features of one expert (omit: experts are only held whole)
+  expert_block = 256           # quantization block of the experts' down projection
 
 Examples: examples/clusters/mac-studios.toml, mac-studios-tcp.toml, loopback.toml.";
 
@@ -103,6 +106,10 @@ pub struct PlanArgs {
     /// Prompt length of the prefill prediction, tokens.
     #[arg(long, default_value_t = shoal_planner::cost::DEFAULT_PROMPT_TOKENS)]
     pub prompt_tokens: u32,
+    /// How a mixture of experts' routed experts are cut across a stage's ranks: whole,
+    /// sliced, or auto (whichever reads fewer bytes on the busiest rank).
+    #[arg(long, default_value = "auto", value_parser = parse_experts)]
+    pub expert_split: ExpertSplit,
     /// Candidates to show (0 = all).
     #[arg(long, default_value_t = 10)]
     pub top: usize,
@@ -112,6 +119,10 @@ pub struct PlanArgs {
 }
 
 fn parse_strategy(s: &str) -> Result<Strategy, String> {
+    s.parse()
+}
+
+fn parse_experts(s: &str) -> Result<ExpertSplit, String> {
     s.parse()
 }
 
@@ -205,6 +216,11 @@ struct LayerGroup {
 struct MoeEntry {
     n_experts: u32,
     active_experts: u32,
+    /// Features of one routed expert (omit to hold experts only whole).
+    #[serde(default)]
+    expert_ffn: usize,
+    /// Quantization block of the experts' down projection (default 256).
+    expert_block: Option<u32>,
 }
 
 /// `gb` gigabytes as bytes, or an error naming `what`.
@@ -351,6 +367,8 @@ impl ModelEntry {
                 n_experts: m.n_experts,
                 active_experts: m.active_experts,
                 expert_bytes_per_layer: expert_bytes,
+                expert_ffn: m.expert_ffn,
+                expert_block: m.expert_block.unwrap_or(256),
             }),
             None if expert_bytes.iter().any(|&b| b > 0) => {
                 bail!("[model] layers have experts_gb but there is no [model.moe] table")
@@ -540,6 +558,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         strategy: args.strategy,
         nodes: args.nodes.clone(),
         prompt_tokens: args.prompt_tokens,
+        experts: args.expert_split,
     };
     let all = shoal_planner::candidates(&cluster, &model, &req)
         .with_context(|| format!("planning with {source}"))?;

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use shoal_comm::{EmulatedLink, LinkSpec, ShmTransport, TcpTransport, Transport};
 use shoal_engine::model::LoadedModel;
 use shoal_engine::parallel::{RankContext, Timed};
-use shoal_engine::shard::Layout;
+use shoal_engine::shard::{ExpertSplit, Layout};
 
 /// Version of the assembly protocol; ranks of another version are refused.
 const PROTOCOL: u32 = 1;
@@ -45,6 +45,9 @@ pub struct Job {
     pub pp: usize,
     /// Layers per stage (even when empty).
     pub stage_sizes: Vec<usize>,
+    /// How a mixture of experts' routed experts are cut (`auto`, `whole`, `sliced`).
+    #[serde(default)]
+    pub expert_split: String,
     /// Context size of the sequence.
     pub ctx: usize,
     /// Compute threads per rank.
@@ -59,6 +62,19 @@ pub struct Job {
     pub link_latency_us: f64,
     /// Emulated link bandwidth in Gbit/s (0 = unlimited).
     pub link_gbps: f64,
+}
+
+impl Job {
+    /// How the job cuts a mixture of experts.
+    ///
+    /// # Errors
+    /// When the split is not one shoal knows.
+    pub fn experts(&self) -> anyhow::Result<ExpertSplit> {
+        if self.expert_split.is_empty() {
+            return Ok(ExpertSplit::Auto);
+        }
+        self.expert_split.parse().map_err(anyhow::Error::msg)
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -469,6 +485,11 @@ pub struct SplitArgs {
     /// Layers per pipeline stage, comma separated (default: as even as possible).
     #[arg(long, value_delimiter = ',')]
     pub stage_layers: Vec<usize>,
+    /// How a mixture of experts' routed experts are cut across the tensor-parallel ranks:
+    /// `whole` experts per rank, `sliced` (a slice of every expert), or `auto` (whichever
+    /// the planner predicts faster).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "whole", "sliced"])]
+    pub expert_split: String,
     /// How ranks talk: `tcp` (loopback) or `shm` (shared memory).
     #[arg(long, default_value = "tcp")]
     pub transport: String,
@@ -532,6 +553,7 @@ impl SplitArgs {
             tp: self.tp,
             pp: self.pp,
             stage_sizes: self.stage_layers.clone(),
+            expert_split: self.expert_split.clone(),
             ctx,
             threads,
             timeout_ms: self.comm_timeout_ms.max(1),
@@ -636,8 +658,11 @@ impl LeadRank {
             ctx.tp = Arc::new(Timed::new(ctx.tp.clone(), ns));
         }
         let sizes = (!job.stage_sizes.is_empty()).then_some(&job.stage_sizes[..]);
-        let (model, plans) = LoadedModel::load_split(&source, layout, sizes, 0, ctx.tp.clone())
-            .with_context(|| format!("rank 0: loading its shard of {}", source.path().display()))?;
+        let (model, plans) =
+            LoadedModel::load_split(&source, layout, sizes, job.experts()?, 0, ctx.tp.clone())
+                .with_context(|| {
+                    format!("rank 0: loading its shard of {}", source.path().display())
+                })?;
         ctx.plans = plans;
         Ok(LeadRank {
             job,

@@ -51,13 +51,15 @@ pub fn main(args: WorkerArgs) -> anyhow::Result<()> {
     };
     let mut ctx = RankContext::over(transport, layout, Duration::from_millis(job.timeout_ms))?;
     let sizes = (!job.stage_sizes.is_empty()).then_some(&job.stage_sizes[..]);
-    let (model, plans) = LoadedModel::load_split(&source, layout, sizes, rank, ctx.tp.clone())
-        .with_context(|| {
-            format!(
-                "rank {rank}: loading its shard of {}",
-                source.path().display()
-            )
-        })?;
+    let experts = job.experts()?;
+    let (model, plans) =
+        LoadedModel::load_split(&source, layout, sizes, experts, rank, ctx.tp.clone())
+            .with_context(|| {
+                format!(
+                    "rank {rank}: loading its shard of {}",
+                    source.path().display()
+                )
+            })?;
     ctx.plans = plans;
     tracing::info!(rank, plan = ?model.transformer.plan(), "serving");
     let capacity = job.ctx.min(model.transformer.config().context_len).max(1);

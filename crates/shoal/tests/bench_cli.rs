@@ -189,7 +189,9 @@ fn depth_fills_the_cache_before_each_run() {
     assert_eq!(deep["decode_end_position"], 26, "{deep}");
     assert!(deep["prefill_tok_s"].as_f64().unwrap() > 0.0);
     assert!(deep["decode_tok_s"].as_f64().unwrap() > 0.0);
-    let kv = |r: &serde_json::Value| r["kv_bytes_per_token"].as_f64().unwrap();
+    let kv = |r: &serde_json::Value| r["kv_read_bytes_per_token"].as_f64().unwrap();
+    // a position takes 128 bytes in each of the two layers
+    assert_eq!(shallow["kv_bytes_per_token"], 256, "{shallow}");
     // a position holds, per layer, f16 keys and values of 2 KV heads of 16: 128 bytes, 256
     // over the two layers; 3.5 positions on average without depth, 23.5 with
     assert_eq!(kv(&shallow), 256.0 * 3.5, "{shallow}");

@@ -1,6 +1,9 @@
-//! Llama family (Llama 2/3/3.1, SmolLM, Mistral): RMSNorm, SwiGLU, grouped-query attention,
-//! biases on q/k/v only where a file has them, and Llama 3.1's RoPE scaling where a file
-//! has `rope_freqs.weight` (or a `config.json` asks for `llama3` scaling). GGUF llama files
+//! Llama family (Llama 2/3/3.1, SmolLM, Mistral, Mixtral): RMSNorm, SwiGLU, grouped-query
+//! attention, biases on q/k/v only where a file has them, Llama 3.1's RoPE scaling where a
+//! file has `rope_freqs.weight` (or a `config.json` asks for `llama3` scaling), and a routed
+//! mixture of experts in place of the feed-forward where the file has `llama.expert_count`
+//! (Mixtral: a softmax router, the chosen experts' weights renormalised, experts
+//! `feed_forward_length` wide). GGUF llama files
 //! store q/k rows permuted for interleaved RoPE; Hugging Face checkpoints use
 //! `rotate_half`, so the safetensors loader permutes them the same way and both run the
 //! identical interleaved path.
@@ -9,8 +12,11 @@ use std::sync::Arc;
 
 use shoal_model::gguf::Metadata;
 
-use super::{common_gguf, common_hf, optional, required, ArchSpec, Role, DECODER_TENSORS};
-use crate::config::{Arch, ModelConfig, RopeStyle};
+use super::{
+    common_gguf, common_hf, moe_gguf, optional, required, ArchSpec, Role, DECODER_TENSORS,
+    EXPERT_TENSORS,
+};
+use crate::config::{Arch, Gating, ModelConfig, RopeStyle};
 use crate::EngineError;
 
 /// The llama architecture.
@@ -42,9 +48,15 @@ pub static SPEC: ArchSpec = ArchSpec {
             "ffn_norm.weight",
             "post_attention_layernorm.weight",
         ),
-        required(Role::FfnGate, "ffn_gate.weight", "mlp.gate_proj.weight"),
-        required(Role::FfnUp, "ffn_up.weight", "mlp.up_proj.weight"),
-        required(Role::FfnDown, "ffn_down.weight", "mlp.down_proj.weight"),
+        // a dense feed-forward, or a mixture of experts (Mixtral)
+        optional(Role::FfnGate, "ffn_gate.weight", "mlp.gate_proj.weight"),
+        optional(Role::FfnUp, "ffn_up.weight", "mlp.up_proj.weight"),
+        optional(Role::FfnDown, "ffn_down.weight", "mlp.down_proj.weight"),
+        EXPERT_TENSORS[0],
+        EXPERT_TENSORS[1],
+        EXPERT_TENSORS[2],
+        EXPERT_TENSORS[3],
+        EXPERT_TENSORS[4],
     ],
     from_gguf,
     from_hf: Some(from_hf),
@@ -61,6 +73,11 @@ pub fn from_gguf(md: &Metadata, vocab: usize) -> Result<ModelConfig, EngineError
         .opt_f64("llama.attention.layer_norm_rms_epsilon")?
         .unwrap_or(1e-5);
     c.rope_style = RopeStyle::Interleaved;
+    c.moe = moe_gguf(md, Arch::Llama, c.ffn)?.map(|mut m| {
+        m.gating = Gating::Softmax;
+        m.norm_weights = true;
+        m
+    });
     Ok(c)
 }
 

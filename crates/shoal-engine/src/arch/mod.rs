@@ -10,14 +10,16 @@
 //! Adding an architecture is one module here (its table and config readers), one entry in
 //! [`ARCHS`], and its writer in the test kit.
 
+pub mod deepseek2;
 pub mod gemma3;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3moe;
 
 use shoal_model::gguf::Metadata;
 
-use crate::config::{Arch, ModelConfig};
+use crate::config::{Arch, Gating, ModelConfig, MoeConfig, YarnConfig};
 use crate::EngineError;
 
 /// What a tensor is for. Layer roles name one tensor of every block (`blk.N.…` in GGUF);
@@ -64,6 +66,43 @@ pub enum Role {
     FfnDown,
     /// Norm of the feed-forward output, before its residual add.
     PostFfnNorm,
+    /// Router of a mixture of experts, `[n_expert, hidden]`.
+    FfnGateInp,
+    /// Gate projections of every routed expert, `[n_expert, expert_ffn, hidden]`.
+    FfnGateExps,
+    /// Up projections of every routed expert.
+    FfnUpExps,
+    /// Down projections of every routed expert, `[n_expert, hidden, expert_ffn]`.
+    FfnDownExps,
+    /// Gate and up projections of every routed expert in one tensor (converters that fuse
+    /// them), `[n_expert, 2 expert_ffn, hidden]`: each expert's gate rows, then its up rows.
+    FfnGateUpExps,
+    /// Per-expert bias added to the router's probabilities for selection only (DeepSeek V3).
+    FfnExpProbsBias,
+    /// Gate projection of the shared experts.
+    FfnGateShexp,
+    /// Up projection of the shared experts.
+    FfnUpShexp,
+    /// Down projection of the shared experts.
+    FfnDownShexp,
+    /// Query compression (MLA with a query rank).
+    AttnQA,
+    /// Norm of the compressed query.
+    AttnQANorm,
+    /// Query decompression into heads.
+    AttnQB,
+    /// The key/value latent and the shared rope key, `[kv_lora_rank + rope_dims, hidden]`.
+    AttnKvAMqa,
+    /// Norm of the key/value latent.
+    AttnKvANorm,
+    /// Per-head keys from the latent, `[n_head, kv_lora_rank, nope_dims]` (absorbed into the
+    /// query).
+    AttnKB,
+    /// Per-head values from the latent, `[n_head, v_dims, kv_lora_rank]`.
+    AttnVB,
+    /// Keys and values from the latent in one matrix (older MLA files), `[n_head *
+    /// (nope_dims + v_dims), kv_lora_rank]`.
+    AttnKvB,
 }
 
 impl Role {
@@ -80,6 +119,29 @@ impl Role {
                 | Role::FfnGate
                 | Role::FfnUp
                 | Role::FfnDown
+                | Role::FfnGateInp
+                | Role::FfnGateExps
+                | Role::FfnUpExps
+                | Role::FfnDownExps
+                | Role::FfnGateUpExps
+                | Role::FfnGateShexp
+                | Role::FfnUpShexp
+                | Role::FfnDownShexp
+                | Role::AttnQA
+                | Role::AttnQB
+                | Role::AttnKvAMqa
+                | Role::AttnKB
+                | Role::AttnVB
+                | Role::AttnKvB
+        )
+    }
+
+    /// Whether the tensor holds every routed expert (a decode step reads only the chosen
+    /// experts' part of it).
+    pub fn is_routed_expert(self) -> bool {
+        matches!(
+            self,
+            Role::FfnGateExps | Role::FfnUpExps | Role::FfnDownExps | Role::FfnGateUpExps
         )
     }
 }
@@ -170,7 +232,24 @@ pub struct ArchSpec {
 }
 
 /// Every architecture the engine runs.
-pub static ARCHS: [&ArchSpec; 4] = [&llama::SPEC, &qwen2::SPEC, &qwen3::SPEC, &gemma3::SPEC];
+pub static ARCHS: [&ArchSpec; 6] = [
+    &llama::SPEC,
+    &qwen2::SPEC,
+    &qwen3::SPEC,
+    &gemma3::SPEC,
+    &qwen3moe::SPEC,
+    &deepseek2::SPEC,
+];
+
+/// The routed-expert tensors of a mixture-of-experts layer, with llama.cpp's names (optional
+/// in a table: a layer holds them or a dense feed-forward).
+pub(crate) const EXPERT_TENSORS: [TensorSpec; 5] = [
+    optional(Role::FfnGateInp, "ffn_gate_inp.weight", ""),
+    optional(Role::FfnGateExps, "ffn_gate_exps.weight", ""),
+    optional(Role::FfnUpExps, "ffn_up_exps.weight", ""),
+    optional(Role::FfnDownExps, "ffn_down_exps.weight", ""),
+    optional(Role::FfnGateUpExps, "ffn_gate_up_exps.weight", ""),
+];
 
 /// The spec of `arch`.
 pub fn spec(arch: Arch) -> &'static ArchSpec {
@@ -336,12 +415,19 @@ pub(crate) fn common_gguf(
         None => 0,
     };
     let rope_theta = md.opt_f64(&k("rope.freq_base"))?.unwrap_or(10_000.0);
-    let rope_scale = match md.opt_str(&k("rope.scaling.type"))? {
-        Some("linear") => md.opt_f64(&k("rope.scaling.factor"))?.unwrap_or(1.0),
-        Some("none") | None => 1.0,
+    let factor = md.opt_f64(&k("rope.scaling.factor"))?.unwrap_or(1.0);
+    let (rope_scale, yarn) = match md.opt_str(&k("rope.scaling.type"))? {
+        Some("linear") => (factor, None),
+        Some("yarn") => {
+            let trained = md
+                .opt_usize_max(&k("context_length"), 1 << 24)?
+                .unwrap_or(4096);
+            (factor, Some(yarn_gguf(md, p, factor as f32, trained)?))
+        }
+        Some("none") | None => (1.0, None),
         Some(other) => {
             return Err(EngineError::Unsupported {
-                what: format!("rope scaling type `{other}` (supported: linear)"),
+                what: format!("rope scaling type `{other}` (supported: linear, yarn)"),
             })
         }
     };
@@ -374,7 +460,101 @@ pub(crate) fn common_gguf(
         activation: crate::config::Activation::Silu,
         sliding_window: None,
         sliding_pattern: 0,
+        moe: None,
+        mla: None,
+        yarn,
     })
+}
+
+/// YaRN's settings under key prefix `p` for a scaling `factor` (the original context
+/// defaulting to `trained`, the context the file says it was trained for), with the attention factor
+/// llama.cpp derives when the file gives no log multiplier: the cosines and sines scaled
+/// by `1 + 0.1 ln(factor)` in all (`attn_factor` is that divided by what the rotation adds
+/// itself, times the file's `rope.scaling.attn_factor`).
+fn yarn_gguf(
+    md: &Metadata,
+    p: &str,
+    factor: f32,
+    trained: usize,
+) -> Result<YarnConfig, EngineError> {
+    let k = |s: &str| format!("{p}.{s}");
+    let f = |key: &str, default: f32| -> Result<f32, EngineError> {
+        Ok(md.opt_f64(&k(key))?.map_or(default, |v| v as f32))
+    };
+    let ext = f("rope.scaling.yarn_ext_factor", -1.0)?;
+    let mut attn = yarn_mscale(factor, 1.0) / (1.0 + 0.1 * factor.ln());
+    attn *= f("rope.scaling.attn_factor", 1.0)?;
+    Ok(YarnConfig {
+        original_context: md
+            .opt_usize_max(&k("rope.scaling.original_context_length"), DIM_MAX)?
+            .unwrap_or(trained),
+        ext_factor: if ext < 0.0 { 1.0 } else { ext },
+        attn_factor: attn,
+        beta_fast: f("rope.scaling.yarn_beta_fast", 32.0)?,
+        beta_slow: f("rope.scaling.yarn_beta_slow", 1.0)?,
+        log_mul: 0.0,
+    })
+}
+
+/// YaRN's magnitude scale for a scaling `factor` (1 at no scaling).
+pub(crate) fn yarn_mscale(factor: f32, mscale: f32) -> f32 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * factor.ln() + 1.0
+    }
+}
+
+/// The routed experts of an architecture's GGUF metadata, when the file has any
+/// (`{arch}.expert_count` above 0); `expert_ffn` when the file gives no
+/// `expert_feed_forward_length` (Mixtral's experts are `feed_forward_length` wide).
+pub(crate) fn moe_gguf(
+    md: &Metadata,
+    arch: Arch,
+    expert_ffn: usize,
+) -> Result<Option<MoeConfig>, EngineError> {
+    let p = spec(arch).gguf_name;
+    let k = |s: &str| format!("{p}.{s}");
+    let n_expert = md.opt_usize_max(&k("expert_count"), DIM_MAX)?.unwrap_or(0);
+    if n_expert == 0 {
+        return Ok(None);
+    }
+    let gating = match md.opt_usize_max(&k("expert_gating_func"), DIM_MAX)? {
+        None | Some(0) | Some(1) => Gating::Softmax,
+        Some(2) => Gating::Sigmoid,
+        Some(other) => {
+            return Err(EngineError::Unsupported {
+                what: format!("expert gating function {other} (supported: 1 softmax, 2 sigmoid)"),
+            })
+        }
+    };
+    let scale = md.opt_f64(&k("expert_weights_scale"))?.unwrap_or(1.0);
+    Ok(Some(MoeConfig {
+        n_expert,
+        n_expert_used: md
+            .opt_usize_max(&k("expert_used_count"), DIM_MAX)?
+            .unwrap_or(0),
+        expert_ffn: md
+            .opt_usize_max(&k("expert_feed_forward_length"), DIM_MAX)?
+            .unwrap_or(expert_ffn),
+        n_shared: md
+            .opt_usize_max(&k("expert_shared_count"), DIM_MAX)?
+            .unwrap_or(0),
+        leading_dense: md
+            .opt_usize_max(&k("leading_dense_block_count"), DIM_MAX)?
+            .unwrap_or(0),
+        gating,
+        norm_weights: md.opt_bool(&k("expert_weights_norm"))?.unwrap_or(false),
+        weights_scale: if scale == 0.0 { 1.0 } else { scale as f32 },
+        groups: md
+            .opt_usize_max(&k("expert_group_count"), DIM_MAX)?
+            .unwrap_or(1)
+            .max(1),
+        groups_used: md
+            .opt_usize_max(&k("expert_group_used_count"), DIM_MAX)?
+            .unwrap_or(1)
+            .max(1),
+    }))
 }
 
 /// The fields every Hugging Face decoder config shares.
@@ -424,6 +604,9 @@ pub(crate) fn common_hf(
         activation: crate::config::Activation::Silu,
         sliding_window: None,
         sliding_pattern: 0,
+        moe: None,
+        mla: None,
+        yarn: None,
     })
 }
 

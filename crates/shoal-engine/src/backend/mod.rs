@@ -38,6 +38,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
     type Kv: Send + 'static;
     /// Values derived from a step's positions that its layers share (RoPE tables).
     type Tables: Send + Default;
+    /// The routed experts of one layer that a rank holds.
+    type Experts: Send + Sync;
 
     /// The backend's name, for logs and errors.
     fn name(&self) -> &'static str;
@@ -68,9 +70,21 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Elements of a weight vector.
     fn vector_len(v: &Self::Vector) -> usize;
 
-    /// Empty KV storage for one sequence: `layers` layers of `kv_heads` heads of
-    /// `head_dim` keys and values, room for `capacity` positions.
-    fn kv(&self, layers: usize, kv_heads: usize, head_dim: usize, capacity: usize) -> Self::Kv;
+    /// Empty KV storage for one sequence: `layers` layers laid out as `layout` says, room
+    /// for `capacity` positions.
+    fn kv(&self, layers: usize, layout: KvLayout, capacity: usize) -> Self::Kv;
+
+    /// A layer's routed experts from the ones this rank holds: `(expert id, gate/up pair,
+    /// down)`, of `n_expert` in all.
+    fn experts(
+        &self,
+        held: Vec<(usize, Self::GateUp, Self::Matrix)>,
+        n_expert: usize,
+    ) -> Self::Experts;
+
+    /// Values of `x` on the host (small activations the network decides on, such as a
+    /// router's logits).
+    fn host<'a>(&self, x: &'a Self::Act) -> std::borrow::Cow<'a, [f32]>;
 
     /// Copies the first `positions` positions of every layer of `from` into `to` (whose
     /// capacity is at least as large).
@@ -184,6 +198,44 @@ pub trait Backend: Send + Sync + Sized + 'static {
         out: &mut Self::Act,
     ) -> Result<(), EngineError>;
 
+    /// The routed experts' part of a mixture-of-experts feed-forward: row `r` of `out` is
+    /// the sum over its routes `(e, w)` of `w * down_e(act(gate_e x_r) * up_e x_r)`, over
+    /// the experts this rank holds (zero where it holds none of a row's).
+    ///
+    /// # Errors
+    /// When `x` and the routes do not agree.
+    fn moe(
+        &self,
+        experts: &Self::Experts,
+        act: Activation,
+        x: &Self::Act,
+        routes: &Routes,
+        out: &mut Self::Act,
+    ) -> Result<(), EngineError>;
+
+    /// Multi-head latent attention (DeepSeek V2/V3) from the step's queries `q` (rows of
+    /// `n_head` heads of `nope_dims + rope_dims`) and the projected latents `kv_a` (rows of
+    /// `kv_lora_rank + rope_dims`): the latent normed, the rope parts rotated, the rows'
+    /// latents and rope keys written to each sequence's cache, each head's query absorbed
+    /// through its key matrix, attention over the cached latents as one shared head, and
+    /// each head's result taken out through its value matrix, into `out` (rows of `n_head`
+    /// heads of `v_dims`).
+    ///
+    /// # Errors
+    /// When a sequence's cache has no room for its rows.
+    #[allow(clippy::too_many_arguments)]
+    fn latent_attention(
+        &self,
+        q: &Self::Act,
+        kv_a: &Self::Act,
+        layer: &LatentLayer<Self>,
+        kv: &mut [&mut Self::Kv],
+        cache_layer: usize,
+        rows: &StepRows,
+        tables: &mut Self::Tables,
+        out: &mut Self::Act,
+    ) -> Result<(), EngineError>;
+
     /// Rows `which` of `x` (rows of `width` values) into `out`, in that order.
     fn select_rows(&self, x: &Self::Act, width: usize, which: &[usize], out: &mut Self::Act);
 
@@ -191,6 +243,80 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// adds one row. The backend decides where and on how many threads it runs; a rank of
     /// a split model runs its steps in place instead (it waits for peers inside a step).
     fn run_step<R: Send>(&self, decode: bool, f: impl FnOnce() -> R + Send) -> R;
+}
+
+/// How one sequence's KV cache lays out a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvLayout {
+    /// Keys and values of `kv_heads` heads of `head_dim` each.
+    Heads {
+        /// KV heads the rank holds.
+        kv_heads: usize,
+        /// Values per head.
+        head_dim: usize,
+    },
+    /// One latent of `dims` values per position (MLA: the key/value latent and the rope
+    /// key), from which keys and values are both read.
+    Latent {
+        /// Values per position.
+        dims: usize,
+    },
+}
+
+impl KvLayout {
+    /// Values one position takes in one layer.
+    pub fn values_per_position(&self) -> usize {
+        match *self {
+            KvLayout::Heads { kv_heads, head_dim } => 2 * kv_heads * head_dim,
+            KvLayout::Latent { dims } => dims,
+        }
+    }
+}
+
+/// Where each row of a step goes in a mixture of experts: `k` routes per row, each an
+/// expert and its weight.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Routes {
+    /// Routes per row.
+    pub k: usize,
+    /// The experts, `k` per row.
+    pub experts: Vec<u32>,
+    /// Their weights, `k` per row.
+    pub weights: Vec<f32>,
+}
+
+impl Routes {
+    /// Rows routed.
+    pub fn rows(&self) -> usize {
+        self.experts.len().checked_div(self.k).unwrap_or(0)
+    }
+}
+
+/// One layer of multi-head latent attention as a rank holds it: what
+/// [`Backend::latent_attention`] needs besides the step's projections.
+pub struct LatentLayer<B: Backend> {
+    /// Norm of the latent.
+    pub kv_norm: B::Vector,
+    /// Its epsilon.
+    pub eps: f32,
+    /// Per local head: its keys from the latent, `[kv_lora_rank, nope_dims]`.
+    pub k_b: Vec<B::Matrix>,
+    /// Per local head: its values from the latent, `[v_dims, kv_lora_rank]`.
+    pub v_b: Vec<B::Matrix>,
+    /// RoPE of the rope parts.
+    pub rope: Rope,
+    /// Query heads this rank holds.
+    pub n_head: usize,
+    /// Rank of the latent.
+    pub kv_lora_rank: usize,
+    /// Dimensions of a head carrying RoPE.
+    pub rope_dims: usize,
+    /// Dimensions of a head's key without RoPE.
+    pub nope_dims: usize,
+    /// Dimensions of a head's value.
+    pub v_dims: usize,
+    /// Score scale.
+    pub scale: f32,
 }
 
 /// The rows of one step: each sequence's rows are consecutive, at positions after what
@@ -264,6 +390,46 @@ pub struct Rope {
     pub scale: f64,
     /// Per-pair divisors of the frequencies (Llama 3.1's `rope_freqs`), `head_dim / 2` long.
     pub freq_factors: Option<Arc<[f32]>>,
+    /// YaRN's interpolation, where the model scales so.
+    pub yarn: Option<YarnRope>,
+}
+
+/// YaRN's part of a rotation (ggml's `rope_yarn`): pair `i` mixes the interpolated angle
+/// (`freq_scale = 1 / scale` of the original) with the extrapolated one by a ramp over the
+/// pairs between `corr_low` and `corr_high`, and cosines and sines are multiplied by `mscale`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct YarnRope {
+    /// Extrapolation factor of the ramp.
+    pub ext_factor: f32,
+    /// First pair of the ramp.
+    pub corr_low: f32,
+    /// Last pair of the ramp.
+    pub corr_high: f32,
+    /// Multiplier of cosines and sines.
+    pub mscale: f32,
+}
+
+impl YarnRope {
+    /// YaRN's part for `yarn` over `dims` rotated dimensions of base `base` and scale
+    /// `scale`.
+    pub fn new(yarn: &crate::config::YarnConfig, dims: usize, base: f64, scale: f64) -> Self {
+        let corr = |beta: f32| -> f32 {
+            dims as f32 * (yarn.original_context as f32 / (beta * 2.0 * std::f32::consts::PI)).ln()
+                / (2.0 * (base as f32).ln())
+        };
+        let low = corr(yarn.beta_fast).floor().max(0.0);
+        let high = corr(yarn.beta_slow).ceil().min(dims as f32 - 1.0);
+        let mut mscale = yarn.attn_factor;
+        if yarn.ext_factor != 0.0 {
+            mscale *= 1.0 + 0.1 * (scale as f32).ln();
+        }
+        YarnRope {
+            ext_factor: yarn.ext_factor,
+            corr_low: low,
+            corr_high: high,
+            mscale,
+        }
+    }
 }
 
 /// The query heads a rank holds in one layer and the KV heads they read.

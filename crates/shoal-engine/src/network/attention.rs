@@ -11,7 +11,7 @@ use shoal_comm::Communicator;
 use super::linear::{Linear, Norm, Tensors};
 use super::Workspace;
 use crate::arch::Role;
-use crate::backend::{Backend, Heads, Rope};
+use crate::backend::{Backend, Heads, Rope, YarnRope};
 use crate::config::ModelConfig;
 use crate::profile::{self, Op};
 use crate::shard::LayerShard;
@@ -61,6 +61,11 @@ impl<B: Backend> Attention<B> {
             rows(&shard.heads),
         )?;
         let local = cfg.is_local_layer(layer);
+        let (base, scale) = if local {
+            (cfg.rope_theta_local, 1.0)
+        } else {
+            (cfg.rope_theta, cfg.rope_scale)
+        };
         Ok(Attention {
             q,
             k,
@@ -81,13 +86,13 @@ impl<B: Backend> Attention<B> {
             rope: Rope {
                 style: cfg.rope_style,
                 head_dim: hd,
-                base: if local {
-                    cfg.rope_theta_local
-                } else {
-                    cfg.rope_theta
-                },
-                scale: if local { 1.0 } else { cfg.rope_scale },
+                base,
+                scale,
                 freq_factors: if local { None } else { freq_factors.cloned() },
+                yarn: match (local, &cfg.yarn) {
+                    (false, Some(y)) => Some(YarnRope::new(y, hd, base, scale)),
+                    _ => None,
+                },
             },
         })
     }

@@ -65,17 +65,24 @@ impl<B: Backend> Tensors<'_, B> {
         }
     }
 
-    /// Layer `layer`'s tensor of `role`, which the architecture must have.
+    /// Layer `layer`'s tensor of `role`, which this block needs (whether the table calls
+    /// it required, or optional because other blocks do without it).
     ///
     /// # Errors
-    /// When it is missing.
+    /// When the file lacks it ([`EngineError::MissingTensor`]), or the table has no such
+    /// role (a bug).
     pub fn layer_required(&self, role: Role, layer: usize) -> Result<String, EngineError> {
-        self.layer(role, layer)?
-            .ok_or_else(|| EngineError::Internal {
+        let Some(t) = self.spec.layer_tensor(role) else {
+            return Err(EngineError::Internal {
                 what: format!(
                     "the {} table has no {role:?} tensor, which its blocks need",
                     self.spec.gguf_name
                 ),
+            });
+        };
+        self.present(format!("blk.{layer}.{}", t.gguf), Need::Required)?
+            .ok_or_else(|| EngineError::Internal {
+                what: format!("blk.{layer}.{} is required but absent", t.gguf),
             })
     }
 

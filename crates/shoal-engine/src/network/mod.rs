@@ -13,7 +13,10 @@
 pub(crate) mod attention;
 pub(crate) mod block;
 pub(crate) mod feed_forward;
+pub(crate) mod latent;
 pub(crate) mod linear;
+pub(crate) mod moe;
+pub(crate) mod routing;
 
 use std::sync::{Arc, Mutex};
 
@@ -22,7 +25,7 @@ use shoal_comm::Communicator;
 use self::block::Block;
 use self::linear::{Linear, Norm, Tensors};
 use crate::arch::{self, Role};
-use crate::backend::{Backend, StepRows};
+use crate::backend::{Backend, KvLayout, Routes, StepRows};
 use crate::config::ModelConfig;
 use crate::kv_cache::KvCache;
 use crate::profile::{self, Op};
@@ -46,6 +49,10 @@ pub(crate) struct Workspace<B: Backend> {
     pub out: B::Act,
     /// The feed-forward's gated features.
     pub h: B::Act,
+    /// A second sublayer output (shared experts), router logits, a compressed query.
+    pub aux: B::Act,
+    /// The step's expert routes.
+    pub routes: Routes,
     /// Logits.
     pub logits: B::Act,
     /// The step's rows.
@@ -65,6 +72,8 @@ impl<B: Backend> Default for Workspace<B> {
             att: B::Act::default(),
             out: B::Act::default(),
             h: B::Act::default(),
+            aux: B::Act::default(),
+            routes: Routes::default(),
             logits: B::Act::default(),
             rows: StepRows::default(),
             tables: B::Tables::default(),
@@ -196,12 +205,16 @@ impl<B: Backend> Network<B> {
 
     /// An empty cache for one sequence of up to `capacity` positions of this rank's layers.
     pub fn new_cache(&self, capacity: usize) -> KvCache {
-        let kv = self.be.kv(
-            self.plan.layers.len(),
-            self.plan.shard.kv_heads.len(),
-            self.cfg.head_dim,
-            capacity,
-        );
+        let layout = match &self.cfg.mla {
+            Some(m) => KvLayout::Latent {
+                dims: m.kv_lora_rank + m.rope_dims,
+            },
+            None => KvLayout::Heads {
+                kv_heads: self.plan.shard.kv_heads.len(),
+                head_dim: self.cfg.head_dim,
+            },
+        };
+        let kv = self.be.kv(self.plan.layers.len(), layout, capacity);
         KvCache::new(Box::new(kv), capacity, self.be.name())
     }
 

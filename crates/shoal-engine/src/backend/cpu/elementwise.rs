@@ -71,6 +71,13 @@ pub fn add(x: &mut [f32], a: &[f32]) {
     }
 }
 
+/// `x += w * a`.
+pub fn add_scaled(x: &mut [f32], a: &[f32], w: f32) {
+    for (x, a) in x.iter_mut().zip(a) {
+        *x += w * a;
+    }
+}
+
 /// `out[i] = act(gate[i]) * up[i]`.
 ///
 /// # Panics

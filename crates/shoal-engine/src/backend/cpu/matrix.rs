@@ -3,13 +3,17 @@
 //! portable kernels (`SHOAL_KERNELS=portable`), for everything: there candle's NEON code is
 //! faster than shoal's portable Rust.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
+use super::elementwise;
+use crate::config::Activation;
 use crate::error::CandleContext;
 use crate::kernels::{GatePair, Isa, QuantMatrix};
+use crate::profile::{self, Op};
 use crate::weights::{load_quant_matrix, quant_matrix, Slice, WeightSource};
 use crate::EngineError;
 
@@ -211,4 +215,41 @@ impl CpuGateUp {
             CpuGateUp::Apart { gate, .. } => gate.dims(),
         }
     }
+
+    /// `act(x G^T) * (x U^T)` into `out` (rows of `x` of the pair's columns).
+    ///
+    /// # Errors
+    /// When `x` is not a whole number of rows.
+    pub fn gated(&self, act: Activation, x: &[f32], out: &mut Vec<f32>) -> Result<(), EngineError> {
+        match self {
+            CpuGateUp::Paired(pair) => {
+                let _p = profile::scope(Op::GateUp);
+                pair.gated_products_into(x, act, out)
+                    .map_err(|e| EngineError::Internal {
+                        what: e.to_string(),
+                    })
+            }
+            CpuGateUp::Apart { gate, up } => {
+                // taken out while the products run: a thread waiting in their parallel loop
+                // may run another step's job, which then finds empty buffers of its own
+                let (mut g, mut u) = GATE_UP.with(|s| std::mem::take(&mut *s.borrow_mut()));
+                let products = {
+                    let _p = profile::scope(Op::GateUp);
+                    CpuMatrix::products(&[gate, up], x, &mut [&mut g, &mut u])
+                };
+                if products.is_ok() {
+                    let _p = profile::scope(Op::Activation);
+                    out.resize(g.len(), 0.0);
+                    elementwise::gated(act, &g, &u, out);
+                }
+                GATE_UP.with(|s| *s.borrow_mut() = (g, u));
+                products
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// The gate and up products of a feed-forward whose projections are not paired.
+    static GATE_UP: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }

@@ -7,24 +7,25 @@
 
 pub mod attention;
 pub mod elementwise;
+pub mod experts;
 pub mod kv;
+pub mod latent;
 pub mod matrix;
 pub mod rope;
 
-use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Mutex;
 
 use shoal_comm::Communicator;
 
 use self::attention::AttentionShape;
+use self::experts::CpuExperts;
 use self::kv::CpuKv;
 use self::matrix::{CpuGateUp, CpuMatrix};
 use self::rope::RopeTables;
-use super::{Backend, Heads, Rope, StepRows};
+use super::{Backend, Heads, KvLayout, LatentLayer, Rope, Routes, StepRows};
 use crate::config::Activation;
 use crate::kernels::team;
-use crate::profile::{self, Op};
 use crate::weights::{Slice, WeightSource};
 use crate::EngineError;
 
@@ -32,13 +33,8 @@ use crate::EngineError;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Cpu;
 
-thread_local! {
-    /// The gate and up products of a feed-forward whose projections are not paired.
-    static GATE_UP: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
-}
-
 /// Resizes `v` to `n` values (new ones zero), keeping its capacity.
-fn sized(v: &mut Vec<f32>, n: usize) {
+pub(crate) fn sized(v: &mut Vec<f32>, n: usize) {
     v.resize(n, 0.0);
 }
 
@@ -59,6 +55,7 @@ impl Backend for Cpu {
     type Vector = Vec<f32>;
     type Kv = CpuKv;
     type Tables = RopeTables;
+    type Experts = CpuExperts;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -93,8 +90,16 @@ impl Backend for Cpu {
         v.len()
     }
 
-    fn kv(&self, layers: usize, kv_heads: usize, head_dim: usize, capacity: usize) -> CpuKv {
-        CpuKv::new(layers, kv_heads, head_dim, capacity)
+    fn kv(&self, layers: usize, layout: KvLayout, capacity: usize) -> CpuKv {
+        CpuKv::new(layers, layout, capacity)
+    }
+
+    fn experts(&self, held: Vec<(usize, CpuGateUp, CpuMatrix)>, n_expert: usize) -> CpuExperts {
+        CpuExperts::new(held, n_expert)
+    }
+
+    fn host<'a>(&self, x: &'a Vec<f32>) -> std::borrow::Cow<'a, [f32]> {
+        std::borrow::Cow::Borrowed(x)
     }
 
     fn copy_kv(&self, from: &CpuKv, to: &mut CpuKv, positions: usize) -> Result<(), EngineError> {
@@ -162,31 +167,7 @@ impl Backend for Cpu {
         x: &Vec<f32>,
         out: &mut Vec<f32>,
     ) -> Result<(), EngineError> {
-        match gate_up {
-            CpuGateUp::Paired(pair) => {
-                let _p = profile::scope(Op::GateUp);
-                pair.gated_products_into(x, act, out)
-                    .map_err(|e| EngineError::Internal {
-                        what: e.to_string(),
-                    })
-            }
-            CpuGateUp::Apart { gate, up } => {
-                // taken out while the products run: a thread waiting in their parallel loop
-                // may run another step's job, which then finds empty buffers of its own
-                let (mut g, mut u) = GATE_UP.with(|s| std::mem::take(&mut *s.borrow_mut()));
-                let products = {
-                    let _p = profile::scope(Op::GateUp);
-                    CpuMatrix::products(&[gate, up], x, &mut [&mut g, &mut u])
-                };
-                if products.is_ok() {
-                    let _p = profile::scope(Op::Activation);
-                    sized(out, g.len());
-                    elementwise::gated(act, &g, &u, out);
-                }
-                GATE_UP.with(|s| *s.borrow_mut() = (g, u));
-                products
-            }
-        }
+        gate_up.gated(act, x, out)
     }
 
     fn rms_norm(&self, x: &Vec<f32>, w: &Vec<f32>, eps: f32, out: &mut Vec<f32>) {
@@ -320,6 +301,31 @@ impl Backend for Cpu {
             }
         }
         Ok(())
+    }
+
+    fn moe(
+        &self,
+        experts: &CpuExperts,
+        act: Activation,
+        x: &Vec<f32>,
+        routes: &Routes,
+        out: &mut Vec<f32>,
+    ) -> Result<(), EngineError> {
+        experts.forward(act, x, routes, out)
+    }
+
+    fn latent_attention(
+        &self,
+        q: &Vec<f32>,
+        kv_a: &Vec<f32>,
+        layer: &LatentLayer<Cpu>,
+        kv: &mut [&mut CpuKv],
+        cache_layer: usize,
+        rows: &StepRows,
+        tables: &mut RopeTables,
+        out: &mut Vec<f32>,
+    ) -> Result<(), EngineError> {
+        latent::attend(q, kv_a, layer, kv, cache_layer, rows, tables, out)
     }
 
     fn select_rows(&self, x: &Vec<f32>, width: usize, which: &[usize], out: &mut Vec<f32>) {

@@ -2,15 +2,20 @@
 //! computed the way ggml computes them (in f32, the angle of pair `i` built by repeated
 //! multiplication by `base^(-2/head_dim)`, divided by a frequency factor where the model
 //! has them, then scaled), so positions match the reference implementation bit for bit
-//! where the libm does; and the rotation of every head of every row by its row's table.
+//! where the libm does, YaRN's ramp and magnitude scale included; and the rotation of every
+//! head of every row by its row's table.
 
 use crate::backend::{Rope, StepRows};
 use crate::config::RopeStyle;
 
+/// What makes two layers' tables the same: base, scale, head size, frequency factors (by
+/// address) and YaRN's settings (by bits).
+type Key = (u64, u64, usize, usize, Option<[u32; 4]>);
+
 /// One kind of layer's table for a step: `(rows, head_dim / 2)` cosines and sines.
 #[derive(Debug, Default)]
 struct Table {
-    key: (u64, u64, usize, usize),
+    key: Key,
     cos: Vec<f32>,
     sin: Vec<f32>,
 }
@@ -39,6 +44,8 @@ impl RopeTables {
             rope.freq_factors
                 .as_ref()
                 .map_or(0, |f| f.as_ptr() as usize),
+            rope.yarn
+                .map(|y| [y.ext_factor, y.corr_low, y.corr_high, y.mscale].map(f32::to_bits)),
         );
         if let Some(i) = self.tables[..self.used].iter().position(|t| t.key == key) {
             return &self.tables[i];
@@ -54,7 +61,9 @@ impl RopeTables {
     }
 }
 
-/// Cosines and sines of `rope` at `positions`, `(positions, head_dim / 2)`.
+/// Cosines and sines of `rope` at `positions`, `(positions, head_dim / 2)`: pair `i`'s
+/// angle interpolated by the scale, or with YaRN mixed with the extrapolated angle by a
+/// ramp over the pairs, and both scaled by YaRN's magnitude.
 fn fill(rope: &Rope, positions: &[usize], cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
     let half = rope.head_dim / 2;
     let theta_scale = (rope.base as f32).powf(-2.0 / rope.head_dim as f32);
@@ -68,9 +77,17 @@ fn fill(rope: &Rope, positions: &[usize], cos: &mut Vec<f32>, sin: &mut Vec<f32>
                 Some(f) => theta / f[i],
                 None => theta,
             };
-            let a = freq_scale * extrapolated;
-            cos.push(a.cos());
-            sin.push(a.sin());
+            let interpolated = freq_scale * extrapolated;
+            let (a, m) = match &rope.yarn {
+                Some(y) => {
+                    let ramp = (i as f32 - y.corr_low) / (y.corr_high - y.corr_low).max(0.001);
+                    let mix = (1.0 - ramp.clamp(0.0, 1.0)) * y.ext_factor;
+                    (interpolated * (1.0 - mix) + extrapolated * mix, y.mscale)
+                }
+                None => (interpolated, 1.0),
+            };
+            cos.push(a.cos() * m);
+            sin.push(a.sin() * m);
             theta *= theta_scale;
         }
     }
@@ -125,6 +142,7 @@ mod tests {
             base: 10_000.0,
             scale: 1.0,
             freq_factors: factors.map(Arc::from),
+            yarn: None,
         }
     }
 
@@ -174,5 +192,61 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn yarn_mixes_interpolation_and_extrapolation_by_the_ramp() {
+        use crate::backend::YarnRope;
+        use crate::config::YarnConfig;
+        let cfg = YarnConfig {
+            original_context: 64,
+            ext_factor: 1.0,
+            attn_factor: 0.9,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            log_mul: 0.0,
+        };
+        let (dims, base, scale) = (16usize, 10_000.0f64, 8.0f64);
+        let yarn = YarnRope::new(&cfg, dims, base, scale);
+        // the ramp runs over some pairs, not all or none
+        assert!(yarn.corr_low >= 0.0 && yarn.corr_high <= (dims - 1) as f32);
+        assert!(yarn.corr_low < yarn.corr_high, "{yarn:?}");
+        let r = Rope {
+            style: RopeStyle::Interleaved,
+            head_dim: dims,
+            base,
+            scale,
+            freq_factors: None,
+            yarn: Some(yarn),
+        };
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        fill(&r, &[0, 5, 300], &mut cos, &mut sin);
+        let mscale = 0.9 * (1.0 + 0.1 * scale.ln());
+        for (row, pos) in [0usize, 5, 300].into_iter().enumerate() {
+            for i in 0..dims / 2 {
+                let extrap = pos as f64 * base.powf(-2.0 * i as f64 / dims as f64);
+                let interp = extrap / scale;
+                let y = (i as f64 - f64::from(yarn.corr_low))
+                    / f64::from(yarn.corr_high - yarn.corr_low).max(0.001);
+                let mix = 1.0 - y.clamp(0.0, 1.0);
+                let angle = interp * (1.0 - mix) + extrap * mix;
+                let at = row * dims / 2 + i;
+                let tol = 1e-4 * (1.0 + angle.abs());
+                assert!(
+                    (f64::from(cos[at]) - angle.cos() * mscale).abs() < tol,
+                    "{pos} {i}"
+                );
+                assert!(
+                    (f64::from(sin[at]) - angle.sin() * mscale).abs() < tol,
+                    "{pos} {i}"
+                );
+            }
+        }
+        // the first pairs extrapolate (rotate as without scaling), the last interpolate
+        let plain = |i: usize| 300.0 * base.powf(-2.0 * i as f64 / dims as f64);
+        assert!((f64::from(cos[2 * dims / 2]) / mscale - plain(0).cos()).abs() < 1e-3);
+        let last = dims / 2 - 1;
+        let want = (plain(last) / scale).cos();
+        assert!((f64::from(cos[2 * dims / 2 + last]) / mscale - want).abs() < 1e-3);
     }
 }
