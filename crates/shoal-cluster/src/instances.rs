@@ -40,6 +40,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+use shoal_planner::split::ExpertSplit;
 use shoal_planner::{plan, Cluster, ModelProfile, Placement, PlanError, PlanRequest, Strategy};
 
 /// Lines of history an instance keeps (the oldest are dropped first).
@@ -100,6 +101,10 @@ pub struct Instance {
     pub ctx: u32,
     /// The strategy hint it was loaded with (kept for re-placement).
     pub strategy: Strategy,
+    /// How it asked for a mixture of experts' routed experts to be cut (kept for
+    /// re-placement).
+    #[serde(default)]
+    pub experts: ExpertSplit,
     /// Where it runs.
     pub placement: Placement,
     /// Where it is in its life.
@@ -369,6 +374,7 @@ impl InstanceTable {
             model_sha256: new.model_sha256,
             ctx: request.ctx,
             strategy: request.strategy,
+            experts: request.experts,
             placement: best.placement,
             state: InstanceState::Placing,
             generation: 1,
@@ -693,6 +699,7 @@ fn place_again(
     let request = PlanRequest {
         ctx: inst.ctx,
         strategy: inst.strategy,
+        experts: inst.experts,
         ..PlanRequest::default()
     };
     plan(cluster, profile, &request).map(|c| c.placement)

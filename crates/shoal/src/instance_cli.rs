@@ -21,6 +21,10 @@ pub struct LoadArgs {
     /// auto (the fastest placement that fits), tensor, pipeline or hybrid.
     #[arg(long, default_value = "auto")]
     pub strategy: String,
+    /// How a mixture of experts' routed experts are cut across a stage's nodes: whole,
+    /// sliced, or auto (whichever reads fewer bytes on the busiest node per token).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "whole", "sliced"])]
+    pub expert_split: String,
     /// Only these nodes (ids or names, comma separated).
     #[arg(long, value_delimiter = ',')]
     pub nodes: Vec<String>,
@@ -66,7 +70,12 @@ fn instance<'a>(table: &'a Value, id: &str) -> Option<&'a Value> {
 /// `shoal load`.
 pub fn load(args: LoadArgs) -> anyhow::Result<()> {
     let client = Client::new(&args.look.client);
-    let mut body = json!({"model": args.model, "strategy": args.strategy, "ctx": args.ctx});
+    let mut body = json!({
+        "model": args.model,
+        "strategy": args.strategy,
+        "experts": args.expert_split,
+        "ctx": args.ctx,
+    });
     if !args.nodes.is_empty() {
         body["nodes"] = json!(args.nodes);
     }
@@ -77,8 +86,12 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
     let inst = &placed["instance"];
     let id = inst["id"].as_str().unwrap_or("?").to_string();
     if !args.json_mode() {
+        let experts = match inst["placement"]["experts"].as_str() {
+            Some(e @ ("whole" | "sliced")) => format!(", {e} experts"),
+            _ => String::new(),
+        };
         eprintln!(
-            "placed {id}: {} ({} x {})",
+            "placed {id}: {} ({} x {}{experts})",
             describe(&inst["placement"]),
             inst["placement"]["tp"],
             inst["placement"]["stages"].as_array().map_or(0, Vec::len)

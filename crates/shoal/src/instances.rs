@@ -335,6 +335,7 @@ impl Driver {
         let req = PlanRequest {
             ctx: inst.ctx,
             strategy: inst.strategy,
+            experts: inst.experts,
             ..PlanRequest::default()
         };
         // Only the live nodes' share matters, but evaluation needs every node of the
@@ -1333,6 +1334,15 @@ impl Driver {
                 )
             })?,
         };
+        let experts: shoal_planner::split::ExpertSplit = match req.get("experts") {
+            None | Some(Value::Null) => Default::default(),
+            Some(v) => serde_json::from_value(v.clone()).map_err(|_| {
+                err(
+                    400,
+                    format!("experts {v} is not one of auto, whole, sliced"),
+                )
+            })?,
+        };
         let ctx = match req.get("ctx") {
             None | Some(Value::Null) => 4096,
             Some(v) => v
@@ -1392,6 +1402,7 @@ impl Driver {
             ctx,
             strategy,
             nodes,
+            experts,
             ..PlanRequest::default()
         };
         let body = json!({
@@ -1448,6 +1459,7 @@ impl Driver {
                     "strategy": i.placement.strategy,
                     "tp": i.placement.tp,
                     "pp": i.placement.pp(),
+                    "experts": i.placement.experts,
                     "placement": nodes.iter().fold(i.placement.describe(), |d, n| d.replace(&n.id, &n.name)),
                     "nodes": i.nodes().into_iter().map(name_of).collect::<Vec<_>>(),
                     "lead": name_of(lead),
