@@ -174,6 +174,8 @@ fn kernel_type(t: GgmlDType) -> Option<WeightType> {
         GgmlDType::Q5_0 => WeightType::Q5_0,
         GgmlDType::Q5_1 => WeightType::Q5_1,
         GgmlDType::Q8_0 => WeightType::Q8_0,
+        GgmlDType::Q2K => WeightType::Q2K,
+        GgmlDType::Q3K => WeightType::Q3K,
         GgmlDType::Q4K => WeightType::Q4K,
         GgmlDType::Q5K => WeightType::Q5K,
         GgmlDType::Q6K => WeightType::Q6K,

@@ -1,5 +1,6 @@
 //! shoal against llama.cpp on synthetic models of every supported architecture (Llama,
-//! Llama 3.1 RoPE scaling, Qwen2, Qwen3, Gemma 3) in F32, Q8_0 and Q4_K: the test kit
+//! Llama 3.1 RoPE scaling, Qwen2, Qwen3, Gemma 3) in F32, Q8_0 and Q4_K (and Q2_K, Q3_K on
+//! two of them): the test kit
 //! writes each as GGUF, llama.cpp (the test kit's oracle, with an F16 KV cache as shoal
 //! keeps) loads it, decodes a prompt and 8 greedy tokens, and shoal, fed the same tokens,
 //! must give its logits at every prompt position and every generated step: every logit of
@@ -123,6 +124,17 @@ fn cases() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
         v.push((spec.clone(), GgmlType::Q8_0, QUANTIZED));
         v.push((spec.k_quant_shapes(), GgmlType::Q4_K, QUANTIZED_WIDE));
     }
+    // the 2- and 3-bit K-quants big mixtures of experts are run at
+    v.push((
+        TinyModelSpec::llama(77).k_quant_shapes(),
+        GgmlType::Q2_K,
+        QUANTIZED_WIDE,
+    ));
+    v.push((
+        TinyModelSpec::qwen3(78).k_quant_shapes(),
+        GgmlType::Q3_K,
+        QUANTIZED_WIDE,
+    ));
     v.push((TinyModelSpec::gemma3(75), GgmlType::F32, F32_GELU));
     v.push((TinyModelSpec::gemma3(76), GgmlType::Q8_0, QUANTIZED));
     v

@@ -16,8 +16,12 @@ use crate::ComputeArgs;
 
 #[derive(Args, Debug)]
 pub struct KernelBenchArgs {
-    /// Weight types (comma-separated: f32,f16,q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k).
-    #[arg(long, default_value = "q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k")]
+    /// Weight types (comma-separated: f32,f16,q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,
+    /// q6_k).
+    #[arg(
+        long,
+        default_value = "q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,q6_k"
+    )]
     pub types: String,
     /// Instruction sets (comma-separated: portable,avx2,avx512vnni on x86-64,
     /// portable,neon,neondot on arm64; default all this CPU has).
@@ -103,6 +107,8 @@ fn parse_type(s: &str) -> anyhow::Result<WeightType> {
         "q5_0" => WeightType::Q5_0,
         "q5_1" => WeightType::Q5_1,
         "q8_0" => WeightType::Q8_0,
+        "q2_k" => WeightType::Q2K,
+        "q3_k" => WeightType::Q3K,
         "q4_k" => WeightType::Q4K,
         "q5_k" => WeightType::Q5K,
         "q6_k" => WeightType::Q6K,
@@ -250,6 +256,29 @@ pub fn main(args: KernelBenchArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every type the kernels have parses, ggml's spelling (`q2_K`) included, and so does
+    /// the default list; others are refused.
+    #[test]
+    fn weight_types_parse() {
+        for ty in WeightType::ALL {
+            let name = match ty {
+                WeightType::Q2K => "q2_K",
+                WeightType::Q3K => "Q3_K",
+                other => &format!("{other:?}").to_ascii_lowercase().replace('k', "_k"),
+            };
+            assert_eq!(parse_type(name).unwrap(), ty, "{name}");
+        }
+        let default = KernelBenchArgs::augment_args(clap::Command::new("t"))
+            .get_arguments()
+            .find(|a| a.get_id() == "types")
+            .and_then(|a| a.get_default_values().first().cloned())
+            .unwrap();
+        for t in default.to_str().unwrap().split(',') {
+            parse_type(t).unwrap();
+        }
+        assert!(parse_type("q1_k").is_err());
+    }
 
     #[test]
     fn prefetch_distances_parse_or_say_what_is_wanted() {

@@ -32,6 +32,10 @@ pub enum WeightType {
     Q5K,
     /// 6-bit K-quant: 256 values, 8-bit scales per 16.
     Q6K,
+    /// 2-bit K-quant: 256 values, 4-bit scales and minimums per 16.
+    Q2K,
+    /// 3-bit K-quant: 256 values, 6-bit scales per 16.
+    Q3K,
 }
 
 /// What an activation row is turned into before it meets a weight row.
@@ -55,7 +59,11 @@ impl WeightType {
             | WeightType::Q5_0
             | WeightType::Q5_1
             | WeightType::Q8_0 => QK,
-            WeightType::Q4K | WeightType::Q5K | WeightType::Q6K => QK_K,
+            WeightType::Q2K
+            | WeightType::Q3K
+            | WeightType::Q4K
+            | WeightType::Q5K
+            | WeightType::Q6K => QK_K,
         }
     }
 
@@ -72,6 +80,8 @@ impl WeightType {
             WeightType::Q4K => 144,
             WeightType::Q5K => 176,
             WeightType::Q6K => 210,
+            WeightType::Q2K => 84,
+            WeightType::Q3K => 110,
         }
     }
 
@@ -84,12 +94,16 @@ impl WeightType {
             | WeightType::Q5_0
             | WeightType::Q5_1
             | WeightType::Q8_0 => ActFormat::Q8,
-            WeightType::Q4K | WeightType::Q5K | WeightType::Q6K => ActFormat::Q8K,
+            WeightType::Q2K
+            | WeightType::Q3K
+            | WeightType::Q4K
+            | WeightType::Q5K
+            | WeightType::Q6K => ActFormat::Q8K,
         }
     }
 
     /// Every type, for tests and benchmarks.
-    pub const ALL: [WeightType; 10] = [
+    pub const ALL: [WeightType; 12] = [
         WeightType::F32,
         WeightType::F16,
         WeightType::Q4_0,
@@ -100,6 +114,8 @@ impl WeightType {
         WeightType::Q4K,
         WeightType::Q5K,
         WeightType::Q6K,
+        WeightType::Q2K,
+        WeightType::Q3K,
     ];
 }
 
@@ -228,6 +244,35 @@ pub fn k4_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
             (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
         )
     }
+}
+
+/// Code `v` (0..256) of the 64 bytes `qs` of 2-bit codes of a Q2_K or Q3_K super-block (Q3_K's
+/// low two bits): byte `32 n + l` holds the codes of values `128 n + 32 k + l` in bits
+/// `2 k` and `2 k + 1`.
+#[inline]
+pub fn k2_code(qs: &[u8], v: usize) -> u8 {
+    let (n, k, l) = (v / 128, v % 128 / 32, v % 32);
+    (qs[32 * n + l] >> (2 * k)) & 3
+}
+
+/// The third bit of code `v` (0..256) of a Q3_K super-block, from its 32 bytes `hmask`: bit
+/// `v / 32` of byte `v % 32`.
+#[inline]
+pub fn k3_high(hmask: &[u8], v: usize) -> u8 {
+    (hmask[v % 32] >> (v / 32)) & 1
+}
+
+/// The sixteen 6-bit scales of a Q3_K super-block from their 12 packed bytes, less the
+/// offset of 32 they are stored with (so -32..=31): scale `j` has its low four bits in the
+/// low (`j < 8`) or high nibble of byte `j % 8`, and its top two in bits `2 (j / 4)` of byte
+/// `8 + j % 4`.
+#[inline]
+pub fn k3_scales(q: &[u8]) -> [i8; 16] {
+    std::array::from_fn(|j| {
+        let low = if j < 8 { q[j] & 0xF } else { q[j - 8] >> 4 };
+        let high = (q[8 + j % 4] >> (2 * (j / 4))) & 3;
+        (low | (high << 4)) as i8 - 32
+    })
 }
 
 /// All eight scale/minimum pairs of a Q4_K or Q5_K super-block.

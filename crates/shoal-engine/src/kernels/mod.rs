@@ -627,9 +627,32 @@ macro_rules! tiles_k {
     };
 }
 
+/// As [`tiles_k`] for Q2_K and Q3_K (`$ty`, one of them) in module `$m`.
+macro_rules! tiles_k23 {
+    ($ty:expr, $($m:ident)::+) => {
+        if $ty == WeightType::Q3K {
+            TilePair::new(
+                $($m)::+::tile_q3k::<1>,
+                $($m)::+::tile_q3k::<4>,
+                $($m)::+::run_q3k,
+            )
+        } else {
+            TilePair::new(
+                $($m)::+::tile_q2k::<1>,
+                $($m)::+::tile_q2k::<4>,
+                $($m)::+::run_q2k,
+            )
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
+    let k23 = matches!(ty, WeightType::Q2K | WeightType::Q3K);
     match isa {
+        // one tile fills 512-bit vectors on their layout (`tiled::HighBits::Wide`): no pairs
+        Isa::Avx512Vnni if k23 => tiles_k23!(ty, x86_wide),
+        _ if k23 => tiles_k23!(ty, x86_tiled::k23_avx2),
         Isa::Avx512Vnni => {
             let mut k = tiles_k!(ty, x86_tiled::avx512vnni);
             k.pair_four = match ty {
@@ -671,7 +694,10 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
 
 #[cfg(target_arch = "aarch64")]
 fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
+    let k23 = matches!(ty, WeightType::Q2K | WeightType::Q3K);
     match isa {
+        Isa::NeonDot if k23 => tiles_k23!(ty, neon_tiled::neondot),
+        _ if k23 => tiles_k23!(ty, neon_tiled::neon),
         Isa::NeonDot => tiles_k!(ty, neon_tiled::neondot),
         _ => tiles_k!(ty, neon_tiled::neon),
     }
@@ -1017,6 +1043,8 @@ impl QuantMatrix {
                             one: portable::q45k::<1, true>,
                             four: portable::q45k::<4, true>,
                         },
+                        WeightType::Q2K => portable!(q2k),
+                        WeightType::Q3K => portable!(q3k),
                         _ => portable!(q6k),
                     };
                     self.drive(&acts, self.cols / QK_K, t, y, &k);
@@ -1425,10 +1453,12 @@ impl QuantMatrix {
 /// The layout of the high bits of `ty`'s codes (Q5 and Q6_K) that the tile kernels of `isa`
 /// read. AVX-512 sets Q5's fifth bits with byte masks, but builds Q6_K codes from whole
 /// codes as AVX2 does: 11 instructions per four code vectors where the file's nibbles and
-/// pairs take 17.
+/// pairs take 17. Q2_K and Q3_K interleave eight bytes per row for AVX-512 (one tile then
+/// fills its vectors), four elsewhere.
 fn high_bits(isa: Isa, ty: WeightType) -> tiled::HighBits {
     match (isa, ty) {
         (Isa::Avx2, _) | (Isa::Avx512Vnni, WeightType::Q6K) => tiled::HighBits::Whole,
+        (Isa::Avx512Vnni, WeightType::Q2K | WeightType::Q3K) => tiled::HighBits::Wide,
         _ => tiled::HighBits::Masks,
     }
 }

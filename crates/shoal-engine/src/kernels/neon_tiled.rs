@@ -29,8 +29,8 @@ use super::tiled::{k_offsets, TILE_ROWS};
 /// Rows in one half of a tile (one 128-bit vector of i32 or f32 lanes).
 const HALF: usize = TILE_ROWS / 2;
 
-/// The one-row run kernels of one level of this module, over its `tile_dot`, `tile_q45k` and
-/// `tile_q6k` compiled for `$features`: whole tiles `w` (each `tile_bytes` long) against one
+/// The one-row run kernels of one level of this module, over its `tile_dot`, `tile_q45k`,
+/// `tile_q6k`, `tile_q2k` and `tile_q3k` compiled for `$features`: whole tiles `w` (each `tile_bytes` long) against one
 /// activation row, tile `i`'s eight results to `out[8 i..8 i + 8]`. One call per range of
 /// tiles, the one-tile kernel inlined: no call, result copy and bounds arithmetic per tile,
 /// which a decode would otherwise pay on every tile of every matrix.
@@ -78,6 +78,30 @@ macro_rules! run_kernels {
         pub unsafe fn run_q6k(w: &[u8], tile_bytes: usize, a: &[BlockQ8K], out: *mut f32) {
             each_tile(w, tile_bytes, out, |t| {
                 let [o] = tile_q6k::<1>(t, [a]);
+                o
+            })
+        }
+
+        /// [`run_dot`] for Q2_K.
+        ///
+        /// # Safety
+        /// As [`tile_q2k`]; `out` has room for eight values per tile.
+        #[target_feature(enable = $features)]
+        pub unsafe fn run_q2k(w: &[u8], tile_bytes: usize, a: &[BlockQ8K], out: *mut f32) {
+            each_tile(w, tile_bytes, out, |t| {
+                let [o] = tile_q2k::<1>(t, [a]);
+                o
+            })
+        }
+
+        /// [`run_dot`] for Q3_K.
+        ///
+        /// # Safety
+        /// As [`tile_q3k`]; `out` has room for eight values per tile.
+        #[target_feature(enable = $features)]
+        pub unsafe fn run_q3k(w: &[u8], tile_bytes: usize, a: &[BlockQ8K], out: *mut f32) {
+            each_tile(w, tile_bytes, out, |t| {
+                let [o] = tile_q3k::<1>(t, [a]);
                 o
             })
         }
@@ -164,6 +188,28 @@ unsafe fn dot_sdot(mut acc: int32x4_t, q: int8x16_t, y: int8x16_t) -> int32x4_t 
         options(pure, nomem, nostack, preserves_flags)
     );
     acc
+}
+
+/// A half's pair field of a Q2_K/Q3_K tile block at `p` (eight bytes: each of four rows'
+/// two sub-block bytes, see [`super::tiled`]) as the rows' first and second bytes in lanes
+/// 0-3 of two 16-bit vectors, zero- or sign-extended.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn pair_bytes(p: *const u8, signed: bool) -> (int16x8_t, int16x8_t) {
+    let b = vld1_u8(p);
+    let x = if signed {
+        vmovl_s8(vreinterpret_s8_u8(b))
+    } else {
+        vreinterpretq_s16_u16(vmovl_u8(b))
+    };
+    (vuzp1q_s16(x, x), vuzp2q_s16(x, x))
+}
+
+/// Lanes 0-3 of `x` widened to i32.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn low_i32(x: int16x8_t) -> int32x4_t {
+    vmovl_s16(vget_low_s16(x))
 }
 
 /// Bit `i % 8` of byte `i / 8` of `bits` (two bytes) set as 0x10 in byte `i`, or'ed into
@@ -404,6 +450,142 @@ macro_rules! neon_kernels {
                             let o = vcvtq_f32_s32(vshlq_n_s32::<5>(off));
                             acc[j][hf] =
                                 vfmaq_f32(acc[j][hf], vmulq_n_f32(d, y.d), vsubq_f32(fsum[j], o));
+                        }
+                    }
+                }
+                store(acc)
+            }
+
+            /// Q2_K tile row against `N` rows: per quarter `(n, k)` (`q = 4 n + k`) the
+            /// codes are bits `2 k` of half `n`'s group vectors; each of its two sub-blocks'
+            /// sums meets its scale in a 32-bit multiply-add, the minimums the
+            /// activation's 16-value sums.
+            ///
+            /// # Safety
+            /// As [`tile_q45k`].
+            #[inline]
+            #[target_feature(enable = $features)]
+            pub unsafe fn tile_q2k<const N: usize>(
+                w: &[u8],
+                a: [&[BlockQ8K]; N],
+            ) -> [[f32; TILE_ROWS]; N] {
+                use k_offsets::*;
+                let tb = 672;
+                let m3 = vdupq_n_u8(3);
+                let m15 = vdupq_n_s16(0x0F);
+                let mut acc = [[vdupq_n_f32(0.0); 2]; N];
+                for b in 0..w.len() / tb {
+                    let t = w.as_ptr().add(b * tb);
+                    for hf in 0..2 {
+                        let d = f16x4(t.add(2 * HALF * hf));
+                        let dmin = f16x4(t.add(16 + 2 * HALF * hf));
+                        let mut sums = [vdupq_n_s32(0); N];
+                        let mut mins = [vdupq_n_s32(0); N];
+                        for q in 0..8 {
+                            let (n, k) = (q / 4, q % 4);
+                            let u: [uint8x16_t; 8] = core::array::from_fn(|g| {
+                                let v = ld(t.add(QS2 + 256 * n + 32 * g + 16 * hf));
+                                match k {
+                                    0 => vandq_u8(v, m3),
+                                    1 => vandq_u8(vshrq_n_u8::<2>(v), m3),
+                                    2 => vandq_u8(vshrq_n_u8::<4>(v), m3),
+                                    _ => vshrq_n_u8::<6>(v),
+                                }
+                            });
+                            // (scale | minimum << 4) of sub-blocks 2q and 2q + 1
+                            let (xa, xb) = pair_bytes(t.add(SC2 + 16 * q + HALF * 2 * hf), false);
+                            let (sa, sb) =
+                                (low_i32(vandq_s16(xa, m15)), low_i32(vandq_s16(xb, m15)));
+                            let ma = vget_low_s16(vshrq_n_s16::<4>(xa));
+                            let mb = vget_low_s16(vshrq_n_s16::<4>(xb));
+                            for j in 0..N {
+                                let y = a[j].get_unchecked(b);
+                                let yq = y.qs.as_ptr().add(32 * q);
+                                let mut pa = [vdupq_n_s32(0); 2];
+                                let mut pb = [vdupq_n_s32(0); 2];
+                                for g in 0..4 {
+                                    pa[g & 1] = dot(pa[g & 1], u[g], bcast(yq, 4 * g));
+                                    pb[g & 1] = dot(pb[g & 1], u[g + 4], bcast(yq, 16 + 4 * g));
+                                }
+                                sums[j] = vmlaq_s32(sums[j], vaddq_s32(pa[0], pa[1]), sa);
+                                sums[j] = vmlaq_s32(sums[j], vaddq_s32(pb[0], pb[1]), sb);
+                                mins[j] = vmlal_n_s16(mins[j], ma, y.bsums[2 * q]);
+                                mins[j] = vmlal_n_s16(mins[j], mb, y.bsums[2 * q + 1]);
+                            }
+                        }
+                        for j in 0..N {
+                            let yd = a[j].get_unchecked(b).d;
+                            acc[j][hf] =
+                                vfmaq_f32(acc[j][hf], vmulq_n_f32(d, yd), vcvtq_f32_s32(sums[j]));
+                            acc[j][hf] = vfmsq_f32(
+                                acc[j][hf],
+                                vmulq_n_f32(dmin, yd),
+                                vcvtq_f32_s32(mins[j]),
+                            );
+                        }
+                    }
+                }
+                store(acc)
+            }
+
+            /// Q3_K tile row against `N` rows: per quarter, eight code vectors of whole
+            /// codes (0..8, [`super::super::tiled::q3k_pack`]); the codes' offset of 4 is
+            /// taken back with the activation's 16-value sums times the scales.
+            ///
+            /// # Safety
+            /// As [`tile_q45k`].
+            #[inline]
+            #[target_feature(enable = $features)]
+            pub unsafe fn tile_q3k<const N: usize>(
+                w: &[u8],
+                a: [&[BlockQ8K]; N],
+            ) -> [[f32; TILE_ROWS]; N] {
+                use k_offsets::*;
+                let tb = 912;
+                let (m4, m7) = (vdupq_n_u8(4), vdupq_n_u8(7));
+                let mut acc = [[vdupq_n_f32(0.0); 2]; N];
+                for b in 0..w.len() / tb {
+                    let t = w.as_ptr().add(b * tb);
+                    for hf in 0..2 {
+                        let d = f16x4(t.add(2 * HALF * hf));
+                        let mut sums = [vdupq_n_s32(0); N];
+                        let mut offs = [vdupq_n_s32(0); N];
+                        for q in 0..8 {
+                            let p = t.add(QS3 + 96 * q + 16 * hf);
+                            let (x, y, z) = (ld(p), ld(p.add(32)), ld(p.add(64)));
+                            let u = [
+                                vandq_u8(x, m7),
+                                vandq_u8(vshrq_n_u8::<3>(x), m7),
+                                vandq_u8(y, m7),
+                                vandq_u8(vshrq_n_u8::<3>(y), m7),
+                                vandq_u8(z, m7),
+                                vandq_u8(vshrq_n_u8::<3>(z), m7),
+                                vorrq_u8(vshrq_n_u8::<6>(x), vandq_u8(vshrq_n_u8::<4>(z), m4)),
+                                vorrq_u8(vshrq_n_u8::<6>(y), vandq_u8(vshrq_n_u8::<5>(z), m4)),
+                            ];
+                            let (sa, sb) = pair_bytes(t.add(SC3 + 16 * q + HALF * 2 * hf), true);
+                            let (sa16, sb16) = (vget_low_s16(sa), vget_low_s16(sb));
+                            let (sa, sb) = (low_i32(sa), low_i32(sb));
+                            for j in 0..N {
+                                let yb = a[j].get_unchecked(b);
+                                let yq = yb.qs.as_ptr().add(32 * q);
+                                let mut pa = [vdupq_n_s32(0); 2];
+                                let mut pb = [vdupq_n_s32(0); 2];
+                                for g in 0..4 {
+                                    pa[g & 1] = dot(pa[g & 1], u[g], bcast(yq, 4 * g));
+                                    pb[g & 1] = dot(pb[g & 1], u[g + 4], bcast(yq, 16 + 4 * g));
+                                }
+                                sums[j] = vmlaq_s32(sums[j], vaddq_s32(pa[0], pa[1]), sa);
+                                sums[j] = vmlaq_s32(sums[j], vaddq_s32(pb[0], pb[1]), sb);
+                                offs[j] = vmlal_n_s16(offs[j], sa16, yb.bsums[2 * q]);
+                                offs[j] = vmlal_n_s16(offs[j], sb16, yb.bsums[2 * q + 1]);
+                            }
+                        }
+                        for j in 0..N {
+                            let yd = a[j].get_unchecked(b).d;
+                            let s = vsubq_s32(sums[j], vshlq_n_s32::<2>(offs[j]));
+                            acc[j][hf] =
+                                vfmaq_f32(acc[j][hf], vmulq_n_f32(d, yd), vcvtq_f32_s32(s));
                         }
                     }
                 }

@@ -3,7 +3,7 @@
 //! one weight row (whole blocks) and `N` quantized activation rows and returns `N` dot
 //! products; the integer part of every block is exact, only the f32 accumulation rounds.
 
-use super::formats::{f16_at, k4_scales, BlockQ8, BlockQ8K, QK};
+use super::formats::{f16_at, k3_scales, k4_scales, BlockQ8, BlockQ8K, QK};
 
 /// Q4_0 · Q8.
 pub fn q4_0<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
@@ -185,6 +185,78 @@ pub fn q6k<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
                 .map(|k| sc[k] as i8 as i32 * y.bsums[k] as i32)
                 .sum();
             *o += d * y.d * (s - 32 * off) as f32;
+        }
+    }
+    out
+}
+
+/// `sum(code * y)` over each 16-value sub-block of a super-block whose 2-bit codes are `qs`
+/// (Q2_K's, Q3_K's low bits), plus, with `HIGH`, four times the activations where `high`
+/// (Q3_K's third bits) has the code's bit set. Sub-block `8 n + 2 k + h` holds values
+/// `128 n + 32 k + 16 h + l` (`l` < 16), whose codes are bits `2 k` of byte
+/// `32 n + 16 h + l` and third bits bit `4 n + k` of byte `16 h + l` of `high`.
+#[inline(always)]
+fn k23_sub_sums<const HIGH: bool>(qs: &[u8], high: &[u8], y: &BlockQ8K) -> [i32; 16] {
+    let mut sub = [0i32; 16];
+    for n in 0..2 {
+        for h in 0..2 {
+            // each code byte once, its four codes against four runs of activations
+            let mut s = [0i32; 4];
+            for l in 16 * h..16 * h + 16 {
+                let c = qs[32 * n + l];
+                for (k, sk) in s.iter_mut().enumerate() {
+                    let mut q = (c >> (2 * k)) & 3;
+                    if HIGH {
+                        q |= ((high[l] >> (4 * n + k)) & 1) << 2;
+                    }
+                    *sk += q as i32 * y.qs[128 * n + 32 * k + l] as i32;
+                }
+            }
+            for (k, sk) in s.into_iter().enumerate() {
+                sub[8 * n + 2 * k + h] = sk;
+            }
+        }
+    }
+    sub
+}
+
+/// Q2_K · Q8K: per 16 values a 4-bit scale and a 4-bit minimum (one byte, scale in the low
+/// nibble), 2-bit codes; value = `d * scale * code - dmin * minimum`.
+pub fn q2k<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (i, b) in w.chunks_exact(84).enumerate() {
+        let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+        let (sc, qs) = (&b[..16], &b[16..80]);
+        for (o, a) in out.iter_mut().zip(a) {
+            let y = &a[i];
+            let sub = k23_sub_sums::<false>(qs, &[], y);
+            let (mut s, mut m) = (0i32, 0i32);
+            for j in 0..16 {
+                s += (sc[j] & 0xF) as i32 * sub[j];
+                m += (sc[j] >> 4) as i32 * y.bsums[j] as i32;
+            }
+            *o += d * y.d * s as f32 - dmin * y.d * m as f32;
+        }
+    }
+    out
+}
+
+/// Q3_K · Q8K: per 16 values a 6-bit scale (less 32), 3-bit codes (two low bits in `qs`, the
+/// third in `hmask`); value = `d * scale * (code - 4)`.
+pub fn q3k<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (i, b) in w.chunks_exact(110).enumerate() {
+        let d = f16_at(b, 108);
+        let sc = k3_scales(&b[96..108]);
+        let (hmask, qs) = (&b[..32], &b[32..96]);
+        for (o, a) in out.iter_mut().zip(a) {
+            let y = &a[i];
+            let sub = k23_sub_sums::<true>(qs, hmask, y);
+            // every code carries an offset of 4: subtract 4 * scale * 16-sum
+            let s: i32 = (0..16)
+                .map(|j| sc[j] as i32 * (sub[j] - 4 * y.bsums[j] as i32))
+                .sum();
+            *o += d * y.d * s as f32;
         }
     }
     out

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 pub struct Prefetch {
     /// For the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; tile blocks of 144-272 bytes).
     pub block: usize,
-    /// For the K-quants (tile blocks of 1184-1680 bytes, prefetched a quarter at a time).
+    /// For the K-quants (tile blocks of 672-1680 bytes, prefetched a quarter at a time).
     pub k: usize,
     /// Of the second request for each line, into L2, for every type (0: none).
     pub l2: usize,

@@ -2,7 +2,9 @@
 //! any weight type to f32 (also how the embedding table is read), and a dot product in f64 of
 //! dequantized weights with dequantized activations.
 
-use super::formats::{f16_at, k4_scale_min, BlockQ8, BlockQ8K, WeightType, QK};
+use super::formats::{
+    f16_at, k2_code, k3_high, k3_scales, k4_scale_min, BlockQ8, BlockQ8K, WeightType, QK,
+};
 
 /// Dequantizes one row (`bytes` holds whole blocks) into `out` (one value per element).
 ///
@@ -112,6 +114,25 @@ fn dequantize_block(ty: WeightType, b: &[u8], o: &mut [f32]) {
                 }
             }
         }
+        WeightType::Q2K => {
+            // scales[16] (scale | minimum << 4 per 16 values), qs[64], d, dmin
+            let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+            for (v, o) in o.iter_mut().enumerate() {
+                let sc = b[v / 16];
+                let dl = d * (sc & 0xF) as f32;
+                let ml = dmin * (sc >> 4) as f32;
+                *o = dl * k2_code(&b[16..80], v) as f32 - ml;
+            }
+        }
+        WeightType::Q3K => {
+            // hmask[32], qs[64], scales[12], d; codes 0..8 stand for -4..4
+            let d = f16_at(b, 108);
+            let sc = k3_scales(&b[96..108]);
+            for (v, o) in o.iter_mut().enumerate() {
+                let q = k2_code(&b[32..96], v) | (k3_high(&b[..32], v) << 2);
+                *o = d * sc[v / 16] as f32 * (q as i32 - 4) as f32;
+            }
+        }
     }
 }
 
@@ -166,6 +187,11 @@ pub fn synthetic_matrix(ty: WeightType, rows: usize, blocks: usize, seed: u64) -
                 put_f16(b, 2, rng.random_range(-0.1f32..0.1));
             }
             WeightType::Q6K => put_f16(b, 208, rng.random_range(0.001f32..0.05)),
+            WeightType::Q2K => {
+                put_f16(b, 80, rng.random_range(0.001f32..0.1));
+                put_f16(b, 82, rng.random_range(-0.1f32..0.1));
+            }
+            WeightType::Q3K => put_f16(b, 108, rng.random_range(0.001f32..0.05)),
         }
     }
     data

@@ -132,6 +132,8 @@ fn largest_codes_and_activations_stay_exact() {
                 let keep = match ty {
                     WeightType::Q4_0 | WeightType::Q5_0 | WeightType::Q8_0 => 0..2,
                     WeightType::Q6K => 208..210,
+                    WeightType::Q2K => 80..84,
+                    WeightType::Q3K => 108..110,
                     _ => 0..4,
                 };
                 for (i, v) in b.iter_mut().enumerate() {
@@ -150,6 +152,46 @@ fn largest_codes_and_activations_stay_exact() {
                 // five rows: the four-row kernel and the one-row kernel
                 let x = vec![sign; 5 * cols];
                 check_data(ty, isa, rows, cols, data.clone(), &x);
+            }
+        }
+    }
+}
+
+/// Q2_K and Q3_K at the extremes their kernels' 16-bit steps must hold: every byte but the
+/// f16 fields 0xFF (the largest codes and scales: Q2_K scale and minimum 15, Q3_K scale 31
+/// and code 7), 0x00 (Q3_K scale -32 and code 0, standing for -4), or alternating between
+/// the two (neighbouring bytes unlike, as the 16-bit shifts that unpack codes carry bits
+/// between bytes), against activations of the largest magnitude of both signs.
+#[test]
+fn two_and_three_bit_extremes_stay_exact() {
+    for isa in Isa::available() {
+        for ty in [WeightType::Q2K, WeightType::Q3K] {
+            let (rows, blocks) = (17, 2);
+            let keep = if ty == WeightType::Q2K {
+                80..84
+            } else {
+                108..110
+            };
+            let fills: [fn(usize) -> u8; 4] = [
+                |_| 0xFF,
+                |_| 0x00,
+                |i| if i % 2 == 0 { 0xFF } else { 0x00 },
+                |i| if i % 2 == 0 { 0x00 } else { 0xFF },
+            ];
+            for fill in fills {
+                let mut data = synthetic_matrix(ty, rows, blocks, 4);
+                for b in data.chunks_exact_mut(ty.block_bytes()) {
+                    for (i, v) in b.iter_mut().enumerate() {
+                        if !keep.contains(&i) {
+                            *v = fill(i);
+                        }
+                    }
+                }
+                let cols = blocks * QK_K;
+                for sign in [1.0f32, -1.0] {
+                    let x = vec![sign; 5 * cols];
+                    check_data(ty, isa, rows, cols, data.clone(), &x);
+                }
             }
         }
     }
@@ -214,6 +256,10 @@ fn many_threads_give_the_same_result_as_one() {
         (WeightType::Q4K, 1),
         (WeightType::Q6K, 1),
         (WeightType::Q5_0, 1),
+        (WeightType::Q2K, 1),
+        (WeightType::Q3K, 1),
+        (WeightType::Q2K, 5),
+        (WeightType::Q3K, 5),
     ] {
         let (rows, blocks) = (77, 2);
         let blocks = if ty.block_elems() == 1 { 256 } else { blocks };
@@ -289,6 +335,8 @@ fn reference_layouts_match_candle() {
             WeightType::Q4K => GgmlDType::Q4K,
             WeightType::Q5K => GgmlDType::Q5K,
             WeightType::Q6K => GgmlDType::Q6K,
+            WeightType::Q2K => GgmlDType::Q2K,
+            WeightType::Q3K => GgmlDType::Q3K,
         };
         let blocks = if ty.block_elems() == 1 { 512 } else { 2 };
         let cols = blocks * ty.block_elems();
@@ -308,6 +356,36 @@ fn reference_layouts_match_candle() {
                 (a - b).abs() <= 1e-6 * b.abs().max(1.0),
                 "{ty:?} value {i}: ours {a}, candle {b}"
             );
+        }
+    }
+}
+
+/// The test kit's Q2_K and Q3_K blocks (which its GGUF files, and so the llama.cpp oracle,
+/// hold) read the same through the reference here as through the test kit's decoder, and
+/// the kernels multiply them as the reference says.
+#[test]
+fn test_kit_two_and_three_bit_blocks_read_the_same() {
+    use shoal_testkit::quants::{dequantize, quantize, GgmlType};
+    let mut rng = StdRng::seed_from_u64(17);
+    for (ty, gt) in [
+        (WeightType::Q2K, GgmlType::Q2_K),
+        (WeightType::Q3K, GgmlType::Q3_K),
+    ] {
+        let (rows, cols) = (11, 3 * QK_K);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-1f32..1.0) * 0.05)
+            .collect();
+        let data = quantize(gt, &w).unwrap();
+        let theirs = dequantize(gt, &data, w.len()).unwrap();
+        let mut ours = vec![0f32; w.len()];
+        for (r, o) in ours.chunks_exact_mut(cols).enumerate() {
+            let rb = data.len() / rows;
+            dequantize_row(ty, &data[r * rb..(r + 1) * rb], o);
+        }
+        assert_eq!(ours, theirs, "{ty:?}");
+        let x = random_acts(3 * cols, &mut rng);
+        for isa in Isa::available() {
+            check_data(ty, isa, rows, cols, data.clone(), &x);
         }
     }
 }
@@ -410,9 +488,10 @@ fn matmul_many_equals_one_by_one() {
     use WeightType::*;
     let mut rng = StdRng::seed_from_u64(11);
     let cols = 512;
-    let groups: [&[(WeightType, usize)]; 4] = [
+    let groups: [&[(WeightType, usize)]; 5] = [
         &[(Q4_1, 64), (Q8_0, 24), (Q5_0, 19)],
         &[(Q4K, 40), (Q6K, 16), (Q5K, 9)],
+        &[(Q2K, 40), (Q3K, 27), (Q4K, 8)],
         &[(Q4_0, 16), (Q4K, 16), (F32, 5)],
         &[(Q8_0, 3)],
     ];
@@ -590,7 +669,7 @@ fn gate_pairs_equal_gate_and_up_apart() {
     use crate::config::Activation;
     use WeightType::*;
     let mut rng = StdRng::seed_from_u64(31);
-    for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K] {
+    for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K, Q2K, Q3K] {
         let cols = 256;
         for isa in Isa::levels().iter().copied().filter(|i| i.runs_here()) {
             let rows = 40;

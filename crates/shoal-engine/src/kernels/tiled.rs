@@ -15,6 +15,22 @@
 //! `[sub-block][row]`, and every quant array (nibbles, Q5_K's 5th bits, Q6_K's low nibbles
 //! and high bit pairs, or its whole codes as [`HighBits::Whole`] says) interleaved four bytes
 //! per row as above.
+//!
+//! Q2_K and Q3_K keep the same interleave for AVX2 and NEON, so group vector `(n, g)` of
+//! their 2-bit codes holds, in bits `2 k`, the codes of values `128 n + 32 k + 4 g .. + 4` of
+//! each row; their 16-value sub-blocks `2 j` and `2 j + 1` (`j = 4 n + k`) are then groups
+//! 0-3 and 4-7 of quarter `(n, k)`. For AVX-512 they interleave eight bytes per row
+//! ([`HighBits::Wide`]): a 64-byte vector holds eight codes of each row, so one tile fills
+//! 512-bit vectors and its block is read as one stream (two tiles side by side, as the
+//! batched kernels of the other types run, read two streams, which memory serves slower),
+//! and each sub-block is two such vectors. Their sub-block scales are stored in pairs: byte `16 j + 2 r + i` is
+//! row `r`'s scale of sub-block `2 j + i`, so one widening load gives each row's two scales
+//! as the two 16-bit halves of its 32-bit lane, the operand of one 16-bit multiply-add over
+//! both sub-blocks' sums. Q2_K's scale bytes are the file's (scale and minimum nibbles): the
+//! tile is the file's bytes in another order. Q3_K's 6-bit scales are unpacked to one signed
+//! byte each, their offset of 32 taken off (3.6% more bytes), and its codes are kept whole
+//! ([`q3k_pack`]: eight code vectors in three group vectors), which takes 17 to 19
+//! instructions per eight code vectors to unpack where the file's bit planes take about 40.
 
 use super::formats::WeightType;
 
@@ -43,6 +59,12 @@ pub enum HighBits {
     /// for `k` = 0, 1, 2): 11 instructions for the four code vectors where nibbles and pairs
     /// take 17.
     Whole,
+    /// AVX-512, for Q2_K and Q3_K: their codes interleaved eight bytes per row instead of
+    /// four (byte `8 r + j` of a 64-byte group vector is byte `8 g + j` of row `r`'s codes),
+    /// so one 512-bit load holds eight codes of each of the eight rows, and eight consecutive
+    /// activations broadcast as one 64-bit value meet them. Other types read it as
+    /// [`HighBits::Masks`].
+    Wide,
 }
 
 /// Where the parts of a block live, in the file's block and in the tile.
@@ -75,7 +97,10 @@ pub fn is_tiled_type(ty: WeightType) -> bool {
 }
 
 fn is_k(ty: WeightType) -> bool {
-    matches!(ty, WeightType::Q4K | WeightType::Q5K | WeightType::Q6K)
+    matches!(
+        ty,
+        WeightType::Q2K | WeightType::Q3K | WeightType::Q4K | WeightType::Q5K | WeightType::Q6K
+    )
 }
 
 /// Bytes of one tile block (eight rows, one block column).
@@ -83,6 +108,7 @@ pub fn tile_block_bytes(ty: WeightType) -> usize {
     match ty {
         WeightType::Q4K => 32 + 128 + 1024,
         WeightType::Q5K => 32 + 128 + 256 + 1024,
+        WeightType::Q3K => 16 + 128 + 768,
         _ => ty.block_bytes() * TILE_ROWS,
     }
 }
@@ -106,6 +132,16 @@ pub mod k_offsets {
     pub const QL6: usize = 144;
     /// See [`SC6`].
     pub const QH6: usize = 1168;
+    /// Q2_K: `d[8]` at 0, `dmin[8]` at 16, scale bytes in pairs `[8][8][2]` at 32, codes
+    /// at 160.
+    pub const SC2: usize = 32;
+    /// See [`SC2`].
+    pub const QS2: usize = 160;
+    /// Q3_K: `d[8]` at 0, signed scales in pairs `[8][8][2]` at 16, whole codes at 144
+    /// (units of three group vectors, see [`super::q3k_positions`]).
+    pub const SC3: usize = 16;
+    /// See [`SC3`].
+    pub const QS3: usize = 144;
 }
 
 /// Codes for the 32-value types as the tile kernels' const parameter (a const generic cannot
@@ -177,15 +213,34 @@ pub mod kinds {
 /// Interleaves `n` bytes of `src` (one row's array) into `dst` (the tile's array) as row `r`:
 /// byte `j` of row group `g` goes to `32 g + 4 r + j`.
 fn interleave(dst: &mut [u8], src: &[u8], r: usize) {
-    for (g, four) in src.chunks_exact(4).enumerate() {
-        dst[32 * g + 4 * r..32 * g + 4 * r + 4].copy_from_slice(four);
+    interleave_by(dst, src, r, 4);
+}
+
+/// [`interleave`] `w` bytes per row: byte `j` of row group `g` goes to `8 w g + w r + j`.
+fn interleave_by(dst: &mut [u8], src: &[u8], r: usize, w: usize) {
+    for (g, run) in src.chunks_exact(w).enumerate() {
+        dst[8 * w * g + w * r..][..w].copy_from_slice(run);
     }
 }
 
 /// The inverse of [`interleave`].
 fn deinterleave(src: &[u8], dst: &mut [u8], r: usize) {
-    for (g, four) in dst.chunks_exact_mut(4).enumerate() {
-        four.copy_from_slice(&src[32 * g + 4 * r..32 * g + 4 * r + 4]);
+    deinterleave_by(src, dst, r, 4);
+}
+
+/// The inverse of [`interleave_by`].
+fn deinterleave_by(src: &[u8], dst: &mut [u8], r: usize, w: usize) {
+    for (g, run) in dst.chunks_exact_mut(w).enumerate() {
+        run.copy_from_slice(&src[8 * w * g + w * r..][..w]);
+    }
+}
+
+/// Bytes per row in a Q2_K or Q3_K group vector under `bits`: 8 for [`HighBits::Wide`], else 4.
+fn k23_width(bits: HighBits) -> usize {
+    if bits == HighBits::Wide {
+        8
+    } else {
+        4
     }
 }
 
@@ -236,9 +291,81 @@ fn q6k_whole_at(n: usize, g: usize, k: usize, r: usize, j: usize) -> usize {
     at + 32 * g + 4 * r + j
 }
 
+/// The three bytes holding codes `c[0..8]` (3 bits each) of one position of a Q3_K tile's
+/// unit ([`q3k_positions`]), one from each of its three group vectors: code 0, 2, 4 in bits 0-2 of bytes 0, 1, 2, codes 1, 3, 5 in their bits 3-5,
+/// code 6's low two bits in bits 6-7 of byte 0 and code 7's in those of byte 1, the top
+/// bits of codes 6 and 7 in bits 6 and 7 of byte 2.
+pub fn q3k_pack(c: [u8; 8]) -> [u8; 3] {
+    [
+        c[0] | (c[1] << 3) | ((c[6] & 3) << 6),
+        c[2] | (c[3] << 3) | ((c[7] & 3) << 6),
+        c[4] | (c[5] << 3) | ((c[6] >> 2) << 6) | ((c[7] >> 2) << 7),
+    ]
+}
+
+/// The inverse of [`q3k_pack`].
+pub fn q3k_unpack(b: [u8; 3]) -> [u8; 8] {
+    [
+        b[0] & 7,
+        (b[0] >> 3) & 7,
+        b[1] & 7,
+        (b[1] >> 3) & 7,
+        b[2] & 7,
+        (b[2] >> 3) & 7,
+        (b[0] >> 6) | (((b[2] >> 6) & 1) << 2),
+        (b[1] >> 6) | ((b[2] >> 7) << 2),
+    ]
+}
+
+/// Every unit `u` of a Q3_K tile block's codes and byte `j` of a row's `w` in a group, `w`
+/// being [`k23_width`]: a unit is three group vectors holding eight code vectors, `w` codes
+/// of each row apiece (a quarter `(n, k)` of 32 values for `w` 4, two quarters for `w` 8);
+/// code vector `g` of unit `u` holds values `8 w u + w g ..` ([`q3k_value`]).
+fn q3k_positions(w: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..32 / w).flat_map(move |u| (0..w).map(move |j| (u, j)))
+}
+
+/// Value of code `g` (0..8) at position `j` of unit `u`, `w` bytes per row.
+fn q3k_value(w: usize, u: usize, j: usize, g: usize) -> usize {
+    8 * w * u + w * g + j
+}
+
+/// Where byte `m` (0..3) of row `r`'s position `j` of unit `u` lives in a Q3_K tile block,
+/// `w` bytes per row.
+fn q3k_at(w: usize, u: usize, m: usize, r: usize, j: usize) -> usize {
+    k_offsets::QS3 + 24 * w * u + 8 * w * m + w * r + j
+}
+
 fn tile_k_block(ty: WeightType, src: &[u8], dst: &mut [u8], r: usize, bits: HighBits) {
+    use super::formats::{k2_code, k3_high, k3_scales};
     use k_offsets::*;
     match ty {
+        WeightType::Q2K => {
+            dst[2 * r..2 * r + 2].copy_from_slice(&src[80..82]);
+            dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[82..84]);
+            for j in 0..8 {
+                dst[SC2 + 16 * j + 2 * r..][..2].copy_from_slice(&src[2 * j..2 * j + 2]);
+            }
+            interleave_by(&mut dst[QS2..QS2 + 512], &src[16..80], r, k23_width(bits));
+        }
+        WeightType::Q3K => {
+            dst[2 * r..2 * r + 2].copy_from_slice(&src[108..110]);
+            let sc = k3_scales(&src[96..108]);
+            for j in 0..8 {
+                dst[SC3 + 16 * j + 2 * r] = sc[2 * j] as u8;
+                dst[SC3 + 16 * j + 2 * r + 1] = sc[2 * j + 1] as u8;
+            }
+            let w = k23_width(bits);
+            for (u, j) in q3k_positions(w) {
+                let codes = std::array::from_fn(|g| {
+                    let v = q3k_value(w, u, j, g);
+                    k2_code(&src[32..96], v) | (k3_high(&src[..32], v) << 2)
+                });
+                for (m, byte) in q3k_pack(codes).into_iter().enumerate() {
+                    dst[q3k_at(w, u, m, r, j)] = byte;
+                }
+            }
+        }
         WeightType::Q6K => {
             dst[2 * r..2 * r + 2].copy_from_slice(&src[208..210]);
             for s in 0..16 {
@@ -278,6 +405,35 @@ fn tile_k_block(ty: WeightType, src: &[u8], dst: &mut [u8], r: usize, bits: High
 fn untile_k_block(ty: WeightType, src: &[u8], dst: &mut [u8], r: usize, bits: HighBits) {
     use k_offsets::*;
     match ty {
+        WeightType::Q2K => {
+            dst[80..82].copy_from_slice(&src[2 * r..2 * r + 2]);
+            dst[82..84].copy_from_slice(&src[16 + 2 * r..16 + 2 * r + 2]);
+            for j in 0..8 {
+                dst[2 * j..2 * j + 2].copy_from_slice(&src[SC2 + 16 * j + 2 * r..][..2]);
+            }
+            deinterleave_by(&src[QS2..QS2 + 512], &mut dst[16..80], r, k23_width(bits));
+        }
+        WeightType::Q3K => {
+            dst[108..110].copy_from_slice(&src[2 * r..2 * r + 2]);
+            // the scales back to 6 bits with their offset, packed as the file packs them
+            let scales = &mut dst[96..108];
+            for s in 0..16 {
+                let at = SC3 + 16 * (s / 2) + 2 * r + s % 2;
+                let v = (src[at] as i8 as i32 + 32) as u8;
+                scales[s % 8] |= (v & 0xF) << (4 * (s / 8));
+                scales[8 + s % 4] |= (v >> 4) << (2 * (s / 4));
+            }
+            let w = k23_width(bits);
+            for (u, j) in q3k_positions(w) {
+                let bytes = std::array::from_fn(|m| src[q3k_at(w, u, m, r, j)]);
+                for (g, code) in q3k_unpack(bytes).into_iter().enumerate() {
+                    let v = q3k_value(w, u, j, g);
+                    let (n, k, l) = (v / 128, v % 128 / 32, v % 32);
+                    dst[32 + 32 * n + l] |= (code & 3) << (2 * k);
+                    dst[l] |= (code >> 2) << (v / 32);
+                }
+            }
+        }
         WeightType::Q6K => {
             dst[208..210].copy_from_slice(&src[2 * r..2 * r + 2]);
             for s in 0..16 {
@@ -372,7 +528,7 @@ pub fn tile(
                     for j in 0..4 {
                         let c = 4 * k + j;
                         match bits {
-                            HighBits::Masks => {
+                            HighBits::Masks | HighBits::Wide => {
                                 let at = mask_off + 4 * k + r / 2;
                                 dst[at] |= (((h >> c) & 1) as u8) << (4 * (r % 2) + j);
                                 if k < 4 {
@@ -436,7 +592,7 @@ pub fn untile_row(
                 for j in 0..4 {
                     let c = 4 * k + j;
                     let code = match bits {
-                        HighBits::Masks => {
+                        HighBits::Masks | HighBits::Wide => {
                             let nibble = src[qs_off + 32 * (k % 4) + 4 * r + j];
                             let nibble = if k < 4 { nibble & 0xF } else { nibble >> 4 };
                             let bit = src[mask_off + 4 * k + r / 2] >> (4 * (r % 2) + j);
@@ -481,7 +637,7 @@ mod tests {
 
     #[test]
     fn tiling_round_trips_every_row() {
-        for bits in [HighBits::Masks, HighBits::Whole] {
+        for bits in [HighBits::Masks, HighBits::Whole, HighBits::Wide] {
             for ty in WeightType::ALL.into_iter().filter(|t| is_tiled_type(*t)) {
                 let (rows, blocks) = (11, 3);
                 let data: Vec<u8> = (0..rows * blocks * ty.block_bytes())
@@ -497,8 +653,15 @@ mod tests {
                         "{ty:?} {bits:?} row {r}"
                     );
                 }
-                // the padding rows are zero
-                assert!(untile_row(ty, blocks, &t, 15, bits).iter().all(|&b| b == 0));
+                // the padding rows stand for zeros; their bytes are zero but for Q3_K's
+                // scales, whose zero in the tile is 32 in the file
+                let pad = untile_row(ty, blocks, &t, 15, bits);
+                let mut values = vec![1f32; blocks * ty.block_elems()];
+                super::super::reference::dequantize_row(ty, &pad, &mut values);
+                assert!(values.iter().all(|&v| v == 0.0), "{ty:?} {bits:?} padding");
+                if ty != WeightType::Q3K {
+                    assert!(pad.iter().all(|&b| b == 0), "{ty:?} {bits:?} padding bytes");
+                }
             }
         }
     }
@@ -509,7 +672,7 @@ mod tests {
         let (_, at, qs) = tile_offsets(WeightType::Q5_0);
         std::array::from_fn(|k| {
             std::array::from_fn(|i| match bits {
-                HighBits::Masks => {
+                HighBits::Masks | HighBits::Wide => {
                     let byte = t[qs + 32 * (k % 4) + i];
                     let nibble = if k < 4 { byte & 0xF } else { byte >> 4 };
                     let mask =
@@ -544,6 +707,90 @@ mod tests {
                     };
                     let want = nibble | ((((h >> c) & 1) as u8) << 4);
                     assert_eq!(code, want, "{bits:?} vector {k} byte {i}");
+                }
+            }
+        }
+    }
+
+    /// Q2_K's code vectors as the module documents them, `w` bytes per row (4, or 8 under
+    /// [`HighBits::Wide`]): bits `2 k` of byte `i` of group vector `(n, g)` (`32 w` bytes
+    /// each, `32 / w` per half) are value `128 n + 32 k + w g + i % w` of row `i / w`; the
+    /// scale bytes of sub-blocks `2 j`, `2 j + 1` of row `r` at `16 j + 2 r`.
+    #[test]
+    fn q2k_codes_and_scale_pairs_are_the_files() {
+        use crate::kernels::formats::k2_code;
+        let data: Vec<u8> = (0..8 * 84).map(|i| (i * 89 % 251) as u8).collect();
+        for (bits, w) in [
+            (HighBits::Whole, 4),
+            (HighBits::Masks, 4),
+            (HighBits::Wide, 8),
+        ] {
+            let t = tiled(WeightType::Q2K, 8, 1, &data, bits);
+            for (n, g, k, i) in (0..2).flat_map(|n| {
+                (0..32 / w).flat_map(move |g| {
+                    (0..4).flat_map(move |k| (0..8 * w).map(move |i| (n, g, k, i)))
+                })
+            }) {
+                let at = k_offsets::QS2 + 256 * n + 8 * w * g + i;
+                let code = (t[at] >> (2 * k)) & 3;
+                let row = &data[84 * (i / w)..84 * (i / w + 1)];
+                let want = k2_code(&row[16..80], 128 * n + 32 * k + w * g + i % w);
+                assert_eq!(code, want, "{bits:?} n {n} g {g} k {k} byte {i}");
+            }
+            for (j, r, h) in
+                (0..8).flat_map(|j| (0..8).flat_map(move |r| (0..2).map(move |h| (j, r, h))))
+            {
+                assert_eq!(
+                    t[k_offsets::SC2 + 16 * j + 2 * r + h],
+                    data[84 * r + 2 * j + h]
+                );
+            }
+        }
+    }
+
+    /// Q3_K's whole codes as the module documents them, `w` bytes per row: code `g` of
+    /// unit `u`, unpacked from its three bytes at position `i` of the unit's three group
+    /// vectors ([`q3k_unpack`]), is value `8 w u + w g + i % w` of row `i / w`; its
+    /// scales, signed, in pairs.
+    #[test]
+    fn q3k_whole_codes_and_scales_are_the_files() {
+        use crate::kernels::formats::{k2_code, k3_high, k3_scales};
+        let data: Vec<u8> = (0..8 * 110).map(|i| (i * 97 % 253) as u8).collect();
+        for (bits, w) in [
+            (HighBits::Whole, 4),
+            (HighBits::Masks, 4),
+            (HighBits::Wide, 8),
+        ] {
+            let t = tiled(WeightType::Q3K, 8, 1, &data, bits);
+            for (u, i) in (0..32 / w).flat_map(|u| (0..8 * w).map(move |i| (u, i))) {
+                let at = k_offsets::QS3 + 24 * w * u + i;
+                let codes = q3k_unpack([t[at], t[at + 8 * w], t[at + 16 * w]]);
+                let row = &data[110 * (i / w)..110 * (i / w + 1)];
+                for (g, &code) in codes.iter().enumerate() {
+                    let v = 8 * w * u + w * g + i % w;
+                    let want = k2_code(&row[32..96], v) | (k3_high(&row[..32], v) << 2);
+                    assert_eq!(code, want, "{bits:?} unit {u} code {g} byte {i}");
+                }
+            }
+            for r in 0..8 {
+                let sc = k3_scales(&data[110 * r + 96..110 * r + 108]);
+                for s in 0..16 {
+                    let got = t[k_offsets::SC3 + 16 * (s / 2) + 2 * r + s % 2] as i8;
+                    assert_eq!(got, sc[s], "row {r} scale {s}");
+                }
+            }
+        }
+    }
+
+    /// Every code in every slot of [`q3k_pack`] comes back whole, whatever its neighbours.
+    #[test]
+    fn q3k_packing_round_trips() {
+        for slot in 0..8 {
+            for code in 0..8u8 {
+                for other in 0..8u8 {
+                    let mut c = [other; 8];
+                    c[slot] = code;
+                    assert_eq!(q3k_unpack(q3k_pack(c)), c, "slot {slot} code {code}");
                 }
             }
         }

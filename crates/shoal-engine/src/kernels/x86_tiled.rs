@@ -4,7 +4,8 @@
 //! lane `r` accumulates row `r`'s dot product with no horizontal reduction. Codes are
 //! unsigned (nibbles, 5-bit values, or Q8_0 shifted by 128 under VNNI); the offset is taken
 //! back exactly with the activation block's integer sum. Written once, compiled for AVX2 and
-//! for AVX-512 VNNI (+BW, whose byte masks set the 5th bits in one instruction).
+//! for AVX-512 VNNI (+BW, whose byte masks set the 5th bits in one instruction); Q2_K and
+//! Q3_K for AVX2 only ([`k23_avx2`]: at AVX-512 they run in `x86_wide`).
 //! Callers must have checked the CPU features and that every activation row has a block per
 //! block column of the tile row.
 
@@ -36,7 +37,7 @@ unsafe fn prefetch_lines(t: *const u8, dist: usize, l2: usize, lines: usize, par
 }
 
 /// Quarter `part` (0..4) of the lines `pf.k` bytes past the `len`-byte block at `t`: the
-/// K-quant kernels (blocks of 1184 to 1680 bytes, 19 to 27 lines) spread their prefetches
+/// K-quant kernels (blocks of 672 to 1680 bytes, 11 to 27 lines) spread their prefetches
 /// over the block's work, a few lines at a time. Asked for all at once, a
 /// Q6_K block's 27 lines are more misses than the core keeps in flight, the last ones are
 /// dropped, and the loop stalls on them (at the first loads of each block's codes). A
@@ -44,7 +45,7 @@ unsafe fn prefetch_lines(t: *const u8, dist: usize, l2: usize, lines: usize, par
 /// may reach a line or two into the block after, which is read next anyway.
 #[inline]
 #[target_feature(enable = "sse")]
-unsafe fn prefetch_quarter(t: *const u8, len: usize, part: usize, pf: Prefetch) {
+pub(super) unsafe fn prefetch_quarter(t: *const u8, len: usize, part: usize, pf: Prefetch) {
     prefetch_lines(t, pf.k, pf.l2, len.div_ceil(4 * 64), part);
 }
 
@@ -325,6 +326,91 @@ unsafe fn scaled_vnni<const K: usize, const G: usize>(
 #[target_feature(enable = "avx2")]
 unsafe fn scales_vnni(x: __m256i) -> __m256i {
     x
+}
+
+/// `vpshufb` indices of lane 0 that copy its low 16-bit half (bytes 0, 1) into both halves.
+const DUP_LOW16: i32 = 0x0100_0100;
+/// The same for the high half (bytes 2, 3).
+const DUP_HIGH16: i32 = 0x0302_0302;
+
+/// `w`'s low (`HIGH` false) or high 16-bit half of each 32-bit lane in both halves (the
+/// indices of lane `i` are lane 0's plus `4 i`, within each 128-bit half).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn dup16<const HIGH: bool>(w: __m256i) -> __m256i {
+    let base = if HIGH { DUP_HIGH16 } else { DUP_LOW16 };
+    let step = 0x0404_0404;
+    let idx = _mm256_setr_epi32(
+        base,
+        base + step,
+        base + 2 * step,
+        base + 3 * step,
+        base,
+        base + step,
+        base + 2 * step,
+        base + 3 * step,
+    );
+    _mm256_shuffle_epi8(w, idx)
+}
+
+/// `acc` plus, per row (32-bit lane), `wa * sum_{g<4} dot(u[g], s[g]) + wb *
+/// sum_{g>=4} dot(u[g], s[g])`, `wa` and `wb` being the low and high 16-bit halves of the
+/// row's lane of `w`: two 16-value sub-blocks (four code vectors each) and their scales.
+/// Each sub-block's pair sums are added in 16 bits and widened by the multiply-add that
+/// applies its scale; exact while the codes stay below 16 (four pair sums of codes up to 15
+/// against +-127 are within 2^15).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn pair_avx2(acc: __m256i, u: &[__m256i; 8], s: &[__m256i; 8], w: __m256i) -> __m256i {
+    let sums = |g0: usize| {
+        let mut p = _mm256_maddubs_epi16(u[g0], s[g0]);
+        for g in g0 + 1..g0 + 4 {
+            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[g], s[g]));
+        }
+        p
+    };
+    let a = _mm256_madd_epi16(sums(0), dup16::<false>(w));
+    let b = _mm256_madd_epi16(sums(4), dup16::<true>(w));
+    _mm256_add_epi32(acc, _mm256_add_epi32(a, b))
+}
+
+/// AVX2: `acc + madd(x, y)` (16-bit pairs multiplied and added into 32-bit lanes).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn madd_avx2(acc: __m256i, x: __m256i, y: __m256i) -> __m256i {
+    _mm256_add_epi32(acc, _mm256_madd_epi16(x, y))
+}
+
+/// AVX2: the eight code vectors (0..8) of a Q3_K tile quarter from its three vectors of
+/// whole codes at `p` ([`super::tiled::q3k_pack`]). The 16-bit shifts carry bits across
+/// bytes; each result is masked after its shift, so only the wanted bits stay.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q3_codes_avx2(p: *const u8) -> [__m256i; 8] {
+    let ld = |at: usize| _mm256_loadu_si256(p.add(at) as *const __m256i);
+    let (a, b, c) = (ld(0), ld(32), ld(64));
+    let (m3, m4, m7) = (
+        _mm256_set1_epi8(3),
+        _mm256_set1_epi8(4),
+        _mm256_set1_epi8(7),
+    );
+    let and = _mm256_and_si256;
+    [
+        and(a, m7),
+        and(_mm256_srli_epi16::<3>(a), m7),
+        and(b, m7),
+        and(_mm256_srli_epi16::<3>(b), m7),
+        and(c, m7),
+        and(_mm256_srli_epi16::<3>(c), m7),
+        _mm256_or_si256(
+            and(_mm256_srli_epi16::<6>(a), m3),
+            and(_mm256_srli_epi16::<4>(c), m4),
+        ),
+        _mm256_or_si256(
+            and(_mm256_srli_epi16::<6>(b), m3),
+            and(_mm256_srli_epi16::<5>(c), m4),
+        ),
+    ]
 }
 
 macro_rules! tiled_kernels {
@@ -854,3 +940,189 @@ tiled_kernels!(
     q8_pair_vnni,
     128
 );
+
+/// Q2_K and Q3_K at the AVX2 level, on the four-byte layout (at AVX-512 they have a layout
+/// and kernels of their own in `x86_wide`).
+pub mod k23_avx2 {
+    use super::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn ld(p: *const u8) -> __m256i {
+        _mm256_loadu_si256(p as *const __m256i)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn bcast(p: *const i8, at: usize) -> __m256i {
+        _mm256_set1_epi32((p.add(at) as *const i32).read_unaligned())
+    }
+
+    /// Q2_K tile row against `N` rows.
+    ///
+    /// # Safety
+    /// As `avx2::tile_q45k`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile_q2k<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [[f32; TILE_ROWS]; N] {
+        let pf = Prefetch::for_rows(N);
+        q2k_with::<N>(w, a, pf)
+    }
+
+    /// [`tile_q2k`] with the prefetch distances `pf` (used when `N` is 1). Per
+    /// quarter `(n, k)` (`q = 4 n + k`), the eight code vectors are bits `2 k` of
+    /// the eight group vectors of half `n`, taken as `code` (k 0, 2) or `4 code`
+    /// (k 1, 3: one `and` each, the shift by 2 left out); the odd quarters' sums are
+    /// kept apart and divided by 4 at the end, exactly. The two sub-blocks' scales
+    /// meet their sums in one multiply-add ([`pair_avx2`]), their
+    /// minimums the activation's 16-value sums in another.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q2k_with<const N: usize>(
+        w: &[u8],
+        a: [&[BlockQ8K]; N],
+        pf: Prefetch,
+    ) -> [[f32; TILE_ROWS]; N] {
+        use k_offsets::*;
+        let tb = 672;
+        let (m3, m12) = (_mm256_set1_epi8(3), _mm256_set1_epi8(12));
+        let m15 = _mm256_set1_epi16(0x0F);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..w.len() / tb {
+            let t = w.as_ptr().add(b * tb);
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(t.add(16) as *const __m128i));
+            // per activation row: the even quarters' scaled sums, the odd ones'
+            // (four times theirs), the minimums times the 16-value sums
+            let mut even = [_mm256_setzero_si256(); N];
+            let mut odd = [_mm256_setzero_si256(); N];
+            let mut mins = [_mm256_setzero_si256(); N];
+            for q in 0..8 {
+                let (n, k) = (q / 4, q % 4);
+                if N == 1 && k % 2 == 0 {
+                    prefetch_quarter(t, tb, q / 2, pf);
+                }
+                let u: [__m256i; 8] = core::array::from_fn(|g| {
+                    let v = ld(t.add(QS2 + 256 * n + 32 * g));
+                    let v = if k < 2 { v } else { _mm256_srli_epi16::<4>(v) };
+                    _mm256_and_si256(v, if k % 2 == 0 { m3 } else { m12 })
+                });
+                // (scale | minimum << 4) of sub-blocks 2q and 2q + 1, per row
+                let x =
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128(t.add(SC2 + 16 * q) as *const __m128i));
+                let (sc, mn) = (_mm256_and_si256(x, m15), _mm256_srli_epi16::<4>(x));
+                for j in 0..N {
+                    let y = a[j].get_unchecked(b);
+                    let yq = y.qs.as_ptr().add(32 * q);
+                    let s: [__m256i; 8] = core::array::from_fn(|g| bcast(yq, 4 * g));
+                    if k % 2 == 0 {
+                        even[j] = pair_avx2(even[j], &u, &s, sc);
+                    } else {
+                        odd[j] = pair_avx2(odd[j], &u, &s, sc);
+                    }
+                    // the 16-value sums of sub-blocks 2q and 2q + 1 as one i32
+                    let bs = bcast(y.bsums.as_ptr() as *const i8, 4 * q);
+                    mins[j] = madd_avx2(mins[j], mn, bs);
+                }
+            }
+            for j in 0..N {
+                let yd = _mm256_set1_ps(a[j].get_unchecked(b).d);
+                let sum = _mm256_add_epi32(even[j], _mm256_srai_epi32::<2>(odd[j]));
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(sum), acc[j]);
+                acc[j] =
+                    _mm256_fnmadd_ps(_mm256_mul_ps(dmin, yd), _mm256_cvtepi32_ps(mins[j]), acc[j]);
+            }
+        }
+        let mut out = [[0f32; TILE_ROWS]; N];
+        for j in 0..N {
+            _mm256_storeu_ps(out[j].as_mut_ptr(), acc[j]);
+        }
+        out
+    }
+
+    /// Q3_K tile row against `N` rows.
+    ///
+    /// # Safety
+    /// As `avx2::tile_q45k`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile_q3k<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [[f32; TILE_ROWS]; N] {
+        let pf = Prefetch::for_rows(N);
+        q3k_with::<N>(w, a, pf)
+    }
+
+    /// [`tile_q3k`] with the prefetch distances `pf` (used when `N` is 1): per
+    /// quarter, eight code vectors of whole codes (0..8), two sub-blocks scaled in
+    /// one multiply-add; the codes' offset of 4 is taken back with the
+    /// activation's 16-value sums times the scales.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q3k_with<const N: usize>(
+        w: &[u8],
+        a: [&[BlockQ8K]; N],
+        pf: Prefetch,
+    ) -> [[f32; TILE_ROWS]; N] {
+        use k_offsets::*;
+        let tb = 912;
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..w.len() / tb {
+            let t = w.as_ptr().add(b * tb);
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i));
+            let mut sums = [_mm256_setzero_si256(); N];
+            let mut offs = [_mm256_setzero_si256(); N];
+            for q in 0..8 {
+                if N == 1 && q % 2 == 0 {
+                    prefetch_quarter(t, tb, q / 2, pf);
+                }
+                let u = q3_codes_avx2(t.add(QS3 + 96 * q));
+                // the signed scales of sub-blocks 2q and 2q + 1, per row
+                let sc =
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128(t.add(SC3 + 16 * q) as *const __m128i));
+                for j in 0..N {
+                    let y = a[j].get_unchecked(b);
+                    let yq = y.qs.as_ptr().add(32 * q);
+                    let s: [__m256i; 8] = core::array::from_fn(|g| bcast(yq, 4 * g));
+                    sums[j] = pair_avx2(sums[j], &u, &s, sc);
+                    let bs = bcast(y.bsums.as_ptr() as *const i8, 4 * q);
+                    offs[j] = madd_avx2(offs[j], sc, bs);
+                }
+            }
+            for j in 0..N {
+                let yd = _mm256_set1_ps(a[j].get_unchecked(b).d);
+                let sum = _mm256_sub_epi32(sums[j], _mm256_slli_epi32::<2>(offs[j]));
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(sum), acc[j]);
+            }
+        }
+        let mut out = [[0f32; TILE_ROWS]; N];
+        for j in 0..N {
+            _mm256_storeu_ps(out[j].as_mut_ptr(), acc[j]);
+        }
+        out
+    }
+
+    /// [`tile_q2k`] over whole tiles, one activation row (decode), as `avx2::run_q45k`.
+    ///
+    /// # Safety
+    /// As [`tile_q2k`]; `out` has room for eight values per tile.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn run_q2k(w: &[u8], tile_bytes: usize, a: &[BlockQ8K], out: *mut f32) {
+        let pf = Prefetch::current();
+        each_tile(w, tile_bytes, out, |t| {
+            let [o] = q2k_with::<1>(t, [a], pf);
+            o
+        })
+    }
+
+    /// [`run_q2k`] for Q3_K.
+    ///
+    /// # Safety
+    /// As [`tile_q3k`]; `out` has room for eight values per tile.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn run_q3k(w: &[u8], tile_bytes: usize, a: &[BlockQ8K], out: *mut f32) {
+        let pf = Prefetch::current();
+        each_tile(w, tile_bytes, out, |t| {
+            let [o] = q3k_with::<1>(t, [a], pf);
+            o
+        })
+    }
+}

@@ -1,16 +1,23 @@
-//! AVX-512 kernels that run two adjacent 8-row tiles at once in 512-bit vectors (16 rows per
-//! instruction), for batched products (prefill) where arithmetic, not memory, is the limit.
-//! The layout is the tiled one of [`super::tiled`]; each 512-bit code vector is the same
-//! 32-byte group of both tiles. Callers must have checked AVX-512 F/BW/VL/VNNI and that
+//! AVX-512 kernels in 512-bit vectors. Most run two adjacent 8-row tiles at once (16 rows per
+//! instruction), for batched products (prefill) where arithmetic, not memory, is the limit;
+//! the layout is the tiled one of [`super::tiled`], each 512-bit code vector the same
+//! 32-byte group of both tiles. Q2_K and Q3_K, whose few bits per value make even decode a
+//! matter of arithmetic on 256-bit vectors, have a layout of their own at this level
+//! ([`super::tiled::HighBits::Wide`], eight codes of each row per 64 bytes), so one tile
+//! fills 512-bit vectors and a product reads one stream: their kernels here take one tile,
+//! for decode and batches alike. Callers must have checked AVX-512 F/BW/VL/VNNI and that
 //! every activation row has a super-block per tile block.
 
 #![allow(unsafe_op_in_unsafe_fn)]
 
 use std::arch::x86_64::*;
 
+use super::each_tile;
 use super::formats::{BlockQ8, BlockQ8K};
+use super::prefetch::Prefetch;
 use super::tiled::kinds::{block_bytes, has_high_bit, has_min, offsets, Q4_0, Q5_0, Q8_0};
 use super::tiled::{k_offsets, TILE_ROWS};
+use super::x86_tiled::prefetch_quarter;
 
 /// Rows of a tile pair.
 pub const PAIR_ROWS: usize = 2 * TILE_ROWS;
@@ -364,4 +371,281 @@ pub unsafe fn tile2_q6k<const N: usize>(
         _mm512_storeu_ps(out[j].as_mut_ptr(), acc[j]);
     }
     out
+}
+
+/// Each row's value in both 32-bit lanes of its pair: lane `i` of the result is lane `i / 2`
+/// of the eight-lane `x`, as the one-tile kernels on the eight-byte layout
+/// ([`super::tiled::HighBits::Wide`]) hold rows (lanes `2 r`, `2 r + 1`: a code vector's
+/// first and last four codes of row `r`).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn row_pairs(x: __m256i) -> __m512i {
+    let idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    _mm512_permutexvar_epi32(idx, _mm512_castsi256_si512(x))
+}
+
+/// Eight f32 per row (lane `r`) from sixteen lanes holding each row twice over (lanes `2 r`
+/// and `2 r + 1`), the two added.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn fold_rows(x: __m512) -> __m256 {
+    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm256_add_ps(
+        _mm512_castps512_ps256(_mm512_permutexvar_ps(even, x)),
+        _mm512_castps512_ps256(_mm512_permutexvar_ps(odd, x)),
+    )
+}
+
+/// The eight activations at `y` in every 64-bit lane: each row's eight codes of a code
+/// vector on the eight-byte layout meet them, the first four in its even 32-bit lane.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn bcast8(y: *const i8) -> __m512i {
+    _mm512_set1_epi64((y as *const i64).read_unaligned())
+}
+
+/// `acc` plus, per 32-bit lane, `wa * (dot(u[0], s[0]) + dot(u[1], s[1])) + wb *
+/// (dot(u[2], s[2]) + dot(u[3], s[3]))` (`wa`, `wb` the 16-bit halves of the lane of `w`):
+/// two sub-blocks of two code vectors each, their sums (half a sub-block per lane, within
+/// +-2^15 for codes below 16) made the halves of each lane and scaled by one `vpdpwssd`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn pair_wide(acc: __m512i, u: &[__m512i; 4], s: &[__m512i; 4], w: __m512i) -> __m512i {
+    let a = _mm512_dpbusd_epi32(
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], s[0]),
+        u[1],
+        s[1],
+    );
+    let b = _mm512_dpbusd_epi32(
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[2], s[2]),
+        u[3],
+        s[3],
+    );
+    let halves = _mm512_mask_blend_epi16(0xAAAA_AAAA, a, _mm512_slli_epi32::<16>(b));
+    _mm512_dpwssd_epi32(acc, halves, w)
+}
+
+/// Q2_K tile row against `N` activation rows, on the eight-byte layout
+/// ([`super::tiled::HighBits::Wide`]): the arithmetic of `x86_tiled`'s Q2_K kernel in
+/// 512-bit vectors, each holding eight codes of each of the tile's eight rows. Decode (`N`
+/// 1) prefetches as the other K-quants do.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/VNNI, F16C; `w` is whole Q2_K tile blocks of that layout;
+/// every activation row has at least as many super-blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn tile_q2k<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [[f32; TILE_ROWS]; N] {
+    q2k_with::<N>(w, a, Prefetch::for_rows(N))
+}
+
+/// [`tile_q2k`] with the prefetch distances `pf` (used when `N` is 1). Per half `n`, the
+/// four group vectors are loaded once; quarter `(n, k)` takes bits `2 k` of them as `code`
+/// (k 0, 2) or `4 code` (k 1, 3, whose sums are divided by 4 at the end, exactly).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q2k_with<const N: usize>(
+    w: &[u8],
+    a: [&[BlockQ8K]; N],
+    pf: Prefetch,
+) -> [[f32; TILE_ROWS]; N] {
+    use k_offsets::*;
+    let tb = 672;
+    let (m3, m12) = (_mm512_set1_epi8(3), _mm512_set1_epi8(12));
+    let m15 = _mm256_set1_epi16(0x0F);
+    // lanes 2r, 2r + 1: row r's scaled code sums; lane r: its minimums' part
+    let mut acc = [_mm512_setzero_ps(); N];
+    let mut acc_min = [_mm256_setzero_ps(); N];
+    for b in 0..w.len() / tb {
+        let t = w.as_ptr().add(b * tb);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i));
+        let d2 = _mm512_permutexvar_ps(
+            _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+            _mm512_castps256_ps512(d),
+        );
+        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(t.add(16) as *const __m128i));
+        let mut even = [_mm512_setzero_si512(); N];
+        let mut odd = [_mm512_setzero_si512(); N];
+        let mut mins = [_mm256_setzero_si256(); N];
+        for n in 0..2 {
+            let mut v: [__m512i; 4] = core::array::from_fn(|g| {
+                _mm512_loadu_si512(t.add(QS2 + 256 * n + 64 * g) as *const __m512i)
+            });
+            for k in 0..4 {
+                let q = 4 * n + k;
+                if N == 1 && k % 2 == 0 {
+                    prefetch_quarter(t, tb, q / 2, pf);
+                }
+                if k == 2 {
+                    v = v.map(|x| _mm512_srli_epi16::<4>(x));
+                }
+                let u = v.map(|x| _mm512_and_si512(x, if k % 2 == 0 { m3 } else { m12 }));
+                // (scale | minimum << 4) of sub-blocks 2q and 2q + 1, per row
+                let x =
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128(t.add(SC2 + 16 * q) as *const __m128i));
+                let sc = row_pairs(_mm256_and_si256(x, m15));
+                let mn = _mm256_srli_epi16::<4>(x);
+                for j in 0..N {
+                    let y = a[j].get_unchecked(b);
+                    let yq = y.qs.as_ptr().add(32 * q);
+                    let s: [__m512i; 4] = core::array::from_fn(|g| bcast8(yq.add(8 * g)));
+                    if k % 2 == 0 {
+                        even[j] = pair_wide(even[j], &u, &s, sc);
+                    } else {
+                        odd[j] = pair_wide(odd[j], &u, &s, sc);
+                    }
+                    // the 16-value sums of sub-blocks 2q and 2q + 1 as one i32
+                    let bs = (y.bsums.as_ptr().add(2 * q) as *const i32).read_unaligned();
+                    mins[j] = _mm256_dpwssd_epi32(mins[j], mn, _mm256_set1_epi32(bs));
+                }
+            }
+        }
+        for j in 0..N {
+            let yd = a[j].get_unchecked(b).d;
+            let sum = _mm512_add_epi32(even[j], _mm512_srai_epi32::<2>(odd[j]));
+            let dy = _mm512_mul_ps(d2, _mm512_set1_ps(yd));
+            acc[j] = _mm512_fmadd_ps(dy, _mm512_cvtepi32_ps(sum), acc[j]);
+            let my = _mm256_mul_ps(dmin, _mm256_set1_ps(yd));
+            acc_min[j] = _mm256_fnmadd_ps(my, _mm256_cvtepi32_ps(mins[j]), acc_min[j]);
+        }
+    }
+    let mut out = [[0f32; TILE_ROWS]; N];
+    for j in 0..N {
+        _mm256_storeu_ps(
+            out[j].as_mut_ptr(),
+            _mm256_add_ps(fold_rows(acc[j]), acc_min[j]),
+        );
+    }
+    out
+}
+
+/// The eight code vectors of a Q3_K unit of the eight-byte layout from its three group
+/// vectors at `p` (`super::tiled::q3k_pack`), as `x86_tiled::q3_codes_avx2` unpacks them
+/// with codes 6 and 7 put together by one ternary-logic op each: their top bit is masked
+/// before its shift, so it arrives alone in bit 2, and the op keeps bits 0-1 of the shifted
+/// low part and ors the top bit in.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn q3_codes(p: *const u8) -> [__m512i; 8] {
+    let ld = |at: usize| _mm512_loadu_si512(p.add(at) as *const __m512i);
+    let (a, b, c) = (ld(0), ld(64), ld(128));
+    let (m3, m7) = (_mm512_set1_epi8(3), _mm512_set1_epi8(7));
+    let and = _mm512_and_si512;
+    let top6 = _mm512_srli_epi16::<4>(and(c, _mm512_set1_epi8(0x40)));
+    let top7 = _mm512_srli_epi16::<5>(and(c, _mm512_set1_epi8(0x80u8 as i8)));
+    [
+        and(a, m7),
+        and(_mm512_srli_epi16::<3>(a), m7),
+        and(b, m7),
+        and(_mm512_srli_epi16::<3>(b), m7),
+        and(c, m7),
+        and(_mm512_srli_epi16::<3>(c), m7),
+        // table 0xEC is `(a & c) | b`
+        _mm512_ternarylogic_epi32::<0xEC>(_mm512_srli_epi16::<6>(a), top6, m3),
+        _mm512_ternarylogic_epi32::<0xEC>(_mm512_srli_epi16::<6>(b), top7, m3),
+    ]
+}
+
+/// Q3_K tile row against `N` activation rows, on the eight-byte layout, as [`tile_q2k`]:
+/// per unit (two quarters), eight code vectors of whole codes (0..8), each quarter's two
+/// sub-blocks scaled in one multiply-add; the codes' offset of 4 is taken back with the
+/// activation's 16-value sums times the scales.
+///
+/// # Safety
+/// As [`tile_q2k`], for Q3_K.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn tile_q3k<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [[f32; TILE_ROWS]; N] {
+    q3k_with::<N>(w, a, Prefetch::for_rows(N))
+}
+
+/// [`tile_q3k`] with the prefetch distances `pf` (used when `N` is 1).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q3k_with<const N: usize>(
+    w: &[u8],
+    a: [&[BlockQ8K]; N],
+    pf: Prefetch,
+) -> [[f32; TILE_ROWS]; N] {
+    use k_offsets::*;
+    let tb = 912;
+    // lanes 2r, 2r + 1: row r's scaled code sums; lane r: its offsets' part
+    let mut acc = [_mm512_setzero_ps(); N];
+    let mut acc_off = [_mm256_setzero_ps(); N];
+    for b in 0..w.len() / tb {
+        let t = w.as_ptr().add(b * tb);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i));
+        let d2 = _mm512_permutexvar_ps(
+            _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+            _mm512_castps256_ps512(d),
+        );
+        let mut sums = [_mm512_setzero_si512(); N];
+        let mut offs = [_mm256_setzero_si256(); N];
+        for unit in 0..4 {
+            if N == 1 {
+                prefetch_quarter(t, tb, unit, pf);
+            }
+            let codes = q3_codes(t.add(QS3 + 192 * unit));
+            for h in 0..2 {
+                let q = 2 * unit + h;
+                let u: [__m512i; 4] = core::array::from_fn(|g| codes[4 * h + g]);
+                // the signed scales of sub-blocks 2q and 2q + 1, per row
+                let x =
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128(t.add(SC3 + 16 * q) as *const __m128i));
+                let sc = row_pairs(x);
+                for j in 0..N {
+                    let y = a[j].get_unchecked(b);
+                    let yq = y.qs.as_ptr().add(32 * q);
+                    let s: [__m512i; 4] = core::array::from_fn(|g| bcast8(yq.add(8 * g)));
+                    sums[j] = pair_wide(sums[j], &u, &s, sc);
+                    let bs = (y.bsums.as_ptr().add(2 * q) as *const i32).read_unaligned();
+                    offs[j] = _mm256_dpwssd_epi32(offs[j], x, _mm256_set1_epi32(bs));
+                }
+            }
+        }
+        for j in 0..N {
+            let yd = a[j].get_unchecked(b).d;
+            let dy = _mm512_mul_ps(d2, _mm512_set1_ps(yd));
+            acc[j] = _mm512_fmadd_ps(dy, _mm512_cvtepi32_ps(sums[j]), acc[j]);
+            let o = _mm256_cvtepi32_ps(_mm256_slli_epi32::<2>(offs[j]));
+            acc_off[j] = _mm256_fnmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(yd)), o, acc_off[j]);
+        }
+    }
+    let mut out = [[0f32; TILE_ROWS]; N];
+    for j in 0..N {
+        _mm256_storeu_ps(
+            out[j].as_mut_ptr(),
+            _mm256_add_ps(fold_rows(acc[j]), acc_off[j]),
+        );
+    }
+    out
+}
+
+/// [`tile_q2k`] over whole tiles `w` (each `tile_bytes` long) against one activation row,
+/// tile `i`'s eight results to `out[8 i..8 i + 8]` (decode), the prefetch distances read
+/// once per call.
+///
+/// # Safety
+/// As [`tile_q2k`]; `out` has room for eight values per tile.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn run_q2k(w: &[u8], tile_bytes: usize, a: &[BlockQ8K], out: *mut f32) {
+    let pf = Prefetch::current();
+    each_tile(w, tile_bytes, out, |t| {
+        let [o] = q2k_with::<1>(t, [a], pf);
+        o
+    })
+}
+
+/// [`run_q2k`] for Q3_K.
+///
+/// # Safety
+/// As [`tile_q3k`]; `out` has room for eight values per tile.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn run_q3k(w: &[u8], tile_bytes: usize, a: &[BlockQ8K], out: *mut f32) {
+    let pf = Prefetch::current();
+    each_tile(w, tile_bytes, out, |t| {
+        let [o] = q3k_with::<1>(t, [a], pf);
+        o
+    })
 }
