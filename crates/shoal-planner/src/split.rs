@@ -159,8 +159,8 @@ pub struct RankShare {
     /// Features of each held expert (all of them for whole experts; empty when unknown).
     #[serde(default)]
     pub expert_ffn: Range<usize>,
-    /// Experts' worth of routed bytes the busiest rank of the stage reads per token (see the
-    /// module): what this rank is charged for its routed experts per layer.
+    /// Experts the rank is charged for per token, each at its held part of an expert (see
+    /// the module): the busiest rank's expected count for whole experts, `k` for slices.
     #[serde(default)]
     pub routed_read: f64,
 }
@@ -255,9 +255,9 @@ pub fn tensor_split(
             let (f, b) = (m.expert_ffn, m.expert_block.max(1) as usize);
             match split_of(model, tp, experts) {
                 Some(ExpertSplit::Sliced) => {
+                    // every rank reads all k experts, each its own slice of them
                     let c = cut(f, b, tp).expect("resolved as possible");
-                    let busiest = expert_split_cost(n, k, f, b, tp).1.unwrap_or(k as f64);
-                    (vec![0..n; tp], c, busiest)
+                    (vec![0..n; tp], c, k as f64)
                 }
                 Some(_) => {
                     let c = cut(n, 1, tp).expect("resolved as possible");
@@ -443,6 +443,29 @@ mod tests {
         // four ranks cannot slice three blocks
         assert_eq!(expert_split_cost(128, 8, 768, 256, 4).1, None);
         assert_eq!(ExpertSplit::Sliced.resolve(128, 8, 768, 256, 4), None);
+    }
+
+    #[test]
+    fn routed_reads_follow_the_split() {
+        // DeepSeek V3: 256 experts of 2048 features in 256-blocks, 8 per token
+        let m = crate::testing::deepseek_v3_q4();
+        let l = 10;
+        let all = m.layer_parts(l).experts as f64;
+        let one = &tensor_split(&m, 1, ExpertSplit::Auto).unwrap()[0];
+        assert!((one.routed_layer_read(&m, l) - all * 8.0 / 256.0).abs() < 1.0);
+        // sliced in two: each rank reads its half of all 8 experts
+        for r in tensor_split(&m, 2, ExpertSplit::Sliced).unwrap() {
+            assert_eq!(r.expert_ffn.len(), 1024);
+            let want = all * 8.0 / 256.0 / 2.0;
+            assert!((r.routed_layer_read(&m, l) - want).abs() < 1.0, "{r:?}");
+        }
+        // whole in two: each rank is charged the busier half's expected count
+        let busiest = expected_busiest(256, 8, &[0..128, 128..256]);
+        assert!(busiest > 4.0 && busiest < 6.0, "{busiest}");
+        for r in tensor_split(&m, 2, ExpertSplit::Whole).unwrap() {
+            let want = all / 256.0 * busiest;
+            assert!((r.routed_layer_read(&m, l) - want).abs() < 1.0, "{r:?}");
+        }
     }
 
     #[test]
