@@ -213,14 +213,16 @@ pub struct Usage {
 /// One generated token's log-probability, with its text.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprob {
+    /// The token's id in the model's vocabulary.
+    pub id: u32,
     /// The token's text.
     pub token: String,
     /// Its bytes (the text may be a partial character).
     pub bytes: Vec<u8>,
     /// Its log-probability.
     pub logprob: f32,
-    /// The most likely alternatives, best first.
-    pub top: Vec<(String, Vec<u8>, f32)>,
+    /// The most likely alternatives (id, text, bytes, log-probability), best first.
+    pub top: Vec<(u32, String, Vec<u8>, f32)>,
 }
 
 /// What a running request yields, in order.
@@ -465,6 +467,7 @@ impl Running {
         };
         let (token, bytes) = text(id);
         vec![TokenLogprob {
+            id,
             token,
             bytes,
             logprob: lp.logprob,
@@ -473,7 +476,7 @@ impl Running {
                 .iter()
                 .map(|&(t, l)| {
                     let (s, b) = text(t);
-                    (s, b, l)
+                    (t, s, b, l)
                 })
                 .collect(),
         }]

@@ -386,12 +386,15 @@ fn usage_json(u: Usage) -> Value {
 fn logprob_content(lps: &[TokenLogprob]) -> Value {
     lps.iter()
         .map(|l| {
+            // `id` beside OpenAI's fields, as llama.cpp's server gives it: text alone cannot
+            // tell apart tokens that print as nothing
             json!({
+                "id": l.id,
                 "token": l.token,
                 "logprob": l.logprob,
                 "bytes": l.bytes,
-                "top_logprobs": l.top.iter().map(|(t, b, p)| json!({
-                    "token": t, "logprob": p, "bytes": b,
+                "top_logprobs": l.top.iter().map(|(id, t, b, p)| json!({
+                    "id": id, "token": t, "logprob": p, "bytes": b,
                 })).collect::<Vec<_>>(),
             })
         })
@@ -638,7 +641,7 @@ fn legacy_logprobs(lps: &[TokenLogprob]) -> Value {
         "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
         "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
         "top_logprobs": lps.iter().map(|l| {
-            l.top.iter().map(|(t, _, p)| (t.clone(), json!(p))).collect::<serde_json::Map<_, _>>()
+            l.top.iter().map(|(_, t, _, p)| (t.clone(), json!(p))).collect::<serde_json::Map<_, _>>()
         }).collect::<Vec<_>>(),
         "text_offset": offsets,
     })
@@ -780,4 +783,31 @@ pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> R
             .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "shoal"})),
     );
     Json(json!({"object": "list", "data": data})).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logprobs_carry_token_ids_beside_openai_fields() {
+        let lps = [TokenLogprob {
+            id: 7,
+            token: String::new(),
+            bytes: Vec::new(),
+            logprob: -0.5,
+            top: vec![
+                (7, String::new(), Vec::new(), -0.5),
+                (9, "a".into(), b"a".to_vec(), -1.0),
+            ],
+        }];
+        let v = logprob_content(&lps);
+        assert_eq!(v[0]["id"], 7);
+        assert_eq!(v[0]["token"], "");
+        assert_eq!(v[0]["logprob"], -0.5);
+        assert_eq!(v[0]["top_logprobs"][1]["id"], 9);
+        assert_eq!(v[0]["top_logprobs"][1]["bytes"], json!([97]));
+        let legacy = legacy_logprobs(&lps);
+        assert_eq!(legacy["top_logprobs"][0]["a"], -1.0);
+    }
 }

@@ -61,6 +61,9 @@ const COORDINATOR_AGREEMENT: Duration = Duration::from_secs(15);
 const TICK: Duration = Duration::from_millis(250);
 /// Bytes per fetched and verified chunk.
 const CHUNK: u64 = 4 << 20;
+/// How long a rank that lacks its model waits for another node's offer of it to arrive by
+/// gossip (the node that asked for the load publishes its file just before).
+const OFFER_WAIT: Duration = Duration::from_secs(15);
 /// How long ranks wait for each other to join an instance's mesh.
 const MESH_WAIT: Duration = Duration::from_secs(600);
 /// How long a collective may wait: ranks idle between requests, and a dead peer is found by
@@ -844,18 +847,28 @@ impl Driver {
             .model_sha256
             .clone()
             .with_context(|| format!("no node offers model {}", inst.model))?;
-        let sources: Vec<String> = self
-            .offered()
-            .into_iter()
-            .filter(|(n, f)| f.sha256 == sha && n != self.node.id())
-            .map(|(n, _)| n)
-            .collect();
-        if sources.is_empty() {
-            bail!(
-                "this node lacks model {} (sha256 {sha}) and no live node offers it",
-                inst.model
-            );
-        }
+        // the node that asked for the load may have published its file a moment ago: wait
+        // for the offer to reach this node before giving up
+        let waited = Instant::now();
+        let sources = loop {
+            let sources: Vec<String> = self
+                .offered()
+                .into_iter()
+                .filter(|(n, f)| f.sha256 == sha && n != self.node.id())
+                .map(|(n, _)| n)
+                .collect();
+            if !sources.is_empty() {
+                break sources;
+            }
+            if waited.elapsed() >= OFFER_WAIT || stop.load(Ordering::Relaxed) {
+                bail!(
+                    "this node lacks model {} (sha256 {sha}) and no live node offered it within {} s",
+                    inst.model,
+                    OFFER_WAIT.as_secs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
         let mut last = None;
         for src in &sources {
             match self.fetch_slice(inst, src, &sha, rank, stop) {

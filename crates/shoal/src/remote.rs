@@ -83,14 +83,25 @@ fn stream(client: &Client, path: &str, body: &Value, chat: bool) -> anyhow::Resu
 }
 
 fn report(a: &Answer, url: &str) {
-    let first = a.first.unwrap_or(a.total);
-    let decode = a.completion_tokens.saturating_sub(1) as f64 / (a.total - first).max(1e-9);
+    // the rate runs from the first text to the end; when the text came all at once (or
+    // there was none: tokens without text), from the request
+    let (first, rate) = match a.first {
+        Some(f) if a.total - f > 1e-3 => (
+            format!("first text after {:.0} ms", f * 1e3),
+            a.completion_tokens.saturating_sub(1) as f64 / (a.total - f),
+        ),
+        Some(f) => (
+            format!("first text after {:.0} ms", f * 1e3),
+            a.completion_tokens as f64 / a.total.max(1e-3),
+        ),
+        None => (
+            "no text".to_string(),
+            a.completion_tokens as f64 / a.total.max(1e-3),
+        ),
+    };
     eprintln!(
-        "prompt: {} tokens, first text after {:.0} ms | generation: {} tokens, {:.1} tok/s | on {url}",
-        a.prompt_tokens,
-        first * 1e3,
-        a.completion_tokens,
-        decode
+        "prompt: {} tokens, {first} | generation: {} tokens, {rate:.1} tok/s | on {url}",
+        a.prompt_tokens, a.completion_tokens,
     );
 }
 
