@@ -309,7 +309,7 @@ async fn messages_route(
         "content": content,
         "stop_reason": stop_reason(done.reason, &done.stop),
         "stop_sequence": done.stop,
-        "usage": {"input_tokens": done.usage.prompt_tokens, "output_tokens": done.usage.completion_tokens},
+        "usage": usage_json(done.usage),
     }))
     .into_response())
 }
@@ -324,6 +324,17 @@ pub async fn messages(
         Ok(r) => r,
         Err(e) => e.flavor(Flavor::Anthropic).into_response(),
     }
+}
+
+/// Anthropic's usage: `input_tokens` counts the prompt tokens that ran, and
+/// `cache_read_input_tokens` those taken from the KV cache of an earlier or running request.
+fn usage_json(u: generation::Usage) -> Value {
+    json!({
+        "input_tokens": u.prompt_tokens - u.cached_tokens.min(u.prompt_tokens),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u.cached_tokens,
+        "output_tokens": u.completion_tokens,
+    })
 }
 
 type Item = Result<SseEvent, Infallible>;
@@ -410,7 +421,7 @@ fn stream_messages(
                     "message_delta",
                     json!({"type": "message_delta",
                            "delta": {"stop_reason": stop_reason(reason, &stop_seq), "stop_sequence": stop_seq},
-                           "usage": {"output_tokens": usage.completion_tokens}}),
+                           "usage": usage_json(usage)}),
                 ));
                 items.push(event("message_stop", json!({"type": "message_stop"})));
             }

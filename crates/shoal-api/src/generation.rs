@@ -204,6 +204,9 @@ pub struct Usage {
     pub prompt_tokens: usize,
     /// Generated tokens.
     pub completion_tokens: usize,
+    /// Of the prompt tokens, those taken from the KV cache of an earlier or running
+    /// request instead of run.
+    pub cached_tokens: usize,
     /// From arrival to the first generated token.
     pub time_to_first_token: Duration,
     /// From arrival to the end.
@@ -568,6 +571,7 @@ impl Running {
                         usage: Usage {
                             prompt_tokens: f.prompt_tokens,
                             completion_tokens: f.completion_tokens,
+                            cached_tokens: f.cached_tokens,
                             time_to_first_token: f.time_to_first_token,
                             total: f.total,
                         },

@@ -51,6 +51,11 @@ pub struct Metrics {
     active: Family<ModelLabels, Gauge>,
     batch_size: Family<ModelLabels, Gauge>,
     decode_steps: Family<ModelLabels, Gauge<u64, AtomicU64>>,
+    sequences: Family<ModelLabels, Gauge<u64, AtomicU64>>,
+    prefix_hits: Family<ModelLabels, Gauge<u64, AtomicU64>>,
+    cached_tokens: Family<ModelLabels, Gauge<u64, AtomicU64>>,
+    kept_tokens: Family<ModelLabels, Gauge<u64, AtomicU64>>,
+    kept_bytes: Family<ModelLabels, Gauge<u64, AtomicU64>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -125,8 +130,43 @@ impl Metrics {
             "Batched decode steps run since start",
             decode_steps.clone(),
         );
+        let count = |r: &mut Registry, name: &str, help: &str| {
+            let f = Family::<ModelLabels, Gauge<u64, AtomicU64>>::default();
+            r.register(name, help, f.clone());
+            f
+        };
+        let sequences = count(
+            &mut r,
+            "sequences_started",
+            "Requests that began generating since start",
+        );
+        let prefix_hits = count(
+            &mut r,
+            "prefix_cache_hits",
+            "Requests since start whose prompt started from the KV cache of an earlier or running request",
+        );
+        let cached_tokens = count(
+            &mut r,
+            "prompt_tokens_cached",
+            "Prompt tokens since start taken from such caches instead of run",
+        );
+        let kept_tokens = count(
+            &mut r,
+            "prefix_cache_tokens",
+            "Positions held by the KV caches kept for later requests",
+        );
+        let kept_bytes = count(
+            &mut r,
+            "prefix_cache_bytes",
+            "The model's KV cache bytes for those positions (over every rank of a split model)",
+        );
         Metrics {
             registry: Mutex::new(r),
+            sequences,
+            prefix_hits,
+            cached_tokens,
+            kept_tokens,
+            kept_bytes,
             requests,
             prompt_tokens,
             generated_tokens,
@@ -179,6 +219,27 @@ impl Metrics {
         self.active.get_or_create(&m).set(active as i64);
         self.batch_size.get_or_create(&m).set(batch as i64);
         self.decode_steps.get_or_create(&m).set(steps);
+    }
+
+    /// Sets the prefix cache's figures of `model` from its scheduler's counters.
+    pub fn prefix_cache(&self, model: &str, s: &shoal_engine::scheduler::SchedulerStats) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let m = Self::model(model);
+        self.sequences
+            .get_or_create(&m)
+            .set(s.sequences.load(Relaxed));
+        self.prefix_hits
+            .get_or_create(&m)
+            .set(s.prefix_hits.load(Relaxed));
+        self.cached_tokens
+            .get_or_create(&m)
+            .set(s.cached_prompt_tokens.load(Relaxed));
+        self.kept_tokens
+            .get_or_create(&m)
+            .set(s.kept_tokens.load(Relaxed));
+        self.kept_bytes
+            .get_or_create(&m)
+            .set(s.kept_bytes.load(Relaxed));
     }
 
     /// The exposition in the OpenMetrics text format.

@@ -285,6 +285,7 @@ impl AppState {
                 s.last_batch.load(Relaxed),
                 s.decode_steps.load(Relaxed),
             );
+            self.metrics.prefix_cache(&m.id, s);
         }
     }
 }

@@ -196,6 +196,7 @@ fn full_queue_answers_503_in_each_shape() {
             max_batch: 1,
             max_queue: 0,
             ctx: 256,
+            prefix_cache: true,
         },
     );
     let app = shoal_api::router(state.clone(), &HttpOptions::default());
@@ -266,6 +267,7 @@ fn disconnecting_client_frees_its_slot() {
             max_batch: 1,
             max_queue: 4,
             ctx: 4096,
+            prefix_cache: true,
         },
     );
     let app = shoal_api::router(state.clone(), &HttpOptions::default());
@@ -330,4 +332,78 @@ fn cluster_routes_outside_a_cluster_say_how_to_join_and_need_a_key() {
         let (s, _) = call(&app, "GET", "/cluster/nodes", b"").await;
         assert_eq!(s, StatusCode::UNAUTHORIZED);
     });
+}
+
+/// A repeated prompt start is reported as cached where each API has a field for it (OpenAI's
+/// `prompt_tokens_details.cached_tokens`, Anthropic's `cache_read_input_tokens`, with
+/// `input_tokens` the rest) and counted in the metrics; with the prefix cache off, nothing is.
+#[test]
+fn usage_reports_the_prompt_tokens_taken_from_the_cache() {
+    for on in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let state = state_with(
+            tiny_model(dir.path()),
+            "tiny",
+            SchedulerConfig {
+                max_batch: 2,
+                max_queue: 4,
+                ctx: 128,
+                prefix_cache: on,
+            },
+        );
+        let app = shoal_api::router(state.clone(), &HttpOptions::default());
+        runtime().block_on(async {
+            let system = "you are a careful assistant who answers briefly";
+            let chat = |q: &str| {
+                json!({"model": "tiny", "max_tokens": 3, "temperature": 0, "messages": [
+                    {"role": "system", "content": system}, {"role": "user", "content": q}]})
+            };
+            let (s, b) = call(
+                &app,
+                "POST",
+                "/v1/chat/completions",
+                chat("hi").to_string().as_bytes(),
+            )
+            .await;
+            assert_eq!(s, StatusCode::OK);
+            assert_eq!(
+                json_of(&b)["usage"]["prompt_tokens_details"]["cached_tokens"],
+                0
+            );
+            let (s, b) = call(
+                &app,
+                "POST",
+                "/v1/chat/completions",
+                chat("yo").to_string().as_bytes(),
+            )
+            .await;
+            assert_eq!(s, StatusCode::OK);
+            let u = &json_of(&b)["usage"];
+            let cached = u["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap();
+            let prompt = u["prompt_tokens"].as_u64().unwrap();
+            if on {
+                assert!(cached > 5 && cached < prompt, "{u}");
+            } else {
+                assert_eq!(cached, 0, "{u}");
+            }
+            let msg = json!({"model": "tiny", "max_tokens": 3, "system": system,
+                             "messages": [{"role": "user", "content": "hey"}]});
+            let (s, b) = call(&app, "POST", "/v1/messages", msg.to_string().as_bytes()).await;
+            assert_eq!(s, StatusCode::OK);
+            let u = &json_of(&b)["usage"];
+            let read = u["cache_read_input_tokens"].as_u64().unwrap();
+            assert_eq!(read > 0, on, "{u}");
+            assert!(u["input_tokens"].as_u64().unwrap() > 0, "{u}");
+            let (_, m) = call(&app, "GET", "/metrics", b"").await;
+            let m = String::from_utf8(m).unwrap();
+            let hits = m
+                .lines()
+                .find(|l| l.starts_with("shoal_prefix_cache_hits{"))
+                .unwrap_or_else(|| panic!("{m}"));
+            assert_eq!(hits.ends_with(" 0"), !on, "{hits}");
+            assert!(m.contains("shoal_prefix_cache_bytes{"), "{m}");
+        });
+    }
 }

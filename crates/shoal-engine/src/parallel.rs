@@ -200,6 +200,9 @@ const OP_STOP: u32 = 2;
 const OP_BATCH: u32 = 3;
 /// Bytes per row of a batched step's body.
 const BATCH_ROW_BYTES: usize = 12;
+/// Copies the first `cache_len` positions of sequence `n_tokens`'s cache into sequence
+/// `seq`'s (a prefix shared with an earlier or running sequence); no body, no reply.
+const OP_COPY: u32 = 4;
 const HEADER_BYTES: usize = 24;
 /// Most sequences a split model keeps caches for at once.
 pub const MAX_SEQUENCES: usize = 256;
@@ -236,7 +239,7 @@ impl Header {
             what: format!("step header from the lead rank: {what}"),
         };
         let op = word(0);
-        if op != OP_STEP && op != OP_STOP && op != OP_BATCH {
+        if ![OP_STEP, OP_STOP, OP_BATCH, OP_COPY].contains(&op) {
             return Err(bad(format!("unknown operation {op}")));
         }
         let want = Want::from_code(word(3), word(4))
@@ -244,6 +247,9 @@ impl Header {
         let seq = word(5);
         if seq as usize >= MAX_SEQUENCES {
             return Err(bad(format!("sequence {seq} (at most {MAX_SEQUENCES})")));
+        }
+        if op == OP_COPY && (word(1) as usize >= MAX_SEQUENCES || word(1) == seq) {
+            return Err(bad(format!("a copy from sequence {} into {seq}", word(1))));
         }
         Ok(Header {
             op,
@@ -443,6 +449,35 @@ impl<'a> Lead<'a> {
     /// step).
     pub fn truncate(&mut self, len: usize) {
         self.caches[self.current].truncate(len);
+    }
+
+    /// Makes sequence `to` hold the first `len` positions of sequence `from`, on every rank
+    /// (a prompt that starts as another sequence's runs only the rest).
+    ///
+    /// # Errors
+    /// When a sequence does not exist, they are the same, `from` holds fewer positions,
+    /// steps are uncollected, or a rank cannot be reached.
+    pub fn copy_prefix(&mut self, from: usize, to: usize, len: usize) -> Result<(), EngineError> {
+        let n = self.caches.len();
+        if from >= n || to >= n || from == to || len > self.caches[from].len() {
+            return Err(EngineError::InvalidInput {
+                what: format!("a copy of {len} positions from sequence {from} into {to} of {n}"),
+            });
+        }
+        if !self.pending.is_empty() {
+            return Err(EngineError::InvalidInput {
+                what: "a copy while submitted steps are uncollected".into(),
+            });
+        }
+        let header = Header {
+            op: OP_COPY,
+            seq: to as u32,
+            n_tokens: from as u32,
+            cache_len: len as u32,
+            want: Want::Nothing,
+        };
+        self.ctx.world.broadcast(&mut header.encode(), 0)?;
+        copy_between(self.model, &mut self.caches, from, to, len)
     }
 
     /// Runs one step of the current sequence on every rank and returns the merged
@@ -798,6 +833,24 @@ fn serve_batch(
     Ok(())
 }
 
+/// Copies the first `len` positions of `caches[from]` into `caches[to]` (distinct).
+fn copy_between(
+    model: &Transformer,
+    caches: &mut [KvCache],
+    from: usize,
+    to: usize,
+    len: usize,
+) -> Result<(), EngineError> {
+    let (src, dst) = if from < to {
+        let (a, b) = caches.split_at_mut(to);
+        (&a[from], &mut b[0])
+    } else {
+        let (a, b) = caches.split_at_mut(from);
+        (&b[0], &mut a[to])
+    };
+    model.copy_prefix(src, dst, len)
+}
+
 /// Serves steps on a rank other than the lead until the lead says stop.
 ///
 /// # Errors
@@ -813,6 +866,23 @@ pub fn serve(ctx: &RankContext, model: &Transformer, capacity: usize) -> Result<
         }
         if header.op == OP_BATCH {
             serve_batch(ctx, model, capacity, &mut caches, header)?;
+            continue;
+        }
+        if header.op == OP_COPY {
+            let (from, to) = (header.n_tokens as usize, header.seq as usize);
+            while caches.len() <= from.max(to) {
+                caches.push(model.new_cache(capacity));
+            }
+            if header.cache_len as usize > caches[from].len() {
+                return Err(EngineError::InvalidInput {
+                    what: format!(
+                        "the lead copies {} positions of sequence {from}, which holds {} here",
+                        header.cache_len,
+                        caches[from].len()
+                    ),
+                });
+            }
+            copy_between(model, &mut caches, from, to, header.cache_len as usize)?;
             continue;
         }
         let t = header.n_tokens as usize;

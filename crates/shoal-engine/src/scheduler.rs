@@ -38,6 +38,10 @@ use crate::{EngineError, KvCache};
 /// steps of running sequences by one chunk at a time, and bounds attention's scratch.
 pub const PROMPT_CHUNK: usize = 512;
 
+/// Prompt positions a queued request must gain by waiting for a running prompt to finish
+/// before it waits rather than starts ([`Worker::worth_waiting`]).
+const WAIT_FOR_SHARE: usize = 64;
+
 /// Restricts which tokens may come next (constrained decoding: JSON schemas, forced tool
 /// calls). Implemented by the constraint engine; the scheduler only calls it.
 pub trait TokenConstraint: Send {
@@ -183,6 +187,9 @@ pub struct SchedulerConfig {
     pub max_queue: usize,
     /// Context length of each sequence (prompt plus generated tokens).
     pub ctx: usize,
+    /// Whether a sequence starts from the KV cache of an ended or running one that shares
+    /// the start of its prompt (else every prompt runs whole and no cache is kept).
+    pub prefix_cache: bool,
 }
 
 /// Counters the scheduler keeps for metrics.
@@ -200,6 +207,16 @@ pub struct SchedulerStats {
     pub decoded_tokens: AtomicU64,
     /// Prompt tokens run.
     pub prompt_tokens: AtomicU64,
+    /// Prompt tokens taken from a kept or running sequence's cache instead of run.
+    pub cached_prompt_tokens: AtomicU64,
+    /// Sequences that started from another's cache.
+    pub prefix_hits: AtomicU64,
+    /// Sequences started.
+    pub sequences: AtomicU64,
+    /// Positions held by the caches kept for later requests.
+    pub kept_tokens: AtomicU64,
+    /// The model's KV bytes for those positions (over every rank of a split model).
+    pub kept_bytes: AtomicU64,
 }
 
 struct Job {
@@ -565,6 +582,15 @@ struct Parked {
     tokens: Vec<u32>,
 }
 
+/// Where a new sequence's first positions come from.
+#[derive(Debug, Clone, Copy)]
+enum Source {
+    /// The kept cache at this index of `Worker::parked`.
+    Kept(usize),
+    /// The running sequence at this index of `Worker::active`.
+    Running(usize),
+}
+
 /// Length of the common prefix of two token sequences.
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
@@ -681,6 +707,14 @@ impl<'m> Worker<'m> {
                 return Admit::Shutdown;
             }
             while self.active.len() < self.config.max_batch {
+                let Some(front) = q.waiting.front() else {
+                    break;
+                };
+                if !front.cancelled.load(Ordering::Acquire)
+                    && self.worth_waiting(&front.request.prompt)
+                {
+                    break;
+                }
                 let Some(job) = q.waiting.pop_front() else {
                     break;
                 };
@@ -748,6 +782,14 @@ impl<'m> Worker<'m> {
                 return None;
             }
         };
+        let stats = &self.shared.stats;
+        stats.sequences.fetch_add(1, Ordering::Relaxed);
+        if cached > 0 {
+            stats.prefix_hits.fetch_add(1, Ordering::Relaxed);
+            stats
+                .cached_prompt_tokens
+                .fetch_add(cached as u64, Ordering::Relaxed);
+        }
         let mut sampler = Sampler::new(r.sampler.clone());
         sampler.observe(&r.prompt);
         let stops = StopMatcher::new(&r.stop);
@@ -767,94 +809,194 @@ impl<'m> Worker<'m> {
         })
     }
 
-    /// A cache for a sequence of `prompt` that needs room for `capacity` positions, and how
-    /// many of the prompt's tokens it already holds: the parked cache that shares the
-    /// longest start with the prompt (all but its last token at most, which must run to
-    /// give logits), copied into a larger cache where it is too small, else an empty one.
-    fn cache_for(&mut self, prompt: &[u32], capacity: usize) -> Result<(Store, usize), String> {
-        let best = self
-            .parked
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (i, common_prefix(&p.tokens, prompt).min(prompt.len() - 1)))
-            .filter(|&(_, n)| n > 0)
-            .max_by_key(|&(i, n)| (n, i));
-        let reuse = best.map(|(i, n)| (self.parked.remove(i), n));
-        if let Some(lead) = self.lead.as_mut() {
-            // every slot holds the scheduler's whole context on every rank
-            let (slot, len) = match reuse {
-                Some((p, n)) => (p.cache.slot().unwrap_or(0), n),
-                None => {
-                    let held: Vec<usize> =
-                        self.active.iter().filter_map(|s| s.cache.slot()).collect();
-                    let parked: Vec<usize> =
-                        self.parked.iter().filter_map(|p| p.cache.slot()).collect();
-                    let free = (0..self.config.max_batch)
-                        .find(|s| !held.contains(s) && !parked.contains(s));
-                    let slot = match free {
-                        Some(s) => s,
-                        None => {
-                            // the oldest parked slot that no active sequence holds
-                            let i = self
-                                .parked
-                                .iter()
-                                .position(|p| p.cache.slot().is_some_and(|s| !held.contains(&s)))
-                                .ok_or_else(|| "no free slot in the split model".to_string())?;
-                            self.parked.remove(i).cache.slot().unwrap_or(0)
-                        }
-                    };
-                    (slot, 0)
-                }
-            };
-            lead.select(slot).map_err(|e| e.to_string())?;
-            lead.truncate(len);
-            return Ok((
-                Store::Slot {
-                    slot,
-                    len,
-                    capacity,
-                },
-                len,
-            ));
+    /// The cache that shares the longest start with `prompt` (all but its last token at
+    /// most, which must run to give logits): a kept cache or a running sequence's, and how
+    /// many positions. Ties go to a kept cache, then to the newest.
+    fn best_prefix(&self, prompt: &[u32]) -> Option<(Source, usize)> {
+        if !self.config.prefix_cache {
+            return None;
         }
-        let model = &self.model;
-        match reuse {
-            Some((
-                Parked {
-                    cache: Store::Local(mut c),
-                    ..
-                },
-                n,
-            )) => {
+        let most = prompt.len().saturating_sub(1);
+        let kept = self.parked.iter().enumerate().map(|(i, p)| {
+            let n = common_prefix(&p.tokens, prompt).min(most);
+            (n, 1, i, Source::Kept(i))
+        });
+        let running = self.active.iter().enumerate().map(|(i, s)| {
+            let n = common_prefix(&s.history(), prompt).min(most);
+            (n, 0, i, Source::Running(i))
+        });
+        kept.chain(running)
+            .filter(|&(n, ..)| n > 0)
+            .max_by_key(|&(n, kept, i, _)| (n, kept, i))
+            .map(|(n, _, _, src)| (src, n))
+    }
+
+    /// Whether a queued `prompt` should wait for a sequence still running its own prompt
+    /// that shares at least [`WAIT_FOR_SHARE`] more of its start than any cache holds now:
+    /// copying those positions once they have run beats running them again (many requests
+    /// with one system prompt arriving at once). The wait ends when that prompt has run.
+    fn worth_waiting(&self, prompt: &[u32]) -> bool {
+        if !self.config.prefix_cache {
+            return false;
+        }
+        let most = prompt.len().saturating_sub(1);
+        let now = self.best_prefix(prompt).map_or(0, |(_, n)| n);
+        self.active.iter().any(|s| {
+            let p = &s.job.request.prompt;
+            s.prefilled < p.len() && common_prefix(p, prompt).min(most) >= now + WAIT_FOR_SHARE
+        })
+    }
+
+    /// Whether every slot is taken by a sequence or a kept cache.
+    fn slots_full(&self) -> bool {
+        self.parked.len() + self.active.len() >= self.config.max_batch
+    }
+
+    /// A cache for a sequence of `prompt` that needs room for `capacity` positions, and how
+    /// many of the prompt's tokens it already holds ([`Worker::best_prefix`]). A kept cache
+    /// is taken over when every slot is in use, else copied (and kept for the next request
+    /// that starts the same way, e.g. with the same system prompt); a running sequence's
+    /// positions are copied. Kept caches go oldest first when a slot is needed.
+    fn cache_for(&mut self, prompt: &[u32], capacity: usize) -> Result<(Store, usize), String> {
+        let mut best = self.best_prefix(prompt);
+        if let Some((Source::Kept(i), n)) = best {
+            if self.slots_full() {
+                let p = self.parked.remove(i);
+                return self.take_over(p.cache, n, capacity);
+            }
+        }
+        // a slot for the new cache: the oldest kept caches go (a kept source is not among
+        // them: with every slot full it was taken over above)
+        while self.slots_full() {
+            if self.parked.is_empty() {
+                return Err("no free slot".into());
+            }
+            self.parked.remove(0);
+            if let Some((Source::Kept(i), n)) = best {
+                best = i.checked_sub(1).map(|i| (Source::Kept(i), n));
+            }
+        }
+        let (store, n) = match self.lead.as_mut() {
+            Some(lead) => {
+                let held: Vec<usize> = self
+                    .active
+                    .iter()
+                    .map(|s| &s.cache)
+                    .chain(self.parked.iter().map(|p| &p.cache))
+                    .filter_map(Store::slot)
+                    .collect();
+                let slot = (0..self.config.max_batch)
+                    .find(|s| !held.contains(s))
+                    .ok_or_else(|| "no free slot in the split model".to_string())?;
+                let from = best.and_then(|(src, n)| {
+                    let store = match src {
+                        Source::Kept(i) => &self.parked[i].cache,
+                        Source::Running(i) => &self.active[i].cache,
+                    };
+                    store.slot().map(|s| (s, n))
+                });
+                let n = match from {
+                    Some((from, n)) => {
+                        lead.copy_prefix(from, slot, n).map_err(|e| e.to_string())?;
+                        n
+                    }
+                    None => 0,
+                };
+                lead.select(slot).map_err(|e| e.to_string())?;
+                lead.truncate(n);
+                (
+                    Store::Slot {
+                        slot,
+                        len: n,
+                        capacity,
+                    },
+                    n,
+                )
+            }
+            None => {
+                let mut cache = self.model.new_cache(capacity);
+                let src = best.and_then(|(src, n)| {
+                    let store = match src {
+                        Source::Kept(i) => &self.parked[i].cache,
+                        Source::Running(i) => &self.active[i].cache,
+                    };
+                    match store {
+                        Store::Local(c) => Some((c, n)),
+                        Store::Slot { .. } => None,
+                    }
+                });
+                let n = match src {
+                    Some((from, n)) => {
+                        self.model
+                            .transformer
+                            .copy_prefix(from, &mut cache, n)
+                            .map_err(|e| e.to_string())?;
+                        n
+                    }
+                    None => 0,
+                };
+                (Store::Local(cache), n)
+            }
+        };
+        self.count_kept();
+        Ok((store, n))
+    }
+
+    /// Continues from a kept cache's first `n` positions in place.
+    fn take_over(
+        &mut self,
+        cache: Store,
+        n: usize,
+        capacity: usize,
+    ) -> Result<(Store, usize), String> {
+        self.count_kept();
+        match cache {
+            Store::Slot { slot, .. } => {
+                let lead = self.lead.as_mut().ok_or("a split slot without a split")?;
+                lead.select(slot).map_err(|e| e.to_string())?;
+                lead.truncate(n);
+                Ok((
+                    Store::Slot {
+                        slot,
+                        len: n,
+                        capacity,
+                    },
+                    n,
+                ))
+            }
+            Store::Local(mut c) => {
                 c.truncate(n);
                 if c.capacity() >= capacity {
                     return Ok((Store::Local(c), n));
                 }
-                let mut bigger = model.new_cache(capacity);
-                model
+                let mut bigger = self.model.new_cache(capacity);
+                self.model
                     .transformer
                     .copy_prefix(&c, &mut bigger, n)
                     .map_err(|e| e.to_string())?;
                 Ok((Store::Local(bigger), n))
             }
-            _ => {
-                // the caches held, active and parked, stay within the slots
-                while !self.parked.is_empty()
-                    && self.parked.len() + self.active.len() >= self.config.max_batch
-                {
-                    self.parked.remove(0);
-                }
-                Ok((Store::Local(model.new_cache(capacity)), 0))
-            }
         }
     }
 
+    /// Publishes what the kept caches hold.
+    fn count_kept(&self) {
+        let tokens: usize = self.parked.iter().map(|p| p.tokens.len()).sum();
+        let cfg = self.model.transformer.config();
+        let per_token = cfg.kv_bytes_per_token_per_layer() * cfg.n_layer as u64;
+        let stats = &self.shared.stats;
+        stats.kept_tokens.store(tokens as u64, Ordering::Relaxed);
+        stats
+            .kept_bytes
+            .store(tokens as u64 * per_token, Ordering::Relaxed);
+    }
+
     /// Ends `seq`'s hold on its slot. A sequence that ended well (finished or cancelled,
-    /// not failed) leaves its cache parked for a later request that starts the same way;
-    /// the oldest parked caches go when the caches held, active and parked, would outnumber
-    /// the slots.
+    /// not failed) leaves its cache kept for a later request that starts the same way
+    /// (unless the prefix cache is off); the oldest kept caches go when the caches held,
+    /// running and kept, would outnumber the slots.
     fn retire(&mut self, seq: Sequence, healthy: bool) {
-        if !healthy || self.broken {
+        if !healthy || self.broken || !self.config.prefix_cache {
             return;
         }
         let tokens = seq.history();
@@ -868,6 +1010,7 @@ impl<'m> Worker<'m> {
         while self.parked.len() + self.active.len() > self.config.max_batch {
             self.parked.remove(0);
         }
+        self.count_kept();
     }
 
     fn drop_cancelled(&mut self) {

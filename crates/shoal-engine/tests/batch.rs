@@ -259,6 +259,7 @@ fn scheduler_gives_each_request_its_own_tokens() {
             max_batch: 3, // four requests: one waits for a slot
             max_queue: 8,
             ctx: 256,
+            prefix_cache: true,
         },
     )
     .unwrap();
@@ -316,6 +317,7 @@ fn scheduler_reuses_the_cache_of_an_ended_sequence() {
             max_batch: 1,
             max_queue: 1,
             ctx: 256,
+            prefix_cache: true,
         },
     )
     .unwrap();
@@ -365,6 +367,7 @@ fn scheduler_cancels_dropped_tickets_and_refuses_when_full() {
             max_batch: 1,
             max_queue: 1,
             ctx: 4096,
+            prefix_cache: true,
         },
     )
     .unwrap();
@@ -415,6 +418,7 @@ fn presence_and_frequency_penalties_push_away_repeats() {
             max_batch: 2,
             max_queue: 2,
             ctx: 256,
+            prefix_cache: true,
         },
     )
     .unwrap();
@@ -473,6 +477,7 @@ fn split_scheduler_matches_one_rank() {
         max_batch: 3,
         max_queue: 8,
         ctx: 256,
+        prefix_cache: true,
     };
     let ps = prompts(320);
     let lens = [20usize, 7, 13, 30];
@@ -547,6 +552,7 @@ fn broken_split_fails_requests_and_says_why() {
             max_batch: 2,
             max_queue: 4,
             ctx: 64,
+            prefix_cache: true,
         },
     )
     .unwrap();
@@ -564,4 +570,176 @@ fn broken_split_fails_requests_and_says_why() {
         }
     }
     assert!(sched.failure().is_some());
+}
+
+/// Submits `prompt` for `n` tokens; the receiver gets its events.
+fn submit(
+    sched: &Scheduler,
+    prompt: &[u32],
+    n: usize,
+) -> (shoal_engine::scheduler::Ticket, mpsc::Receiver<Event>) {
+    let (tx, rx) = mpsc::channel();
+    let t = sched
+        .submit(
+            request(prompt.to_vec(), n),
+            Box::new(move |e| tx.send(e).is_ok()),
+        )
+        .unwrap();
+    (t, rx)
+}
+
+/// Its tokens and how many prompt tokens came from another sequence's cache.
+fn tokens_and_cached(rx: &mpsc::Receiver<Event>) -> (Vec<u32>, usize) {
+    let mut toks = Vec::new();
+    loop {
+        match rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("events within 60 s")
+        {
+            Event::Token { id, .. } => toks.push(id),
+            Event::Text(_) => {}
+            Event::Done(f) => return (toks, f.cached_tokens),
+            Event::Failed(e) => panic!("failed: {e}"),
+        }
+    }
+}
+
+/// Requests that share a system prompt `s`: one arrives while another that starts with `s`
+/// is running (its positions are copied from the running sequence), two more after it
+/// ended (from the kept caches, which stay kept while slots are free). With the prefix
+/// cache on each takes `s` from another's cache, with it off none does; the tokens are
+/// `want`'s either way.
+fn check_prefix_sharing(sched: &Scheduler, on: bool, want: &dyn Fn(&[u32], usize) -> Vec<u32>) {
+    let ps = prompts(320);
+    let s: Vec<u32> = ps[1].iter().chain(&ps[3]).chain(&ps[0]).copied().collect();
+    let with = |tail: &[u32]| -> Vec<u32> { s.iter().chain(tail).copied().collect() };
+    let expect = |n: usize| if on { n } else { 0 };
+    let a = with(&[5, 6]);
+    let (_ta, rx_a) = submit(sched, &a, 60);
+    // once A has its first token its prompt is in its cache
+    match rx_a.recv_timeout(Duration::from_secs(60)).unwrap() {
+        Event::Token { .. } => {}
+        e => panic!("{e:?}"),
+    }
+    let b = with(&[7, 8]);
+    let (_tb, rx_b) = submit(sched, &b, 5);
+    let (got, cached) = tokens_and_cached(&rx_b);
+    assert_eq!(got, want(&b, 5), "B, beside the running A");
+    assert_eq!(
+        cached,
+        expect(s.len()),
+        "B takes the system prompt from the running A"
+    );
+    let (rest, cached) = tokens_and_cached(&rx_a);
+    assert_eq!(cached, 0);
+    assert_eq!(rest.len(), 59);
+    for tail in [&[9u32][..], &[10, 11]] {
+        let c = with(tail);
+        let (_t, rx) = submit(sched, &c, 4);
+        let (got, cached) = tokens_and_cached(&rx);
+        assert_eq!(got, want(&c, 4), "{tail:?}");
+        assert_eq!(cached, expect(s.len()), "{tail:?} from a kept cache");
+    }
+    let kept = sched.stats().kept_tokens.load(Ordering::Relaxed);
+    assert_eq!(kept > 0, on, "{kept} positions kept");
+}
+
+/// Three requests with one long system prompt arriving at once (a fresh start, nothing
+/// kept): the first runs it, the others wait for it and copy it (with the cache on).
+fn check_arrivals_at_once(sched: &Scheduler, on: bool, want: &dyn Fn(&[u32], usize) -> Vec<u32>) {
+    let s: Vec<u32> = (0..100).map(|i| (i * 11 + 5) % 320).collect();
+    let with = |tail: &[u32]| -> Vec<u32> { s.iter().chain(tail).copied().collect() };
+    let reqs: Vec<Vec<u32>> = [&[3u32][..], &[4, 5], &[6]]
+        .iter()
+        .map(|t| with(t))
+        .collect();
+    let subs: Vec<_> = reqs.iter().map(|p| submit(sched, p, 6)).collect();
+    for (i, (p, (_t, rx))) in reqs.iter().zip(&subs).enumerate() {
+        let (got, cached) = tokens_and_cached(rx);
+        assert_eq!(got, want(p, 6), "request {i}");
+        let expect = if on && i > 0 { s.len() } else { 0 };
+        assert_eq!(cached, expect, "request {i}");
+    }
+}
+
+#[test]
+fn sequences_share_a_prompts_start_across_slots() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Arc::new(load(&tiny(
+        TinyModelSpec::qwen2(21),
+        GgmlType::Q8_0,
+        dir.path(),
+    )));
+    for on in [true, false] {
+        let sched = Scheduler::start(
+            m.clone(),
+            SchedulerConfig {
+                max_batch: 3,
+                max_queue: 4,
+                ctx: 256,
+                prefix_cache: on,
+            },
+        )
+        .unwrap();
+        check_arrivals_at_once(&sched, on, &|p, n| alone(&m, p, n));
+        check_prefix_sharing(&sched, on, &|p, n| alone(&m, p, n));
+    }
+}
+
+#[test]
+fn split_sequences_share_a_prompts_start_on_every_rank() {
+    use shoal_comm::{mem_mesh, Transport};
+    use shoal_engine::parallel::{serve, RankContext};
+    use shoal_engine::shard::Layout;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny(TinyModelSpec::qwen2(22), GgmlType::Q8_0, dir.path());
+    let one = load(&path);
+    let source = ModelSource::Gguf(path.clone());
+    for (tp, pp) in [(2, 1), (1, 2)] {
+        let layout = Layout { tp, pp };
+        let mut lead = None;
+        let mut workers = Vec::new();
+        for (r, t) in mem_mesh(layout.world()).into_iter().enumerate() {
+            let t: Arc<dyn Transport> = Arc::new(t);
+            let mut ctx = RankContext::over(t, layout, Duration::from_secs(60)).unwrap();
+            let source = source.clone();
+            let h = std::thread::spawn(move || {
+                let (m, plans) = LoadedModel::load_split(
+                    &source,
+                    layout,
+                    None,
+                    Default::default(),
+                    r,
+                    ctx.tp.clone(),
+                )
+                .unwrap();
+                ctx.plans = plans;
+                (ctx, m)
+            });
+            if r == 0 {
+                lead = Some(h);
+            } else {
+                workers.push(std::thread::spawn(move || {
+                    let (ctx, m) = h.join().unwrap();
+                    serve(&ctx, &m.transformer, 256)
+                }));
+            }
+        }
+        let (ctx, m) = lead.unwrap().join().unwrap();
+        let config = SchedulerConfig {
+            max_batch: 3,
+            max_queue: 4,
+            ctx: 256,
+            prefix_cache: true,
+        };
+        let sched = Scheduler::start_split(Arc::new(m), ctx, config).unwrap();
+        check_arrivals_at_once(&sched, true, &|p, n| alone(&one, p, n));
+        check_prefix_sharing(&sched, true, &|p, n| alone(&one, p, n));
+        assert!(sched.failure().is_none(), "tp {tp} pp {pp}");
+        drop(sched);
+        for w in workers {
+            w.join().unwrap().unwrap();
+        }
+    }
 }

@@ -57,6 +57,7 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
             max_batch: 1,
             max_queue: 0,
             ctx,
+            prefix_cache: true,
         },
     )?;
     let mut messages = Vec::new();

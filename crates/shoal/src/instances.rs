@@ -105,6 +105,8 @@ pub struct DriverConfig {
     pub parallel: usize,
     /// Requests waiting beyond those.
     pub queue: usize,
+    /// Whether instances this node leads reuse the KV cache of requests sharing a prefix.
+    pub prefix_cache: bool,
 }
 
 /// A model file this node holds, as published.
@@ -799,6 +801,7 @@ impl Driver {
                     max_batch: self.cfg.parallel,
                     max_queue: self.cfg.queue,
                     ctx: capacity,
+                    prefix_cache: self.cfg.prefix_cache,
                 },
             )?);
             let state = self

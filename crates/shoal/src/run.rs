@@ -260,6 +260,7 @@ fn main_split(args: RunArgs) -> anyhow::Result<()> {
             max_batch: 1,
             max_queue: 0,
             ctx: capacity,
+            prefix_cache: true,
         },
     )?;
     let result = answer(&scheduler, request, args.raw, threads, world);
@@ -309,6 +310,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<()> {
             max_batch: 1,
             max_queue: 0,
             ctx,
+            prefix_cache: true,
         },
     )?;
     answer(&scheduler, request, args.raw, threads, 1)

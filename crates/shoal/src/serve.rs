@@ -71,6 +71,10 @@ pub struct ServeArgs {
     /// Requests waiting per model beyond those; more get 503.
     #[arg(long, default_value_t = 64)]
     pub queue: usize,
+    /// Run every prompt whole: no reuse of the KV cache of earlier or running requests that
+    /// started with the same tokens.
+    #[arg(long)]
+    pub no_prefix_cache: bool,
     /// Context length per request, prompt plus output (default: the model's, at most 4096).
     #[arg(long)]
     pub ctx: Option<usize>,
@@ -239,6 +243,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
                 max_batch: args.parallel,
                 max_queue: args.queue,
                 ctx,
+                prefix_cache: !args.no_prefix_cache,
             },
         )?;
         served.push(m);
@@ -285,6 +290,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
                         data_dir: dir.clone(),
                         parallel: args.parallel.min(shoal_engine::parallel::MAX_SEQUENCES),
                         queue: args.queue,
+                        prefix_cache: !args.no_prefix_cache,
                     },
                     offered,
                 );

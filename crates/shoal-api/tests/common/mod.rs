@@ -45,6 +45,7 @@ pub fn tiny_state(max_batch: usize, max_queue: usize) -> (tempfile::TempDir, Arc
             max_batch,
             max_queue,
             ctx: 128,
+            prefix_cache: true,
         },
     );
     (dir, state)
