@@ -25,9 +25,10 @@ use crate::state::AppState;
 pub const FORWARDED: &str = "x-shoal-forwarded";
 
 /// The routes whose JSON body names a model.
-const MODEL_ROUTES: [&str; 6] = [
+const MODEL_ROUTES: [&str; 7] = [
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/responses",
     "/v1/messages",
     "/api/chat",
     "/api/generate",

@@ -1,5 +1,5 @@
 //! shoal's HTTP APIs. Every model route of OpenAI (`/v1/chat/completions`,
-//! `/v1/completions`, `/v1/models`), Anthropic (`/v1/messages`) and Ollama (`/api/chat`,
+//! `/v1/completions`, `/v1/responses`, `/v1/models`), Anthropic (`/v1/messages`) and Ollama (`/api/chat`,
 //! `/api/generate`, `/api/tags`, `/api/show`) is a thin adapter from its wire format to one
 //! internal request ([`generation::GenRequest`]) served by a continuous-batching scheduler,
 //! and back, errors included, in that API's own shape. Around them: API keys with per-key
@@ -16,6 +16,7 @@ pub mod keys;
 pub mod metrics;
 pub mod ollama;
 pub mod openai;
+pub mod responses;
 pub mod state;
 pub mod tools;
 
@@ -193,6 +194,7 @@ pub fn router(state: Arc<AppState>, opts: &HttpOptions) -> Router {
         .route("/v1/models", get(openai::models))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/responses", post(responses::responses))
         .route("/v1/messages", post(anthropic::messages))
         .route("/api/chat", post(ollama::chat))
         .route("/api/generate", post(ollama::generate))

@@ -165,6 +165,8 @@ pub struct AppState {
     /// Addresses of this machine besides loopback (the API's own address when it is bound
     /// to one): a client connecting from one is on the server's machine.
     pub local_ips: std::sync::RwLock<Vec<std::net::IpAddr>>,
+    /// Responses kept for the Responses API's `previous_response_id`.
+    pub responses: crate::responses::ResponseStore,
 }
 
 impl AppState {
@@ -178,6 +180,7 @@ impl AppState {
             cluster: None,
             instances: std::sync::OnceLock::new(),
             local_ips: std::sync::RwLock::new(Vec::new()),
+            responses: crate::responses::ResponseStore::default(),
         }
     }
 

@@ -407,3 +407,76 @@ fn usage_reports_the_prompt_tokens_taken_from_the_cache() {
         });
     }
 }
+
+/// `POST /v1/responses`: the response object's shape, its streamed events in order, a
+/// stored response's conversation continued by `previous_response_id` (and forgotten with
+/// `store: false`), and bad input refused naming the field.
+#[test]
+fn responses_api_answers_streams_and_continues_stored_conversations() {
+    let (_dir, state) = tiny_state(2, 4);
+    let app = shoal_api::router(state, &HttpOptions::default());
+    runtime().block_on(async {
+        let post = |body: Value| {
+            let app = app.clone();
+            async move {
+                let (s, b) = call(&app, "POST", "/v1/responses", body.to_string().as_bytes()).await;
+                (s, String::from_utf8(b).unwrap())
+            }
+        };
+        let (s, b) = post(json!({"model": "tiny", "input": "hi", "max_output_tokens": 4, "temperature": 0})).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        let first: Value = serde_json::from_str(&b).unwrap();
+        assert_eq!(first["object"], "response");
+        assert!(first["id"].as_str().unwrap().starts_with("resp_"), "{first}");
+        let out = &first["output"][0];
+        assert_eq!(out["type"], "message", "{first}");
+        assert_eq!(out["content"][0]["type"], "output_text", "{first}");
+        let text = out["content"][0]["text"].as_str().unwrap().to_string();
+        let u = &first["usage"];
+        assert_eq!(u["total_tokens"], u["input_tokens"].as_u64().unwrap() + u["output_tokens"].as_u64().unwrap());
+
+        // streamed: created, in_progress, the item and its text, completed; numbered
+        let (s, b) = post(json!({"model": "tiny", "input": "hi", "max_output_tokens": 4, "temperature": 0, "stream": true})).await;
+        assert_eq!(s, StatusCode::OK);
+        let events: Vec<Value> = b
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(kinds[..2], ["response.created", "response.in_progress"], "{kinds:?}");
+        assert!(matches!(kinds.last(), Some(&"response.completed" | &"response.incomplete")), "{kinds:?}");
+        for (i, e) in events.iter().enumerate() {
+            assert_eq!(e["sequence_number"], i as u64, "{e}");
+        }
+        let streamed: String = events
+            .iter()
+            .filter(|e| e["type"] == "response.output_text.delta")
+            .map(|e| e["delta"].as_str().unwrap())
+            .collect();
+        assert_eq!(streamed, text);
+
+        // continued: the stored conversation runs before the new input
+        let (s, b) = post(json!({"model": "tiny", "input": "and?", "previous_response_id": first["id"],
+                                 "max_output_tokens": 2, "temperature": 0})).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        let second: Value = serde_json::from_str(&b).unwrap();
+        let (i1, o1) = (u["input_tokens"].as_u64().unwrap(), u["output_tokens"].as_u64().unwrap());
+        assert!(second["usage"]["input_tokens"].as_u64().unwrap() > i1 + o1, "{second}");
+        assert_eq!(second["previous_response_id"], first["id"]);
+
+        // store: false keeps nothing
+        let (_, b) = post(json!({"model": "tiny", "input": "hi", "max_output_tokens": 1, "store": false})).await;
+        let unstored: Value = serde_json::from_str(&b).unwrap();
+        let (s, b) = post(json!({"model": "tiny", "input": "x", "previous_response_id": unstored["id"]})).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{b}");
+        assert!(b.contains("previous_response_id"), "{b}");
+
+        let (s, b) = post(json!({"model": "tiny", "input": [{"type": "reasoning", "summary": []}]})).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST);
+        assert!(b.contains("input[0].type"), "{b}");
+        let (s, b) = post(json!({"model": "tiny", "input": "hi", "tools": [{"type": "web_search"}]})).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST);
+        assert!(b.contains("only function tools"), "{b}");
+    });
+}

@@ -318,6 +318,115 @@ def openai_json_schema(o, **_):
     assert isinstance(json.loads(r.choices[0].message.content), dict), r
 
 
+# ---------------------------------------------------------------- OpenAI Responses
+
+WEATHER_R = {"type": "function", **WEATHER["function"]}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer"},
+        "languages": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 4},
+    },
+    "required": ["name", "age", "languages"],
+    "additionalProperties": False,
+}
+
+
+@test
+def openai_responses_plain(o, **_):
+    r = o.responses.create(model=PLAIN, input="Say hello.", max_output_tokens=12)
+    assert r.object == "response" and r.status in ("completed", "incomplete"), r
+    assert r.output_text.strip(), r
+    assert r.usage.input_tokens > 0 and 0 < r.usage.output_tokens <= 12, r.usage
+    r = o.responses.create(
+        model=PLAIN,
+        instructions="You answer briefly.",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Write a long story about a dragon."}]}],
+        max_output_tokens=3,
+        temperature=0,
+    )
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens", r
+    assert r.usage.output_tokens == 3, r.usage
+
+
+@test
+def openai_responses_stream(o, **_):
+    ask = dict(model=PLAIN, input="Count to five.", max_output_tokens=16, temperature=0)
+    events = list(o.responses.create(stream=True, **ask))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"], types
+    assert types[-1] in ("response.completed", "response.incomplete"), types
+    assert [e.sequence_number for e in events] == list(range(len(events))), events
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = [e.text for e in events if e.type == "response.output_text.done"]
+    full = o.responses.create(**ask).output_text
+    assert streamed == full and done == [full], (streamed, done, full)
+    assert events[-1].response.output_text == full, events[-1]
+
+
+@test
+def openai_responses_previous_response_id(o, **_):
+    first = o.responses.create(
+        model=TOOLS, input="My name is Ada Lovelace. Reply with OK.", temperature=0, max_output_tokens=10
+    )
+    second = o.responses.create(
+        model=TOOLS, previous_response_id=first.id, input="What is my name?", temperature=0, max_output_tokens=20
+    )
+    # the stored conversation ran again before the new question
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens, (first.usage, second.usage)
+    assert "Ada" in second.output_text, second.output_text
+    try:
+        o.responses.create(model=TOOLS, previous_response_id="resp_unknown", input="hi")
+        raise AssertionError("an unknown previous_response_id was accepted")
+    except openai.NotFoundError as e:
+        assert "resp_unknown" in e.message, e.message
+
+
+@test
+def openai_responses_function_tool_round_trip(o, **_):
+    ask = "What is the weather like in Paris right now?"
+    r = o.responses.create(model=TOOLS, input=ask, tools=[WEATHER_R], temperature=0, max_output_tokens=100)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].call_id, r.output
+    args = json.loads(calls[0].arguments)
+    jsonschema.validate(args, WEATHER_R["parameters"])
+    assert "paris" in args["city"].lower(), args
+    # the result, as a continuation of the stored response (no tools: a 0.5B model given
+    # them again tends to call again)
+    out = {"type": "function_call_output", "call_id": calls[0].call_id, "output": RESULT}
+    final = o.responses.create(model=TOOLS, previous_response_id=r.id, input=[out], temperature=0, max_output_tokens=60)
+    assert "18" in final.output_text, final.output_text
+    # the same conversation sent whole, streaming
+    items = [
+        {"role": "user", "content": ask},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name, "arguments": calls[0].arguments},
+        out,
+    ]
+    events = list(o.responses.create(model=TOOLS, input=items, temperature=0, max_output_tokens=60, stream=True))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == final.output_text, (text, final.output_text)
+    # a streamed call arrives as a function_call item with its arguments
+    events = list(
+        o.responses.create(model=TOOLS, input=ask, tools=[WEATHER_R], tool_choice="required", temperature=0, max_output_tokens=100, stream=True)
+    )
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert done and done[0].name == "get_weather", [e.type for e in events]
+    jsonschema.validate(json.loads(done[0].arguments), WEATHER_R["parameters"])
+
+
+@test
+def openai_responses_json_schema(o, **_):
+    r = o.responses.create(
+        model=TOOLS,
+        input="Describe a fictional programmer as JSON.",
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
+        temperature=0,
+        max_output_tokens=200,
+    )
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+
+
 @test
 def openai_errors(o, url_open, **_):
     try:

@@ -1,0 +1,737 @@
+//! OpenAI's Responses API, `POST /v1/responses` (what the Codex CLI and the Agents SDK use):
+//! `input` as text or as items (messages, `function_call`, `function_call_output`),
+//! `instructions`, function `tools` and `tool_choice`, `text.format` (text, json_object,
+//! json_schema, enforced), `max_output_tokens`, sampling, streaming as the API's typed
+//! events, and `previous_response_id`: a stored response's conversation (its input and
+//! output) continues where it ended. Stored responses live in a bounded store on the node
+//! that answered ([`ResponseStore`], oldest out first); `store: false` keeps nothing. The
+//! request runs through the same generation path as chat completions.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::Stream;
+use serde_json::{json, Value};
+
+use crate::error::{parse_body, ApiError, ErrorKind, Flavor};
+use crate::generation::{
+    self, Finish, GenRequest, Input, Message, Out, OutputFormat, Tool, ToolChoice, Usage,
+};
+use crate::openai::{apply_sampling, Sampling};
+use crate::state::AppState;
+use crate::tools::ToolCall;
+
+/// Responses kept for `previous_response_id` at most; the oldest go first.
+pub const STORED_RESPONSES: usize = 1024;
+
+/// The conversations of stored responses: input and output, as chat messages.
+#[derive(Debug, Default)]
+pub struct ResponseStore {
+    inner: Mutex<Stored>,
+}
+
+/// The stored conversations by response id, and the ids oldest first.
+#[derive(Debug, Default)]
+struct Stored {
+    by_id: HashMap<String, Arc<Vec<Message>>>,
+    order: VecDeque<String>,
+}
+
+impl ResponseStore {
+    fn get(&self, id: &str) -> Option<Arc<Vec<Message>>> {
+        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.by_id.get(id).cloned()
+    }
+
+    fn put(&self, id: String, conversation: Vec<Message>) {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.by_id.insert(id.clone(), Arc::new(conversation));
+        g.order.push_back(id);
+        while g.order.len() > STORED_RESPONSES {
+            if let Some(old) = g.order.pop_front() {
+                g.by_id.remove(&old);
+            }
+        }
+    }
+}
+
+/// A request's fields beyond the conversation, echoed in the response object.
+struct Echo {
+    model: String,
+    instructions: Value,
+    previous: Value,
+    tools: Value,
+    tool_choice: Value,
+    temperature: Value,
+    top_p: Value,
+    max_output_tokens: Value,
+    text: Value,
+    metadata: Value,
+}
+
+/// Axum handler for `POST /v1/responses`.
+pub async fn responses(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let body = match crate::body_bytes(body) {
+        Ok(b) => b,
+        Err(e) => return e.flavor(Flavor::OpenAi).into_response(),
+    };
+    match inner(state, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.flavor(Flavor::OpenAi).into_response(),
+    }
+}
+
+fn bad(param: &str, message: impl Into<String>) -> ApiError {
+    ApiError::invalid_param(param, message)
+}
+
+/// The text of a message's `content`: a string, or parts of type `input_text`,
+/// `output_text` or `text`.
+fn content_text(v: &Value, param: &str) -> Result<String, ApiError> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut out = String::new();
+            for (i, p) in parts.iter().enumerate() {
+                match p.get("type").and_then(Value::as_str) {
+                    Some("input_text" | "output_text" | "text") => {
+                        out.push_str(p.get("text").and_then(Value::as_str).unwrap_or(""));
+                    }
+                    other => {
+                        return Err(bad(
+                            &format!("{param}[{i}].type"),
+                            format!(
+                                "content part type {} is not supported; send input_text",
+                                other.unwrap_or("(missing)")
+                            ),
+                        ))
+                    }
+                }
+            }
+            Ok(out)
+        }
+        _ => Err(bad(param, "content must be a string or a list of parts")),
+    }
+}
+
+/// The conversation `input` adds (text, or items).
+fn input_messages(input: &Value) -> Result<Vec<Message>, ApiError> {
+    let items = match input {
+        Value::String(s) => return Ok(vec![Message::text("user", s.clone())]),
+        Value::Array(items) => items,
+        Value::Null => return Err(bad("input", "input is required")),
+        _ => return Err(bad("input", "input must be a string or a list of items")),
+    };
+    let mut out: Vec<Message> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let p = format!("input[{i}]");
+        let kind = item
+            .get("type")
+            .and_then(Value::as_str)
+            .unwrap_or("message");
+        match kind {
+            "message" => {
+                let role = item.get("role").and_then(Value::as_str).ok_or_else(|| {
+                    bad(&format!("{p}.role"), "a message needs a role")
+                })?;
+                if !["user", "assistant", "system", "developer"].contains(&role) {
+                    return Err(bad(
+                        &format!("{p}.role"),
+                        format!("role {role} is not one of user, assistant, system, developer"),
+                    ));
+                }
+                let text = content_text(
+                    item.get("content").unwrap_or(&Value::Null),
+                    &format!("{p}.content"),
+                )?;
+                out.push(Message::text(role, text));
+            }
+            "function_call" => {
+                let field = |k: &str| {
+                    item.get(k)
+                        .and_then(Value::as_str)
+                        .ok_or_else(|| bad(&format!("{p}.{k}"), format!("a function_call needs {k}")))
+                };
+                let arguments = field("arguments")?;
+                let call = ToolCall {
+                    id: field("call_id")?.to_string(),
+                    name: field("name")?.to_string(),
+                    arguments: serde_json::from_str(arguments).map_err(|e| {
+                        bad(
+                            &format!("{p}.arguments"),
+                            format!("arguments must be a JSON string: {e}"),
+                        )
+                    })?,
+                };
+                // calls one after another are one assistant turn
+                match out.last_mut() {
+                    Some(m) if m.role == "assistant" && !m.tool_calls.is_empty() => {
+                        m.tool_calls.push(call);
+                    }
+                    _ => {
+                        let mut m = Message::text("assistant", "");
+                        m.tool_calls.push(call);
+                        out.push(m);
+                    }
+                }
+            }
+            "function_call_output" => {
+                let call_id = item.get("call_id").and_then(Value::as_str).ok_or_else(|| {
+                    bad(&format!("{p}.call_id"), "a function_call_output needs call_id")
+                })?;
+                let output = match item.get("output") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(v) => v.to_string(),
+                    None => {
+                        return Err(bad(
+                            &format!("{p}.output"),
+                            "a function_call_output needs output",
+                        ))
+                    }
+                };
+                let mut m = Message::text("tool", output);
+                m.tool_call_id = Some(call_id.to_string());
+                out.push(m);
+            }
+            other => {
+                return Err(bad(
+                    &format!("{p}.type"),
+                    format!(
+                        "input item type {other} is not supported; send message, function_call or function_call_output"
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn tools_of(v: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
+    let Some(Value::Array(list)) = v else {
+        return match v {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            _ => Err(bad("tools", "tools must be a list")),
+        };
+    };
+    list.iter()
+        .enumerate()
+        .map(|(i, t)| {
+            if t.get("type").and_then(Value::as_str) != Some("function") {
+                return Err(bad(
+                    &format!("tools[{i}].type"),
+                    "only function tools are supported",
+                ));
+            }
+            let name = t
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad(&format!("tools[{i}].name"), "a function tool needs a name"))?;
+            Ok(Tool::new(
+                name.to_string(),
+                t.get("description")
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
+                t.get("parameters").filter(|p| !p.is_null()).cloned(),
+            ))
+        })
+        .collect()
+}
+
+fn tool_choice_of(v: Option<&Value>) -> Result<ToolChoice, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(ToolChoice::Auto),
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => Ok(ToolChoice::Auto),
+            "none" => Ok(ToolChoice::None),
+            "required" => Ok(ToolChoice::Required),
+            other => Err(bad(
+                "tool_choice",
+                format!("tool_choice '{other}' is not one of auto, none, required"),
+            )),
+        },
+        Some(v) => match v.get("name").and_then(Value::as_str) {
+            Some(name) if v.get("type").and_then(Value::as_str) == Some("function") => {
+                Ok(ToolChoice::Named(name.to_string()))
+            }
+            _ => Err(bad(
+                "tool_choice",
+                "tool_choice must be a string or {\"type\": \"function\", \"name\": ...}",
+            )),
+        },
+    }
+}
+
+fn format_of(text: Option<&Value>) -> Result<OutputFormat, ApiError> {
+    let Some(f) = text.and_then(|t| t.get("format")).filter(|f| !f.is_null()) else {
+        return Ok(OutputFormat::Text);
+    };
+    match f.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(OutputFormat::Text),
+        Some("json_object") => Ok(OutputFormat::JsonObject),
+        Some("json_schema") => f
+            .get("schema")
+            .cloned()
+            .map(OutputFormat::JsonSchema)
+            .ok_or_else(|| bad("text.format.schema", "a json_schema format needs a schema")),
+        _ => Err(bad(
+            "text.format.type",
+            "text.format.type must be text, json_object or json_schema",
+        )),
+    }
+}
+
+fn number(v: Option<&Value>, param: &str) -> Result<Option<f64>, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(n) => n
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| bad(param, format!("{param} must be a number"))),
+    }
+}
+
+fn new_id(prefix: &str) -> String {
+    format!("{prefix}_{:032x}", rand::random::<u128>())
+}
+
+async fn inner(
+    state: Arc<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    state.keys.authorize(&headers)?;
+    let r: Value = parse_body(&body)?;
+    if !r.is_object() {
+        return Err(ApiError::invalid("the request body must be a JSON object"));
+    }
+    let model = r
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("model", "model is required"))?
+        .to_string();
+    let mut conversation = Vec::new();
+    let previous = r.get("previous_response_id").and_then(Value::as_str);
+    if let Some(id) = previous {
+        let earlier = state.responses.get(id).ok_or_else(|| {
+            ApiError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "previous_response_id: response {id} is not stored here (only the last {STORED_RESPONSES} with store not false are kept, on the node that answered them)"
+                ),
+            )
+        })?;
+        // a stored conversation's instructions do not carry over (as OpenAI's)
+        conversation.extend(earlier.iter().filter(|m| m.role != "system").cloned());
+    }
+    conversation.extend(input_messages(r.get("input").unwrap_or(&Value::Null))?);
+    let mut messages = Vec::new();
+    if let Some(i) = r.get("instructions").and_then(Value::as_str) {
+        messages.push(Message::text("system", i));
+    }
+    messages.extend(conversation.iter().cloned());
+    let mut req = GenRequest::new(
+        model,
+        Input::Chat {
+            messages,
+            tools: tools_of(r.get("tools"))?,
+        },
+    );
+    req.max_tokens = match r.get("max_output_tokens") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| {
+                    bad(
+                        "max_output_tokens",
+                        "max_output_tokens must be a positive integer",
+                    )
+                })?
+                .min(u32::MAX as u64) as usize,
+        ),
+    };
+    apply_sampling(
+        &mut req,
+        Sampling {
+            temperature: number(r.get("temperature"), "temperature")?.map(|t| t as f32),
+            top_p: number(r.get("top_p"), "top_p")?.map(|t| t as f32),
+            top_k: None,
+            min_p: None,
+            repetition_penalty: None,
+            seed: None,
+            presence_penalty: None,
+            frequency_penalty: None,
+        },
+    )?;
+    req.tool_choice = tool_choice_of(r.get("tool_choice"))?;
+    req.format = format_of(r.get("text"))?;
+    let store = r.get("store").and_then(Value::as_bool).unwrap_or(true);
+    let stream = r.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let running = generation::start(&state, req)?;
+    let echo = Echo {
+        model: running.model.id.clone(),
+        instructions: r.get("instructions").cloned().unwrap_or(Value::Null),
+        previous: previous.map_or(Value::Null, |p| json!(p)),
+        tools: r.get("tools").cloned().unwrap_or(json!([])),
+        tool_choice: r.get("tool_choice").cloned().unwrap_or(json!("auto")),
+        temperature: r.get("temperature").cloned().unwrap_or(json!(1.0)),
+        top_p: r.get("top_p").cloned().unwrap_or(json!(1.0)),
+        max_output_tokens: r.get("max_output_tokens").cloned().unwrap_or(Value::Null),
+        text: r
+            .get("text")
+            .cloned()
+            .unwrap_or(json!({"format": {"type": "text"}})),
+        metadata: r.get("metadata").cloned().unwrap_or(json!({})),
+    };
+    let id = new_id("resp");
+    let created = running.created;
+    let store = store.then(|| (state.clone(), conversation));
+    if stream {
+        return Ok(stream_response(running, id, created, echo, store).into_response());
+    }
+    let done = running.collect().await?;
+    let output = Output {
+        message: (!done.text.is_empty()).then(|| (new_id("msg"), done.text.clone())),
+        calls: done
+            .calls
+            .iter()
+            .map(|c| (new_id("fc"), c.clone()))
+            .collect(),
+    };
+    let object = response_object(
+        &id,
+        created,
+        &echo,
+        "completed",
+        &output,
+        Some((done.reason, done.usage)),
+    );
+    keep(store, &id, &output);
+    Ok(Json(object).into_response())
+}
+
+/// What a response produced: its text (with the item id) and its calls (with theirs).
+#[derive(Default)]
+struct Output {
+    message: Option<(String, String)>,
+    calls: Vec<(String, ToolCall)>,
+}
+
+impl Output {
+    fn items(&self) -> Vec<Value> {
+        let mut items: Vec<Value> = self
+            .message
+            .iter()
+            .map(|(id, text)| message_item(id, text, "completed"))
+            .collect();
+        items.extend(
+            self.calls
+                .iter()
+                .map(|(id, c)| call_item(id, c, "completed")),
+        );
+        items
+    }
+}
+
+fn message_item(id: &str, text: &str, status: &str) -> Value {
+    json!({"type": "message", "id": id, "status": status, "role": "assistant",
+           "content": if status == "in_progress" { json!([]) } else { json!([text_part(text)]) }})
+}
+
+fn text_part(text: &str) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": []})
+}
+
+fn call_item(id: &str, c: &ToolCall, status: &str) -> Value {
+    json!({"type": "function_call", "id": id, "call_id": c.id, "name": c.name,
+           "arguments": if status == "in_progress" { String::new() } else { c.arguments.to_string() },
+           "status": status})
+}
+
+fn usage_json(u: Usage) -> Value {
+    json!({
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    })
+}
+
+fn response_object(
+    id: &str,
+    created: u64,
+    e: &Echo,
+    status: &str,
+    output: &Output,
+    end: Option<(Finish, Usage)>,
+) -> Value {
+    let (status, incomplete) = match end {
+        Some((Finish::Length, _)) => ("incomplete", json!({"reason": "max_output_tokens"})),
+        _ => (status, Value::Null),
+    };
+    json!({
+        "id": id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": Value::Null,
+        "incomplete_details": incomplete,
+        "instructions": e.instructions,
+        "max_output_tokens": e.max_output_tokens,
+        "model": e.model,
+        "output": output.items(),
+        "parallel_tool_calls": true,
+        "previous_response_id": e.previous,
+        "temperature": e.temperature,
+        "text": e.text,
+        "tool_choice": e.tool_choice,
+        "tools": e.tools,
+        "top_p": e.top_p,
+        "truncation": "disabled",
+        "usage": end.map_or(Value::Null, |(_, u)| usage_json(u)),
+        "metadata": e.metadata,
+    })
+}
+
+/// Stores the conversation with the response's output appended, when asked to.
+fn keep(store: Option<(Arc<AppState>, Vec<Message>)>, id: &str, output: &Output) {
+    let Some((state, mut conversation)) = store else {
+        return;
+    };
+    let mut reply = Message::text(
+        "assistant",
+        output
+            .message
+            .as_ref()
+            .map_or(String::new(), |(_, t)| t.clone()),
+    );
+    reply.tool_calls = output.calls.iter().map(|(_, c)| c.clone()).collect();
+    conversation.push(reply);
+    state.responses.put(id.to_string(), conversation);
+}
+
+type SseItem = Result<SseEvent, std::convert::Infallible>;
+
+/// The streamed events of one response, numbered in order.
+struct Events {
+    id: String,
+    created: u64,
+    echo: Echo,
+    seq: u64,
+    output: Output,
+    /// Output index of the open text message, if one is open.
+    open: Option<usize>,
+    store: Option<(Arc<AppState>, Vec<Message>)>,
+}
+
+impl Events {
+    fn event(&mut self, kind: &str, mut data: Value) -> SseItem {
+        data["type"] = json!(kind);
+        data["sequence_number"] = json!(self.seq);
+        self.seq += 1;
+        Ok(SseEvent::default().event(kind).data(data.to_string()))
+    }
+
+    fn object(&self, status: &str, end: Option<(Finish, Usage)>) -> Value {
+        response_object(
+            &self.id,
+            self.created,
+            &self.echo,
+            status,
+            &self.output,
+            end,
+        )
+    }
+
+    fn next_index(&self) -> usize {
+        usize::from(self.output.message.is_some()) + self.output.calls.len()
+    }
+
+    fn text(&mut self, delta: String) -> Vec<SseItem> {
+        let mut items = Vec::new();
+        let index = match self.open {
+            Some(i) => i,
+            None => {
+                let i = self.next_index();
+                let mid = new_id("msg");
+                self.output.message = Some((mid.clone(), String::new()));
+                self.open = Some(i);
+                items.push(self.event(
+                    "response.output_item.added",
+                    json!({"output_index": i, "item": message_item(&mid, "", "in_progress")}),
+                ));
+                items.push(self.event(
+                    "response.content_part.added",
+                    json!({"item_id": mid, "output_index": i, "content_index": 0, "part": text_part("")}),
+                ));
+                i
+            }
+        };
+        let mid = self
+            .output
+            .message
+            .as_ref()
+            .map_or(String::new(), |(m, _)| m.clone());
+        if let Some((_, t)) = self.output.message.as_mut() {
+            t.push_str(&delta);
+        }
+        items.push(self.event(
+            "response.output_text.delta",
+            json!({"item_id": mid, "output_index": index, "content_index": 0, "delta": delta}),
+        ));
+        items
+    }
+
+    fn close_text(&mut self) -> Vec<SseItem> {
+        let Some(i) = self.open.take() else {
+            return Vec::new();
+        };
+        let (mid, text) = self.output.message.clone().unwrap_or_default();
+        vec![
+            self.event(
+                "response.output_text.done",
+                json!({"item_id": mid, "output_index": i, "content_index": 0, "text": text}),
+            ),
+            self.event(
+                "response.content_part.done",
+                json!({"item_id": mid, "output_index": i, "content_index": 0, "part": text_part(&text)}),
+            ),
+            self.event(
+                "response.output_item.done",
+                json!({"output_index": i, "item": message_item(&mid, &text, "completed")}),
+            ),
+        ]
+    }
+
+    fn call(&mut self, call: ToolCall) -> Vec<SseItem> {
+        let mut items = self.close_text();
+        let i = self.next_index();
+        let fid = new_id("fc");
+        let args = call.arguments.to_string();
+        items.push(self.event(
+            "response.output_item.added",
+            json!({"output_index": i, "item": call_item(&fid, &call, "in_progress")}),
+        ));
+        items.push(self.event(
+            "response.function_call_arguments.delta",
+            json!({"item_id": fid, "output_index": i, "delta": args}),
+        ));
+        items.push(self.event(
+            "response.function_call_arguments.done",
+            json!({"item_id": fid, "output_index": i, "arguments": args}),
+        ));
+        items.push(self.event(
+            "response.output_item.done",
+            json!({"output_index": i, "item": call_item(&fid, &call, "completed")}),
+        ));
+        self.output.calls.push((fid, call));
+        items
+    }
+
+    fn finish(&mut self, reason: Finish, usage: Usage) -> Vec<SseItem> {
+        let mut items = self.close_text();
+        let object = self.object("completed", Some((reason, usage)));
+        let kind = if reason == Finish::Length {
+            "response.incomplete"
+        } else {
+            "response.completed"
+        };
+        items.push(self.event(kind, json!({"response": object})));
+        keep(self.store.take(), &self.id, &self.output);
+        items
+    }
+
+    fn failed(&mut self, msg: String) -> Vec<SseItem> {
+        let mut object = self.object("failed", None);
+        object["error"] = json!({"code": "server_error", "message": msg});
+        vec![self.event("response.failed", json!({"response": object}))]
+    }
+}
+
+fn stream_response(
+    running: generation::Running,
+    id: String,
+    created: u64,
+    echo: Echo,
+    store: Option<(Arc<AppState>, Vec<Message>)>,
+) -> Sse<impl Stream<Item = SseItem>> {
+    let mut ev = Events {
+        id,
+        created,
+        echo,
+        seq: 0,
+        output: Output::default(),
+        open: None,
+        store,
+    };
+    let first = vec![
+        {
+            let o = ev.object("in_progress", None);
+            ev.event("response.created", json!({"response": o}))
+        },
+        {
+            let o = ev.object("in_progress", None);
+            ev.event("response.in_progress", json!({"response": o}))
+        },
+    ];
+    let s = running.stream_with(first, move |out| match out {
+        Out::Text { text, .. } => ev.text(text),
+        Out::Call { call, .. } => ev.call(call),
+        Out::Finished { reason, usage, .. } => ev.finish(reason, usage),
+        Out::Failed(msg) => ev.failed(msg),
+    });
+    Sse::new(s).keep_alive(KeepAlive::default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_store_keeps_the_newest_responses() {
+        let s = ResponseStore::default();
+        for i in 0..=STORED_RESPONSES {
+            s.put(format!("r{i}"), vec![Message::text("user", format!("{i}"))]);
+        }
+        assert!(s.get("r0").is_none());
+        assert_eq!(s.get("r1").unwrap()[0].content, "1");
+        assert!(s.get(&format!("r{STORED_RESPONSES}")).is_some());
+    }
+
+    #[test]
+    fn input_items_become_one_conversation() {
+        let items = json!([
+            {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+            {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{\"city\":\"Paris\"}"},
+            {"type": "function_call", "call_id": "c2", "name": "w", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        ]);
+        let m = input_messages(&items).unwrap();
+        assert_eq!(m.len(), 3);
+        assert_eq!(m[0].content, "weather?");
+        assert_eq!(m[1].role, "assistant");
+        assert_eq!(m[1].tool_calls.len(), 2, "calls in a row are one turn");
+        assert_eq!(m[1].tool_calls[0].arguments, json!({"city": "Paris"}));
+        assert_eq!(
+            (m[2].role.as_str(), m[2].tool_call_id.as_deref()),
+            ("tool", Some("c1"))
+        );
+        let e = input_messages(
+            &json!([{"type": "function_call", "call_id": "c", "name": "w", "arguments": "{"}]),
+        )
+        .unwrap_err();
+        assert!(format!("{e:?}").contains("input[0].arguments"), "{e:?}");
+    }
+}
