@@ -13,6 +13,7 @@ pub mod constrain;
 mod error;
 pub mod kernels;
 pub mod kv_cache;
+pub mod lookup;
 pub mod model;
 mod network;
 pub mod parallel;

@@ -190,6 +190,9 @@ pub struct SchedulerConfig {
     /// Whether a sequence starts from the KV cache of an ended or running one that shares
     /// the start of its prompt (else every prompt runs whole and no cache is kept).
     pub prefix_cache: bool,
+    /// Prompt-lookup speculative decoding: at most this many tokens drafted per step from
+    /// the sequence's own context (0: off). One rank only; a split model ignores it.
+    pub lookup: usize,
 }
 
 /// Counters the scheduler keeps for metrics.
@@ -217,6 +220,10 @@ pub struct SchedulerStats {
     pub kept_tokens: AtomicU64,
     /// The model's KV bytes for those positions (over every rank of a split model).
     pub kept_bytes: AtomicU64,
+    /// Tokens drafted by prompt lookup and checked.
+    pub drafted: AtomicU64,
+    /// Of those, the ones the model agreed with (emitted without a step of their own).
+    pub accepted_drafts: AtomicU64,
 }
 
 struct Job {
@@ -1124,12 +1131,161 @@ impl<'m> Worker<'m> {
     }
 
     /// One token for every sequence that has a sampled token to run.
+    /// The prompt-lookup draft of each ready sequence (empty where lookup is off, the
+    /// model is split, the output is constrained, or nothing repeats): at most
+    /// `config.lookup` tokens, within the cache's room and the tokens still to generate.
+    fn drafts(&self, ready: &[usize]) -> Vec<Vec<u32>> {
+        ready
+            .iter()
+            .map(|&i| {
+                let s = &self.active[i];
+                if self.config.lookup == 0
+                    || self.lead.is_some()
+                    || s.job.request.constraint.is_some()
+                {
+                    return Vec::new();
+                }
+                let room = s.cache.capacity().saturating_sub(s.cache.len() + 1);
+                let left = s.job.request.max_tokens.saturating_sub(s.generated + 1);
+                let max = self.config.lookup.min(room).min(left);
+                if max == 0 {
+                    return Vec::new();
+                }
+                // the context: the prompt and every generated token (the last one, `next`,
+                // not yet run)
+                let mut context = s.job.request.prompt.clone();
+                context.extend_from_slice(&s.generated_ids);
+                crate::lookup::draft(&context, max)
+            })
+            .collect()
+    }
+
+    /// One decode step of the ready sequences (one rank) in which each runs its next token
+    /// and its draft: every row's logits come back, each sequence samples row by row as
+    /// plain decoding would and goes on while the sampled token is the drafted one, and its
+    /// cache keeps the positions of the tokens it accepted. With a draft token taken only
+    /// when the model samples it, the output is what decoding one token at a time gives
+    /// (up to the last bits in which a step of several rows rounds differently).
+    fn speculative_step(&mut self, ready: &[usize], drafts: &[Vec<u32>]) {
+        let mut tokens = Vec::new();
+        let mut counts = Vec::new();
+        for (&i, d) in ready.iter().zip(drafts) {
+            tokens.extend(self.active[i].next);
+            tokens.extend_from_slice(d);
+            counts.push(1 + d.len());
+        }
+        let last = counts.iter().copied().max().unwrap_or(1);
+        let model = self.model.clone();
+        let vocab = model.transformer.config().vocab;
+        let before: Vec<usize> = ready.iter().map(|&i| self.active[i].cache.len()).collect();
+        let result = {
+            let mut caches: Vec<&mut KvCache> = self
+                .active
+                .iter_mut()
+                .filter(|s| s.next.is_some())
+                .filter_map(|s| match &mut s.cache {
+                    Store::Local(c) => Some(c),
+                    Store::Slot { .. } => None,
+                })
+                .collect();
+            model.transformer.step(&tokens, &counts, &mut caches, last)
+        };
+        let mut logits = match result {
+            Ok(l) if l.len() == tokens.len() * vocab => l,
+            other => {
+                let msg = match other {
+                    Err(e) => format!("decoding failed: {e}"),
+                    Ok(l) => format!(
+                        "decoding failed: {} logits for {} rows of {vocab}",
+                        l.len(),
+                        tokens.len()
+                    ),
+                };
+                let mut i = 0;
+                self.active.retain_mut(|s| {
+                    let in_batch = ready.contains(&i);
+                    i += 1;
+                    if in_batch {
+                        (s.job.sink)(Event::Failed(msg.clone()));
+                    }
+                    !in_batch
+                });
+                return;
+            }
+        };
+        let mut work: Vec<Option<Checked>> = Vec::new();
+        work.resize_with(self.active.len(), || None);
+        let mut rest: &mut [f32] = &mut logits;
+        for (k, &i) in ready.iter().enumerate() {
+            let (rows, tail) = rest.split_at_mut(counts[k] * vocab);
+            rest = tail;
+            work[i] = Some(Checked {
+                rows,
+                draft: &drafts[k],
+                before: before[k],
+            });
+        }
+        let results: Vec<(bool, usize)> = self
+            .active
+            .par_iter_mut()
+            .zip(work.par_iter_mut())
+            .map(|(seq, w)| match w.take() {
+                Some(Checked {
+                    rows,
+                    draft,
+                    before,
+                }) => {
+                    seq.next = None;
+                    let mut taken = 0;
+                    let mut goes_on = true;
+                    for (j, row) in rows.chunks_mut(vocab).enumerate() {
+                        goes_on = accept(&model, seq, row);
+                        if !goes_on || j >= draft.len() || seq.next != Some(draft[j]) {
+                            break;
+                        }
+                        taken += 1;
+                    }
+                    // the cache keeps the token that ran first and the drafts taken
+                    if let Store::Local(c) = &mut seq.cache {
+                        c.truncate(before + 1 + taken);
+                    }
+                    (goes_on, taken)
+                }
+                None => (true, 0),
+            })
+            .collect();
+        let stats = &self.shared.stats;
+        let taken: usize = results.iter().map(|r| r.1).sum();
+        stats.last_batch.store(ready.len(), Ordering::Relaxed);
+        stats.decode_steps.fetch_add(1, Ordering::Relaxed);
+        stats
+            .decoded_tokens
+            .fetch_add((ready.len() + taken) as u64, Ordering::Relaxed);
+        stats.drafted.fetch_add(
+            drafts.iter().map(Vec::len).sum::<usize>() as u64,
+            Ordering::Relaxed,
+        );
+        stats
+            .accepted_drafts
+            .fetch_add(taken as u64, Ordering::Relaxed);
+        for i in (0..results.len()).rev() {
+            if !results[i].0 {
+                let seq = self.active.remove(i);
+                self.retire(seq, true);
+            }
+        }
+    }
+
     fn decode_step(&mut self) {
         let ready: Vec<usize> = (0..self.active.len())
             .filter(|&i| self.active[i].next.is_some())
             .collect();
         if ready.is_empty() {
             return;
+        }
+        let drafts = self.drafts(&ready);
+        if drafts.iter().any(|d| !d.is_empty()) {
+            return self.speculative_step(&ready, &drafts);
         }
         let tokens: Vec<u32> = ready.iter().filter_map(|&i| self.active[i].next).collect();
         let stats = &self.shared.stats;
@@ -1203,6 +1359,14 @@ impl<'m> Worker<'m> {
             }
         }
     }
+}
+
+/// A sequence's part of a speculative step: the logits of its rows (its next token's, then
+/// one per drafted token), its draft, and its cache length before the step.
+struct Checked<'a> {
+    rows: &'a mut [f32],
+    draft: &'a [u32],
+    before: usize,
 }
 
 /// A decode step's logits, one row per sequence in the step.

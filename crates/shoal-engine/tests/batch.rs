@@ -260,6 +260,7 @@ fn scheduler_gives_each_request_its_own_tokens() {
             max_queue: 8,
             ctx: 256,
             prefix_cache: true,
+            lookup: 0,
         },
     )
     .unwrap();
@@ -318,6 +319,7 @@ fn scheduler_reuses_the_cache_of_an_ended_sequence() {
             max_queue: 1,
             ctx: 256,
             prefix_cache: true,
+            lookup: 0,
         },
     )
     .unwrap();
@@ -368,6 +370,7 @@ fn scheduler_cancels_dropped_tickets_and_refuses_when_full() {
             max_queue: 1,
             ctx: 4096,
             prefix_cache: true,
+            lookup: 0,
         },
     )
     .unwrap();
@@ -419,6 +422,7 @@ fn presence_and_frequency_penalties_push_away_repeats() {
             max_queue: 2,
             ctx: 256,
             prefix_cache: true,
+            lookup: 0,
         },
     )
     .unwrap();
@@ -478,6 +482,7 @@ fn split_scheduler_matches_one_rank() {
         max_queue: 8,
         ctx: 256,
         prefix_cache: true,
+        lookup: 0,
     };
     let ps = prompts(320);
     let lens = [20usize, 7, 13, 30];
@@ -553,6 +558,7 @@ fn broken_split_fails_requests_and_says_why() {
             max_queue: 4,
             ctx: 64,
             prefix_cache: true,
+            lookup: 0,
         },
     )
     .unwrap();
@@ -678,6 +684,7 @@ fn sequences_share_a_prompts_start_across_slots() {
                 max_queue: 4,
                 ctx: 256,
                 prefix_cache: on,
+                lookup: 0,
             },
         )
         .unwrap();
@@ -732,6 +739,7 @@ fn split_sequences_share_a_prompts_start_on_every_rank() {
             max_queue: 4,
             ctx: 256,
             prefix_cache: true,
+            lookup: 0,
         };
         let sched = Scheduler::start_split(Arc::new(m), ctx, config).unwrap();
         check_arrivals_at_once(&sched, true, &|p, n| alone(&one, p, n));
@@ -741,5 +749,75 @@ fn split_sequences_share_a_prompts_start_on_every_rank() {
         for w in workers {
             w.join().unwrap().unwrap();
         }
+    }
+}
+
+/// Prompt-lookup speculative decoding changes nothing but the steps: two sequences at once,
+/// greedy and seeded sampling with a repetition penalty, give the tokens they give without
+/// it, and drafts were made and some taken (the prompts repeat themselves, and so does a
+/// tiny model's output).
+#[test]
+fn lookup_decoding_gives_the_same_tokens_in_fewer_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Arc::new(load(&tiny(
+        TinyModelSpec::qwen2(23),
+        GgmlType::Q8_0,
+        dir.path(),
+    )));
+    let cycle: Vec<u32> = (0..12).map(|i| (i * 29 + 7) % 320).collect();
+    let prompts: Vec<Vec<u32>> = vec![
+        cycle.iter().cycle().take(40).copied().collect(),
+        cycle.iter().rev().cycle().take(30).copied().collect(),
+    ];
+    let configs = [
+        SamplerConfig::default(),
+        SamplerConfig {
+            temperature: 0.8,
+            seed: 11,
+            repeat_penalty: 1.1,
+            ..SamplerConfig::default()
+        },
+    ];
+    for sampler in configs {
+        let run = |lookup: usize| {
+            let sched = Scheduler::start(
+                m.clone(),
+                SchedulerConfig {
+                    max_batch: 2,
+                    max_queue: 2,
+                    ctx: 256,
+                    prefix_cache: false,
+                    lookup,
+                },
+            )
+            .unwrap();
+            let subs: Vec<_> = prompts
+                .iter()
+                .map(|p| {
+                    let (tx, rx) = mpsc::channel();
+                    let mut r = request(p.clone(), 60);
+                    r.sampler = sampler.clone();
+                    let t = sched
+                        .submit(r, Box::new(move |e| tx.send(e).is_ok()))
+                        .unwrap();
+                    (t, rx)
+                })
+                .collect();
+            let tokens: Vec<Vec<u32>> = subs.iter().map(|(_, rx)| collect(rx).0).collect();
+            let s = sched.stats();
+            let steps = s.decode_steps.load(Ordering::Relaxed);
+            let drafted = s.drafted.load(Ordering::Relaxed);
+            let taken = s.accepted_drafts.load(Ordering::Relaxed);
+            (tokens, steps, drafted, taken)
+        };
+        let (want, plain_steps, d0, _) = run(0);
+        let (got, steps, drafted, taken) = run(6);
+        assert_eq!(d0, 0);
+        assert_eq!(got, want, "{sampler:?}");
+        assert!(drafted > 0 && taken > 0, "{drafted} drafted, {taken} taken");
+        assert!(steps < plain_steps, "{steps} steps against {plain_steps}");
+        eprintln!(
+            "{sampler:?}: {taken} of {drafted} drafts taken; {steps} decode steps against {plain_steps}"
+        );
     }
 }

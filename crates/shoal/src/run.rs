@@ -162,6 +162,11 @@ pub struct RunArgs {
     /// API key for --url (when the node has keys).
     #[arg(long, env = "SHOAL_API_KEY", hide_env_values = true)]
     pub key: Option<String>,
+    /// Prompt-lookup speculative decoding: draft up to this many tokens per step from the
+    /// text so far (what followed the last few tokens where they appeared before) and check
+    /// them in one step; the output is unchanged. Strong for edits of given code. One rank.
+    #[arg(long, num_args = 0..=1, default_missing_value = "8", value_name = "N")]
+    pub lookup: Option<usize>,
 }
 
 impl RunArgs {
@@ -207,6 +212,17 @@ fn answer(
         writeln!(stdout)?;
     }
     report(&done, threads, ranks);
+    let s = scheduler.stats();
+    let drafted = s.drafted.load(std::sync::atomic::Ordering::Relaxed);
+    if drafted > 0 {
+        let taken = s.accepted_drafts.load(std::sync::atomic::Ordering::Relaxed);
+        eprintln!(
+            "lookup: {taken} of {drafted} drafted tokens accepted ({:.0}%), {} decode steps for {} tokens",
+            100.0 * taken as f64 / drafted as f64,
+            s.decode_steps.load(std::sync::atomic::Ordering::Relaxed),
+            done.finished.completion_tokens,
+        );
+    }
     Ok(())
 }
 
@@ -240,6 +256,9 @@ fn report(done: &Completion, threads: usize, ranks: usize) {
 
 /// `run` split over ranks: rank 0 here, the others started locally or waited for.
 fn main_split(args: RunArgs) -> anyhow::Result<()> {
+    if args.lookup.is_some() {
+        anyhow::bail!("--lookup runs on one rank; drop --tp/--pp or --lookup");
+    }
     let threads = args.compute.apply()?;
     let ctx_len = args.sampling.ctx() + args.sampling.max_tokens;
     let lead_rank = LeadRank::start(&args.split, &args.model, ctx_len, threads, None)?;
@@ -261,6 +280,7 @@ fn main_split(args: RunArgs) -> anyhow::Result<()> {
             max_queue: 0,
             ctx: capacity,
             prefix_cache: true,
+            lookup: 0,
         },
     )?;
     let result = answer(&scheduler, request, args.raw, threads, world);
@@ -311,6 +331,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<()> {
             max_queue: 0,
             ctx,
             prefix_cache: true,
+            lookup: args.lookup.unwrap_or(0),
         },
     )?;
     answer(&scheduler, request, args.raw, threads, 1)

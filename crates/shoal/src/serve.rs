@@ -75,6 +75,11 @@ pub struct ServeArgs {
     /// started with the same tokens.
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// Prompt-lookup speculative decoding for the models served here (not split
+    /// instances): draft up to N tokens per step from each request's own text and check
+    /// them in one step; the output is unchanged.
+    #[arg(long, num_args = 0..=1, default_missing_value = "8", value_name = "N")]
+    pub lookup: Option<usize>,
     /// Context length per request, prompt plus output (default: the model's, at most 4096).
     #[arg(long)]
     pub ctx: Option<usize>,
@@ -244,6 +249,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
                 max_queue: args.queue,
                 ctx,
                 prefix_cache: !args.no_prefix_cache,
+                lookup: args.lookup.unwrap_or(0),
             },
         )?;
         served.push(m);

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Prompt-lookup speculative decoding on a code edit: the 60-line function in
+# bench/data/edit-function.py, then the instruction to write it again with one parameter
+# renamed, continued greedily as raw text (no chat template, so llama.cpp reads the same
+# tokens). `shoal run --raw --temp 0` without and with `--lookup`, alternating, R rounds:
+# decode tokens/s, the acceptance rate, and whether the texts are the same. Beside it,
+# llama.cpp built from the PyPI sdist on the same file: `llama-simple` (plain greedy) and
+# `llama-lookup` (its own prompt lookup), where bench/llamacpp-build.sh built them.
+#
+#   bench/lookup.sh [-t THREADS] [-n TOKENS] [-r ROUNDS] [MODEL]   (default: -t 2 -n 600 -r 3 qwen15)
+#
+# Not in CI. Run it on an idle machine.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+t=2 n=600 r=3
+while getopts "t:n:r:" o; do
+  case $o in t) t=$OPTARG ;; n) n=$OPTARG ;; r) r=$OPTARG ;; *) exit 2 ;; esac
+done
+shift $((OPTIND - 1))
+model=${1:-qwen15}
+shoal=$root/target/release/shoal
+[ -x "$shoal" ] || (cd "$root" && cargo build --release -p shoal >&2)
+path=$model
+[ -f "$path" ] || path=$("$shoal" models fetch "$model" 2>/dev/null | tail -n1)
+bin=${SHOAL_HOME:-$HOME/.cache/shoal}/llama.cpp-build/bin
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+prompt="Here is a Python function:
+
+\`\`\`python
+$(cat "$here/data/edit-function.py")
+\`\`\`
+
+The same function with the parameter tax_rate renamed to vat_rate everywhere, and nothing else changed:
+
+\`\`\`python
+"
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg) (benchmark an idle machine); $(basename "$path"), $t threads, $n tokens"
+rate() { sed -n 's/.*generation: \([0-9]*\) tokens, \([0-9.]*\) tok\/s.*/\2/p' "$1"; }
+for i in $(seq "$r"); do
+  "$shoal" run "$path" "$prompt" --raw --temp 0 -n "$n" -t "$t" >"$work/plain.txt" 2>"$work/plain.err"
+  "$shoal" run "$path" "$prompt" --raw --temp 0 -n "$n" -t "$t" --lookup >"$work/lookup.txt" 2>"$work/lookup.err"
+  same=different
+  cmp -s "$work/plain.txt" "$work/lookup.txt" && same=same
+  printf "round %d: shoal %6.1f tok/s plain, %6.1f with --lookup (%.2fx), text %s; %s\n" "$i" \
+    "$(rate "$work/plain.err")" "$(rate "$work/lookup.err")" \
+    "$(python3 -c "import sys; print(float(sys.argv[2]) / float(sys.argv[1]))" "$(rate "$work/plain.err")" "$(rate "$work/lookup.err")")" \
+    "$same" "$(grep '^lookup:' "$work/lookup.err" | sed 's/^lookup: //')"
+  if [ -x "$bin/llama-simple" ]; then
+    "$bin/llama-simple" -m "$path" -n "$n" "$prompt" >"$work/ls.out" 2>"$work/ls.err" || true
+    printf "         llama.cpp llama-simple: %s\n" "$(grep -o 'speed: [0-9.]* t/s' "$work/ls.err" | tail -n1)"
+  fi
+  if [ -x "$bin/llama-lookup" ]; then
+    "$bin/llama-lookup" -m "$path" -p "$prompt" -n "$n" -t "$t" --temp 0 --spec-draft-n-max 8 \
+      >"$work/ll.out" 2>"$work/ll.err" || true
+    printf "         llama.cpp llama-lookup: %s; %s\n" \
+      "$(grep -o 'speed: *[0-9.]* t/s' "$work/ll.err" | tail -n1)" \
+      "$(grep -oE '(n_drafted|n_accept|accept) *= *[0-9.]+%?' "$work/ll.err" | tr -s ' \n' ' ')"
+  fi
+done
+if [ "$same" = different ]; then
+  diff "$work/plain.txt" "$work/lookup.txt" | head -n 20 >&2
+  exit 1
+fi
