@@ -197,7 +197,7 @@ fn full_queue_answers_503_in_each_shape() {
             max_queue: 0,
             ctx: 256,
             prefix_cache: true,
-            lookup: 0,
+            draft_max: 0,
         },
     );
     let app = shoal_api::router(state.clone(), &HttpOptions::default());
@@ -269,7 +269,7 @@ fn disconnecting_client_frees_its_slot() {
             max_queue: 4,
             ctx: 4096,
             prefix_cache: true,
-            lookup: 0,
+            draft_max: 0,
         },
     );
     let app = shoal_api::router(state.clone(), &HttpOptions::default());
@@ -351,7 +351,7 @@ fn usage_reports_the_prompt_tokens_taken_from_the_cache() {
                 max_queue: 4,
                 ctx: 128,
                 prefix_cache: on,
-                lookup: 0,
+                draft_max: 0,
             },
         );
         let app = shoal_api::router(state.clone(), &HttpOptions::default());

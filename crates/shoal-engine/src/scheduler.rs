@@ -190,9 +190,11 @@ pub struct SchedulerConfig {
     /// Whether a sequence starts from the KV cache of an ended or running one that shares
     /// the start of its prompt (else every prompt runs whole and no cache is kept).
     pub prefix_cache: bool,
-    /// Prompt-lookup speculative decoding: at most this many tokens drafted per step from
-    /// the sequence's own context (0: off). One rank only; a split model ignores it.
-    pub lookup: usize,
+    /// Speculative decoding: at most this many tokens drafted per step (0: off), by the
+    /// draft model when the scheduler has one ([`Scheduler::start_with_draft`]), else by
+    /// prompt lookup from the sequence's own context. One rank only; a split model ignores
+    /// it.
+    pub draft_max: usize,
 }
 
 /// Counters the scheduler keeps for metrics.
@@ -306,10 +308,43 @@ impl Scheduler {
         Self::spawn(model, config, Some(ctx))
     }
 
+    /// Starts the scheduler thread for `model` with `draft`, a smaller model with the same
+    /// vocabulary, drafting `config.draft_max` tokens per step for `model` to check.
+    ///
+    /// # Errors
+    /// As [`Scheduler::start`], and when the vocabularies differ.
+    pub fn start_with_draft(
+        model: Arc<LoadedModel>,
+        draft: Arc<LoadedModel>,
+        config: SchedulerConfig,
+    ) -> Result<Self, EngineError> {
+        let (a, b) = (&model.tokenizer, &draft.tokenizer);
+        let same = a.vocab_size() == b.vocab_size()
+            && (0..a.vocab_size() as u32).all(|t| a.token_bytes(t) == b.token_bytes(t));
+        if !same || model.transformer.config().vocab != draft.transformer.config().vocab {
+            return Err(EngineError::InvalidInput {
+                what: format!(
+                    "draft model {} does not share {}'s vocabulary; a draft model must use the same tokenizer",
+                    draft.name, model.name
+                ),
+            });
+        }
+        Self::spawn_with(model, config, None, Some(draft))
+    }
+
     fn spawn(
         model: Arc<LoadedModel>,
         config: SchedulerConfig,
         split: Option<RankContext>,
+    ) -> Result<Self, EngineError> {
+        Self::spawn_with(model, config, split, None)
+    }
+
+    fn spawn_with(
+        model: Arc<LoadedModel>,
+        config: SchedulerConfig,
+        split: Option<RankContext>,
+        draft: Option<Arc<LoadedModel>>,
     ) -> Result<Self, EngineError> {
         if config.max_batch == 0 || config.ctx < 2 {
             return Err(EngineError::InvalidInput {
@@ -343,7 +378,9 @@ impl Scheduler {
                         },
                     };
                     let broken = split_failed(&shared);
-                    Worker::new(model, config, shared, lead, broken).run()
+                    let mut w = Worker::new(model, config, shared, lead, broken);
+                    w.draft = draft;
+                    w.run()
                 })
                 .map_err(|e| {
                     EngineError::Generation(format!("cannot start the scheduler thread: {e}"))
@@ -570,6 +607,8 @@ struct Sequence {
     /// The last sampled token, to run in the next decode step.
     next: Option<u32>,
     first_token: Option<Duration>,
+    /// The draft model's cache of this sequence (with a draft model, on one rank).
+    draft_cache: Option<KvCache>,
 }
 
 impl Sequence {
@@ -626,6 +665,8 @@ struct Worker<'m> {
     lead: Option<Lead<'m>>,
     /// The split is unusable (its failure is in `shared.failure`).
     broken: bool,
+    /// The model that drafts tokens for speculative decoding, if any.
+    draft: Option<Arc<LoadedModel>>,
 }
 
 impl<'m> Worker<'m> {
@@ -644,6 +685,7 @@ impl<'m> Worker<'m> {
             parked: Vec::new(),
             lead,
             broken,
+            draft: None,
         }
     }
 
@@ -813,6 +855,7 @@ impl<'m> Worker<'m> {
             counts: HashMap::new(),
             next: None,
             first_token: None,
+            draft_cache: None,
         })
     }
 
@@ -1074,6 +1117,20 @@ impl<'m> Worker<'m> {
             .prompt_tokens
             .fetch_add(chunk.len() as u64, Ordering::Relaxed);
         seq.prefilled = end;
+        // the draft model reads the prompt beside the model (its part of prompt processing)
+        if let (Some(d), Ok(_), Store::Local(c)) = (&self.draft, &result, &seq.cache) {
+            let capacity = c.capacity();
+            let dc = seq
+                .draft_cache
+                .get_or_insert_with(|| d.transformer.new_cache(capacity));
+            let start = end - chunk.len();
+            if dc.len() == start {
+                if let Err(e) = d.transformer.forward_last(chunk, dc) {
+                    tracing::warn!("the draft model failed on the prompt: {e}");
+                    seq.draft_cache = None;
+                }
+            }
+        }
         let seq_ok = result.is_ok();
         let keep = match result {
             Err(e) => {
@@ -1131,15 +1188,17 @@ impl<'m> Worker<'m> {
     }
 
     /// One token for every sequence that has a sampled token to run.
-    /// The prompt-lookup draft of each ready sequence (empty where lookup is off, the
-    /// model is split, the output is constrained, or nothing repeats): at most
-    /// `config.lookup` tokens, within the cache's room and the tokens still to generate.
-    fn drafts(&self, ready: &[usize]) -> Vec<Vec<u32>> {
+    /// The draft of each ready sequence (empty where speculation is off, the model is
+    /// split, the output is constrained, or nothing was drafted): at most
+    /// `config.draft_max` tokens, within the cache's room and the tokens still to
+    /// generate; from the draft model when there is one, else by prompt lookup.
+    fn drafts(&mut self, ready: &[usize]) -> Vec<Vec<u32>> {
+        let draft_model = self.draft.clone();
         ready
             .iter()
             .map(|&i| {
-                let s = &self.active[i];
-                if self.config.lookup == 0
+                let s = &mut self.active[i];
+                if self.config.draft_max == 0
                     || self.lead.is_some()
                     || s.job.request.constraint.is_some()
                 {
@@ -1147,7 +1206,7 @@ impl<'m> Worker<'m> {
                 }
                 let room = s.cache.capacity().saturating_sub(s.cache.len() + 1);
                 let left = s.job.request.max_tokens.saturating_sub(s.generated + 1);
-                let max = self.config.lookup.min(room).min(left);
+                let max = self.config.draft_max.min(room).min(left);
                 if max == 0 {
                     return Vec::new();
                 }
@@ -1155,7 +1214,10 @@ impl<'m> Worker<'m> {
                 // not yet run)
                 let mut context = s.job.request.prompt.clone();
                 context.extend_from_slice(&s.generated_ids);
-                crate::lookup::draft(&context, max)
+                match &draft_model {
+                    Some(d) => draft_from_model(d, s, &context, max).unwrap_or_default(),
+                    None => crate::lookup::draft(&context, max),
+                }
             })
             .collect()
     }
@@ -1248,6 +1310,9 @@ impl<'m> Worker<'m> {
                     // the cache keeps the token that ran first and the drafts taken
                     if let Store::Local(c) = &mut seq.cache {
                         c.truncate(before + 1 + taken);
+                    }
+                    if let Some(dc) = &mut seq.draft_cache {
+                        dc.truncate(dc.len().min(before + 1 + taken));
                     }
                     (goes_on, taken)
                 }
@@ -1422,6 +1487,49 @@ fn want_for(r: &SequenceRequest) -> Want {
         Want::All
     } else {
         Want::for_sampler(&r.sampler)
+    }
+}
+
+/// Up to `max` tokens the draft model `d` picks greedily after `context` (whose last token
+/// is `seq`'s next): its cache first catches up with the context before that token, then
+/// each drafted token is fed back. A failure leaves the sequence without a draft model.
+fn draft_from_model(
+    d: &LoadedModel,
+    seq: &mut Sequence,
+    context: &[u32],
+    max: usize,
+) -> Option<Vec<u32>> {
+    let capacity = seq.cache.capacity();
+    let dc = seq
+        .draft_cache
+        .get_or_insert_with(|| d.transformer.new_cache(capacity));
+    let known = context.len() - 1;
+    if dc.len() > known {
+        dc.truncate(known);
+    }
+    let run = |dc: &mut KvCache| -> Result<Vec<u32>, EngineError> {
+        if dc.len() < known {
+            d.transformer.prefill(&context[dc.len()..known], dc)?;
+        }
+        let mut out = Vec::with_capacity(max);
+        let mut t = context[known];
+        for _ in 0..max {
+            if dc.len() + 1 > dc.capacity() {
+                break;
+            }
+            let logits = d.transformer.forward_last(&[t], dc)?;
+            t = crate::transformer::argmax(&logits) as u32;
+            out.push(t);
+        }
+        Ok(out)
+    };
+    match run(dc) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            tracing::warn!("the draft model failed, decoding on without it: {e}");
+            seq.draft_cache = None;
+            None
+        }
     }
 }
 

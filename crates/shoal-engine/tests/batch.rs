@@ -260,7 +260,7 @@ fn scheduler_gives_each_request_its_own_tokens() {
             max_queue: 8,
             ctx: 256,
             prefix_cache: true,
-            lookup: 0,
+            draft_max: 0,
         },
     )
     .unwrap();
@@ -319,7 +319,7 @@ fn scheduler_reuses_the_cache_of_an_ended_sequence() {
             max_queue: 1,
             ctx: 256,
             prefix_cache: true,
-            lookup: 0,
+            draft_max: 0,
         },
     )
     .unwrap();
@@ -370,7 +370,7 @@ fn scheduler_cancels_dropped_tickets_and_refuses_when_full() {
             max_queue: 1,
             ctx: 4096,
             prefix_cache: true,
-            lookup: 0,
+            draft_max: 0,
         },
     )
     .unwrap();
@@ -422,7 +422,7 @@ fn presence_and_frequency_penalties_push_away_repeats() {
             max_queue: 2,
             ctx: 256,
             prefix_cache: true,
-            lookup: 0,
+            draft_max: 0,
         },
     )
     .unwrap();
@@ -482,7 +482,7 @@ fn split_scheduler_matches_one_rank() {
         max_queue: 8,
         ctx: 256,
         prefix_cache: true,
-        lookup: 0,
+        draft_max: 0,
     };
     let ps = prompts(320);
     let lens = [20usize, 7, 13, 30];
@@ -558,7 +558,7 @@ fn broken_split_fails_requests_and_says_why() {
             max_queue: 4,
             ctx: 64,
             prefix_cache: true,
-            lookup: 0,
+            draft_max: 0,
         },
     )
     .unwrap();
@@ -684,7 +684,7 @@ fn sequences_share_a_prompts_start_across_slots() {
                 max_queue: 4,
                 ctx: 256,
                 prefix_cache: on,
-                lookup: 0,
+                draft_max: 0,
             },
         )
         .unwrap();
@@ -739,7 +739,7 @@ fn split_sequences_share_a_prompts_start_on_every_rank() {
             max_queue: 4,
             ctx: 256,
             prefix_cache: true,
-            lookup: 0,
+            draft_max: 0,
         };
         let sched = Scheduler::start_split(Arc::new(m), ctx, config).unwrap();
         check_arrivals_at_once(&sched, true, &|p, n| alone(&one, p, n));
@@ -787,7 +787,7 @@ fn lookup_decoding_gives_the_same_tokens_in_fewer_steps() {
                     max_queue: 2,
                     ctx: 256,
                     prefix_cache: false,
-                    lookup,
+                    draft_max: lookup,
                 },
             )
             .unwrap();
@@ -820,4 +820,81 @@ fn lookup_decoding_gives_the_same_tokens_in_fewer_steps() {
             "{sampler:?}: {taken} of {drafted} drafts taken; {steps} decode steps against {plain_steps}"
         );
     }
+}
+
+/// A draft model (here another tiny model with the same tokenizer) changes nothing but the
+/// steps either; a draft model with another vocabulary is refused at start.
+#[test]
+fn draft_model_decoding_gives_the_same_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Arc::new(load(&tiny(
+        TinyModelSpec::qwen2(24),
+        GgmlType::Q8_0,
+        dir.path(),
+    )));
+    let sub = dir.path().join("draft");
+    std::fs::create_dir_all(&sub).unwrap();
+    let spec = TinyModelSpec {
+        n_layers: 1,
+        ..TinyModelSpec::qwen2(25)
+    };
+    let draft = Arc::new(load(&tiny(spec, GgmlType::F32, &sub)));
+    let prompt: Vec<u32> = (0..30).map(|i| (i * 17 + 3) % 320).collect();
+    for sampler in [
+        SamplerConfig::default(),
+        SamplerConfig {
+            temperature: 0.9,
+            seed: 5,
+            ..SamplerConfig::default()
+        },
+    ] {
+        let config = SchedulerConfig {
+            max_batch: 2,
+            max_queue: 2,
+            ctx: 256,
+            prefix_cache: false,
+            draft_max: 5,
+        };
+        let run = |sched: &Scheduler| {
+            let mut r = request(prompt.clone(), 40);
+            r.sampler = sampler.clone();
+            let (tx, rx) = mpsc::channel();
+            let _t = sched
+                .submit(r, Box::new(move |e| tx.send(e).is_ok()))
+                .unwrap();
+            collect(&rx).0
+        };
+        let plain = Scheduler::start(
+            m.clone(),
+            SchedulerConfig {
+                draft_max: 0,
+                ..config
+            },
+        )
+        .unwrap();
+        let with = Scheduler::start_with_draft(m.clone(), draft.clone(), config).unwrap();
+        assert_eq!(run(&with), run(&plain), "{sampler:?}");
+        let drafted = with.stats().drafted.load(Ordering::Relaxed);
+        assert!(drafted > 0, "nothing drafted");
+    }
+    let other_dir = dir.path().join("other");
+    std::fs::create_dir_all(&other_dir).unwrap();
+    let other = TinyModelSpec {
+        vocab_size: 400,
+        ..TinyModelSpec::qwen2(26)
+    };
+    let other = Arc::new(load(&tiny(other, GgmlType::F32, &other_dir)));
+    let e = Scheduler::start_with_draft(
+        m.clone(),
+        other,
+        SchedulerConfig {
+            max_batch: 1,
+            max_queue: 1,
+            ctx: 64,
+            prefix_cache: false,
+            draft_max: 4,
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("vocabulary"), "{e}");
 }

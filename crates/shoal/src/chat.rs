@@ -58,7 +58,7 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
             max_queue: 0,
             ctx,
             prefix_cache: true,
-            lookup: 0,
+            draft_max: 0,
         },
     )?;
     let mut messages = Vec::new();

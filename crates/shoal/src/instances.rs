@@ -802,7 +802,7 @@ impl Driver {
                     max_queue: self.cfg.queue,
                     ctx: capacity,
                     prefix_cache: self.cfg.prefix_cache,
-                    lookup: 0,
+                    draft_max: 0,
                 },
             )?);
             let state = self

@@ -167,6 +167,14 @@ pub struct RunArgs {
     /// them in one step; the output is unchanged. Strong for edits of given code. One rank.
     #[arg(long, num_args = 0..=1, default_missing_value = "8", value_name = "N")]
     pub lookup: Option<usize>,
+    /// Speculative decoding with a draft model (same tokenizer, smaller: e.g. qwen05 for
+    /// qwen15): it drafts --draft-max tokens per step, checked in one step; the output is
+    /// unchanged. One rank.
+    #[arg(long, value_name = "MODEL", conflicts_with = "lookup")]
+    pub draft: Option<String>,
+    /// Tokens the draft model drafts per step.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub draft_max: usize,
 }
 
 impl RunArgs {
@@ -217,7 +225,7 @@ fn answer(
     if drafted > 0 {
         let taken = s.accepted_drafts.load(std::sync::atomic::Ordering::Relaxed);
         eprintln!(
-            "lookup: {taken} of {drafted} drafted tokens accepted ({:.0}%), {} decode steps for {} tokens",
+            "speculation: {taken} of {drafted} drafted tokens accepted ({:.0}%), {} decode steps for {} tokens",
             100.0 * taken as f64 / drafted as f64,
             s.decode_steps.load(std::sync::atomic::Ordering::Relaxed),
             done.finished.completion_tokens,
@@ -256,8 +264,8 @@ fn report(done: &Completion, threads: usize, ranks: usize) {
 
 /// `run` split over ranks: rank 0 here, the others started locally or waited for.
 fn main_split(args: RunArgs) -> anyhow::Result<()> {
-    if args.lookup.is_some() {
-        anyhow::bail!("--lookup runs on one rank; drop --tp/--pp or --lookup");
+    if args.lookup.is_some() || args.draft.is_some() {
+        anyhow::bail!("--lookup and --draft run on one rank; drop --tp/--pp or them");
     }
     let threads = args.compute.apply()?;
     let ctx_len = args.sampling.ctx() + args.sampling.max_tokens;
@@ -280,7 +288,7 @@ fn main_split(args: RunArgs) -> anyhow::Result<()> {
             max_queue: 0,
             ctx: capacity,
             prefix_cache: true,
-            lookup: 0,
+            draft_max: 0,
         },
     )?;
     let result = answer(&scheduler, request, args.raw, threads, world);
@@ -324,15 +332,22 @@ pub fn main(args: RunArgs) -> anyhow::Result<()> {
         .ctx()
         .max(prompt.len() + args.sampling.max_tokens);
     let request = args.sampling.request(&model, prompt, 0.7)?;
-    let scheduler = Scheduler::start(
-        model,
-        SchedulerConfig {
-            max_batch: 1,
-            max_queue: 0,
-            ctx,
-            prefix_cache: true,
-            lookup: args.lookup.unwrap_or(0),
+    let config = SchedulerConfig {
+        max_batch: 1,
+        max_queue: 0,
+        ctx,
+        prefix_cache: true,
+        draft_max: match (&args.draft, args.lookup) {
+            (Some(_), _) => args.draft_max,
+            (None, n) => n.unwrap_or(0),
         },
-    )?;
+    };
+    let scheduler = match &args.draft {
+        Some(d) => {
+            let draft = Arc::new(crate::models::open(d)?);
+            Scheduler::start_with_draft(model, draft, config)?
+        }
+        None => Scheduler::start(model, config)?,
+    };
     answer(&scheduler, request, args.raw, threads, 1)
 }

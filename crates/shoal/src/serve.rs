@@ -249,7 +249,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
                 max_queue: args.queue,
                 ctx,
                 prefix_cache: !args.no_prefix_cache,
-                lookup: args.lookup.unwrap_or(0),
+                draft_max: args.lookup.unwrap_or(0),
             },
         )?;
         served.push(m);

@@ -46,7 +46,7 @@ pub fn tiny_state(max_batch: usize, max_queue: usize) -> (tempfile::TempDir, Arc
             max_queue,
             ctx: 128,
             prefix_cache: true,
-            lookup: 0,
+            draft_max: 0,
         },
     );
     (dir, state)
