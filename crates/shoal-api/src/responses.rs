@@ -331,8 +331,9 @@ async fn inner(
                 ),
             )
         })?;
-        // a stored conversation's instructions do not carry over (as OpenAI's)
-        conversation.extend(earlier.iter().filter(|m| m.role != "system").cloned());
+        // the stored conversation is its input and output; its `instructions` were never
+        // part of it, so they do not carry over (as OpenAI's)
+        conversation.extend(earlier.iter().cloned());
     }
     conversation.extend(input_messages(r.get("input").unwrap_or(&Value::Null))?);
     let mut messages = Vec::new();
