@@ -3,8 +3,9 @@
 //! `instructions`, function `tools` and `tool_choice`, `text.format` (text, json_object,
 //! json_schema, enforced), `max_output_tokens`, sampling, streaming as the API's typed
 //! events, and `previous_response_id`: a stored response's conversation (its input and
-//! output) continues where it ended. Stored responses live in a bounded store on the node
-//! that answered ([`ResponseStore`], oldest out first); `store: false` keeps nothing. The
+//! output) continues where it ended. Stored responses live in a store on the node that
+//! answered ([`ResponseStore`], bounded in count and bytes, oldest out first); `store:
+//! false` keeps nothing. The
 //! request runs through the same generation path as chat completions.
 
 use std::collections::{HashMap, VecDeque};
@@ -30,6 +31,9 @@ use crate::tools::ToolCall;
 
 /// Responses kept for `previous_response_id` at most; the oldest go first.
 pub const STORED_RESPONSES: usize = 1024;
+/// Text the kept conversations hold at most, in bytes (each request may be as large as
+/// the body limit); the oldest go first.
+pub const STORED_BYTES: usize = 64 << 20;
 
 /// The conversations of stored responses: input and output, as chat messages.
 #[derive(Debug, Default)]
@@ -37,26 +41,47 @@ pub struct ResponseStore {
     inner: Mutex<Stored>,
 }
 
-/// The stored conversations by response id, and the ids oldest first.
+/// The stored conversations by response id (with their size), the ids oldest first, and
+/// their total size.
 #[derive(Debug, Default)]
 struct Stored {
-    by_id: HashMap<String, Arc<Vec<Message>>>,
+    by_id: HashMap<String, (Arc<Vec<Message>>, usize)>,
     order: VecDeque<String>,
+    bytes: usize,
+}
+
+/// The bytes of text a conversation holds.
+fn size_of(conversation: &[Message]) -> usize {
+    conversation
+        .iter()
+        .map(|m| {
+            m.content.len()
+                + m.tool_calls
+                    .iter()
+                    .map(|c| c.id.len() + c.name.len() + c.arguments.to_string().len())
+                    .sum::<usize>()
+        })
+        .sum()
 }
 
 impl ResponseStore {
     fn get(&self, id: &str) -> Option<Arc<Vec<Message>>> {
         let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        g.by_id.get(id).cloned()
+        g.by_id.get(id).map(|(c, _)| c.clone())
     }
 
     fn put(&self, id: String, conversation: Vec<Message>) {
+        let size = size_of(&conversation);
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        g.by_id.insert(id.clone(), Arc::new(conversation));
+        g.bytes += size;
+        g.by_id.insert(id.clone(), (Arc::new(conversation), size));
         g.order.push_back(id);
-        while g.order.len() > STORED_RESPONSES {
-            if let Some(old) = g.order.pop_front() {
-                g.by_id.remove(&old);
+        while g.order.len() > STORED_RESPONSES || g.bytes > STORED_BYTES {
+            let Some(old) = g.order.pop_front() else {
+                break;
+            };
+            if let Some((_, n)) = g.by_id.remove(&old) {
+                g.bytes -= n;
             }
         }
     }
@@ -709,6 +734,12 @@ mod tests {
         assert!(s.get("r0").is_none());
         assert_eq!(s.get("r1").unwrap()[0].content, "1");
         assert!(s.get(&format!("r{STORED_RESPONSES}")).is_some());
+        // and no more text than STORED_BYTES: a large conversation pushes the oldest out
+        let big = "x".repeat(STORED_BYTES / 2 + 1);
+        s.put("big1".into(), vec![Message::text("user", big.clone())]);
+        s.put("big2".into(), vec![Message::text("user", big)]);
+        assert!(s.get("big1").is_none() && s.get("big2").is_some());
+        assert!(s.get("r1").is_none(), "the small ones went first");
     }
 
     #[test]

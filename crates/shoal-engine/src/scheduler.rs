@@ -609,6 +609,8 @@ struct Sequence {
     first_token: Option<Duration>,
     /// The draft model's cache of this sequence (with a draft model, on one rank).
     draft_cache: Option<KvCache>,
+    /// The draft model failed on this sequence, which decodes on without it.
+    draft_failed: bool,
 }
 
 impl Sequence {
@@ -618,6 +620,19 @@ impl Sequence {
         h.extend_from_slice(&self.generated_ids);
         h.truncate(self.cache.len());
         h
+    }
+
+    /// How many of the positions its cache holds `prompt` starts with (its history's
+    /// common prefix with `prompt`, without building the history).
+    fn shared_start(&self, prompt: &[u32]) -> usize {
+        let held = self
+            .job
+            .request
+            .prompt
+            .iter()
+            .chain(&self.generated_ids)
+            .take(self.cache.len());
+        held.zip(prompt).take_while(|(a, b)| a == b).count()
     }
 }
 
@@ -856,6 +871,7 @@ impl<'m> Worker<'m> {
             next: None,
             first_token: None,
             draft_cache: None,
+            draft_failed: false,
         })
     }
 
@@ -872,7 +888,7 @@ impl<'m> Worker<'m> {
             (n, 1, i, Source::Kept(i))
         });
         let running = self.active.iter().enumerate().map(|(i, s)| {
-            let n = common_prefix(&s.history(), prompt).min(most);
+            let n = s.shared_start(prompt).min(most);
             (n, 0, i, Source::Running(i))
         });
         kept.chain(running)
@@ -926,6 +942,13 @@ impl<'m> Worker<'m> {
                 best = i.checked_sub(1).map(|i| (Source::Kept(i), n));
             }
         }
+        let source = best.map(|(src, n)| {
+            let store = match src {
+                Source::Kept(i) => &self.parked[i].cache,
+                Source::Running(i) => &self.active[i].cache,
+            };
+            (store, n)
+        });
         let (store, n) = match self.lead.as_mut() {
             Some(lead) => {
                 let held: Vec<usize> = self
@@ -938,13 +961,7 @@ impl<'m> Worker<'m> {
                 let slot = (0..self.config.max_batch)
                     .find(|s| !held.contains(s))
                     .ok_or_else(|| "no free slot in the split model".to_string())?;
-                let from = best.and_then(|(src, n)| {
-                    let store = match src {
-                        Source::Kept(i) => &self.parked[i].cache,
-                        Source::Running(i) => &self.active[i].cache,
-                    };
-                    store.slot().map(|s| (s, n))
-                });
+                let from = source.and_then(|(store, n)| store.slot().map(|s| (s, n)));
                 let n = match from {
                     Some((from, n)) => {
                         lead.copy_prefix(from, slot, n).map_err(|e| e.to_string())?;
@@ -965,15 +982,9 @@ impl<'m> Worker<'m> {
             }
             None => {
                 let mut cache = self.model.new_cache(capacity);
-                let src = best.and_then(|(src, n)| {
-                    let store = match src {
-                        Source::Kept(i) => &self.parked[i].cache,
-                        Source::Running(i) => &self.active[i].cache,
-                    };
-                    match store {
-                        Store::Local(c) => Some((c, n)),
-                        Store::Slot { .. } => None,
-                    }
+                let src = source.and_then(|(store, n)| match store {
+                    Store::Local(c) => Some((c, n)),
+                    Store::Slot { .. } => None,
                 });
                 let n = match src {
                     Some((from, n)) => {
@@ -1118,7 +1129,9 @@ impl<'m> Worker<'m> {
             .fetch_add(chunk.len() as u64, Ordering::Relaxed);
         seq.prefilled = end;
         // the draft model reads the prompt beside the model (its part of prompt processing)
-        if let (Some(d), Ok(_), Store::Local(c)) = (&self.draft, &result, &seq.cache) {
+        if let (Some(d), Ok(_), Store::Local(c), false) =
+            (&self.draft, &result, &seq.cache, seq.draft_failed)
+        {
             let capacity = c.capacity();
             let dc = seq
                 .draft_cache
@@ -1126,8 +1139,11 @@ impl<'m> Worker<'m> {
             let start = end - chunk.len();
             if dc.len() == start {
                 if let Err(e) = d.transformer.forward_last(chunk, dc) {
-                    tracing::warn!("the draft model failed on the prompt: {e}");
+                    tracing::warn!(
+                        "the draft model failed on the prompt, decoding on without it: {e}"
+                    );
                     seq.draft_cache = None;
+                    seq.draft_failed = true;
                 }
             }
         }
@@ -1188,8 +1204,32 @@ impl<'m> Worker<'m> {
     }
 
     /// One token for every sequence that has a sampled token to run.
-    /// The draft of each ready sequence (empty where speculation is off, the model is
-    /// split, the output is constrained, or nothing was drafted): at most
+    /// Counts a decode step of `batch` sequences that decoded `tokens` tokens.
+    fn count_step(&self, batch: usize, tokens: usize) {
+        let stats = &self.shared.stats;
+        stats.last_batch.store(batch, Ordering::Relaxed);
+        stats.decode_steps.fetch_add(1, Ordering::Relaxed);
+        stats
+            .decoded_tokens
+            .fetch_add(tokens as u64, Ordering::Relaxed);
+    }
+
+    /// Fails the sequences of a step that failed on one rank (`ready`, indices into
+    /// `active`): a failed step leaves the caches of every sequence in it unusable.
+    fn fail_batch(&mut self, ready: &[usize], msg: &str) {
+        let mut i = 0;
+        self.active.retain_mut(|s| {
+            let in_batch = ready.contains(&i);
+            i += 1;
+            if in_batch {
+                (s.job.sink)(Event::Failed(msg.to_string()));
+            }
+            !in_batch
+        });
+    }
+
+    /// The draft of each ready sequence on one rank (empty where the output is
+    /// constrained or nothing was drafted): at most
     /// `config.draft_max` tokens, within the cache's room and the tokens still to
     /// generate; from the draft model when there is one, else by prompt lookup.
     fn drafts(&mut self, ready: &[usize]) -> Vec<Vec<u32>> {
@@ -1198,10 +1238,7 @@ impl<'m> Worker<'m> {
             .iter()
             .map(|&i| {
                 let s = &mut self.active[i];
-                if self.config.draft_max == 0
-                    || self.lead.is_some()
-                    || s.job.request.constraint.is_some()
-                {
+                if s.job.request.constraint.is_some() {
                     return Vec::new();
                 }
                 let room = s.cache.capacity().saturating_sub(s.cache.len() + 1);
@@ -1263,15 +1300,7 @@ impl<'m> Worker<'m> {
                         tokens.len()
                     ),
                 };
-                let mut i = 0;
-                self.active.retain_mut(|s| {
-                    let in_batch = ready.contains(&i);
-                    i += 1;
-                    if in_batch {
-                        (s.job.sink)(Event::Failed(msg.clone()));
-                    }
-                    !in_batch
-                });
+                self.fail_batch(ready, &msg);
                 return;
             }
         };
@@ -1319,13 +1348,9 @@ impl<'m> Worker<'m> {
                 None => (true, 0),
             })
             .collect();
-        let stats = &self.shared.stats;
         let taken: usize = results.iter().map(|r| r.1).sum();
-        stats.last_batch.store(ready.len(), Ordering::Relaxed);
-        stats.decode_steps.fetch_add(1, Ordering::Relaxed);
-        stats
-            .decoded_tokens
-            .fetch_add((ready.len() + taken) as u64, Ordering::Relaxed);
+        self.count_step(ready.len(), ready.len() + taken);
+        let stats = &self.shared.stats;
         stats.drafted.fetch_add(
             drafts.iter().map(Vec::len).sum::<usize>() as u64,
             Ordering::Relaxed,
@@ -1348,17 +1373,14 @@ impl<'m> Worker<'m> {
         if ready.is_empty() {
             return;
         }
-        let drafts = self.drafts(&ready);
-        if drafts.iter().any(|d| !d.is_empty()) {
-            return self.speculative_step(&ready, &drafts);
+        if self.config.draft_max > 0 && self.lead.is_none() {
+            let drafts = self.drafts(&ready);
+            if drafts.iter().any(|d| !d.is_empty()) {
+                return self.speculative_step(&ready, &drafts);
+            }
         }
         let tokens: Vec<u32> = ready.iter().filter_map(|&i| self.active[i].next).collect();
-        let stats = &self.shared.stats;
-        stats.last_batch.store(ready.len(), Ordering::Relaxed);
-        stats.decode_steps.fetch_add(1, Ordering::Relaxed);
-        stats
-            .decoded_tokens
-            .fetch_add(ready.len() as u64, Ordering::Relaxed);
+        self.count_step(ready.len(), ready.len());
         let model = self.model.clone();
         let result = if self.lead.is_some() {
             self.split_decode(&ready, &tokens).map(StepLogits::Rows)
@@ -1384,17 +1406,7 @@ impl<'m> Worker<'m> {
                 return;
             }
             Err(e) => {
-                // A failed batch step leaves the caches of every sequence in it unusable.
-                let msg = format!("decoding failed: {e}");
-                let mut i = 0;
-                self.active.retain_mut(|s| {
-                    let in_batch = ready.contains(&i);
-                    i += 1;
-                    if in_batch {
-                        (s.job.sink)(Event::Failed(msg.clone()));
-                    }
-                    !in_batch
-                });
+                self.fail_batch(&ready, &format!("decoding failed: {e}"));
                 return;
             }
         };
@@ -1492,13 +1504,16 @@ fn want_for(r: &SequenceRequest) -> Want {
 
 /// Up to `max` tokens the draft model `d` picks greedily after `context` (whose last token
 /// is `seq`'s next): its cache first catches up with the context before that token, then
-/// each drafted token is fed back. A failure leaves the sequence without a draft model.
+/// each drafted token is fed back. After a failure the sequence decodes without drafts.
 fn draft_from_model(
     d: &LoadedModel,
     seq: &mut Sequence,
     context: &[u32],
     max: usize,
 ) -> Option<Vec<u32>> {
+    if seq.draft_failed {
+        return None;
+    }
     let capacity = seq.cache.capacity();
     let dc = seq
         .draft_cache
@@ -1528,6 +1543,7 @@ fn draft_from_model(
         Err(e) => {
             tracing::warn!("the draft model failed, decoding on without it: {e}");
             seq.draft_cache = None;
+            seq.draft_failed = true;
             None
         }
     }

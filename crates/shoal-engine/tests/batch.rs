@@ -469,10 +469,54 @@ fn schedule(sched: &Scheduler, ps: &[Vec<u32>], lens: &[usize]) -> Vec<Vec<u32>>
     rxs.iter().map(|rx| collect(rx).0).collect()
 }
 
-#[test]
-fn split_scheduler_matches_one_rank() {
+/// The ranks of `layout` over in-process channels, each loading its shard of `source`:
+/// rank 0's context and model for a scheduler to lead, and the other ranks serving (each
+/// thread ends with its `serve`'s result once the lead stops).
+fn split_ranks(
+    source: &ModelSource,
+    layout: shoal_engine::shard::Layout,
+) -> (
+    shoal_engine::parallel::RankContext,
+    LoadedModel,
+    Vec<std::thread::JoinHandle<Result<(), shoal_engine::EngineError>>>,
+) {
     use shoal_comm::{mem_mesh, Transport};
     use shoal_engine::parallel::{serve, RankContext};
+
+    let mut lead = None;
+    let mut workers = Vec::new();
+    for (r, t) in mem_mesh(layout.world()).into_iter().enumerate() {
+        let t: Arc<dyn Transport> = Arc::new(t);
+        let mut ctx = RankContext::over(t, layout, Duration::from_secs(60)).unwrap();
+        let source = source.clone();
+        let h = std::thread::spawn(move || {
+            let (m, plans) = LoadedModel::load_split(
+                &source,
+                layout,
+                None,
+                Default::default(),
+                r,
+                ctx.tp.clone(),
+            )
+            .unwrap();
+            ctx.plans = plans;
+            (ctx, m)
+        });
+        if r == 0 {
+            lead = Some(h);
+        } else {
+            workers.push(std::thread::spawn(move || {
+                let (ctx, m) = h.join().unwrap();
+                serve(&ctx, &m.transformer, 256)
+            }));
+        }
+    }
+    let (ctx, m) = lead.unwrap().join().unwrap();
+    (ctx, m, workers)
+}
+
+#[test]
+fn split_scheduler_matches_one_rank() {
     use shoal_engine::shard::Layout;
 
     let dir = tempfile::tempdir().unwrap();
@@ -491,36 +535,7 @@ fn split_scheduler_matches_one_rank() {
     drop(local);
     let source = ModelSource::Gguf(path.clone());
     for (tp, pp) in [(2, 1), (1, 2), (2, 2)] {
-        let layout = Layout { tp, pp };
-        let mut lead = None;
-        let mut workers = Vec::new();
-        for (r, t) in mem_mesh(layout.world()).into_iter().enumerate() {
-            let t: Arc<dyn Transport> = Arc::new(t);
-            let mut ctx = RankContext::over(t, layout, Duration::from_secs(60)).unwrap();
-            let source = source.clone();
-            let h = std::thread::spawn(move || {
-                let (m, plans) = LoadedModel::load_split(
-                    &source,
-                    layout,
-                    None,
-                    Default::default(),
-                    r,
-                    ctx.tp.clone(),
-                )
-                .unwrap();
-                ctx.plans = plans;
-                (ctx, m)
-            });
-            if r == 0 {
-                lead = Some(h);
-            } else {
-                workers.push(std::thread::spawn(move || {
-                    let (ctx, m) = h.join().unwrap();
-                    serve(&ctx, &m.transformer, 256)
-                }));
-            }
-        }
-        let (ctx, m) = lead.unwrap().join().unwrap();
+        let (ctx, m, workers) = split_ranks(&source, Layout { tp, pp });
         let sched = Scheduler::start_split(Arc::new(m), ctx, config).unwrap();
         let got = schedule(&sched, &ps, &lens);
         assert_eq!(got, want, "tp {tp} pp {pp}");
@@ -695,8 +710,6 @@ fn sequences_share_a_prompts_start_across_slots() {
 
 #[test]
 fn split_sequences_share_a_prompts_start_on_every_rank() {
-    use shoal_comm::{mem_mesh, Transport};
-    use shoal_engine::parallel::{serve, RankContext};
     use shoal_engine::shard::Layout;
 
     let dir = tempfile::tempdir().unwrap();
@@ -704,36 +717,7 @@ fn split_sequences_share_a_prompts_start_on_every_rank() {
     let one = load(&path);
     let source = ModelSource::Gguf(path.clone());
     for (tp, pp) in [(2, 1), (1, 2)] {
-        let layout = Layout { tp, pp };
-        let mut lead = None;
-        let mut workers = Vec::new();
-        for (r, t) in mem_mesh(layout.world()).into_iter().enumerate() {
-            let t: Arc<dyn Transport> = Arc::new(t);
-            let mut ctx = RankContext::over(t, layout, Duration::from_secs(60)).unwrap();
-            let source = source.clone();
-            let h = std::thread::spawn(move || {
-                let (m, plans) = LoadedModel::load_split(
-                    &source,
-                    layout,
-                    None,
-                    Default::default(),
-                    r,
-                    ctx.tp.clone(),
-                )
-                .unwrap();
-                ctx.plans = plans;
-                (ctx, m)
-            });
-            if r == 0 {
-                lead = Some(h);
-            } else {
-                workers.push(std::thread::spawn(move || {
-                    let (ctx, m) = h.join().unwrap();
-                    serve(&ctx, &m.transformer, 256)
-                }));
-            }
-        }
-        let (ctx, m) = lead.unwrap().join().unwrap();
+        let (ctx, m, workers) = split_ranks(&source, Layout { tp, pp });
         let config = SchedulerConfig {
             max_batch: 3,
             max_queue: 4,

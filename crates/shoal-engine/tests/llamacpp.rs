@@ -25,10 +25,7 @@ use common::SwappedHeads;
 use shoal_engine::weights::GgufWeights;
 use shoal_engine::{arch, ModelConfig, Transformer};
 use shoal_model::gguf::GgufFile;
-use shoal_testkit::{
-    compare_teacher_forced, require_oracle, run_llama_oracle_with, Comparison, GgmlType,
-    OracleCache, OracleInput, OracleRun, TinyModelSpec, Tolerance,
-};
+use shoal_testkit::{require_oracle, Comparison, GgmlType, OracleRun, TinyModelSpec, Tolerance};
 
 /// Prompt ids of the tiny tokenizer's vocabulary.
 const PROMPT: [u32; 10] = [294, 267, 266, 278, 7, 300, 296, 12, 99, 42];
@@ -75,40 +72,14 @@ fn load(path: &Path) -> Transformer {
     Transformer::load(&GgufWeights::new(file), cfg, Arc::new(shoal_comm::Solo)).unwrap()
 }
 
-/// llama.cpp's run of the test prompt on `path`: 8 greedy tokens, every logit.
+/// llama.cpp's run of the test prompt on `path`.
 fn oracle(bin: &Path, path: &Path) -> OracleRun {
-    run_llama_oracle_with(
-        bin,
-        path,
-        OracleInput::Tokens(PROMPT.to_vec()),
-        GENERATE,
-        8,
-        true,
-        OracleCache::F16,
-    )
-    .unwrap_or_else(|e| panic!("llama.cpp cannot run {}: {e}", path.display()))
+    common::llama_run(bin, path, &PROMPT, GENERATE)
 }
 
-/// `t` fed `run`'s tokens, compared with it: the generated steps on every logit, the prompt
-/// positions on llama.cpp's top 8.
+/// `t` against llama.cpp's `run` of the test prompt.
 fn compare(t: &Transformer, run: &OracleRun, tol: Tolerance) -> (Comparison, Comparison) {
-    let vocab = t.config().vocab;
-    let mut cache = t.new_cache(run.sequence().len() + 1);
-    let n = PROMPT.len();
-    let prompt_rows: Vec<Vec<f32>> = t
-        .forward(&PROMPT, &mut cache, n)
-        .unwrap()
-        .chunks_exact(vocab)
-        .map(<[f32]>::to_vec)
-        .collect();
-    let mut rows = vec![prompt_rows[n - 1].clone()];
-    for &id in &run.generated {
-        rows.push(t.forward_last(&[id], &mut cache).unwrap());
-    }
-    (
-        compare_teacher_forced(&run.full_steps().unwrap(), &rows, tol),
-        compare_teacher_forced(&run.prompt_steps, &prompt_rows, tol),
-    )
+    common::compare_with_run(t, run, &PROMPT, tol)
 }
 
 fn cases() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {

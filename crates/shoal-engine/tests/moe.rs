@@ -17,6 +17,8 @@
 //!   selection bias or the weights' renormalisation, shared experts left out, YaRN left out.
 //! - Malformed files are refused at load with a message naming the problem.
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -25,8 +27,7 @@ use shoal_engine::weights::{GgufWeights, RawMatrix, Slice, WeightSource};
 use shoal_engine::{arch, EngineError, ModelConfig, Transformer};
 use shoal_model::gguf::GgufFile;
 use shoal_testkit::{
-    compare_teacher_forced, require_oracle, run_llama_oracle_with, Comparison, GgmlType, MoeFault,
-    OracleCache, OracleInput, OracleRun, TinyModel, TinyModelSpec, Tolerance,
+    require_oracle, Comparison, GgmlType, MoeFault, OracleRun, TinyModel, TinyModelSpec, Tolerance,
 };
 
 /// f32 engine vs the f64 reference on F32 files (as `tiny_models.rs` bounds the dense ones).
@@ -144,39 +145,14 @@ fn route_margin(m: &TinyModel, run: &OracleRun) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
+/// llama.cpp's run of the test prompt on `path`.
 fn oracle(bin: &Path, path: &Path) -> OracleRun {
-    run_llama_oracle_with(
-        bin,
-        path,
-        OracleInput::Tokens(PROMPT.to_vec()),
-        GENERATE,
-        8,
-        true,
-        OracleCache::F16,
-    )
-    .unwrap_or_else(|e| panic!("llama.cpp cannot run {}: {e}", path.display()))
+    common::llama_run(bin, path, &PROMPT, GENERATE)
 }
 
-/// `t` fed `run`'s tokens, compared with it: the generated steps on every logit, the prompt
-/// positions on llama.cpp's top 8.
+/// `t` against llama.cpp's `run` of the test prompt.
 fn compare(t: &Transformer, run: &OracleRun, tol: Tolerance) -> (Comparison, Comparison) {
-    let vocab = t.config().vocab;
-    let mut cache = t.new_cache(run.sequence().len() + 1);
-    let n = PROMPT.len();
-    let prompt_rows: Vec<Vec<f32>> = t
-        .forward(&PROMPT, &mut cache, n)
-        .unwrap()
-        .chunks_exact(vocab)
-        .map(<[f32]>::to_vec)
-        .collect();
-    let mut rows = vec![prompt_rows[n - 1].clone()];
-    for &id in &run.generated {
-        rows.push(t.forward_last(&[id], &mut cache).unwrap());
-    }
-    (
-        compare_teacher_forced(&run.full_steps().unwrap(), &rows, tol),
-        compare_teacher_forced(&run.prompt_steps, &prompt_rows, tol),
-    )
+    common::compare_with_run(t, run, &PROMPT, tol)
 }
 
 fn oracle_cases() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {

@@ -1,6 +1,6 @@
-//! Helpers the integration tests share: finding the cached demo models, and a weight
-//! source that plants a wrong head mapping into a real file (for tests that show a check
-//! can fail) without touching the engine.
+//! Helpers the integration tests share: finding the cached demo models, a weight source
+//! that plants a wrong head mapping into a real file (for tests that show a check can fail)
+//! without touching the engine, and llama.cpp's run of a prompt with shoal compared to it.
 
 #![allow(dead_code)]
 
@@ -8,7 +8,58 @@ use std::borrow::Cow;
 
 use candle_core::quantized::QTensor;
 use shoal_engine::weights::{GgufWeights, RawMatrix, Slice, WeightSource};
-use shoal_engine::EngineError;
+use shoal_engine::{EngineError, Transformer};
+use shoal_testkit::{
+    compare_teacher_forced, run_llama_oracle_with, Comparison, OracleCache, OracleInput, OracleRun,
+    Tolerance,
+};
+
+/// llama.cpp's run of `prompt` on `path` (through the test kit's oracle binary `bin`):
+/// `generate` greedy tokens, every logit, an F16 KV cache as shoal keeps.
+pub fn llama_run(
+    bin: &std::path::Path,
+    path: &std::path::Path,
+    prompt: &[u32],
+    generate: usize,
+) -> OracleRun {
+    run_llama_oracle_with(
+        bin,
+        path,
+        OracleInput::Tokens(prompt.to_vec()),
+        generate,
+        8,
+        true,
+        OracleCache::F16,
+    )
+    .unwrap_or_else(|e| panic!("llama.cpp cannot run {}: {e}", path.display()))
+}
+
+/// `t` fed `run`'s tokens (`prompt`, then llama.cpp's), compared with it: the generated
+/// steps on every logit, the prompt positions on llama.cpp's top 8.
+pub fn compare_with_run(
+    t: &Transformer,
+    run: &OracleRun,
+    prompt: &[u32],
+    tol: Tolerance,
+) -> (Comparison, Comparison) {
+    let vocab = t.config().vocab;
+    let mut cache = t.new_cache(run.sequence().len() + 1);
+    let n = prompt.len();
+    let prompt_rows: Vec<Vec<f32>> = t
+        .forward(prompt, &mut cache, n)
+        .unwrap()
+        .chunks_exact(vocab)
+        .map(<[f32]>::to_vec)
+        .collect();
+    let mut rows = vec![prompt_rows[n - 1].clone()];
+    for &id in &run.generated {
+        rows.push(t.forward_last(&[id], &mut cache).unwrap());
+    }
+    (
+        compare_teacher_forced(&run.full_steps().unwrap(), &rows, tol),
+        compare_teacher_forced(&run.prompt_steps, &prompt_rows, tol),
+    )
+}
 
 /// The cached path of catalog model `key`; `None` (the test skips) when it is not fetched,
 /// unless `SHOAL_REQUIRE_MODELS=1` (CI), which makes a missing model a failure.
