@@ -15,7 +15,7 @@ use shoal_engine::SamplerConfig;
 use tokio::sync::mpsc;
 
 use crate::error::{ApiError, ErrorKind};
-use crate::state::{AppState, ServedModel};
+use crate::state::{AppState, InstanceView, ServedModel};
 use crate::tools::{StreamEvent, ToolCall, ToolStream};
 
 /// A function the model may call.
@@ -276,8 +276,15 @@ pub struct Running {
     /// When the request arrived, and when its last token came.
     arrived: Instant,
     last_token: Instant,
-    first: bool,
+    /// From arrival to the first token, once it came.
+    first_token: Option<Duration>,
     done: bool,
+    /// What it was queued with.
+    submitted: Submitted,
+    /// The tokens generated so far (what a resumed request goes on after).
+    generated: Vec<u32>,
+    /// How many times it went on after its instance lost a node.
+    resumed: usize,
 }
 
 impl std::fmt::Debug for Running {
@@ -401,39 +408,20 @@ pub fn start(state: &Arc<AppState>, req: GenRequest) -> Result<Running, ApiError
         .validate()
         .map_err(|e| ApiError::invalid(format!("bad sampling setting: {e}")))?;
     let tools_active = !tools.is_empty() && req.tool_choice != ToolChoice::None;
-    let constraint = constraint_for(&served, &req)?;
-    let (tx, rx) = mpsc::unbounded_channel();
-    let sink = Box::new(move |ev: Event| tx.send(ev).is_ok());
     let prompt_tokens = prompt.len();
-    let ticket = served
-        .scheduler
-        .submit(
-            SequenceRequest {
-                prompt,
-                max_tokens,
-                sampler: sampling,
-                presence_penalty: req.presence_penalty,
-                frequency_penalty: req.frequency_penalty,
-                stop: req.stop.clone(),
-                logprobs: req.logprobs,
-                constraint,
-                ignore_eos: req.ignore_eos,
-            },
-            sink,
-        )
-        .map_err(|busy| {
-            ApiError::new(
-                ErrorKind::Overloaded,
-                format!(
-                    "{} is at capacity ({} requests queued); retry shortly",
-                    served.id, busy.queued
-                ),
-            )
-        })?;
-    state.metrics.prompt(&served.id, prompt_tokens);
     let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+    let parser = tools_active.then(|| ToolStream::new(served.tool_format, &names));
+    let submitted = Submitted {
+        req,
+        prompt,
+        max_tokens,
+        sampling,
+    };
+    let (rx, ticket) = submitted.submit(&served, Vec::new())?;
+    state.metrics.prompt(&served.id, prompt_tokens);
     Ok(Running {
-        parser: tools_active.then(|| ToolStream::new(served.tool_format, &names)),
+        parser,
+        logprobs: submitted.req.logprobs.is_some(),
         model: served,
         prompt_tokens,
         created: unix_now(),
@@ -441,13 +429,131 @@ pub fn start(state: &Arc<AppState>, req: GenRequest) -> Result<Running, ApiError
         rx,
         _ticket: ticket,
         calls: 0,
-        logprobs: req.logprobs.is_some(),
         pending: Default::default(),
         arrived,
         last_token: arrived,
-        first: true,
+        first_token: None,
         done: false,
+        submitted,
+        generated: Vec::new(),
+        resumed: 0,
     })
+}
+
+/// What a request was queued with, kept to queue it again where its instance is placed next
+/// when a node it ran on dies.
+struct Submitted {
+    req: GenRequest,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    sampling: SamplerConfig,
+}
+
+impl Submitted {
+    /// Queues the request on `served`, going on after the tokens `resume` (see
+    /// [`SequenceRequest::resume`]).
+    fn submit(
+        &self,
+        served: &ServedModel,
+        resume: Vec<u32>,
+    ) -> Result<(mpsc::UnboundedReceiver<Event>, Ticket), ApiError> {
+        let mut sampler = self.sampling.clone();
+        if !resume.is_empty() {
+            // a seeded generator cannot be wound to where the lost one was: the rest is
+            // drawn from a stream of its own, the same for the same seed and position
+            sampler.seed = sampler.seed.wrapping_add(resume.len() as u64);
+        }
+        let constraint = constraint_for(served, &self.req)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let sink = Box::new(move |ev: Event| tx.send(ev).is_ok());
+        let ticket = served
+            .scheduler
+            .submit(
+                SequenceRequest {
+                    prompt: self.prompt.clone(),
+                    max_tokens: self.max_tokens,
+                    sampler,
+                    presence_penalty: self.req.presence_penalty,
+                    frequency_penalty: self.req.frequency_penalty,
+                    stop: self.req.stop.clone(),
+                    logprobs: self.req.logprobs,
+                    constraint,
+                    ignore_eos: self.req.ignore_eos,
+                    resume,
+                },
+                sink,
+            )
+            .map_err(|busy| {
+                ApiError::new(
+                    ErrorKind::Overloaded,
+                    format!(
+                        "{} is at capacity ({} requests queued); retry shortly",
+                        served.id, busy.queued
+                    ),
+                )
+            })?;
+        Ok((rx, ticket))
+    }
+}
+
+/// How long a request interrupted by a lost node waits for its instance to be placed again
+/// before it fails.
+const RESUME_WAIT: Duration = Duration::from_secs(120);
+
+/// What an interrupted request does next, from where its instance stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Resume {
+    /// The instance's new placement serves here: queue the request on it.
+    Here,
+    /// Not placed again yet (or placing, or loading): look again shortly.
+    Wait,
+    /// It cannot go on; the message says why and what to do.
+    Fail(String),
+}
+
+/// How long an interrupted request waits while the placement it ran on is marked failed:
+/// a rank that lost its peer reports the failure at once, and the failure detector declares
+/// a dead node (and the coordinator places the instance again) within seconds.
+const FAILED_GRACE: Duration = Duration::from_secs(15);
+
+/// The decision for a request interrupted on instance `id`: `new_here` when this node
+/// serves a newer placement of it than the one that broke, `view` the instance table's
+/// entry, `broke` the generation the table held when the request was interrupted, and
+/// `waited` the time since.
+fn resume_decision(
+    id: &str,
+    new_here: bool,
+    view: Option<&InstanceView>,
+    broke: Option<u64>,
+    waited: Duration,
+) -> Resume {
+    if new_here {
+        return Resume::Here;
+    }
+    let Some(v) = view else {
+        return Resume::Fail(format!("instance {id} was unloaded"));
+    };
+    match v.state.as_str() {
+        // the placement that broke, failed by its own ranks: placed again once the node
+        // is declared dead
+        "failed" if broke == Some(v.generation) && waited < FAILED_GRACE => Resume::Wait,
+        "failed" => Resume::Fail(format!(
+            "instance {id} could not be placed again: {}",
+            v.reason.as_deref().unwrap_or("no reason given")
+        )),
+        "unloading" => Resume::Fail(format!("instance {id} is being unloaded")),
+        "ready" if !v.lead_here => Resume::Fail(format!(
+            "instance {id} was placed again with its lead on another node{}; this request \
+             cannot move there: send it again",
+            v.lead_api
+                .as_deref()
+                .map(|a| format!(" (http://{a})"))
+                .unwrap_or_default()
+        )),
+        // placing, loading, or still the broken placement until the failure detector
+        // declares the node dead
+        _ => Resume::Wait,
+    }
 }
 
 /// The constraint enforcing `req`'s output format or forced tool call, if any.
@@ -536,14 +642,16 @@ impl Running {
             match ev {
                 Event::Token { id, text, logprob } => {
                     let now = Instant::now();
-                    let since = if self.first {
+                    let first = self.first_token.is_none();
+                    let since = if first {
                         now - self.arrived
                     } else {
                         now - self.last_token
                     };
-                    self.state.metrics.token(&self.model.id, self.first, since);
-                    self.first = false;
+                    self.state.metrics.token(&self.model.id, first, since);
+                    self.first_token.get_or_insert(since);
                     self.last_token = now;
+                    self.generated.push(id);
                     let lps = if self.logprobs {
                         self.lp(id, logprob)
                     } else {
@@ -565,6 +673,12 @@ impl Running {
                             _ => Finish::Stop,
                         }
                     };
+                    let (time_to_first_token, total) = if self.resumed > 0 {
+                        // the timings of the whole request, not of its last placement
+                        (self.first_token.unwrap_or_default(), self.arrived.elapsed())
+                    } else {
+                        (f.time_to_first_token, f.total)
+                    };
                     self.pending.push_back(Out::Finished {
                         reason,
                         stop: f.stop,
@@ -572,8 +686,8 @@ impl Running {
                             prompt_tokens: f.prompt_tokens,
                             completion_tokens: f.completion_tokens,
                             cached_tokens: f.cached_tokens,
-                            time_to_first_token: f.time_to_first_token,
-                            total: f.total,
+                            time_to_first_token,
+                            total,
                         },
                     });
                     self.done = true;
@@ -582,6 +696,65 @@ impl Running {
                     self.pending.push_back(Out::Failed(msg));
                     self.done = true;
                 }
+                Event::Interrupted(why) => {
+                    if let Err(msg) = self.go_on(&why).await {
+                        self.pending.push_back(Out::Failed(msg));
+                        self.done = true;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Queues the request again on its instance's next placement once this node serves it,
+    /// going on after the tokens already sent; the client sees one stream. Fails with `why`
+    /// and the reason it cannot go on (no cluster, the instance failed, unloaded, or was
+    /// placed with its lead on another node, or not placed again within [`RESUME_WAIT`]).
+    async fn go_on(&mut self, why: &str) -> Result<(), String> {
+        let Some(control) = self.state.instances.get().cloned() else {
+            return Err(why.to_string());
+        };
+        let id = self.model.id.clone();
+        let fail = |reason: String| format!("{why}; the request cannot go on: {reason}");
+        let interrupted = Instant::now();
+        let deadline = interrupted + RESUME_WAIT;
+        let broke = control.0.instance(&id).map(|v| v.generation);
+        loop {
+            let now_here = self
+                .state
+                .served()
+                .into_iter()
+                .find(|m| m.id == id && !Arc::ptr_eq(m, &self.model));
+            let view = control.0.instance(&id);
+            let waited = interrupted.elapsed();
+            match resume_decision(&id, now_here.is_some(), view.as_ref(), broke, waited) {
+                Resume::Here => {
+                    let served = now_here.expect("decided on a model served here");
+                    let (rx, ticket) = self
+                        .submitted
+                        .submit(&served, self.generated.clone())
+                        .map_err(|e| fail(e.message))?;
+                    tracing::info!(
+                        model = %id,
+                        generated = self.generated.len(),
+                        waited_ms = interrupted.elapsed().as_millis() as u64,
+                        "a request goes on after its instance lost a node"
+                    );
+                    self.state.metrics.resumed(&id);
+                    self.model = served;
+                    self.rx = rx;
+                    self._ticket = ticket;
+                    self.resumed += 1;
+                    return Ok(());
+                }
+                Resume::Fail(reason) => return Err(fail(reason)),
+                Resume::Wait if Instant::now() >= deadline => {
+                    return Err(fail(format!(
+                        "instance {id} was not placed again within {} s",
+                        RESUME_WAIT.as_secs()
+                    )))
+                }
+                Resume::Wait => tokio::time::sleep(Duration::from_millis(50)).await,
             }
         }
     }
@@ -661,5 +834,61 @@ impl Running {
                 st.queue.extend(items);
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(state: &str, lead_here: bool) -> InstanceView {
+        InstanceView {
+            state: state.into(),
+            generation: 2,
+            lead_here,
+            lead_api: Some("10.0.0.3:8080".into()),
+            reason: (state == "failed").then(|| "no node has room".into()),
+        }
+    }
+
+    #[test]
+    fn an_interrupted_request_waits_goes_on_here_or_fails_with_the_reason() {
+        let soon = Duration::from_secs(1);
+        let decide =
+            |new_here, v: Option<&InstanceView>| resume_decision("m", new_here, v, Some(2), soon);
+        // a newer placement serving here: go on, whatever the table says yet
+        assert_eq!(decide(true, None), Resume::Here);
+        assert_eq!(decide(true, Some(&view("loading", false))), Resume::Here);
+        // the placement that broke, failed by its ranks: wait for the node to be declared
+        // dead, for a while
+        let failed = view("failed", true);
+        assert_eq!(decide(false, Some(&failed)), Resume::Wait);
+        let late = resume_decision("m", false, Some(&failed), Some(2), FAILED_GRACE);
+        assert!(matches!(late, Resume::Fail(_)), "{late:?}");
+        // a later placement that failed: fail at once
+        let newer = resume_decision("m", false, Some(&failed), Some(1), soon);
+        assert!(matches!(newer, Resume::Fail(_)), "{newer:?}");
+        // still placing or loading, or the broken placement until the node is declared
+        // dead: wait
+        for v in [
+            view("placing", true),
+            view("loading", true),
+            view("loading", false),
+            view("ready", true),
+        ] {
+            assert_eq!(decide(false, Some(&v)), Resume::Wait, "{v:?}");
+        }
+        let fail = |v: Option<&InstanceView>| match resume_decision("m", false, v, None, soon) {
+            Resume::Fail(why) => why,
+            other => panic!("{v:?}: {other:?}"),
+        };
+        assert!(fail(None).contains("unloaded"));
+        assert!(fail(Some(&view("failed", true))).contains("no node has room"));
+        assert!(fail(Some(&view("unloading", true))).contains("unloaded"));
+        let moved = fail(Some(&view("ready", false)));
+        assert!(
+            moved.contains("another node") && moved.contains("http://10.0.0.3:8080"),
+            "{moved}"
+        );
     }
 }

@@ -35,7 +35,9 @@ use serde_json::json;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
 pub use error::{ApiError, ErrorKind, Flavor};
-pub use state::{AppState, Control, ControlError, ControlFuture, InstanceControl, ServedModel};
+pub use state::{
+    AppState, Control, ControlError, ControlFuture, InstanceControl, InstanceView, ServedModel,
+};
 
 /// Options of the HTTP layer.
 #[derive(Debug, Clone)]

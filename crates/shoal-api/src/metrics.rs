@@ -1,6 +1,7 @@
 //! Prometheus metrics of one server, in its own registry (no process-global recorder, so
 //! several servers in one test process do not mix): requests by route and status, prompt and
-//! generated tokens, time to first token, inter-token latency, and, read from each model's
+//! generated tokens, requests resumed after a lost node, time to first token, inter-token
+//! latency, and, read from each model's
 //! scheduler at scrape time, queue depth, active sequences and the last decode batch size.
 
 use std::sync::atomic::AtomicU64;
@@ -45,6 +46,7 @@ pub struct Metrics {
     requests: Family<RouteLabels, Counter>,
     prompt_tokens: Family<ModelLabels, Counter>,
     generated_tokens: Family<ModelLabels, Counter>,
+    resumed: Family<ModelLabels, Counter>,
     ttft: Family<ModelLabels, Histogram, fn() -> Histogram>,
     itl: Family<ModelLabels, Histogram, fn() -> Histogram>,
     queue_depth: Family<ModelLabels, Gauge>,
@@ -91,6 +93,12 @@ impl Metrics {
             "generated_tokens",
             "Tokens generated",
             generated_tokens.clone(),
+        );
+        let resumed = Family::<ModelLabels, Counter>::default();
+        r.register(
+            "requests_resumed",
+            "Requests that went on where their instance was placed again after it lost a node",
+            resumed.clone(),
         );
         let ttft: Family<ModelLabels, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(latency_histogram);
@@ -170,6 +178,7 @@ impl Metrics {
             requests,
             prompt_tokens,
             generated_tokens,
+            resumed,
             ttft,
             itl,
             queue_depth,
@@ -210,6 +219,11 @@ impl Metrics {
         self.generated_tokens.get_or_create(&m).inc();
         let h = if first { &self.ttft } else { &self.itl };
         h.get_or_create(&m).observe(since.as_secs_f64());
+    }
+
+    /// Counts a request that went on after its instance lost a node.
+    pub fn resumed(&self, model: &str) {
+        self.resumed.get_or_create(&Self::model(model)).inc();
     }
 
     /// Sets the scheduler gauges of `model`.

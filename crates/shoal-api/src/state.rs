@@ -135,6 +135,23 @@ pub trait InstanceControl: Send + Sync {
     fn lead_api(&self, id: &str) -> Option<String>;
     /// The ids of the ready instances (each led by some node).
     fn ready_ids(&self) -> Vec<String>;
+    /// Where instance `id` stands in the instance table (`None`: no such instance).
+    fn instance(&self, id: &str) -> Option<InstanceView>;
+}
+
+/// An instance as a request running on it sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceView {
+    /// `placing`, `loading`, `ready`, `failed` or `unloading`.
+    pub state: String,
+    /// Its placement's generation (one more each time it is placed again).
+    pub generation: u64,
+    /// Whether this node leads it (holds its rank 0).
+    pub lead_here: bool,
+    /// The HTTP API address of the node that leads it, when known.
+    pub lead_api: Option<String>,
+    /// Why it failed, when it did.
+    pub reason: Option<String>,
 }
 
 /// The instance driver as the routes hold it.

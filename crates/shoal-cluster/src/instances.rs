@@ -702,7 +702,21 @@ fn place_again(
         experts: inst.experts,
         ..PlanRequest::default()
     };
-    plan(cluster, profile, &request).map(|c| c.placement)
+    let mut placement = plan(cluster, profile, &request)?.placement;
+    keep_lead(&mut placement, inst.lead());
+    Ok(placement)
+}
+
+/// Makes `lead` rank 0 again when the new placement puts it among the first stage's ranks:
+/// the requests a lead was running go on only where it leads again. The ranks of one
+/// stage hold equal shares (to one head or block), so the swap keeps the placement's fit.
+fn keep_lead(placement: &mut Placement, lead: Option<&str>) {
+    let (Some(lead), Some(first)) = (lead, placement.stages.first_mut()) else {
+        return;
+    };
+    if let Some(j) = first.nodes.iter().position(|n| n == lead) {
+        first.nodes.swap(0, j);
+    }
 }
 
 /// `cluster` without the nodes `lost` and their links.
@@ -964,6 +978,40 @@ mod tests {
                 || matches!(t4.get("big").unwrap().state, InstanceState::Failed { .. })
         );
         assert_eq!(InstanceTable::newest([&t2, &t4, &t3]), Some(&t4));
+    }
+
+    #[test]
+    fn a_surviving_lead_of_the_first_stage_leads_again() {
+        let stage =
+            |layers: std::ops::Range<usize>, nodes: &[&str]| shoal_planner::StagePlacement {
+                layers,
+                nodes: strs(nodes),
+            };
+        let mut p = Placement {
+            strategy: shoal_planner::SplitKind::Hybrid,
+            tp: 2,
+            stages: vec![stage(0..8, &["c", "a"]), stage(8..16, &["d", "e"])],
+            experts: ExpertSplit::default(),
+        };
+        keep_lead(&mut p, Some("a"));
+        assert_eq!(p.stages[0].nodes, strs(&["a", "c"]));
+        assert_eq!(p.stages[1].nodes, strs(&["d", "e"]));
+        // a lead placed in a later stage, or gone, changes nothing
+        let before = p.clone();
+        keep_lead(&mut p, Some("e"));
+        keep_lead(&mut p, Some("z"));
+        keep_lead(&mut p, None);
+        assert_eq!(p, before);
+        // on a node loss, the old lead leads wherever the planner keeps it in stage 0
+        let (cluster, t) = two_instances();
+        let before = t.get("big").unwrap().clone();
+        let lead = before.lead().unwrap().to_string();
+        let victim = before.nodes().into_iter().find(|n| *n != lead).unwrap();
+        let t2 = t.on_nodes_lost("a", &strs(&[victim]), &profiles, &cluster, 99);
+        let after = t2.get("big").unwrap();
+        if after.placement.stages[0].nodes.contains(&lead) {
+            assert_eq!(after.lead(), Some(lead.as_str()));
+        }
     }
 
     #[test]

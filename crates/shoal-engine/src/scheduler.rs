@@ -81,6 +81,11 @@ pub struct SequenceRequest {
     pub constraint: Option<Box<dyn TokenConstraint>>,
     /// Keep going through end-of-generation tokens.
     pub ignore_eos: bool,
+    /// Tokens this request already generated on an instance that was lost (empty for a new
+    /// request): they run after the prompt, count towards `max_tokens`, penalties, stop
+    /// strings and the constraint, and their text is not sent again, so the sequence goes
+    /// on from the next token as if it had never stopped.
+    pub resume: Vec<u32>,
 }
 
 impl std::fmt::Debug for SequenceRequest {
@@ -90,6 +95,7 @@ impl std::fmt::Debug for SequenceRequest {
             .field("max_tokens", &self.max_tokens)
             .field("sampler", &self.sampler)
             .field("constrained", &self.constraint.is_some())
+            .field("resumed_tokens", &self.resume.len())
             .finish()
     }
 }
@@ -122,7 +128,8 @@ pub struct Finished {
     pub total: Duration,
 }
 
-/// What a sequence reports, in order: tokens, then exactly one `Done` or `Failed`.
+/// What a sequence reports, in order: tokens, then exactly one `Done`, `Failed` or
+/// `Interrupted`.
 #[derive(Debug, Clone)]
 pub enum Event {
     /// A generated token (`id`), the text that became final with it (possibly empty while a
@@ -143,6 +150,11 @@ pub enum Event {
     Done(Finished),
     /// The sequence failed; the message says why.
     Failed(String),
+    /// A split model lost a rank (or was already out of service): nothing is wrong with
+    /// the request, which may go on where the model is placed next, with
+    /// [`SequenceRequest::resume`] holding the tokens it generated. The message says what
+    /// broke.
+    Interrupted(String),
 }
 
 /// Receives a sequence's events; returns `false` when nobody is listening any more, which
@@ -423,7 +435,9 @@ impl Scheduler {
     ///
     /// # Errors
     /// [`Busy`] when the queue is full.
-    pub fn submit(&self, request: SequenceRequest, sink: Sink) -> Result<Ticket, Busy> {
+    pub fn submit(&self, mut request: SequenceRequest, sink: Sink) -> Result<Ticket, Busy> {
+        // from here on the resumed tokens are part of what the cache must hold
+        request.prompt.extend_from_slice(&request.resume);
         let cancelled = Arc::new(AtomicBool::new(false));
         let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
         let active = self.shared.stats.active.load(Ordering::Relaxed);
@@ -505,7 +519,9 @@ impl Scheduler {
                         finished,
                     })
                 }
-                Event::Failed(why) => return Err(EngineError::Generation(why)),
+                Event::Failed(why) | Event::Interrupted(why) => {
+                    return Err(EngineError::Generation(why))
+                }
             };
             text.push_str(&piece);
             if !piece.is_empty() && !on_text(&piece) {
@@ -835,10 +851,13 @@ impl<'m> Worker<'m> {
                 "this split model is out of service ({}); the cluster re-places it, retry shortly",
                 self.failure()
             );
-            fail(&mut job, msg);
+            (job.sink)(Event::Interrupted(msg));
             return None;
         }
-        let capacity = (r.prompt.len() + r.max_tokens.max(1)).min(ctx);
+        // the resumed tokens are in the prompt and count towards max_tokens
+        let capacity = (r.prompt.len() + r.max_tokens.max(1))
+            .saturating_sub(r.resume.len())
+            .min(ctx);
         let (cache, cached) = match self.cache_for(&r.prompt, capacity) {
             Ok(c) => c,
             Err(msg) => {
@@ -857,7 +876,7 @@ impl<'m> Worker<'m> {
         let mut sampler = Sampler::new(r.sampler.clone());
         sampler.observe(&r.prompt);
         let stops = StopMatcher::new(&r.stop);
-        Some(Sequence {
+        let mut seq = Sequence {
             job,
             cache,
             sampler,
@@ -872,7 +891,41 @@ impl<'m> Worker<'m> {
             first_token: None,
             draft_cache: None,
             draft_failed: false,
-        })
+        };
+        if let Err(e) = self.replay_resumed(&mut seq) {
+            (seq.job.sink)(Event::Failed(e));
+            return None;
+        }
+        Some(seq)
+    }
+
+    /// Brings a resumed sequence's output state to where it stopped: its resumed tokens
+    /// (already in its prompt, see [`Scheduler::submit`]) are counted as generated and
+    /// pass through the text decoder, the stop matcher and the constraint without being
+    /// reported again. Text the stop matcher held back stays held, as it was.
+    fn replay_resumed(&self, seq: &mut Sequence) -> Result<(), String> {
+        let tok = &self.model.tokenizer;
+        let request = &mut seq.job.request;
+        for &id in &request.resume {
+            if let Some(c) = request.constraint.as_mut() {
+                c.commit(id)
+                    .map_err(|e| format!("constrained decoding: {e}"))?;
+            }
+            seq.generated += 1;
+            *seq.counts.entry(id).or_insert(0) += 1;
+            let piece = seq.decoder.push(tok, id);
+            let (_, matched) = seq.stops.push(&piece);
+            if matched {
+                return Err("the resumed tokens already end in a stop string".into());
+            }
+        }
+        if seq.generated >= request.max_tokens {
+            return Err(format!(
+                "the request already generated {} of its {} tokens",
+                seq.generated, request.max_tokens
+            ));
+        }
+        Ok(())
     }
 
     /// The cache that shares the longest start with `prompt` (all but its last token at
@@ -1149,6 +1202,11 @@ impl<'m> Worker<'m> {
         }
         let seq_ok = result.is_ok();
         let keep = match result {
+            // a split that failed interrupts the sequence like the others (below)
+            Err(_) if split_error.is_some() => {
+                (seq.job.sink)(Event::Interrupted(split_error.clone().unwrap_or_default()));
+                false
+            }
             Err(e) => {
                 (seq.job.sink)(Event::Failed(format!("prompt processing failed: {e}")));
                 false
@@ -1165,14 +1223,14 @@ impl<'m> Worker<'m> {
         }
     }
 
-    /// Fails every sequence and breaks the split (a failed split step leaves every rank's
-    /// state unknown).
+    /// Interrupts every sequence and breaks the split (a failed split step leaves every
+    /// rank's state unknown; the sequences may go on where the model is placed next).
     fn fail_all(&mut self, why: &str) {
         self.break_split(why);
         self.parked.clear();
         for seq in self.active.drain(..) {
             let mut sink = seq.job.sink;
-            sink(Event::Failed(why.to_string()));
+            sink(Event::Interrupted(why.to_string()));
         }
     }
 
@@ -1631,7 +1689,7 @@ fn finish(seq: &mut Sequence, reason: FinishReason) -> bool {
     (seq.job.sink)(Event::Done(Finished {
         reason,
         stop: seq.stops.matched().map(str::to_string),
-        prompt_tokens: seq.job.request.prompt.len(),
+        prompt_tokens: seq.job.request.prompt.len() - seq.job.request.resume.len(),
         cached_tokens: seq.cached,
         completion_tokens: seq.generated,
         time_to_first_token: seq.first_token.unwrap_or_default(),

@@ -33,7 +33,9 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use shoal_api::{AppState, ControlError, ControlFuture, InstanceControl, ServedModel};
+use shoal_api::{
+    AppState, ControlError, ControlFuture, InstanceControl, InstanceView, ServedModel,
+};
 use shoal_cluster::instances::{
     coordinator, is_coordinator, Instance, InstanceState, InstanceTable, NewInstance,
 };
@@ -1530,6 +1532,22 @@ impl InstanceControl for Driver {
 
     fn ready_ids(&self) -> Vec<String> {
         self.leads.lock().unwrap().keys().cloned().collect()
+    }
+
+    fn instance(&self, id: &str) -> Option<InstanceView> {
+        let table = self.table.lock().unwrap();
+        let inst = table.get(id)?;
+        let reason = match &inst.state {
+            InstanceState::Failed { reason } => Some(reason.clone()),
+            _ => None,
+        };
+        Some(InstanceView {
+            state: inst.state.name().to_string(),
+            generation: inst.generation,
+            lead_here: inst.lead() == Some(self.node.id()),
+            lead_api: self.leads.lock().unwrap().get(id).cloned(),
+            reason,
+        })
     }
 
     fn list(&self) -> ControlFuture {

@@ -130,6 +130,7 @@ impl SamplingArgs {
             logprobs: None,
             constraint,
             ignore_eos: self.ignore_eos,
+            resume: Vec::new(),
         })
     }
 
