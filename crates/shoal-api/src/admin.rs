@@ -15,7 +15,10 @@ use crate::error::{parse_body, ApiError};
 use crate::state::AppState;
 
 fn keys_error(e: crate::keys::KeyError) -> Response {
-    ApiError::internal(e.to_string()).into_response()
+    match e {
+        crate::keys::KeyError::TooMany { .. } => ApiError::invalid(e.to_string()).into_response(),
+        e => ApiError::internal(e.to_string()).into_response(),
+    }
 }
 
 /// `GET /admin/keys`.

@@ -3,7 +3,8 @@
 //! answer, streamed or not, is passed back as it arrives. The request is checked against this
 //! node's keys first (a bad key is refused here, in the API's own shape), then sent on with
 //! the client's headers and an `x-shoal-forwarded` header, which stops it from being forwarded
-//! again. Keys are per node: with keys, the client's key must also be valid on the lead.
+//! again. Keys are replicated cluster state ([`crate::keys::replicate`]), so the lead knows
+//! the client's key too and checks it again.
 
 use std::sync::Arc;
 use std::time::Duration;

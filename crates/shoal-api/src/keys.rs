@@ -6,6 +6,14 @@
 //! The first key created is an administrator key, and only administrator keys may manage
 //! keys. While no key exists, the server is open, and keys may be managed from the loopback
 //! interface only.
+//!
+//! **In a cluster** the keys are replicated state ([`replicate`]): every node publishes its
+//! key set (records with their hashes and limits, and the ids of revoked keys) in gossip,
+//! which is sealed with the cluster key, and merges every other node's: the union of the
+//! keys, less every key any node revoked (a revocation is kept for good, so a node that was
+//! away cannot bring a revoked key back). Any node then authorises any request, and a
+//! revocation reaches every node within a few gossip rounds. Rate limits travel with their
+//! keys; each node counts the requests it receives itself.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -50,9 +58,23 @@ impl KeyRecord {
     }
 }
 
-#[derive(Debug, Serialize, Deserialize, Default)]
-struct KeyFile {
-    keys: Vec<KeyRecord>,
+/// A revoked key: it stays revoked on every node that hears of it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Revoked {
+    /// The key's id.
+    pub id: String,
+    /// Unix seconds of the revocation.
+    pub at: u64,
+}
+
+/// A node's keys as stored and as replicated: the keys, and the revoked ids.
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq)]
+pub struct KeySet {
+    /// The keys (with their hashes).
+    pub keys: Vec<KeyRecord>,
+    /// Keys revoked, never valid again.
+    #[serde(default)]
+    pub revoked: Vec<Revoked>,
 }
 
 #[derive(Debug)]
@@ -63,8 +85,10 @@ struct Bucket {
 
 #[derive(Debug, Default)]
 struct Inner {
-    keys: Vec<KeyRecord>,
+    set: KeySet,
     buckets: HashMap<String, Bucket>,
+    /// Most bytes the replicated set may take (`None`: not replicated).
+    limit: Option<usize>,
 }
 
 /// The key store of one node.
@@ -95,6 +119,16 @@ pub enum KeyError {
         path: PathBuf,
         /// Why.
         why: String,
+    },
+    /// The cluster's keys would not fit in one replicated value.
+    #[error(
+        "the cluster's keys would take {bytes} bytes, more than the {limit} that replicate; revoke keys that are no longer used"
+    )]
+    TooMany {
+        /// Bytes the key set would take.
+        bytes: usize,
+        /// Bytes it may take.
+        limit: usize,
     },
 }
 
@@ -132,16 +166,14 @@ impl KeyStore {
     /// # Errors
     /// When the file exists but cannot be read or parsed.
     pub fn open(path: Option<&Path>, default_rpm: Option<u32>) -> Result<Self, KeyError> {
-        let mut keys = Vec::new();
+        let mut set = KeySet::default();
         if let Some(p) = path {
             match std::fs::read(p) {
                 Ok(bytes) => {
-                    let file: KeyFile =
-                        serde_json::from_slice(&bytes).map_err(|e| KeyError::Damaged {
-                            path: p.to_path_buf(),
-                            why: e.to_string(),
-                        })?;
-                    keys = file.keys;
+                    set = serde_json::from_slice(&bytes).map_err(|e| KeyError::Damaged {
+                        path: p.to_path_buf(),
+                        why: e.to_string(),
+                    })?;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(source) => {
@@ -156,8 +188,9 @@ impl KeyStore {
             path: path.map(Path::to_path_buf),
             default_rpm,
             inner: Mutex::new(Inner {
-                keys,
+                set,
                 buckets: HashMap::new(),
+                limit: None,
             }),
         })
     }
@@ -168,12 +201,72 @@ impl KeyStore {
 
     /// Whether no key exists (the server is open).
     pub fn is_empty(&self) -> bool {
-        self.lock().keys.is_empty()
+        self.lock().set.keys.is_empty()
     }
 
     /// Every key, without hashes.
     pub fn list(&self) -> Vec<KeyRecord> {
-        self.lock().keys.iter().map(KeyRecord::public).collect()
+        self.lock().set.keys.iter().map(KeyRecord::public).collect()
+    }
+
+    /// The keys and revocations, as replicated.
+    pub fn snapshot(&self) -> KeySet {
+        self.lock().set.clone()
+    }
+
+    /// Takes in another node's key set: its keys this store lacks, less every revoked key,
+    /// and its revocations; saved when anything changed. Returns whether anything did.
+    ///
+    /// # Errors
+    /// When the key file cannot be written (the store is left as it was).
+    pub fn merge(&self, other: &KeySet) -> Result<bool, KeyError> {
+        let mut inner = self.lock();
+        let mut next = inner.set.clone();
+        for r in &other.revoked {
+            if !next.revoked.iter().any(|x| x.id == r.id) {
+                next.revoked.push(r.clone());
+            }
+        }
+        for k in &other.keys {
+            if !next.keys.iter().any(|x| x.id == k.id) {
+                next.keys.push(k.clone());
+            }
+        }
+        let revoked = |id: &str| next.revoked.iter().any(|r| r.id == id);
+        let keys: Vec<KeyRecord> = next
+            .keys
+            .iter()
+            .filter(|k| !revoked(&k.id))
+            .cloned()
+            .collect();
+        next.keys = keys;
+        if next == inner.set {
+            return Ok(false);
+        }
+        self.save(&next)?;
+        let Inner { set, buckets, .. } = &mut *inner;
+        buckets.retain(|id, _| next.keys.iter().any(|k| &k.id == id));
+        *set = next;
+        Ok(true)
+    }
+
+    /// Holds the key set to `bytes` serialized (what one replicated value may take): a key
+    /// that would pass it is refused.
+    pub fn limit_replicated(&self, bytes: usize) {
+        self.lock().limit = Some(bytes);
+    }
+
+    fn check_limit(inner: &Inner, set: &KeySet) -> Result<(), KeyError> {
+        let Some(limit) = inner.limit else {
+            return Ok(());
+        };
+        let bytes = serde_json::to_vec(set)
+            .map(|v| v.len())
+            .unwrap_or(usize::MAX);
+        if bytes > limit {
+            return Err(KeyError::TooMany { bytes, limit });
+        }
+        Ok(())
     }
 
     /// Creates a key; returns its record and its secret (shown once). The first key is
@@ -193,15 +286,15 @@ impl KeyStore {
             id: format!("key_{}", random_hex(6)),
             name: name.to_string(),
             hash: sha256_hex(&secret),
-            admin: admin || inner.keys.is_empty(),
+            admin: admin || inner.set.keys.is_empty(),
             rpm,
             created: now_s(),
         };
-        inner.keys.push(record.clone());
-        if let Err(e) = self.save(&inner.keys) {
-            inner.keys.pop();
-            return Err(e);
-        }
+        let mut next = inner.set.clone();
+        next.keys.push(record.clone());
+        Self::check_limit(&inner, &next)?;
+        self.save(&next)?;
+        inner.set = next;
         Ok((record.public(), secret))
     }
 
@@ -211,19 +304,22 @@ impl KeyStore {
     /// When the key file cannot be written.
     pub fn revoke(&self, id: &str) -> Result<bool, KeyError> {
         let mut inner = self.lock();
-        let Some(at) = inner.keys.iter().position(|k| k.id == id) else {
+        let Some(at) = inner.set.keys.iter().position(|k| k.id == id) else {
             return Ok(false);
         };
-        let removed = inner.keys.remove(at);
-        if let Err(e) = self.save(&inner.keys) {
-            inner.keys.insert(at, removed);
-            return Err(e);
-        }
+        let mut next = inner.set.clone();
+        next.keys.remove(at);
+        next.revoked.push(Revoked {
+            id: id.to_string(),
+            at: now_s(),
+        });
+        self.save(&next)?;
+        inner.set = next;
         inner.buckets.remove(id);
         Ok(true)
     }
 
-    fn save(&self, keys: &[KeyRecord]) -> Result<(), KeyError> {
+    fn save(&self, set: &KeySet) -> Result<(), KeyError> {
         let Some(path) = &self.path else {
             return Ok(());
         };
@@ -234,10 +330,7 @@ impl KeyStore {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(io)?;
         }
-        let text = serde_json::to_vec_pretty(&KeyFile {
-            keys: keys.to_vec(),
-        })
-        .map_err(|e| io(std::io::Error::other(e)))?;
+        let text = serde_json::to_vec_pretty(set).map_err(|e| io(std::io::Error::other(e)))?;
         let tmp = path.with_extension("json.tmp");
         {
             use std::io::Write;
@@ -259,6 +352,7 @@ impl KeyStore {
     pub fn verify(&self, secret: &str) -> Option<KeyRecord> {
         let hash = sha256_hex(secret);
         self.lock()
+            .set
             .keys
             .iter()
             .find(|k| same(&k.hash, &hash))
@@ -356,6 +450,56 @@ impl KeyStore {
     }
 }
 
+/// Gossip key of a node's replicated key set.
+pub const GOSSIP_KEY: &str = "keys";
+/// How often a node merges the key sets the others publish.
+const REPLICATE_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Keeps the keys of `state` replicated through its cluster node until the state is gone:
+/// merges every node's published key set ([`KeyStore::merge`]) and publishes this node's
+/// whenever it changed (created, revoked or merged here).
+pub async fn replicate(
+    state: std::sync::Weak<crate::state::AppState>,
+    node: std::sync::Arc<shoal_cluster::node::Node>,
+) {
+    // the key's own name and some room for the encoding count against the bound too
+    let limit = shoal_cluster::membership::MAX_KEY_VALUE_LEN - 64;
+    if let Some(s) = state.upgrade() {
+        s.keys.limit_replicated(limit);
+    }
+    let mut published = String::new();
+    let mut warned: std::collections::HashSet<String> = Default::default();
+    loop {
+        let Some(state) = state.upgrade() else { return };
+        for (from, value) in node.published(GOSSIP_KEY) {
+            if from == node.id() {
+                continue;
+            }
+            match serde_json::from_str::<KeySet>(&value) {
+                Ok(set) => {
+                    if let Err(e) = state.keys.merge(&set) {
+                        tracing::warn!(%from, "merging the cluster's API keys failed: {e}");
+                    }
+                }
+                Err(e) => {
+                    if warned.insert(from.clone()) {
+                        tracing::warn!(%from, "a node publishes API keys this node cannot read: {e}");
+                    }
+                }
+            }
+        }
+        let mine = serde_json::to_string(&state.keys.snapshot()).unwrap_or_default();
+        drop(state);
+        if mine != published {
+            match node.publish(GOSSIP_KEY, &mine).await {
+                Ok(()) => published = mine,
+                Err(e) => tracing::warn!("publishing this node's API keys failed: {e}"),
+            }
+        }
+        tokio::time::sleep(REPLICATE_EVERY).await;
+    }
+}
+
 /// The secret a request presents: `Authorization: Bearer X` or `x-api-key: X`.
 fn presented_secret(headers: &HeaderMap) -> Option<&str> {
     if let Some(v) = headers
@@ -434,6 +578,61 @@ mod tests {
             ErrorKind::RateLimited { retry_after } => assert!((1..=30).contains(&retry_after)),
             k => panic!("{k:?}"),
         }
+    }
+
+    #[test]
+    fn key_sets_merge_to_the_union_less_every_revoked_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path_a = dir.path().join("a.json");
+        let a = KeyStore::open(Some(&path_a), None).unwrap();
+        let b = KeyStore::open(None, None).unwrap();
+        let (ka, sa) = a.create("on a", false, Some(5)).unwrap();
+        let (kb, sb) = b.create("on b", false, None).unwrap();
+        // each takes the other's key, with its limit; merging again changes nothing
+        assert!(a.merge(&b.snapshot()).unwrap());
+        assert!(b.merge(&a.snapshot()).unwrap());
+        assert!(!a.merge(&b.snapshot()).unwrap());
+        assert_eq!(b.verify(&sa).unwrap().rpm, Some(5));
+        assert_eq!(a.verify(&sb).unwrap().id, kb.id);
+        let ids = |s: &KeyStore| {
+            let mut v: Vec<String> = s.list().into_iter().map(|k| k.id).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(ids(&a), ids(&b));
+        // the merged set is saved
+        let reopened = KeyStore::open(Some(&path_a), None).unwrap();
+        assert!(reopened.verify(&sb).is_some());
+        // a revocation on b reaches a, and a's stale copy cannot bring the key back
+        let stale = a.snapshot();
+        assert!(b.revoke(&ka.id).unwrap());
+        assert!(b.verify(&sa).is_none());
+        assert!(!b.merge(&stale).unwrap(), "the revoked key stays revoked");
+        assert!(b.verify(&sa).is_none());
+        assert!(a.merge(&b.snapshot()).unwrap());
+        assert!(a.verify(&sa).is_none());
+        assert!(a.verify(&sb).is_some());
+        assert_eq!(a.snapshot().revoked.len(), 1);
+    }
+
+    #[test]
+    fn a_replicated_key_set_is_held_to_what_replicates() {
+        let store = KeyStore::open(None, None).unwrap();
+        store.limit_replicated(1000);
+        let mut made = 0;
+        let err = loop {
+            match store.create("a key with a name", false, None) {
+                Ok(_) => made += 1,
+                Err(e) => break e,
+            }
+            assert!(made < 100, "never refused");
+        };
+        assert!(
+            matches!(err, KeyError::TooMany { limit: 1000, .. }),
+            "{err}"
+        );
+        assert_eq!(store.list().len(), made, "the refused key is not kept");
+        assert!(serde_json::to_vec(&store.snapshot()).unwrap().len() <= 1000);
     }
 
     #[test]

@@ -278,6 +278,10 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
             Some(secret) => {
                 let node = join_cluster(&args, identity, secret, addr, threads).await?;
                 let state = Arc::new(state.with_cluster(node.clone()));
+                tokio::spawn(shoal_api::keys::replicate(
+                    Arc::downgrade(&state),
+                    node.clone(),
+                ));
                 let offered = {
                     let models = args.models.clone();
                     tokio::task::spawn_blocking(move || {

@@ -9,13 +9,15 @@
 //! runs 20 rounds with gaps held to 5 s and reports them. Each round prints one `failover
 //! round` line with each stream's longest gap.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::{cached_model, json_of, node, run, Node};
 use serde_json::{json, Value};
 
 /// Concurrent streams.
@@ -41,104 +43,6 @@ const PROMPTS: [&str; STREAMS] = [
     "Describe a walk through a busy market, at length.",
     "Write a long letter to a friend about the mountains.",
 ];
-
-fn shoal() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_shoal"));
-    c.env_remove("SHOAL_API_KEY").env_remove("SHOAL_URL");
-    c
-}
-
-fn qwen05() -> Option<PathBuf> {
-    let p = shoal_model::catalog::Catalog::open_default()
-        .ok()
-        .and_then(|c| c.cached_path("qwen05").ok().flatten());
-    if p.is_none() {
-        assert!(
-            std::env::var_os("SHOAL_REQUIRE_MODELS").is_none(),
-            "qwen05 is required: run `shoal models fetch qwen05`"
-        );
-        eprintln!("skipped: qwen05 is not fetched");
-    }
-    p
-}
-
-struct Node {
-    child: Child,
-    name: String,
-    url: String,
-    listen: String,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A node whose model cache is `home` (every node holds the model, as a cluster that has
-/// run it before would: the survivor loads its new share without fetching it).
-fn node(dir: &Path, name: &str, secret: &Path, home: &Path, peer: Option<&str>) -> Node {
-    let mut cmd = shoal();
-    cmd.arg("serve")
-        .args(["--api", "127.0.0.1:0", "--listen", "127.0.0.1:0", "-t", "1"])
-        .args(["--name", name, "--no-mdns", "--max-memory", "800M"])
-        .args(["--parallel", "4"])
-        .arg("--secret-file")
-        .arg(secret)
-        .arg("--data-dir")
-        .arg(dir.join(name))
-        .env("SHOAL_HOME", home)
-        .env_remove("SHOAL_SECRET")
-        .env("SHOAL_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(
-            std::fs::File::create(dir.join(format!("{name}.log")))
-                .map(Stdio::from)
-                .unwrap_or(Stdio::null()),
-        );
-    if let Some(p) = peer {
-        cmd.args(["--peer", p]);
-    }
-    let mut child = cmd.spawn().unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let ready: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
-    Node {
-        child,
-        name: name.to_string(),
-        url: format!("http://{}", ready["api"].as_str().unwrap()),
-        listen: ready["listen"].as_str().unwrap().to_string(),
-    }
-}
-
-fn run(args: &[&str]) -> (bool, String, String) {
-    let out = shoal().args(args).output().unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn json_of(args: &[&str]) -> Value {
-    let (ok, out, err) = run(args);
-    assert!(ok, "shoal {args:?}: {err}");
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
-}
-
-fn wait_until<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let t0 = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(t0.elapsed() < limit, "{what}: not within {limit:?}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
 
 /// What one stream received.
 #[derive(Debug)]
@@ -237,25 +141,20 @@ fn run_streams(url: &str, kill: Option<&mut dyn FnMut()>) -> Vec<Streamed> {
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
-/// A fresh cluster of nodes a, b, c with qwen05 tensor-parallel on a and b.
+/// A fresh cluster of nodes a, b, c with qwen05 tensor-parallel on a and b. Every node
+/// holds the model, as a cluster that has run it before would: the survivor loads its new
+/// share without fetching it.
 fn cluster(dir: &Path, model: &Path) -> (Vec<Node>, Value) {
-    let secret = dir.join("secret");
-    let (ok, s, _) = run(&["secret"]);
-    assert!(ok);
-    std::fs::write(&secret, s).unwrap();
+    let secret = common::secret(dir);
     let home = model.parent().unwrap().parent().unwrap().to_path_buf();
-    let a = node(dir, "a", &secret, &home, None);
+    let extra = ["--parallel", "4"];
+    let a = node(dir, "a", &secret, &home, None, &extra);
     let seed = a.listen.clone();
     let mut nodes = vec![a];
     for n in ["b", "c"] {
-        nodes.push(node(dir, n, &secret, &home, Some(&seed)));
+        nodes.push(node(dir, n, &secret, &home, Some(&seed), &extra));
     }
-    for n in &nodes {
-        wait_until(Duration::from_secs(30), "three nodes agree", || {
-            let v = json_of(&["nodes", "--json", "--url", &n.url]);
-            (v.as_array()?.iter().filter(|n| n["alive"] == true).count() == 3).then_some(())
-        });
-    }
+    common::agree(&nodes);
     let (ok, out, err) = run(&[
         "load",
         "qwen05",
@@ -277,7 +176,9 @@ fn cluster(dir: &Path, model: &Path) -> (Vec<Node>, Value) {
 
 #[test]
 fn streams_survive_the_death_of_a_non_lead_node() {
-    let Some(model) = qwen05() else { return };
+    let Some(model) = cached_model("qwen05") else {
+        return;
+    };
     let rounds: usize = std::env::var("SHOAL_FAILOVER_ROUNDS")
         .ok()
         .and_then(|r| r.parse().ok())

@@ -1,0 +1,115 @@
+//! API keys are cluster state: three `shoal serve` processes on loopback, smollm2 placed on
+//! node c only. A key created on node a authorises a request at node b (which forwards it to
+//! c, which checks it again); the key revoked on b is refused at every node within 5 s, and
+//! the other key goes on working.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{cached_model, json_of, node, run, wait_until};
+use serde_json::{json, Value};
+
+/// The status and body of a greedy chat request for smollm2 at `url`, with `key`.
+fn chat(url: &str, key: Option<&str>) -> (u16, String) {
+    let mut req = ureq::post(&format!("{url}/v1/chat/completions"))
+        .config()
+        .http_status_as_error(false)
+        .build();
+    if let Some(k) = key {
+        req = req.header("Authorization", &format!("Bearer {k}"));
+    }
+    let body = json!({
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "temperature": 0,
+        "max_tokens": 4,
+    });
+    match req.send_json(&body) {
+        Ok(mut r) => (
+            r.status().as_u16(),
+            r.body_mut().read_to_string().unwrap_or_default(),
+        ),
+        Err(e) => (0, e.to_string()),
+    }
+}
+
+/// A new key's id and secret, created at `url` (with `admin`'s key once keys exist).
+fn create(url: &str, name: &str, admin: Option<&str>) -> (String, String) {
+    let mut args = vec!["keys", "create", "--name", name, "--json", "--url", url];
+    if let Some(k) = admin {
+        args.extend(["--key", k]);
+    }
+    let v: Value = json_of(&args);
+    (
+        v["key"]["id"].as_str().unwrap().to_string(),
+        v["secret"].as_str().unwrap().to_string(),
+    )
+}
+
+#[test]
+fn a_key_made_on_one_node_works_on_every_node_and_its_revocation_too() {
+    let Some(model) = cached_model("smollm2") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let secret = common::secret(dir.path());
+    let home = model.parent().unwrap().parent().unwrap().to_path_buf();
+    let a = node(dir.path(), "a", &secret, &home, None, &[]);
+    let seed = a.listen.clone();
+    let b = node(dir.path(), "b", &secret, &home, Some(&seed), &[]);
+    let c = node(dir.path(), "c", &secret, &home, Some(&seed), &[]);
+    let nodes = [a, b, c];
+    common::agree(&nodes);
+    let [a, b, c] = &nodes;
+    let (ok, out, err) = run(&[
+        "load", "smollm2", "--nodes", "c", "--ctx", "512", "--json", "--url", &a.url,
+    ]);
+    assert!(ok, "load: {err}");
+    let inst: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(inst["api"].as_str(), Some(&c.url[7..]), "led by c: {inst}");
+    assert_eq!(chat(&b.url, None).0, 200, "open before any key exists");
+
+    // the first key (an administrator key) and a user key, both made on a
+    let (_, admin) = create(&a.url, "ops", None);
+    let (user_id, user) = create(&a.url, "app", Some(&admin));
+    let t0 = Instant::now();
+    wait_until(Duration::from_secs(5), "b and c require a key", || {
+        (chat(&b.url, None).0 == 401 && chat(&c.url, None).0 == 401).then_some(())
+    });
+    eprintln!("keys reached b and c in {:?}", t0.elapsed());
+    let (status, body) = chat(&b.url, Some(&user));
+    assert_eq!(status, 200, "a's key at b, for c's instance: {body}");
+    let (status, _) = chat(&c.url, Some(&user));
+    assert_eq!(status, 200, "a's key at c");
+    let (status, _) = chat(&b.url, Some("sk-shoal-not-a-key"));
+    assert_eq!(status, 401, "a wrong key is refused");
+
+    // revoked on b: refused at every node within 5 s; the administrator key still works
+    let (ok, _, err) = run(&["keys", "revoke", &user_id, "--url", &b.url, "--key", &admin]);
+    assert!(ok, "revoke at b: {err}");
+    let t0 = Instant::now();
+    wait_until(Duration::from_secs(5), "refused everywhere", || {
+        nodes
+            .iter()
+            .all(|n| chat(&n.url, Some(&user)).0 == 401)
+            .then_some(())
+    });
+    eprintln!("the revocation reached every node in {:?}", t0.elapsed());
+    for n in &nodes {
+        let (status, body) = chat(&n.url, Some(&admin));
+        assert_eq!(status, 200, "the administrator key at {}: {body}", n.name);
+    }
+    // the listing at c shows the replicated keys, without hashes
+    let (ok, out, err) = run(&["keys", "list", "--json", "--url", &c.url, "--key", &admin]);
+    assert!(ok, "{err}");
+    let listed: Value = serde_json::from_str(&out).unwrap();
+    let names: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["ops"], "{listed}");
+    assert!(!out.contains("hash"), "{out}");
+}

@@ -1,0 +1,145 @@
+//! What the cluster tests share: the `shoal` binary, a catalog model from the cache, `shoal
+//! serve` nodes on loopback (killed when dropped), CLI calls, and waiting for a condition.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// The `shoal` binary, without the caller's key or URL.
+pub fn shoal() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_shoal"));
+    c.env_remove("SHOAL_API_KEY").env_remove("SHOAL_URL");
+    c
+}
+
+/// The cached file of catalog model `key`; `None` (the test skips) when it is not fetched,
+/// unless `SHOAL_REQUIRE_MODELS` is set.
+pub fn cached_model(key: &str) -> Option<PathBuf> {
+    let p = shoal_model::catalog::Catalog::open_default()
+        .ok()
+        .and_then(|c| c.cached_path(key).ok().flatten());
+    if p.is_none() {
+        assert!(
+            std::env::var_os("SHOAL_REQUIRE_MODELS").is_none(),
+            "{key} is required: run `shoal models fetch {key}`"
+        );
+        eprintln!("skipped: {key} is not fetched");
+    }
+    p
+}
+
+/// A `shoal serve` process.
+pub struct Node {
+    pub child: Child,
+    pub name: String,
+    pub id: String,
+    pub url: String,
+    pub listen: String,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A node called `name` offering at most 800 MB, its model cache `home`, its data and log
+/// (`NAME.log`) in `dir`, joining through `peer`, with `extra` arguments.
+pub fn node(
+    dir: &Path,
+    name: &str,
+    secret: &Path,
+    home: &Path,
+    peer: Option<&str>,
+    extra: &[&str],
+) -> Node {
+    let mut cmd = shoal();
+    cmd.arg("serve")
+        .args(["--api", "127.0.0.1:0", "--listen", "127.0.0.1:0", "-t", "1"])
+        .args(["--name", name, "--no-mdns", "--max-memory", "800M"])
+        .args(extra)
+        .arg("--secret-file")
+        .arg(secret)
+        .arg("--data-dir")
+        .arg(dir.join(name))
+        .env("SHOAL_HOME", home)
+        .env_remove("SHOAL_SECRET")
+        .env("SHOAL_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(
+            std::fs::File::create(dir.join(format!("{name}.log")))
+                .map(Stdio::from)
+                .unwrap_or(Stdio::null()),
+        );
+    if let Some(p) = peer {
+        cmd.args(["--peer", p]);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let ready: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    Node {
+        child,
+        name: name.to_string(),
+        id: ready["node"].as_str().unwrap().to_string(),
+        url: format!("http://{}", ready["api"].as_str().unwrap()),
+        listen: ready["listen"].as_str().unwrap().to_string(),
+    }
+}
+
+/// A new cluster secret written to `dir/secret`.
+pub fn secret(dir: &Path) -> PathBuf {
+    let path = dir.join("secret");
+    let (ok, s, err) = run(&["secret"]);
+    assert!(ok, "{err}");
+    std::fs::write(&path, s).unwrap();
+    path
+}
+
+/// `shoal ARGS`: success, stdout, stderr.
+pub fn run(args: &[&str]) -> (bool, String, String) {
+    let out = shoal().args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `shoal ARGS`'s JSON output (it must succeed).
+pub fn json_of(args: &[&str]) -> Value {
+    let (ok, out, err) = run(args);
+    assert!(ok, "shoal {args:?}: {err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+/// Waits for `f` to give a value, at most `limit`.
+pub fn wait_until<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(t0.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Waits until `nodes` each see all of them alive.
+pub fn agree(nodes: &[Node]) {
+    for n in nodes {
+        wait_until(Duration::from_secs(30), "the nodes agree", || {
+            let v = json_of(&["nodes", "--json", "--url", &n.url]);
+            (v.as_array()?.iter().filter(|n| n["alive"] == true).count() == nodes.len())
+                .then_some(())
+        });
+    }
+}
