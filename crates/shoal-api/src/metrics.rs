@@ -58,6 +58,8 @@ pub struct Metrics {
     cached_tokens: Family<ModelLabels, Gauge<u64, AtomicU64>>,
     kept_tokens: Family<ModelLabels, Gauge<u64, AtomicU64>>,
     kept_bytes: Family<ModelLabels, Gauge<u64, AtomicU64>>,
+    drafted: Family<ModelLabels, Gauge<u64, AtomicU64>>,
+    accepted_drafts: Family<ModelLabels, Gauge<u64, AtomicU64>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -168,8 +170,20 @@ impl Metrics {
             "prefix_cache_bytes",
             "The model's KV cache bytes for those positions (over every rank of a split model)",
         );
+        let drafted = count(
+            &mut r,
+            "draft_tokens",
+            "Tokens drafted by speculative decoding (prompt lookup or a draft model) and checked",
+        );
+        let accepted_drafts = count(
+            &mut r,
+            "draft_tokens_accepted",
+            "Of those, the tokens the model sampled too (emitted without a step of their own)",
+        );
         Metrics {
             registry: Mutex::new(r),
+            drafted,
+            accepted_drafts,
             sequences,
             prefix_hits,
             cached_tokens,
@@ -235,7 +249,8 @@ impl Metrics {
         self.decode_steps.get_or_create(&m).set(steps);
     }
 
-    /// Sets the prefix cache's figures of `model` from its scheduler's counters.
+    /// Sets the prefix cache's and speculative decoding's figures of `model` from its
+    /// scheduler's counters.
     pub fn prefix_cache(&self, model: &str, s: &shoal_engine::scheduler::SchedulerStats) {
         use std::sync::atomic::Ordering::Relaxed;
         let m = Self::model(model);
@@ -254,6 +269,10 @@ impl Metrics {
         self.kept_bytes
             .get_or_create(&m)
             .set(s.kept_bytes.load(Relaxed));
+        self.drafted.get_or_create(&m).set(s.drafted.load(Relaxed));
+        self.accepted_drafts
+            .get_or_create(&m)
+            .set(s.accepted_drafts.load(Relaxed));
     }
 
     /// The exposition in the OpenMetrics text format.

@@ -47,7 +47,21 @@ impl ServedModel {
         model: LoadedModel,
         config: SchedulerConfig,
     ) -> Result<Self, shoal_engine::EngineError> {
-        Self::build(id.into(), model, config, None)
+        Self::build(id.into(), model, config, None, None)
+    }
+
+    /// Starts serving `model` as `id` with speculative decoding by `draft` (a smaller model
+    /// with the same tokenizer; see [`Scheduler::start_with_draft`]).
+    ///
+    /// # Errors
+    /// When the draft model's vocabulary differs, or the scheduler cannot start.
+    pub fn start_with_draft(
+        id: impl Into<String>,
+        model: LoadedModel,
+        draft: Arc<LoadedModel>,
+        config: SchedulerConfig,
+    ) -> Result<Self, shoal_engine::EngineError> {
+        Self::build(id.into(), model, config, None, Some(draft))
     }
 
     /// Serves a split model: `model` is rank 0's shard and `ctx` rank 0's place in the
@@ -58,7 +72,7 @@ impl ServedModel {
         ctx: shoal_engine::parallel::RankContext,
         config: SchedulerConfig,
     ) -> Result<Self, shoal_engine::EngineError> {
-        Self::build(id.into(), model, config, Some(ctx))
+        Self::build(id.into(), model, config, Some(ctx), None)
     }
 
     fn build(
@@ -66,6 +80,7 @@ impl ServedModel {
         model: LoadedModel,
         config: SchedulerConfig,
         split: Option<shoal_engine::parallel::RankContext>,
+        draft: Option<Arc<LoadedModel>>,
     ) -> Result<Self, shoal_engine::EngineError> {
         let tool_format = ToolFormat::detect(
             model
@@ -81,9 +96,10 @@ impl ServedModel {
             .min(model.transformer.config().context_len)
             .max(2);
         let config = SchedulerConfig { ctx, ..config };
-        let scheduler = match split {
-            None => Scheduler::start(Arc::new(model), config)?,
-            Some(rc) => Scheduler::start_split(Arc::new(model), rc, config)?,
+        let scheduler = match (split, draft) {
+            (None, None) => Scheduler::start(Arc::new(model), config)?,
+            (None, Some(d)) => Scheduler::start_with_draft(Arc::new(model), d, config)?,
+            (Some(rc), _) => Scheduler::start_split(Arc::new(model), rc, config)?,
         };
         Ok(ServedModel {
             id,

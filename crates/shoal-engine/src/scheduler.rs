@@ -234,7 +234,7 @@ pub struct SchedulerStats {
     pub kept_tokens: AtomicU64,
     /// The model's KV bytes for those positions (over every rank of a split model).
     pub kept_bytes: AtomicU64,
-    /// Tokens drafted by prompt lookup and checked.
+    /// Tokens drafted (by prompt lookup or the draft model) and checked.
     pub drafted: AtomicU64,
     /// Of those, the ones the model agreed with (emitted without a step of their own).
     pub accepted_drafts: AtomicU64,

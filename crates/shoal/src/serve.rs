@@ -80,6 +80,14 @@ pub struct ServeArgs {
     /// them in one step; the output is unchanged.
     #[arg(long, num_args = 0..=1, default_missing_value = "8", value_name = "N")]
     pub lookup: Option<usize>,
+    /// Speculative decoding with a draft model for the models served here (not split
+    /// instances): a smaller model with the same tokenizer (e.g. qwen05 for qwen15) drafts
+    /// --draft-max tokens per step, checked in one step; the output is unchanged.
+    #[arg(long, value_name = "MODEL", conflicts_with = "lookup")]
+    pub draft: Option<String>,
+    /// Tokens the draft model drafts per step.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub draft_max: usize,
     /// Context length per request, prompt plus output (default: the model's, at most 4096).
     #[arg(long)]
     pub ctx: Option<usize>,
@@ -218,6 +226,11 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     if args.parallel == 0 || args.parallel > 256 {
         anyhow::bail!("--parallel {} is out of range (1..=256)", args.parallel);
     }
+    if let (Some(d), true) = (&args.draft, args.models.is_empty()) {
+        anyhow::bail!(
+            "--draft {d} drafts for the models given with --model (not for split instances); give --model"
+        );
+    }
     let threads = rayon::current_num_threads();
     let dir = data_dir(args.data_dir.clone())?;
     let identity = Identity::load_or_create(&dir)?;
@@ -234,6 +247,10 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     }
     let keys = KeyStore::open(Some(&dir.join("keys.json")), args.rate_limit)?;
     let mut served = Vec::new();
+    let draft = match &args.draft {
+        Some(d) => Some(Arc::new(crate::models::open(d)?)),
+        None => None,
+    };
     for arg in &args.models {
         let id = model_id(arg);
         if served.iter().any(|m: &ServedModel| m.id == id) {
@@ -241,17 +258,20 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         }
         let model = crate::models::open(arg)?;
         let ctx = args.ctx.unwrap_or(4096);
-        let m = ServedModel::start(
-            id,
-            model,
-            SchedulerConfig {
-                max_batch: args.parallel,
-                max_queue: args.queue,
-                ctx,
-                prefix_cache: !args.no_prefix_cache,
-                draft_max: args.lookup.unwrap_or(0),
+        let config = SchedulerConfig {
+            max_batch: args.parallel,
+            max_queue: args.queue,
+            ctx,
+            prefix_cache: !args.no_prefix_cache,
+            draft_max: match &draft {
+                Some(_) => args.draft_max,
+                None => args.lookup.unwrap_or(0),
             },
-        )?;
+        };
+        let m = match &draft {
+            Some(d) => ServedModel::start_with_draft(id, model, d.clone(), config)?,
+            None => ServedModel::start(id, model, config)?,
+        };
         served.push(m);
     }
     let ids: Vec<String> = served.iter().map(|m| m.id.clone()).collect();

@@ -36,12 +36,13 @@ impl Drop for Server {
     }
 }
 
-fn serve(model: &Path, data: &Path) -> Server {
+fn serve(model: &Path, data: &Path, extra: &[&str]) -> Server {
     let mut child = shoal()
         .arg("serve")
         .arg("--model")
         .arg(model)
         .args(["--api", "127.0.0.1:0", "-t", "1", "--ctx", "256"])
+        .args(extra)
         .arg("--data-dir")
         .arg(data)
         .stdout(Stdio::piped())
@@ -76,7 +77,7 @@ fn run_on_a_node_answers_like_running_here_and_keys_guard_it() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     let m = model.to_str().unwrap();
-    let server = serve(&model, &dir.path().join("node"));
+    let server = serve(&model, &dir.path().join("node"), &[]);
     let url = server.url.as_str();
 
     // `shoal run` and `shoal serve` generate through one scheduler: the same request gives
@@ -167,11 +168,89 @@ fn run_on_a_node_answers_like_running_here_and_keys_guard_it() {
     assert!(ok, "with no key left the node is open again: {err}");
 }
 
+/// The value of metric `name` (for any model) in a Prometheus exposition.
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in the metrics"))
+}
+
+/// Speculative decoding on `shoal serve`, by prompt lookup and by a draft model: the
+/// answers are a plain run's, and the metrics count drafted and accepted tokens.
+#[test]
+fn serve_speculates_with_lookup_and_a_draft_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    let draft = dir.path().join("draft.gguf");
+    TinyModelSpec::qwen2(32)
+        .build()
+        .unwrap()
+        .write_gguf(&draft, GgmlType::Q8_0)
+        .unwrap();
+    let prompt = "one two three one two three one two three";
+    let (ok, plain, err) = run(&[
+        "run",
+        m,
+        prompt,
+        "-n",
+        "40",
+        "-t",
+        "1",
+        "--temp",
+        "0",
+        "--ignore-eos",
+    ]);
+    assert!(ok, "{err}");
+    for (what, extra) in [
+        ("lookup", vec!["--lookup", "4"]),
+        ("draft", vec!["--draft", draft.to_str().unwrap()]),
+    ] {
+        let server = serve(&model, &dir.path().join(what), &extra);
+        let url = server.url.as_str();
+        let (ok, there, err) = run(&[
+            "run",
+            "tiny",
+            prompt,
+            "-n",
+            "40",
+            "--temp",
+            "0",
+            "--ignore-eos",
+            "--url",
+            url,
+        ]);
+        assert!(ok, "{what}: {err}");
+        assert_eq!(
+            there, plain,
+            "{what}: speculation leaves the text as it was"
+        );
+        let text = ureq::get(&format!("{url}/metrics"))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap();
+        let drafted = metric(&text, "shoal_draft_tokens");
+        let accepted = metric(&text, "shoal_draft_tokens_accepted");
+        eprintln!("{what}: {accepted} of {drafted} drafted tokens accepted");
+        assert!(
+            drafted > 0 && accepted <= drafted,
+            "{what}: {drafted} {accepted}"
+        );
+    }
+    // a draft model is for the models served here
+    let (ok, _, err) = run(&["serve", "--draft", m, "--api", "127.0.0.1:0"]);
+    assert!(!ok && err.contains("--draft"), "{err}");
+}
+
 #[test]
 fn sigterm_stops_the_server() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
-    let mut server = serve(&model, &dir.path().join("node"));
+    let mut server = serve(&model, &dir.path().join("node"), &[]);
     let pid = server.child.id().to_string();
     assert!(Command::new("kill")
         .args(["-TERM", &pid])
