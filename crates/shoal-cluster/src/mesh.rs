@@ -47,6 +47,8 @@ pub struct SessionTransport {
     links: Vec<Option<Link>>,
     closed: AtomicBool,
     reason: Mutex<Option<String>>,
+    /// The node of the first link whose session broke or ended.
+    broken: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for SessionTransport {
@@ -83,7 +85,24 @@ impl SessionTransport {
             links,
             closed: AtomicBool::new(false),
             reason: Mutex::new(None),
+            broken: Mutex::new(None),
         })
+    }
+
+    /// The node whose session broke first (not a close), if one did: the node a failed
+    /// collective suspects of being gone.
+    pub fn broken_peer(&self) -> Option<String> {
+        self.broken
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn note_broken(&self, node: &str) {
+        self.broken
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(|| node.to_string());
     }
 
     /// Ends every link; waiting and later exchanges fail with `why`. Idempotent.
@@ -149,11 +168,12 @@ impl SessionTransport {
                     inbox.pos = 0;
                 }
                 Ok(Err(e)) => {
+                    self.note_broken(&link.peer_node);
                     return Err(CommError::Link {
                         rank: self.rank,
                         peer,
                         reason: format!("the session to node {} broke: {e}", link.peer_node),
-                    })
+                    });
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     return Err(CommError::Timeout {
@@ -166,6 +186,7 @@ impl SessionTransport {
                     return Err(if self.closed.load(Ordering::Acquire) {
                         self.closed_error(peer)
                     } else {
+                        self.note_broken(&link.peer_node);
                         CommError::Link {
                             rank: self.rank,
                             peer,
@@ -341,11 +362,13 @@ mod tests {
             t0.close("node b died");
             let e = h.join().unwrap();
             assert!(e.to_string().contains("node b died"), "{e}");
-            // the peer sees its session end
+            assert_eq!(t0.broken_peer(), None, "closed, not broken");
+            // the peer sees its session end, and suspects the node at its other end
             let e = t1
                 .exchange(&[], &mut [(0, &mut [0u8; 1])], deadline())
                 .unwrap_err();
             assert!(matches!(e, CommError::Link { .. }), "{e}");
+            assert_eq!(t1.broken_peer().as_deref(), Some("a"));
         }
     }
 }

@@ -605,6 +605,25 @@ impl Node {
         SessionTransport::new(rank, sessions).map_err(|e| e.to_string())
     }
 
+    /// Whether node `id` is certainly gone: a connection to its cluster address is refused,
+    /// so nothing listens there any more (its process ended; a restarted node is a new
+    /// incarnation). Anything else (accepted, timed out, an unknown node) proves nothing,
+    /// and the failure detector decides.
+    pub async fn refuses_connections(&self, id: &str) -> bool {
+        let Ok(addr) = self.inner.address_of(id).await else {
+            return false;
+        };
+        match tokio::time::timeout(
+            Duration::from_millis(500),
+            tokio::net::TcpStream::connect(addr),
+        )
+        .await
+        {
+            Ok(Err(e)) => e.kind() == std::io::ErrorKind::ConnectionRefused,
+            _ => false,
+        }
+    }
+
     /// Records the memory this node's instances hold (bytes) and publishes its free memory
     /// again if that changed it.
     pub async fn set_memory_held(&self, bytes: u64) {
