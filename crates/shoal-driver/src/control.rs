@@ -1,0 +1,383 @@
+//! The requests that change or show the instance table. A client's load, unload or drain
+//! reaches whichever node it asked; that node sends it to the coordinator (itself, or another
+//! node through [`Node::ask`](shoal_cluster::node::Node::ask)), which applies it to the table
+//! and answers. Nodes also ask each other for the manifest of a file they fetch from. A
+//! refusal travels as an answer, so its HTTP status reaches the client.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use shoal_api::ControlError;
+use shoal_cluster::instances::{coordinator, is_coordinator, InstanceState, NewInstance};
+use shoal_cluster::node::AppCall;
+use shoal_planner::{Cluster, ModelProfile, PlanRequest, Strategy};
+
+use crate::{describe_model, err, now_ms, Driver, COORDINATOR_AGREEMENT};
+
+impl Driver {
+    /// Answers application requests from other nodes.
+    pub(crate) async fn answer(
+        self: Arc<Self>,
+        mut requests: tokio::sync::mpsc::Receiver<AppCall>,
+    ) {
+        while let Some((from, body, reply)) = requests.recv().await {
+            let me = self.clone();
+            tokio::spawn(async move {
+                let r = me.handle(&from, body).await;
+                let _ = reply.send(r);
+            });
+        }
+    }
+
+    async fn handle(&self, from: &str, body: Value) -> Result<Value, String> {
+        match body["op"].as_str().unwrap_or("") {
+            "manifest" => {
+                let sha = body["sha256"].as_str().unwrap_or("").to_ascii_lowercase();
+                self.manifest(&sha)
+                    .await
+                    .map(|m| serde_json::to_value(&*m).expect("manifest serializes"))
+                    .map_err(|e| format!("{e:#}"))
+            }
+            "load" | "unload" | "drain" => {
+                let live = self.node.live_ids();
+                if !is_coordinator(self.node.id(), &live) {
+                    // views of who is alive differ for a moment after a join or a death:
+                    // the asker retries once its own view has caught up
+                    return Ok(json!({"not_coordinator": {
+                        "node": self.node.id(),
+                        "ask": coordinator(&live).unwrap_or("none"),
+                    }}));
+                }
+                tracing::info!(from, op = %body["op"], "coordinator request");
+                // a refusal travels as an answer, so its status reaches the client
+                Ok(match self.apply(&body).await {
+                    Ok(v) => json!({"ok": v}),
+                    Err(e) => json!({"refused": {"status": e.status, "message": e.message}}),
+                })
+            }
+            other => Err(format!("unknown operation {other:?}")),
+        }
+    }
+
+    /// The live cluster once every pair of its nodes has a measured link (a node that just
+    /// joined is measured within seconds), or as it is after `wait`.
+    async fn measured_cluster(&self, wait: Duration) -> Cluster {
+        let until = Instant::now() + wait;
+        loop {
+            let c = self.cluster().await;
+            let n = c.nodes.len();
+            if c.links.len() >= n * n.saturating_sub(1) / 2 || Instant::now() >= until {
+                return c;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Applies a coordinator operation to the table (on the coordinator).
+    async fn apply(&self, body: &Value) -> Result<Value, ControlError> {
+        let me = self.node.id().to_string();
+        let cluster = self.measured_cluster(Duration::from_secs(15)).await;
+        let table = self.table.lock().unwrap().clone();
+        let (next, answer) = match body["op"].as_str().unwrap_or("") {
+            "load" => {
+                let model = body["model"].as_str().unwrap_or("").to_string();
+                let profile: ModelProfile = serde_json::from_value(body["profile"].clone())
+                    .map_err(|e| err(400, format!("the load carries no usable profile: {e}")))?;
+                self.profiles
+                    .lock()
+                    .unwrap()
+                    .insert(model.clone(), profile.clone());
+                let request: PlanRequest = serde_json::from_value(body["request"].clone())
+                    .map_err(|e| err(400, format!("the load carries no usable request: {e}")))?;
+                let new = NewInstance {
+                    id: body["id"].as_str().unwrap_or(&model).to_string(),
+                    model,
+                    model_sha256: body["sha256"].as_str().map(str::to_string),
+                };
+                let id = new.id.clone();
+                let t = table
+                    .load(&me, new, &profile, &cluster, &request, now_ms())
+                    .map_err(|e| {
+                        let status = match e {
+                            shoal_cluster::instances::InstanceError::Duplicate { .. } => 409,
+                            _ => 400,
+                        };
+                        err(status, e.to_string())
+                    })?;
+                let inst = t.get(&id).cloned();
+                (t, json!({"instance": inst}))
+            }
+            "unload" => {
+                let id = body["id"].as_str().unwrap_or("");
+                let t = table
+                    .unload(&me, id, now_ms())
+                    .map_err(|e| err(404, e.to_string()))?;
+                (t, json!({"unloading": id}))
+            }
+            "drain" => {
+                let node = body["node"].as_str().unwrap_or("");
+                let moving: Vec<&str> = table
+                    .instances
+                    .values()
+                    .filter(|i| i.uses_any(&[node.to_string()]))
+                    .map(|i| i.id.as_str())
+                    .collect();
+                let cluster = self.releasing(&table, &moving, &cluster);
+                let t = table.drain(&me, node, &|m| self.profile(m), &cluster, now_ms());
+                // refuse rather than fail a running instance that has nowhere to go
+                let stranded: Vec<String> = t
+                    .instances
+                    .values()
+                    .filter_map(|i| match (&i.state, table.get(&i.id).map(|o| &o.state)) {
+                        (InstanceState::Failed { reason }, Some(before))
+                            if !matches!(before, InstanceState::Failed { .. }) =>
+                        {
+                            Some(format!("{}: {reason}", i.id))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                if !stranded.is_empty() {
+                    return Err(err(
+                        409,
+                        format!(
+                            "node {node} is not drained: its instances would have nowhere to go ({}); unload them or add nodes first",
+                            stranded.join("; ")
+                        ),
+                    ));
+                }
+                let moved: Vec<&str> = t
+                    .instances
+                    .values()
+                    .filter(|i| table.get(&i.id).map(|o| o.generation) != Some(i.generation))
+                    .map(|i| i.id.as_str())
+                    .collect();
+                let answer = json!({"drained": node, "moved": moved});
+                (t, answer)
+            }
+            other => return Err(err(400, format!("unknown operation {other:?}"))),
+        };
+        let mut t = self.table.lock().unwrap();
+        if t.version != table.version {
+            return Err(err(
+                503,
+                "the instance table changed while this request was applied; retry",
+            ));
+        }
+        *t = next;
+        Ok(answer)
+    }
+
+    /// Sends an operation to the coordinator (which may be this node).
+    ///
+    /// Right after a node joins or dies, this node and the one it takes for the coordinator
+    /// may disagree on who is alive, and so on who coordinates. The other node then declines;
+    /// the request goes again (nothing was applied) once the views had time to converge, for
+    /// up to [`COORDINATOR_AGREEMENT`].
+    pub(crate) async fn to_coordinator(&self, body: Value) -> Result<Value, ControlError> {
+        let deadline = Instant::now() + COORDINATOR_AGREEMENT;
+        loop {
+            let live = self.node.live_ids();
+            let coord = coordinator(&live)
+                .map(str::to_string)
+                .unwrap_or_else(|| self.node.id().to_string());
+            if coord == self.node.id() {
+                return self.apply(&body).await;
+            }
+            let answer = self
+                .node
+                .ask(&coord, body.clone(), Duration::from_secs(30))
+                .await
+                .map_err(|e| err(503, format!("the coordinator could not be asked: {e}")))?;
+            match (
+                answer.get("ok"),
+                answer.get("refused"),
+                answer.get("not_coordinator"),
+            ) {
+                (Some(v), _, _) => return Ok(v.clone()),
+                (None, Some(r), _) => {
+                    return Err(err(
+                        r["status"]
+                            .as_u64()
+                            .and_then(|s| u16::try_from(s).ok())
+                            .unwrap_or(500),
+                        r["message"].as_str().unwrap_or("refused").to_string(),
+                    ))
+                }
+                (None, None, Some(n)) => {
+                    if Instant::now() >= deadline {
+                        return Err(err(
+                            503,
+                            format!(
+                                "the nodes disagree on who coordinates: this node takes {coord} \
+                                 for the coordinator, and {coord} names {}; they did not agree \
+                                 within {}s, so check `shoal nodes` on both and retry",
+                                n["ask"].as_str().unwrap_or("none"),
+                                COORDINATOR_AGREEMENT.as_secs()
+                            ),
+                        ));
+                    }
+                    tracing::debug!(%coord, ask = %n["ask"], "not the coordinator yet; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                _ => return Err(err(502, format!("the coordinator answered {answer}"))),
+            }
+        }
+    }
+
+    pub(crate) async fn load_request(&self, req: Value) -> Result<Value, ControlError> {
+        let model = req["model"]
+            .as_str()
+            .filter(|m| !m.is_empty())
+            .ok_or_else(|| err(400, "give the model to load: {\"model\": NAME}"))?
+            .to_string();
+        let strategy: Strategy = match req.get("strategy") {
+            None | Some(Value::Null) => Strategy::Auto,
+            Some(v) => serde_json::from_value(v.clone()).map_err(|_| {
+                err(
+                    400,
+                    format!("strategy {v} is not one of auto, tensor, pipeline, hybrid"),
+                )
+            })?,
+        };
+        let experts: shoal_planner::split::ExpertSplit = match req.get("experts") {
+            None | Some(Value::Null) => Default::default(),
+            Some(v) => serde_json::from_value(v.clone()).map_err(|_| {
+                err(
+                    400,
+                    format!("experts {v} is not one of auto, whole, sliced"),
+                )
+            })?,
+        };
+        let ctx = match req.get("ctx") {
+            None | Some(Value::Null) => 4096,
+            Some(v) => v
+                .as_u64()
+                .filter(|&c| (2..=1 << 20).contains(&c))
+                .ok_or_else(|| {
+                    err(
+                        400,
+                        format!("ctx {v} must be a number of tokens, 2 to 1048576"),
+                    )
+                })? as u32,
+        };
+        let nodes: Option<Vec<String>> = match req.get("nodes") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(
+                serde_json::from_value(v.clone())
+                    .map_err(|_| err(400, "nodes must be a list of node ids or names"))?,
+            ),
+        };
+        // this node's file, else any node's offer of that name
+        let local = self
+            .files
+            .lock()
+            .unwrap()
+            .values()
+            .find(|f| f.name == model)
+            .cloned();
+        let file = match local {
+            Some(f) => f,
+            None => match self.offered().into_iter().find(|(_, f)| f.name == model) {
+                Some((_, f)) => f,
+                None => {
+                    let m = model.clone();
+                    match tokio::task::spawn_blocking(move || describe_model(&m)).await {
+                        Ok(Ok(f)) => {
+                            self.add_file(f.clone());
+                            self.publish_files().await;
+                            f
+                        }
+                        _ => {
+                            let offered: BTreeSet<String> =
+                                self.offered().into_iter().map(|(_, f)| f.name).collect();
+                            return Err(err(
+                                404,
+                                format!(
+                                    "no node has model {model}; the cluster offers: {} (fetch it on one node with `shoal models fetch`)",
+                                    if offered.is_empty() { "nothing".to_string() } else { offered.into_iter().collect::<Vec<_>>().join(", ") }
+                                ),
+                            ));
+                        }
+                    }
+                }
+            },
+        };
+        let id = req["id"].as_str().unwrap_or(&file.name).to_string();
+        let request = PlanRequest {
+            ctx,
+            strategy,
+            nodes,
+            experts,
+            ..PlanRequest::default()
+        };
+        let body = json!({
+            "op": "load",
+            "id": id,
+            "model": file.name,
+            "sha256": file.sha256,
+            "profile": file.profile,
+            "request": request,
+        });
+        self.to_coordinator(body).await
+    }
+
+    pub(crate) fn list_table(&self) -> Value {
+        let table = self.table.lock().unwrap().clone();
+        let reports = self.all_reports();
+        let nodes = self.rt.block_on(self.node.nodes());
+        let api_of = |id: &str| {
+            nodes
+                .iter()
+                .find(|n| n.id == id)
+                .and_then(|n| n.facts.as_ref().map(|f| f.api.clone()))
+        };
+        let name_of = |id: &str| {
+            nodes
+                .iter()
+                .find(|n| n.id == id)
+                .map(|n| n.name.clone())
+                .unwrap_or_else(|| id.to_string())
+        };
+        let list: Vec<Value> = table
+            .instances
+            .values()
+            .map(|i| {
+                let lead = i.lead().unwrap_or("");
+                let progress: BTreeMap<String, Value> = i
+                    .nodes()
+                    .into_iter()
+                    .filter_map(|n| {
+                        reports
+                            .get(n)
+                            .and_then(|r| r.get(&i.id))
+                            .filter(|r| r.generation == i.generation)
+                            .map(|r| (name_of(n), json!({"state": r.state, "detail": r.detail})))
+                    })
+                    .collect();
+                json!({
+                    "id": i.id,
+                    "model": i.model,
+                    "state": i.state.name(),
+                    "reason": match &i.state { InstanceState::Failed { reason } => Some(reason.clone()), _ => None },
+                    "generation": i.generation,
+                    "ctx": i.ctx,
+                    "strategy": i.placement.strategy,
+                    "tp": i.placement.tp,
+                    "pp": i.placement.pp(),
+                    "experts": i.placement.experts,
+                    "placement": nodes.iter().fold(i.placement.describe(), |d, n| d.replace(&n.id, &n.name)),
+                    "nodes": i.nodes().into_iter().map(name_of).collect::<Vec<_>>(),
+                    "lead": name_of(lead),
+                    "api": api_of(lead),
+                    "ranks": progress,
+                    "history": i.history,
+                })
+            })
+            .collect();
+        let drained: Vec<String> = table.drained.iter().map(|n| name_of(n)).collect();
+        json!({"version": table.version, "coordinator": table.coordinator, "drained": drained, "instances": list})
+    }
+}
