@@ -24,6 +24,7 @@ use shoal_engine::shard::Layout;
 use shoal_model::gguf::GgufFile;
 
 use crate::models::{sha256_file, ModelFile};
+use crate::report::RankState;
 use crate::Driver;
 
 /// Bytes per fetched and verified chunk.
@@ -255,7 +256,7 @@ impl Driver {
                 let have = chunks.iter().filter(|c| fetch.done.contains(c)).count();
                 self.report(
                     inst,
-                    "loading",
+                    RankState::Loading,
                     Some(format!(
                         "fetched {have}/{} chunks of its slice from node {}",
                         chunks.len(),

@@ -31,6 +31,7 @@ mod control;
 mod fetch;
 pub mod models;
 mod rank;
+pub mod report;
 mod tick;
 
 use std::collections::{BTreeMap, HashMap};
@@ -38,7 +39,6 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use shoal_api::{AppState, ControlError, ControlFuture, InstanceControl};
 use shoal_cluster::instances::{Instance, InstanceState, InstanceTable};
@@ -49,6 +49,7 @@ pub use models::{describe_model, model_id, profile_from_model, ModelFile};
 
 use fetch::Manifest;
 use rank::LocalRank;
+use report::RankReport;
 
 /// Membership key of the instance table.
 const TABLE_KEY: &str = "instances";
@@ -74,16 +75,6 @@ pub struct DriverConfig {
     pub queue: usize,
     /// Whether instances this node leads reuse the KV cache of requests sharing a prefix.
     pub prefix_cache: bool,
-}
-
-/// What a node reports about its rank of an instance.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-struct RankReport {
-    generation: u64,
-    /// `loading`, `ready` or `failed`.
-    state: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    detail: Option<String>,
 }
 
 /// The driver of one node.

@@ -20,6 +20,7 @@ use shoal_engine::scheduler::SchedulerConfig;
 use shoal_engine::shard::Layout;
 use shoal_model::source::ModelSource;
 
+use crate::report::RankState;
 use crate::Driver;
 
 /// How long a rank that lacks its model waits for another node's offer of it to arrive by
@@ -66,7 +67,7 @@ impl Driver {
             }
             Err(e) => {
                 tracing::warn!(instance = %inst.id, rank, "rank failed: {e:#}");
-                self.report(&inst, "failed", Some(format!("{e:#}")));
+                self.report(&inst, RankState::Failed, Some(format!("{e:#}")));
             }
         }
     }
@@ -88,7 +89,11 @@ impl Driver {
             .into_iter()
             .map(str::to_string)
             .collect();
-        self.report(inst, "loading", Some("joining the other ranks".into()));
+        self.report(
+            inst,
+            RankState::Loading,
+            Some("joining the other ranks".into()),
+        );
         let transport = self
             .rt
             .block_on(self.node.open_mesh(
@@ -110,7 +115,7 @@ impl Driver {
             pp: inst.placement.pp(),
         };
         let mut ctx = RankContext::over(transport, layout, COLLECTIVE_WAIT)?;
-        self.report(inst, "loading", Some("loading its shard".into()));
+        self.report(inst, RankState::Loading, Some("loading its shard".into()));
         let source = ModelSource::Gguf(path.clone());
         let sizes = inst.placement.stage_sizes();
         let (model, plans) = LoadedModel::load_split(
@@ -144,7 +149,7 @@ impl Driver {
                 .upgrade()
                 .context("the server is shutting down")?;
             state.add_model(served.clone());
-            self.report(inst, "ready", None);
+            self.report(inst, RankState::Ready, None);
             tracing::info!(instance = %inst.id, "serving");
             drop(state);
             loop {
@@ -160,7 +165,7 @@ impl Driver {
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
-        self.report(inst, "ready", None);
+        self.report(inst, RankState::Ready, None);
         serve(&ctx, &model.transformer, capacity)?;
         Ok(())
     }

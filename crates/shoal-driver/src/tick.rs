@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use shoal_cluster::instances::{is_coordinator, Instance, InstanceState, InstanceTable};
 
 use crate::rank::LocalRank;
+use crate::report::RankState;
 use crate::{is_running, now_ms, Driver, RankReport, RANKS_KEY, TABLE_KEY, TICK};
 
 impl Driver {
@@ -210,7 +211,7 @@ impl Driver {
                 }
                 InstanceState::Placing | InstanceState::Loading | InstanceState::Ready => {
                     let failed = nodes.iter().find_map(|n| {
-                        of(n).filter(|r| r.state == "failed").map(|r| {
+                        of(n).filter(|r| r.state == RankState::Failed).map(|r| {
                             format!(
                                 "node {n}: {}",
                                 r.detail.clone().unwrap_or_else(|| "failed".into())
@@ -221,7 +222,7 @@ impl Driver {
                         Some(InstanceState::Failed { reason })
                     } else if nodes
                         .iter()
-                        .all(|n| of(n).is_some_and(|r| r.state == "ready"))
+                        .all(|n| of(n).is_some_and(|r| r.state == RankState::Ready))
                     {
                         Some(InstanceState::Ready)
                     } else if nodes.iter().any(|n| of(n).is_some()) {
@@ -301,7 +302,7 @@ impl Driver {
                 inst.id.clone(),
                 RankReport {
                     generation: inst.generation,
-                    state: "loading".into(),
+                    state: RankState::Loading,
                     detail: None,
                 },
             );
@@ -320,7 +321,7 @@ impl Driver {
         }
     }
 
-    pub(crate) fn report(&self, inst: &Instance, state: &str, detail: Option<String>) {
+    pub(crate) fn report(&self, inst: &Instance, state: RankState, detail: Option<String>) {
         let mut reports = self.reports.lock().unwrap();
         let current = reports.get(&inst.id).map(|r| r.generation);
         // a report of an older generation than the one running here is stale
@@ -331,7 +332,7 @@ impl Driver {
             inst.id.clone(),
             RankReport {
                 generation: inst.generation,
-                state: state.into(),
+                state,
                 detail,
             },
         );
