@@ -1,8 +1,9 @@
 //! The requests that change or show the instance table. A client's load, unload or drain
 //! reaches whichever node it asked; that node sends it to the coordinator (itself, or another
 //! node through [`Node::ask`](shoal_cluster::node::Node::ask)), which applies it to the table
-//! and answers. Nodes also ask each other for the manifest of a file they fetch from. A
-//! refusal travels as an answer, so its HTTP status reaches the client.
+//! and answers. Nodes also ask each other for the manifest of a file they fetch from. The
+//! messages are the typed ones of [`crate::protocol`]; a refusal travels as an answer, so its
+//! HTTP status reaches the client.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -12,8 +13,9 @@ use serde_json::{json, Value};
 use shoal_api::ControlError;
 use shoal_cluster::instances::{coordinator, is_coordinator, InstanceState, NewInstance};
 use shoal_cluster::node::AppCall;
-use shoal_planner::{Cluster, ModelProfile, PlanRequest, Strategy};
+use shoal_planner::{Cluster, PlanRequest};
 
+use crate::protocol::{ControlAnswer, ControlRequest, LoadBody, LoadOp, Outcome};
 use crate::{describe_model, err, now_ms, Driver, COORDINATOR_AGREEMENT};
 
 impl Driver {
@@ -31,34 +33,30 @@ impl Driver {
         }
     }
 
+    /// One request from node `from`: a malformed or unknown one is an error for the asker.
     async fn handle(&self, from: &str, body: Value) -> Result<Value, String> {
-        match body["op"].as_str().unwrap_or("") {
-            "manifest" => {
-                let sha = body["sha256"].as_str().unwrap_or("").to_ascii_lowercase();
-                self.manifest(&sha)
-                    .await
-                    .map(|m| serde_json::to_value(&*m).expect("manifest serializes"))
-                    .map_err(|e| format!("{e:#}"))
-            }
-            "load" | "unload" | "drain" => {
-                let live = self.node.live_ids();
-                if !is_coordinator(self.node.id(), &live) {
-                    // views of who is alive differ for a moment after a join or a death:
-                    // the asker retries once its own view has caught up
-                    return Ok(json!({"not_coordinator": {
-                        "node": self.node.id(),
-                        "ask": coordinator(&live).unwrap_or("none"),
-                    }}));
-                }
-                tracing::info!(from, op = %body["op"], "coordinator request");
-                // a refusal travels as an answer, so its status reaches the client
-                Ok(match self.apply(&body).await {
-                    Ok(v) => json!({"ok": v}),
-                    Err(e) => json!({"refused": {"status": e.status, "message": e.message}}),
-                })
-            }
-            other => Err(format!("unknown operation {other:?}")),
+        let request = ControlRequest::from_value(body)?;
+        if let ControlRequest::Manifest { sha256 } = &request {
+            let sha = sha256.to_ascii_lowercase();
+            return self
+                .manifest(&sha)
+                .await
+                .map(|m| serde_json::to_value(&*m).expect("manifest serializes"))
+                .map_err(|e| format!("{e:#}"));
         }
+        let live = self.node.live_ids();
+        if !is_coordinator(self.node.id(), &live) {
+            // views of who is alive differ for a moment after a join or a death:
+            // the asker retries once its own view has caught up
+            return Ok(ControlAnswer::NotCoordinator {
+                node: self.node.id().to_string(),
+                ask: coordinator(&live).unwrap_or("none").to_string(),
+            }
+            .to_value());
+        }
+        tracing::info!(from, op = request.name(), "coordinator request");
+        // a refusal travels as an answer, so its status reaches the client
+        Ok(ControlAnswer::of(self.apply(&request).await).to_value())
     }
 
     /// The live cluster once every pair of its nodes has a measured link (a node that just
@@ -76,29 +74,23 @@ impl Driver {
     }
 
     /// Applies a coordinator operation to the table (on the coordinator).
-    async fn apply(&self, body: &Value) -> Result<Value, ControlError> {
+    async fn apply(&self, request: &ControlRequest) -> Result<Outcome, ControlError> {
         let me = self.node.id().to_string();
         let cluster = self.measured_cluster(Duration::from_secs(15)).await;
         let table = self.table.lock().unwrap().clone();
-        let (next, answer) = match body["op"].as_str().unwrap_or("") {
-            "load" => {
-                let model = body["model"].as_str().unwrap_or("").to_string();
-                let profile: ModelProfile = serde_json::from_value(body["profile"].clone())
-                    .map_err(|e| err(400, format!("the load carries no usable profile: {e}")))?;
+        let (next, answer) = match request {
+            ControlRequest::Load(op) => {
                 self.profiles
                     .lock()
                     .unwrap()
-                    .insert(model.clone(), profile.clone());
-                let request: PlanRequest = serde_json::from_value(body["request"].clone())
-                    .map_err(|e| err(400, format!("the load carries no usable request: {e}")))?;
+                    .insert(op.model.clone(), op.profile.clone());
                 let new = NewInstance {
-                    id: body["id"].as_str().unwrap_or(&model).to_string(),
-                    model,
-                    model_sha256: body["sha256"].as_str().map(str::to_string),
+                    id: op.id.clone(),
+                    model: op.model.clone(),
+                    model_sha256: op.sha256.clone(),
                 };
-                let id = new.id.clone();
                 let t = table
-                    .load(&me, new, &profile, &cluster, &request, now_ms())
+                    .load(&me, new, &op.profile, &cluster, &op.request, now_ms())
                     .map_err(|e| {
                         let status = match e {
                             shoal_cluster::instances::InstanceError::Duplicate { .. } => 409,
@@ -106,18 +98,24 @@ impl Driver {
                         };
                         err(status, e.to_string())
                     })?;
-                let inst = t.get(&id).cloned();
-                (t, json!({"instance": inst}))
+                let instance = t
+                    .get(&op.id)
+                    .cloned()
+                    .ok_or_else(|| err(500, "the loaded instance is missing from the table"))?;
+                let loaded = Outcome::Loaded {
+                    instance: Box::new(instance),
+                };
+                (t, loaded)
             }
-            "unload" => {
-                let id = body["id"].as_str().unwrap_or("");
+            ControlRequest::Unload { id } => {
                 let t = table
                     .unload(&me, id, now_ms())
                     .map_err(|e| err(404, e.to_string()))?;
-                (t, json!({"unloading": id}))
+                let unloading = id.clone();
+                (t, Outcome::Unloading { unloading })
             }
-            "drain" => {
-                let node = body["node"].as_str().unwrap_or("");
+            ControlRequest::Drain { node } => {
+                let node = node.as_str();
                 let moving: Vec<&str> = table
                     .instances
                     .values()
@@ -148,16 +146,21 @@ impl Driver {
                         ),
                     ));
                 }
-                let moved: Vec<&str> = t
+                let moved: Vec<String> = t
                     .instances
                     .values()
                     .filter(|i| table.get(&i.id).map(|o| o.generation) != Some(i.generation))
-                    .map(|i| i.id.as_str())
+                    .map(|i| i.id.clone())
                     .collect();
-                let answer = json!({"drained": node, "moved": moved});
-                (t, answer)
+                let drained = node.to_string();
+                (t, Outcome::Drained { drained, moved })
             }
-            other => return Err(err(400, format!("unknown operation {other:?}"))),
+            ControlRequest::Manifest { .. } => {
+                return Err(err(
+                    400,
+                    "a manifest request is not a coordinator operation",
+                ))
+            }
         };
         let mut t = self.table.lock().unwrap();
         if t.version != table.version {
@@ -176,100 +179,58 @@ impl Driver {
     /// may disagree on who is alive, and so on who coordinates. The other node then declines;
     /// the request goes again (nothing was applied) once the views had time to converge, for
     /// up to [`COORDINATOR_AGREEMENT`].
-    pub(crate) async fn to_coordinator(&self, body: Value) -> Result<Value, ControlError> {
+    pub(crate) async fn to_coordinator(
+        &self,
+        request: ControlRequest,
+    ) -> Result<Outcome, ControlError> {
         let deadline = Instant::now() + COORDINATOR_AGREEMENT;
+        let body = request.to_value();
         loop {
             let live = self.node.live_ids();
             let coord = coordinator(&live)
                 .map(str::to_string)
                 .unwrap_or_else(|| self.node.id().to_string());
             if coord == self.node.id() {
-                return self.apply(&body).await;
+                return self.apply(&request).await;
             }
             let answer = self
                 .node
                 .ask(&coord, body.clone(), Duration::from_secs(30))
                 .await
                 .map_err(|e| err(503, format!("the coordinator could not be asked: {e}")))?;
-            match (
-                answer.get("ok"),
-                answer.get("refused"),
-                answer.get("not_coordinator"),
-            ) {
-                (Some(v), _, _) => return Ok(v.clone()),
-                (None, Some(r), _) => {
-                    return Err(err(
-                        r["status"]
-                            .as_u64()
-                            .and_then(|s| u16::try_from(s).ok())
-                            .unwrap_or(500),
-                        r["message"].as_str().unwrap_or("refused").to_string(),
-                    ))
-                }
-                (None, None, Some(n)) => {
+            match ControlAnswer::from_value(answer).map_err(|e| err(502, e))? {
+                ControlAnswer::Ok(outcome) => return Ok(outcome),
+                ControlAnswer::Refused { status, message } => return Err(err(status, message)),
+                ControlAnswer::NotCoordinator { ask, .. } => {
                     if Instant::now() >= deadline {
                         return Err(err(
                             503,
                             format!(
                                 "the nodes disagree on who coordinates: this node takes {coord} \
-                                 for the coordinator, and {coord} names {}; they did not agree \
+                                 for the coordinator, and {coord} names {ask}; they did not agree \
                                  within {}s, so check `shoal nodes` on both and retry",
-                                n["ask"].as_str().unwrap_or("none"),
                                 COORDINATOR_AGREEMENT.as_secs()
                             ),
                         ));
                     }
-                    tracing::debug!(%coord, ask = %n["ask"], "not the coordinator yet; retrying");
+                    tracing::debug!(%coord, %ask, "not the coordinator yet; retrying");
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
-                _ => return Err(err(502, format!("the coordinator answered {answer}"))),
             }
         }
     }
 
-    pub(crate) async fn load_request(&self, req: Value) -> Result<Value, ControlError> {
-        let model = req["model"]
-            .as_str()
-            .filter(|m| !m.is_empty())
-            .ok_or_else(|| err(400, "give the model to load: {\"model\": NAME}"))?
-            .to_string();
-        let strategy: Strategy = match req.get("strategy") {
-            None | Some(Value::Null) => Strategy::Auto,
-            Some(v) => serde_json::from_value(v.clone()).map_err(|_| {
-                err(
-                    400,
-                    format!("strategy {v} is not one of auto, tensor, pipeline, hybrid"),
-                )
-            })?,
-        };
-        let experts: shoal_planner::split::ExpertSplit = match req.get("experts") {
-            None | Some(Value::Null) => Default::default(),
-            Some(v) => serde_json::from_value(v.clone()).map_err(|_| {
-                err(
-                    400,
-                    format!("experts {v} is not one of auto, whole, sliced"),
-                )
-            })?,
-        };
-        let ctx = match req.get("ctx") {
-            None | Some(Value::Null) => 4096,
-            Some(v) => v
-                .as_u64()
-                .filter(|&c| (2..=1 << 20).contains(&c))
-                .ok_or_else(|| {
-                    err(
-                        400,
-                        format!("ctx {v} must be a number of tokens, 2 to 1048576"),
-                    )
-                })? as u32,
-        };
-        let nodes: Option<Vec<String>> = match req.get("nodes") {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(
-                serde_json::from_value(v.clone())
-                    .map_err(|_| err(400, "nodes must be a list of node ids or names"))?,
-            ),
-        };
+    /// A client's load (`req`, see [`LoadBody`]): finds the model file (this node's, any
+    /// node's offer, or a path here, which this node then offers) and asks the coordinator.
+    pub(crate) async fn load_request(&self, req: Value) -> Result<Outcome, ControlError> {
+        let LoadBody {
+            model,
+            id,
+            strategy,
+            experts,
+            ctx,
+            nodes,
+        } = LoadBody::parse(&req)?;
         // this node's file, else any node's offer of that name
         let local = self
             .files
@@ -305,7 +266,7 @@ impl Driver {
                 }
             },
         };
-        let id = req["id"].as_str().unwrap_or(&file.name).to_string();
+        let id = id.unwrap_or_else(|| file.name.clone());
         let request = PlanRequest {
             ctx,
             strategy,
@@ -313,15 +274,14 @@ impl Driver {
             experts,
             ..PlanRequest::default()
         };
-        let body = json!({
-            "op": "load",
-            "id": id,
-            "model": file.name,
-            "sha256": file.sha256,
-            "profile": file.profile,
-            "request": request,
-        });
-        self.to_coordinator(body).await
+        self.to_coordinator(ControlRequest::Load(Box::new(LoadOp {
+            id,
+            model: file.name,
+            sha256: Some(file.sha256),
+            profile: file.profile,
+            request,
+        })))
+        .await
     }
 
     pub(crate) fn list_table(&self) -> Value {

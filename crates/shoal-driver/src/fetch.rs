@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 use sha2::{Digest, Sha256};
 use shoal_cluster::instances::Instance;
 use shoal_cluster::node::MAX_FETCH_BYTES;
@@ -24,6 +23,7 @@ use shoal_engine::shard::Layout;
 use shoal_model::gguf::GgufFile;
 
 use crate::models::{sha256_file, ModelFile};
+use crate::protocol::ControlRequest;
 use crate::report::RankState;
 use crate::Driver;
 
@@ -90,11 +90,16 @@ impl Driver {
     ) -> anyhow::Result<PathBuf> {
         let answer = self
             .rt
-            .block_on(self.node.ask(
-                src,
-                json!({"op": "manifest", "sha256": sha}),
-                Duration::from_secs(120),
-            ))
+            .block_on(
+                self.node.ask(
+                    src,
+                    ControlRequest::Manifest {
+                        sha256: sha.to_string(),
+                    }
+                    .to_value(),
+                    Duration::from_secs(120),
+                ),
+            )
             .map_err(anyhow::Error::msg)?;
         let m: Manifest = serde_json::from_value(answer).context("reading the manifest")?;
         if m.chunk != CHUNK || m.hashes.len() as u64 != m.size.div_ceil(CHUNK) {

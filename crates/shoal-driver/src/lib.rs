@@ -30,6 +30,7 @@
 mod control;
 mod fetch;
 pub mod models;
+pub mod protocol;
 mod rank;
 pub mod report;
 mod tick;
@@ -39,7 +40,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde_json::{json, Value};
+use serde_json::Value;
 use shoal_api::{AppState, ControlError, ControlFuture, InstanceControl};
 use shoal_cluster::instances::{Instance, InstanceState, InstanceTable};
 use shoal_cluster::node::Node;
@@ -48,6 +49,7 @@ use shoal_planner::{Cluster, ModelProfile, PlanRequest};
 pub use models::{describe_model, model_id, profile_from_model, ModelFile};
 
 use fetch::Manifest;
+use protocol::ControlRequest;
 use rank::LocalRank;
 use report::RankReport;
 
@@ -286,12 +288,16 @@ fn is_running(state: &InstanceState) -> bool {
 impl InstanceControl for Driver {
     fn load(&self, request: Value) -> ControlFuture {
         let me = self.self_arc();
-        Box::pin(async move { me.load_request(request).await })
+        Box::pin(async move { me.load_request(request).await.map(|o| o.to_value()) })
     }
 
     fn unload(&self, id: String) -> ControlFuture {
         let me = self.self_arc();
-        Box::pin(async move { me.to_coordinator(json!({"op": "unload", "id": id})).await })
+        Box::pin(async move {
+            me.to_coordinator(ControlRequest::Unload { id })
+                .await
+                .map(|o| o.to_value())
+        })
     }
 
     fn drain(&self, node: String) -> ControlFuture {
@@ -304,7 +310,9 @@ impl InstanceControl for Driver {
                 .find(|n| n.id == node || n.name == node)
                 .map(|n| n.id.clone())
                 .ok_or_else(|| err(404, format!("no node {node} in the cluster")))?;
-            me.to_coordinator(json!({"op": "drain", "node": id})).await
+            me.to_coordinator(ControlRequest::Drain { node: id })
+                .await
+                .map(|o| o.to_value())
         })
     }
 
