@@ -16,7 +16,7 @@ use shoal_cluster::node::AppCall;
 use shoal_planner::{Cluster, PlanRequest};
 
 use crate::protocol::{ControlAnswer, ControlRequest, LoadBody, LoadOp, Outcome};
-use crate::{describe_model, err, now_ms, Driver, COORDINATOR_AGREEMENT};
+use crate::{decisions, describe_model, err, now_ms, Driver, COORDINATOR_AGREEMENT};
 
 impl Driver {
     /// Answers application requests from other nodes.
@@ -115,28 +115,11 @@ impl Driver {
                 (t, Outcome::Unloading { unloading })
             }
             ControlRequest::Drain { node } => {
-                let node = node.as_str();
-                let moving: Vec<&str> = table
-                    .instances
-                    .values()
-                    .filter(|i| i.uses_any(&[node.to_string()]))
-                    .map(|i| i.id.as_str())
-                    .collect();
-                let cluster = self.releasing(&table, &moving, &cluster);
+                let moving = decisions::instances_on(&table, std::slice::from_ref(node));
+                let cluster = decisions::releasing(&table, &moving, &cluster, |m| self.profile(m));
                 let t = table.drain(&me, node, &|m| self.profile(m), &cluster, now_ms());
                 // refuse rather than fail a running instance that has nowhere to go
-                let stranded: Vec<String> = t
-                    .instances
-                    .values()
-                    .filter_map(|i| match (&i.state, table.get(&i.id).map(|o| &o.state)) {
-                        (InstanceState::Failed { reason }, Some(before))
-                            if !matches!(before, InstanceState::Failed { .. }) =>
-                        {
-                            Some(format!("{}: {reason}", i.id))
-                        }
-                        _ => None,
-                    })
-                    .collect();
+                let stranded = decisions::stranded(&table, &t);
                 if !stranded.is_empty() {
                     return Err(err(
                         409,
@@ -146,13 +129,11 @@ impl Driver {
                         ),
                     ));
                 }
-                let moved: Vec<String> = t
-                    .instances
-                    .values()
-                    .filter(|i| table.get(&i.id).map(|o| o.generation) != Some(i.generation))
+                let moved = decisions::replaced(&table, &t)
+                    .into_iter()
                     .map(|i| i.id.clone())
                     .collect();
-                let drained = node.to_string();
+                let drained = node.clone();
                 (t, Outcome::Drained { drained, moved })
             }
             ControlRequest::Manifest { .. } => {

@@ -28,6 +28,7 @@
 //! routes call.
 
 mod control;
+pub mod decisions;
 mod fetch;
 pub mod models;
 pub mod protocol;
@@ -42,9 +43,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 use shoal_api::{AppState, ControlError, ControlFuture, InstanceControl};
-use shoal_cluster::instances::{Instance, InstanceState, InstanceTable};
+use shoal_cluster::instances::InstanceTable;
 use shoal_cluster::node::Node;
-use shoal_planner::{Cluster, ModelProfile, PlanRequest};
+use shoal_planner::{Cluster, ModelProfile};
 
 pub use models::{describe_model, model_id, profile_from_model, ModelFile};
 
@@ -212,77 +213,12 @@ impl Driver {
         Cluster { nodes, links }
     }
 
-    /// The memory `inst` holds on each of its live nodes, as the planner predicts it.
-    fn held_by(&self, inst: &Instance, cluster: &Cluster) -> Vec<(String, u64)> {
-        let Some(profile) = self.profile(&inst.model) else {
-            return Vec::new();
-        };
-        let req = PlanRequest {
-            ctx: inst.ctx,
-            strategy: inst.strategy,
-            experts: inst.experts,
-            ..PlanRequest::default()
-        };
-        // Only the live nodes' share matters, but evaluation needs every node of the
-        // placement: a dead one stands in as a copy of a live one (memory per rank depends
-        // on the model and the split, not on the node).
-        let Some(template) = cluster.nodes.first().cloned() else {
-            return Vec::new();
-        };
-        let mut full = cluster.clone();
-        for n in inst.nodes() {
-            if !full.nodes.iter().any(|x| x.id == n) {
-                full.nodes.push(shoal_planner::NodeSpec {
-                    id: n.to_string(),
-                    name: n.to_string(),
-                    ..template.clone()
-                });
-            }
-        }
-        match shoal_planner::evaluate(&full, &profile, &req, &inst.placement) {
-            Ok(c) => c
-                .prediction
-                .memory
-                .into_iter()
-                .filter(|m| cluster.nodes.iter().any(|n| n.id == m.node))
-                .map(|m| (m.node, m.total_bytes))
-                .collect(),
-            Err(_) => Vec::new(),
-        }
-    }
-
-    /// `cluster` with the memory the instances `ids` hold given back to their nodes (they
-    /// are about to be re-placed, and their old ranks stop).
-    fn releasing(&self, table: &InstanceTable, ids: &[&str], cluster: &Cluster) -> Cluster {
-        let mut out = cluster.clone();
-        for id in ids {
-            let Some(inst) = table.get(id) else { continue };
-            if !is_running(&inst.state) {
-                continue;
-            }
-            for (node, bytes) in self.held_by(inst, cluster) {
-                if let Some(n) = out.nodes.iter_mut().find(|n| n.id == node) {
-                    n.memory_free_bytes = n.memory_free_bytes.saturating_add(bytes);
-                }
-            }
-        }
-        out
-    }
-
     /// The driver's own `Arc` ([`Driver::start`] always makes one).
     fn self_arc(&self) -> Arc<Driver> {
         self.me
             .upgrade()
             .expect("the driver is alive while it is called")
     }
-}
-
-/// Whether an instance in `state` holds ranks (and memory) on its nodes.
-fn is_running(state: &InstanceState) -> bool {
-    matches!(
-        state,
-        InstanceState::Placing | InstanceState::Loading | InstanceState::Ready
-    )
 }
 
 impl InstanceControl for Driver {

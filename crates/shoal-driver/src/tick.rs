@@ -4,30 +4,22 @@
 //! stop this node's ranks to match the table (reconcile), and publish what this node's ranks
 //! report and which lead serves each ready instance.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
-use shoal_cluster::instances::{is_coordinator, Instance, InstanceState, InstanceTable};
+use shoal_cluster::instances::{is_coordinator, Instance, InstanceTable};
 
+use crate::decisions::{self, NodeReports};
 use crate::rank::LocalRank;
-use crate::report::RankState;
-use crate::{is_running, now_ms, Driver, RankReport, RANKS_KEY, TABLE_KEY, TICK};
+use crate::report::{RankReport, RankState};
+use crate::{now_ms, Driver, RANKS_KEY, TABLE_KEY, TICK};
 
 impl Driver {
     /// Tells the node what this node's instances hold, so its published free memory under
     /// `--max-memory` leaves it out.
     async fn publish_held(&self, table: &InstanceTable) {
         let cluster = self.cluster().await;
-        let me = self.node.id();
-        let held: u64 = table
-            .instances
-            .values()
-            .filter(|i| is_running(&i.state) && i.nodes().contains(&me))
-            .flat_map(|i| self.held_by(i, &cluster))
-            .filter(|(n, _)| n == me)
-            .map(|(_, b)| b)
-            .sum();
+        let held = decisions::held_on(table, self.node.id(), &cluster, |m| self.profile(m));
         self.node.set_memory_held(held).await;
     }
 
@@ -63,17 +55,7 @@ impl Driver {
                 held_for = table.version;
             }
             let nodes = self.node.nodes().await;
-            let leads = table
-                .instances
-                .values()
-                .filter(|i| i.state == InstanceState::Ready)
-                .filter_map(|i| {
-                    let lead = i.lead()?;
-                    let n = nodes.iter().find(|n| n.id == lead && n.alive)?;
-                    Some((i.id.clone(), n.facts.as_ref()?.api.clone()))
-                })
-                .collect();
-            *self.leads.lock().unwrap() = leads;
+            *self.leads.lock().unwrap() = decisions::leads(&table, &nodes);
             let reports = serde_json::to_string(&*self.reports.lock().unwrap()).expect("reports");
             if reports != published_reports {
                 if let Err(e) = self.node.publish(RANKS_KEY, &reports).await {
@@ -105,7 +87,7 @@ impl Driver {
     }
 
     /// Every rank report of live nodes: node -> instance -> report.
-    pub(crate) fn all_reports(&self) -> HashMap<String, BTreeMap<String, RankReport>> {
+    pub(crate) fn all_reports(&self) -> NodeReports {
         self.node
             .published(RANKS_KEY)
             .into_iter()
@@ -130,42 +112,18 @@ impl Driver {
         let live = self.node.live_ids();
         let table = self.table.lock().unwrap().clone();
         let mut next = table.clone();
-        let lost: Vec<String> = table
-            .instances
-            .values()
-            .flat_map(|i| {
-                i.nodes()
-                    .into_iter()
-                    .map(str::to_string)
-                    .collect::<Vec<_>>()
-            })
-            .filter(|n| !live.contains(n))
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect();
+        let lost = decisions::lost_nodes(&table, &live);
         if !lost.is_empty() {
             let cluster = self.cluster().await;
-            let moving: Vec<&str> = table
-                .instances
-                .values()
-                .filter(|i| i.uses_any(&lost))
-                .map(|i| i.id.as_str())
-                .collect();
-            let cluster = self.releasing(&table, &moving, &cluster);
+            let moving = decisions::instances_on(&table, &lost);
+            let cluster = decisions::releasing(&table, &moving, &cluster, |m| self.profile(m));
             next = next.on_nodes_lost(&me, &lost, &|m| self.profile(m), &cluster, now_ms());
-            for i in next.instances.values() {
-                if table.get(&i.id).map(|o| o.generation) != Some(i.generation) {
-                    tracing::warn!(instance = %i.id, lost = ?lost, state = %i.state, placement = %i.placement.describe(), "re-placed after losing nodes");
-                }
+            for i in decisions::replaced(&table, &next) {
+                tracing::warn!(instance = %i.id, lost = ?lost, state = %i.state, placement = %i.placement.describe(), "re-placed after losing nodes");
             }
         }
         if changed {
-            let failed: Vec<String> = next
-                .instances
-                .values()
-                .filter(|i| matches!(i.state, InstanceState::Failed { .. }))
-                .map(|i| i.id.clone())
-                .collect();
+            let failed = decisions::failed(&next);
             if !failed.is_empty() {
                 let cluster = self.cluster().await;
                 for id in failed {
@@ -183,116 +141,38 @@ impl Driver {
             }
         }
         // a drained node that left may come back as a fresh member
-        let left: Vec<String> = next
-            .drained
-            .iter()
-            .filter(|n| !live.contains(n))
-            .cloned()
-            .collect();
-        next = next.undrain(&me, &left);
-        let reports = self.all_reports();
-        for inst in next.instances.clone().into_values() {
-            let nodes: Vec<String> = inst.nodes().into_iter().map(str::to_string).collect();
-            let of = |n: &str| {
-                reports
-                    .get(n)
-                    .and_then(|r| r.get(&inst.id))
-                    .filter(|r| r.generation == inst.generation)
-            };
-            let now = now_ms();
-            match inst.state {
-                InstanceState::Unloading => {
-                    let running = reports.values().any(|r| r.contains_key(&inst.id));
-                    if !running {
-                        if let Ok(t) = next.forget(&me, &inst.id) {
-                            next = t;
-                        }
-                    }
-                }
-                InstanceState::Placing | InstanceState::Loading | InstanceState::Ready => {
-                    let failed = nodes.iter().find_map(|n| {
-                        of(n).filter(|r| r.state == RankState::Failed).map(|r| {
-                            format!(
-                                "node {n}: {}",
-                                r.detail.clone().unwrap_or_else(|| "failed".into())
-                            )
-                        })
-                    });
-                    let target = if let Some(reason) = failed {
-                        Some(InstanceState::Failed { reason })
-                    } else if nodes
-                        .iter()
-                        .all(|n| of(n).is_some_and(|r| r.state == RankState::Ready))
-                    {
-                        Some(InstanceState::Ready)
-                    } else if nodes.iter().any(|n| of(n).is_some()) {
-                        Some(InstanceState::Loading)
-                    } else {
-                        None
-                    };
-                    let Some(target) = target else { continue };
-                    if target == InstanceState::Ready && inst.state == InstanceState::Placing {
-                        if let Ok(t) =
-                            next.report(&me, &inst.id, inst.generation, InstanceState::Loading, now)
-                        {
-                            next = t;
-                        }
-                    }
-                    match next.report(&me, &inst.id, inst.generation, target, now) {
-                        Ok(t) => next = t,
-                        Err(e) => tracing::debug!(instance = %inst.id, "report not applied: {e}"),
-                    }
-                }
-                InstanceState::Failed { .. } => {}
-            }
-        }
+        next = next.undrain(&me, &decisions::departed_drained(&next, &live));
+        next = decisions::follow_reports(&me, &next, &self.all_reports(), now_ms());
         let mut t = self.table.lock().unwrap();
         // the table may have changed meanwhile (a load); keep the newer one
-        if next.version > t.version && t.version == table.version {
+        if decisions::supersedes(&next, &table, &t) {
             *t = next;
         }
     }
 
     /// Starts the ranks the table places here and stops the others.
     fn reconcile(self: &Arc<Self>, table: &InstanceTable) {
-        let me = self.node.id();
-        let mut want: HashMap<(String, usize), &Instance> = HashMap::new();
-        for inst in table.instances.values() {
-            if !is_running(&inst.state) {
-                continue;
-            }
-            for (rank, node) in inst.placement.rank_nodes().into_iter().enumerate() {
-                if node == me {
-                    want.insert((inst.id.clone(), rank), inst);
+        let mut local = self.local.lock().unwrap();
+        let mut reports = self.reports.lock().unwrap();
+        let running = local
+            .iter()
+            .map(|(key, r)| (key.clone(), r.generation))
+            .collect();
+        let plan = decisions::plan_ranks(table, self.node.id(), &running, &reports);
+        for key in &plan.stop {
+            let Some(r) = local.remove(key) else { continue };
+            tracing::info!(instance = %key.0, rank = key.1, generation = r.generation, "stopping rank");
+            r.stop("the instance was unloaded, re-placed or failed");
+            if key.1 == 0 {
+                if let Some(state) = self.state.upgrade() {
+                    state.remove_model(&key.0);
                 }
             }
         }
-        let mut local = self.local.lock().unwrap();
-        local.retain(|key, r| {
-            let keep = want
-                .get(key)
-                .is_some_and(|i| i.generation == r.generation);
-            if !keep {
-                tracing::info!(instance = %key.0, rank = key.1, generation = r.generation, "stopping rank");
-                r.stop("the instance was unloaded, re-placed or failed");
-                if key.1 == 0 {
-                    if let Some(state) = self.state.upgrade() {
-                        state.remove_model(&key.0);
-                    }
-                }
-            }
-            keep
-        });
-        let mut reports = self.reports.lock().unwrap();
-        reports.retain(|id, r| {
-            local
-                .iter()
-                .any(|((i, _), l)| i == id && l.generation == r.generation)
-        });
-        for (key, inst) in want {
-            if local.contains_key(&key) {
-                continue;
-            }
+        for id in &plan.drop_reports {
+            reports.remove(id);
+        }
+        for (key, inst) in plan.start {
             let rank = LocalRank {
                 generation: inst.generation,
                 stop: Arc::new(AtomicBool::new(false)),
@@ -300,16 +180,11 @@ impl Driver {
             };
             reports.insert(
                 inst.id.clone(),
-                RankReport {
-                    generation: inst.generation,
-                    state: RankState::Loading,
-                    detail: None,
-                },
+                RankReport::new(inst.generation, RankState::Loading, None),
             );
             let (stop, mesh) = (rank.stop.clone(), rank.mesh.clone());
             local.insert(key.clone(), rank);
             let me = self.clone();
-            let inst = inst.clone();
             let r = key.1;
             tracing::info!(instance = %inst.id, rank = r, generation = inst.generation, placement = %inst.placement.describe(), "starting rank");
             let spawned = std::thread::Builder::new()
@@ -321,20 +196,16 @@ impl Driver {
         }
     }
 
+    /// Sets this node's report about its rank of `inst`, unless it is a late word from a
+    /// rank of an older generation than the one reported now.
     pub(crate) fn report(&self, inst: &Instance, state: RankState, detail: Option<String>) {
         let mut reports = self.reports.lock().unwrap();
-        let current = reports.get(&inst.id).map(|r| r.generation);
-        // a report of an older generation than the one running here is stale
-        if current.is_some_and(|g| g > inst.generation) {
+        if !decisions::accepts_report(reports.get(&inst.id), inst.generation) {
             return;
         }
         reports.insert(
             inst.id.clone(),
-            RankReport {
-                generation: inst.generation,
-                state,
-                detail,
-            },
+            RankReport::new(inst.generation, state, detail),
         );
     }
 }
