@@ -32,19 +32,54 @@ const MESH_WAIT: Duration = Duration::from_secs(600);
 /// membership (which closes the mesh), not by this timeout.
 const COLLECTIVE_WAIT: Duration = Duration::from_secs(24 * 3600);
 
+/// What a rank thread shares with the loop that started it.
+#[derive(Default)]
+pub(crate) struct RankHandle {
+    /// Set to stop the rank.
+    stop: AtomicBool,
+    /// The instance's mesh, once joined (closed to wake a rank waiting on its peers).
+    mesh: Mutex<Option<Arc<SessionTransport>>>,
+    /// The model rank 0 registered with this node's APIs, once it did.
+    served: Mutex<Option<Arc<ServedModel>>>,
+}
+
 /// A rank this node runs.
 pub(crate) struct LocalRank {
     pub(crate) generation: u64,
-    pub(crate) stop: Arc<AtomicBool>,
-    pub(crate) mesh: Arc<Mutex<Option<Arc<SessionTransport>>>>,
+    pub(crate) handle: Arc<RankHandle>,
 }
 
 impl LocalRank {
-    pub(crate) fn stop(&self, why: &str) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(m) = self.mesh.lock().unwrap().as_ref() {
+    /// A rank of placement `generation`, not started yet.
+    pub(crate) fn new(generation: u64) -> Self {
+        LocalRank {
+            generation,
+            handle: Arc::new(RankHandle::default()),
+        }
+    }
+
+    /// Tells the rank to stop and wakes it; returns the model it serves, if it is rank 0
+    /// and registered one (for the caller to remove that one, and no other).
+    pub(crate) fn stop(&self, why: &str) -> Option<Arc<ServedModel>> {
+        self.handle.stop.store(true, Ordering::Release);
+        if let Some(m) = self.handle.mesh.lock().unwrap().as_ref() {
             m.close(why);
         }
+        self.handle.served.lock().unwrap().clone()
+    }
+}
+
+/// Rank 0's watch over the model it serves: until it is stopped (`Ok`) or its scheduler
+/// fails (the reason).
+fn lead(served: &ServedModel, stop: &AtomicBool) -> anyhow::Result<()> {
+    loop {
+        if stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if let Some(why) = served.scheduler.failure() {
+            bail!("{why}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
@@ -53,16 +88,15 @@ impl Driver {
         self: Arc<Self>,
         inst: Instance,
         rank: usize,
-        stop: Arc<AtomicBool>,
-        mesh: Arc<Mutex<Option<Arc<SessionTransport>>>>,
+        handle: Arc<RankHandle>,
     ) {
-        let result = self.run_rank(&inst, rank, &stop, &mesh);
-        if let Some(m) = mesh.lock().unwrap().take() {
+        let result = self.run_rank(&inst, rank, &handle);
+        if let Some(m) = handle.mesh.lock().unwrap().take() {
             m.close("the rank ended");
         }
         match result {
             Ok(()) => tracing::info!(instance = %inst.id, rank, "rank stopped"),
-            Err(e) if stop.load(Ordering::Acquire) => {
+            Err(e) if handle.stop.load(Ordering::Acquire) => {
                 tracing::info!(instance = %inst.id, rank, "rank stopped: {e:#}")
             }
             Err(e) => {
@@ -72,13 +106,8 @@ impl Driver {
         }
     }
 
-    fn run_rank(
-        &self,
-        inst: &Instance,
-        rank: usize,
-        stop: &AtomicBool,
-        mesh_slot: &Mutex<Option<Arc<SessionTransport>>>,
-    ) -> anyhow::Result<()> {
+    fn run_rank(&self, inst: &Instance, rank: usize, handle: &RankHandle) -> anyhow::Result<()> {
+        let stop = &handle.stop;
         let path = self.model_path(inst, rank, stop)?;
         if stop.load(Ordering::Acquire) {
             return Ok(());
@@ -105,7 +134,7 @@ impl Driver {
             ))
             .map_err(anyhow::Error::msg)?;
         let transport = Arc::new(transport);
-        *mesh_slot.lock().unwrap() = Some(transport.clone());
+        *handle.mesh.lock().unwrap() = Some(transport.clone());
         if stop.load(Ordering::Acquire) {
             transport.close("the instance was stopped");
             return Ok(());
@@ -148,22 +177,20 @@ impl Driver {
                 .state
                 .upgrade()
                 .context("the server is shutting down")?;
+            // kept before it is served, so that a stop from now on removes it
+            *handle.served.lock().unwrap() = Some(served.clone());
             state.add_model(served.clone());
             self.report(inst, RankState::Ready, None);
             tracing::info!(instance = %inst.id, "serving");
             drop(state);
-            loop {
-                if stop.load(Ordering::Acquire) {
-                    return Ok(());
-                }
-                if let Some(why) = served.scheduler.failure() {
-                    if let Some(state) = self.state.upgrade() {
-                        state.remove_model(&inst.id);
-                    }
-                    bail!("{why}");
-                }
-                std::thread::sleep(Duration::from_millis(100));
+            let result = lead(&served, stop);
+            // let go of it (its weights), and stop serving this model and no other: a newer
+            // generation of the instance may be served under the same id already
+            handle.served.lock().unwrap().take();
+            if let Some(state) = self.state.upgrade() {
+                state.remove_served(&served);
             }
+            return result;
         }
         self.report(inst, RankState::Ready, None);
         serve(&ctx, &model.transformer, capacity)?;

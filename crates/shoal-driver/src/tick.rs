@@ -4,8 +4,7 @@
 //! stop this node's ranks to match the table (reconcile), and publish what this node's ranks
 //! report and which lead serves each ready instance.
 
-use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use shoal_cluster::instances::{is_coordinator, Instance, InstanceTable};
 
@@ -162,34 +161,29 @@ impl Driver {
         for key in &plan.stop {
             let Some(r) = local.remove(key) else { continue };
             tracing::info!(instance = %key.0, rank = key.1, generation = r.generation, "stopping rank");
-            r.stop("the instance was unloaded, re-placed or failed");
-            if key.1 == 0 {
-                if let Some(state) = self.state.upgrade() {
-                    state.remove_model(&key.0);
-                }
+            let served = r.stop("the instance was unloaded, re-placed or failed");
+            // rank 0 removes the model it serves, not a newer generation's under its id
+            if let (Some(served), Some(state)) = (served, self.state.upgrade()) {
+                state.remove_served(&served);
             }
         }
         for id in &plan.drop_reports {
             reports.remove(id);
         }
         for (key, inst) in plan.start {
-            let rank = LocalRank {
-                generation: inst.generation,
-                stop: Arc::new(AtomicBool::new(false)),
-                mesh: Arc::new(Mutex::new(None)),
-            };
+            let rank = LocalRank::new(inst.generation);
             reports.insert(
                 inst.id.clone(),
                 RankReport::new(inst.generation, RankState::Loading, None),
             );
-            let (stop, mesh) = (rank.stop.clone(), rank.mesh.clone());
+            let handle = rank.handle.clone();
             local.insert(key.clone(), rank);
             let me = self.clone();
             let r = key.1;
             tracing::info!(instance = %inst.id, rank = r, generation = inst.generation, placement = %inst.placement.describe(), "starting rank");
             let spawned = std::thread::Builder::new()
                 .name(format!("shoal-rank-{}-{r}", inst.id))
-                .spawn(move || me.rank_thread(inst, r, stop, mesh));
+                .spawn(move || me.rank_thread(inst, r, handle));
             if let Err(e) = spawned {
                 tracing::error!("cannot start a rank thread: {e}");
             }
