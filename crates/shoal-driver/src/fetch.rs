@@ -320,3 +320,33 @@ impl Driver {
         Ok(m)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SIZE: u64 = 3 * CHUNK + 10;
+
+    /// The chunks of one range of a file of `SIZE` bytes.
+    fn one(r: std::ops::Range<u64>) -> Vec<u64> {
+        chunks_of(std::slice::from_ref(&r), SIZE)
+            .into_iter()
+            .collect()
+    }
+
+    #[test]
+    fn the_chunks_of_byte_ranges() {
+        // within one chunk, across a boundary, exactly one chunk, the last partial chunk
+        assert_eq!(one(0..1), [0]);
+        assert_eq!(one(CHUNK - 1..CHUNK + 1), [0, 1]);
+        assert_eq!(one(CHUNK..2 * CHUNK), [1]);
+        assert_eq!(one(3 * CHUNK + 5..SIZE), [3]);
+        // a range past the end is cut at it; an empty one holds nothing
+        assert_eq!(one(2 * CHUNK..10 * CHUNK), [2, 3]);
+        assert!(one(5..5).is_empty());
+        assert!(one(SIZE..SIZE + 9).is_empty());
+        // several ranges, overlapping
+        let several = chunks_of(&[0..10, 5..CHUNK + 3, 3 * CHUNK..3 * CHUNK + 1], SIZE);
+        assert_eq!(several, BTreeSet::from([0, 1, 3]));
+    }
+}
