@@ -3,8 +3,8 @@
 //! be forgotten, which drain must be refused, which ranks this node must start and stop, and
 //! how much memory the instances hold. Pure functions of the table, the reports and the
 //! planner's view of the cluster: no sockets, threads or clocks (`now_ms` is passed in), so
-//! each rule is unit-tested here, and the loop ([`crate::tick`]) and the request handlers
-//! ([`crate::control`]) only gather their inputs and carry out what they return.
+//! each rule is unit-tested here, and the loop (`tick.rs`) and the request handlers
+//! (`control.rs`) only gather their inputs and carry out what they return.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 

@@ -7,9 +7,11 @@
 //!    publish it again, so every survivor holds the last one a dead coordinator wrote.
 //! 2. **Coordinate** (only the coordinator, the lowest live id): re-place the instances of
 //!    nodes membership has declared dead ([`InstanceTable::on_nodes_lost`]); move each
-//!    instance to `loading`, `ready` or `failed` from what its nodes report (key `ranks`);
-//!    forget unloaded instances once no node runs them. Loads, unloads and drains arrive as
-//!    application requests from whichever node a client asked ([`Node::ask`], `control.rs`).
+//!    instance to `loading`, `ready` or `failed` from what its nodes report (key `ranks`,
+//!    [`report`]); forget unloaded instances once no node runs them. The rules are pure
+//!    functions in [`decisions`]. Loads, unloads and drains arrive as application requests
+//!    from whichever node a client asked ([`Node::ask`], typed by [`protocol`], handled in
+//!    `control.rs`).
 //! 3. **Run.** Start a rank thread (`rank.rs`) for every rank the table places on this node
 //!    and stop the ones it no longer places here (unloaded, re-placed, failed). A rank thread
 //!    finds the model file (here, or fetched from a node that has it, `fetch.rs`: the header,

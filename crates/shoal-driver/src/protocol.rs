@@ -4,7 +4,7 @@
 //! The coordinator answers the last three with a [`ControlAnswer`]: the [`Outcome`], a
 //! refusal with the HTTP status the client should see, or, while the two nodes still
 //! disagree on who coordinates, the name of the node it takes for the coordinator. A
-//! manifest request is answered with the [`Manifest`](crate::fetch::Manifest) itself.
+//! manifest request is answered with the `Manifest` itself (see `fetch.rs`).
 //!
 //! JSON is made and read only at the edges ([`ControlRequest::to_value`],
 //! [`ControlRequest::from_value`], [`ControlAnswer::to_value`],
