@@ -278,6 +278,16 @@ impl AppState {
         Some(m.remove(i))
     }
 
+    /// Stops serving exactly `served` (compared by pointer), not another model registered
+    /// under its id since, such as a newer generation of the same cluster instance; whether
+    /// it was served.
+    pub fn remove_served(&self, served: &Arc<ServedModel>) -> bool {
+        let mut m = self.models.write().unwrap_or_else(|e| e.into_inner());
+        let before = m.len();
+        m.retain(|x| !Arc::ptr_eq(x, served));
+        m.len() != before
+    }
+
     pub fn model(&self, name: &str) -> Result<Arc<ServedModel>, ApiError> {
         let base = name.strip_suffix(":latest").unwrap_or(name);
         let models = self.served();

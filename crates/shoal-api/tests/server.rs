@@ -483,3 +483,33 @@ fn responses_api_answers_streams_and_continues_stored_conversations() {
         assert!(b.contains("only function tools"), "{b}");
     });
 }
+
+#[test]
+fn removing_a_served_model_leaves_a_newer_one_under_the_same_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = SchedulerConfig {
+        max_batch: 1,
+        max_queue: 1,
+        ctx: 64,
+        prefix_cache: false,
+        draft_max: 0,
+    };
+    let state = state_with(tiny_model(dir.path()), "other", cfg);
+    let old = std::sync::Arc::new(
+        shoal_api::ServedModel::start("tiny", tiny_model(dir.path()), cfg).unwrap(),
+    );
+    let new = std::sync::Arc::new(
+        shoal_api::ServedModel::start("tiny", tiny_model(dir.path()), cfg).unwrap(),
+    );
+    let ids = |s: &shoal_api::AppState| s.served().iter().map(|m| m.id.clone()).collect::<Vec<_>>();
+    state.add_model(old.clone());
+    // the newer one replaces the older under the same id
+    state.add_model(new.clone());
+    assert_eq!(ids(&state), ["other", "tiny"]);
+    // the older one going away leaves the newer one served
+    assert!(!state.remove_served(&old));
+    assert!(std::sync::Arc::ptr_eq(&state.model("tiny").unwrap(), &new));
+    assert!(state.remove_served(&new));
+    assert_eq!(ids(&state), ["other"]);
+    assert!(!state.remove_served(&new));
+}

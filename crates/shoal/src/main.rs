@@ -10,7 +10,6 @@ mod bench_split;
 mod chat;
 mod client;
 mod instance_cli;
-mod instances;
 mod keys;
 mod models;
 mod nodes;

@@ -11,11 +11,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::Args;
 use serde::{Deserialize, Serialize};
+use shoal_driver::profile_from_model;
 use shoal_engine::kv_cache::KvCache;
-use shoal_engine::planning::model_profile;
-use shoal_engine::weights::{GgufWeights, HfNaming, SafetensorsWeights};
-use shoal_model::gguf::GgufFile;
-use shoal_model::source::ModelSource;
 use shoal_planner::split::ExpertSplit;
 use shoal_planner::{
     Candidate, Cluster, LinkSpec, ModelProfile, MoeSpec, NodeSpec, Placement, PlanRequest,
@@ -396,46 +393,6 @@ impl ModelEntry {
             attn_quant_block: self.attn_quant_block,
             experts,
         })
-    }
-}
-
-fn file_name(p: &Path) -> String {
-    p.file_name()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| p.display().to_string())
-}
-
-/// Resolves MODEL and reads its profile from the file headers.
-pub(crate) fn profile_from_model(arg: &str) -> anyhow::Result<ModelProfile> {
-    let source = shoal_model::source::resolve(arg)?;
-    match &source {
-        ModelSource::Gguf(path) => {
-            let label = path.display().to_string();
-            let file = GgufFile::open(path).with_context(|| format!("opening {label}"))?;
-            let vocab = file
-                .tensor("token_embd.weight")?
-                .shape()
-                .first()
-                .copied()
-                .unwrap_or(0);
-            let cfg = shoal_engine::arch::config_from_gguf(file.metadata(), vocab, &label)?;
-            Ok(model_profile(
-                &file_name(path),
-                &cfg,
-                &GgufWeights::new(file),
-            )?)
-        }
-        ModelSource::HfFolder(dir) => {
-            let config = dir.join("config.json");
-            let text = std::fs::read_to_string(&config)
-                .with_context(|| format!("reading {}", config.display()))?;
-            let json: serde_json::Value = serde_json::from_str(&text)
-                .with_context(|| format!("{} is not valid JSON", config.display()))?;
-            let cfg = shoal_engine::arch::config_from_hf(&json, &dir.display().to_string())?;
-            let files = source.safetensors_files()?;
-            let src = SafetensorsWeights::open(&files, HfNaming::for_config(&cfg))?;
-            Ok(model_profile(&file_name(dir), &cfg, &src)?)
-        }
     }
 }
 

@@ -20,6 +20,7 @@ use shoal_cluster::identity::Identity;
 use shoal_cluster::node::{Node, NodeConfig};
 use shoal_cluster::secret::{ClusterSecret, SecretError};
 use shoal_cluster::session::Encryption;
+use shoal_driver::model_id;
 use shoal_engine::scheduler::SchedulerConfig;
 
 use crate::ComputeArgs;
@@ -207,20 +208,6 @@ async fn join_cluster(
     Ok(Arc::new(node))
 }
 
-/// The id clients use for a MODEL argument: the catalog key, or the file or folder name
-/// without `.gguf`.
-pub(crate) fn model_id(arg: &str) -> String {
-    let p = std::path::Path::new(arg);
-    if p.exists() {
-        let name = p
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| arg.to_string());
-        return name.strip_suffix(".gguf").unwrap_or(&name).to_string();
-    }
-    arg.rsplit('/').next().unwrap_or(arg).to_string()
-}
-
 pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     args.compute.apply()?;
     if args.parallel == 0 || args.parallel > 256 {
@@ -307,16 +294,16 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
                     tokio::task::spawn_blocking(move || {
                         models
                             .iter()
-                            .map(|m| crate::instances::describe_model(m))
+                            .map(|m| shoal_driver::describe_model(m))
                             .collect::<anyhow::Result<Vec<_>>>()
                     })
                     .await
                     .context("describing the models")??
                 };
-                crate::instances::Driver::start(
+                shoal_driver::Driver::start(
                     node.clone(),
                     &state,
-                    crate::instances::DriverConfig {
+                    shoal_driver::DriverConfig {
                         data_dir: dir.clone(),
                         parallel: args.parallel.min(shoal_engine::parallel::MAX_SEQUENCES),
                         queue: args.queue,

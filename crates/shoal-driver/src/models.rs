@@ -1,0 +1,117 @@
+//! The model files a node offers the cluster. Each node publishes (key `models`) a
+//! [`ModelFile`] for every complete GGUF file it holds: the name it is loaded by, its SHA-256,
+//! its size and the planner's profile of it, read from the headers without loading weights.
+//! With these any node can place a model, and a rank that lacks the file can find a node to
+//! fetch it from. The same naming ([`model_id`]) and profile ([`profile_from_model`]) serve
+//! the command line, so a model is called the same everywhere.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+use shoal_engine::planning::model_profile;
+use shoal_engine::weights::{GgufWeights, HfNaming, SafetensorsWeights};
+use shoal_model::gguf::GgufFile;
+use shoal_model::source::ModelSource;
+use shoal_planner::ModelProfile;
+
+/// A model file this node holds, as published.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ModelFile {
+    /// The name it is loaded by (catalog key or file name without `.gguf`).
+    pub name: String,
+    /// SHA-256 of the whole file, hex.
+    pub sha256: String,
+    /// Bytes.
+    pub size: u64,
+    /// What the planner needs.
+    pub profile: ModelProfile,
+    /// Where it is (not published).
+    #[serde(skip)]
+    pub path: PathBuf,
+}
+
+/// SHA-256 of a whole file, hex.
+pub(crate) fn sha256_file(path: &Path) -> anyhow::Result<String> {
+    Ok(shoal_model::catalog::sha256_file(path)?.1)
+}
+
+/// A model this node can offer: `arg` resolved to a GGUF file, its SHA-256 (the catalog's for
+/// a fetched catalog model, computed otherwise) and profile.
+pub fn describe_model(arg: &str) -> anyhow::Result<ModelFile> {
+    let source = shoal_model::source::resolve(arg)?;
+    let ModelSource::Gguf(path) = &source else {
+        bail!(
+            "{arg} is a Hugging Face folder; cluster instances load GGUF files (convert it, or \
+             serve it on one node with --model)"
+        );
+    };
+    let sha256 = match shoal_model::catalog::entry(arg) {
+        Some(e) => e.sha256.to_string(),
+        None => sha256_file(path)?,
+    };
+    let size = std::fs::metadata(path)?.len();
+    let name = model_id(arg);
+    let profile = profile_from_model(arg)?;
+    Ok(ModelFile {
+        name,
+        sha256,
+        size,
+        profile,
+        path: path.clone(),
+    })
+}
+
+/// The id clients use for a MODEL argument: the catalog key, or the file or folder name
+/// without `.gguf`.
+pub fn model_id(arg: &str) -> String {
+    let p = std::path::Path::new(arg);
+    if p.exists() {
+        let name = p
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| arg.to_string());
+        return name.strip_suffix(".gguf").unwrap_or(&name).to_string();
+    }
+    arg.rsplit('/').next().unwrap_or(arg).to_string()
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| p.display().to_string())
+}
+
+/// Resolves MODEL and reads its profile from the file headers.
+pub fn profile_from_model(arg: &str) -> anyhow::Result<ModelProfile> {
+    let source = shoal_model::source::resolve(arg)?;
+    match &source {
+        ModelSource::Gguf(path) => {
+            let label = path.display().to_string();
+            let file = GgufFile::open(path).with_context(|| format!("opening {label}"))?;
+            let vocab = file
+                .tensor("token_embd.weight")?
+                .shape()
+                .first()
+                .copied()
+                .unwrap_or(0);
+            let cfg = shoal_engine::arch::config_from_gguf(file.metadata(), vocab, &label)?;
+            Ok(model_profile(
+                &file_name(path),
+                &cfg,
+                &GgufWeights::new(file),
+            )?)
+        }
+        ModelSource::HfFolder(dir) => {
+            let config = dir.join("config.json");
+            let text = std::fs::read_to_string(&config)
+                .with_context(|| format!("reading {}", config.display()))?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not valid JSON", config.display()))?;
+            let cfg = shoal_engine::arch::config_from_hf(&json, &dir.display().to_string())?;
+            let files = source.safetensors_files()?;
+            let src = SafetensorsWeights::open(&files, HfNaming::for_config(&cfg))?;
+            Ok(model_profile(&file_name(dir), &cfg, &src)?)
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! The ranks this node runs, one thread each. A rank thread finds the model file (here by
+//! SHA-256 or name, else the parts it reads fetched from a node that offers it, see
+//! `fetch.rs`), joins the instance's mesh of authenticated sessions, loads its shard
+//! and serves until it is stopped or fails: rank 0 registers a split [`ServedModel`] with
+//! this node's HTTP APIs and watches its scheduler, the others serve steps. What it is doing
+//! goes into this node's rank reports, which the coordinator follows.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use shoal_api::ServedModel;
+use shoal_cluster::instances::Instance;
+use shoal_cluster::mesh::SessionTransport;
+use shoal_engine::model::LoadedModel;
+use shoal_engine::parallel::{serve, RankContext};
+use shoal_engine::scheduler::SchedulerConfig;
+use shoal_engine::shard::Layout;
+use shoal_model::source::ModelSource;
+
+use crate::report::RankState;
+use crate::Driver;
+
+/// How long a rank that lacks its model waits for another node's offer of it to arrive by
+/// gossip (the node that asked for the load publishes its file just before).
+const OFFER_WAIT: Duration = Duration::from_secs(15);
+/// How long ranks wait for each other to join an instance's mesh.
+const MESH_WAIT: Duration = Duration::from_secs(600);
+/// How long a collective may wait: ranks idle between requests, and a dead peer is found by
+/// membership (which closes the mesh), not by this timeout.
+const COLLECTIVE_WAIT: Duration = Duration::from_secs(24 * 3600);
+
+/// What a rank thread shares with the loop that started it.
+#[derive(Default)]
+pub(crate) struct RankHandle {
+    /// Set to stop the rank.
+    stop: AtomicBool,
+    /// The instance's mesh, once joined (closed to wake a rank waiting on its peers).
+    mesh: Mutex<Option<Arc<SessionTransport>>>,
+    /// The model rank 0 registered with this node's APIs, once it did.
+    served: Mutex<Option<Arc<ServedModel>>>,
+}
+
+/// A rank this node runs.
+pub(crate) struct LocalRank {
+    pub(crate) generation: u64,
+    pub(crate) handle: Arc<RankHandle>,
+}
+
+impl LocalRank {
+    /// A rank of placement `generation`, not started yet.
+    pub(crate) fn new(generation: u64) -> Self {
+        LocalRank {
+            generation,
+            handle: Arc::new(RankHandle::default()),
+        }
+    }
+
+    /// Tells the rank to stop and wakes it; returns the model it serves, if it is rank 0
+    /// and registered one (for the caller to remove that one, and no other).
+    pub(crate) fn stop(&self, why: &str) -> Option<Arc<ServedModel>> {
+        self.handle.stop.store(true, Ordering::Release);
+        if let Some(m) = self.handle.mesh.lock().unwrap().as_ref() {
+            m.close(why);
+        }
+        self.handle.served.lock().unwrap().clone()
+    }
+}
+
+/// Rank 0's watch over the model it serves: until it is stopped (`Ok`) or its scheduler
+/// fails (the reason).
+fn lead(served: &ServedModel, stop: &AtomicBool) -> anyhow::Result<()> {
+    loop {
+        if stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if let Some(why) = served.scheduler.failure() {
+            bail!("{why}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+impl Driver {
+    pub(crate) fn rank_thread(
+        self: Arc<Self>,
+        inst: Instance,
+        rank: usize,
+        handle: Arc<RankHandle>,
+    ) {
+        let result = self.run_rank(&inst, rank, &handle);
+        if let Some(m) = handle.mesh.lock().unwrap().take() {
+            m.close("the rank ended");
+        }
+        match result {
+            Ok(()) => tracing::info!(instance = %inst.id, rank, "rank stopped"),
+            Err(e) if handle.stop.load(Ordering::Acquire) => {
+                tracing::info!(instance = %inst.id, rank, "rank stopped: {e:#}")
+            }
+            Err(e) => {
+                tracing::warn!(instance = %inst.id, rank, "rank failed: {e:#}");
+                self.report(&inst, RankState::Failed, Some(format!("{e:#}")));
+            }
+        }
+    }
+
+    fn run_rank(&self, inst: &Instance, rank: usize, handle: &RankHandle) -> anyhow::Result<()> {
+        let stop = &handle.stop;
+        let path = self.model_path(inst, rank, stop)?;
+        if stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let rank_nodes: Vec<String> = inst
+            .placement
+            .rank_nodes()
+            .into_iter()
+            .map(str::to_string)
+            .collect();
+        self.report(
+            inst,
+            RankState::Loading,
+            Some("joining the other ranks".into()),
+        );
+        let transport = self
+            .rt
+            .block_on(self.node.open_mesh(
+                &inst.id,
+                inst.generation,
+                rank,
+                &rank_nodes,
+                Instant::now() + MESH_WAIT,
+            ))
+            .map_err(anyhow::Error::msg)?;
+        let transport = Arc::new(transport);
+        *handle.mesh.lock().unwrap() = Some(transport.clone());
+        if stop.load(Ordering::Acquire) {
+            transport.close("the instance was stopped");
+            return Ok(());
+        }
+        let layout = Layout {
+            tp: inst.placement.tp,
+            pp: inst.placement.pp(),
+        };
+        let mut ctx = RankContext::over(transport, layout, COLLECTIVE_WAIT)?;
+        self.report(inst, RankState::Loading, Some("loading its shard".into()));
+        let source = ModelSource::Gguf(path.clone());
+        let sizes = inst.placement.stage_sizes();
+        let (model, plans) = LoadedModel::load_split(
+            &source,
+            layout,
+            Some(&sizes),
+            inst.placement.experts,
+            rank,
+            ctx.tp.clone(),
+        )
+        .with_context(|| format!("loading rank {rank}'s shard of {}", path.display()))?;
+        ctx.plans = plans;
+        let capacity = (inst.ctx as usize)
+            .min(model.transformer.config().context_len)
+            .max(2);
+        if rank == 0 {
+            let served = Arc::new(ServedModel::start_split(
+                inst.id.clone(),
+                model,
+                ctx,
+                SchedulerConfig {
+                    max_batch: self.cfg.parallel,
+                    max_queue: self.cfg.queue,
+                    ctx: capacity,
+                    prefix_cache: self.cfg.prefix_cache,
+                    draft_max: 0,
+                },
+            )?);
+            let state = self
+                .state
+                .upgrade()
+                .context("the server is shutting down")?;
+            // kept before it is served, so that a stop from now on removes it
+            *handle.served.lock().unwrap() = Some(served.clone());
+            state.add_model(served.clone());
+            self.report(inst, RankState::Ready, None);
+            tracing::info!(instance = %inst.id, "serving");
+            drop(state);
+            let result = lead(&served, stop);
+            // let go of it (its weights), and stop serving this model and no other: a newer
+            // generation of the instance may be served under the same id already
+            handle.served.lock().unwrap().take();
+            if let Some(state) = self.state.upgrade() {
+                state.remove_served(&served);
+            }
+            return result;
+        }
+        self.report(inst, RankState::Ready, None);
+        serve(&ctx, &model.transformer, capacity)?;
+        Ok(())
+    }
+
+    /// The model file of `inst` here: one this node has (by SHA-256, else by name), or the
+    /// parts rank `rank` needs fetched from a node that has it.
+    fn model_path(
+        &self,
+        inst: &Instance,
+        rank: usize,
+        stop: &AtomicBool,
+    ) -> anyhow::Result<PathBuf> {
+        let files = self.files.lock().unwrap().clone();
+        let mine = match &inst.model_sha256 {
+            Some(sha) => files.get(sha),
+            None => files.values().find(|f| f.name == inst.model),
+        };
+        if let Some(f) = mine {
+            return Ok(f.path.clone());
+        }
+        let sha = inst
+            .model_sha256
+            .clone()
+            .with_context(|| format!("no node offers model {}", inst.model))?;
+        // the node that asked for the load may have published its file a moment ago: wait
+        // for the offer to reach this node before giving up
+        let waited = Instant::now();
+        let sources = loop {
+            let sources: Vec<String> = self
+                .offered()
+                .into_iter()
+                .filter(|(n, f)| f.sha256 == sha && n != self.node.id())
+                .map(|(n, _)| n)
+                .collect();
+            if !sources.is_empty() {
+                break sources;
+            }
+            if waited.elapsed() >= OFFER_WAIT || stop.load(Ordering::Relaxed) {
+                bail!(
+                    "this node lacks model {} (sha256 {sha}) and no live node offered it within {} s",
+                    inst.model,
+                    OFFER_WAIT.as_secs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let mut last = None;
+        for src in &sources {
+            match self.fetch_slice(inst, src, &sha, rank, stop) {
+                Ok(p) => return Ok(p),
+                Err(e) => {
+                    tracing::warn!(source = %src, "fetching from this node failed: {e:#}");
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.expect("a source was tried"))
+    }
+}
