@@ -43,6 +43,31 @@ pub fn lost_nodes(table: &InstanceTable, live: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// The nodes that failed ranks of the current placements name as lost (their session to
+/// it broke) and that membership still counts alive, sorted: each one of the instance's
+/// own nodes, named by another of them.
+pub fn suspects(table: &InstanceTable, reports: &NodeReports, live: &[String]) -> Vec<String> {
+    let mut out = BTreeSet::new();
+    for inst in table.instances.values() {
+        if inst.state == InstanceState::Unloading {
+            continue;
+        }
+        let nodes = inst.nodes();
+        for n in &nodes {
+            let Some(s) = current_report(reports, inst, n)
+                .filter(|r| r.state == RankState::Failed)
+                .and_then(|r| r.suspect.as_deref())
+            else {
+                continue;
+            };
+            if s != *n && nodes.contains(&s) && live.iter().any(|l| l == s) {
+                out.insert(s.to_string());
+            }
+        }
+    }
+    out.into_iter().collect()
+}
+
 /// The ids of the instances placed on any of `nodes`.
 pub fn instances_on<'a>(table: &'a InstanceTable, nodes: &[String]) -> Vec<&'a str> {
     table
@@ -660,6 +685,47 @@ mod tests {
         assert_eq!(instances_on(&t, &live(&["c"])), vec!["x", "y"]);
         assert_eq!(instances_on(&t, &live(&["b"])), vec!["z"]);
         assert!(instances_on(&t, &live(&["q"])).is_empty());
+    }
+
+    #[test]
+    fn suspects_are_live_nodes_of_the_instance_named_by_its_failed_ranks() {
+        let t = table(vec![
+            inst("x", 2, fails("link broke"), &[&["a", "b"]]),
+            inst("y", 1, Ready, &[&["c", "d"]]),
+            inst("z", 1, Unloading, &[&["e", "f"]]),
+        ]);
+        let suspecting = |node: &str, id: &str, generation: u64, s: &str| {
+            (
+                node.to_string(),
+                [(
+                    id.to_string(),
+                    RankReport::new(generation, RFailed, Some("broke".into()))
+                        .suspecting(Some(s.into())),
+                )]
+                .into_iter()
+                .collect::<BTreeMap<_, _>>(),
+            )
+        };
+        let all = live(&["a", "b", "c", "d", "e", "f"]);
+        let r: NodeReports = [suspecting("a", "x", 2, "b")].into_iter().collect();
+        assert_eq!(suspects(&t, &r, &all), live(&["b"]));
+        // already declared dead: lost_nodes has it
+        assert!(suspects(&t, &r, &live(&["a", "c", "d"])).is_empty());
+        // an older placement's report, a node outside the instance, a rank naming itself,
+        // a node the report's instance does not use, an instance being unloaded: nothing
+        for r in [
+            suspecting("a", "x", 1, "b"),
+            suspecting("c", "x", 2, "b"),
+            suspecting("a", "x", 2, "a"),
+            suspecting("a", "x", 2, "c"),
+            suspecting("e", "z", 1, "f"),
+        ] {
+            let r: NodeReports = [r].into_iter().collect();
+            assert!(suspects(&t, &r, &all).is_empty(), "{r:?}");
+        }
+        // a failed report without a suspect names nobody
+        let r = reports(&[("a", "x", 2, RFailed, Some("out of memory"))]);
+        assert!(suspects(&t, &r, &all).is_empty());
     }
 
     #[test]

@@ -91,7 +91,9 @@ impl Driver {
         handle: Arc<RankHandle>,
     ) {
         let result = self.run_rank(&inst, rank, &handle);
-        if let Some(m) = handle.mesh.lock().unwrap().take() {
+        let mesh = handle.mesh.lock().unwrap().take();
+        let suspect = mesh.as_ref().and_then(|m| m.broken_peer());
+        if let Some(m) = mesh {
             m.close("the rank ended");
         }
         match result {
@@ -100,8 +102,8 @@ impl Driver {
                 tracing::info!(instance = %inst.id, rank, "rank stopped: {e:#}")
             }
             Err(e) => {
-                tracing::warn!(instance = %inst.id, rank, "rank failed: {e:#}");
-                self.report(&inst, RankState::Failed, Some(format!("{e:#}")));
+                tracing::warn!(instance = %inst.id, rank, suspect = ?suspect, "rank failed: {e:#}");
+                self.report_failure(&inst, format!("{e:#}"), suspect);
             }
         }
     }

@@ -3,7 +3,9 @@
 //! [`RankState`] and a detail (progress while loading, the error once failed). The
 //! coordinator follows these into the instances' states
 //! ([`decisions::follow_reports`](crate::decisions::follow_reports)), and `shoal ps` shows
-//! them. The wire form is `{"generation": 3, "state": "loading", "detail": "..."}`.
+//! them. A failed rank whose session to another node broke names that node (`suspect`).
+//! The wire form is `{"generation": 3, "state": "failed", "detail": "...", "suspect": "..."}`
+//! (`detail` and `suspect` only when there is one).
 
 use serde::{Deserialize, Serialize};
 
@@ -29,6 +31,10 @@ pub struct RankReport {
     /// Progress while loading, the error once failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
+    /// For a failed rank: the node whose session to it broke, which the coordinator checks
+    /// at once instead of waiting for the failure detector.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suspect: Option<String>,
 }
 
 impl RankReport {
@@ -38,7 +44,13 @@ impl RankReport {
             generation,
             state,
             detail,
+            suspect: None,
         }
+    }
+
+    /// The same report, naming `suspect` as the node it lost.
+    pub fn suspecting(self, suspect: Option<String>) -> Self {
+        RankReport { suspect, ..self }
     }
 }
 
@@ -61,6 +73,11 @@ mod tests {
             (
                 RankReport::new(4, RankState::Failed, Some("out of memory".into())),
                 json!({"generation": 4, "state": "failed", "detail": "out of memory"}),
+            ),
+            (
+                RankReport::new(4, RankState::Failed, Some("link broke".into()))
+                    .suspecting(Some("b".into())),
+                json!({"generation": 4, "state": "failed", "detail": "link broke", "suspect": "b"}),
             ),
         ];
         for (report, wire) in cases {

@@ -111,7 +111,15 @@ impl Driver {
         let live = self.node.live_ids();
         let table = self.table.lock().unwrap().clone();
         let mut next = table.clone();
-        let lost = decisions::lost_nodes(&table, &live);
+        let mut lost = decisions::lost_nodes(&table, &live);
+        // a rank that lost its session to a node names it; a node whose address refuses
+        // connections is gone, seconds before the failure detector would say so
+        for node in decisions::suspects(&table, &self.all_reports(), &live) {
+            if self.node.refuses_connections(&node).await {
+                tracing::warn!(%node, "a rank lost its session to this node, whose address refuses connections: taken as dead");
+                lost.push(node);
+            }
+        }
         if !lost.is_empty() {
             let cluster = self.cluster().await;
             let moving = decisions::instances_on(&table, &lost);
@@ -193,13 +201,21 @@ impl Driver {
     /// Sets this node's report about its rank of `inst`, unless it is a late word from a
     /// rank of an older generation than the one reported now.
     pub(crate) fn report(&self, inst: &Instance, state: RankState, detail: Option<String>) {
+        self.set_report(inst, RankReport::new(inst.generation, state, detail));
+    }
+
+    /// Reports that this node's rank of `inst` failed with `detail`, naming the node whose
+    /// session to it broke, if one did.
+    pub(crate) fn report_failure(&self, inst: &Instance, detail: String, suspect: Option<String>) {
+        let r = RankReport::new(inst.generation, RankState::Failed, Some(detail));
+        self.set_report(inst, r.suspecting(suspect));
+    }
+
+    fn set_report(&self, inst: &Instance, report: RankReport) {
         let mut reports = self.reports.lock().unwrap();
         if !decisions::accepts_report(reports.get(&inst.id), inst.generation) {
             return;
         }
-        reports.insert(
-            inst.id.clone(),
-            RankReport::new(inst.generation, state, detail),
-        );
+        reports.insert(inst.id.clone(), report);
     }
 }
