@@ -9,6 +9,7 @@ pub mod admin;
 pub mod anthropic;
 pub mod cluster;
 pub mod constrain;
+pub mod doctor;
 pub mod error;
 pub mod forward;
 pub mod generation;
@@ -208,6 +209,7 @@ pub fn router(state: Arc<AppState>, opts: &HttpOptions) -> Router {
         .route("/cluster/links", get(cluster::links))
         .route("/cluster/status", get(cluster::status))
         .route("/cluster/planner", get(cluster::planner))
+        .route("/cluster/doctor", get(doctor::doctor))
         .route(
             "/cluster/instances",
             get(cluster::instances).post(cluster::load),

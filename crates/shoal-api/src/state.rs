@@ -200,6 +200,8 @@ pub struct AppState {
     pub local_ips: std::sync::RwLock<Vec<std::net::IpAddr>>,
     /// Responses kept for the Responses API's `previous_response_id`.
     pub responses: crate::responses::ResponseStore,
+    /// How the node was started, for `/cluster/doctor`.
+    pub doctor: std::sync::OnceLock<crate::doctor::Setup>,
 }
 
 impl AppState {
@@ -214,6 +216,7 @@ impl AppState {
             instances: std::sync::OnceLock::new(),
             local_ips: std::sync::RwLock::new(Vec::new()),
             responses: crate::responses::ResponseStore::default(),
+            doctor: std::sync::OnceLock::new(),
         }
     }
 

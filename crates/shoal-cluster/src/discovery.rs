@@ -157,6 +157,46 @@ pub enum DiscoveryError {
     },
 }
 
+/// What discovery has heard since it started.
+#[derive(Debug, Default)]
+pub struct Heard {
+    /// Another node of our cluster answered (so multicast passes).
+    pub other: std::sync::atomic::AtomicBool,
+}
+
+/// Whether multicast passes on this host: a datagram sent to an administratively scoped
+/// group (with loopback on) comes back to a socket that joined it, within half a second.
+/// (The mDNS daemon answers its own browse from its own records, so hearing itself proves
+/// nothing.)
+///
+/// # Errors
+/// What failed: joining the group (no interface routes multicast), sending, or nothing
+/// came back.
+pub fn multicast_passes() -> Result<(), String> {
+    use std::net::{Ipv4Addr, UdpSocket};
+    let group = Ipv4Addr::new(239, 255, 83, 72);
+    let recv = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| e.to_string())?;
+    let port = recv.local_addr().map_err(|e| e.to_string())?.port();
+    recv.join_multicast_v4(&group, &Ipv4Addr::UNSPECIFIED)
+        .map_err(|e| format!("joining a multicast group failed: {e}"))?;
+    recv.set_read_timeout(Some(Duration::from_millis(500)))
+        .map_err(|e| e.to_string())?;
+    let send = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| e.to_string())?;
+    send.set_multicast_loop_v4(true)
+        .map_err(|e| e.to_string())?;
+    let token: [u8; 8] = rand::random();
+    send.send_to(&token, (group, port))
+        .map_err(|e| format!("sending to a multicast group failed: {e}"))?;
+    let mut buf = [0u8; 16];
+    loop {
+        match recv.recv_from(&mut buf) {
+            Ok((n, _)) if buf[..n] == token => return Ok(()),
+            Ok(_) => continue,
+            Err(_) => return Err("a multicast datagram sent here did not come back".into()),
+        }
+    }
+}
+
 /// A running discovery: our announcement plus a browser for the other nodes.
 ///
 /// Dropping it stops the daemon without the goodbye; call [`Discovery::shutdown`] to leave
@@ -167,6 +207,7 @@ pub struct Discovery {
     events: mpsc::UnboundedReceiver<DiscoveryEvent>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     mdns_port: u16,
+    heard: std::sync::Arc<Heard>,
 }
 
 impl Discovery {
@@ -248,10 +289,12 @@ impl Discovery {
         let browse = daemon.browse(SERVICE_TYPE).map_err(mdns("browse"))?;
 
         let (tx, events) = mpsc::unbounded_channel();
+        let heard = std::sync::Arc::new(Heard::default());
         let mut filter = Filter {
             own_id: node_id.clone(),
             cluster_tag,
             reported: HashMap::new(),
+            heard: heard.clone(),
         };
         let asker = daemon.clone();
         let browser = runtime.spawn(async move {
@@ -299,7 +342,13 @@ impl Discovery {
             events,
             tasks: vec![browser, monitor],
             mdns_port,
+            heard,
         })
+    }
+
+    /// What it has heard so far (shared: it keeps changing while discovery runs).
+    pub fn heard(&self) -> std::sync::Arc<Heard> {
+        self.heard.clone()
     }
 
     /// The next discovery event, or `None` once discovery has stopped.
@@ -370,6 +419,8 @@ struct Filter {
     cluster_tag: String,
     /// Instance full name -> what we last reported for it.
     reported: HashMap<String, Discovered>,
+    /// What came back.
+    heard: std::sync::Arc<Heard>,
 }
 
 impl Filter {
@@ -400,6 +451,9 @@ impl Filter {
                 if node_id == self.own_id {
                     return None;
                 }
+                self.heard
+                    .other
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
                 let Some(gossip_port) = txt(TXT_GOSSIP_PORT)
                     .and_then(|p| p.parse::<u16>().ok())
                     .filter(|p| *p != 0)

@@ -97,6 +97,10 @@ pub struct LinkFacts {
     pub bandwidth_gbps: f64,
     /// When it was measured, milliseconds since the Unix epoch.
     pub measured_at_ms: u64,
+    /// The far node's wall clock minus the measuring node's, milliseconds (from the clock
+    /// in the far node's hello, against the middle of the handshake), when it told it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_offset_ms: Option<i64>,
 }
 
 /// A node as `shoal nodes` shows it.
@@ -170,6 +174,38 @@ pub struct Node {
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// The task that feeds mDNS finds to membership; it unregisters on stop.
     discovery: Mutex<Option<JoinHandle<()>>>,
+    /// How mDNS discovery is doing.
+    mdns: Mdns,
+}
+
+/// mDNS discovery as this node runs it.
+enum Mdns {
+    /// Turned off (`--no-mdns`).
+    Off,
+    /// It could not start; the error.
+    Failed(String),
+    /// Running, with what it heard.
+    Running(Arc<crate::discovery::Heard>),
+}
+
+/// Whether mDNS discovery works on this node, as `shoal doctor` reports it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum MdnsStatus {
+    /// Turned off (`--no-mdns`): nodes join through `--peer` only.
+    Off,
+    /// The mDNS daemon could not start.
+    Failed {
+        /// Why.
+        error: String,
+    },
+    /// Another node answered, or a multicast datagram came back: multicast passes.
+    Passes,
+    /// Multicast does not pass on this host's interfaces.
+    Blocked {
+        /// What failed.
+        error: String,
+    },
 }
 
 impl std::fmt::Debug for Node {
@@ -277,6 +313,7 @@ impl Node {
                 stop_rx.clone(),
             )),
         ];
+        let mut mdns = Mdns::Off;
         let discovery = if cfg.mdns {
             let mut dcfg =
                 DiscoveryConfig::new(cfg.identity.id.clone(), tag, bound.port(), bound.port());
@@ -286,13 +323,17 @@ impl Node {
                 dcfg.advertise_ip = Some(advertise_ip);
             }
             match Discovery::start(dcfg) {
-                Ok(d) => Some(tokio::spawn(seed_from_discovery(
-                    inner.clone(),
-                    d,
-                    stop_rx.clone(),
-                ))),
+                Ok(d) => {
+                    mdns = Mdns::Running(d.heard());
+                    Some(tokio::spawn(seed_from_discovery(
+                        inner.clone(),
+                        d,
+                        stop_rx.clone(),
+                    )))
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "mDNS discovery is off; nodes join through --peer seeds only");
+                    mdns = Mdns::Failed(e.to_string());
                     None
                 }
             }
@@ -306,7 +347,26 @@ impl Node {
             stop,
             tasks: Mutex::new(tasks),
             discovery: Mutex::new(discovery),
+            mdns,
         })
+    }
+
+    /// Whether mDNS discovery works here (may take half a second to try multicast).
+    pub async fn mdns_status(&self) -> MdnsStatus {
+        match &self.mdns {
+            Mdns::Off => MdnsStatus::Off,
+            Mdns::Failed(e) => MdnsStatus::Failed { error: e.clone() },
+            Mdns::Running(heard) if heard.other.load(Ordering::Relaxed) => MdnsStatus::Passes,
+            Mdns::Running(_) => {
+                match tokio::task::spawn_blocking(crate::discovery::multicast_passes).await {
+                    Ok(Ok(())) => MdnsStatus::Passes,
+                    Ok(Err(error)) => MdnsStatus::Blocked { error },
+                    Err(e) => MdnsStatus::Blocked {
+                        error: e.to_string(),
+                    },
+                }
+            }
+        }
     }
 
     /// This node's id.
@@ -761,6 +821,7 @@ impl Inner {
             node: self.id.clone(),
             cluster: self.tag.clone(),
             version: PROTOCOL_VERSION,
+            clock_ms: now_ms(),
         })
     }
 
@@ -799,7 +860,11 @@ impl Inner {
 
     /// Measures the link to the node at `addr`.
     async fn measure(&self, addr: SocketAddr) -> Result<(String, LinkFacts), String> {
+        let before = now_ms();
         let (mut s, hello) = self.dial(addr).await?;
+        let after = now_ms();
+        let clock_offset_ms = (hello.clock_ms > 0)
+            .then(|| hello.clock_ms as i64 - (before as i64 + after as i64) / 2);
         let t = self.io_timeout;
         let mut rtts = Vec::with_capacity(PINGS);
         for _ in 0..PINGS {
@@ -827,6 +892,7 @@ impl Inner {
                 rtt_us,
                 bandwidth_gbps: PROBE_BYTES as f64 * 8.0 / secs / 1e9,
                 measured_at_ms: now_ms(),
+                clock_offset_ms,
             },
         ))
     }

@@ -23,6 +23,10 @@ pub struct Hello {
     pub cluster: String,
     /// [`PROTOCOL_VERSION`] of the sender.
     pub version: u32,
+    /// The sender's wall clock when it sent this, milliseconds since the Unix epoch (0:
+    /// not told), for estimating clock skew between nodes.
+    #[serde(default)]
+    pub clock_ms: u64,
 }
 
 /// A request from the dialing node.

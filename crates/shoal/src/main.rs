@@ -9,6 +9,7 @@ mod bench_serve;
 mod bench_split;
 mod chat;
 mod client;
+mod doctor;
 mod instance_cli;
 mod keys;
 mod models;
@@ -56,6 +57,8 @@ enum Command {
     Status(nodes::StatusArgs),
     /// Print a new cluster secret.
     Secret,
+    /// Check what stands between a node and a working cluster, with the fix for each.
+    Doctor(nodes::LookArgs),
     /// Rank placements of a model on a cluster with predicted speed and memory.
     Plan(plan::PlanArgs),
     /// Place a model on the cluster and wait until it answers.
@@ -123,6 +126,7 @@ fn main() -> ExitCode {
         Command::Links(a) => nodes::links(a),
         Command::Status(a) => nodes::status(a),
         Command::Secret => nodes::secret(),
+        Command::Doctor(a) => doctor::main(a),
         Command::Plan(a) => plan::run(a),
         Command::Load(a) => instance_cli::load(a),
         Command::Unload(a) => instance_cli::unload(a),

@@ -280,6 +280,10 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         if !addr.ip().is_unspecified() {
             state.local_ips.write().unwrap().push(addr.ip());
         }
+        let _ = state.doctor.set(shoal_api::doctor::Setup {
+            secret_file: args.secret_file.clone().filter(|_| secret.is_some()),
+            api: Some(addr),
+        });
         let shutdown = shutdown_signal()?;
         let (state, node) = match secret {
             Some(secret) => {

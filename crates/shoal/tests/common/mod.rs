@@ -50,8 +50,22 @@ impl Drop for Node {
 }
 
 /// A node called `name` offering at most 800 MB, its model cache `home`, its data and log
-/// (`NAME.log`) in `dir`, joining through `peer`, with `extra` arguments.
+/// (`NAME.log`) in `dir`, joining through `peer` (mDNS off), with `extra` arguments.
 pub fn node(
+    dir: &Path,
+    name: &str,
+    secret: &Path,
+    home: &Path,
+    peer: Option<&str>,
+    extra: &[&str],
+) -> Node {
+    let mut args = vec!["--no-mdns"];
+    args.extend(extra);
+    node_with(dir, name, secret, home, peer, &args)
+}
+
+/// [`node`] with mDNS on unless `extra` turns it off.
+pub fn node_with(
     dir: &Path,
     name: &str,
     secret: &Path,
@@ -62,7 +76,7 @@ pub fn node(
     let mut cmd = shoal();
     cmd.arg("serve")
         .args(["--api", "127.0.0.1:0", "--listen", "127.0.0.1:0", "-t", "1"])
-        .args(["--name", name, "--no-mdns", "--max-memory", "800M"])
+        .args(["--name", name, "--max-memory", "800M"])
         .args(extra)
         .arg("--secret-file")
         .arg(secret)
