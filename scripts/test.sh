@@ -4,8 +4,8 @@
 # clone), builds the llama.cpp oracle, then runs every test in release mode. Needs only the
 # Rust toolchain, python3 with pip, a C++ compiler, and the package registries.
 #
-# Some stages need outside tools (python's gguf and numpy, iproute2, promtool, cmake for the
-# oracle, the arm64 cross tools); as root with apt-get they are installed. Where one is
+# Some stages need outside tools (python's gguf and numpy, iproute2, promtool, a headless
+# Chromium, cmake for the oracle, the arm64 cross tools); as root with apt-get they are installed. Where one is
 # still missing, a local run prints a skip line and goes on, but CI (CI=true, which .ci/run
 # sets) fails, naming what is missing and how to install it; the tests that need those
 # tools fail under CI=true the same way.
@@ -60,6 +60,13 @@ fi
 apt_install promtool prometheus
 command -v promtool >/dev/null ||
   missing "promtool (the metrics format check)" "apt-get install prometheus, as root"
+# a headless Chromium (Debian package chromium-headless-shell) drives the dashboard test
+apt_install chromium-headless-shell chromium-headless-shell
+if command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null; then
+  export SHOAL_REQUIRE_BROWSER=${SHOAL_REQUIRE_BROWSER:-1}
+else
+  missing "Chromium (the dashboard test)" "apt-get install chromium-headless-shell, as root"
+fi
 
 echo "== llama.cpp oracle"
 # llama.cpp built once (cached in $SHOAL_HOME/llama-oracle) with the test kit's teacher-forced

@@ -46,6 +46,61 @@ pub async fn links(State(state): State<Arc<AppState>>, req: Request) -> Response
     }
 }
 
+/// Gossip key of a node's figures (its [`crate::metrics::ModelFigures`] by model).
+pub const FIGURES_KEY: &str = "figures";
+
+/// Publishes this node's figures through its cluster node every 2 s until the state is
+/// gone, so any node can show every node's (`GET /cluster/figures`).
+pub async fn publish_figures(
+    state: std::sync::Weak<AppState>,
+    node: Arc<shoal_cluster::node::Node>,
+) {
+    let mut last = String::new();
+    loop {
+        let Some(s) = state.upgrade() else { return };
+        s.refresh_gauges();
+        let now = serde_json::to_string(&s.metrics.figures()).unwrap_or_default();
+        drop(s);
+        if now != last {
+            match node.publish(FIGURES_KEY, &now).await {
+                Ok(()) => last = now,
+                Err(e) => tracing::debug!("publishing figures failed: {e}"),
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    }
+}
+
+/// `GET /cluster/figures`: every live node's figures by model, with the time they were
+/// read here: `{"at_ms", "nodes": {NAME: {MODEL: {...}}}}`.
+pub async fn figures(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let n = match node(&state, &req) {
+        Ok(n) => n,
+        Err(e) => return e.into_response(),
+    };
+    state.refresh_gauges();
+    let names: std::collections::HashMap<String, String> = n
+        .nodes()
+        .await
+        .into_iter()
+        .map(|x| (x.id.clone(), x.name))
+        .collect();
+    let mut out = serde_json::Map::new();
+    for (id, v) in n.published(FIGURES_KEY) {
+        let figures = if id == n.id() {
+            serde_json::to_value(state.metrics.figures()).unwrap_or_default()
+        } else {
+            serde_json::from_str(&v).unwrap_or_default()
+        };
+        out.insert(names.get(&id).cloned().unwrap_or(id), figures);
+    }
+    let at_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    Json(json!({"at_ms": at_ms, "nodes": out})).into_response()
+}
+
 /// `GET /cluster/planner`: the live cluster as the planner takes it (`shoal plan` without
 /// `--cluster`): live nodes with their measured facts, and each measured pair's link.
 pub async fn planner(State(state): State<Arc<AppState>>, req: Request) -> Response {
@@ -160,6 +215,33 @@ pub async fn load(State(state): State<Arc<AppState>>, req: Request) -> Response 
     };
     match json_body(req).await {
         Ok(v) => answer(c.0.load(v).await),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /cluster/plan` with a load's fields: the planner's ranked placements, placing
+/// nothing (needs an API key once keys exist, like the other views).
+pub async fn plan(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    if let Err(e) = state.keys.authorize(req.headers()) {
+        return e.into_response();
+    }
+    let c = match control(&state) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
+    match json_body(req).await {
+        Ok(v) => answer(c.0.plan(v).await),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `GET /cluster/models`: the model files the cluster's nodes offer.
+pub async fn models(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    if let Err(e) = state.keys.authorize(req.headers()) {
+        return e.into_response();
+    }
+    match control(&state) {
+        Ok(c) => answer(c.0.models().await),
         Err(e) => e.into_response(),
     }
 }

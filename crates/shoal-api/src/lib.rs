@@ -127,8 +127,20 @@ async fn metrics_text(
     }
 }
 
-async fn root() -> &'static str {
-    "shoal is running"
+/// The dashboard: one page with its styles and script inline, built into the binary (no
+/// request leaves the node). It reads the same `/cluster/*`, `/v1/*` and `/metrics` routes
+/// the CLI uses, with the API key the person enters when the node has keys.
+const DASHBOARD: &str = include_str!("../assets/dashboard.html");
+
+async fn root() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        DASHBOARD,
+    )
+        .into_response()
 }
 
 async fn not_found(req: Request) -> Response {
@@ -210,6 +222,9 @@ pub fn router(state: Arc<AppState>, opts: &HttpOptions) -> Router {
         .route("/cluster/status", get(cluster::status))
         .route("/cluster/planner", get(cluster::planner))
         .route("/cluster/doctor", get(doctor::doctor))
+        .route("/cluster/plan", post(cluster::plan))
+        .route("/cluster/models", get(cluster::models))
+        .route("/cluster/figures", get(cluster::figures))
         .route(
             "/cluster/instances",
             get(cluster::instances).post(cluster::load),

@@ -40,9 +40,26 @@ fn latency_histogram() -> Histogram {
     ])
 }
 
+/// One model's running totals on this node, as the dashboard charts them (rates come from
+/// the difference between two readings).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ModelFigures {
+    /// Tokens generated since start.
+    pub generated: u64,
+    /// Requests that got their first token since start, and the sum of their times to it,
+    /// seconds.
+    pub first_tokens: u64,
+    pub ttft_sum_s: f64,
+    /// Requests holding a batch slot now, and waiting for one.
+    pub active: u64,
+    pub queued: u64,
+}
+
 /// The server's metrics.
 pub struct Metrics {
     registry: Mutex<Registry>,
+    /// Per model, what the dashboard charts.
+    figures: Mutex<std::collections::BTreeMap<String, ModelFigures>>,
     requests: Family<RouteLabels, Counter>,
     prompt_tokens: Family<ModelLabels, Counter>,
     generated_tokens: Family<ModelLabels, Counter>,
@@ -182,6 +199,7 @@ impl Metrics {
         );
         Metrics {
             registry: Mutex::new(r),
+            figures: Mutex::default(),
             drafted,
             accepted_drafts,
             sequences,
@@ -233,6 +251,21 @@ impl Metrics {
         self.generated_tokens.get_or_create(&m).inc();
         let h = if first { &self.ttft } else { &self.itl };
         h.get_or_create(&m).observe(since.as_secs_f64());
+        let mut f = self.figures.lock().unwrap_or_else(|e| e.into_inner());
+        let f = f.entry(model.to_string()).or_default();
+        f.generated += 1;
+        if first {
+            f.first_tokens += 1;
+            f.ttft_sum_s += since.as_secs_f64();
+        }
+    }
+
+    /// Per model, the totals the dashboard charts.
+    pub fn figures(&self) -> std::collections::BTreeMap<String, ModelFigures> {
+        self.figures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Counts a request that went on after its instance lost a node.
@@ -242,6 +275,12 @@ impl Metrics {
 
     /// Sets the scheduler gauges of `model`.
     pub fn scheduler(&self, model: &str, queued: usize, active: usize, batch: usize, steps: u64) {
+        {
+            let mut f = self.figures.lock().unwrap_or_else(|e| e.into_inner());
+            let f = f.entry(model.to_string()).or_default();
+            f.active = active as u64;
+            f.queued = queued as u64;
+        }
         let m = Self::model(model);
         self.queue_depth.get_or_create(&m).set(queued as i64);
         self.active.get_or_create(&m).set(active as i64);

@@ -153,6 +153,12 @@ pub trait InstanceControl: Send + Sync {
     fn ready_ids(&self) -> Vec<String>;
     /// Where instance `id` stands in the instance table (`None`: no such instance).
     fn instance(&self, id: &str) -> Option<InstanceView>;
+    /// The planner's ranked placements for a load request (same fields as [`Self::load`]),
+    /// without placing anything: `{"model", "candidates": [...]}`.
+    fn plan(&self, request: serde_json::Value) -> ControlFuture;
+    /// The model files the cluster's nodes offer: `{"models": [{"name", "size", "sha256",
+    /// "nodes"}]}`.
+    fn models(&self) -> ControlFuture;
 }
 
 /// An instance as a request running on it sees it.

@@ -265,6 +265,116 @@ impl Driver {
         .await
     }
 
+    /// The planner's ranked placements for a load request, placing nothing.
+    pub(crate) async fn plan_request(&self, req: Value) -> Result<Value, ControlError> {
+        let LoadBody {
+            model,
+            strategy,
+            experts,
+            ctx,
+            nodes,
+            ..
+        } = LoadBody::parse(&req)?;
+        let local = self
+            .files
+            .lock()
+            .unwrap()
+            .values()
+            .find(|f| f.name == model)
+            .map(|f| f.profile.clone());
+        let Some(profile) = local.or_else(|| self.profile(&model)) else {
+            let offered: BTreeSet<String> =
+                self.offered().into_iter().map(|(_, f)| f.name).collect();
+            return Err(err(
+                404,
+                format!(
+                    "no node offers model {model}; the cluster offers: {}",
+                    if offered.is_empty() {
+                        "nothing".to_string()
+                    } else {
+                        offered.into_iter().collect::<Vec<_>>().join(", ")
+                    }
+                ),
+            ));
+        };
+        let table = self.table.lock().unwrap().clone();
+        let cluster = table.placeable(&self.cluster().await);
+        let request = PlanRequest {
+            ctx,
+            strategy,
+            nodes,
+            experts,
+            ..PlanRequest::default()
+        };
+        let candidates = shoal_planner::candidates(&cluster, &profile, &request)
+            .map_err(|e| err(400, e.to_string()))?;
+        let name_of = |id: &str| {
+            cluster
+                .nodes
+                .iter()
+                .find(|n| n.id == id)
+                .map(|n| n.name.clone())
+                .unwrap_or_else(|| id.to_string())
+        };
+        let list: Vec<Value> = candidates
+            .iter()
+            .take(8)
+            .map(|c| {
+                let placement = cluster
+                    .nodes
+                    .iter()
+                    .fold(c.placement.describe(), |d, n| d.replace(&n.id, &n.name));
+                json!({
+                    "placement": placement,
+                    "strategy": c.placement.strategy,
+                    "tp": c.placement.tp,
+                    "pp": c.placement.pp(),
+                    "fits": c.fits(),
+                    "problem": c.problem.as_ref().map(|p| cluster
+                        .nodes
+                        .iter()
+                        .fold(p.clone(), |d, n| d.replace(&n.id, &n.name))),
+                    "decode_tok_s": c.prediction.decode_tok_s,
+                    "prefill_tok_s": c.prediction.prefill_tok_s,
+                    "memory": c.prediction.memory.iter().map(|m| json!({
+                        "node": name_of(&m.node),
+                        "total_bytes": m.total_bytes,
+                        "free_bytes": m.free_bytes,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        Ok(json!({"model": model, "ctx": ctx, "candidates": list}))
+    }
+
+    /// The model files the live nodes offer, by name.
+    pub(crate) async fn offered_models(&self) -> Value {
+        let nodes = self.node.nodes().await;
+        let name_of = |id: &str| {
+            nodes
+                .iter()
+                .find(|n| n.id == id)
+                .map(|n| n.name.clone())
+                .unwrap_or_else(|| id.to_string())
+        };
+        let mut by_name: std::collections::BTreeMap<String, (u64, String, Vec<String>)> =
+            Default::default();
+        for (node, f) in self.offered() {
+            let e = by_name
+                .entry(f.name.clone())
+                .or_insert((f.size, f.sha256.clone(), Vec::new()));
+            e.2.push(name_of(&node));
+        }
+        let models: Vec<Value> = by_name
+            .into_iter()
+            .map(|(name, (size, sha256, mut nodes))| {
+                nodes.sort();
+                json!({"name": name, "size": size, "sha256": sha256, "nodes": nodes})
+            })
+            .collect();
+        json!({ "models": models })
+    }
+
     pub(crate) fn list_table(&self) -> Value {
         let table = self.table.lock().unwrap().clone();
         let reports = self.all_reports();

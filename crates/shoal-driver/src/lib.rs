@@ -262,6 +262,16 @@ impl InstanceControl for Driver {
         self.leads.lock().unwrap().keys().cloned().collect()
     }
 
+    fn plan(&self, request: Value) -> ControlFuture {
+        let me = self.self_arc();
+        Box::pin(async move { me.plan_request(request).await })
+    }
+
+    fn models(&self) -> ControlFuture {
+        let me = self.self_arc();
+        Box::pin(async move { Ok(me.offered_models().await) })
+    }
+
     fn instance(&self, id: &str) -> Option<InstanceView> {
         let table = self.table.lock().unwrap();
         let inst = table.get(id)?;

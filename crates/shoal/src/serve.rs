@@ -293,6 +293,10 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
                     Arc::downgrade(&state),
                     node.clone(),
                 ));
+                tokio::spawn(shoal_api::cluster::publish_figures(
+                    Arc::downgrade(&state),
+                    node.clone(),
+                ));
                 let offered = {
                     let models = args.models.clone();
                     tokio::task::spawn_blocking(move || {
