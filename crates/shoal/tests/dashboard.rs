@@ -277,6 +277,12 @@ fn the_dashboard_shows_places_chats_and_follows_a_node_death() {
         ));
         assert_eq!(shown, true, "{n} on the page");
     }
+    // the doctor's findings, as `shoal doctor` has them
+    page.until(
+        Duration::from_secs(15),
+        "the doctor's findings",
+        "['secret', 'strangers', 'mdns', 'reachable', 'clock'].every(c => document.querySelector(`#findings tr[data-check=\"${c}\"]`))",
+    );
     page.until(
         Duration::from_secs(30),
         "the links of every pair",
@@ -367,9 +373,21 @@ fn the_dashboard_shows_places_chats_and_follows_a_node_death() {
         lengths.len() >= 2,
         "the answer grew on the page: {lengths:?}"
     );
+    // JSON output is shown as JSON
+    page.eval(
+        "document.getElementById('c-json').checked = true; document.getElementById('c-input').value = 'Give a JSON object whose key city is Paris.'; document.getElementById('c-send').click(); true",
+    );
+    let shown = page.until(
+        Duration::from_secs(120),
+        "the JSON answer",
+        "(() => { const m = document.querySelectorAll('#log .assistant'); const last = m[m.length - 1]; const pre = last && last.querySelector('pre.json'); return m.length === 2 && pre && !document.getElementById('c-send').disabled && (JSON.parse(pre.textContent), pre.textContent); })()",
+    );
+    eprintln!("JSON answer: {shown}");
+    page.eval("document.getElementById('c-json').checked = false; true");
     page.shot("chat-1280x800", 1280, 800, false, "place");
     page.shot("chat-390x844", 390, 844, true, "chat");
     page.shot("figures-390x844", 390, 844, true, "instances");
+    page.shot("doctor-390x844", 390, 844, true, "doctor");
 
     // kill a node of the instance other than the page's: greyed out, then re-placed
     let inst = page.eval("document.querySelector('[data-instance=\"qwen05\"] .dim').textContent");

@@ -109,12 +109,14 @@ pub fn node_with(
     }
 }
 
-/// A new cluster secret written to `dir/secret`.
+/// A new cluster secret written to `dir/secret`, readable by its owner only.
 pub fn secret(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
     let path = dir.join("secret");
     let (ok, s, err) = run(&["secret"]);
     assert!(ok, "{err}");
     std::fs::write(&path, s).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
     path
 }
 
