@@ -11,6 +11,7 @@
 //! - **huge pages**: transparent huge pages are not off;
 //! - **clock**: no node's clock is more than 2 s from this one's.
 //!
+//! A node outside any cluster gets the host checks (memory, cpu, huge pages) only.
 //! [`findings`] decides from plain inputs (unit-tested); the route gathers them.
 
 use std::net::SocketAddr;
@@ -109,6 +110,8 @@ pub struct Peer {
 /// Everything the checks decide from.
 #[derive(Clone, Debug, Default)]
 pub struct Inputs {
+    /// Whether the node is in a cluster (else only the host checks apply).
+    pub in_cluster: bool,
     /// The secret file and its permission bits (`None`: the secret came from the
     /// environment).
     pub secret: Option<(PathBuf, u32)>,
@@ -144,6 +147,20 @@ fn gib(b: u64) -> String {
 /// The findings for `i`, one or more per check.
 pub fn findings(i: &Inputs) -> Vec<Finding> {
     let mut out = Vec::new();
+    if i.in_cluster {
+        cluster_findings(i, &mut out);
+    } else {
+        out.push(Finding::ok(
+            "cluster",
+            "a single node outside any cluster (start it with --secret-file FILE to join one)",
+        ));
+    }
+    host_findings(i, &mut out);
+    out
+}
+
+/// The checks of the node's place in its cluster.
+fn cluster_findings(i: &Inputs, out: &mut Vec<Finding>) {
     // secret
     match &i.secret {
         Some((path, mode)) if mode & 0o077 != 0 => out.push(Finding::problem(
@@ -252,6 +269,36 @@ pub fn findings(i: &Inputs) -> Vec<Finding> {
             },
         ));
     }
+    // clock
+    let mut clock_ok = true;
+    for p in &i.peers {
+        if let Some(o) = p.clock_offset_ms.filter(|o| o.abs() > CLOCK_TOLERANCE_MS) {
+            clock_ok = false;
+            out.push(Finding::warn(
+                "clock",
+                format!(
+                    "node {}'s clock is {:.1} s {} this node's",
+                    p.name,
+                    o.abs() as f64 / 1000.0,
+                    if o > 0 { "ahead of" } else { "behind" }
+                ),
+                "synchronize the clocks (NTP: e.g. systemd-timesyncd or chrony on every node); logs and `dead since` times disagree otherwise",
+            ));
+        }
+    }
+    if clock_ok {
+        out.push(Finding::ok(
+            "clock",
+            format!(
+                "every measured clock within {} s",
+                CLOCK_TOLERANCE_MS / 1000
+            ),
+        ));
+    }
+}
+
+/// The checks of the machine the node runs on.
+fn host_findings(i: &Inputs, out: &mut Vec<Finding>) {
     // memory
     match (i.planner_free, i.available) {
         (Some(free), Some(avail)) if free > avail + avail / 10 + (256 << 20) => {
@@ -301,33 +348,6 @@ pub fn findings(i: &Inputs) -> Vec<Finding> {
             "no transparent huge pages setting here",
         )),
     }
-    // clock
-    let mut clock_ok = true;
-    for p in &i.peers {
-        if let Some(o) = p.clock_offset_ms.filter(|o| o.abs() > CLOCK_TOLERANCE_MS) {
-            clock_ok = false;
-            out.push(Finding::warn(
-                "clock",
-                format!(
-                    "node {}'s clock is {:.1} s {} this node's",
-                    p.name,
-                    o.abs() as f64 / 1000.0,
-                    if o > 0 { "ahead of" } else { "behind" }
-                ),
-                "synchronize the clocks (NTP: e.g. systemd-timesyncd or chrony on every node); logs and `dead since` times disagree otherwise",
-            ));
-        }
-    }
-    if clock_ok {
-        out.push(Finding::ok(
-            "clock",
-            format!(
-                "every measured clock within {} s",
-                CLOCK_TOLERANCE_MS / 1000
-            ),
-        ));
-    }
-    out
 }
 
 /// `GET /cluster/doctor`: `{"node", "findings": [...]}`.
@@ -363,6 +383,7 @@ async fn gather(state: &AppState) -> Inputs {
         isa == shoal_engine::kernels::Isa::Portable,
     );
     if let Some(node) = &state.cluster {
+        i.in_cluster = true;
         let me = node.id().to_string();
         i.refused = (node.refused_sessions(), node.refused_datagrams());
         i.mdns = Some(node.mdns_status().await);
@@ -418,6 +439,7 @@ mod tests {
     fn healthy() -> Inputs {
         let a = |s: &str| Some(s.parse().unwrap());
         Inputs {
+            in_cluster: true,
             secret: Some(("/etc/shoal/secret".into(), 0o100600)),
             refused: (0, 0),
             mdns: Some(MdnsStatus::Passes),
@@ -572,5 +594,11 @@ mod tests {
         let mut i = healthy();
         i.secret = None;
         assert!(bad(&i).is_empty());
+        // outside a cluster only the host is checked
+        let mut i = healthy();
+        i.in_cluster = false;
+        i.secret = Some(("/x".into(), 0o100644));
+        let checks: Vec<String> = findings(&i).into_iter().map(|f| f.check).collect();
+        assert_eq!(checks, ["cluster", "memory", "cpu", "huge_pages"]);
     }
 }
