@@ -80,19 +80,32 @@ fn doctor_finds_each_fault_with_its_fix_and_nothing_on_a_healthy_cluster() {
     let home = dir.path().join("home");
     std::fs::create_dir_all(&home).unwrap();
     let good = write_secret(dir.path(), "good", 0o600);
-    // mDNS on: the two find each other on this host
-    let a = node_with(dir.path(), "a", &good, &home, None, &[]);
-    let b = node_with(dir.path(), "b", &good, &home, Some(&a.listen), &[]);
+    // mDNS on: the two find each other on this host; a cluster name of their own keeps
+    // them apart from any other shoal node on the network
+    let name = format!("doctor-{}", std::process::id());
+    let own = ["--cluster", name.as_str()];
+    let a = node_with(dir.path(), "a", &good, &home, None, &own);
+    let b = node_with(dir.path(), "b", &good, &home, Some(&a.listen), &own);
     let nodes = [a, b];
     common::agree(&nodes);
     let [a, b] = &nodes;
     let nodes = [a, b];
     for n in nodes {
         // links are measured within seconds of joining
-        let (ok, bad, v) = wait_until(Duration::from_secs(20), "doctor settles", || {
+        let mut last = None;
+        let settled = std::iter::repeat_with(|| {
             let r = doctor(&[], &n.url);
-            cluster_faults(&r.1).is_empty().then_some(r)
-        });
+            let done = cluster_faults(&r.1).is_empty();
+            last = Some(r.2.clone());
+            std::thread::sleep(Duration::from_millis(if done { 0 } else { 250 }));
+            done.then_some(r)
+        })
+        .take(80)
+        .flatten()
+        .next();
+        let Some((ok, bad, v)) = settled else {
+            panic!("{}: cluster findings after 20 s: {}", n.name, last.unwrap());
+        };
         eprintln!("healthy {}: {bad:?}", n.name);
         assert!(ok, "{v}");
         let mdns = v["findings"]
@@ -114,7 +127,7 @@ fn doctor_finds_each_fault_with_its_fix_and_nothing_on_a_healthy_cluster() {
 
     // a world-readable secret, and a node with another secret knocking on a
     let loose = write_secret(dir.path(), "loose", 0o644);
-    let c = node(dir.path(), "c", &loose, &home, Some(&a.listen), &[]);
+    let c = node(dir.path(), "c", &loose, &home, Some(&a.listen), &own);
     let (ok, bad, v) = doctor(&[], &c.url);
     assert!(!ok, "a problem fails the command");
     assert!(
