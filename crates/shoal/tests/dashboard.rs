@@ -28,6 +28,11 @@ struct Browser {
 
 impl Drop for Browser {
     fn drop(&mut self) {
+        // Debian's command is a shell script that runs the browser as its child: end the
+        // whole process group the browser was started in
+        let _ = Command::new("kill")
+            .args(["-s", "KILL", "--", &format!("-{}", self.child.id())])
+            .status();
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -58,7 +63,9 @@ struct Page {
 impl Page {
     fn open(bin: &str) -> (Browser, Page) {
         let profile = tempfile::tempdir().unwrap();
+        use std::os::unix::process::CommandExt;
         let mut child = Command::new(bin)
+            .process_group(0)
             .args([
                 "--headless",
                 "--no-sandbox",
