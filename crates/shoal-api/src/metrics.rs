@@ -251,8 +251,12 @@ impl Metrics {
         self.generated_tokens.get_or_create(&m).inc();
         let h = if first { &self.ttft } else { &self.itl };
         h.get_or_create(&m).observe(since.as_secs_f64());
-        let mut f = self.figures.lock().unwrap_or_else(|e| e.into_inner());
-        let f = f.entry(model.to_string()).or_default();
+        let mut figures = self.figures.lock().unwrap_or_else(|e| e.into_inner());
+        // per token: the model's entry exists after its first token, so no key is built
+        let f = match figures.get_mut(model) {
+            Some(f) => f,
+            None => figures.entry(model.to_string()).or_default(),
+        };
         f.generated += 1;
         if first {
             f.first_tokens += 1;

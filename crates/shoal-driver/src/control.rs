@@ -201,6 +201,39 @@ impl Driver {
         }
     }
 
+    /// This node's file called `model`, else any live node's offer of that name.
+    fn file_named(&self, model: &str) -> Option<crate::ModelFile> {
+        let local = self
+            .files
+            .lock()
+            .unwrap()
+            .values()
+            .find(|f| f.name == model)
+            .cloned();
+        local.or_else(|| {
+            self.offered()
+                .into_iter()
+                .find(|(_, f)| f.name == model)
+                .map(|(_, f)| f)
+        })
+    }
+
+    /// The 404 for a model no node offers, naming those the cluster does offer.
+    fn no_such_model(&self, model: &str) -> ControlError {
+        let offered: BTreeSet<String> = self.offered().into_iter().map(|(_, f)| f.name).collect();
+        let offered = if offered.is_empty() {
+            "nothing".to_string()
+        } else {
+            offered.into_iter().collect::<Vec<_>>().join(", ")
+        };
+        err(
+            404,
+            format!(
+                "no node has model {model}; the cluster offers: {offered} (fetch it on one node with `shoal models fetch`)"
+            ),
+        )
+    }
+
     /// A client's load (`req`, see [`LoadBody`]): finds the model file (this node's, any
     /// node's offer, or a path here, which this node then offers) and asks the coordinator.
     pub(crate) async fn load_request(&self, req: Value) -> Result<Outcome, ControlError> {
@@ -212,40 +245,19 @@ impl Driver {
             ctx,
             nodes,
         } = LoadBody::parse(&req)?;
-        // this node's file, else any node's offer of that name
-        let local = self
-            .files
-            .lock()
-            .unwrap()
-            .values()
-            .find(|f| f.name == model)
-            .cloned();
-        let file = match local {
+        let file = match self.file_named(&model) {
             Some(f) => f,
-            None => match self.offered().into_iter().find(|(_, f)| f.name == model) {
-                Some((_, f)) => f,
-                None => {
-                    let m = model.clone();
-                    match tokio::task::spawn_blocking(move || describe_model(&m)).await {
-                        Ok(Ok(f)) => {
-                            self.add_file(f.clone());
-                            self.publish_files().await;
-                            f
-                        }
-                        _ => {
-                            let offered: BTreeSet<String> =
-                                self.offered().into_iter().map(|(_, f)| f.name).collect();
-                            return Err(err(
-                                404,
-                                format!(
-                                    "no node has model {model}; the cluster offers: {} (fetch it on one node with `shoal models fetch`)",
-                                    if offered.is_empty() { "nothing".to_string() } else { offered.into_iter().collect::<Vec<_>>().join(", ") }
-                                ),
-                            ));
-                        }
+            None => {
+                let m = model.clone();
+                match tokio::task::spawn_blocking(move || describe_model(&m)).await {
+                    Ok(Ok(f)) => {
+                        self.add_file(f.clone());
+                        self.publish_files().await;
+                        f
                     }
+                    _ => return Err(self.no_such_model(&model)),
                 }
-            },
+            }
         };
         let id = id.unwrap_or_else(|| file.name.clone());
         let request = PlanRequest {
@@ -275,27 +287,12 @@ impl Driver {
             nodes,
             ..
         } = LoadBody::parse(&req)?;
-        let local = self
-            .files
-            .lock()
-            .unwrap()
-            .values()
-            .find(|f| f.name == model)
-            .map(|f| f.profile.clone());
-        let Some(profile) = local.or_else(|| self.profile(&model)) else {
-            let offered: BTreeSet<String> =
-                self.offered().into_iter().map(|(_, f)| f.name).collect();
-            return Err(err(
-                404,
-                format!(
-                    "no node offers model {model}; the cluster offers: {}",
-                    if offered.is_empty() {
-                        "nothing".to_string()
-                    } else {
-                        offered.into_iter().collect::<Vec<_>>().join(", ")
-                    }
-                ),
-            ));
+        let Some(profile) = self
+            .file_named(&model)
+            .map(|f| f.profile)
+            .or_else(|| self.profile(&model))
+        else {
+            return Err(self.no_such_model(&model));
         };
         let table = self.table.lock().unwrap().clone();
         let cluster = table.placeable(&self.cluster().await);

@@ -197,14 +197,7 @@ impl Driver {
         path: &Path,
     ) -> anyhow::Result<Vec<std::ops::Range<u64>>> {
         let file = GgufFile::open(path)?;
-        let vocab = file
-            .tensor("token_embd.weight")?
-            .shape()
-            .first()
-            .copied()
-            .unwrap_or(0);
-        let label = path.display().to_string();
-        let cfg = shoal_engine::arch::config_from_gguf(file.metadata(), vocab, &label)?;
+        let cfg = shoal_engine::arch::config_of_file(&file, &path.display().to_string())?;
         let layout = Layout {
             tp: inst.placement.tp,
             pp: inst.placement.pp(),

@@ -89,13 +89,7 @@ pub fn profile_from_model(arg: &str) -> anyhow::Result<ModelProfile> {
         ModelSource::Gguf(path) => {
             let label = path.display().to_string();
             let file = GgufFile::open(path).with_context(|| format!("opening {label}"))?;
-            let vocab = file
-                .tensor("token_embd.weight")?
-                .shape()
-                .first()
-                .copied()
-                .unwrap_or(0);
-            let cfg = shoal_engine::arch::config_from_gguf(file.metadata(), vocab, &label)?;
+            let cfg = shoal_engine::arch::config_of_file(&file, &label)?;
             Ok(model_profile(
                 &file_name(path),
                 &cfg,

@@ -125,13 +125,7 @@ impl LoadedModel {
         let md = file.metadata();
         let tokenizer = Tokenizer::from_gguf(md)
             .map_err(|e| EngineError::Tokenizer(format!("{label}: {e}")))?;
-        let vocab = file
-            .tensor("token_embd.weight")?
-            .shape()
-            .first()
-            .copied()
-            .unwrap_or(0);
-        let cfg = arch::config_from_gguf(md, vocab, &label)?;
+        let cfg = arch::config_of_file(&file, &label)?;
         let template = match md.opt_str("tokenizer.chat_template")? {
             Some(src) => Some(
                 Self::template(src, &tokenizer)

@@ -1336,15 +1336,7 @@ impl<'m> Worker<'m> {
         let vocab = model.transformer.config().vocab;
         let before: Vec<usize> = ready.iter().map(|&i| self.active[i].cache.len()).collect();
         let result = {
-            let mut caches: Vec<&mut KvCache> = self
-                .active
-                .iter_mut()
-                .filter(|s| s.next.is_some())
-                .filter_map(|s| match &mut s.cache {
-                    Store::Local(c) => Some(c),
-                    Store::Slot { .. } => None,
-                })
-                .collect();
+            let mut caches = ready_local_caches(&mut self.active);
             model.transformer.step(&tokens, &counts, &mut caches, last)
         };
         let mut logits = match result {
@@ -1443,15 +1435,7 @@ impl<'m> Worker<'m> {
         let result = if self.lead.is_some() {
             self.split_decode(&ready, &tokens).map(StepLogits::Rows)
         } else {
-            let mut caches: Vec<&mut KvCache> = self
-                .active
-                .iter_mut()
-                .filter(|s| s.next.is_some())
-                .filter_map(|s| match &mut s.cache {
-                    Store::Local(c) => Some(c),
-                    Store::Slot { .. } => None,
-                })
-                .collect();
+            let mut caches = ready_local_caches(&mut self.active);
             model
                 .transformer
                 .forward_batch(&tokens, &mut caches)
@@ -1675,6 +1659,19 @@ fn accept(model: &LoadedModel, seq: &mut Sequence, logits: &mut [f32]) -> bool {
     }
     seq.next = Some(id);
     true
+}
+
+/// The local caches of the sequences with a sampled token to run, in order (the rows of a
+/// one-rank decode step).
+fn ready_local_caches(active: &mut [Sequence]) -> Vec<&mut KvCache> {
+    active
+        .iter_mut()
+        .filter(|s| s.next.is_some())
+        .filter_map(|s| match &mut s.cache {
+            Store::Local(c) => Some(c),
+            Store::Slot { .. } => None,
+        })
+        .collect()
 }
 
 /// Reports the end of `seq` (with any text still held back, unless a stop string matched:

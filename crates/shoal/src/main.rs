@@ -73,6 +73,40 @@ enum Command {
     Worker(worker::WorkerArgs),
 }
 
+/// Speculative decoding, for `run` and `serve` (on one rank; split models decode without
+/// it).
+#[derive(Args, Debug, Clone)]
+pub struct SpeculationArgs {
+    /// Prompt-lookup speculative decoding: draft up to N tokens per step from the text so
+    /// far (what followed the last few tokens where they appeared before) and check them in
+    /// one step; the output is unchanged. Strong for edits of given code.
+    #[arg(long, num_args = 0..=1, default_missing_value = "8", value_name = "N")]
+    pub lookup: Option<usize>,
+    /// Speculative decoding with a draft model (same tokenizer, smaller: e.g. qwen05 for
+    /// qwen15): it drafts --draft-max tokens per step, checked in one step; the output is
+    /// unchanged.
+    #[arg(long, value_name = "MODEL", conflicts_with = "lookup")]
+    pub draft: Option<String>,
+    /// Tokens the draft model drafts per step.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub draft_max: usize,
+}
+
+impl SpeculationArgs {
+    /// Whether either kind was asked for.
+    pub fn any(&self) -> bool {
+        self.lookup.is_some() || self.draft.is_some()
+    }
+
+    /// Tokens drafted per step at most (the scheduler's `draft_max`; 0: off).
+    pub fn tokens(&self) -> usize {
+        match (&self.draft, self.lookup) {
+            (Some(_), _) => self.draft_max,
+            (None, n) => n.unwrap_or(0),
+        }
+    }
+}
+
 /// Options every command that computes shares.
 #[derive(Args, Debug, Clone)]
 pub struct ComputeArgs {

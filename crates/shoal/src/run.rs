@@ -163,19 +163,8 @@ pub struct RunArgs {
     /// API key for --url (when the node has keys).
     #[arg(long, env = "SHOAL_API_KEY", hide_env_values = true)]
     pub key: Option<String>,
-    /// Prompt-lookup speculative decoding: draft up to this many tokens per step from the
-    /// text so far (what followed the last few tokens where they appeared before) and check
-    /// them in one step; the output is unchanged. Strong for edits of given code. One rank.
-    #[arg(long, num_args = 0..=1, default_missing_value = "8", value_name = "N")]
-    pub lookup: Option<usize>,
-    /// Speculative decoding with a draft model (same tokenizer, smaller: e.g. qwen05 for
-    /// qwen15): it drafts --draft-max tokens per step, checked in one step; the output is
-    /// unchanged. One rank.
-    #[arg(long, value_name = "MODEL", conflicts_with = "lookup")]
-    pub draft: Option<String>,
-    /// Tokens the draft model drafts per step.
-    #[arg(long, default_value_t = 8, value_name = "N")]
-    pub draft_max: usize,
+    #[command(flatten)]
+    pub speculation: crate::SpeculationArgs,
 }
 
 impl RunArgs {
@@ -265,7 +254,7 @@ fn report(done: &Completion, threads: usize, ranks: usize) {
 
 /// `run` split over ranks: rank 0 here, the others started locally or waited for.
 fn main_split(args: RunArgs) -> anyhow::Result<()> {
-    if args.lookup.is_some() || args.draft.is_some() {
+    if args.speculation.any() {
         anyhow::bail!("--lookup and --draft run on one rank; drop --tp/--pp or them");
     }
     let threads = args.compute.apply()?;
@@ -338,12 +327,9 @@ pub fn main(args: RunArgs) -> anyhow::Result<()> {
         max_queue: 0,
         ctx,
         prefix_cache: true,
-        draft_max: match (&args.draft, args.lookup) {
-            (Some(_), _) => args.draft_max,
-            (None, n) => n.unwrap_or(0),
-        },
+        draft_max: args.speculation.tokens(),
     };
-    let scheduler = match &args.draft {
+    let scheduler = match &args.speculation.draft {
         Some(d) => {
             let draft = Arc::new(crate::models::open(d)?);
             Scheduler::start_with_draft(model, draft, config)?

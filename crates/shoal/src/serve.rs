@@ -76,19 +76,9 @@ pub struct ServeArgs {
     /// started with the same tokens.
     #[arg(long)]
     pub no_prefix_cache: bool,
-    /// Prompt-lookup speculative decoding for the models served here (not split
-    /// instances): draft up to N tokens per step from each request's own text and check
-    /// them in one step; the output is unchanged.
-    #[arg(long, num_args = 0..=1, default_missing_value = "8", value_name = "N")]
-    pub lookup: Option<usize>,
-    /// Speculative decoding with a draft model for the models served here (not split
-    /// instances): a smaller model with the same tokenizer (e.g. qwen05 for qwen15) drafts
-    /// --draft-max tokens per step, checked in one step; the output is unchanged.
-    #[arg(long, value_name = "MODEL", conflicts_with = "lookup")]
-    pub draft: Option<String>,
-    /// Tokens the draft model drafts per step.
-    #[arg(long, default_value_t = 8, value_name = "N")]
-    pub draft_max: usize,
+    /// Speculative decoding for the models served here with --model.
+    #[command(flatten)]
+    pub speculation: crate::SpeculationArgs,
     /// Context length per request, prompt plus output (default: the model's, at most 4096).
     #[arg(long)]
     pub ctx: Option<usize>,
@@ -213,7 +203,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     if args.parallel == 0 || args.parallel > 256 {
         anyhow::bail!("--parallel {} is out of range (1..=256)", args.parallel);
     }
-    if let (Some(d), true) = (&args.draft, args.models.is_empty()) {
+    if let (Some(d), true) = (&args.speculation.draft, args.models.is_empty()) {
         anyhow::bail!(
             "--draft {d} drafts for the models given with --model (not for split instances); give --model"
         );
@@ -234,7 +224,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     }
     let keys = KeyStore::open(Some(&dir.join("keys.json")), args.rate_limit)?;
     let mut served = Vec::new();
-    let draft = match &args.draft {
+    let draft = match &args.speculation.draft {
         Some(d) => Some(Arc::new(crate::models::open(d)?)),
         None => None,
     };
@@ -250,10 +240,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
             max_queue: args.queue,
             ctx,
             prefix_cache: !args.no_prefix_cache,
-            draft_max: match &draft {
-                Some(_) => args.draft_max,
-                None => args.lookup.unwrap_or(0),
-            },
+            draft_max: args.speculation.tokens(),
         };
         let m = match &draft {
             Some(d) => ServedModel::start_with_draft(id, model, d.clone(), config)?,

@@ -332,6 +332,24 @@ fn gguf_names() -> String {
         .join(", ")
 }
 
+/// The config of a GGUF file's model: its metadata read by [`config_from_gguf`], with the
+/// vocabulary size taken from the token embedding's rows. `source` names the file in errors.
+///
+/// # Errors
+/// When the file lacks `token_embd.weight`, or as [`config_from_gguf`].
+pub fn config_of_file(
+    file: &shoal_model::gguf::GgufFile,
+    source: &str,
+) -> Result<ModelConfig, EngineError> {
+    let vocab = file
+        .tensor("token_embd.weight")?
+        .shape()
+        .first()
+        .copied()
+        .unwrap_or(0);
+    config_from_gguf(file.metadata(), vocab, source)
+}
+
 /// Reads the config of whichever architecture `general.architecture` names.
 ///
 /// # Errors
