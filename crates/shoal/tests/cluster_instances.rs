@@ -6,89 +6,22 @@
 //! survivors, which answer the same again; killing the coordinator loses no instance.
 //! Unloading removes it everywhere.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::path::Path;
 use std::time::{Duration, Instant};
 
+use common::{cached_model, json_of as json, run, wait_timed as wait_until, Node};
 use serde_json::Value;
+
+/// A node offering at most 800 MB that runs two requests at once (see [`common::node`]).
+fn node(dir: &Path, name: &str, secret: &Path, home: &Path, peer: Option<&str>) -> Node {
+    common::node(dir, name, secret, home, peer, &["--parallel", "2"])
+}
 
 const PROMPT: &str = "Write one sentence about the sea.";
 const QUESTION: &str = "What is the capital of France?";
 const TOKENS: &str = "32";
-
-fn shoal() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_shoal"));
-    c.env_remove("SHOAL_API_KEY").env_remove("SHOAL_URL");
-    c
-}
-
-fn qwen05() -> Option<PathBuf> {
-    let p = shoal_model::catalog::Catalog::open_default()
-        .ok()
-        .and_then(|c| c.cached_path("qwen05").ok().flatten());
-    if p.is_none() {
-        assert!(
-            std::env::var_os("SHOAL_REQUIRE_MODELS").is_none(),
-            "qwen05 is required: run `shoal models fetch qwen05`"
-        );
-        eprintln!("skipped: qwen05 is not fetched");
-    }
-    p
-}
-
-struct Node {
-    child: Child,
-    name: String,
-    id: String,
-    url: String,
-    listen: String,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A node with its own model cache `home` (empty for every node but the first).
-fn node(dir: &Path, name: &str, secret: &Path, home: &Path, peer: Option<&str>) -> Node {
-    let mut cmd = shoal();
-    cmd.arg("serve")
-        .args(["--api", "127.0.0.1:0", "--listen", "127.0.0.1:0", "-t", "1"])
-        .args(["--name", name, "--no-mdns", "--max-memory", "800M"])
-        .args(["--parallel", "2"])
-        .arg("--secret-file")
-        .arg(secret)
-        .arg("--data-dir")
-        .arg(dir.join(name))
-        .env("SHOAL_HOME", home)
-        .env_remove("SHOAL_SECRET")
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(
-            std::fs::File::create(dir.join(format!("{name}.log")))
-                .map(Stdio::from)
-                .unwrap_or(Stdio::null()),
-        );
-    if let Some(p) = peer {
-        cmd.args(["--peer", p]);
-    }
-    let mut child = cmd.spawn().unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let ready: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
-    Node {
-        child,
-        name: name.to_string(),
-        id: ready["node"].as_str().unwrap().to_string(),
-        url: format!("http://{}", ready["api"].as_str().unwrap()),
-        listen: ready["listen"].as_str().unwrap().to_string(),
-    }
-}
 
 /// The body of `GET path` at `url` (`http://host:port`).
 fn http_get(url: &str, path: &str) -> String {
@@ -107,21 +40,6 @@ fn http_get(url: &str, path: &str) -> String {
         .unwrap_or(out)
 }
 
-fn run(args: &[&str]) -> (bool, String, String) {
-    let out = shoal().args(args).output().unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn json(args: &[&str]) -> Value {
-    let (ok, out, err) = run(args);
-    assert!(ok, "shoal {args:?}: {err}");
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
-}
-
 /// The instance as `url` lists it.
 fn instance(url: &str) -> Option<Value> {
     json(&["ps", "--json", "--url", url])
@@ -129,17 +47,6 @@ fn instance(url: &str) -> Option<Value> {
         .iter()
         .find(|i| i["id"] == "qwen05")
         .cloned()
-}
-
-fn wait_until<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> (T, Duration) {
-    let t0 = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return (v, t0.elapsed());
-        }
-        assert!(t0.elapsed() < limit, "{what}: not within {limit:?}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
 }
 
 /// The answer to `prompt` at `url` (text on stdout; the token count from stderr's
@@ -210,7 +117,9 @@ fn generated(stats: &str) -> String {
 
 #[test]
 fn a_model_split_over_nodes_answers_like_one_and_survives_losing_nodes() {
-    let Some(model) = qwen05() else { return };
+    let Some(model) = cached_model("qwen05") else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let secret = dir.path().join("secret");
     let (ok, s, _) = run(&["secret"]);

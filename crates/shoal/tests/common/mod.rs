@@ -149,6 +149,13 @@ pub fn wait_until<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<
     }
 }
 
+/// [`wait_until`], also giving how long it took.
+pub fn wait_timed<T>(limit: Duration, what: &str, f: impl FnMut() -> Option<T>) -> (T, Duration) {
+    let t0 = Instant::now();
+    let v = wait_until(limit, what, f);
+    (v, t0.elapsed())
+}
+
 /// Waits until `nodes` each see all of them alive.
 pub fn agree(nodes: &[Node]) {
     for n in nodes {
