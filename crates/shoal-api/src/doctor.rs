@@ -112,9 +112,9 @@ pub struct Peer {
 pub struct Inputs {
     /// Whether the node is in a cluster (else only the host checks apply).
     pub in_cluster: bool,
-    /// The secret file and its permission bits (`None`: the secret came from the
-    /// environment).
-    pub secret: Option<(PathBuf, u32)>,
+    /// The secret file and its permission bits (`None` bits: they could not be read;
+    /// `None`: the secret came from the environment).
+    pub secret: Option<(PathBuf, Option<u32>)>,
     /// Sessions and gossip datagrams refused.
     pub refused: (u64, u64),
     /// mDNS discovery.
@@ -163,7 +163,15 @@ pub fn findings(i: &Inputs) -> Vec<Finding> {
 fn cluster_findings(i: &Inputs, out: &mut Vec<Finding>) {
     // secret
     match &i.secret {
-        Some((path, mode)) if mode & 0o077 != 0 => out.push(Finding::problem(
+        Some((path, None)) => out.push(Finding::problem(
+            "secret",
+            format!(
+                "the secret file {} cannot be read any more (moved or deleted since the node started)",
+                path.display()
+            ),
+            "put the cluster's secret file back, with mode 600, at the path the node was started with",
+        )),
+        Some((path, Some(mode))) if mode & 0o077 != 0 => out.push(Finding::problem(
             "secret",
             format!(
                 "the secret file {} can be read by other users (mode {:o}): anyone on this machine can join the cluster",
@@ -416,19 +424,19 @@ async fn gather(state: &AppState) -> Inputs {
     i
 }
 
-/// The permission bits of `path` (0 where they cannot be read).
-fn file_mode(path: &std::path::Path) -> u32 {
+/// The permission bits of `path` (`None` where they cannot be read; 0o600 where the
+/// system has none).
+fn file_mode(path: &std::path::Path) -> Option<u32> {
+    let meta = std::fs::metadata(path).ok()?;
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        std::fs::metadata(path)
-            .map(|m| m.permissions().mode())
-            .unwrap_or(0)
+        Some(meta.permissions().mode())
     }
     #[cfg(not(unix))]
     {
-        let _ = path;
-        0
+        let _ = meta;
+        Some(0o600)
     }
 }
 
@@ -440,7 +448,7 @@ mod tests {
         let a = |s: &str| Some(s.parse().unwrap());
         Inputs {
             in_cluster: true,
-            secret: Some(("/etc/shoal/secret".into(), 0o100600)),
+            secret: Some(("/etc/shoal/secret".into(), Some(0o100600))),
             refused: (0, 0),
             mdns: Some(MdnsStatus::Passes),
             listen: a("10.0.0.1:7338"),
@@ -493,7 +501,12 @@ mod tests {
             (
                 "secret",
                 Level::Problem,
-                Box::new(|i| i.secret.as_mut().unwrap().1 = 0o100644),
+                Box::new(|i| i.secret.as_mut().unwrap().1 = Some(0o100644)),
+            ),
+            (
+                "secret",
+                Level::Problem,
+                Box::new(|i| i.secret.as_mut().unwrap().1 = None),
             ),
             (
                 "strangers",
@@ -597,7 +610,7 @@ mod tests {
         // outside a cluster only the host is checked
         let mut i = healthy();
         i.in_cluster = false;
-        i.secret = Some(("/x".into(), 0o100644));
+        i.secret = Some(("/x".into(), Some(0o100644)));
         let checks: Vec<String> = findings(&i).into_iter().map(|f| f.check).collect();
         assert_eq!(checks, ["cluster", "memory", "cpu", "huge_pages"]);
     }
