@@ -469,16 +469,21 @@ pub async fn replicate(
     }
     let mut published = String::new();
     let mut warned: std::collections::HashSet<String> = Default::default();
+    // what each node published when it was last merged: unchanged sets are not read again
+    let mut merged: std::collections::HashMap<String, String> = Default::default();
     loop {
         let Some(state) = state.upgrade() else { return };
         for (from, value) in node.published(GOSSIP_KEY) {
-            if from == node.id() {
+            if from == node.id() || merged.get(&from) == Some(&value) {
                 continue;
             }
+            merged.insert(from.clone(), value.clone());
             match serde_json::from_str::<KeySet>(&value) {
                 Ok(set) => {
                     if let Err(e) = state.keys.merge(&set) {
                         tracing::warn!(%from, "merging the cluster's API keys failed: {e}");
+                        // tried again next round
+                        merged.remove(&from);
                     }
                 }
                 Err(e) => {
