@@ -5,7 +5,7 @@
 //! messages are the typed ones of [`crate::protocol`]; a refusal travels as an answer, so its
 //! HTTP status reaches the client.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -260,13 +260,7 @@ impl Driver {
             }
         };
         let id = id.unwrap_or_else(|| file.name.clone());
-        let request = PlanRequest {
-            ctx,
-            strategy,
-            nodes,
-            experts,
-            ..PlanRequest::default()
-        };
+        let request = plan_request(ctx, strategy, nodes, experts);
         self.to_coordinator(ControlRequest::Load(Box::new(LoadOp {
             id,
             model: file.name,
@@ -296,45 +290,29 @@ impl Driver {
         };
         let table = self.table.lock().unwrap().clone();
         let cluster = table.placeable(&self.cluster().await);
-        let request = PlanRequest {
-            ctx,
-            strategy,
-            nodes,
-            experts,
-            ..PlanRequest::default()
-        };
+        let request = plan_request(ctx, strategy, nodes, experts);
         let candidates = shoal_planner::candidates(&cluster, &profile, &request)
             .map_err(|e| err(400, e.to_string()))?;
-        let name_of = |id: &str| {
-            cluster
-                .nodes
-                .iter()
-                .find(|n| n.id == id)
-                .map(|n| n.name.clone())
-                .unwrap_or_else(|| id.to_string())
-        };
+        let names: HashMap<&str, &str> = cluster
+            .nodes
+            .iter()
+            .map(|n| (n.id.as_str(), n.name.as_str()))
+            .collect();
         let list: Vec<Value> = candidates
             .iter()
             .take(8)
             .map(|c| {
-                let placement = cluster
-                    .nodes
-                    .iter()
-                    .fold(c.placement.describe(), |d, n| d.replace(&n.id, &n.name));
                 json!({
-                    "placement": placement,
+                    "placement": named(&c.placement.describe(), &names),
                     "strategy": c.placement.strategy,
                     "tp": c.placement.tp,
                     "pp": c.placement.pp(),
                     "fits": c.fits(),
-                    "problem": c.problem.as_ref().map(|p| cluster
-                        .nodes
-                        .iter()
-                        .fold(p.clone(), |d, n| d.replace(&n.id, &n.name))),
+                    "problem": c.problem.as_deref().map(|p| named(p, &names)),
                     "decode_tok_s": c.prediction.decode_tok_s,
                     "prefill_tok_s": c.prediction.prefill_tok_s,
                     "memory": c.prediction.memory.iter().map(|m| json!({
-                        "node": name_of(&m.node),
+                        "node": named(&m.node, &names),
                         "total_bytes": m.total_bytes,
                         "free_bytes": m.free_bytes,
                     })).collect::<Vec<_>>(),
@@ -347,13 +325,7 @@ impl Driver {
     /// The model files the live nodes offer, by name.
     pub(crate) async fn offered_models(&self) -> Value {
         let nodes = self.node.nodes().await;
-        let name_of = |id: &str| {
-            nodes
-                .iter()
-                .find(|n| n.id == id)
-                .map(|n| n.name.clone())
-                .unwrap_or_else(|| id.to_string())
-        };
+        let name_of = |id: &str| node_name(&nodes, id);
         let mut by_name: std::collections::BTreeMap<String, (u64, String, Vec<String>)> =
             Default::default();
         for (node, f) in self.offered() {
@@ -382,13 +354,7 @@ impl Driver {
                 .find(|n| n.id == id)
                 .and_then(|n| n.facts.as_ref().map(|f| f.api.clone()))
         };
-        let name_of = |id: &str| {
-            nodes
-                .iter()
-                .find(|n| n.id == id)
-                .map(|n| n.name.clone())
-                .unwrap_or_else(|| id.to_string())
-        };
+        let name_of = |id: &str| node_name(&nodes, id);
         let list: Vec<Value> = table
             .instances
             .values()
@@ -428,4 +394,36 @@ impl Driver {
         let drained: Vec<String> = table.drained.iter().map(|n| name_of(n)).collect();
         json!({"version": table.version, "coordinator": table.coordinator, "drained": drained, "instances": list})
     }
+}
+
+/// The planner's request for a load's fields.
+fn plan_request(
+    ctx: u32,
+    strategy: shoal_planner::Strategy,
+    nodes: Option<Vec<String>>,
+    experts: shoal_planner::split::ExpertSplit,
+) -> PlanRequest {
+    PlanRequest {
+        ctx,
+        strategy,
+        nodes,
+        experts,
+        ..PlanRequest::default()
+    }
+}
+
+/// The name of node `id` among `nodes` (its id when it is not there).
+fn node_name(nodes: &[shoal_cluster::node::NodeInfo], id: &str) -> String {
+    nodes
+        .iter()
+        .find(|n| n.id == id)
+        .map(|n| n.name.clone())
+        .unwrap_or_else(|| id.to_string())
+}
+
+/// `text` with every node id of `names` replaced by the node's name.
+fn named(text: &str, names: &HashMap<&str, &str>) -> String {
+    names
+        .iter()
+        .fold(text.to_string(), |t, (id, name)| t.replace(id, name))
 }
