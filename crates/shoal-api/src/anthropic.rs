@@ -1,7 +1,12 @@
-//! Anthropic-compatible `POST /v1/messages`: system prompt, text / `tool_use` / `tool_result`
-//! content blocks, `tool_choice` (auto, any, tool, none), `stop_sequences`, `stop_reason`,
-//! and the streaming event sequence (`message_start`, `content_block_*`, `message_delta`,
-//! `message_stop`), with Anthropic's error shape. Keys may come as `x-api-key`.
+//! Anthropic-compatible `POST /v1/messages` and `POST /v1/messages/count_tokens`: system
+//! prompt (top-level, and `system` messages inside the conversation as Claude Code sends
+//! them), text / `tool_use` / `tool_result` content blocks, `tool_choice` (auto, any, tool,
+//! none), `stop_sequences`, `stop_reason`, and the streaming event sequence
+//! (`message_start`, `content_block_*`, `message_delta`, `message_stop`), with Anthropic's
+//! error shape. Keys may come as `x-api-key`. What a text-only local model cannot use is
+//! declined, not refused ([`crate::declined`]): hosted tools, `thinking` blocks and
+//! settings, `context_management`, `output_config.effort`, images and documents (each
+//! replaced by a note saying it was left out).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -16,6 +21,7 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::declined::{Declined, OMITTED};
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::generation::{
     self, Finish, GenRequest, Input, Message, Out, OutputFormat, Tool, ToolChoice,
@@ -32,7 +38,12 @@ struct WireMessage {
 
 #[derive(Debug, Deserialize)]
 struct WireTool {
-    name: String,
+    /// Absent or `custom` for a client's own tool; anything else (`web_search_20250305`,
+    /// `bash_20250124`, ...) is a tool Anthropic's servers run.
+    #[serde(rename = "type", default)]
+    kind: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
     #[serde(default)]
     description: Option<String>,
     #[serde(default)]
@@ -62,10 +73,22 @@ struct MessagesRequest {
     tool_choice: Option<Value>,
     #[serde(default)]
     output_config: Option<Value>,
+    #[serde(default)]
+    thinking: Option<Value>,
+    #[serde(default)]
+    context_management: Option<Value>,
+    #[serde(default)]
+    service_tier: Option<Value>,
+    #[serde(default)]
+    mcp_servers: Option<Value>,
+    #[serde(default)]
+    container: Option<Value>,
 }
 
-/// Text of a string or of a list of text blocks.
-fn block_text(v: &Value, field: &str) -> Result<String, ApiError> {
+/// Text of a string or of a list of text blocks; images and documents become a note that
+/// they were left out, and blocks with nothing for the model are skipped (both noted in
+/// `declined`).
+fn block_text(v: &Value, field: &str, declined: &mut Declined) -> Result<String, ApiError> {
     match v {
         Value::String(s) => Ok(s.clone()),
         Value::Array(blocks) => {
@@ -75,12 +98,11 @@ fn block_text(v: &Value, field: &str) -> Result<String, ApiError> {
                     Some("text") => {
                         out.push_str(b.get("text").and_then(Value::as_str).unwrap_or(""))
                     }
-                    Some(t) => {
-                        return Err(ApiError::invalid_param(
-                            field,
-                            format!("a block of type '{t}' is not supported here; send text"),
-                        ))
+                    Some(t @ ("image" | "document")) => {
+                        declined.ignore(&format!("{t} blocks"));
+                        out.push_str(OMITTED);
                     }
+                    Some(t) => declined.ignore(&format!("{t} blocks")),
                     None => return Err(ApiError::invalid_param(field, "a block needs a 'type'")),
                 }
             }
@@ -99,10 +121,11 @@ fn block_text(v: &Value, field: &str) -> Result<String, ApiError> {
 fn canonical_messages(
     system: Option<Value>,
     wire: Vec<WireMessage>,
+    declined: &mut Declined,
 ) -> Result<Vec<Message>, ApiError> {
     let mut out = Vec::new();
     if let Some(s) = system {
-        let text = block_text(&s, "system")?;
+        let text = block_text(&s, "system", declined)?;
         if !text.is_empty() {
             out.push(Message::text("system", text));
         }
@@ -115,10 +138,19 @@ fn canonical_messages(
     }
     for (i, m) in wire.into_iter().enumerate() {
         let field = format!("messages.{i}.content");
+        if m.role == "system" {
+            // Claude Code sends instructions that arrive mid-conversation this way; they stay
+            // where they were sent, so the conversation before them is an unchanged prefix
+            out.push(Message::text(
+                "system",
+                block_text(&m.content, &field, declined)?,
+            ));
+            continue;
+        }
         if m.role != "user" && m.role != "assistant" {
             return Err(ApiError::invalid_param(
                 &format!("messages.{i}.role"),
-                format!("role '{}' must be user or assistant", m.role),
+                format!("role '{}' must be user, assistant or system", m.role),
             ));
         }
         let blocks = match m.content {
@@ -166,17 +198,19 @@ fn canonical_messages(
                         .ok_or_else(|| {
                             ApiError::invalid_param(&bf, "tool_result needs 'tool_use_id'")
                         })?;
-                    let content = block_text(b.get("content").unwrap_or(&Value::Null), &bf)?;
+                    let content =
+                        block_text(b.get("content").unwrap_or(&Value::Null), &bf, declined)?;
                     let mut r = Message::text("tool", content);
                     r.tool_call_id = Some(id.to_string());
                     results.push(r);
                 }
-                Some(t) => {
-                    return Err(ApiError::invalid_param(
-                        &bf,
-                        format!("a {} block of type '{t}' is not supported", m.role),
-                    ))
+                Some(t @ ("image" | "document")) => {
+                    declined.ignore(&format!("{t} blocks"));
+                    msg.content.push_str(OMITTED);
                 }
+                // thinking, redacted_thinking, server tool blocks, ...: nothing this model
+                // produced or can read
+                Some(t) => declined.ignore(&format!("{t} blocks")),
                 None => return Err(ApiError::invalid_param(&bf, "a block needs a 'type'")),
             }
         }
@@ -184,6 +218,27 @@ fn canonical_messages(
         out.extend(results);
         if !msg.content.is_empty() || !msg.tool_calls.is_empty() {
             out.push(msg);
+        }
+    }
+    Ok(out)
+}
+
+/// The client's own tools as functions; tools Anthropic's servers would run (a `type` other
+/// than `custom`) are declined.
+fn tools_of(wire: Vec<WireTool>, declined: &mut Declined) -> Result<Vec<Tool>, ApiError> {
+    let mut out = Vec::with_capacity(wire.len());
+    for (i, t) in wire.into_iter().enumerate() {
+        match (t.kind.as_deref(), t.name) {
+            (None | Some("custom"), Some(name)) if !name.is_empty() => {
+                out.push(Tool::new(name, t.description, t.input_schema))
+            }
+            (None | Some("custom"), _) => {
+                return Err(ApiError::invalid_param(
+                    &format!("tools.{i}.name"),
+                    "a tool needs a name",
+                ))
+            }
+            (Some(kind), name) => declined.tool(name.as_deref().unwrap_or(kind)),
         }
     }
     Ok(out)
@@ -236,19 +291,31 @@ async fn messages_route(
     state.keys.authorize(&headers)?;
     let body = crate::body_bytes(body)?;
     let r: MessagesRequest = parse_body(&body)?;
-    let tools: Vec<Tool> = r
-        .tools
-        .unwrap_or_default()
-        .into_iter()
-        .map(|t| Tool::new(t.name, t.description, t.input_schema))
-        .collect();
+    let mut declined = Declined::default();
     let mut req = GenRequest::new(
         r.model,
         Input::Chat {
-            messages: canonical_messages(r.system, r.messages)?,
-            tools,
+            messages: canonical_messages(r.system, r.messages, &mut declined)?,
+            tools: tools_of(r.tools.unwrap_or_default(), &mut declined)?,
         },
     );
+    for (field, present) in [
+        ("thinking", r.thinking.is_some()),
+        ("context_management", r.context_management.is_some()),
+        ("service_tier", r.service_tier.is_some()),
+        ("mcp_servers", r.mcp_servers.is_some()),
+        ("container", r.container.is_some()),
+        (
+            "output_config.effort",
+            r.output_config
+                .as_ref()
+                .is_some_and(|c| c.get("effort").is_some()),
+        ),
+    ] {
+        if present {
+            declined.ignore(field);
+        }
+    }
     if r.max_tokens == 0 {
         return Err(ApiError::invalid_param(
             "max_tokens",
@@ -291,7 +358,9 @@ async fn messages_route(
     let id = msg_id();
     let model = running.model.id.clone();
     if r.stream.unwrap_or(false) {
-        return Ok(stream_messages(running, id, model).into_response());
+        let mut resp = stream_messages(running, id, model).into_response();
+        declined.apply("/v1/messages", &mut resp);
+        return Ok(resp);
     }
     let done = running.collect().await?;
     let mut content = Vec::new();
@@ -301,7 +370,7 @@ async fn messages_route(
     for c in &done.calls {
         content.push(json!({"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments}));
     }
-    Ok(Json(json!({
+    let mut resp = Json(json!({
         "id": id,
         "type": "message",
         "role": "assistant",
@@ -311,7 +380,9 @@ async fn messages_route(
         "stop_sequence": done.stop,
         "usage": usage_json(done.usage),
     }))
-    .into_response())
+    .into_response();
+    declined.apply("/v1/messages", &mut resp);
+    Ok(resp)
 }
 
 /// Axum handler for `POST /v1/messages`.
@@ -321,6 +392,52 @@ pub async fn messages(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     match messages_route(state, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.flavor(Flavor::Anthropic).into_response(),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct CountRequest {
+    model: String,
+    messages: Vec<WireMessage>,
+    #[serde(default)]
+    system: Option<Value>,
+    #[serde(default)]
+    tools: Option<Vec<WireTool>>,
+}
+
+/// `POST /v1/messages/count_tokens`, errors returned for the caller to render.
+async fn count_route(
+    state: Arc<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    state.keys.authorize(&headers)?;
+    let body = crate::body_bytes(body)?;
+    let r: CountRequest = parse_body(&body)?;
+    let mut declined = Declined::default();
+    let req = GenRequest::new(
+        r.model,
+        Input::Chat {
+            messages: canonical_messages(r.system, r.messages, &mut declined)?,
+            tools: tools_of(r.tools.unwrap_or_default(), &mut declined)?,
+        },
+    );
+    let n = generation::count_prompt(&state, &req)?;
+    let mut resp = Json(json!({"input_tokens": n})).into_response();
+    declined.apply("/v1/messages/count_tokens", &mut resp);
+    Ok(resp)
+}
+
+/// Axum handler for `POST /v1/messages/count_tokens`: the prompt tokens the request would
+/// run, as the model's chat template and tokenizer make them.
+pub async fn count_tokens(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match count_route(state, headers, body).await {
         Ok(r) => r,
         Err(e) => e.flavor(Flavor::Anthropic).into_response(),
     }

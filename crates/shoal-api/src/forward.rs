@@ -26,11 +26,12 @@ use crate::state::AppState;
 pub const FORWARDED: &str = "x-shoal-forwarded";
 
 /// The routes whose JSON body names a model.
-const MODEL_ROUTES: [&str; 7] = [
+const MODEL_ROUTES: [&str; 8] = [
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/responses",
     "/v1/messages",
+    "/v1/messages/count_tokens",
     "/api/chat",
     "/api/generate",
     "/api/show",
@@ -61,7 +62,7 @@ impl Forwarder {
 fn flavor(path: &str) -> Flavor {
     if path.starts_with("/api/") {
         Flavor::Ollama
-    } else if path == "/v1/messages" {
+    } else if path.starts_with("/v1/messages") {
         Flavor::Anthropic
     } else {
         Flavor::OpenAi

@@ -285,6 +285,10 @@ pub struct Running {
     generated: Vec<u32>,
     /// How many times it went on after its instance lost a node.
     resumed: usize,
+    /// The text and calls shown to the client so far (kept with the generated text when a
+    /// chat turn ends, see [`crate::turns`]).
+    shown: String,
+    shown_calls: Vec<ToolCall>,
 }
 
 impl std::fmt::Debug for Running {
@@ -326,9 +330,13 @@ fn unix_now() -> u64 {
 /// 404 for an unknown model, 400 for a request the model cannot take (no chat template, a
 /// prompt longer than the context, bad sampling values, a bad schema), 503 when the queue is
 /// full.
-pub fn start(state: &Arc<AppState>, req: GenRequest) -> Result<Running, ApiError> {
+pub fn start(state: &Arc<AppState>, mut req: GenRequest) -> Result<Running, ApiError> {
     let arrived = Instant::now();
     let served = state.model(&req.model)?;
+    let splices = match &mut req.input {
+        Input::Chat { messages, .. } => state.turns.restore(&served.id, messages),
+        Input::Text(_) => Vec::new(),
+    };
     let model = served.scheduler.model().clone();
     let tools = req.tools();
     if let ToolChoice::Named(name) = &req.tool_choice {
@@ -345,29 +353,7 @@ pub fn start(state: &Arc<AppState>, req: GenRequest) -> Result<Running, ApiError
             "tool_choice is 'required' but no tools were given",
         ));
     }
-    let prompt = match &req.input {
-        Input::Text(text) => model
-            .raw_prompt(text)
-            .map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e}")))?,
-        Input::Chat { messages, tools } => {
-            let msgs: Vec<Value> = messages.iter().map(Message::to_template).collect();
-            let tool_values: Vec<Value> = tools
-                .iter()
-                .map(|t| {
-                    let mut f = json!({"name": t.name});
-                    if let Some(d) = &t.description {
-                        f["description"] = json!(d);
-                    }
-                    f["parameters"] = t.parameters.clone();
-                    json!({"type": "function", "function": f})
-                })
-                .collect();
-            let tools_arg = (!tool_values.is_empty()).then_some(&tool_values[..]);
-            model
-                .chat_prompt(&msgs, tools_arg)
-                .map_err(|e| ApiError::invalid(format!("cannot build the prompt: {e}")))?
-        }
-    };
+    let prompt = prompt_of(&model, &req.input, &splices)?;
     if tracing::enabled!(tracing::Level::TRACE) {
         let text = model.tokenizer.decode(&prompt, false);
         tracing::trace!(model = %served.id, tokens = prompt.len(), %text, "prompt");
@@ -437,7 +423,99 @@ pub fn start(state: &Arc<AppState>, req: GenRequest) -> Result<Running, ApiError
         submitted,
         generated: Vec::new(),
         resumed: 0,
+        shown: String::new(),
+        shown_calls: Vec::new(),
     })
+}
+
+/// The prompt tokens of a request on `served`, without queueing it (Anthropic's
+/// `count_tokens`).
+///
+/// # Errors
+/// 404 for an unknown model, 400 for input the model's template or tokenizer cannot take.
+pub fn count_prompt(state: &Arc<AppState>, req: &GenRequest) -> Result<usize, ApiError> {
+    let served = state.model(&req.model)?;
+    Ok(prompt_of(served.scheduler.model(), &req.input, &[])?.len())
+}
+
+/// The tool list as chat templates read it (OpenAI's function shape).
+fn template_tools(tools: &[Tool]) -> Vec<Value> {
+    tools
+        .iter()
+        .map(|t| {
+            let mut f = json!({"name": t.name});
+            if let Some(d) = &t.description {
+                f["description"] = json!(d);
+            }
+            f["parameters"] = t.parameters.clone();
+            json!({"type": "function", "function": f})
+        })
+        .collect()
+}
+
+/// Renders and tokenizes `input`, with the turns marked by [`crate::turns`] given their
+/// generated tokens (`splices`). A conversation with system messages after its start (Claude
+/// Code sends those) keeps them in place; only when the model's template refuses them are
+/// they moved into the leading system message, where every template takes one.
+fn prompt_of(
+    model: &shoal_engine::model::LoadedModel,
+    input: &Input,
+    splices: &[(String, Vec<u32>)],
+) -> Result<Vec<u32>, ApiError> {
+    let (messages, tools) = match input {
+        Input::Text(text) => {
+            return model
+                .raw_prompt(text)
+                .map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e}")))
+        }
+        Input::Chat { messages, tools } => (messages, tools),
+    };
+    let tool_values = template_tools(tools);
+    let tools_arg = (!tool_values.is_empty()).then_some(&tool_values[..]);
+    let render = |messages: &[Message]| -> Result<Vec<u32>, shoal_engine::EngineError> {
+        let msgs: Vec<Value> = messages.iter().map(Message::to_template).collect();
+        if let Some(p) = model.chat_prompt_spliced(&msgs, tools_arg, splices)? {
+            return Ok(p);
+        }
+        // the template rewrote a marked turn: render every turn from its generated text
+        let unmarked: Vec<Value> = messages
+            .iter()
+            .map(|m| {
+                let mut m = m.clone();
+                if let Some((_, ids)) = splices.iter().find(|(mark, _)| *mark == m.content) {
+                    m.content = model.tokenizer.decode(ids, false);
+                }
+                m.to_template()
+            })
+            .collect();
+        model.chat_prompt(&unmarked, tools_arg)
+    };
+    let late_system = messages
+        .iter()
+        .skip(1)
+        .any(|m| m.role == "system" || m.role == "developer");
+    match render(messages) {
+        Err(e) if late_system => {
+            tracing::info!(error = %e, "the chat template refused system messages after the start; moving them into the first");
+            render(&system_first(messages))
+                .map_err(|e| ApiError::invalid(format!("cannot build the prompt: {e}")))
+        }
+        r => r.map_err(|e| ApiError::invalid(format!("cannot build the prompt: {e}"))),
+    }
+}
+
+/// The conversation with every system (or developer) message joined into one leading
+/// system message, in order.
+fn system_first(messages: &[Message]) -> Vec<Message> {
+    let is_system = |m: &&Message| m.role == "system" || m.role == "developer";
+    let joined: Vec<&str> = messages
+        .iter()
+        .filter(is_system)
+        .map(|m| m.content.as_str())
+        .collect();
+    let mut out = vec![Message::text("system", joined.join("\n\n"))];
+    out.extend(messages.iter().filter(|m| !is_system(m)).cloned());
+    out
 }
 
 /// What a request was queued with, kept to queue it again where its instance is placed next
@@ -595,6 +673,7 @@ impl Running {
         match &mut self.parser {
             None => {
                 if !text.is_empty() || !logprobs.is_empty() {
+                    self.shown.push_str(&text);
                     self.pending.push_back(Out::Text { text, logprobs });
                 }
             }
@@ -609,6 +688,7 @@ impl Running {
         for e in events {
             match e {
                 StreamEvent::Content(text) if !text.is_empty() => {
+                    self.shown.push_str(&text);
                     self.pending.push_back(Out::Text {
                         text,
                         logprobs: Vec::new(),
@@ -616,6 +696,7 @@ impl Running {
                 }
                 StreamEvent::Content(_) => {}
                 StreamEvent::ToolCall { call, .. } => {
+                    self.shown_calls.push(call.clone());
                     self.pending.push_back(Out::Call {
                         index: self.calls,
                         call,
@@ -679,6 +760,9 @@ impl Running {
                     } else {
                         (f.time_to_first_token, f.total)
                     };
+                    if f.stop.is_none() {
+                        self.remember_turn();
+                    }
                     self.pending.push_back(Out::Finished {
                         reason,
                         stop: f.stop,
@@ -704,6 +788,20 @@ impl Running {
                 }
             }
         }
+    }
+
+    /// Keeps the text this chat turn generated beside what the client was shown, so the turn
+    /// renders as generated when the client sends it back ([`crate::turns`]).
+    fn remember_turn(&mut self) {
+        if !matches!(self.submitted.req.input, Input::Chat { .. }) || self.resumed > 0 {
+            return;
+        }
+        self.state.turns.remember(
+            &self.model.id,
+            self.generated.clone(),
+            std::mem::take(&mut self.shown),
+            std::mem::take(&mut self.shown_calls),
+        );
     }
 
     /// Queues the request again on its instance's next placement once this node serves it,

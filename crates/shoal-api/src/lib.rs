@@ -9,6 +9,7 @@ pub mod admin;
 pub mod anthropic;
 pub mod cluster;
 pub mod constrain;
+pub mod declined;
 pub mod doctor;
 pub mod error;
 pub mod forward;
@@ -18,8 +19,10 @@ pub mod metrics;
 pub mod ollama;
 pub mod openai;
 pub mod responses;
+pub mod responses_tools;
 pub mod state;
 pub mod tools;
+pub mod turns;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -211,6 +214,7 @@ pub fn router(state: Arc<AppState>, opts: &HttpOptions) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/responses", post(responses::responses))
         .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/api/chat", post(ollama::chat))
         .route("/api/generate", post(ollama::generate))
         .route("/api/tags", get(ollama::tags))

@@ -16,6 +16,7 @@ use futures_util::Stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::declined::{Declined, OMITTED};
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::generation::{
     self, Finish, GenRequest, Input, Message, Out, OutputFormat, TokenLogprob, Tool, ToolChoice,
@@ -81,7 +82,8 @@ struct WireFunction {
 struct WireTool {
     #[serde(rename = "type", default)]
     kind: Option<String>,
-    function: WireFunction,
+    #[serde(default)]
+    function: Option<WireFunction>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -134,10 +136,17 @@ struct ChatRequest {
     response_format: Option<Value>,
     #[serde(default)]
     ignore_eos: Option<bool>,
+    #[serde(default)]
+    reasoning_effort: Option<Value>,
 }
 
-/// Text of a message's `content`: a string, or the text parts of a list of parts.
-pub(crate) fn content_text(content: Option<Value>, field: &str) -> Result<String, ApiError> {
+/// Text of a message's `content`: a string, or the text parts of a list of parts; images,
+/// audio and files become a note that they were left out (noted in `declined`).
+pub(crate) fn content_text(
+    content: Option<Value>,
+    field: &str,
+    declined: &mut Declined,
+) -> Result<String, ApiError> {
     match content {
         None | Some(Value::Null) => Ok(String::new()),
         Some(Value::String(s)) => Ok(s),
@@ -146,7 +155,11 @@ pub(crate) fn content_text(content: Option<Value>, field: &str) -> Result<String
             for p in parts {
                 match (p.get("type").and_then(Value::as_str), p.get("text")) {
                     (Some("text"), Some(Value::String(t))) => out.push_str(t),
-                    (Some(kind), _) => {
+                    (Some(kind @ ("image_url" | "input_audio" | "file")), _) => {
+                        declined.ignore(&format!("{kind} parts"));
+                        out.push_str(OMITTED);
+                    }
+                    (Some(kind), _) if kind != "text" => {
                         return Err(ApiError::invalid_param(
                             field,
                             format!("content parts of type '{kind}' are not supported; send text"),
@@ -184,7 +197,7 @@ pub(crate) fn arguments_value(args: Value, field: &str) -> Result<Value, ApiErro
     }
 }
 
-fn messages(wire: Vec<WireMessage>) -> Result<Vec<Message>, ApiError> {
+fn messages(wire: Vec<WireMessage>, declined: &mut Declined) -> Result<Vec<Message>, ApiError> {
     if wire.is_empty() {
         return Err(ApiError::invalid_param(
             "messages",
@@ -207,7 +220,10 @@ fn messages(wire: Vec<WireMessage>) -> Result<Vec<Message>, ApiError> {
                 ))
             }
         };
-        let mut msg = Message::text(&role, content_text(m.content, &format!("{field}.content"))?);
+        let mut msg = Message::text(
+            &role,
+            content_text(m.content, &format!("{field}.content"), declined)?,
+        );
         for (j, c) in m.tool_calls.unwrap_or_default().into_iter().enumerate() {
             msg.tool_calls.push(ToolCall {
                 id: c.id.unwrap_or_else(|| format!("call_{i}_{j}")),
@@ -225,27 +241,33 @@ fn messages(wire: Vec<WireMessage>) -> Result<Vec<Message>, ApiError> {
     Ok(out)
 }
 
-fn tools(wire: Option<Vec<WireTool>>) -> Result<Vec<Tool>, ApiError> {
+/// The function tools; tools of other types (a provider's hosted tools) are declined.
+fn tools(wire: Option<Vec<WireTool>>, declined: &mut Declined) -> Result<Vec<Tool>, ApiError> {
     let mut out = Vec::new();
     for (i, t) in wire.unwrap_or_default().into_iter().enumerate() {
-        if let Some(k) = &t.kind {
-            if k != "function" {
+        let function = match (t.kind.as_deref(), t.function) {
+            (None | Some("function"), Some(f)) => f,
+            (None | Some("function"), None) => {
                 return Err(ApiError::invalid_param(
-                    &format!("tools[{i}].type"),
-                    format!("tool type '{k}' is not supported; use 'function'"),
-                ));
+                    &format!("tools[{i}].function"),
+                    "a function tool needs a 'function' with a name",
+                ))
             }
-        }
-        if t.function.name.is_empty() {
+            (Some(kind), _) => {
+                declined.tool(kind);
+                continue;
+            }
+        };
+        if function.name.is_empty() {
             return Err(ApiError::invalid_param(
                 &format!("tools[{i}].function.name"),
                 "a function needs a name",
             ));
         }
         out.push(Tool::new(
-            t.function.name,
-            t.function.description,
-            t.function.parameters,
+            function.name,
+            function.description,
+            function.parameters,
         ));
     }
     Ok(out)
@@ -443,13 +465,17 @@ async fn chat_inner(
     state.keys.authorize(&headers)?;
     let r: ChatRequest = parse_body(&body)?;
     check_n(r.n)?;
+    let mut declined = Declined::default();
     let mut req = GenRequest::new(
         r.model,
         Input::Chat {
-            messages: messages(r.messages)?,
-            tools: tools(r.tools)?,
+            messages: messages(r.messages, &mut declined)?,
+            tools: tools(r.tools, &mut declined)?,
         },
     );
+    if r.reasoning_effort.is_some() {
+        declined.ignore("reasoning_effort");
+    }
     req.max_tokens = r
         .max_completion_tokens
         .or(r.max_tokens)
@@ -487,7 +513,9 @@ async fn chat_inner(
     let created = running.created;
     if r.stream.unwrap_or(false) {
         let include_usage = r.stream_options.unwrap_or_default().include_usage;
-        return Ok(chat_stream(running, id, model, created, include_usage).into_response());
+        let mut resp = chat_stream(running, id, model, created, include_usage).into_response();
+        declined.apply("/v1/chat/completions", &mut resp);
+        return Ok(resp);
     }
     let done = running.collect().await?;
     let mut message = json!({
@@ -508,7 +536,7 @@ async fn chat_inner(
     } else {
         Value::Null
     };
-    Ok(Json(json!({
+    let mut resp = Json(json!({
         "id": id,
         "object": "chat.completion",
         "created": created,
@@ -522,7 +550,9 @@ async fn chat_inner(
         }],
         "usage": usage_json(done.usage),
     }))
-    .into_response())
+    .into_response();
+    declined.apply("/v1/chat/completions", &mut resp);
+    Ok(resp)
 }
 
 type SseItem = Result<SseEvent, std::convert::Infallible>;

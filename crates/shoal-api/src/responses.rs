@@ -1,6 +1,7 @@
 //! OpenAI's Responses API, `POST /v1/responses` (what the Codex CLI and the Agents SDK use):
 //! `input` as text or as items (messages, `function_call`, `function_call_output`),
-//! `instructions`, function `tools` and `tool_choice`, `text.format` (text, json_object,
+//! `instructions`, `tools` (functions, namespaced functions and custom tools, see
+//! [`crate::responses_tools`]; hosted tools declined) and `tool_choice`, `text.format` (text, json_object,
 //! json_schema, enforced), `max_output_tokens`, sampling, streaming as the API's typed
 //! events, and `previous_response_id`: a stored response's conversation (its input and
 //! output) continues where it ended. Stored responses live in a store on the node that
@@ -21,11 +22,13 @@ use axum::Json;
 use futures_util::Stream;
 use serde_json::{json, Value};
 
+use crate::declined::{Declined, OMITTED};
 use crate::error::{parse_body, ApiError, ErrorKind, Flavor};
 use crate::generation::{
-    self, Finish, GenRequest, Input, Message, Out, OutputFormat, Tool, ToolChoice, Usage,
+    self, Finish, GenRequest, Input, Message, Out, OutputFormat, ToolChoice, Usage,
 };
 use crate::openai::{apply_sampling, Sampling};
+use crate::responses_tools::{custom_input, folded_name, ResponseTools};
 use crate::state::AppState;
 use crate::tools::ToolCall;
 
@@ -122,8 +125,9 @@ fn bad(param: &str, message: impl Into<String>) -> ApiError {
 }
 
 /// The text of a message's `content`: a string, or parts of type `input_text`,
-/// `output_text` or `text`.
-fn content_text(v: &Value, param: &str) -> Result<String, ApiError> {
+/// `output_text` or `text`; images and files become a note that they were left out, and
+/// other parts (refusals, ...) are skipped, both noted in `declined`.
+fn content_text(v: &Value, param: &str, declined: &mut Declined) -> Result<String, ApiError> {
     match v {
         Value::String(s) => Ok(s.clone()),
         Value::Array(parts) => {
@@ -133,13 +137,15 @@ fn content_text(v: &Value, param: &str) -> Result<String, ApiError> {
                     Some("input_text" | "output_text" | "text") => {
                         out.push_str(p.get("text").and_then(Value::as_str).unwrap_or(""));
                     }
-                    other => {
+                    Some(kind @ ("input_image" | "input_file" | "input_audio")) => {
+                        declined.ignore(&format!("{kind} parts"));
+                        out.push_str(OMITTED);
+                    }
+                    Some(kind) => declined.ignore(&format!("{kind} parts")),
+                    None => {
                         return Err(bad(
                             &format!("{param}[{i}].type"),
-                            format!(
-                                "content part type {} is not supported; send input_text",
-                                other.unwrap_or("(missing)")
-                            ),
+                            "a content part needs a type; send input_text",
                         ))
                     }
                 }
@@ -150,8 +156,22 @@ fn content_text(v: &Value, param: &str) -> Result<String, ApiError> {
     }
 }
 
-/// The conversation `input` adds (text, or items).
-fn input_messages(input: &Value) -> Result<Vec<Message>, ApiError> {
+/// Appends `call` to the assistant turn that `out` ends with, or starts one: a message and
+/// the calls after it, or calls one after another, are one assistant turn.
+fn push_call(out: &mut Vec<Message>, call: ToolCall) {
+    match out.last_mut() {
+        Some(m) if m.role == "assistant" => m.tool_calls.push(call),
+        _ => {
+            let mut m = Message::text("assistant", "");
+            m.tool_calls.push(call);
+            out.push(m);
+        }
+    }
+}
+
+/// The conversation `input` adds (text, or items). Items with nothing for this model
+/// (`reasoning`, hosted tool calls, compactions, ...) are skipped and noted in `declined`.
+fn input_messages(input: &Value, declined: &mut Declined) -> Result<Vec<Message>, ApiError> {
     let items = match input {
         Value::String(s) => return Ok(vec![Message::text("user", s.clone())]),
         Value::Array(items) => items,
@@ -165,11 +185,17 @@ fn input_messages(input: &Value) -> Result<Vec<Message>, ApiError> {
             .get("type")
             .and_then(Value::as_str)
             .unwrap_or("message");
+        let field = |k: &str| {
+            item.get(k)
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad(&format!("{p}.{k}"), format!("a {kind} item needs {k}")))
+        };
         match kind {
             "message" => {
-                let role = item.get("role").and_then(Value::as_str).ok_or_else(|| {
-                    bad(&format!("{p}.role"), "a message needs a role")
-                })?;
+                let role = item
+                    .get("role")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| bad(&format!("{p}.role"), "a message needs a role"))?;
                 if !["user", "assistant", "system", "developer"].contains(&role) {
                     return Err(bad(
                         &format!("{p}.role"),
@@ -179,49 +205,44 @@ fn input_messages(input: &Value) -> Result<Vec<Message>, ApiError> {
                 let text = content_text(
                     item.get("content").unwrap_or(&Value::Null),
                     &format!("{p}.content"),
+                    declined,
                 )?;
                 out.push(Message::text(role, text));
             }
             "function_call" => {
-                let field = |k: &str| {
-                    item.get(k)
-                        .and_then(Value::as_str)
-                        .ok_or_else(|| bad(&format!("{p}.{k}"), format!("a function_call needs {k}")))
-                };
                 let arguments = field("arguments")?;
+                let name = match item.get("namespace").and_then(Value::as_str) {
+                    Some(ns) => folded_name(ns, field("name")?),
+                    None => field("name")?.to_string(),
+                };
+                let call = ToolCall {
+                    id: field("call_id")?.to_string(),
+                    name,
+                    arguments: crate::openai::arguments_value(
+                        Value::String(arguments.to_string()),
+                        &format!("{p}.arguments"),
+                    )?,
+                };
+                push_call(&mut out, call);
+            }
+            "custom_tool_call" => {
                 let call = ToolCall {
                     id: field("call_id")?.to_string(),
                     name: field("name")?.to_string(),
-                    arguments: serde_json::from_str(arguments).map_err(|e| {
-                        bad(
-                            &format!("{p}.arguments"),
-                            format!("arguments must be a JSON string: {e}"),
-                        )
-                    })?,
+                    arguments: json!({"input": field("input")?}),
                 };
-                // calls one after another are one assistant turn
-                match out.last_mut() {
-                    Some(m) if m.role == "assistant" && !m.tool_calls.is_empty() => {
-                        m.tool_calls.push(call);
-                    }
-                    _ => {
-                        let mut m = Message::text("assistant", "");
-                        m.tool_calls.push(call);
-                        out.push(m);
-                    }
-                }
+                push_call(&mut out, call);
             }
-            "function_call_output" => {
-                let call_id = item.get("call_id").and_then(Value::as_str).ok_or_else(|| {
-                    bad(&format!("{p}.call_id"), "a function_call_output needs call_id")
-                })?;
+            "function_call_output" | "custom_tool_call_output" => {
+                let call_id = field("call_id")?;
                 let output = match item.get("output") {
                     Some(Value::String(s)) => s.clone(),
+                    Some(v @ Value::Array(_)) => content_text(v, &format!("{p}.output"), declined)?,
                     Some(v) => v.to_string(),
                     None => {
                         return Err(bad(
                             &format!("{p}.output"),
-                            "a function_call_output needs output",
+                            format!("a {kind} needs output"),
                         ))
                     }
                 };
@@ -229,51 +250,13 @@ fn input_messages(input: &Value) -> Result<Vec<Message>, ApiError> {
                 m.tool_call_id = Some(call_id.to_string());
                 out.push(m);
             }
-            other => {
-                return Err(bad(
-                    &format!("{p}.type"),
-                    format!(
-                        "input item type {other} is not supported; send message, function_call or function_call_output"
-                    ),
-                ))
-            }
+            other => declined.ignore(&format!("{other} items")),
         }
     }
     Ok(out)
 }
 
-fn tools_of(v: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
-    let Some(Value::Array(list)) = v else {
-        return match v {
-            None | Some(Value::Null) => Ok(Vec::new()),
-            _ => Err(bad("tools", "tools must be a list")),
-        };
-    };
-    list.iter()
-        .enumerate()
-        .map(|(i, t)| {
-            if t.get("type").and_then(Value::as_str) != Some("function") {
-                return Err(bad(
-                    &format!("tools[{i}].type"),
-                    "only function tools are supported",
-                ));
-            }
-            let name = t
-                .get("name")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad(&format!("tools[{i}].name"), "a function tool needs a name"))?;
-            Ok(Tool::new(
-                name.to_string(),
-                t.get("description")
-                    .and_then(Value::as_str)
-                    .map(str::to_string),
-                t.get("parameters").filter(|p| !p.is_null()).cloned(),
-            ))
-        })
-        .collect()
-}
-
-fn tool_choice_of(v: Option<&Value>) -> Result<ToolChoice, ApiError> {
+fn tool_choice_of(v: Option<&Value>, declined: &mut Declined) -> Result<ToolChoice, ApiError> {
     match v {
         None | Some(Value::Null) => Ok(ToolChoice::Auto),
         Some(Value::String(s)) => match s.as_str() {
@@ -285,14 +268,26 @@ fn tool_choice_of(v: Option<&Value>) -> Result<ToolChoice, ApiError> {
                 format!("tool_choice '{other}' is not one of auto, none, required"),
             )),
         },
-        Some(v) => match v.get("name").and_then(Value::as_str) {
-            Some(name) if v.get("type").and_then(Value::as_str) == Some("function") => {
-                Ok(ToolChoice::Named(name.to_string()))
-            }
-            _ => Err(bad(
+        Some(v) => match (
+            v.get("type").and_then(Value::as_str),
+            v.get("name").and_then(Value::as_str),
+        ) {
+            (Some("function"), Some(name)) => Ok(ToolChoice::Named(
+                match v.get("namespace").and_then(Value::as_str) {
+                    Some(ns) => folded_name(ns, name),
+                    None => name.to_string(),
+                },
+            )),
+            (Some("custom"), Some(name)) => Ok(ToolChoice::Named(name.to_string())),
+            (Some("function" | "custom"), None) | (None, _) => Err(bad(
                 "tool_choice",
                 "tool_choice must be a string or {\"type\": \"function\", \"name\": ...}",
             )),
+            // a hosted tool (declined): the model chooses among the rest
+            (Some(_), _) => {
+                declined.ignore("tool_choice");
+                Ok(ToolChoice::Auto)
+            }
         },
     }
 }
@@ -360,7 +355,17 @@ async fn inner(
         // part of it, so they do not carry over (as OpenAI's)
         conversation.extend(earlier.iter().cloned());
     }
-    conversation.extend(input_messages(r.get("input").unwrap_or(&Value::Null))?);
+    let mut declined = Declined::default();
+    conversation.extend(input_messages(
+        r.get("input").unwrap_or(&Value::Null),
+        &mut declined,
+    )?);
+    let tools = ResponseTools::read(r.get("tools"), &mut declined)?;
+    for field in IGNORED_FIELDS {
+        if r.get(field).is_some_and(|v| !v.is_null()) {
+            declined.ignore(field);
+        }
+    }
     let mut messages = Vec::new();
     if let Some(i) = r.get("instructions").and_then(Value::as_str) {
         messages.push(Message::text("system", i));
@@ -370,7 +375,7 @@ async fn inner(
         model,
         Input::Chat {
             messages,
-            tools: tools_of(r.get("tools"))?,
+            tools: tools.functions.clone(),
         },
     );
     req.max_tokens = match r.get("max_output_tokens") {
@@ -400,7 +405,7 @@ async fn inner(
             frequency_penalty: None,
         },
     )?;
-    req.tool_choice = tool_choice_of(r.get("tool_choice"))?;
+    req.tool_choice = tool_choice_of(r.get("tool_choice"), &mut declined)?;
     req.format = format_of(r.get("text"))?;
     let store = r.get("store").and_then(Value::as_bool).unwrap_or(true);
     let stream = r.get("stream").and_then(Value::as_bool).unwrap_or(false);
@@ -424,10 +429,13 @@ async fn inner(
     let created = running.created;
     let store = store.then(|| (state.clone(), conversation));
     if stream {
-        return Ok(stream_response(running, id, created, echo, store).into_response());
+        let mut resp = stream_response(running, id, created, echo, tools, store).into_response();
+        declined.apply("/v1/responses", &mut resp);
+        return Ok(resp);
     }
     let done = running.collect().await?;
     let output = Output {
+        tools,
         message: (!done.text.is_empty()).then(|| (new_id("msg"), done.text.clone())),
         calls: done
             .calls
@@ -444,12 +452,26 @@ async fn inner(
         Some((done.reason, done.usage)),
     );
     keep(store, &id, &output);
-    Ok(Json(object).into_response())
+    let mut resp = Json(object).into_response();
+    declined.apply("/v1/responses", &mut resp);
+    Ok(resp)
 }
 
-/// What a response produced: its text (with the item id) and its calls (with theirs).
+/// Request fields with no meaning on this server, noted when present: reasoning controls
+/// (no reasoning output yet), extra output to include, service tiers and background runs.
+const IGNORED_FIELDS: [&str; 5] = [
+    "reasoning",
+    "include",
+    "service_tier",
+    "background",
+    "conversation",
+];
+
+/// What a response produced: its text (with the item id) and its calls (with theirs), and
+/// the tools the calls map back to.
 #[derive(Default)]
 struct Output {
+    tools: ResponseTools,
     message: Option<(String, String)>,
     calls: Vec<(String, ToolCall)>,
 }
@@ -464,7 +486,7 @@ impl Output {
         items.extend(
             self.calls
                 .iter()
-                .map(|(id, c)| call_item(id, c, "completed")),
+                .map(|(id, c)| self.tools.call_item(id, c, "completed")),
         );
         items
     }
@@ -477,12 +499,6 @@ fn message_item(id: &str, text: &str, status: &str) -> Value {
 
 fn text_part(text: &str) -> Value {
     json!({"type": "output_text", "text": text, "annotations": []})
-}
-
-fn call_item(id: &str, c: &ToolCall, status: &str) -> Value {
-    json!({"type": "function_call", "id": id, "call_id": c.id, "name": c.name,
-           "arguments": if status == "in_progress" { String::new() } else { c.arguments.to_string() },
-           "status": status})
 }
 
 fn usage_json(u: Usage) -> Value {
@@ -644,23 +660,40 @@ impl Events {
     fn call(&mut self, call: ToolCall) -> Vec<SseItem> {
         let mut items = self.close_text();
         let i = self.next_index();
-        let fid = new_id("fc");
-        let args = call.arguments.to_string();
+        let custom = self.output.tools.is_custom(&call.name);
+        let fid = new_id(if custom { "ctc" } else { "fc" });
+        let (delta_kind, done_kind, done_field, args) = if custom {
+            (
+                "response.custom_tool_call_input.delta",
+                "response.custom_tool_call_input.done",
+                "input",
+                custom_input(&call.arguments),
+            )
+        } else {
+            (
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "arguments",
+                call.arguments.to_string(),
+            )
+        };
+        let added = self.output.tools.call_item(&fid, &call, "in_progress");
         items.push(self.event(
             "response.output_item.added",
-            json!({"output_index": i, "item": call_item(&fid, &call, "in_progress")}),
+            json!({"output_index": i, "item": added}),
         ));
         items.push(self.event(
-            "response.function_call_arguments.delta",
+            delta_kind,
             json!({"item_id": fid, "output_index": i, "delta": args}),
         ));
         items.push(self.event(
-            "response.function_call_arguments.done",
-            json!({"item_id": fid, "output_index": i, "arguments": args}),
+            done_kind,
+            json!({"item_id": fid, "output_index": i, done_field: args}),
         ));
+        let done = self.output.tools.call_item(&fid, &call, "completed");
         items.push(self.event(
             "response.output_item.done",
-            json!({"output_index": i, "item": call_item(&fid, &call, "completed")}),
+            json!({"output_index": i, "item": done}),
         ));
         self.output.calls.push((fid, call));
         items
@@ -691,6 +724,7 @@ fn stream_response(
     id: String,
     created: u64,
     echo: Echo,
+    tools: ResponseTools,
     store: Option<(Arc<AppState>, Vec<Message>)>,
 ) -> Sse<impl Stream<Item = SseItem>> {
     let mut ev = Events {
@@ -698,7 +732,10 @@ fn stream_response(
         created,
         echo,
         seq: 0,
-        output: Output::default(),
+        output: Output {
+            tools,
+            ..Output::default()
+        },
         open: None,
         store,
     };
@@ -750,7 +787,7 @@ mod tests {
             {"type": "function_call", "call_id": "c2", "name": "w", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
         ]);
-        let m = input_messages(&items).unwrap();
+        let m = input_messages(&items, &mut Declined::default()).unwrap();
         assert_eq!(m.len(), 3);
         assert_eq!(m[0].content, "weather?");
         assert_eq!(m[1].role, "assistant");
@@ -762,6 +799,7 @@ mod tests {
         );
         let e = input_messages(
             &json!([{"type": "function_call", "call_id": "c", "name": "w", "arguments": "{"}]),
+            &mut Declined::default(),
         )
         .unwrap_err();
         assert!(format!("{e:?}").contains("input[0].arguments"), "{e:?}");

@@ -208,6 +208,8 @@ pub struct AppState {
     pub responses: crate::responses::ResponseStore,
     /// How the node was started, for `/cluster/doctor`.
     pub doctor: std::sync::OnceLock<crate::doctor::Setup>,
+    /// The generated text of recent chat turns, rendered again when a client sends them back.
+    pub turns: crate::turns::GeneratedTurns,
 }
 
 impl AppState {
@@ -223,6 +225,7 @@ impl AppState {
             local_ips: std::sync::RwLock::new(Vec::new()),
             responses: crate::responses::ResponseStore::default(),
             doctor: std::sync::OnceLock::new(),
+            turns: crate::turns::GeneratedTurns::default(),
         }
     }
 

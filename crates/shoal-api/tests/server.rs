@@ -475,12 +475,12 @@ fn responses_api_answers_streams_and_continues_stored_conversations() {
         assert_eq!(s, StatusCode::NOT_FOUND, "{b}");
         assert!(b.contains("previous_response_id"), "{b}");
 
-        let (s, b) = post(json!({"model": "tiny", "input": [{"type": "reasoning", "summary": []}]})).await;
+        let (s, b) = post(json!({"model": "tiny", "input": [{"role": "user", "content": 3}]})).await;
         assert_eq!(s, StatusCode::BAD_REQUEST);
-        assert!(b.contains("input[0].type"), "{b}");
-        let (s, b) = post(json!({"model": "tiny", "input": "hi", "tools": [{"type": "web_search"}]})).await;
+        assert!(b.contains("input[0].content"), "{b}");
+        let (s, b) = post(json!({"model": "tiny", "input": "hi", "tools": [{"name": "f"}]})).await;
         assert_eq!(s, StatusCode::BAD_REQUEST);
-        assert!(b.contains("only function tools"), "{b}");
+        assert!(b.contains("tools[0].type"), "{b}");
     });
 }
 

@@ -225,6 +225,25 @@ impl LoadedModel {
         messages: &[serde_json::Value],
         tools: Option<&[serde_json::Value]>,
     ) -> Result<Vec<u32>, EngineError> {
+        self.chat_prompt_spliced(messages, tools, &[])
+            .map(|p| p.unwrap_or_default())
+    }
+
+    /// [`LoadedModel::chat_prompt`] with known token runs spliced in: each `(marker, ids)`
+    /// marker text, written into a message's content, is replaced in the rendered prompt by
+    /// `ids` as they are, and the text between markers is tokenized piece by piece. This is
+    /// how a turn the model generated is given back to it token for token (a tokenizer may
+    /// well merge generated text differently). `Ok(None)` when a marker does not appear
+    /// exactly once in the rendered prompt, in order (a template that rewrites content).
+    ///
+    /// # Errors
+    /// When the model has no chat template, the template fails, or tokenization fails.
+    pub fn chat_prompt_spliced(
+        &self,
+        messages: &[serde_json::Value],
+        tools: Option<&[serde_json::Value]>,
+        splices: &[(String, Vec<u32>)],
+    ) -> Result<Option<Vec<u32>>, EngineError> {
         let template = self
             .chat_template
             .as_ref()
@@ -248,7 +267,30 @@ impl LoadedModel {
             .bos_id()
             .and_then(|b| self.tokenizer.token_str(b));
         let add_bos = !bos_text.is_some_and(|b| !b.is_empty() && text.starts_with(b));
-        self.tokenizer.encode(&text, add_bos, true).map_err(tok_err)
+        let mut rest = text.as_str();
+        let mut out = Vec::new();
+        for (i, (marker, ids)) in splices.iter().enumerate() {
+            let Some(at) = rest.find(marker.as_str()) else {
+                return Ok(None);
+            };
+            let before = &rest[..at];
+            out.extend(
+                self.tokenizer
+                    .encode(before, add_bos && i == 0, true)
+                    .map_err(tok_err)?,
+            );
+            out.extend_from_slice(ids);
+            rest = &rest[at + marker.len()..];
+        }
+        if splices.iter().any(|(m, _)| rest.contains(m.as_str())) {
+            return Ok(None);
+        }
+        out.extend(
+            self.tokenizer
+                .encode(rest, add_bos && splices.is_empty(), true)
+                .map_err(tok_err)?,
+        );
+        Ok(Some(out))
     }
 
     /// A KV cache for up to `ctx` tokens (at most the model's trained context).
