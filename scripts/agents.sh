@@ -58,6 +58,10 @@ WORK=$(mktemp -d)
 SERVER=
 cleanup() {
   [ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null
+  # SHOAL_AGENTS_LOGS=DIR keeps each run's output and the server's log
+  if [ -n "${SHOAL_AGENTS_LOGS:-}" ]; then
+    mkdir -p "$SHOAL_AGENTS_LOGS" && cp "$WORK"/*.log "$WORK"/serve.err "$SHOAL_AGENTS_LOGS"/ 2>/dev/null
+  fi
   wait 2>/dev/null || true
   rm -rf "$WORK"
 }

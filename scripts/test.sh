@@ -97,3 +97,11 @@ fi
 
 echo "== API clients (openai, anthropic, ollama from PyPI against shoal serve)"
 scripts/api-clients.sh
+
+echo "== coding agents (Codex CLI, Claude Code, Qwen Code from npm, aider from PyPI, against shoal serve)"
+apt_install npm npm
+if command -v npm >/dev/null; then
+  scripts/agents.sh
+else
+  missing "npm (the coding agents)" "apt-get install npm, as root"
+fi

@@ -116,6 +116,9 @@ fn block_text(v: &Value, field: &str, declined: &mut Declined) -> Result<String,
     }
 }
 
+/// How the system block carrying Claude Code's billing metadata starts.
+const BILLING_HEADER: &str = "x-anthropic-billing-header:";
+
 /// Canonical messages from Anthropic's: `tool_use` blocks become the assistant's tool
 /// calls, `tool_result` blocks become tool messages.
 fn canonical_messages(
@@ -124,7 +127,21 @@ fn canonical_messages(
     declined: &mut Declined,
 ) -> Result<Vec<Message>, ApiError> {
     let mut out = Vec::new();
-    if let Some(s) = system {
+    if let Some(mut s) = system {
+        // Claude Code puts request metadata for Anthropic's billing in the first system
+        // block; it tells a model nothing and changes between sessions, which would make
+        // every session's prompt differ from its first tokens on
+        if let Value::Array(blocks) = &mut s {
+            let before = blocks.len();
+            blocks.retain(|b| {
+                !b.get("text")
+                    .and_then(Value::as_str)
+                    .is_some_and(|t| t.starts_with(BILLING_HEADER))
+            });
+            if blocks.len() < before {
+                declined.ignore("billing header in system");
+            }
+        }
         let text = block_text(&s, "system", declined)?;
         if !text.is_empty() {
             out.push(Message::text("system", text));

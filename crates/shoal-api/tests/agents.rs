@@ -137,6 +137,7 @@ fn claude_code_requests_are_answered_with_what_was_left_out_named() {
             assert_eq!(header(&h, DECLINED_TOOLS_HEADER), "web_search");
             let ignored = header(&h, IGNORED_HEADER);
             for what in [
+                "billing header in system",
                 "thinking blocks",
                 "image blocks",
                 "thinking",
