@@ -1,40 +1,57 @@
 #!/usr/bin/env bash
 # Coding agents against `shoal serve`: installs the agents from their registries (npm
 # @openai/codex, @anthropic-ai/claude-code, @qwen-code/qwen-code; PyPI aider-chat, into
-# $SHOAL_HOME/agents, outside the clone), serves one model on 127.0.0.1, and runs each agent
+# $SHOAL_HOME/agents, outside the clone), serves the models on 127.0.0.1, and runs each agent
 # non-interactively with its default features on scripted tasks in a scratch git repository:
 #   read  a tool call reads README.md; the answer must name the secret word in it
 #   edit  greeting.txt must read "hello shoal" afterwards
 # Each run is checked from outside: the agent's exit status, no protocol error in its output
 # and no request the server refused (4xx/5xx in shoal's request counters), the answer or the
 # file. Prints a table of agent x task with the time each took, and the share of prompt
-# tokens each agent's requests took from the prefix cache after its first request.
+# tokens each agent's requests took from the prefix cache (over all its requests, and over
+# those after its first task: each task is a new session in the same project).
 #
-# A cell's protocol checks (exit status, nothing refused, no API error) are required; its task
-# check (answer or file) is required only for the cells in REQUIRED_TASKS (default none: the
-# small models here do not do these tasks reliably, see the README). Exits non-zero when a
-# required check fails.
+# Each agent runs on the smallest fetched model that does its tasks (MODELS, default aider on
+# qwen15, the others on qwen05: no model fetched here does the tasks through the Codex CLI,
+# Claude Code or Qwen Code, and qwen05 is the fastest). A cell's protocol checks are always
+# required; its task check only for the cells in REQUIRED_TASKS (default: aider's two).
+# Exits non-zero when a required check fails.
 #
-#   scripts/agents.sh [--model KEY] [--agents codex,claude,qwen,aider] [--tasks read,edit]
-#                     [--timeout S]
-# Needs a release build and the fetched model.
+# `--server llama` runs the same agents and models against llama.cpp's llama-server (built by
+# bench/llamacpp-build.sh, one server per model, `--jinja`) instead, to tell a model's
+# failure from shoal's: a task that fails the same way there is the model's.
+#
+#   scripts/agents.sh [--agents codex,claude,qwen,aider] [--tasks read,edit]
+#                     [--models codex=qwen05,claude=qwen05,qwen=qwen05,aider=qwen15]
+#                     [--server shoal|llama] [--timeout S]
+# Needs a release build and the fetched models.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export SHOAL_HOME=${SHOAL_HOME:-$HOME/.cache/shoal}
-MODEL=qwen05
 AGENTS=codex,claude,qwen,aider
 TASKS=read,edit
+MODELS=codex=qwen05,claude=qwen05,qwen=qwen05,aider=qwen15
+SERVER_KIND=shoal
 TIMEOUT=900
-REQUIRED_TASKS=${REQUIRED_TASKS:-}
+REQUIRED_TASKS=${REQUIRED_TASKS-aider-read,aider-edit}
 while [ $# -gt 0 ]; do
   case $1 in
-    --model) MODEL=$2; shift 2 ;;
     --agents) AGENTS=$2; shift 2 ;;
     --tasks) TASKS=$2; shift 2 ;;
+    --models) MODELS=$2; shift 2 ;;
+    --server) SERVER_KIND=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
     *) echo "unknown argument $1 (see the comment atop $0)" >&2; exit 2 ;;
   esac
 done
+# model_of AGENT: the model the agent runs on
+model_of() {
+  local pair
+  for pair in ${MODELS//,/ }; do
+    [ "${pair%%=*}" = "$1" ] && { echo "${pair#*=}"; return; }
+  done
+  echo qwen05
+}
 
 # the agents, pinned; installed once
 CODEX=@openai/codex@0.171.0
@@ -55,41 +72,74 @@ fi
 
 BIN=target/release/shoal
 WORK=$(mktemp -d)
-SERVER=
+PIDS=()
 cleanup() {
-  [ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
   # SHOAL_AGENTS_LOGS=DIR keeps each run's output and the server's log
   if [ -n "${SHOAL_AGENTS_LOGS:-}" ]; then
-    mkdir -p "$SHOAL_AGENTS_LOGS" && cp "$WORK"/*.log "$WORK"/serve.err "$SHOAL_AGENTS_LOGS"/ 2>/dev/null
+    mkdir -p "$SHOAL_AGENTS_LOGS" && cp "$WORK"/*.log "$WORK"/*.err "$SHOAL_AGENTS_LOGS"/ 2>/dev/null
   fi
   wait 2>/dev/null || true
   rm -rf "$WORK"
 }
 trap cleanup EXIT
 
-"$BIN" serve --model "$MODEL" --api 127.0.0.1:0 --ctx 32768 --data-dir "$WORK/data" \
-  >"$WORK/serve.out" 2>"$WORK/serve.err" &
-SERVER=$!
-for _ in $(seq 1 600); do
-  [ -s "$WORK/serve.out" ] && break
-  kill -0 "$SERVER" 2>/dev/null || { cat "$WORK/serve.err" >&2; echo "shoal serve exited" >&2; exit 1; }
-  sleep 0.2
-done
-API=$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["api"])' "$WORK/serve.out")
-URL=http://$API
-echo "shoal serve: $MODEL at $URL"
-
-# metric NAME: the sum of a counter's or gauge's samples for the model (0 when absent)
-metric() {
-  curl -s "$URL/metrics" | awk -v n="$1" '$1 ~ "^"n"\\{" && $1 ~ /model=/ {s += $2} END {print s+0}'
+# wait_ready PID FILE: waits until FILE has a line or the process exits
+wait_ready() {
+  for _ in $(seq 1 900); do
+    [ -s "$2" ] && return 0
+    kill -0 "$1" 2>/dev/null || return 1
+    sleep 0.2
+  done
+  return 1
 }
-# refused: requests answered with a 4xx or 5xx so far
+
+declare -A URLS
+used_models=$(for a in ${AGENTS//,/ }; do model_of "$a"; done | sort -u)
+if [ "$SERVER_KIND" = shoal ]; then
+  args=()
+  for m in $used_models; do args+=(--model "$m"); done
+  "$BIN" serve "${args[@]}" --api 127.0.0.1:0 --ctx 32768 --data-dir "$WORK/data" \
+    >"$WORK/serve.out" 2>"$WORK/serve.err" &
+  PIDS+=($!)
+  wait_ready "${PIDS[-1]}" "$WORK/serve.out" || { tail "$WORK/serve.err" >&2; echo "shoal serve did not start" >&2; exit 1; }
+  api=$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["api"])' "$WORK/serve.out")
+  for m in $used_models; do URLS[$m]=http://$api; done
+elif [ "$SERVER_KIND" = llama ]; then
+  LLAMA_BIN=$(bench/llamacpp-build.sh)/llama-server
+  port=18400
+  for m in $used_models; do
+    path=$("$BIN" models list --json | python3 -c 'import json,sys; print(next(x["path"] for x in json.load(sys.stdin) if x["key"] == sys.argv[1]))' "$m")
+    port=$((port + 1))
+    "$LLAMA_BIN" -m "$path" --alias "$m" --jinja --host 127.0.0.1 --port "$port" --ctx-size 32768 \
+      --threads "$(nproc)" >"$WORK/llama-$m.err" 2>&1 &
+    PIDS+=($!)
+    for _ in $(seq 1 600); do
+      curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+      sleep 0.2
+    done
+    URLS[$m]=http://127.0.0.1:$port
+  done
+else
+  echo "--server is shoal or llama" >&2
+  exit 2
+fi
+for m in $used_models; do echo "$SERVER_KIND: $m at ${URLS[$m]}"; done
+
+# metric NAME: the sum of shoal's samples of a counter or gauge for MODEL at URL (0 when
+# absent, and from llama-server)
+metric() {
+  curl -s "$URL/metrics" | awk -v n="$1" -v m="model=\"$MODEL\"" '$1 ~ "^"n"\\{" && index($1, m) {s += $2} END {print s+0}'
+}
+# refused: requests shoal answered with a 4xx or 5xx so far
 refused() {
   curl -s "$URL/metrics" |
     awk '$1 ~ /^shoal_http_requests_total\{/ && $1 ~ /status="[45]/ {s += $2} END {print s+0}'
 }
 
-# scratch: a new git repository with the task files
+# scratch AGENT: the agent's project, a git repository with the task files, made anew for
+# each task at the same path (the agents write the project's path into their system prompts:
+# each task is a new session in the same project)
 scratch() {
   local dir=$WORK/repo-$1
   rm -rf "$dir"
@@ -172,13 +222,15 @@ check() {
 status=0
 rows=()
 for agent in ${AGENTS//,/ }; do
+  MODEL=$(model_of "$agent")
+  URL=${URLS[$MODEL]}
   prompt0=$(metric shoal_prompt_tokens_total)
   cached0=$(metric shoal_prompt_tokens_cached)
   first=
   cfirst=
   for task in ${TASKS//,/ }; do
-    dir=$(scratch "$agent-$task")
-    home=$WORK/home-$agent-$task
+    dir=$(scratch "$agent")
+    home=$WORK/home-$agent
     mkdir -p "$home"
     out=$WORK/$agent-$task.log
     before=$(refused)
@@ -202,7 +254,7 @@ for agent in ${AGENTS//,/ }; do
     check "$task" "$dir" "$out" && taskok=pass
     required_task=no
     [[ ,$REQUIRED_TASKS, == *,$agent-$task,* ]] && required_task=yes
-    rows+=("$(printf '%-7s %-5s %-6s %-5s %-4s %5ss  %s' "$agent" "$task" "$proto" "$taskok" "$required_task" "$secs" "${why#; }")")
+    rows+=("$(printf '%-7s %-7s %-5s %-6s %-5s %-4s %5ss  %s' "$agent" "$MODEL" "$task" "$proto" "$taskok" "$required_task" "$secs" "${why#; }")")
     if [ "$proto" = fail ] || { [ "$required_task" = yes ] && [ "$taskok" = fail ]; }; then
       status=1
       echo "--- $agent $task: output (tail)"
@@ -221,10 +273,10 @@ print("all tasks %s, after the first task %s" % (pct(c1-c0,p1-p0), pct(c1-cf,p1-
 done
 
 echo
-echo "agent   task  proto  task  req   time  notes"
+echo "agent   model   task  proto  task  req   time  notes"
 printf '%s\n' "${rows[@]}"
 if [ $status -ne 0 ]; then
-  echo "--- shoal serve log (tail)"
-  tail -20 "$WORK/serve.err"
+  echo "--- server log (tail)"
+  tail -20 "$WORK"/*.err
 fi
 exit $status

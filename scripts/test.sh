@@ -45,7 +45,7 @@ cargo build --release --workspace --all-targets
 echo "== test data"
 scripts/fetch-llamacpp-src.sh
 scripts/fetch-qwen-tokenizer.sh
-cargo run --release --quiet -p shoal -- models fetch smollm2 qwen05 gemma3
+cargo run --release --quiet -p shoal -- models fetch smollm2 qwen05 gemma3 qwen15
 # the official gguf reader and numpy cross-check the test kit's files and reference
 python3 -m pip install --quiet --disable-pip-version-check gguf numpy ||
   missing "python's gguf and numpy packages" "python3 -m pip install gguf numpy"
