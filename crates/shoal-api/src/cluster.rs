@@ -21,7 +21,7 @@ use crate::error::{ApiError, ErrorKind};
 use crate::state::AppState;
 
 fn node(state: &AppState, req: &Request) -> Result<Arc<shoal_cluster::node::Node>, ApiError> {
-    state.keys.authorize(req.headers())?;
+    state.keys.authorize_view(req.headers())?;
     state.cluster.clone().ok_or_else(|| {
         ApiError::new(
             ErrorKind::NotFound,
@@ -187,7 +187,7 @@ fn answer(r: Result<serde_json::Value, crate::state::ControlError>) -> Response 
 
 /// `GET /cluster/instances`: the instance table.
 pub async fn instances(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    if let Err(e) = state.keys.authorize(req.headers()) {
+    if let Err(e) = state.keys.authorize_view(req.headers()) {
         return e.into_response();
     }
     match control(&state) {
@@ -222,7 +222,7 @@ pub async fn load(State(state): State<Arc<AppState>>, req: Request) -> Response 
 /// `POST /cluster/plan` with a load's fields: the planner's ranked placements, placing
 /// nothing (needs an API key once keys exist, like the other views).
 pub async fn plan(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    if let Err(e) = state.keys.authorize(req.headers()) {
+    if let Err(e) = state.keys.authorize_view(req.headers()) {
         return e.into_response();
     }
     let c = match control(&state) {
@@ -237,7 +237,7 @@ pub async fn plan(State(state): State<Arc<AppState>>, req: Request) -> Response 
 
 /// `GET /cluster/models`: the model files the cluster's nodes offer.
 pub async fn models(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    if let Err(e) = state.keys.authorize(req.headers()) {
+    if let Err(e) = state.keys.authorize_view(req.headers()) {
         return e.into_response();
     }
     match control(&state) {

@@ -7,6 +7,9 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
+/// The longest error message sent, in bytes; longer ones are cut.
+pub const MESSAGE_BYTES: usize = 1024;
+
 /// Which API's error shape to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Flavor {
@@ -104,8 +107,27 @@ impl ApiError {
         }
     }
 
+    /// The message as sent: cut to [`MESSAGE_BYTES`], so that an error never echoes a
+    /// client's input whole (a 1 MB model name, a tool list, a grammar).
+    fn shown_message(&self) -> std::borrow::Cow<'_, str> {
+        if self.message.len() <= MESSAGE_BYTES {
+            return self.message.as_str().into();
+        }
+        let mut end = MESSAGE_BYTES;
+        while !self.message.is_char_boundary(end) {
+            end -= 1;
+        }
+        format!(
+            "{}… ({} more bytes cut)",
+            &self.message[..end],
+            self.message.len() - end
+        )
+        .into()
+    }
+
     /// The error's JSON body in its flavor.
     pub fn body(&self) -> serde_json::Value {
+        let message = self.shown_message();
         match self.flavor {
             Flavor::OpenAi => {
                 let (ty, code) = match self.kind {
@@ -121,7 +143,7 @@ impl ApiError {
                     ErrorKind::Internal => ("server_error", None),
                 };
                 json!({"error": {
-                    "message": self.message,
+                    "message": message,
                     "type": ty,
                     "param": self.param,
                     "code": code,
@@ -138,9 +160,9 @@ impl ApiError {
                     ErrorKind::Overloaded => "overloaded_error",
                     ErrorKind::Internal => "api_error",
                 };
-                json!({"type": "error", "error": {"type": ty, "message": self.message}})
+                json!({"type": "error", "error": {"type": ty, "message": message}})
             }
-            Flavor::Ollama => json!({"error": self.message}),
+            Flavor::Ollama => json!({"error": message}),
         }
     }
 }
@@ -200,6 +222,20 @@ mod tests {
         assert_eq!(a.body()["error"]["type"], "not_found_error");
         let o = e.flavor(Flavor::Ollama);
         assert_eq!(o.body(), json!({"error": "no model x"}));
+    }
+
+    #[test]
+    fn long_messages_are_cut() {
+        let e = ApiError::invalid(format!("no model {}", "é".repeat(600_000)));
+        let body = e.clone().flavor(Flavor::Ollama).body();
+        let shown = body["error"].as_str().unwrap();
+        assert!(shown.len() < MESSAGE_BYTES + 64, "{}", shown.len());
+        assert!(shown.ends_with("more bytes cut)"), "{shown}");
+        for f in [Flavor::OpenAi, Flavor::Anthropic] {
+            assert!(e.clone().flavor(f).body().to_string().len() < MESSAGE_BYTES + 256);
+        }
+        let short = ApiError::invalid("short");
+        assert_eq!(short.body()["error"]["message"], "short");
     }
 
     #[test]

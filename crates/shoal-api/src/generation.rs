@@ -324,6 +324,12 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
+/// Stop strings one request may give at most (every generated token is matched against
+/// each).
+pub const MAX_STOPS: usize = 16;
+/// The longest stop string, in bytes.
+pub const MAX_STOP_BYTES: usize = 256;
+
 /// Renders, tokenizes and queues `req`.
 ///
 /// # Errors
@@ -333,6 +339,12 @@ fn unix_now() -> u64 {
 pub fn start(state: &Arc<AppState>, mut req: GenRequest) -> Result<Running, ApiError> {
     let arrived = Instant::now();
     let served = state.model(&req.model)?;
+    if req.stop.len() > MAX_STOPS || req.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid_param(
+            "stop",
+            format!("give at most {MAX_STOPS} stop strings of at most {MAX_STOP_BYTES} bytes each"),
+        ));
+    }
     let splices = match &mut req.input {
         Input::Chat { messages, .. } => state.turns.restore(&served.id, messages),
         Input::Text(_) => Vec::new(),

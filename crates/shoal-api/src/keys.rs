@@ -415,6 +415,25 @@ impl KeyStore {
         Ok(Some(key))
     }
 
+    /// Checks credentials for the cluster's views (nodes, links, addresses, the doctor's
+    /// findings): open while no key exists, else an administrator key; other keys reach the
+    /// model routes only.
+    ///
+    /// # Errors
+    /// 401 without a valid key, 403 for a key that is not an administrator key.
+    pub fn authorize_view(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        match self.authorize(headers)? {
+            Some(key) if !key.admin => Err(ApiError::new(
+                ErrorKind::Permission,
+                format!(
+                    "key {} is not an administrator key; the cluster's views need one (other keys reach the model routes only)",
+                    key.id
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Checks credentials for managing keys: from loopback while no key exists, else an
     /// administrator key.
     ///

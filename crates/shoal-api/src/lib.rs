@@ -135,11 +135,21 @@ async fn metrics_text(
 /// the CLI uses, with the API key the person enters when the node has keys.
 const DASHBOARD: &str = include_str!("../assets/dashboard.html");
 
+/// What the dashboard may load and who may frame it: only this node, never inside another
+/// site's page (it keeps an API key in the browser's storage).
+const DASHBOARD_CSP: &str = "default-src 'none'; script-src 'self' 'unsafe-inline'; \
+    style-src 'self' 'unsafe-inline'; img-src 'self' data:; connect-src 'self'; \
+    base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
 async fn root() -> Response {
     (
         [
             (header::CONTENT_TYPE, "text/html; charset=utf-8"),
             (header::CACHE_CONTROL, "no-cache"),
+            (header::CONTENT_SECURITY_POLICY, DASHBOARD_CSP),
+            (header::X_FRAME_OPTIONS, "DENY"),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (header::REFERRER_POLICY, "no-referrer"),
         ],
         DASHBOARD,
     )

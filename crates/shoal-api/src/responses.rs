@@ -34,8 +34,8 @@ use crate::tools::ToolCall;
 
 /// Responses kept for `previous_response_id` at most; the oldest go first.
 pub const STORED_RESPONSES: usize = 1024;
-/// Text the kept conversations hold at most, in bytes (each request may be as large as
-/// the body limit); the oldest go first.
+/// Memory the kept conversations hold at most, in bytes (messages, calls and their JSON
+/// counted as held, not only their text); the oldest go first.
 pub const STORED_BYTES: usize = 64 << 20;
 
 /// The conversations of stored responses: input and output, as chat messages.
@@ -44,47 +44,89 @@ pub struct ResponseStore {
     inner: Mutex<Stored>,
 }
 
-/// The stored conversations by response id (with their size), the ids oldest first, and
-/// their total size.
+/// The stored conversations by response id (with their size and owner), the ids oldest
+/// first, and their total size.
 #[derive(Debug, Default)]
 struct Stored {
-    by_id: HashMap<String, (Arc<Vec<Message>>, usize)>,
+    by_id: HashMap<String, StoredResponse>,
     order: VecDeque<String>,
     bytes: usize,
 }
 
-/// The bytes of text a conversation holds.
+#[derive(Debug)]
+struct StoredResponse {
+    conversation: Arc<Vec<Message>>,
+    bytes: usize,
+    owner: String,
+}
+
+/// The bytes a JSON value holds in memory: each node, each string's bytes, each object
+/// entry's key.
+fn value_bytes(v: &Value) -> usize {
+    std::mem::size_of::<Value>()
+        + match v {
+            Value::String(s) => s.len(),
+            Value::Array(a) => a.iter().map(value_bytes).sum(),
+            Value::Object(o) => o
+                .iter()
+                .map(|(k, v)| k.len() + std::mem::size_of::<String>() + 16 + value_bytes(v))
+                .sum(),
+            _ => 0,
+        }
+}
+
+/// The bytes a conversation holds in memory: each message and call as a struct, with its
+/// strings and its arguments' JSON.
 fn size_of(conversation: &[Message]) -> usize {
     conversation
         .iter()
         .map(|m| {
-            m.content.len()
+            std::mem::size_of::<Message>()
+                + m.content.len()
+                + m.tool_call_id.as_ref().map_or(0, String::len)
+                + m.name.as_ref().map_or(0, String::len)
                 + m.tool_calls
                     .iter()
-                    .map(|c| c.id.len() + c.name.len() + c.arguments.to_string().len())
+                    .map(|c| {
+                        std::mem::size_of::<ToolCall>()
+                            + c.id.len()
+                            + c.name.len()
+                            + value_bytes(&c.arguments)
+                    })
                     .sum::<usize>()
         })
         .sum()
 }
 
 impl ResponseStore {
-    fn get(&self, id: &str) -> Option<Arc<Vec<Message>>> {
+    /// The conversation stored under `id` by `owner`; another owner's is not found.
+    fn get(&self, id: &str, owner: &str) -> Option<Arc<Vec<Message>>> {
         let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        g.by_id.get(id).map(|(c, _)| c.clone())
+        g.by_id
+            .get(id)
+            .filter(|r| r.owner == owner)
+            .map(|r| r.conversation.clone())
     }
 
-    fn put(&self, id: String, conversation: Vec<Message>) {
-        let size = size_of(&conversation);
+    fn put(&self, id: String, conversation: Vec<Message>, owner: String) {
+        let bytes = size_of(&conversation);
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        g.bytes += size;
-        g.by_id.insert(id.clone(), (Arc::new(conversation), size));
+        g.bytes += bytes;
+        g.by_id.insert(
+            id.clone(),
+            StoredResponse {
+                conversation: Arc::new(conversation),
+                bytes,
+                owner,
+            },
+        );
         g.order.push_back(id);
         while g.order.len() > STORED_RESPONSES || g.bytes > STORED_BYTES {
             let Some(old) = g.order.pop_front() else {
                 break;
             };
-            if let Some((_, n)) = g.by_id.remove(&old) {
-                g.bytes -= n;
+            if let Some(r) = g.by_id.remove(&old) {
+                g.bytes -= r.bytes;
             }
         }
     }
@@ -108,13 +150,17 @@ struct Echo {
 pub async fn responses(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
+    extensions: axum::http::Extensions,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let body = match crate::body_bytes(body) {
         Ok(b) => b,
         Err(e) => return e.flavor(Flavor::OpenAi).into_response(),
     };
-    match inner(state, headers, body).await {
+    let peer = extensions
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0.ip());
+    match inner(state, headers, peer, body).await {
         Ok(r) => r,
         Err(e) => e.flavor(Flavor::OpenAi).into_response(),
     }
@@ -325,12 +371,24 @@ fn new_id(prefix: &str) -> String {
     format!("{prefix}_{:032x}", rand::random::<u128>())
 }
 
+/// Who a stored response belongs to: the key that created it, or on a node without keys the
+/// client's address.
+fn owner_of(key: Option<&crate::keys::KeyRecord>, peer: Option<std::net::IpAddr>) -> String {
+    match (key, peer) {
+        (Some(k), _) => format!("key:{}", k.id),
+        (None, Some(ip)) => format!("client:{ip}"),
+        (None, None) => "client:unknown".to_string(),
+    }
+}
+
 async fn inner(
     state: Arc<AppState>,
     headers: HeaderMap,
+    peer: Option<std::net::IpAddr>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    state.keys.authorize(&headers)?;
+    let key = state.keys.authorize(&headers)?;
+    let owner = owner_of(key.as_ref(), peer);
     let r: Value = parse_body(&body)?;
     if !r.is_object() {
         return Err(ApiError::invalid("the request body must be a JSON object"));
@@ -343,11 +401,11 @@ async fn inner(
     let mut conversation = Vec::new();
     let previous = r.get("previous_response_id").and_then(Value::as_str);
     if let Some(id) = previous {
-        let earlier = state.responses.get(id).ok_or_else(|| {
+        let earlier = state.responses.get(id, &owner).ok_or_else(|| {
             ApiError::new(
                 ErrorKind::NotFound,
                 format!(
-                    "previous_response_id: response {id} is not stored here (only the last {STORED_RESPONSES} with store not false are kept, on the node that answered them)"
+                    "previous_response_id: response {id} is not stored here for this client (only the last {STORED_RESPONSES} with store not false are kept, on the node that answered them, for the key or client that created them)"
                 ),
             )
         })?;
@@ -427,7 +485,7 @@ async fn inner(
     };
     let id = new_id("resp");
     let created = running.created;
-    let store = store.then(|| (state.clone(), conversation));
+    let store = store.then(|| (state.clone(), conversation, owner));
     if stream {
         let mut resp = stream_response(running, id, created, echo, tools, store).into_response();
         declined.apply("/v1/responses", &mut resp);
@@ -548,8 +606,8 @@ fn response_object(
 }
 
 /// Stores the conversation with the response's output appended, when asked to.
-fn keep(store: Option<(Arc<AppState>, Vec<Message>)>, id: &str, output: &Output) {
-    let Some((state, mut conversation)) = store else {
+fn keep(store: Option<(Arc<AppState>, Vec<Message>, String)>, id: &str, output: &Output) {
+    let Some((state, mut conversation, owner)) = store else {
         return;
     };
     let mut reply = Message::text(
@@ -561,7 +619,7 @@ fn keep(store: Option<(Arc<AppState>, Vec<Message>)>, id: &str, output: &Output)
     );
     reply.tool_calls = output.calls.iter().map(|(_, c)| c.clone()).collect();
     conversation.push(reply);
-    state.responses.put(id.to_string(), conversation);
+    state.responses.put(id.to_string(), conversation, owner);
 }
 
 type SseItem = Result<SseEvent, std::convert::Infallible>;
@@ -575,7 +633,7 @@ struct Events {
     output: Output,
     /// Output index of the open text message, if one is open.
     open: Option<usize>,
-    store: Option<(Arc<AppState>, Vec<Message>)>,
+    store: Option<(Arc<AppState>, Vec<Message>, String)>,
 }
 
 impl Events {
@@ -725,7 +783,7 @@ fn stream_response(
     created: u64,
     echo: Echo,
     tools: ResponseTools,
-    store: Option<(Arc<AppState>, Vec<Message>)>,
+    store: Option<(Arc<AppState>, Vec<Message>, String)>,
 ) -> Sse<impl Stream<Item = SseItem>> {
     let mut ev = Events {
         id,
@@ -765,18 +823,56 @@ mod tests {
     #[test]
     fn the_store_keeps_the_newest_responses() {
         let s = ResponseStore::default();
+        let me = || "key:a".to_string();
         for i in 0..=STORED_RESPONSES {
-            s.put(format!("r{i}"), vec![Message::text("user", format!("{i}"))]);
+            s.put(
+                format!("r{i}"),
+                vec![Message::text("user", format!("{i}"))],
+                me(),
+            );
         }
-        assert!(s.get("r0").is_none());
-        assert_eq!(s.get("r1").unwrap()[0].content, "1");
-        assert!(s.get(&format!("r{STORED_RESPONSES}")).is_some());
-        // and no more text than STORED_BYTES: a large conversation pushes the oldest out
+        assert!(s.get("r0", "key:a").is_none());
+        assert_eq!(s.get("r1", "key:a").unwrap()[0].content, "1");
+        assert!(s.get(&format!("r{STORED_RESPONSES}"), "key:a").is_some());
+        // and no more than STORED_BYTES: a large conversation pushes the oldest out
         let big = "x".repeat(STORED_BYTES / 2 + 1);
-        s.put("big1".into(), vec![Message::text("user", big.clone())]);
-        s.put("big2".into(), vec![Message::text("user", big)]);
-        assert!(s.get("big1").is_none() && s.get("big2").is_some());
-        assert!(s.get("r1").is_none(), "the small ones went first");
+        s.put(
+            "big1".into(),
+            vec![Message::text("user", big.clone())],
+            me(),
+        );
+        s.put("big2".into(), vec![Message::text("user", big)], me());
+        assert!(s.get("big1", "key:a").is_none() && s.get("big2", "key:a").is_some());
+        assert!(s.get("r1", "key:a").is_none(), "the small ones went first");
+    }
+
+    #[test]
+    fn a_stored_response_is_its_owners_only() {
+        let s = ResponseStore::default();
+        s.put(
+            "r".into(),
+            vec![Message::text("user", "secret")],
+            "key:a".into(),
+        );
+        assert!(s.get("r", "key:b").is_none());
+        assert!(s.get("r", "client:127.0.0.1").is_none());
+        assert!(s.get("r", "key:a").is_some());
+    }
+
+    #[test]
+    fn the_store_counts_what_empty_calls_hold() {
+        // 65k empty calls hold megabytes in memory though their text is a few bytes each
+        let mut m = Message::text("assistant", "");
+        m.tool_calls = (0..65_000)
+            .map(|i| ToolCall {
+                id: format!("{i}"),
+                name: String::new(),
+                arguments: json!({}),
+            })
+            .collect();
+        let counted = size_of(std::slice::from_ref(&m));
+        let held = 65_000 * (std::mem::size_of::<ToolCall>() + std::mem::size_of::<Value>());
+        assert!(counted >= held, "{counted} < {held}");
     }
 
     #[test]

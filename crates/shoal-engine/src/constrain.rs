@@ -44,9 +44,15 @@ impl std::fmt::Debug for ConstraintVocab {
     }
 }
 
+/// The grammar engine's message, its first line only: the rest is the engine's internal
+/// state, which tells a client nothing.
 fn err(what: impl std::fmt::Display) -> EngineError {
+    let what = what.to_string();
     EngineError::InvalidInput {
-        what: format!("constrained decoding: {what}"),
+        what: format!(
+            "constrained decoding: {}",
+            what.lines().next().unwrap_or("").trim()
+        ),
     }
 }
 
@@ -138,11 +144,19 @@ impl Constraint {
             Grammar::Lark(src) => TopLevelGrammar::from_lark(src.clone()),
         };
         let parser = vocab.factory.create_parser(top).map_err(err)?;
-        let matcher = Matcher::new(Ok(parser));
+        let mut matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(err(e));
         }
-        Ok(Constraint { matcher })
+        // a shape no output can take (a `$ref` that only refers to itself, ...) is refused
+        // here, before the request is queued, not at its first token
+        match matcher.compute_mask_or_eos() {
+            Ok(v) if !v.is_zero() => Ok(Constraint { matcher }),
+            Ok(_) => Err(err("no output can match this schema or grammar")),
+            Err(e) => Err(err(format!(
+                "no output can match this schema or grammar: {e}"
+            ))),
+        }
     }
 
     /// Sets the logit of every token that may not come next to `-inf`.

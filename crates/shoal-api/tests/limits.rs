@@ -1,0 +1,198 @@
+//! What one API client must not be able to do to the server or to other clients: give
+//! unbounded stop strings, get the grammar engine's internals back from a schema no output
+//! can match, have its input echoed whole in an error, continue another key's stored
+//! response, or read the cluster's views with a key that is not an administrator's; and the
+//! dashboard may not be framed by another site.
+
+mod common;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use common::{runtime, tiny_state};
+use serde_json::{json, Value};
+use shoal_api::HttpOptions;
+use tower::ServiceExt;
+
+async fn send(
+    app: &axum::Router,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: &Value,
+) -> (StatusCode, axum::http::HeaderMap, String) {
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("content-type", "application/json");
+    if let Some(k) = key {
+        req = req.header("authorization", format!("Bearer {k}"));
+    }
+    let body = if body.is_null() {
+        Body::empty()
+    } else {
+        Body::from(body.to_string())
+    };
+    let resp = app.clone().oneshot(req.body(body).unwrap()).await.unwrap();
+    let (status, headers) = (resp.status(), resp.headers().clone());
+    let b = axum::body::to_bytes(resp.into_body(), 64 << 20)
+        .await
+        .unwrap();
+    (status, headers, String::from_utf8_lossy(&b).into_owned())
+}
+
+/// The same small request on each generating route, with `extra` merged in (`None` for a
+/// route that does not take the field).
+fn on_every_route(extra: impl Fn(&str) -> Option<Value>) -> Vec<(&'static str, Value)> {
+    let mut out = Vec::new();
+    for (path, base) in [
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        (
+            "/api/chat",
+            json!({"model": "tiny", "stream": false, "options": {"num_predict": 2}, "messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "tiny", "max_output_tokens": 2, "input": "hi"}),
+        ),
+    ] {
+        if let Some(Value::Object(fields)) = extra(path) {
+            let mut body = base;
+            for (k, v) in fields {
+                body[k] = v;
+            }
+            out.push((path, body));
+        }
+    }
+    out
+}
+
+#[test]
+fn stop_strings_are_bounded_on_every_route() {
+    let (_dir, state) = tiny_state(2, 4);
+    let app = shoal_api::router(state, &HttpOptions::default());
+    runtime().block_on(async {
+        let many: Vec<String> = (0..17).map(|i| format!("s{i}")).collect();
+        let long = vec!["x".repeat(300)];
+        for stops in [json!(many), json!(long)] {
+            let cases = on_every_route(|path| match path {
+                "/v1/chat/completions" => Some(json!({"stop": stops})),
+                "/v1/messages" => Some(json!({"stop_sequences": stops})),
+                "/api/chat" => Some(json!({"options": {"num_predict": 2, "stop": stops}})),
+                _ => None,
+            });
+            assert_eq!(cases.len(), 3);
+            for (path, body) in cases {
+                let (s, _, b) = send(&app, "POST", path, None, &body).await;
+                assert_eq!(s, StatusCode::BAD_REQUEST, "{path}: {b}");
+                assert!(b.contains("at most 16 stop strings"), "{path}: {b}");
+            }
+        }
+        // sixteen short ones are fine
+        let fine: Vec<String> = (0..16).map(|i| format!("s{i}")).collect();
+        let body = json!({"model": "tiny", "max_tokens": 2, "stop": fine, "messages": [{"role": "user", "content": "hi"}]});
+        let (s, _, b) = send(&app, "POST", "/v1/chat/completions", None, &body).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+    });
+}
+
+#[test]
+fn a_schema_no_output_can_match_is_a_short_400_on_every_route() {
+    let (_dir, state) = tiny_state(2, 4);
+    let app = shoal_api::router(state, &HttpOptions::default());
+    runtime().block_on(async {
+        let schema = json!({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}});
+        let cases = on_every_route(|path| {
+            Some(match path {
+                "/v1/chat/completions" => json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}),
+                "/v1/messages" => json!({"output_config": {"format": {"type": "json_schema", "schema": schema}}}),
+                "/api/chat" => json!({"format": schema}),
+                _ => json!({"text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}),
+            })
+        });
+        assert_eq!(cases.len(), 4);
+        for (path, body) in cases {
+            let (s, _, b) = send(&app, "POST", path, None, &body).await;
+            assert_eq!(s, StatusCode::BAD_REQUEST, "{path}: {b}");
+            assert!(b.len() < 600, "{path}: {} bytes: {b}", b.len());
+            assert!(!b.contains("<state>"), "{path}: {b}");
+        }
+    });
+}
+
+#[test]
+fn errors_do_not_echo_input_whole() {
+    let (_dir, state) = tiny_state(2, 4);
+    let app = shoal_api::router(state, &HttpOptions::default());
+    runtime().block_on(async {
+        let name = "m".repeat(1 << 20);
+        let cases = on_every_route(|_| Some(json!({"model": name})));
+        for (path, body) in cases {
+            let (s, _, b) = send(&app, "POST", path, None, &body).await;
+            assert_eq!(s, StatusCode::NOT_FOUND, "{path}");
+            assert!(b.len() < 2048, "{path}: {} bytes", b.len());
+        }
+    });
+}
+
+#[test]
+fn a_stored_response_continues_for_its_own_key_only() {
+    let (_dir, state) = tiny_state(2, 4);
+    let (_, admin) = state.keys.create("ops", true, None).unwrap();
+    let (_, alice) = state.keys.create("alice", false, None).unwrap();
+    let (_, bob) = state.keys.create("bob", false, None).unwrap();
+    let app = shoal_api::router(state, &HttpOptions::default());
+    runtime().block_on(async {
+        let body = json!({"model": "tiny", "input": "my secret is 42", "max_output_tokens": 2});
+        let (s, _, b) = send(&app, "POST", "/v1/responses", Some(&alice), &body).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        let id = serde_json::from_str::<Value>(&b).unwrap()["id"].clone();
+        let next = json!({"model": "tiny", "input": "what is it?", "previous_response_id": id, "max_output_tokens": 2});
+        let (s, _, b) = send(&app, "POST", "/v1/responses", Some(&bob), &next).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "bob continued alice's response: {b}");
+        let (s, _, b) = send(&app, "POST", "/v1/responses", Some(&admin), &next).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "even an administrator: {b}");
+        let (s, _, b) = send(&app, "POST", "/v1/responses", Some(&alice), &next).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+    });
+}
+
+#[test]
+fn cluster_views_need_an_administrator_key_and_the_dashboard_cannot_be_framed() {
+    let (_dir, state) = tiny_state(2, 4);
+    let (_, admin) = state.keys.create("ops", true, None).unwrap();
+    let (_, user) = state.keys.create("user", false, None).unwrap();
+    let app = shoal_api::router(state, &HttpOptions::default());
+    runtime().block_on(async {
+        for path in [
+            "/cluster/nodes",
+            "/cluster/links",
+            "/cluster/status",
+            "/cluster/doctor",
+            "/cluster/instances",
+            "/cluster/models",
+            "/cluster/figures",
+        ] {
+            let (s, _, b) = send(&app, "GET", path, Some(&user), &Value::Null).await;
+            assert_eq!(s, StatusCode::FORBIDDEN, "{path}: {b}");
+            assert!(b.contains("administrator"), "{path}: {b}");
+            let (s, _, b) = send(&app, "GET", path, Some(&admin), &Value::Null).await;
+            assert_ne!(s, StatusCode::FORBIDDEN, "{path}: {b}");
+        }
+        // the model routes stay open to the key
+        let (s, _, b) = send(&app, "GET", "/v1/models", Some(&user), &Value::Null).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        let (s, h, _) = send(&app, "GET", "/", None, &Value::Null).await;
+        assert_eq!(s, StatusCode::OK);
+        let csp = h["content-security-policy"].to_str().unwrap();
+        assert!(csp.contains("frame-ancestors 'none'"), "{csp}");
+        assert_eq!(h["x-frame-options"], "DENY");
+        assert_eq!(h["x-content-type-options"], "nosniff");
+    });
+}
