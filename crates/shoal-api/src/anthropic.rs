@@ -371,7 +371,7 @@ async fn messages_route(
             }
         }
     }
-    let running = generation::start(&state, req)?;
+    let running = generation::start(&state, req).await?;
     let id = msg_id();
     let model = running.model.id.clone();
     if r.stream.unwrap_or(false) {

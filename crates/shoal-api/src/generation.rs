@@ -330,15 +330,107 @@ pub const MAX_STOPS: usize = 16;
 /// The longest stop string, in bytes.
 pub const MAX_STOP_BYTES: usize = 256;
 
-/// Renders, tokenizes and queues `req`.
+/// Renders, tokenizes and queues `req`, on the bounded pool of prompt workers
+/// ([`PromptPool`]), never on the async workers.
 ///
 /// # Errors
 /// 404 for an unknown model, 400 for a request the model cannot take (no chat template, a
-/// prompt longer than the context, bad sampling values, a bad schema), 503 when the queue is
-/// full.
-pub fn start(state: &Arc<AppState>, mut req: GenRequest) -> Result<Running, ApiError> {
+/// prompt longer than the context, by its bytes or its tokens, bad sampling values, a bad
+/// schema), 503 when the queue or the prompt workers' queue is full.
+pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<Running, ApiError> {
     let arrived = Instant::now();
+    let _slot = state.prompts.enter().await?;
+    let st = state.clone();
+    tokio::task::spawn_blocking(move || prepare(&st, req, arrived))
+        .await
+        .map_err(|e| ApiError::internal(format!("preparing the prompt stopped: {e}")))?
+}
+
+/// Prompts prepared at once, off the async workers (rendering, tokenizing and compiling a
+/// constraint can take seconds on a hostile input, and the async workers also answer
+/// `/health` and carry the cluster's routes).
+pub const PROMPT_WORKERS: usize = 2;
+/// Requests that may wait for a prompt worker; beyond that a 503.
+pub const PROMPT_QUEUE: usize = 64;
+
+/// The bounded pool that prepares prompts: [`PROMPT_WORKERS`] at once, [`PROMPT_QUEUE`]
+/// waiting.
+#[derive(Debug)]
+pub struct PromptPool {
+    workers: Arc<tokio::sync::Semaphore>,
+    waiting: std::sync::atomic::AtomicUsize,
+}
+
+impl Default for PromptPool {
+    fn default() -> Self {
+        PromptPool {
+            workers: Arc::new(tokio::sync::Semaphore::new(PROMPT_WORKERS)),
+            waiting: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+}
+
+impl PromptPool {
+    /// A worker's slot, once one is free.
+    ///
+    /// # Errors
+    /// 503 when [`PROMPT_QUEUE`] requests are already waiting.
+    async fn enter(&self) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if let Ok(p) = self.workers.clone().try_acquire_owned() {
+            return Ok(p);
+        }
+        if self.waiting.fetch_add(1, SeqCst) >= PROMPT_QUEUE {
+            self.waiting.fetch_sub(1, SeqCst);
+            return Err(ApiError::new(
+                ErrorKind::Overloaded,
+                format!("{PROMPT_QUEUE} prompts are waiting to be prepared; retry shortly"),
+            ));
+        }
+        let p = self.workers.clone().acquire_owned().await;
+        self.waiting.fetch_sub(1, SeqCst);
+        p.map_err(|_| ApiError::internal("the prompt workers stopped"))
+    }
+}
+
+/// The bytes of text `input` carries that every chat template writes into the prompt: the
+/// raw prompt, or the users' messages and the tools' results (a template may leave out a
+/// system message, earlier reasoning or the tool list, never these).
+fn input_bytes(input: &Input) -> usize {
+    match input {
+        Input::Text(t) => t.len(),
+        Input::Chat { messages, .. } => messages
+            .iter()
+            .filter(|m| m.role == "user" || m.role == "tool")
+            .map(|m| m.content.len())
+            .sum(),
+    }
+}
+
+/// [`start`]'s work on a prompt worker: checks, renders, tokenizes and queues `req`.
+fn prepare(
+    state: &Arc<AppState>,
+    mut req: GenRequest,
+    arrived: Instant,
+) -> Result<Running, ApiError> {
     let served = state.model(&req.model)?;
+    // a text that cannot fit the context whatever its tokens is refused by its length,
+    // before anything reads it
+    let bytes = input_bytes(&req.input);
+    let most = served.ctx.saturating_mul(served.longest_token_bytes());
+    if bytes > most {
+        return Err(ApiError::invalid_param(
+            match req.input {
+                Input::Chat { .. } => "messages",
+                Input::Text(_) => "prompt",
+            },
+            format!(
+                "the prompt is {bytes} bytes, more than {} is served with a context of {} \
+                 tokens can hold ({most} bytes at most); shorten the prompt",
+                served.id, served.ctx
+            ),
+        ));
+    }
     if req.stop.len() > MAX_STOPS || req.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
         return Err(ApiError::invalid_param(
             "stop",

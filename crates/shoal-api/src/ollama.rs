@@ -341,7 +341,7 @@ async fn chat_inner(
     );
     apply_options(&mut req, r.options.unwrap_or_default())?;
     req.format = format(r.format)?;
-    let running = generation::start(&state, req)?;
+    let running = generation::start(&state, req).await?;
     let model = running.model.id.clone();
     if r.stream.unwrap_or(true) {
         return Ok(ndjson(running, model, true));
@@ -405,7 +405,7 @@ async fn generate_inner(
     let mut req = GenRequest::new(r.model, input);
     apply_options(&mut req, r.options.unwrap_or_default())?;
     req.format = format(r.format)?;
-    let running = generation::start(&state, req)?;
+    let running = generation::start(&state, req).await?;
     let model = running.model.id.clone();
     if r.stream.unwrap_or(true) {
         return Ok(ndjson(running, model, false));

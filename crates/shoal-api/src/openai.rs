@@ -507,7 +507,7 @@ async fn chat_inner(
     req.tool_choice = tool_choice(r.tool_choice)?;
     req.format = response_format(r.response_format)?;
     req.ignore_eos = r.ignore_eos.unwrap_or(false);
-    let running = generation::start(&state, req)?;
+    let running = generation::start(&state, req).await?;
     let id = request_id("chatcmpl");
     let model = running.model.id.clone();
     let created = running.created;
@@ -743,7 +743,7 @@ async fn completions_inner(
     }
     req.ignore_eos = r.ignore_eos.unwrap_or(false);
     let want_lp = r.logprobs.is_some();
-    let running = generation::start(&state, req)?;
+    let running = generation::start(&state, req).await?;
     let id = request_id("cmpl");
     let model = running.model.id.clone();
     let created = running.created;

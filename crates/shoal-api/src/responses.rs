@@ -467,7 +467,7 @@ async fn inner(
     req.format = format_of(r.get("text"))?;
     let store = r.get("store").and_then(Value::as_bool).unwrap_or(true);
     let stream = r.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let running = generation::start(&state, req)?;
+    let running = generation::start(&state, req).await?;
     let echo = Echo {
         model: running.model.id.clone(),
         instructions: r.get("instructions").cloned().unwrap_or(Value::Null),

@@ -29,6 +29,8 @@ pub struct ServedModel {
     /// Constraint tables, built on the first constrained request.
     pub constraint_vocab:
         std::sync::OnceLock<Result<Arc<shoal_engine::constrain::ConstraintVocab>, String>>,
+    /// The most bytes one token of its vocabulary stands for, found on first use.
+    longest_token: std::sync::OnceLock<usize>,
 }
 
 impl std::fmt::Debug for ServedModel {
@@ -112,6 +114,20 @@ impl ServedModel {
                 .unwrap_or(0),
             size,
             constraint_vocab: std::sync::OnceLock::new(),
+            longest_token: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// The most bytes one token of the model's vocabulary stands for: a text of more than
+    /// `ctx` times this many bytes cannot fit the context, whatever it says.
+    pub fn longest_token_bytes(&self) -> usize {
+        *self.longest_token.get_or_init(|| {
+            let model = self.model();
+            (0..model.transformer.config().vocab as u32)
+                .map(|id| model.tokenizer.token_bytes(id).len())
+                .max()
+                .unwrap_or(1)
+                .max(1)
         })
     }
 
@@ -210,6 +226,8 @@ pub struct AppState {
     pub doctor: std::sync::OnceLock<crate::doctor::Setup>,
     /// The generated text of recent chat turns, rendered again when a client sends them back.
     pub turns: crate::turns::GeneratedTurns,
+    /// The bounded pool that prepares prompts off the async workers.
+    pub prompts: crate::generation::PromptPool,
 }
 
 impl AppState {
@@ -226,6 +244,7 @@ impl AppState {
             responses: crate::responses::ResponseStore::default(),
             doctor: std::sync::OnceLock::new(),
             turns: crate::turns::GeneratedTurns::default(),
+            prompts: crate::generation::PromptPool::default(),
         }
     }
 

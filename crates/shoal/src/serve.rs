@@ -25,7 +25,7 @@ use shoal_engine::scheduler::SchedulerConfig;
 
 use crate::ComputeArgs;
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
     /// A model to serve (path, Hugging Face folder or cache id, or catalog key); repeatable.
     /// Clients ask for it by its catalog key or file name without `.gguf`.
@@ -259,7 +259,16 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(async move {
+    // Membership, gossip and the failure detector run on threads of their own: however busy
+    // the HTTP side is, this node answers its peers in time and is not declared dead.
+    let cluster_runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("shoal-cluster")
+        .enable_all()
+        .build()
+        .context("starting the cluster's async runtime")?;
+    let cluster = cluster_runtime.handle().clone();
+    let served_result = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&args.api)
             .await
             .with_context(|| format!("binding the API address {}", args.api))?;
@@ -274,7 +283,13 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         let shutdown = shutdown_signal()?;
         let (state, node) = match secret {
             Some(secret) => {
-                let node = join_cluster(&args, identity, secret, addr, threads).await?;
+                let joining = args.clone();
+                let node = cluster
+                    .spawn(async move {
+                        join_cluster(&joining, identity, secret, addr, threads).await
+                    })
+                    .await
+                    .context("joining the cluster stopped")??;
                 let state = Arc::new(state.with_cluster(node.clone()));
                 tokio::spawn(shoal_api::keys::replicate(
                     Arc::downgrade(&state),
@@ -339,10 +354,12 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
             }
         };
         if let Some(node) = node {
-            node.shutdown().await;
+            let _ = cluster.spawn(async move { node.shutdown().await }).await;
         }
         result
-    })
+    });
+    cluster_runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+    served_result
 }
 
 /// Ctrl-C and SIGTERM, listened for from the moment this is called (before the ready line,
