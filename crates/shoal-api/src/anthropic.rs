@@ -441,7 +441,7 @@ async fn count_route(
             tools: tools_of(r.tools.unwrap_or_default(), &mut declined)?,
         },
     );
-    let n = generation::count_prompt(&state, &req)?;
+    let n = generation::count_prompt(&state, req).await?;
     let mut resp = Json(json!({"input_tokens": n})).into_response();
     declined.apply("/v1/messages/count_tokens", &mut resp);
     Ok(resp)

@@ -414,23 +414,7 @@ fn prepare(
     arrived: Instant,
 ) -> Result<Running, ApiError> {
     let served = state.model(&req.model)?;
-    // a text that cannot fit the context whatever its tokens is refused by its length,
-    // before anything reads it
-    let bytes = input_bytes(&req.input);
-    let most = served.ctx.saturating_mul(served.longest_token_bytes());
-    if bytes > most {
-        return Err(ApiError::invalid_param(
-            match req.input {
-                Input::Chat { .. } => "messages",
-                Input::Text(_) => "prompt",
-            },
-            format!(
-                "the prompt is {bytes} bytes, more than {} is served with a context of {} \
-                 tokens can hold ({most} bytes at most); shorten the prompt",
-                served.id, served.ctx
-            ),
-        ));
-    }
+    fits_by_length(&served, &req.input)?;
     if req.stop.len() > MAX_STOPS || req.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
         return Err(ApiError::invalid_param(
             "stop",
@@ -532,14 +516,42 @@ fn prepare(
     })
 }
 
-/// The prompt tokens of a request on `served`, without queueing it (Anthropic's
-/// `count_tokens`).
+/// The prompt tokens of a request, without queueing it (Anthropic's `count_tokens`),
+/// counted on the prompt workers like [`start`]'s.
 ///
 /// # Errors
 /// 404 for an unknown model, 400 for input the model's template or tokenizer cannot take.
-pub fn count_prompt(state: &Arc<AppState>, req: &GenRequest) -> Result<usize, ApiError> {
-    let served = state.model(&req.model)?;
-    Ok(prompt_of(served.scheduler.model(), &req.input, &[])?.len())
+pub async fn count_prompt(state: &Arc<AppState>, req: GenRequest) -> Result<usize, ApiError> {
+    let _slot = state.prompts.enter().await?;
+    let st = state.clone();
+    tokio::task::spawn_blocking(move || {
+        let served = st.model(&req.model)?;
+        fits_by_length(&served, &req.input)?;
+        Ok(prompt_of(served.scheduler.model(), &req.input, &[])?.len())
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("counting the prompt stopped: {e}")))?
+}
+
+/// Refuses, by its length alone and before anything reads it, a text that cannot fit the
+/// context whatever its tokens.
+fn fits_by_length(served: &ServedModel, input: &Input) -> Result<(), ApiError> {
+    let bytes = input_bytes(input);
+    let most = served.ctx.saturating_mul(served.longest_token_bytes());
+    if bytes <= most {
+        return Ok(());
+    }
+    Err(ApiError::invalid_param(
+        match input {
+            Input::Chat { .. } => "messages",
+            Input::Text(_) => "prompt",
+        },
+        format!(
+            "the prompt is {bytes} bytes, more than {} is served with a context of {} \
+             tokens can hold ({most} bytes at most); shorten the prompt",
+            served.id, served.ctx
+        ),
+    ))
 }
 
 /// The tool list as chat templates read it (OpenAI's function shape).
