@@ -6,6 +6,7 @@
 //! rate limits, a request body limit, optional CORS, `/health` and Prometheus `/metrics`.
 
 pub mod admin;
+pub mod admin_guard;
 pub mod anthropic;
 pub mod cluster;
 pub mod constrain;
@@ -213,9 +214,10 @@ fn cors(origins: &[String]) -> Option<CorsLayer> {
     )
 }
 
-/// Every route, with metrics, the body limit and CORS.
+/// Every route, with metrics, the body limit and CORS (never on the routes that change the
+/// node or the cluster, which [`admin_guard`] checks instead).
 pub fn router(state: Arc<AppState>, opts: &HttpOptions) -> Router {
-    let mut r = Router::new()
+    let open = Router::new()
         .route("/", get(root))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
@@ -230,22 +232,29 @@ pub fn router(state: Arc<AppState>, opts: &HttpOptions) -> Router {
         .route("/api/tags", get(ollama::tags))
         .route("/api/show", post(ollama::show))
         .route("/api/version", get(ollama::version))
-        .route("/admin/keys", get(admin::list_keys).post(admin::create_key))
         .route("/cluster/nodes", get(cluster::nodes))
         .route("/cluster/links", get(cluster::links))
         .route("/cluster/status", get(cluster::status))
         .route("/cluster/planner", get(cluster::planner))
         .route("/cluster/doctor", get(doctor::doctor))
-        .route("/cluster/plan", post(cluster::plan))
         .route("/cluster/models", get(cluster::models))
         .route("/cluster/figures", get(cluster::figures))
+        .route("/cluster/plan", post(cluster::plan));
+    let managing = Router::new()
+        .route("/admin/keys", get(admin::list_keys).post(admin::create_key))
+        .route("/admin/keys/{id}", delete(admin::revoke_key))
         .route(
             "/cluster/instances",
             get(cluster::instances).post(cluster::load),
         )
         .route("/cluster/instances/{id}", delete(cluster::unload))
         .route("/cluster/drain", post(cluster::drain))
-        .route("/admin/keys/{id}", delete(admin::revoke_key))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            admin_guard::guard,
+        ));
+    let mut r = open
+        .merge(managing)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(
@@ -255,7 +264,7 @@ pub fn router(state: Arc<AppState>, opts: &HttpOptions) -> Router {
         .layer(DefaultBodyLimit::max(opts.body_limit))
         .layer(middleware::from_fn_with_state(state.clone(), track));
     if let Some(c) = cors(&opts.cors_origins) {
-        r = r.layer(c);
+        r = r.layer(c).layer(middleware::from_fn(admin_guard::no_cors));
     }
     r.with_state(state)
 }

@@ -196,3 +196,131 @@ fn cluster_views_need_an_administrator_key_and_the_dashboard_cannot_be_framed() 
         assert_eq!(h["x-content-type-options"], "nosniff");
     });
 }
+
+/// A request to `path` as a browser on the node's machine would send it, from a page at
+/// `origin` (if any) and for the address `host`.
+fn from_browser(
+    method: &str,
+    path: &str,
+    origin: Option<&str>,
+    host: &str,
+    content_type: &str,
+    body: &str,
+) -> Request<Body> {
+    let mut b = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", host)
+        .header("content-type", content_type);
+    if let Some(o) = origin {
+        b = b.header("origin", o);
+    }
+    let mut req = b.body(Body::from(body.to_string())).unwrap();
+    req.extensions_mut()
+        .insert(axum::extract::ConnectInfo(std::net::SocketAddr::from((
+            [127, 0, 0, 1],
+            40000,
+        ))));
+    req
+}
+
+#[test]
+fn a_web_page_cannot_manage_a_node_without_keys() {
+    let (_dir, state) = tiny_state(2, 4);
+    let app = shoal_api::router(
+        state.clone(),
+        &HttpOptions {
+            cors_origins: vec!["http://app.example".into()],
+            ..HttpOptions::default()
+        },
+    );
+    runtime().block_on(async {
+        let key = r#"{"name": "ops", "admin": true}"#;
+        let status = |req: Request<Body>| {
+            let app = app.clone();
+            async move {
+                let r = app.oneshot(req).await.unwrap();
+                let s = r.status();
+                let b = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
+                (s, String::from_utf8_lossy(&b).into_owned())
+            }
+        };
+        // another site's page, even one allowed by --cors-origin
+        for origin in ["http://evil.example", "http://app.example"] {
+            let (s, b) = status(from_browser(
+                "POST",
+                "/admin/keys",
+                Some(origin),
+                "127.0.0.1:7337",
+                "application/json",
+                key,
+            ))
+            .await;
+            assert_eq!(s, StatusCode::FORBIDDEN, "{origin}: {b}");
+            assert!(b.contains("another site"), "{b}");
+            let (s, _) = status(from_browser(
+                "POST",
+                "/cluster/drain",
+                Some(origin),
+                "127.0.0.1:7337",
+                "application/json",
+                r#"{"node": "a"}"#,
+            ))
+            .await;
+            assert_eq!(s, StatusCode::FORBIDDEN, "{origin}");
+        }
+        // DNS rebinding: the page's own name, resolved to 127.0.0.1
+        let (s, b) = status(from_browser(
+            "POST",
+            "/admin/keys",
+            None,
+            "evil.example:7337",
+            "application/json",
+            key,
+        ))
+        .await;
+        assert_eq!(s, StatusCode::FORBIDDEN, "{b}");
+        assert!(b.contains("IP address or localhost"), "{b}");
+        // a form post (text/plain) needs no preflight: refused
+        let (s, b) = status(from_browser(
+            "POST",
+            "/admin/keys",
+            None,
+            "127.0.0.1:7337",
+            "text/plain",
+            key,
+        ))
+        .await;
+        assert_eq!(s, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{b}");
+        // no CORS on the managing routes, though the model routes have it
+        let preflight = |path: &str| {
+            Request::builder()
+                .method("OPTIONS")
+                .uri(path)
+                .header("origin", "http://app.example")
+                .header("access-control-request-method", "POST")
+                .body(Body::empty())
+                .unwrap()
+        };
+        let r = app.clone().oneshot(preflight("/admin/keys")).await.unwrap();
+        assert!(r.headers().get("access-control-allow-origin").is_none());
+        let r = app
+            .clone()
+            .oneshot(preflight("/v1/chat/completions"))
+            .await
+            .unwrap();
+        assert!(r.headers().get("access-control-allow-origin").is_some());
+        assert!(state.keys.is_empty(), "no key was made by any of the above");
+        // the node's own page (same origin) and the CLI (no origin) at its address still may
+        let (s, b) = status(from_browser(
+            "POST",
+            "/admin/keys",
+            Some("http://127.0.0.1:7337"),
+            "127.0.0.1:7337",
+            "application/json",
+            key,
+        ))
+        .await;
+        assert_eq!(s, StatusCode::CREATED, "{b}");
+    });
+}
