@@ -1,4 +1,5 @@
-//! Every node of a cluster answers for every instance: a model request (OpenAI, Anthropic or
+//! The first stop of a model request: its key is checked before its body is read, on
+//! every node. Then, in a cluster, every node answers for every instance: a model request (OpenAI, Anthropic or
 //! Ollama) naming an instance that another node leads is forwarded to that node's API and its
 //! answer, streamed or not, is passed back as it arrives. The request is checked against this
 //! node's keys first (a bad key is refused here, in the API's own shape), then sent on with
@@ -85,11 +86,15 @@ fn lead_of(state: &AppState, body: &[u8]) -> Option<String> {
 /// The middleware: forwards model requests for instances led elsewhere.
 pub async fn forward(State(f): State<Forwarder>, req: Request, next: Next) -> Response {
     let path = req.uri().path().to_string();
-    if req.method() != Method::POST
-        || !MODEL_ROUTES.contains(&path.as_str())
-        || req.headers().contains_key(FORWARDED)
-        || f.state.instances.get().is_none()
-    {
+    let model_route = req.method() == Method::POST && MODEL_ROUTES.contains(&path.as_str());
+    // the key is checked before anything reads the body: a client without one cannot make
+    // the node read megabytes
+    if model_route {
+        if let Err(e) = f.state.keys.authenticate(req.headers()) {
+            return e.flavor(flavor(&path)).into_response();
+        }
+    }
+    if !model_route || req.headers().contains_key(FORWARDED) || f.state.instances.get().is_none() {
         return next.run(req).await;
     }
     let (parts, body) = req.into_parts();

@@ -396,6 +396,19 @@ impl KeyStore {
     /// # Errors
     /// 401 without a valid key, 429 over the rate limit.
     pub fn authorize(&self, headers: &HeaderMap) -> Result<Option<KeyRecord>, ApiError> {
+        let key = self.authenticate(headers)?;
+        if let Some(k) = &key {
+            self.take(k)?;
+        }
+        Ok(key)
+    }
+
+    /// The key `headers` present, checked but not counted against its rate limit (what is
+    /// checked before a request's body is read).
+    ///
+    /// # Errors
+    /// 401 without a valid key.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Result<Option<KeyRecord>, ApiError> {
         if self.is_empty() {
             return Ok(None);
         }
@@ -411,7 +424,6 @@ impl KeyStore {
                 "the API key is not valid (unknown or revoked); ask the server's operator for a key (`shoal keys create`)",
             ));
         };
-        self.take(&key)?;
         Ok(Some(key))
     }
 

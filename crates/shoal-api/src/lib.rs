@@ -38,6 +38,10 @@ use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use serde_json::json;
 use tower_http::cors::{AllowOrigin, CorsLayer};
+use tower_http::timeout::RequestBodyTimeoutLayer;
+
+/// How long a request's body may take to arrive; a client that sends it slower is cut off.
+pub const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 pub use error::{ApiError, ErrorKind, Flavor};
 pub use state::{
@@ -262,6 +266,7 @@ pub fn router(state: Arc<AppState>, opts: &HttpOptions) -> Router {
             forward::forward,
         ))
         .layer(DefaultBodyLimit::max(opts.body_limit))
+        .layer(RequestBodyTimeoutLayer::new(BODY_TIMEOUT))
         .layer(middleware::from_fn_with_state(state.clone(), track));
     if let Some(c) = cors(&opts.cors_origins) {
         r = r.layer(c).layer(middleware::from_fn(admin_guard::no_cors));

@@ -9,6 +9,7 @@ mod common;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use common::{runtime, tiny_state};
+use futures_util::StreamExt;
 use serde_json::{json, Value};
 use shoal_api::HttpOptions;
 use tower::ServiceExt;
@@ -322,5 +323,40 @@ fn a_web_page_cannot_manage_a_node_without_keys() {
         ))
         .await;
         assert_eq!(s, StatusCode::CREATED, "{b}");
+    });
+}
+
+#[test]
+fn a_request_without_a_key_is_refused_before_its_body_is_read() {
+    let (_dir, state) = tiny_state(2, 4);
+    state.keys.create("ops", true, None).unwrap();
+    let app = shoal_api::router(state, &HttpOptions::default());
+    runtime().block_on(async {
+        for path in [
+            "/v1/chat/completions",
+            "/v1/messages",
+            "/v1/responses",
+            "/api/chat",
+        ] {
+            // a body that starts and never ends: reading it would wait for ever
+            let endless = futures_util::stream::once(async {
+                Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"{\"model\": \"tiny\""))
+            })
+            .chain(futures_util::stream::pending());
+            let req = Request::builder()
+                .method("POST")
+                .uri(path)
+                .header("content-type", "application/json")
+                .body(Body::from_stream(endless))
+                .unwrap();
+            let resp =
+                tokio::time::timeout(std::time::Duration::from_secs(5), app.clone().oneshot(req))
+                    .await
+                    .unwrap_or_else(|_| {
+                        panic!("{path}: the body was read before the key was checked")
+                    })
+                    .unwrap();
+            assert_eq!(resp.status(), StatusCode::UNAUTHORIZED, "{path}");
+        }
     });
 }
