@@ -339,11 +339,16 @@ pub const MAX_STOP_BYTES: usize = 256;
 /// schema), 503 when the queue or the prompt workers' queue is full.
 pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<Running, ApiError> {
     let arrived = Instant::now();
-    let _slot = state.prompts.enter().await?;
+    // the slot goes with the work: a client that leaves does not free it while its prompt is
+    // still being prepared
+    let slot = state.prompts.enter().await?;
     let st = state.clone();
-    tokio::task::spawn_blocking(move || prepare(&st, req, arrived))
-        .await
-        .map_err(|e| ApiError::internal(format!("preparing the prompt stopped: {e}")))?
+    tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        prepare(&st, req, arrived)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("preparing the prompt stopped: {e}")))?
 }
 
 /// Prompts prepared at once, off the async workers (rendering, tokenizing and compiling a
@@ -522,9 +527,10 @@ fn prepare(
 /// # Errors
 /// 404 for an unknown model, 400 for input the model's template or tokenizer cannot take.
 pub async fn count_prompt(state: &Arc<AppState>, req: GenRequest) -> Result<usize, ApiError> {
-    let _slot = state.prompts.enter().await?;
+    let slot = state.prompts.enter().await?;
     let st = state.clone();
     tokio::task::spawn_blocking(move || {
+        let _slot = slot;
         let served = st.model(&req.model)?;
         fits_by_length(&served, &req.input)?;
         Ok(prompt_of(served.scheduler.model(), &req.input, &[])?.len())
