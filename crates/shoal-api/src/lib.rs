@@ -9,6 +9,7 @@ pub mod admin;
 pub mod admin_guard;
 pub mod anthropic;
 pub mod cluster;
+pub mod connections;
 pub mod constrain;
 pub mod declined;
 pub mod doctor;
@@ -25,7 +26,6 @@ pub mod state;
 pub mod tools;
 pub mod turns;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -274,7 +274,8 @@ pub fn router(state: Arc<AppState>, opts: &HttpOptions) -> Router {
     r.with_state(state)
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves, then lets running requests end.
+/// Serves `router` on `listener` until `shutdown` resolves, then lets running requests end,
+/// within the default [`connections::ConnectionLimits`].
 ///
 /// # Errors
 /// When accepting connections fails.
@@ -283,10 +284,5 @@ pub async fn serve(
     router: Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(
-        listener,
-        router.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
+    connections::serve(listener, router, shutdown, Default::default()).await
 }

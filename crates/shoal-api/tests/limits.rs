@@ -360,3 +360,56 @@ fn a_request_without_a_key_is_refused_before_its_body_is_read() {
         }
     });
 }
+
+#[test]
+fn connections_are_capped_per_client_and_slow_headers_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_dir, state) = tiny_state(2, 4);
+    let app = shoal_api::router(state, &HttpOptions::default());
+    runtime().block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = shoal_api::connections::ConnectionLimits {
+            total: 16,
+            per_client: 2,
+            header_timeout: std::time::Duration::from_secs(1),
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(shoal_api::connections::serve(
+            listener,
+            app,
+            async {
+                let _ = stopped.await;
+            },
+            limits,
+        ));
+        let first_line = |mut c: tokio::net::TcpStream| async move {
+            let mut buf = vec![0u8; 256];
+            let n = tokio::time::timeout(std::time::Duration::from_secs(5), c.read(&mut buf))
+                .await
+                .expect("an answer or a close within 5 s")
+                .unwrap_or(0);
+            String::from_utf8_lossy(&buf[..n]).lines().next().unwrap_or("").to_string()
+        };
+        // a request works, and carries the client's address (a key is made from this machine)
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let body = r#"{"name": "ops", "admin": true}"#;
+        c.write_all(format!("POST /admin/keys HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len()).as_bytes()).await.unwrap();
+        assert_eq!(first_line(c).await, "HTTP/1.1 201 Created");
+        // two held connections from this address; the third is refused
+        let a = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let b = tokio::net::TcpStream::connect(addr).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let third = tokio::net::TcpStream::connect(addr).await.unwrap();
+        assert_eq!(first_line(third).await, "HTTP/1.1 429 Too Many Requests");
+        // headers that never finish: the connection is closed after the timeout
+        let mut slow = a;
+        slow.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n").await.unwrap();
+        let t = std::time::Instant::now();
+        let _ = first_line(slow).await;
+        assert!(t.elapsed() < std::time::Duration::from_secs(4), "{:?}", t.elapsed());
+        drop(b);
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+    });
+}
