@@ -914,9 +914,32 @@ impl Running {
 
     /// Keeps the text this chat turn generated beside what the client was shown, so the turn
     /// renders as generated when the client sends it back ([`crate::turns`]).
+    ///
+    /// A turn whose calls the model wrote outside its family's markup (a bare JSON call from
+    /// a Hermes-format model, say) is not kept: given back as it was written, it would teach
+    /// the model that form for the rest of the conversation, where the chat template writes
+    /// the calls as the model was trained to read them.
     fn remember_turn(&mut self) {
         if !matches!(self.submitted.req.input, Input::Chat { .. }) || self.resumed > 0 {
             return;
+        }
+        if !self.shown_calls.is_empty() {
+            let raw = self
+                .model
+                .scheduler
+                .model()
+                .tokenizer
+                .decode(&self.generated, false);
+            let in_markup = match self.model.tool_format {
+                crate::tools::ToolFormat::Hermes => {
+                    raw.matches("<tool_call>").count() >= self.shown_calls.len()
+                }
+                crate::tools::ToolFormat::Mistral => raw.contains("[TOOL_CALLS]"),
+                crate::tools::ToolFormat::Llama3 | crate::tools::ToolFormat::Generic => true,
+            };
+            if !in_markup {
+                return;
+            }
         }
         self.state.turns.remember(
             &self.model.id,
