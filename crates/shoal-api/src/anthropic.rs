@@ -240,6 +240,19 @@ fn canonical_messages(
     Ok(out)
 }
 
+/// The chat a request's system prompt, messages and tools make.
+fn conversation(
+    system: Option<Value>,
+    messages: Vec<WireMessage>,
+    tools: Option<Vec<WireTool>>,
+    declined: &mut Declined,
+) -> Result<Input, ApiError> {
+    Ok(Input::Chat {
+        messages: canonical_messages(system, messages, declined)?,
+        tools: tools_of(tools.unwrap_or_default(), declined)?,
+    })
+}
+
 /// The client's own tools as functions; tools Anthropic's servers would run (a `type` other
 /// than `custom`) are declined.
 fn tools_of(wire: Vec<WireTool>, declined: &mut Declined) -> Result<Vec<Tool>, ApiError> {
@@ -311,10 +324,7 @@ async fn messages_route(
     let mut declined = Declined::default();
     let mut req = GenRequest::new(
         r.model,
-        Input::Chat {
-            messages: canonical_messages(r.system, r.messages, &mut declined)?,
-            tools: tools_of(r.tools.unwrap_or_default(), &mut declined)?,
-        },
+        conversation(r.system, r.messages, r.tools, &mut declined)?,
     );
     for (field, present) in [
         ("thinking", r.thinking.is_some()),
@@ -436,10 +446,7 @@ async fn count_route(
     let mut declined = Declined::default();
     let req = GenRequest::new(
         r.model,
-        Input::Chat {
-            messages: canonical_messages(r.system, r.messages, &mut declined)?,
-            tools: tools_of(r.tools.unwrap_or_default(), &mut declined)?,
-        },
+        conversation(r.system, r.messages, r.tools, &mut declined)?,
     );
     let n = generation::count_prompt(&state, req).await?;
     let mut resp = Json(json!({"input_tokens": n})).into_response();

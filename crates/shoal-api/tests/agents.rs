@@ -9,27 +9,16 @@
 mod common;
 
 use axum::http::StatusCode;
-use common::{runtime, state_with};
+use common::{runtime, send, state_with, tiny_model_with_context};
 use serde_json::{json, Value};
 use shoal_api::declined::{DECLINED_TOOLS_HEADER, IGNORED_HEADER};
 use shoal_api::HttpOptions;
-use shoal_engine::model::LoadedModel;
 use shoal_engine::scheduler::SchedulerConfig;
-use shoal_model::source::ModelSource;
-use shoal_testkit::{GgmlType, TinyModelSpec};
-use tower::ServiceExt;
 
 /// The tiny model with room for an agent's system prompt and tools.
 fn app() -> (tempfile::TempDir, axum::Router) {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny.gguf");
-    let mut spec = TinyModelSpec::qwen2(11);
-    spec.context_length = 8192;
-    spec.build()
-        .unwrap()
-        .write_gguf(&path, GgmlType::F32)
-        .unwrap();
-    let model = LoadedModel::load(&ModelSource::Gguf(path)).unwrap();
+    let model = tiny_model_with_context(dir.path(), 8192);
     let state = state_with(
         model,
         "tiny",
@@ -42,31 +31,6 @@ fn app() -> (tempfile::TempDir, axum::Router) {
         },
     );
     (dir, shoal_api::router(state, &HttpOptions::default()))
-}
-
-/// Status, headers and body of one request.
-async fn send(
-    app: &axum::Router,
-    method: &str,
-    path: &str,
-    body: &Value,
-) -> (StatusCode, axum::http::HeaderMap, String) {
-    let req = axum::http::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("content-type", "application/json")
-        .body(axum::body::Body::from(if body.is_null() {
-            Vec::new()
-        } else {
-            body.to_string().into_bytes()
-        }))
-        .unwrap();
-    let resp = app.clone().oneshot(req).await.unwrap();
-    let (status, headers) = (resp.status(), resp.headers().clone());
-    let bytes = axum::body::to_bytes(resp.into_body(), 64 << 20)
-        .await
-        .unwrap();
-    (status, headers, String::from_utf8(bytes.to_vec()).unwrap())
 }
 
 fn header<'a>(h: &'a axum::http::HeaderMap, name: &str) -> &'a str {
@@ -123,13 +87,14 @@ fn claude_code_request(stream: bool) -> Value {
 fn claude_code_requests_are_answered_with_what_was_left_out_named() {
     let (_dir, app) = app();
     runtime().block_on(async {
-        let (s, _, b) = send(&app, "HEAD", "/", &Value::Null).await;
+        let (s, _, b) = send(&app, "HEAD", "/", None, &Value::Null).await;
         assert_eq!(s, StatusCode::OK, "Claude Code probes HEAD / first: {b}");
         for stream in [false, true] {
             let (s, h, b) = send(
                 &app,
                 "POST",
                 "/v1/messages?beta=true",
+                None,
                 &claude_code_request(stream),
             )
             .await;
@@ -157,7 +122,7 @@ fn claude_code_requests_are_answered_with_what_was_left_out_named() {
         }
         let mut count = claude_code_request(false);
         count.as_object_mut().unwrap().remove("max_tokens");
-        let (s, _, b) = send(&app, "POST", "/v1/messages/count_tokens", &count).await;
+        let (s, _, b) = send(&app, "POST", "/v1/messages/count_tokens", None, &count).await;
         assert_eq!(s, StatusCode::OK, "{b}");
         let n = serde_json::from_str::<Value>(&b).unwrap()["input_tokens"]
             .as_u64()
@@ -166,12 +131,12 @@ fn claude_code_requests_are_answered_with_what_was_left_out_named() {
         // still refused: a role that is none of the three, a block without a type
         let mut bad = claude_code_request(false);
         bad["messages"][0]["role"] = json!("robot");
-        let (s, _, b) = send(&app, "POST", "/v1/messages", &bad).await;
+        let (s, _, b) = send(&app, "POST", "/v1/messages", None, &bad).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
         assert!(b.contains("role 'robot'"), "{b}");
         let mut bad = claude_code_request(false);
         bad["messages"][2]["content"][0] = json!({"text": "no type"});
-        let (s, _, b) = send(&app, "POST", "/v1/messages", &bad).await;
+        let (s, _, b) = send(&app, "POST", "/v1/messages", None, &bad).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
     });
 }
@@ -220,7 +185,7 @@ fn codex_request() -> Value {
 fn codex_requests_are_answered_with_what_was_left_out_named() {
     let (_dir, app) = app();
     runtime().block_on(async {
-        let (s, h, b) = send(&app, "POST", "/v1/responses", &codex_request()).await;
+        let (s, h, b) = send(&app, "POST", "/v1/responses", None, &codex_request()).await;
         assert_eq!(s, StatusCode::OK, "{b}");
         assert!(
             b.contains("response.completed") || b.contains("response.incomplete"),
@@ -234,17 +199,17 @@ fn codex_requests_are_answered_with_what_was_left_out_named() {
         // a hosted tool as the tool choice: the model chooses among the rest
         let mut r = codex_request();
         r["tool_choice"] = json!({"type": "web_search"});
-        let (s, _, b) = send(&app, "POST", "/v1/responses", &r).await;
+        let (s, _, b) = send(&app, "POST", "/v1/responses", None, &r).await;
         assert_eq!(s, StatusCode::OK, "{b}");
         // still refused: arguments that are not JSON, a tool without a type
         let mut bad = codex_request();
         bad["input"][3]["arguments"] = json!("{");
-        let (s, _, b) = send(&app, "POST", "/v1/responses", &bad).await;
+        let (s, _, b) = send(&app, "POST", "/v1/responses", None, &bad).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
         assert!(b.contains("input[3].arguments"), "{b}");
         let mut bad = codex_request();
         bad["tools"][0] = json!({"name": "f"});
-        let (s, _, b) = send(&app, "POST", "/v1/responses", &bad).await;
+        let (s, _, b) = send(&app, "POST", "/v1/responses", None, &bad).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
     });
 }
@@ -269,7 +234,7 @@ fn chat_completions_decline_hosted_tools_and_images() {
                 {"type": "web_search_preview"},
             ],
         });
-        let (s, h, b) = send(&app, "POST", "/v1/chat/completions", &body).await;
+        let (s, h, b) = send(&app, "POST", "/v1/chat/completions", None, &body).await;
         assert_eq!(s, StatusCode::OK, "{b}");
         assert_eq!(header(&h, DECLINED_TOOLS_HEADER), "web_search_preview");
         let ignored = header(&h, IGNORED_HEADER);
@@ -293,7 +258,7 @@ fn a_conversation_sent_again_is_served_from_the_cache() {
         for turn in 0..4 {
             let body =
                 json!({"model": "tiny", "max_tokens": 6, "temperature": 0, "messages": messages});
-            let (s, _, b) = send(&app, "POST", "/v1/chat/completions", &body).await;
+            let (s, _, b) = send(&app, "POST", "/v1/chat/completions", None, &body).await;
             assert_eq!(s, StatusCode::OK, "{b}");
             let r: Value = serde_json::from_str(&b).unwrap();
             let u = &r["usage"];

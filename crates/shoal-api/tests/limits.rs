@@ -8,38 +8,11 @@ mod common;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use common::{runtime, tiny_state};
+use common::{runtime, send, tiny_state};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use shoal_api::HttpOptions;
 use tower::ServiceExt;
-
-async fn send(
-    app: &axum::Router,
-    method: &str,
-    path: &str,
-    key: Option<&str>,
-    body: &Value,
-) -> (StatusCode, axum::http::HeaderMap, String) {
-    let mut req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("content-type", "application/json");
-    if let Some(k) = key {
-        req = req.header("authorization", format!("Bearer {k}"));
-    }
-    let body = if body.is_null() {
-        Body::empty()
-    } else {
-        Body::from(body.to_string())
-    };
-    let resp = app.clone().oneshot(req.body(body).unwrap()).await.unwrap();
-    let (status, headers) = (resp.status(), resp.headers().clone());
-    let b = axum::body::to_bytes(resp.into_body(), 64 << 20)
-        .await
-        .unwrap();
-    (status, headers, String::from_utf8_lossy(&b).into_owned())
-}
 
 /// The same small request on each generating route, with `extra` merged in (`None` for a
 /// route that does not take the field).

@@ -18,13 +18,48 @@ use shoal_testkit::{GgmlType, TinyModelSpec};
 use tower::ServiceExt;
 
 pub fn tiny_model(dir: &std::path::Path) -> LoadedModel {
+    tiny_model_with_context(dir, TinyModelSpec::qwen2(11).context_length)
+}
+
+/// The tiny model, written with room for `context` tokens.
+pub fn tiny_model_with_context(dir: &std::path::Path, context: usize) -> LoadedModel {
     let path = dir.join("tiny.gguf");
-    TinyModelSpec::qwen2(11)
-        .build()
+    let mut spec = TinyModelSpec::qwen2(11);
+    spec.context_length = context;
+    spec.build()
         .unwrap()
         .write_gguf(&path, GgmlType::F32)
         .unwrap();
     LoadedModel::load(&ModelSource::Gguf(path)).unwrap()
+}
+
+/// Status, headers and body of one JSON request through the router, with an API key when
+/// given (a null body sends none).
+pub async fn send(
+    app: &axum::Router,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: &Value,
+) -> (StatusCode, axum::http::HeaderMap, String) {
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("content-type", "application/json");
+    if let Some(k) = key {
+        req = req.header("authorization", format!("Bearer {k}"));
+    }
+    let body = if body.is_null() {
+        Body::empty()
+    } else {
+        Body::from(body.to_string())
+    };
+    let resp = app.clone().oneshot(req.body(body).unwrap()).await.unwrap();
+    let (status, headers) = (resp.status(), resp.headers().clone());
+    let b = axum::body::to_bytes(resp.into_body(), 64 << 20)
+        .await
+        .unwrap();
+    (status, headers, String::from_utf8_lossy(&b).into_owned())
 }
 
 pub fn state_with(model: LoadedModel, id: &str, cfg: SchedulerConfig) -> Arc<AppState> {
