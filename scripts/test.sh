@@ -5,7 +5,7 @@
 # Rust toolchain, python3 with pip, a C++ compiler, and the package registries.
 #
 # Some stages need outside tools (python's gguf and numpy, iproute2, promtool, a headless
-# Chromium, cmake for the oracle, the arm64 cross tools); as root with apt-get they are installed. Where one is
+# Chromium, Mesa's software Vulkan driver, cmake for the oracle, the arm64 cross tools); as root with apt-get they are installed. Where one is
 # still missing, a local run prints a skip line and goes on, but CI (CI=true, which .ci/run
 # sets) fails, naming what is missing and how to install it; the tests that need those
 # tools fail under CI=true the same way.
@@ -66,6 +66,16 @@ if command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/nu
   export SHOAL_REQUIRE_BROWSER=${SHOAL_REQUIRE_BROWSER:-1}
 else
   missing "Chromium (the dashboard test)" "apt-get install chromium-headless-shell, as root"
+fi
+
+# Mesa's software Vulkan driver (lavapipe) runs the GPU backend's shaders on the CPU; with an
+# adapter (and always under CI) the GPU tests must run, not skip
+apt_install vulkaninfo mesa-vulkan-drivers libvulkan1 vulkan-tools
+if command -v vulkaninfo >/dev/null && vulkaninfo --summary 2>/dev/null | grep -q deviceName; then
+  export SHOAL_REQUIRE_GPU=${SHOAL_REQUIRE_GPU:-1}
+else
+  missing "a Vulkan driver (the GPU backend's tests)" \
+    "apt-get install mesa-vulkan-drivers libvulkan1 vulkan-tools, as root"
 fi
 
 echo "== llama.cpp oracle"

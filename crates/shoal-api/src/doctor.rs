@@ -133,6 +133,8 @@ pub struct Inputs {
     pub isa: (String, bool),
     /// `/sys/kernel/mm/transparent_hugepage/enabled`, when it exists.
     pub thp: Option<String>,
+    /// The GPU adapters wgpu finds here: `(gpu:N, name, API, software)`.
+    pub gpus: Vec<(usize, String, String, bool)>,
 }
 
 /// Seconds after start by which every live peer should have a measured link.
@@ -340,6 +342,30 @@ fn host_findings(i: &Inputs, out: &mut Vec<Finding>) {
     } else {
         Finding::ok("cpu", format!("the kernels use {isa}"))
     });
+    // gpus
+    out.push(if i.gpus.is_empty() {
+        Finding::ok(
+            "gpu",
+            "no GPU adapter (no Vulkan, Metal or DX12 driver answered): shares run on the CPU",
+        )
+    } else {
+        let list: Vec<String> = i
+            .gpus
+            .iter()
+            .map(|(n, name, api, software)| {
+                let kind = if *software {
+                    ", software: computes on the CPU"
+                } else {
+                    ""
+                };
+                format!("gpu:{n} {name} ({api}{kind})")
+            })
+            .collect();
+        Finding::ok(
+            "gpu",
+            format!("{}; --device gpu:N computes on one", list.join(", ")),
+        )
+    });
     // huge pages
     match &i.thp {
         Some(t) if t.contains("[never]") => out.push(Finding::warn(
@@ -385,10 +411,14 @@ async fn gather(state: &AppState) -> Inputs {
         thp: std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok(),
         ..Inputs::default()
     };
-    let isa = shoal_engine::kernels::Isa::detected();
+    i.gpus = shoal_engine::device::gpus()
+        .into_iter()
+        .map(|g| (g.index, g.name, g.api, g.software))
+        .collect();
+    let isa = shoal_engine::bench::Isa::detected();
     i.isa = (
         isa.name().to_string(),
-        isa == shoal_engine::kernels::Isa::Portable,
+        isa == shoal_engine::bench::Isa::Portable,
     );
     if let Some(node) = &state.cluster {
         i.in_cluster = true;
@@ -465,6 +495,7 @@ mod tests {
             available: Some(10 << 30),
             isa: ("avx2".into(), false),
             thp: Some("always [madvise] never".into()),
+            gpus: vec![(0, "llvmpipe".into(), "Vulkan".into(), true)],
         }
     }
 

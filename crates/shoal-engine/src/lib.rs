@@ -7,13 +7,14 @@
 //! quantization and talks to other ranks only through `shoal_comm::Communicator`.
 
 pub mod arch;
-pub mod backend;
+mod backend;
+pub use backend::cpu::bench;
 pub mod config;
 pub mod constrain;
+pub mod device;
 mod error;
-pub mod kernels;
 pub mod kv_cache;
-pub mod lookup;
+mod lookup;
 pub mod model;
 mod network;
 pub mod parallel;
@@ -27,6 +28,7 @@ pub mod transformer;
 pub mod weights;
 
 pub use config::{Arch, ModelConfig};
+pub use device::Device;
 pub use error::EngineError;
 pub use kv_cache::KvCache;
 pub use sampler::{Sampler, SamplerConfig};

@@ -220,7 +220,7 @@ impl Sampler {
             return greedy(logits);
         }
         self.weights.resize(logits.len(), 0.0);
-        let total = crate::kernels::softmax_weights(
+        let total = crate::backend::cpu::softmax_weights(
             logits,
             max,
             1.0 / self.cfg.temperature,

@@ -1708,7 +1708,7 @@ fn log_softmax_top(logits: &[f32], k: usize) -> (f32, Vec<(u32, f32)>) {
     let sum = WEIGHTS.with(|w| {
         let mut w = w.borrow_mut();
         w.resize(logits.len(), 0.0);
-        crate::kernels::softmax_weights(logits, max, 1.0, &mut w)
+        crate::backend::cpu::softmax_weights(logits, max, 1.0, &mut w)
     });
     let log_z = max + sum.ln();
     let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);

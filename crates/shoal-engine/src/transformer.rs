@@ -21,7 +21,7 @@ use crate::weights::WeightSource;
 use crate::EngineError;
 
 /// Index of the largest value (the first one on ties), for greedy decoding and tests.
-pub use crate::kernels::argmax;
+pub use crate::backend::cpu::argmax;
 
 /// What the engine asks of a network on some backend.
 trait Forward: Send + Sync {
@@ -45,6 +45,7 @@ trait Forward: Send + Sync {
         caches: &mut [&mut KvCache],
     ) -> Result<Vec<f32>, EngineError>;
     fn logits(&self, x: &[f32], counts: &[usize], last: usize) -> Result<Vec<f32>, EngineError>;
+    fn device_counters(&self) -> Option<crate::device::GpuCounters>;
 }
 
 impl<B: Backend> Forward for Network<B> {
@@ -94,6 +95,10 @@ impl<B: Backend> Forward for Network<B> {
     fn logits(&self, x: &[f32], counts: &[usize], last: usize) -> Result<Vec<f32>, EngineError> {
         Network::logits(self, x, counts, last)
     }
+
+    fn device_counters(&self) -> Option<crate::device::GpuCounters> {
+        self.backend_counters()
+    }
 }
 
 /// A loaded model (one rank's share of it).
@@ -113,7 +118,8 @@ impl std::fmt::Debug for Transformer {
 
 impl Transformer {
     /// Loads the whole model on one rank, or, when `comm` has several ranks, this rank's
-    /// tensor-parallel share of it (every rank one stage), on the CPU.
+    /// tensor-parallel share of it (every rank one stage), on this process's device
+    /// ([`crate::device::for_this_process`]: the CPU unless told otherwise).
     ///
     /// # Errors
     /// When a tensor is missing or misshapen, or the model cannot be cut that many ways.
@@ -135,8 +141,8 @@ impl Transformer {
         Self::load_shard(src, cfg, plan, comm)
     }
 
-    /// Loads what `plan` says this rank holds, on the CPU; `tp` is the communicator of the
-    /// ranks of its pipeline stage.
+    /// Loads what `plan` says this rank holds, on this process's device; `tp` is the
+    /// communicator of the ranks of its pipeline stage.
     ///
     /// # Errors
     /// When a tensor is missing or misshapen.
@@ -146,14 +152,61 @@ impl Transformer {
         plan: ShardPlan,
         tp: Arc<dyn Communicator>,
     ) -> Result<Self, EngineError> {
-        Self::load_on(Cpu, src, cfg, plan, tp)
+        Self::load_shard_on(crate::device::for_this_process(), src, cfg, plan, tp)
+    }
+
+    /// Loads what `plan` says this rank holds on `device`; `tp` is the communicator of the
+    /// ranks of its pipeline stage.
+    ///
+    /// # Errors
+    /// When a tensor is missing or misshapen, or the device cannot be opened or cannot run
+    /// the model (say why).
+    pub fn load_shard_on(
+        device: crate::Device,
+        src: &dyn WeightSource,
+        cfg: ModelConfig,
+        plan: ShardPlan,
+        tp: Arc<dyn Communicator>,
+    ) -> Result<Self, EngineError> {
+        match device.resolve() {
+            crate::device::Resolved::Cpu => Self::load_on(Cpu, src, cfg, plan, tp),
+            crate::device::Resolved::Gpu(n) => {
+                let gpu = crate::backend::gpu::Gpu::open(n)?;
+                tracing::info!("computing on GPU {n}: {}", gpu.describe());
+                Self::load_on(gpu, src, cfg, plan, tp)
+            }
+        }
+    }
+
+    /// Loads the whole model on one rank (or this rank's tensor-parallel share when `comm`
+    /// has several) on `device`.
+    ///
+    /// # Errors
+    /// As [`Transformer::load_shard_on`], or when the model cannot be cut that many ways.
+    pub fn load_on_device(
+        device: crate::Device,
+        src: &dyn WeightSource,
+        cfg: ModelConfig,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self, EngineError> {
+        let plan = if comm.world_size() == 1 {
+            ShardPlan::full(&cfg)
+        } else {
+            let layout = crate::shard::Layout {
+                tp: comm.world_size(),
+                pp: 1,
+            };
+            crate::shard::plan(&cfg, src, layout, None, crate::shard::ExpertSplit::Auto)?
+                .swap_remove(comm.rank())
+        };
+        Self::load_shard_on(device, src, cfg, plan, comm)
     }
 
     /// Loads what `plan` says this rank holds on backend `be`.
     ///
     /// # Errors
     /// When a tensor is missing or misshapen.
-    pub fn load_on<B: Backend>(
+    pub(crate) fn load_on<B: Backend>(
         be: B,
         src: &dyn WeightSource,
         cfg: ModelConfig,
@@ -163,6 +216,12 @@ impl Transformer {
         Ok(Transformer {
             net: Box::new(Network::load(be, src, cfg, plan, tp)?),
         })
+    }
+
+    /// What the device has done so far (queue submissions, dispatches, bytes read back),
+    /// where the model runs on a GPU; `None` on the CPU.
+    pub fn device_counters(&self) -> Option<crate::device::GpuCounters> {
+        self.net.device_counters()
     }
 
     /// The model's hyperparameters.

@@ -13,7 +13,6 @@ use candle_core::{Device, Tensor};
 use shoal_model::gguf::{GgmlType, GgufFile};
 
 use crate::arch::{ArchSpec, Role};
-use crate::kernels::{QuantMatrix, WeightType};
 use crate::{EngineError, ModelConfig};
 
 /// Which part of a tensor to load. Rows are the outer dimension of a `[out, in]` weight
@@ -113,77 +112,8 @@ pub trait WeightSource: Send + Sync {
     }
 }
 
-/// `q` (the 2-D tensor `name`) as a [`QuantMatrix`] for shoal's kernels, or `None` when its
-/// type has no kernel (those fall back to candle's).
-///
-/// # Errors
-/// When the tensor is not 2-D or its bytes do not match its shape.
-pub fn quant_matrix(name: &str, q: &QTensor) -> Result<Option<QuantMatrix>, EngineError> {
-    let dims = q.shape().dims().to_vec();
-    let [rows, cols] = dims[..] else {
-        return Err(EngineError::BadSlice {
-            tensor: name.into(),
-            problem: format!("a matrix from a {}-D tensor", dims.len()),
-        });
-    };
-    let Some(ty) = kernel_type(q.dtype()) else {
-        return Ok(None);
-    };
-    let data = q
-        .data()
-        .map_err(|e| EngineError::candle(format!("reading `{name}`"), e))?
-        .into_owned();
-    QuantMatrix::new(ty, rows, cols, data)
-        .map(Some)
-        .map_err(|e| EngineError::Load {
-            what: format!("`{name}`: {e}"),
-        })
-}
-
-/// `slice` of matrix `name` straight from the source's bytes into a [`QuantMatrix`] (one
-/// copy), when the source hands out bytes and the type has a kernel; `None` otherwise.
-///
-/// # Errors
-/// As [`WeightSource::load`], and when the bytes do not fit the shape.
-pub fn load_quant_matrix(
-    src: &dyn WeightSource,
-    name: &str,
-    slice: &Slice,
-) -> Result<Option<QuantMatrix>, EngineError> {
-    let Some((dtype, [rows, cols], bytes)) = src.load_bytes(name, slice)? else {
-        return Ok(None);
-    };
-    let Some(ty) = candle_dtype(dtype).and_then(kernel_type) else {
-        return Ok(None);
-    };
-    let m = QuantMatrix::from_bytes(ty, rows, cols, &bytes).map_err(|e| EngineError::Load {
-        what: format!("`{name}`: {e}"),
-    })?;
-    drop(bytes);
-    src.release(name);
-    Ok(Some(m))
-}
-
-/// The kernel type of a candle storage type, where shoal has a kernel for it.
-fn kernel_type(t: GgmlDType) -> Option<WeightType> {
-    Some(match t {
-        GgmlDType::F32 => WeightType::F32,
-        GgmlDType::F16 => WeightType::F16,
-        GgmlDType::Q4_0 => WeightType::Q4_0,
-        GgmlDType::Q4_1 => WeightType::Q4_1,
-        GgmlDType::Q5_0 => WeightType::Q5_0,
-        GgmlDType::Q5_1 => WeightType::Q5_1,
-        GgmlDType::Q8_0 => WeightType::Q8_0,
-        GgmlDType::Q2K => WeightType::Q2K,
-        GgmlDType::Q3K => WeightType::Q3K,
-        GgmlDType::Q4K => WeightType::Q4K,
-        GgmlDType::Q5K => WeightType::Q5K,
-        GgmlDType::Q6K => WeightType::Q6K,
-        _ => return None,
-    })
-}
-
-fn candle_dtype(t: GgmlType) -> Option<GgmlDType> {
+/// The candle storage type of a file's tensor type, where candle has one.
+pub(crate) fn candle_dtype(t: GgmlType) -> Option<GgmlDType> {
     Some(match t {
         GgmlType::F32 => GgmlDType::F32,
         GgmlType::F16 => GgmlDType::F16,

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use clap::Args;
 use serde::Serialize;
-use shoal_engine::kernels::WeightBuffer;
+use shoal_engine::bench::ReadProbe;
 use shoal_engine::transformer::argmax;
 
 use crate::ComputeArgs;
@@ -151,9 +151,27 @@ struct Report {
     /// Fraction of CPU time the hypervisor took for other guests while decoding (Linux's
     /// `/proc/stat`; absent elsewhere).
     host_steal: Option<f64>,
-    /// Where a decoded token's time goes (with `--profile`).
+    /// Where a decoded token's time goes (with `--profile`, on the CPU).
     #[serde(skip_serializing_if = "Option::is_none")]
     decode_profile: Option<Vec<OpTime>>,
+    /// The backend the model ran on (`cpu`, `gpu`).
+    backend: &'static str,
+    /// The shape of a decoded token's work on a GPU (with `--profile`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    device_step: Option<DeviceStep>,
+}
+
+/// What one decoded token asks of a GPU, averaged over the timed decode steps.
+#[derive(Debug, Serialize)]
+struct DeviceStep {
+    /// Queue submissions per token (each is a wait for the device).
+    submissions_per_token: f64,
+    /// Compute dispatches per token.
+    dispatches_per_token: f64,
+    /// Dispatches per layer per token.
+    dispatches_per_layer: f64,
+    /// Bytes read back to the host per token.
+    read_back_bytes_per_token: f64,
 }
 
 /// One line of the decode profile.
@@ -206,16 +224,8 @@ pub fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-/// Read bandwidth in GB/s: `threads` threads stream disjoint parts of a buffer much larger
-/// than the caches the way the weight kernels do (32-byte loads), best of several passes
-/// with the hardware prefetchers alone and with each pair of software prefetch distances
-/// (into L1, into L2) the kernels use on some CPU (`kernels::Prefetch::KNOWN`) or were told
-/// to use, so the ceiling is never what one way of reading alone happened to reach (which
-/// way reads fastest differs between CPUs).
-///
-/// The buffer is a [`WeightBuffer`], on the transparent huge pages the weights live on:
-/// the ceiling is what reading that memory gives (4 KiB pages read less, and set against
-/// that, decode would look closer to the ceiling than it is).
+/// Read bandwidth in GB/s with `threads` threads over a buffer much larger than the caches,
+/// read the way the weight kernels read (see [`ReadProbe::best_of`]).
 pub fn measure_read_bandwidth(threads: usize) -> f64 {
     measure_read_bandwidth_with(threads, PROBE_BYTES, PROBE_PASSES)
 }
@@ -228,55 +238,6 @@ const PROBE_PASSES: usize = 7;
 /// [`measure_read_bandwidth`] over `bytes` bytes, best of `passes`.
 pub fn measure_read_bandwidth_with(threads: usize, bytes: usize, passes: usize) -> f64 {
     ReadProbe::new(bytes).best_of(threads, passes)
-}
-
-/// The buffer [`measure_read_bandwidth`] streams, kept to probe again without filling (and
-/// faulting in) a new one.
-pub struct ReadProbe {
-    buf: WeightBuffer,
-}
-
-impl ReadProbe {
-    /// A probe over `bytes` bytes.
-    pub fn new(bytes: usize) -> Self {
-        let mut buf = WeightBuffer::zeroed(bytes);
-        for (i, b) in buf.iter_mut().enumerate() {
-            *b = (i * 31 % 251) as u8;
-        }
-        ReadProbe { buf }
-    }
-
-    /// Read bandwidth in GB/s with `threads` threads, best of `passes` passes at each way
-    /// of reading (see [`measure_read_bandwidth`]).
-    pub fn best_of(&self, threads: usize, passes: usize) -> f64 {
-        let chunk = self.buf.len().div_ceil(threads.max(1)).max(1);
-        let mut best = 0.0f64;
-        use shoal_engine::kernels::Prefetch;
-        let mut ways = vec![(0, 0)];
-        for p in Prefetch::KNOWN.into_iter().chain([Prefetch::current()]) {
-            ways.extend([(p.block, p.l2), (p.k, p.l2)]);
-        }
-        ways.sort_unstable();
-        ways.dedup();
-        for pass in 0..ways.len() * passes {
-            let (ahead, l2) = ways[pass % ways.len()];
-            let t0 = Instant::now();
-            let total = std::thread::scope(|s| {
-                let handles: Vec<_> = self
-                    .buf
-                    .chunks(chunk)
-                    .map(|c| s.spawn(move || shoal_engine::kernels::stream_checksum(c, ahead, l2)))
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or(0))
-                    .fold(0u64, |a, b| a ^ b)
-            });
-            std::hint::black_box(total);
-            best = best.max(self.buf.len() as f64 / t0.elapsed().as_secs_f64() / 1e9);
-        }
-        best
-    }
 }
 
 /// Seconds `decode` takes on a compute-pool thread, where the server's scheduler runs its
@@ -375,6 +336,8 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
     let mut bws = Vec::new();
     let (mut stolen, mut ticks) = (Some(0u64), 0u64);
     let mut decode_end = None;
+    // device counters over the single-sequence decode steps
+    let (mut counted, mut counted_tokens) = (shoal_engine::device::GpuCounters::default(), 0usize);
     shoal_engine::profile::reset();
     for rep in 0..args.reps {
         if args.n_prompt > 0 {
@@ -413,6 +376,7 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
             fill(&mut cache)?;
             let mut tok = prompt_tokens(1 + rep, vocab)[rep];
             shoal_engine::profile::enable(args.profile);
+            let before = t.device_counters();
             let secs = timed_on_pool(|| {
                 for _ in 0..args.n_gen {
                     let logits = t.forward_last(&[tok], &mut cache)?;
@@ -421,6 +385,12 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
                 Ok(())
             })?;
             shoal_engine::profile::enable(false);
+            if let (Some(b), Some(a)) = (before, t.device_counters()) {
+                counted.submissions += a.submissions - b.submissions;
+                counted.dispatches += a.dispatches - b.dispatches;
+                counted.read_back += a.read_back - b.read_back;
+                counted_tokens += args.n_gen;
+            }
             decode_secs += secs;
             tg.push(args.n_gen as f64 / secs);
             decode_end = Some(cache.len());
@@ -440,7 +410,19 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         bws.push(probe.best_of(threads, PROBE_PASSES));
     }
     let bw = Spread::of(&bws).map_or(0.0, |s| s.median);
-    let profile = args.profile.then(|| {
+    let on_gpu = t.backend() == "gpu";
+    let device_step = (args.profile && on_gpu && counted_tokens > 0).then(|| {
+        let n = counted_tokens as f64;
+        DeviceStep {
+            submissions_per_token: counted.submissions as f64 / n,
+            dispatches_per_token: counted.dispatches as f64 / n,
+            dispatches_per_layer: counted.dispatches as f64 / n / t.config().n_layer.max(1) as f64,
+            read_back_bytes_per_token: counted.read_back as f64 / n,
+        }
+    });
+    // the per-op times are where the host spends a step: on a GPU that is recording
+    // commands, not computing, so they are left out there
+    let profile = (args.profile && !on_gpu).then(|| {
         let tokens = (args.n_gen * args.reps).max(1) as f64;
         let mut ops: Vec<OpTime> = shoal_engine::profile::snapshot()
             .into_iter()
@@ -498,14 +480,16 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         decode_fraction_of_ceiling: Spread::of(&fractions),
         host_steal,
         decode_profile: profile,
+        backend: t.backend(),
+        device_step,
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
         return Ok(());
     }
     println!(
-        "model {}  threads {}  repetitions {}",
-        report.model, threads, args.reps
+        "model {}  backend {}  threads {}  repetitions {}",
+        report.model, report.backend, threads, args.reps
     );
     // llama-bench's names: "pp128", "tg64", and "pp128 @ d2048" after a fill
     let at = if args.depth > 0 {
@@ -560,6 +544,16 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
                 }
             );
         }
+    }
+    if let Some(d) = &report.device_step {
+        println!(
+            "GPU decode step (per token): {:.1} queue submissions, {:.0} dispatches ({:.1} per \
+             layer), {:.0} bytes read back",
+            d.submissions_per_token,
+            d.dispatches_per_token,
+            d.dispatches_per_layer,
+            d.read_back_bytes_per_token
+        );
     }
     if let Some(ops) = &report.decode_profile {
         println!("decode profile (per token):");

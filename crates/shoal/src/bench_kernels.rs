@@ -8,8 +8,7 @@ use std::time::Instant;
 
 use clap::Args;
 use serde::Serialize;
-use shoal_engine::kernels::reference::synthetic_matrix;
-use shoal_engine::kernels::{Isa, Prefetch, QuantMatrix, WeightType};
+use shoal_engine::bench::{Isa, KernelMatrix, Prefetch, WeightType};
 
 use crate::bench::{measure_read_bandwidth, Spread};
 use crate::ComputeArgs;
@@ -44,7 +43,7 @@ pub struct KernelBenchArgs {
     /// Software prefetch distances of the x86 decode kernels in bytes, `BLOCK,K[,L2]`: into
     /// L1 for the 32-value types and for the K-quants, and a second request into L2 for
     /// both (0: none; left out: this CPU's). Default: chosen for this CPU's maker; see
-    /// `kernels::Prefetch`. To find the best for a new machine.
+    /// `shoal_engine::bench::Prefetch`. To find the best for a new machine.
     #[arg(long, value_parser = parse_prefetch)]
     pub prefetch: Option<Prefetch>,
     /// One JSON object per line on stdout.
@@ -131,12 +130,8 @@ pub(crate) fn matrix(
     ty: WeightType,
     mb: usize,
     cols: usize,
-) -> anyhow::Result<QuantMatrix> {
-    let blocks = cols / ty.block_elems();
-    let row_bytes = blocks * ty.block_bytes();
-    let rows = (mb << 20).div_ceil(row_bytes).max(8);
-    let data = synthetic_matrix(ty, rows, blocks, 1);
-    Ok(QuantMatrix::with_isa(isa, ty, rows, cols, data)?)
+) -> anyhow::Result<KernelMatrix> {
+    Ok(KernelMatrix::synthetic(isa, ty, mb, cols)?)
 }
 
 pub(crate) fn time_runs(

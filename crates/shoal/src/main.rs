@@ -113,6 +113,11 @@ pub struct ComputeArgs {
     /// Compute threads (default: one per core).
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
+    /// Where shares are computed: cpu; gpu (the first GPU adapter, a software one such as
+    /// Mesa's lavapipe included) or gpu:N (`shoal doctor` lists them); auto (the first
+    /// real GPU, else the CPU).
+    #[arg(long, env = "SHOAL_DEVICE", default_value = "cpu")]
+    pub device: shoal_engine::Device,
 }
 
 impl ComputeArgs {
@@ -132,6 +137,9 @@ impl ComputeArgs {
             .num_threads(n)
             .build_global()
             .ok();
+        shoal_engine::device::use_for_this_process(self.device);
+        // the ranks this process starts compute on the same kind of device
+        std::env::set_var("SHOAL_DEVICE", self.device.to_string());
         Ok(n)
     }
 }

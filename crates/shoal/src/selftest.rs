@@ -2,7 +2,7 @@
 //! bandwidth (what decode speed follows) and the batched kernels' throughput (what prefill
 //! speed follows), with the node's own thread count. About a second.
 
-use shoal_engine::kernels::{Isa, WeightType};
+use shoal_engine::bench::{Isa, WeightType};
 
 use crate::bench::measure_read_bandwidth_with;
 use crate::bench_kernels::{matrix, time_runs};

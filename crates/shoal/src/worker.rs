@@ -29,6 +29,10 @@ pub struct WorkerArgs {
     /// Compute threads (default: what rank 0 asks for).
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
+    /// Where this rank computes (see `shoal run --help`; default: what the process that
+    /// started it uses).
+    #[arg(long, env = "SHOAL_DEVICE", default_value = "cpu")]
+    pub device: shoal_engine::Device,
     /// How long to wait for rank 0 and the other ranks to appear, in seconds.
     #[arg(long, default_value_t = 600)]
     pub join_timeout_s: u64,
@@ -43,6 +47,7 @@ pub fn main(args: WorkerArgs) -> anyhow::Result<()> {
         .with_context(|| format!("rank {rank}: joining the mesh"))?;
     ComputeArgs {
         threads: Some(args.threads.unwrap_or(job.threads)),
+        device: args.device,
     }
     .apply()?;
     let layout = Layout {

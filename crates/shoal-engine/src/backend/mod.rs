@@ -3,8 +3,8 @@
 //! computed: quantized matrix products over a batch of rows, RMSNorm, RoPE, attention over
 //! its own KV cache layout, the gated activation, residual adds, embedding lookups, and the
 //! host buffers collectives read and write. The blocks (`crate::network`) are written once
-//! over this trait; [`cpu::Cpu`] implements it with shoal's kernels and thread team, and a
-//! GPU backend is a second implementation of the same trait.
+//! over this trait; [`cpu::Cpu`] implements it with shoal's kernels and thread team, and
+//! [`gpu::Gpu`] with WGSL kernels through wgpu.
 //!
 //! Activations are rows of `f32` values ([`Backend::Act`]); an operation's widths come from
 //! its weights (a matrix's columns and rows, a norm's length), and the number of rows from
@@ -13,6 +13,7 @@
 //! sequences, and any mix of the two is one step.
 
 pub mod cpu;
+pub mod gpu;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -55,20 +56,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
         slice: &Slice,
     ) -> Result<Self::Matrix, EngineError>;
 
-    /// `[rows, cols]` of a matrix.
-    fn dims(m: &Self::Matrix) -> [usize; 2];
-
     /// Gate and up projections (the same shape) held for [`Backend::gated`].
     fn gate_up(&self, gate: Self::Matrix, up: Self::Matrix) -> Self::GateUp;
 
-    /// Features (rows of gate and of up) and columns of a gate/up pair.
-    fn gate_up_dims(g: &Self::GateUp) -> [usize; 2];
-
     /// A weight vector holding `values`.
     fn vector(&self, values: Vec<f32>) -> Self::Vector;
-
-    /// Elements of a weight vector.
-    fn vector_len(v: &Self::Vector) -> usize;
 
     /// Empty KV storage for one sequence: `layers` layers laid out as `layout` says, room
     /// for `capacity` positions.
@@ -82,9 +74,25 @@ pub trait Backend: Send + Sync + Sized + 'static {
         n_expert: usize,
     ) -> Self::Experts;
 
+    /// Whether this backend can run a model of `cfg` (every architecture on the CPU).
+    ///
+    /// # Errors
+    /// Says what the backend lacks for it.
+    fn supports(&self, _cfg: &crate::ModelConfig) -> Result<(), EngineError> {
+        Ok(())
+    }
+
+    /// What the device has done so far, where the backend runs on one.
+    fn counters(&self) -> Option<crate::device::GpuCounters> {
+        None
+    }
+
     /// Values of `x` on the host (small activations the network decides on, such as a
     /// router's logits).
-    fn host<'a>(&self, x: &'a Self::Act) -> std::borrow::Cow<'a, [f32]>;
+    ///
+    /// # Errors
+    /// When the device that holds them failed.
+    fn host<'a>(&self, x: &'a Self::Act) -> Result<std::borrow::Cow<'a, [f32]>, EngineError>;
 
     /// Copies the first `positions` positions of every layer of `from` into `to` (whose
     /// capacity is at least as large).
@@ -102,7 +110,10 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn upload(&self, host: Vec<f32>) -> Self::Act;
 
     /// Activations as host values.
-    fn download(&self, act: Self::Act) -> Vec<f32>;
+    ///
+    /// # Errors
+    /// When the device that holds them failed.
+    fn download(&self, act: Self::Act) -> Result<Vec<f32>, EngineError>;
 
     /// Sums `x` over the ranks of `comm` (every rank gets the same values).
     ///
@@ -263,16 +274,6 @@ pub enum KvLayout {
     },
 }
 
-impl KvLayout {
-    /// Values one position takes in one layer.
-    pub fn values_per_position(&self) -> usize {
-        match *self {
-            KvLayout::Heads { kv_heads, head_dim } => 2 * kv_heads * head_dim,
-            KvLayout::Latent { dims } => dims,
-        }
-    }
-}
-
 /// Where each row of a step goes in a mixture of experts: `k` routes per row, each an
 /// expert and its weight.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -340,6 +341,7 @@ pub struct SeqRows {
 
 impl StepRows {
     /// Rows for sequences that add `counts[i]` rows after `starts[i]` cached positions.
+    #[cfg(test)]
     pub fn new(counts: &[usize], starts: &[usize]) -> Self {
         let mut s = StepRows::default();
         s.reset(counts, starts);
@@ -364,11 +366,6 @@ impl StepRows {
     /// Rows in the step.
     pub fn len(&self) -> usize {
         self.positions.len()
-    }
-
-    /// Whether the step has no rows.
-    pub fn is_empty(&self) -> bool {
-        self.positions.is_empty()
     }
 
     /// Whether every sequence adds one row (a decode step).

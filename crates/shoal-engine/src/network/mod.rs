@@ -111,6 +111,7 @@ impl<B: Backend> Network<B> {
         plan: ShardPlan,
         tp: Arc<dyn Communicator>,
     ) -> Result<Self, EngineError> {
+        be.supports(&cfg)?;
         let spec = arch::spec(cfg.arch);
         let t = Tensors { be: &be, src, spec };
         let embed_name = t
@@ -201,6 +202,11 @@ impl<B: Backend> Network<B> {
     /// The backend's name.
     pub fn backend_name(&self) -> &'static str {
         self.be.name()
+    }
+
+    /// The backend's device counters, where it runs on a device.
+    pub fn backend_counters(&self) -> Option<crate::device::GpuCounters> {
+        self.be.counters()
     }
 
     /// An empty cache for one sequence of up to `capacity` positions of this rank's layers.
@@ -363,7 +369,7 @@ impl<B: Backend> Network<B> {
             .select_rows(&ws.x, self.cfg.hidden, &which, &mut ws.out);
         self.be.rms_norm(&ws.out, &norm.w, norm.eps, &mut ws.xn);
         self.be.matmul(&[&*head.w], &ws.xn, &mut [&mut ws.logits])?;
-        Ok(self.be.download(std::mem::take(&mut ws.logits)))
+        self.be.download(std::mem::take(&mut ws.logits))
     }
 
     /// A whole step on a rank that holds the whole model: `tokens` (each sequence's
@@ -407,7 +413,7 @@ impl<B: Backend> Network<B> {
     pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
         let mut ws = Workspace::<B>::default();
         self.embed_into(tokens, &mut ws)?;
-        Ok(self.be.download(ws.x))
+        self.be.download(ws.x)
     }
 
     /// Runs this rank's layers over hidden states `x` (a row per token, each sequence's
@@ -436,7 +442,7 @@ impl<B: Backend> Network<B> {
             self.with_step(counts, caches, |ws, kv| {
                 ws.x = self.be.upload(x);
                 self.layers(ws, kv)?;
-                Ok(self.be.download(std::mem::take(&mut ws.x)))
+                self.be.download(std::mem::take(&mut ws.x))
             })
         };
         if self.plan.is_full(&self.cfg) {

@@ -136,7 +136,7 @@ impl<B: Backend> MoeFeedForward<B> {
         {
             let _p = profile::scope(Op::Router);
             be.matmul(&[&*self.router.w], &ws.xn, &mut [&mut ws.aux])?;
-            let logits = be.host(&ws.aux);
+            let logits = be.host(&ws.aux)?;
             self.routing.route(&logits, self.n_expert, &mut ws.routes);
         }
         be.moe(

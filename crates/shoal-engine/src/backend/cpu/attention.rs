@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use half::f16;
 use rayon::prelude::*;
 
-use crate::kernels::{prefetch_l2, scores, softmax, team, weighted_sum};
+use crate::backend::cpu::kernels::{prefetch_l2, scores, softmax, team, weighted_sum};
 
 /// Shapes and options of attention over one rank's heads.
 #[derive(Debug, Clone, Copy)]

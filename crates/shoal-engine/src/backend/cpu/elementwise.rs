@@ -5,8 +5,8 @@
 
 use rayon::prelude::*;
 
+use crate::backend::cpu::kernels;
 use crate::config::Activation;
-use crate::kernels;
 
 /// Values per parallel chunk of the gated step (below this it runs on the calling thread).
 const CHUNK: usize = 4 * 1024;

@@ -44,19 +44,6 @@ impl CpuExperts {
         CpuExperts { held: slots }
     }
 
-    /// Experts in all (held or not).
-    pub fn n_expert(&self) -> usize {
-        self.held.len()
-    }
-
-    /// The ids this rank holds.
-    pub fn held(&self) -> impl Iterator<Item = usize> + '_ {
-        self.held
-            .iter()
-            .enumerate()
-            .filter_map(|(e, s)| s.as_ref().map(|_| e))
-    }
-
     /// The held experts' groups of a step's routes, in expert order.
     fn groups(&self, routes: &Routes) -> Result<Vec<Group>, EngineError> {
         let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.held.len()];

@@ -8,8 +8,8 @@
 
 use half::f16;
 
+use crate::backend::cpu::kernels::to_f16;
 use crate::backend::KvLayout;
-use crate::kernels::to_f16;
 use crate::EngineError;
 
 /// One sequence's keys and values for the layers a rank holds.
@@ -39,11 +39,6 @@ impl CpuKv {
             head_dim,
             capacity,
         }
-    }
-
-    /// How a layer is laid out.
-    pub fn layout(&self) -> KvLayout {
-        self.layout
     }
 
     /// Whether the cache holds values beside its keys (not latents).

@@ -12,8 +12,8 @@ use super::kv::CpuKv;
 use super::matrix::CpuMatrix;
 use super::rope::{self, RopeTables};
 use super::{elementwise, sized, Cpu};
+use crate::backend::cpu::kernels::{scores, softmax, team, weighted_sum};
 use crate::backend::{LatentLayer, Rope, StepRows};
-use crate::kernels::{scores, softmax, team, weighted_sum};
 use crate::EngineError;
 
 thread_local! {

@@ -10,17 +10,18 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
 use super::elementwise;
+use crate::backend::cpu::kernels::{GatePair, Isa, QuantMatrix, WeightType};
 use crate::config::Activation;
 use crate::error::CandleContext;
-use crate::kernels::{GatePair, Isa, QuantMatrix};
 use crate::profile::{self, Op};
-use crate::weights::{load_quant_matrix, quant_matrix, Slice, WeightSource};
+use crate::weights::{candle_dtype, Slice, WeightSource};
 use crate::EngineError;
+use candle_core::quantized::GgmlDType;
 
 /// A weight matrix and what multiplies by it.
 #[derive(Debug, Clone)]
 pub enum CpuMatrix {
-    /// Multiplied by [`crate::kernels`].
+    /// Multiplied by [`crate::backend::cpu::kernels`].
     Kernel(Arc<QuantMatrix>),
     /// Multiplied by candle; the stored tensor is kept for row lookups (an embedding).
     Candle {
@@ -34,7 +35,7 @@ pub enum CpuMatrix {
 /// Whether every matrix goes to candle: on arm64 when shoal's NEON kernels are switched
 /// off.
 pub(crate) fn candle_only() -> bool {
-    cfg!(target_arch = "aarch64") && crate::kernels::active_isa() == Isa::Portable
+    cfg!(target_arch = "aarch64") && crate::backend::cpu::kernels::active_isa() == Isa::Portable
 }
 
 impl CpuMatrix {
@@ -208,14 +209,6 @@ impl CpuGateUp {
         }
     }
 
-    /// `[features, cols]`.
-    pub fn dims(&self) -> [usize; 2] {
-        match self {
-            CpuGateUp::Paired(p) => [p.features(), p.cols()],
-            CpuGateUp::Apart { gate, .. } => gate.dims(),
-        }
-    }
-
     /// `act(x G^T) * (x U^T)` into `out` (rows of `x` of the pair's columns).
     ///
     /// # Errors
@@ -252,4 +245,74 @@ impl CpuGateUp {
 thread_local! {
     /// The gate and up products of a feed-forward whose projections are not paired.
     static GATE_UP: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// `q` (the 2-D tensor `name`) as a [`QuantMatrix`] for shoal's kernels, or `None` when its
+/// type has no kernel (those fall back to candle's).
+///
+/// # Errors
+/// When the tensor is not 2-D or its bytes do not match its shape.
+fn quant_matrix(name: &str, q: &QTensor) -> Result<Option<QuantMatrix>, EngineError> {
+    let dims = q.shape().dims().to_vec();
+    let [rows, cols] = dims[..] else {
+        return Err(EngineError::BadSlice {
+            tensor: name.into(),
+            problem: format!("a matrix from a {}-D tensor", dims.len()),
+        });
+    };
+    let Some(ty) = kernel_type(q.dtype()) else {
+        return Ok(None);
+    };
+    let data = q
+        .data()
+        .map_err(|e| EngineError::candle(format!("reading `{name}`"), e))?
+        .into_owned();
+    QuantMatrix::new(ty, rows, cols, data)
+        .map(Some)
+        .map_err(|e| EngineError::Load {
+            what: format!("`{name}`: {e}"),
+        })
+}
+
+/// `slice` of matrix `name` straight from the source's bytes into a [`QuantMatrix`] (one
+/// copy), when the source hands out bytes and the type has a kernel; `None` otherwise.
+///
+/// # Errors
+/// As [`WeightSource::load`], and when the bytes do not fit the shape.
+fn load_quant_matrix(
+    src: &dyn WeightSource,
+    name: &str,
+    slice: &Slice,
+) -> Result<Option<QuantMatrix>, EngineError> {
+    let Some((dtype, [rows, cols], bytes)) = src.load_bytes(name, slice)? else {
+        return Ok(None);
+    };
+    let Some(ty) = candle_dtype(dtype).and_then(kernel_type) else {
+        return Ok(None);
+    };
+    let m = QuantMatrix::from_bytes(ty, rows, cols, &bytes).map_err(|e| EngineError::Load {
+        what: format!("`{name}`: {e}"),
+    })?;
+    drop(bytes);
+    src.release(name);
+    Ok(Some(m))
+}
+
+/// The kernel type of a candle storage type, where shoal has a kernel for it.
+fn kernel_type(t: GgmlDType) -> Option<WeightType> {
+    Some(match t {
+        GgmlDType::F32 => WeightType::F32,
+        GgmlDType::F16 => WeightType::F16,
+        GgmlDType::Q4_0 => WeightType::Q4_0,
+        GgmlDType::Q4_1 => WeightType::Q4_1,
+        GgmlDType::Q5_0 => WeightType::Q5_0,
+        GgmlDType::Q5_1 => WeightType::Q5_1,
+        GgmlDType::Q8_0 => WeightType::Q8_0,
+        GgmlDType::Q2K => WeightType::Q2K,
+        GgmlDType::Q3K => WeightType::Q3K,
+        GgmlDType::Q4K => WeightType::Q4K,
+        GgmlDType::Q5K => WeightType::Q5K,
+        GgmlDType::Q6K => WeightType::Q6K,
+        _ => return None,
+    })
 }

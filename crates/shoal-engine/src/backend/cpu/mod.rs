@@ -6,8 +6,10 @@
 //! its products instead of falling asleep and being woken for each.
 
 pub mod attention;
+pub mod bench;
 pub mod elementwise;
 pub mod experts;
+mod kernels;
 pub mod kv;
 pub mod latent;
 pub mod matrix;
@@ -20,12 +22,14 @@ use shoal_comm::Communicator;
 
 use self::attention::AttentionShape;
 use self::experts::CpuExperts;
+pub use self::kernels::argmax;
+pub(crate) use self::kernels::softmax_weights;
+use self::kernels::team;
 use self::kv::CpuKv;
 use self::matrix::{CpuGateUp, CpuMatrix};
 use self::rope::RopeTables;
 use super::{Backend, Heads, KvLayout, LatentLayer, Rope, Routes, StepRows};
 use crate::config::Activation;
-use crate::kernels::team;
 use crate::weights::{Slice, WeightSource};
 use crate::EngineError;
 
@@ -70,24 +74,12 @@ impl Backend for Cpu {
         CpuMatrix::load(src, name, slice)
     }
 
-    fn dims(m: &CpuMatrix) -> [usize; 2] {
-        m.dims()
-    }
-
     fn gate_up(&self, gate: CpuMatrix, up: CpuMatrix) -> CpuGateUp {
         CpuGateUp::new(gate, up)
     }
 
-    fn gate_up_dims(g: &CpuGateUp) -> [usize; 2] {
-        g.dims()
-    }
-
     fn vector(&self, values: Vec<f32>) -> Vec<f32> {
         values
-    }
-
-    fn vector_len(v: &Vec<f32>) -> usize {
-        v.len()
     }
 
     fn kv(&self, layers: usize, layout: KvLayout, capacity: usize) -> CpuKv {
@@ -98,8 +90,8 @@ impl Backend for Cpu {
         CpuExperts::new(held, n_expert)
     }
 
-    fn host<'a>(&self, x: &'a Vec<f32>) -> std::borrow::Cow<'a, [f32]> {
-        std::borrow::Cow::Borrowed(x)
+    fn host<'a>(&self, x: &'a Vec<f32>) -> Result<std::borrow::Cow<'a, [f32]>, EngineError> {
+        Ok(std::borrow::Cow::Borrowed(x))
     }
 
     fn copy_kv(&self, from: &CpuKv, to: &mut CpuKv, positions: usize) -> Result<(), EngineError> {
@@ -110,8 +102,8 @@ impl Backend for Cpu {
         host
     }
 
-    fn download(&self, act: Vec<f32>) -> Vec<f32> {
-        act
+    fn download(&self, act: Vec<f32>) -> Result<Vec<f32>, EngineError> {
+        Ok(act)
     }
 
     fn all_reduce(&self, comm: &dyn Communicator, x: &mut Vec<f32>) -> Result<(), EngineError> {

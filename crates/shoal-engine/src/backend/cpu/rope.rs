@@ -10,7 +10,21 @@ use crate::config::RopeStyle;
 
 /// What makes two layers' tables the same: base, scale, head size, frequency factors (by
 /// address) and YaRN's settings (by bits).
-type Key = (u64, u64, usize, usize, Option<[u32; 4]>);
+pub(crate) type Key = (u64, u64, usize, usize, Option<[u32; 4]>);
+
+/// The key of `rope`'s tables.
+pub(crate) fn key(rope: &Rope) -> Key {
+    (
+        rope.base.to_bits(),
+        rope.scale.to_bits(),
+        rope.head_dim,
+        rope.freq_factors
+            .as_ref()
+            .map_or(0, |f| f.as_ptr() as usize),
+        rope.yarn
+            .map(|y| [y.ext_factor, y.corr_low, y.corr_high, y.mscale].map(f32::to_bits)),
+    )
+}
 
 /// One kind of layer's table for a step: `(rows, head_dim / 2)` cosines and sines.
 #[derive(Debug, Default)]
@@ -37,16 +51,7 @@ impl RopeTables {
 
     /// The table of `rope` for `positions`.
     fn get(&mut self, rope: &Rope, positions: &[usize]) -> &Table {
-        let key = (
-            rope.base.to_bits(),
-            rope.scale.to_bits(),
-            rope.head_dim,
-            rope.freq_factors
-                .as_ref()
-                .map_or(0, |f| f.as_ptr() as usize),
-            rope.yarn
-                .map(|y| [y.ext_factor, y.corr_low, y.corr_high, y.mscale].map(f32::to_bits)),
-        );
+        let key = key(rope);
         if let Some(i) = self.tables[..self.used].iter().position(|t| t.key == key) {
             return &self.tables[i];
         }
@@ -64,7 +69,7 @@ impl RopeTables {
 /// Cosines and sines of `rope` at `positions`, `(positions, head_dim / 2)`: pair `i`'s
 /// angle interpolated by the scale, or with YaRN mixed with the extrapolated angle by a
 /// ramp over the pairs, and both scaled by YaRN's magnitude.
-fn fill(rope: &Rope, positions: &[usize], cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
+pub(crate) fn fill(rope: &Rope, positions: &[usize], cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
     let half = rope.head_dim / 2;
     let theta_scale = (rope.base as f32).powf(-2.0 / rope.head_dim as f32);
     let freq_scale = (1.0 / rope.scale) as f32;

@@ -920,16 +920,6 @@ impl QuantMatrix {
         })
     }
 
-    /// The instruction-set level the matrix is laid out for.
-    pub fn isa(&self) -> Isa {
-        self.isa
-    }
-
-    /// Element type.
-    pub fn ty(&self) -> WeightType {
-        self.ty
-    }
-
     /// Rows (output features).
     pub fn rows(&self) -> usize {
         self.rows
@@ -1108,6 +1098,7 @@ impl QuantMatrix {
         Ok(())
     }
 
+    #[cfg(test)]
     /// [`QuantMatrix::matmul_many`] into new vectors, one per matrix (`t` rows of its row
     /// count each). Where the shared tiled path runs, the vectors are not zeroed first: the
     /// kernels write every value (zeroing an output head's logits would be a pass over

@@ -51,20 +51,18 @@ impl GatePair {
     }
 
     /// Features (rows of gate, and of up).
+    #[cfg(test)]
     pub fn features(&self) -> usize {
         self.m.rows / 2
     }
 
     /// Columns (input features).
+    #[cfg(test)]
     pub fn cols(&self) -> usize {
         self.m.cols
     }
 
-    /// Bytes of weight data, both projections.
-    pub fn bytes(&self) -> usize {
-        self.m.bytes()
-    }
-
+    #[cfg(test)]
     /// [`GatePair::gated_products_into`] into a new vector.
     ///
     /// # Errors

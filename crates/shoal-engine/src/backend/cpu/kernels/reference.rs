@@ -2,9 +2,9 @@
 //! any weight type to f32 (also how the embedding table is read), and a dot product in f64 of
 //! dequantized weights with dequantized activations.
 
-use super::formats::{
-    f16_at, k2_code, k3_high, k3_scales, k4_scale_min, BlockQ8, BlockQ8K, WeightType, QK,
-};
+use super::formats::{f16_at, k2_code, k3_high, k3_scales, k4_scale_min, WeightType, QK};
+#[cfg(test)]
+use super::formats::{BlockQ8, BlockQ8K};
 
 /// Dequantizes one row (`bytes` holds whole blocks) into `out` (one value per element).
 ///
@@ -136,6 +136,7 @@ fn dequantize_block(ty: WeightType, b: &[u8], o: &mut [f32]) {
     }
 }
 
+#[cfg(test)]
 /// The values a [`BlockQ8`] row stands for.
 pub fn dequantize_q8(blocks: &[BlockQ8]) -> Vec<f32> {
     blocks
@@ -144,6 +145,7 @@ pub fn dequantize_q8(blocks: &[BlockQ8]) -> Vec<f32> {
         .collect()
 }
 
+#[cfg(test)]
 /// The values a [`BlockQ8K`] row stands for.
 pub fn dequantize_q8k(blocks: &[BlockQ8K]) -> Vec<f32> {
     blocks
@@ -152,6 +154,7 @@ pub fn dequantize_q8k(blocks: &[BlockQ8K]) -> Vec<f32> {
         .collect()
 }
 
+#[cfg(test)]
 /// `sum(w[i] * a[i])` in f64, with the weights of row `bytes` dequantized; also returns
 /// `sum(|w[i] * a[i]|)`, the scale a float tolerance is relative to.
 pub fn dot_f64(ty: WeightType, bytes: &[u8], a: &[f32]) -> (f64, f64) {

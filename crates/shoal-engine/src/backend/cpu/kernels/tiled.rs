@@ -718,7 +718,7 @@ mod tests {
     /// scale bytes of sub-blocks `2 j`, `2 j + 1` of row `r` at `16 j + 2 r`.
     #[test]
     fn q2k_codes_and_scale_pairs_are_the_files() {
-        use crate::kernels::formats::k2_code;
+        use crate::backend::cpu::kernels::formats::k2_code;
         let data: Vec<u8> = (0..8 * 84).map(|i| (i * 89 % 251) as u8).collect();
         for (bits, w) in [
             (HighBits::Whole, 4),
@@ -754,7 +754,7 @@ mod tests {
     /// scales, signed, in pairs.
     #[test]
     fn q3k_whole_codes_and_scales_are_the_files() {
-        use crate::kernels::formats::{k2_code, k3_high, k3_scales};
+        use crate::backend::cpu::kernels::formats::{k2_code, k3_high, k3_scales};
         let data: Vec<u8> = (0..8 * 110).map(|i| (i * 97 % 253) as u8).collect();
         for (bits, w) in [
             (HighBits::Whole, 4),

@@ -1,0 +1,60 @@
+// Q5_K: 256 values in 176 bytes: f16 d, f16 dmin, 12 bytes of eight packed 6-bit
+// (scale, minimum) pairs, 32 bytes qh (bit 2 c + h of byte l: the fifth bit of value
+// 64 c + 32 h + l), then 128 bytes of low 4-bit codes: byte 32 c + l holds value 64 c + l
+// (low nibble, sub-block 2 c) and 64 c + 32 + l (high nibble, sub-block 2 c + 1);
+// value = d * scale * code - dmin * minimum.
+const BLOCK_ELEMS: u32 = 256u;
+const BLOCK_BYTES: u32 = 176u;
+
+// (scale, minimum) of sub-block j (0..8), from the 12 bytes at s
+fn q5k_scale_min(s: u32, j: u32) -> vec2<f32> {
+    if (j < 4u) {
+        return vec2<f32>(f32(byte_at(s + j) & 63u), f32(byte_at(s + j + 4u) & 63u));
+    }
+    let a = byte_at(s + j + 4u);
+    return vec2<f32>(
+        f32((a & 0xfu) | ((byte_at(s + j - 4u) >> 6u) << 4u)),
+        f32((a >> 4u) | ((byte_at(s + j) >> 6u) << 4u)),
+    );
+}
+
+fn block_value(base: u32, i: u32) -> f32 {
+    let c = i >> 6u;
+    let hi = (i >> 5u) & 1u;
+    let l = i & 31u;
+    let sm = q5k_scale_min(base + 4u, 2u * c + hi);
+    let h = (byte_at(base + 16u + l) >> (2u * c + hi)) & 1u;
+    let q = ((byte_at(base + 48u + 32u * c + l) >> (4u * hi)) & 0xfu) | (h << 4u);
+    return f16_at(base) * sm.x * f32(q) - f16_at(base + 2u) * sm.y;
+}
+
+fn block_dot(base: u32, xo: u32) -> f32 {
+    let d = f16_at(base);
+    let dmin = f16_at(base + 2u);
+    var acc = 0.0;
+    for (var c = 0u; c < 4u; c++) {
+        let sm0 = q5k_scale_min(base + 4u, 2u * c);
+        let sm1 = q5k_scale_min(base + 4u, 2u * c + 1u);
+        var s0 = 0.0;
+        var s1 = 0.0;
+        var x0 = 0.0;
+        var x1 = 0.0;
+        for (var j = 0u; j < 8u; j++) {
+            let q = u32_at(base + 48u + 32u * c + 4u * j);
+            let qh = u32_at(base + 16u + 4u * j) >> (2u * c);
+            for (var k = 0u; k < 4u; k++) {
+                let b = q >> (8u * k);
+                let h = qh >> (8u * k);
+                let xi = xo + 64u * c + 4u * j + k;
+                let a = x[xi];
+                let e = x[xi + 32u];
+                s0 += f32((b & 0xfu) | ((h & 1u) << 4u)) * a;
+                s1 += f32(((b >> 4u) & 0xfu) | ((h & 2u) << 3u)) * e;
+                x0 += a;
+                x1 += e;
+            }
+        }
+        acc += d * sm0.x * s0 - dmin * sm0.y * x0 + d * sm1.x * s1 - dmin * sm1.y * x1;
+    }
+    return acc;
+}
