@@ -17,7 +17,7 @@ pub struct NodeFacts {
     pub listen: String,
     pub memory_total_bytes: u64,
     pub memory_free_bytes: u64,
-    /// `cpu` (GPU backends come with their features).
+    /// Where the node computes: `cpu`, or `gpu:N` (its `--device`).
     pub backend: String,
     /// Compute threads.
     pub threads: u32,
@@ -27,6 +27,24 @@ pub struct NodeFacts {
     pub compute_gflops: f64,
     /// shoal version.
     pub version: String,
+    /// The GPU adapters the node has (absent from nodes older than this field).
+    #[serde(default)]
+    pub gpus: Vec<GpuFacts>,
+}
+
+/// One GPU adapter of a node.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct GpuFacts {
+    /// Its number in `--device gpu:N`.
+    pub index: usize,
+    /// The adapter's name.
+    pub name: String,
+    /// The API it is reached through (Vulkan, Metal, Dx12).
+    pub api: String,
+    /// Whether it computes on the CPU (a software driver such as lavapipe).
+    pub software: bool,
+    /// Its measured read bandwidth, GB/s, where the node computes on it.
+    pub read_gb_s: Option<f64>,
 }
 
 impl NodeFacts {

@@ -925,6 +925,7 @@ mod tests {
                 mem_bandwidth_gbs: 0.0,
                 compute_gflops: 0.0,
                 version: "0".into(),
+                gpus: Vec::new(),
             }),
         }
     }

@@ -88,6 +88,20 @@ pub fn for_this_process() -> Device {
     *PROCESS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The read bandwidth of the GPU `device` resolves to, GB/s: a kernel streams a buffer of
+/// up to 1 GiB, 20 passes per submission, best of 3.
+///
+/// # Errors
+/// When `device` is the CPU here, or the GPU fails.
+pub fn gpu_read_bandwidth(device: Device) -> Result<f64, crate::EngineError> {
+    match device.resolve() {
+        Resolved::Gpu(n) => crate::backend::gpu::Gpu::open(n)?.read_bandwidth(),
+        Resolved::Cpu => Err(crate::EngineError::InvalidInput {
+            what: format!("device {device} is the CPU here: no GPU to probe"),
+        }),
+    }
+}
+
 /// The GPU adapters of this machine, real GPUs first.
 pub fn gpus() -> Vec<GpuAdapter> {
     crate::backend::gpu::adapters::adapters()

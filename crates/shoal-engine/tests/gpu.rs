@@ -173,24 +173,18 @@ fn moe_models_match_the_oracle() {
     check(TinyModelSpec::mixtral(2), GgmlType::F32);
 }
 
+/// DeepSeek V2 and V3 (multi-head latent attention, shared experts, leading dense layers,
+/// YaRN; V3's sigmoid routing with a correction bias).
 #[test]
-fn latent_attention_is_refused_with_a_reason() {
-    if !have_gpu("latent_attention_is_refused_with_a_reason") {
+fn latent_attention_models_match_the_oracle() {
+    if !have_gpu("latent_attention_models_match_the_oracle") {
         return;
     }
-    let m = TinyModelSpec::deepseek2(1).build().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let path = write(&m, dir.path(), GgmlType::F32);
-    let file = GgufFile::open(&path).unwrap();
-    let vocab = file.tensor("token_embd.weight").unwrap().shape()[0];
-    let cfg = arch::config_from_gguf(file.metadata(), vocab, "gpu test").unwrap();
-    let src = GgufWeights::new(file);
-    let e = Transformer::load_on_device(Device::Gpu(None), &src, cfg, Arc::new(shoal_comm::Solo))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("latent attention") && e.contains("--device cpu"),
-        "{e}"
+    check(TinyModelSpec::deepseek2(1), GgmlType::F32);
+    check(TinyModelSpec::deepseek3(2), GgmlType::F32);
+    check(
+        TinyModelSpec::deepseek2(3).snapped_to(GgmlType::Q8_0),
+        GgmlType::Q8_0,
     );
 }
 

@@ -83,6 +83,27 @@ pub fn nodes(args: LookArgs) -> anyhow::Result<()> {
             f["listen"].as_str().unwrap_or("-"),
             f["api"].as_str().unwrap_or("-"),
         );
+        let backend = f["backend"].as_str().unwrap_or("cpu");
+        for g in f["gpus"].as_array().into_iter().flatten() {
+            let n = g["index"].as_u64().unwrap_or(0);
+            let using = backend == format!("gpu:{n}");
+            println!(
+                "{:<17} gpu:{n} {} ({}{}){}{}",
+                "",
+                g["name"].as_str().unwrap_or("?"),
+                g["api"].as_str().unwrap_or("?"),
+                if g["software"].as_bool() == Some(true) {
+                    ", software"
+                } else {
+                    ""
+                },
+                g["read_gb_s"]
+                    .as_f64()
+                    .map(|b| format!(", {b:.0} GB/s"))
+                    .unwrap_or_default(),
+                if using { ", computes here" } else { "" },
+            );
+        }
     }
     Ok(())
 }

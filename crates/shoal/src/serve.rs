@@ -147,6 +147,38 @@ fn host_name() -> String {
 }
 
 /// Joins the cluster: self-test, facts, then the node daemon.
+/// This node's backend (`cpu` or `gpu:N`), its GPU adapters, and the read bandwidth of the
+/// one it computes on (probed; `None` on the CPU).
+///
+/// # Errors
+/// When the GPU this process computes on cannot be opened.
+fn gpu_facts() -> anyhow::Result<(String, Vec<shoal_cluster::facts::GpuFacts>, Option<f64>)> {
+    let device = shoal_engine::device::for_this_process();
+    let using = match device.resolve() {
+        shoal_engine::device::Resolved::Cpu => None,
+        shoal_engine::device::Resolved::Gpu(n) => Some(n),
+    };
+    let bw = match using {
+        Some(_) => Some(
+            shoal_engine::device::gpu_read_bandwidth(device)
+                .with_context(|| format!("--device {device}"))?,
+        ),
+        None => None,
+    };
+    let gpus = shoal_engine::device::gpus()
+        .into_iter()
+        .map(|g| shoal_cluster::facts::GpuFacts {
+            read_gb_s: bw.filter(|_| using == Some(g.index)),
+            index: g.index,
+            name: g.name,
+            api: g.api,
+            software: g.software,
+        })
+        .collect();
+    let backend = using.map_or_else(|| "cpu".to_string(), |n| format!("gpu:{n}"));
+    Ok((backend, gpus, bw))
+}
+
 async fn join_cluster(
     args: &ServeArgs,
     identity: Identity,
@@ -164,17 +196,23 @@ async fn join_cluster(
         .await
         .context("the self-test stopped")??;
     let (total, free) = shoal_cluster::facts::memory().unwrap_or((0, 0));
+    let (backend, gpus, gpu_bw) = tokio::task::spawn_blocking(gpu_facts)
+        .await
+        .context("the GPU probe stopped")??;
     let facts = NodeFacts {
         name: args.name.clone().unwrap_or_else(host_name),
         api: api.to_string(),
         listen: String::new(),
         memory_total_bytes: total,
         memory_free_bytes: free.min(args.max_memory.unwrap_or(u64::MAX)) >> 26 << 26,
-        backend: "cpu".to_string(),
+        backend,
         threads: threads as u32,
-        mem_bandwidth_gbs: test.mem_bandwidth_gbs,
+        // decode reads the weights from the memory they live in: the GPU's where it
+        // computes there
+        mem_bandwidth_gbs: gpu_bw.unwrap_or(test.mem_bandwidth_gbs),
         compute_gflops: test.compute_gflops,
         version: env!("CARGO_PKG_VERSION").to_string(),
+        gpus,
     };
     let node = Node::start(NodeConfig {
         identity,

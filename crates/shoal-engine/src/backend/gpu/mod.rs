@@ -8,7 +8,9 @@
 
 pub mod adapters;
 pub mod context;
+mod latent;
 pub mod matrix;
+mod probe;
 #[cfg(test)]
 mod type_tests;
 
@@ -92,6 +94,14 @@ impl Gpu {
             ctx: adapters::open(index)?,
             scratch: Arc::default(),
         })
+    }
+
+    /// The device's read bandwidth, GB/s (see [`probe`]).
+    ///
+    /// # Errors
+    /// When the device fails.
+    pub fn read_bandwidth(&self) -> Result<f64, EngineError> {
+        probe::read_bandwidth(&self.ctx, 20, 3)
     }
 
     /// The adapter's name and API.
@@ -217,16 +227,18 @@ impl Backend for Gpu {
     }
 
     fn supports(&self, cfg: &crate::ModelConfig) -> Result<(), EngineError> {
-        if cfg.mla.is_some() {
-            return Err(EngineError::Unsupported {
-                what: format!(
-                    "{:?}'s multi-head latent attention does not run on the GPU backend yet; \
-                     use --device cpu",
-                    cfg.arch
-                ),
-            });
-        }
-        if cfg.head_dim > 256 {
+        if let Some(m) = &cfg.mla {
+            let dims = m.kv_lora_rank + m.rope_dims;
+            if dims > latent::MAX_DIMS || !dims.is_multiple_of(2) {
+                return Err(EngineError::Unsupported {
+                    what: format!(
+                        "latents of {dims} values: the GPU latent attention takes an even \
+                         number up to {}; use --device cpu",
+                        latent::MAX_DIMS
+                    ),
+                });
+            }
+        } else if cfg.head_dim > 256 {
             return Err(EngineError::Unsupported {
                 what: format!(
                     "heads of {} values: the GPU attention kernel takes at most 256; use \
@@ -261,8 +273,8 @@ impl Backend for Gpu {
     fn kv(&self, layers: usize, layout: KvLayout, capacity: usize) -> GpuKv {
         let words = match layout {
             KvLayout::Heads { kv_heads, head_dim } => kv_heads * capacity * head_dim / 2,
-            // refused at load (`supports`); nothing is ever written
-            KvLayout::Latent { .. } => 0,
+            // one latent per position; the value buffers stay unused
+            KvLayout::Latent { dims } => capacity * dims / 2,
         };
         GpuKv {
             layers: (0..layers)
@@ -293,11 +305,6 @@ impl Backend for Gpu {
     }
 
     fn copy_kv(&self, from: &GpuKv, to: &mut GpuKv, positions: usize) -> Result<(), EngineError> {
-        let KvLayout::Heads { kv_heads, head_dim } = from.layout else {
-            return Err(EngineError::Internal {
-                what: "copying a latent cache on the GPU".into(),
-            });
-        };
         if from.layout != to.layout || positions > to.capacity || positions > from.capacity {
             return Err(EngineError::Internal {
                 what: format!(
@@ -306,12 +313,19 @@ impl Backend for Gpu {
                 ),
             });
         }
-        let row = (head_dim / 2 * 4) as u64;
+        let (kv_heads, row) = match from.layout {
+            KvLayout::Heads { kv_heads, head_dim } => (kv_heads, (head_dim / 2 * 4) as u64),
+            // one "head" of latents, no values
+            KvLayout::Latent { dims } => (1, (dims / 2 * 4) as u64),
+        };
+        let latent = matches!(from.layout, KvLayout::Latent { .. });
         for ((fk, fv), (tk, tv)) in from.layers.iter().zip(&to.layers) {
             for h in 0..kv_heads as u64 {
                 let (src, dst) = (h * from.capacity as u64 * row, h * to.capacity as u64 * row);
                 self.ctx.copy(fk, src, tk, dst, positions as u64 * row);
-                self.ctx.copy(fv, src, tv, dst, positions as u64 * row);
+                if !latent {
+                    self.ctx.copy(fv, src, tv, dst, positions as u64 * row);
+                }
             }
         }
         Ok(())
@@ -663,19 +677,16 @@ impl Backend for Gpu {
 
     fn latent_attention(
         &self,
-        _q: &GpuAct,
-        _kv_a: &GpuAct,
-        _layer: &LatentLayer<Gpu>,
-        _kv: &mut [&mut GpuKv],
-        _cache_layer: usize,
-        _rows: &StepRows,
-        _tables: &mut GpuTables,
-        _out: &mut GpuAct,
+        q: &GpuAct,
+        kv_a: &GpuAct,
+        layer: &LatentLayer<Gpu>,
+        kv: &mut [&mut GpuKv],
+        cache_layer: usize,
+        rows: &StepRows,
+        tables: &mut GpuTables,
+        out: &mut GpuAct,
     ) -> Result<(), EngineError> {
-        // models with latent attention are refused at load (`supports`)
-        Err(EngineError::Unsupported {
-            what: "multi-head latent attention on the GPU backend".into(),
-        })
+        self.attend_latent(q, kv_a, layer, kv, cache_layer, rows, tables, out)
     }
 
     fn select_rows(&self, x: &GpuAct, width: usize, which: &[usize], out: &mut GpuAct) {
