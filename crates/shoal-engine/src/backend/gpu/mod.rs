@@ -10,6 +10,8 @@ pub mod adapters;
 pub mod context;
 mod latent;
 pub mod matrix;
+#[cfg(test)]
+mod op_tests;
 mod probe;
 #[cfg(test)]
 mod type_tests;
