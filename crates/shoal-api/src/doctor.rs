@@ -643,6 +643,6 @@ mod tests {
         i.in_cluster = false;
         i.secret = Some(("/x".into(), Some(0o100644)));
         let checks: Vec<String> = findings(&i).into_iter().map(|f| f.check).collect();
-        assert_eq!(checks, ["cluster", "memory", "cpu", "huge_pages"]);
+        assert_eq!(checks, ["cluster", "memory", "cpu", "gpu", "huge_pages"]);
     }
 }

@@ -304,6 +304,7 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         return crate::bench_split::main(&args, &model_arg);
     }
     let threads = args.compute.apply()?;
+    crate::rank_device(0, 1)?;
     let model = crate::models::open(&model_arg)?;
     let t = &model.transformer;
     let vocab = t.config().vocab;
@@ -341,7 +342,7 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
     let read_bw = || -> anyhow::Result<f64> {
         Ok(match &probe {
             Some(p) => p.best_of(threads, PROBE_PASSES),
-            None => shoal_engine::device::gpu_read_bandwidth(args.compute.device)?,
+            None => shoal_engine::device::gpu_read_bandwidth(crate::rank_device(0, 1)?)?,
         })
     };
     let (mut stolen, mut ticks) = (Some(0u64), 0u64);

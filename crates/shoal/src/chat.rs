@@ -40,6 +40,7 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
         return crate::remote::chat(&client, &args.model, args.system.as_deref(), &args.sampling);
     }
     args.compute.apply()?;
+    crate::rank_device(0, 1)?;
     let model = Arc::new(crate::models::open(&args.model)?);
     if model.chat_template.is_none() {
         anyhow::bail!(

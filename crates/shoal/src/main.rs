@@ -115,9 +115,43 @@ pub struct ComputeArgs {
     pub threads: Option<usize>,
     /// Where shares are computed: cpu; gpu (the first GPU adapter, a software one such as
     /// Mesa's lavapipe included) or gpu:N (`shoal doctor` lists them); auto (the first
-    /// real GPU, else the CPU).
-    #[arg(long, env = "SHOAL_DEVICE", default_value = "cpu")]
-    pub device: shoal_engine::Device,
+    /// real GPU, else the CPU). A split run (--tp/--pp) takes one per rank, rank 0 first
+    /// (`gpu,cpu`: a tensor-parallel pair, or with --pp 2 a model's first layers on the GPU
+    /// and the rest on the CPU).
+    #[arg(
+        long,
+        env = "SHOAL_DEVICE",
+        default_value = "cpu",
+        value_delimiter = ','
+    )]
+    pub device: Vec<shoal_engine::Device>,
+}
+
+/// The `--device` list of this process (see [`ComputeArgs::device`]).
+static RANK_DEVICES: std::sync::OnceLock<Vec<shoal_engine::Device>> = std::sync::OnceLock::new();
+
+/// The device of rank `rank` of a run of `world` ranks started here: the one `--device`
+/// named, or the `rank`-th of its list.
+///
+/// # Errors
+/// When the list is neither one device nor one per rank.
+pub fn rank_device(rank: usize, world: usize) -> anyhow::Result<shoal_engine::Device> {
+    let list = RANK_DEVICES
+        .get()
+        .map_or(&[shoal_engine::Device::Cpu][..], Vec::as_slice);
+    match list {
+        [one] => Ok(*one),
+        many if many.len() == world => Ok(many[rank]),
+        many => anyhow::bail!(
+            "--device lists {} devices; {} takes one, or one per rank (rank 0 first)",
+            many.len(),
+            if world == 1 {
+                "a run on one rank".to_string()
+            } else {
+                format!("a split of {world} ranks")
+            }
+        ),
+    }
 }
 
 impl ComputeArgs {
@@ -137,9 +171,9 @@ impl ComputeArgs {
             .num_threads(n)
             .build_global()
             .ok();
-        shoal_engine::device::use_for_this_process(self.device);
-        // the ranks this process starts compute on the same kind of device
-        std::env::set_var("SHOAL_DEVICE", self.device.to_string());
+        let first = self.device.first().copied().unwrap_or_default();
+        shoal_engine::device::use_for_this_process(first);
+        RANK_DEVICES.set(self.device.clone()).ok();
         Ok(n)
     }
 }

@@ -430,8 +430,11 @@ impl LocalWorkers {
             table,
         };
         for r in 1..world {
+            let device = crate::rank_device(r, world)?;
             let child = std::process::Command::new(&exe)
                 .arg("worker")
+                .arg("--device")
+                .arg(device.to_string())
                 .arg(model)
                 .arg("--rank")
                 .arg(r.to_string())
@@ -643,6 +646,7 @@ impl LeadRank {
     ) -> anyhow::Result<Self> {
         let source = shoal_model::source::resolve(model_arg)?;
         let job = args.job(ctx_len, threads)?;
+        crate::rank_device(0, job.tp * job.pp)?;
         let launched = launch(args, &job, model_arg, source.path())?;
         let layout = Layout {
             tp: job.tp,

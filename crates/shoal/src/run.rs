@@ -315,6 +315,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<()> {
         return main_split(args);
     }
     let threads = args.compute.apply()?;
+    crate::rank_device(0, 1)?;
     let model = Arc::new(crate::models::open(&args.model)?);
     let prompt = args.prompt(&model)?;
     let ctx = args

@@ -238,6 +238,7 @@ async fn join_cluster(
 
 pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     args.compute.apply()?;
+    crate::rank_device(0, 1)?;
     if args.parallel == 0 || args.parallel > 256 {
         anyhow::bail!("--parallel {} is out of range (1..=256)", args.parallel);
     }

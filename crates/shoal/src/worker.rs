@@ -47,7 +47,7 @@ pub fn main(args: WorkerArgs) -> anyhow::Result<()> {
         .with_context(|| format!("rank {rank}: joining the mesh"))?;
     ComputeArgs {
         threads: Some(args.threads.unwrap_or(job.threads)),
-        device: args.device,
+        device: vec![args.device],
     }
     .apply()?;
     let layout = Layout {

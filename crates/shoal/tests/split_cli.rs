@@ -63,6 +63,64 @@ fn split_runs_answer_like_one_process() {
     }
 }
 
+/// Ranks on different devices (`--device gpu,cpu`, rank 0 first): a tensor-parallel pair of
+/// a GPU rank and a CPU rank, and a pipeline whose first layers are on the GPU, answer what
+/// one CPU process answers. F32 weights: neither backend rounds the activations, so the
+/// two agree to f32 rounding. A list that is neither one device nor one per rank is refused.
+#[test]
+fn ranks_on_a_gpu_and_the_cpu_answer_like_one_process() {
+    if shoal_engine::device::gpus().is_empty() {
+        assert!(
+            std::env::var("SHOAL_REQUIRE_GPU").as_deref() != Ok("1"),
+            "no GPU adapter, and SHOAL_REQUIRE_GPU=1"
+        );
+        shoal_testkit::skip_or_fail(
+            "ranks_on_a_gpu_and_the_cpu_answer_like_one_process",
+            "no GPU adapter (on Debian: apt-get install mesa-vulkan-drivers libvulkan1)",
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let m = TinyModelSpec {
+        n_layers: 4,
+        head_dim: 32,
+        ..TinyModelSpec::llama(21)
+    }
+    .build()
+    .unwrap();
+    let model = dir.path().join("tiny-f32.gguf");
+    m.write_gguf(&model, GgmlType::F32).unwrap();
+    let one = answer(&model, &[]);
+    for extra in [
+        &["--device", "gpu"][..],
+        &["--tp", "2", "--device", "gpu,cpu"],
+        &["--tp", "2", "--device", "cpu,gpu"],
+        &["--pp", "2", "--device", "gpu,cpu"],
+    ] {
+        assert_eq!(answer(&model, extra), one, "shoal run {extra:?}");
+    }
+    for (extra, want) in [
+        (
+            &["--tp", "2", "--device", "gpu,cpu,cpu"][..],
+            "a split of 2 ranks",
+        ),
+        (&["--device", "gpu,cpu"], "a run on one rank"),
+    ] {
+        let out = shoal()
+            .arg("run")
+            .arg(&model)
+            .args(["hello", "-n", "2"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(want),
+            "{extra:?}: {err}"
+        );
+    }
+}
+
 /// The pids of `parent`'s child processes.
 fn children(parent: u32) -> Vec<u32> {
     std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
