@@ -269,7 +269,10 @@ for agent in ${AGENTS//,/ }; do
 pct=lambda c,p: "%.1f%% of %d" % (100*c/p if p else 0, p)
 print("all tasks %s, after the first task %s" % (pct(c1-c0,p1-p0), pct(c1-cf,p1-pf)))' \
     "$prompt0" "$cached0" "${first:-$prompt0}" "${cfirst:-$cached0}" "$prompt1" "$cached1")
-  rows+=("$(printf '%-7s prompt tokens from the cache: %s' "$agent" "$share")")
+  # (llama-server has no such counters)
+  if [ "$SERVER_KIND" = shoal ]; then
+    rows+=("$(printf '%-7s prompt tokens from the cache: %s' "$agent" "$share")")
+  fi
 done
 
 echo
