@@ -174,6 +174,10 @@ struct DeviceStep {
     dispatches_per_layer: f64,
     /// Bytes read back to the host per token.
     read_back_bytes_per_token: f64,
+    /// Milliseconds per token the host spent recording the step's dispatches.
+    host_record_ms_per_token: f64,
+    /// Milliseconds per token the host waited for the device.
+    device_wait_ms_per_token: f64,
 }
 
 /// One line of the decode profile.
@@ -400,6 +404,8 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
                 counted.submissions += a.submissions - b.submissions;
                 counted.dispatches += a.dispatches - b.dispatches;
                 counted.read_back += a.read_back - b.read_back;
+                counted.record_ns += a.record_ns - b.record_ns;
+                counted.wait_ns += a.wait_ns - b.wait_ns;
                 counted_tokens += args.n_gen;
             }
             decode_secs += secs;
@@ -428,6 +434,8 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
             dispatches_per_token: counted.dispatches as f64 / n,
             dispatches_per_layer: counted.dispatches as f64 / n / t.config().n_layer.max(1) as f64,
             read_back_bytes_per_token: counted.read_back as f64 / n,
+            host_record_ms_per_token: counted.record_ns as f64 / n / 1e6,
+            device_wait_ms_per_token: counted.wait_ns as f64 / n / 1e6,
         }
     });
     // the per-op times are where the host spends a step: on a GPU that is recording
@@ -558,11 +566,13 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
     if let Some(d) = &report.device_step {
         println!(
             "GPU decode step (per token): {:.1} queue submissions, {:.0} dispatches ({:.1} per \
-             layer), {:.0} bytes read back",
+             layer), {:.0} bytes read back; the host records for {:.2} ms and waits {:.2} ms",
             d.submissions_per_token,
             d.dispatches_per_token,
             d.dispatches_per_layer,
-            d.read_back_bytes_per_token
+            d.read_back_bytes_per_token,
+            d.host_record_ms_per_token,
+            d.device_wait_ms_per_token
         );
     }
     if let Some(ops) = &report.decode_profile {

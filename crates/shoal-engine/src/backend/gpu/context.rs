@@ -35,6 +35,10 @@ pub struct GpuContext {
     dispatches: AtomicU64,
     /// Bytes read back to the host, for `--profile`.
     read_back: AtomicU64,
+    /// Nanoseconds the host spent recording dispatches, for `--profile`.
+    record_ns: AtomicU64,
+    /// Nanoseconds the host waited for the device in reads, for `--profile`.
+    wait_ns: AtomicU64,
 }
 
 /// The commands recorded since the last submission.
@@ -59,6 +63,10 @@ pub struct GpuCounters {
     pub dispatches: u64,
     /// Bytes read back to the host.
     pub read_back: u64,
+    /// Nanoseconds the host spent recording dispatches (binding, encoding).
+    pub record_ns: u64,
+    /// Nanoseconds the host waited for the device to finish before reading back.
+    pub wait_ns: u64,
 }
 
 impl GpuContext {
@@ -107,6 +115,8 @@ impl GpuContext {
             submissions: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),
             read_back: AtomicU64::new(0),
+            record_ns: AtomicU64::new(0),
+            wait_ns: AtomicU64::new(0),
         })
     }
 
@@ -121,6 +131,8 @@ impl GpuContext {
             submissions: self.submissions.load(Ordering::Relaxed),
             dispatches: self.dispatches.load(Ordering::Relaxed),
             read_back: self.read_back.load(Ordering::Relaxed),
+            record_ns: self.record_ns.load(Ordering::Relaxed),
+            wait_ns: self.wait_ns.load(Ordering::Relaxed),
         }
     }
 
@@ -256,6 +268,7 @@ impl GpuContext {
         if groups.contains(&0) {
             return;
         }
+        let t0 = std::time::Instant::now();
         let mut words = params.to_vec();
         // uniform blocks are read in 16-byte units
         words.resize(params.len().max(4).div_ceil(4) * 4, 0);
@@ -292,6 +305,8 @@ impl GpuContext {
             pass.set_bind_group(0, &group, &[]);
             pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
         });
+        self.record_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Submits the pending commands.
@@ -328,12 +343,15 @@ impl GpuContext {
         slice.map_async(wgpu::MapMode::Read, move |r| {
             let _ = tx.send(r);
         });
+        let t0 = std::time::Instant::now();
         self.device
             .poll(wgpu::PollType::Wait {
                 submission_index: None,
                 timeout: None,
             })
             .map_err(|e| EngineError::Generation(format!("GPU {}: {e}", self.info.name)))?;
+        self.wait_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         self.check()?;
         match rx.recv() {
             Ok(Ok(())) => {}
