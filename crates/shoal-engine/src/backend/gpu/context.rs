@@ -27,6 +27,10 @@ pub struct GpuContext {
     pub(super) limits: wgpu::Limits,
     pipelines: Mutex<HashMap<(&'static str, &'static str), Arc<wgpu::ComputePipeline>>>,
     pending: Mutex<Pending>,
+    /// The uniform arena: one slot of parameters per dispatch of a submission.
+    arena: wgpu::Buffer,
+    /// Bytes per arena slot (the device's uniform offset alignment, at least 64).
+    slot_bytes: usize,
     /// The first error wgpu reported (validation, out of memory, device lost), if any.
     failure: Arc<Mutex<Option<String>>>,
     /// Queue submissions made, for `--profile`.
@@ -41,10 +45,29 @@ pub struct GpuContext {
     wait_ns: AtomicU64,
 }
 
+/// Parameter blocks the uniform arena holds: a step with more dispatches is submitted in
+/// parts.
+const ARENA_SLOTS: usize = 4096;
+/// Bytes of one dispatch's parameters (the largest block a kernel declares is 40).
+const PARAMS_BYTES: usize = 64;
+
 /// The commands recorded since the last submission.
-#[derive(Default)]
 struct Pending {
     encoder: Option<wgpu::CommandEncoder>,
+    /// The open compute pass of `encoder` (ended before copies and at submission).
+    pass: Option<wgpu::ComputePass<'static>>,
+    /// Arena slots taken since the last submission, and their parameters.
+    used: usize,
+    staged: Vec<u8>,
+    /// Per arena slot, the bind group last made for it.
+    groups: Vec<Option<CachedGroup>>,
+}
+
+/// A bind group and what it binds besides its arena slot.
+struct CachedGroup {
+    pipeline: wgpu::ComputePipeline,
+    buffers: Vec<wgpu::Buffer>,
+    group: wgpu::BindGroup,
 }
 
 /// What a kernel binds: storage buffers in binding order after the parameters (binding 0
@@ -104,13 +127,29 @@ impl GpuContext {
             tracing::error!("GPU device lost ({reason:?}): {message}");
             slot.get_or_insert_with(|| format!("the GPU device was lost ({reason:?}): {message}"));
         });
+        let slot_bytes = (limits.min_uniform_buffer_offset_alignment as usize).max(PARAMS_BYTES);
+        let arena = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("parameters"),
+            size: (ARENA_SLOTS * slot_bytes) as u64,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let pending = Pending {
+            encoder: None,
+            pass: None,
+            used: 0,
+            staged: vec![0; ARENA_SLOTS * slot_bytes],
+            groups: (0..ARENA_SLOTS).map(|_| None).collect(),
+        };
         Ok(GpuContext {
+            arena,
+            slot_bytes,
             device,
             queue,
             info,
             limits,
             pipelines: Mutex::default(),
-            pending: Mutex::default(),
+            pending: Mutex::new(pending),
             failure,
             submissions: AtomicU64::new(0),
             dispatches: AtomicU64::new(0),
@@ -244,20 +283,28 @@ impl GpuContext {
         }
     }
 
-    /// Records `f` into the pending encoder.
+    /// Records `f` into the pending encoder (after ending the open compute pass).
     fn record(&self, f: impl FnOnce(&mut wgpu::CommandEncoder)) {
         let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        let enc = p.encoder.get_or_insert_with(|| {
-            self.device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                    label: Some("step"),
-                })
-        });
+        p.pass = None;
+        let enc = p.encoder.get_or_insert_with(|| self.encoder());
         f(enc);
+    }
+
+    fn encoder(&self) -> wgpu::CommandEncoder {
+        self.device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("step"),
+            })
     }
 
     /// Records one dispatch of `pipeline` over `groups` workgroups, with `params` as the
     /// uniform block at binding 0 and `binds` at bindings 1, 2, ...
+    ///
+    /// The parameters go to the next slot of the uniform arena (written to the device
+    /// once, at the submission); the bind group of a slot is kept and used again while the
+    /// slot's pipeline and buffers stay the same, as they do from one decode step to the
+    /// next; the dispatch goes into the step's open compute pass.
     pub(super) fn dispatch(
         &self,
         pipeline: &wgpu::ComputePipeline,
@@ -269,42 +316,72 @@ impl GpuContext {
             return;
         }
         let t0 = std::time::Instant::now();
-        let mut words = params.to_vec();
-        // uniform blocks are read in 16-byte units
-        words.resize(params.len().max(4).div_ceil(4) * 4, 0);
-        let uniform = self
-            .device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some("params"),
-                contents: bytemuck::cast_slice(&words),
-                usage: wgpu::BufferUsages::UNIFORM,
-            });
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: uniform.as_entire_binding(),
-        }];
-        for (i, b) in binds.iter().enumerate() {
-            let Bind::Whole(buf) = b;
-            entries.push(wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
-                resource: buf.as_entire_binding(),
-            });
+        let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        if p.used == ARENA_SLOTS {
+            self.submit_locked(&mut p);
         }
-        let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &pipeline.get_bind_group_layout(0),
-            entries: &entries,
+        let slot = p.used;
+        p.used += 1;
+        let at = slot * self.slot_bytes;
+        let bytes: &[u8] = bytemuck::cast_slice(params);
+        p.staged[at..at + bytes.len()].copy_from_slice(bytes);
+        let buffers: Vec<&wgpu::Buffer> = binds
+            .iter()
+            .map(|b| {
+                let Bind::Whole(buf) = b;
+                *buf
+            })
+            .collect();
+        let cached = p.groups[slot].as_ref().filter(|c| {
+            c.pipeline == *pipeline
+                && c.buffers.len() == buffers.len()
+                && c.buffers.iter().zip(&buffers).all(|(a, b)| a == *b)
         });
+        let group = match cached {
+            Some(c) => c.group.clone(),
+            None => {
+                let mut entries = vec![wgpu::BindGroupEntry {
+                    binding: 0,
+                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                        buffer: &self.arena,
+                        offset: at as u64,
+                        size: std::num::NonZeroU64::new(PARAMS_BYTES as u64),
+                    }),
+                }];
+                for (i, buf) in buffers.iter().enumerate() {
+                    entries.push(wgpu::BindGroupEntry {
+                        binding: i as u32 + 1,
+                        resource: buf.as_entire_binding(),
+                    });
+                }
+                let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: None,
+                    layout: &pipeline.get_bind_group_layout(0),
+                    entries: &entries,
+                });
+                p.groups[slot] = Some(CachedGroup {
+                    pipeline: pipeline.clone(),
+                    buffers: buffers.iter().map(|b| (*b).clone()).collect(),
+                    group: group.clone(),
+                });
+                group
+            }
+        };
+        if p.pass.is_none() {
+            let enc = p.encoder.get_or_insert_with(|| self.encoder());
+            let pass = enc
+                .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: None,
+                    timestamp_writes: None,
+                })
+                .forget_lifetime();
+            p.pass = Some(pass);
+        }
+        let pass = p.pass.as_mut().expect("opened above");
+        pass.set_pipeline(pipeline);
+        pass.set_bind_group(0, &group, &[]);
+        pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
         self.dispatches.fetch_add(1, Ordering::Relaxed);
-        self.record(|enc| {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: None,
-                timestamp_writes: None,
-            });
-            pass.set_pipeline(pipeline);
-            pass.set_bind_group(0, &group, &[]);
-            pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
-        });
         self.record_ns
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
@@ -314,6 +391,17 @@ impl GpuContext {
         // submitted under the lock: commands recorded after these (from another thread
         // sharing the device) must not reach the queue first
         let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        self.submit_locked(&mut p);
+    }
+
+    fn submit_locked(&self, p: &mut Pending) {
+        p.pass = None;
+        if p.used > 0 {
+            // the queue writes this before the submission's commands run
+            self.queue
+                .write_buffer(&self.arena, 0, &p.staged[..p.used * self.slot_bytes]);
+            p.used = 0;
+        }
         if let Some(enc) = p.encoder.take() {
             self.submissions.fetch_add(1, Ordering::Relaxed);
             self.queue.submit([enc.finish()]);
