@@ -312,3 +312,42 @@ fn a_split_over_gpu_and_cpu_ranks_gives_one_ranks_tokens() {
         }
     }
 }
+
+/// `auto` takes the first real GPU and never a software adapter; `gpu` takes any.
+#[test]
+fn auto_never_takes_a_software_adapter() {
+    use shoal_engine::device::Resolved;
+    if !have_gpu("auto_never_takes_a_software_adapter") {
+        return;
+    }
+    let gpus = shoal_engine::device::gpus();
+    let want = gpus
+        .iter()
+        .find(|g| !g.software)
+        .map_or(Resolved::Cpu, |g| Resolved::Gpu(g.index));
+    assert_eq!(Device::Auto.resolve(), want, "{gpus:?}");
+    assert_eq!(Device::Gpu(None).resolve(), Resolved::Gpu(0));
+    // there is no adapter past the last: a clear error, not a panic
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(
+        &TinyModelSpec::llama(1).build().unwrap(),
+        dir.path(),
+        GgmlType::F32,
+    );
+    let file = GgufFile::open(&path).unwrap();
+    let vocab = file.tensor("token_embd.weight").unwrap().shape()[0];
+    let cfg = arch::config_from_gguf(file.metadata(), vocab, "gpu test").unwrap();
+    let past = Device::Gpu(Some(gpus.len()));
+    let e = Transformer::load_on_device(
+        past,
+        &GgufWeights::new(file),
+        cfg,
+        Arc::new(shoal_comm::Solo),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains(&format!("there is no GPU {}", gpus.len())),
+        "{e}"
+    );
+}

@@ -82,6 +82,15 @@ pub trait Backend: Send + Sync + Sized + 'static {
         Ok(())
     }
 
+    /// Says every weight of a model is loaded: a device backend finds out here whether
+    /// they all fit.
+    ///
+    /// # Errors
+    /// When they did not (say by how much where the device says so).
+    fn loaded(&self) -> Result<(), EngineError> {
+        Ok(())
+    }
+
     /// What the device has done so far, where the backend runs on one.
     fn counters(&self) -> Option<crate::device::GpuCounters> {
         None

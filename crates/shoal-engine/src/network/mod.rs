@@ -176,6 +176,7 @@ impl<B: Backend> Network<B> {
             (None, None)
         };
         let embed = if plan.first_stage { embed } else { None };
+        be.loaded()?;
         Ok(Network {
             be,
             cfg,

@@ -25,7 +25,7 @@ pub struct GpuContext {
     pub(super) info: wgpu::AdapterInfo,
     /// The limits the device was opened with.
     pub(super) limits: wgpu::Limits,
-    pipelines: Mutex<HashMap<(&'static str, &'static str), Arc<wgpu::ComputePipeline>>>,
+    pipelines: Mutex<HashMap<(String, &'static str), Arc<wgpu::ComputePipeline>>>,
     pending: Mutex<Pending>,
     /// The uniform arena: one slot of parameters per dispatch of a submission.
     arena: wgpu::Buffer,
@@ -190,13 +190,16 @@ impl GpuContext {
     /// The pipeline of `entry` in the WGSL `source` (named `name`), built on first use.
     pub(super) fn pipeline(
         &self,
-        name: &'static str,
+        name: &str,
         entry: &'static str,
         source: impl FnOnce() -> String,
     ) -> Arc<wgpu::ComputePipeline> {
         let mut cache = self.pipelines.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = cache.get(&(name.to_string(), entry)) {
+            return p.clone();
+        }
         cache
-            .entry((name, entry))
+            .entry((name.to_string(), entry))
             .or_insert_with(|| {
                 let module = self
                     .device
@@ -406,6 +409,14 @@ impl GpuContext {
             self.submissions.fetch_add(1, Ordering::Relaxed);
             self.queue.submit([enc.finish()]);
         }
+    }
+
+    /// Waits for every submission to finish.
+    pub(super) fn wait(&self) {
+        let _ = self.device.poll(wgpu::PollType::Wait {
+            submission_index: None,
+            timeout: None,
+        });
     }
 
     /// The first `bytes` bytes of `buf`, after every command recorded so far has run.

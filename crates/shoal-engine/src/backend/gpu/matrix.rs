@@ -13,6 +13,11 @@ use super::GpuAct;
 use crate::weights::{Slice, WeightSource};
 use crate::EngineError;
 
+/// Activation rows one workgroup of the product takes (`TB` in `shaders/matmul.wgsl`).
+const BASE_ROWS: u32 = 4;
+/// The same for products over more than `BASE_ROWS` rows.
+const WIDE_ROWS: u32 = 16;
+
 /// One weight matrix on the GPU (see the module).
 pub struct GpuMatrix {
     pub(super) ty: GgmlType,
@@ -186,12 +191,26 @@ impl GpuMatrix {
         })
     }
 
-    fn pipeline(&self, ctx: &GpuContext, entry: &'static str) -> Arc<wgpu::ComputePipeline> {
+    /// The pipeline of `entry` for this type, with `rows` activation rows per workgroup.
+    fn pipeline(
+        &self,
+        ctx: &GpuContext,
+        entry: &'static str,
+        rows: u32,
+    ) -> Arc<wgpu::ComputePipeline> {
         let ty = self.ty;
-        ctx.pipeline(pipeline_name(ty), entry, || {
+        let name = if rows == BASE_ROWS {
+            pipeline_name(ty).to_string()
+        } else {
+            format!("{} x{rows}", pipeline_name(ty))
+        };
+        ctx.pipeline(&name, entry, || {
             format!(
                 "{}\n{}",
-                include_str!("shaders/matmul.wgsl"),
+                include_str!("shaders/matmul.wgsl").replace(
+                    &format!("const TB: u32 = {BASE_ROWS}u;"),
+                    &format!("const TB: u32 = {rows}u;")
+                ),
                 type_source(ty).unwrap_or_default()
             )
         })
@@ -218,7 +237,14 @@ impl GpuMatrix {
         }
         let t = x.len / self.cols;
         y.resize(ctx, t * self.rows);
-        let pipe = self.pipeline(ctx, "matmul");
+        // more activation rows per workgroup where there are many: fewer reads of each
+        // weight row
+        let per_group = if t > BASE_ROWS as usize {
+            WIDE_ROWS
+        } else {
+            BASE_ROWS
+        };
+        let pipe = self.pipeline(ctx, "matmul", per_group);
         let blocks = self.cols / self.ty.block_len();
         for (first, n, buf) in &self.chunks {
             ctx.dispatch(
@@ -237,7 +263,7 @@ impl GpuMatrix {
                 [
                     (*n as u32).min(65535),
                     (*n as u32).div_ceil(65535),
-                    (t as u32).div_ceil(4),
+                    (t as u32).div_ceil(per_group),
                 ],
             );
         }
@@ -250,7 +276,7 @@ impl GpuMatrix {
         out.resize(ctx, ids.len() * self.cols);
         ctx.fill_zero(out.buf(), out.len * 4);
         let idx = ctx.buffer_with(bytemuck::cast_slice(ids), "ids");
-        let pipe = self.pipeline(ctx, "gather");
+        let pipe = self.pipeline(ctx, "gather", BASE_ROWS);
         for (first, n, buf) in &self.chunks {
             ctx.dispatch(
                 &pipe,

@@ -224,6 +224,20 @@ impl Backend for Gpu {
         "gpu"
     }
 
+    fn loaded(&self) -> Result<(), EngineError> {
+        // uploads are recorded copies and buffer creations report running out of memory
+        // through the device's error callback: run them, then look
+        self.ctx.submit();
+        self.ctx.wait();
+        self.ctx.check().map_err(|e| EngineError::Load {
+            what: format!(
+                "{e} (loading the model onto the GPU; a model larger than the GPU's memory \
+                 can be split: --pp 2 --device gpu,cpu puts its first layers on the GPU and \
+                 the rest on the CPU, or use --device cpu)"
+            ),
+        })
+    }
+
     fn counters(&self) -> Option<context::GpuCounters> {
         Some(self.ctx.counters())
     }

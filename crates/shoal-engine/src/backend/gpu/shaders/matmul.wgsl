@@ -46,15 +46,17 @@ fn u32_at(off: u32) -> u32 {
 }
 
 const WG: u32 = 64u;
+// activation rows per workgroup (the backend builds a second pipeline with more, for
+// products over many rows: each weight row is then read fewer times)
 const TB: u32 = 4u;
-var<workgroup> part: array<f32, 256>;
+var<workgroup> part: array<f32, TB * WG>;
 
 // one workgroup per (matrix row, group of TB activation rows)
 @compute @workgroup_size(64)
 fn matmul(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_id) l: vec3<u32>) {
     let r = g.x + g.y * 65535u;
     let t0 = g.z * TB;
-    var acc = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
+    var acc: array<f32, TB>;
     if (r < p.rows) {
         for (var b = l.x; b < p.blocks; b += WG) {
             let base = r * p.row_bytes + b * BLOCK_BYTES;
