@@ -147,7 +147,14 @@ impl Gpu {
         let width = w.len.max(1);
         let rows = x.len / width;
         out.resize(&self.ctx, x.len);
-        let pipe = self.kernel("rms_norm", "rms_norm", include_str!("shaders/norm.wgsl"));
+        let pipe = self.kernel(
+            "rms_norm",
+            "rms_norm",
+            concat!(
+                include_str!("shaders/norm.wgsl"),
+                include_str!("shaders/norm_rms.wgsl")
+            ),
+        );
         self.ctx.dispatch(
             &pipe,
             &[width as u32, eps.to_bits()],
@@ -443,7 +450,10 @@ impl Backend for Gpu {
         let pipe = self.kernel(
             "rms_norm_in_place",
             "rms_norm_in_place",
-            include_str!("shaders/norm_in_place.wgsl"),
+            concat!(
+                include_str!("shaders/norm_in_place.wgsl"),
+                include_str!("shaders/norm_rms.wgsl")
+            ),
         );
         self.ctx.dispatch(
             &pipe,

@@ -45,6 +45,19 @@ fn u32_at(off: u32) -> u32 {
     return (lo >> sh) | (hi << (32u - sh));
 }
 
+// (scale, minimum) of sub-block j (0..8) of a Q4_K or Q5_K block, from the 12 bytes of
+// packed 6-bit pairs at s
+fn k_scale_min(s: u32, j: u32) -> vec2<f32> {
+    if (j < 4u) {
+        return vec2<f32>(f32(byte_at(s + j) & 63u), f32(byte_at(s + j + 4u) & 63u));
+    }
+    let a = byte_at(s + j + 4u);
+    return vec2<f32>(
+        f32((a & 0xfu) | ((byte_at(s + j - 4u) >> 6u) << 4u)),
+        f32((a >> 4u) | ((byte_at(s + j) >> 6u) << 4u)),
+    );
+}
+
 const WG: u32 = 64u;
 // activation rows per workgroup (the backend builds a second pipeline with more, for
 // products over many rows: each weight row is then read fewer times)

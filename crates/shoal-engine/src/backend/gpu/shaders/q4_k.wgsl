@@ -5,22 +5,10 @@
 const BLOCK_ELEMS: u32 = 256u;
 const BLOCK_BYTES: u32 = 144u;
 
-// (scale, minimum) of sub-block j (0..8), from the 12 bytes at s
-fn q4k_scale_min(s: u32, j: u32) -> vec2<f32> {
-    if (j < 4u) {
-        return vec2<f32>(f32(byte_at(s + j) & 63u), f32(byte_at(s + j + 4u) & 63u));
-    }
-    let a = byte_at(s + j + 4u);
-    return vec2<f32>(
-        f32((a & 0xfu) | ((byte_at(s + j - 4u) >> 6u) << 4u)),
-        f32((a >> 4u) | ((byte_at(s + j) >> 6u) << 4u)),
-    );
-}
-
 fn block_value(base: u32, i: u32) -> f32 {
     let c = i >> 6u;
     let hi = (i >> 5u) & 1u;
-    let sm = q4k_scale_min(base + 4u, 2u * c + hi);
+    let sm = k_scale_min(base + 4u, 2u * c + hi);
     let q = (byte_at(base + 16u + 32u * c + (i & 31u)) >> (4u * hi)) & 0xfu;
     return f16_at(base) * sm.x * f32(q) - f16_at(base + 2u) * sm.y;
 }
@@ -30,8 +18,8 @@ fn block_dot(base: u32, xo: u32) -> f32 {
     let dmin = f16_at(base + 2u);
     var acc = 0.0;
     for (var c = 0u; c < 4u; c++) {
-        let sm0 = q4k_scale_min(base + 4u, 2u * c);
-        let sm1 = q4k_scale_min(base + 4u, 2u * c + 1u);
+        let sm0 = k_scale_min(base + 4u, 2u * c);
+        let sm1 = k_scale_min(base + 4u, 2u * c + 1u);
         var s0 = 0.0;
         var s1 = 0.0;
         var x0 = 0.0;
