@@ -146,7 +146,6 @@ fn host_name() -> String {
         .unwrap_or_else(|| "node".to_string())
 }
 
-/// Joins the cluster: self-test, facts, then the node daemon.
 /// This node's backend (`cpu` or `gpu:N`), its GPU adapters, and the read bandwidth of the
 /// one it computes on (probed; `None` on the CPU).
 ///
@@ -179,6 +178,7 @@ fn gpu_facts() -> anyhow::Result<(String, Vec<shoal_cluster::facts::GpuFacts>, O
     Ok((backend, gpus, bw))
 }
 
+/// Joins the cluster: self-test, facts, then the node daemon.
 async fn join_cluster(
     args: &ServeArgs,
     identity: Identity,
