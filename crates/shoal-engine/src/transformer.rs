@@ -128,17 +128,7 @@ impl Transformer {
         cfg: ModelConfig,
         comm: Arc<dyn Communicator>,
     ) -> Result<Self, EngineError> {
-        let plan = if comm.world_size() == 1 {
-            ShardPlan::full(&cfg)
-        } else {
-            let layout = crate::shard::Layout {
-                tp: comm.world_size(),
-                pp: 1,
-            };
-            crate::shard::plan(&cfg, src, layout, None, crate::shard::ExpertSplit::Auto)?
-                .swap_remove(comm.rank())
-        };
-        Self::load_shard(src, cfg, plan, comm)
+        Self::load_on_device(crate::device::for_this_process(), src, cfg, comm)
     }
 
     /// Loads what `plan` says this rank holds, on this process's device; `tp` is the

@@ -17,6 +17,9 @@ use wgpu::util::DeviceExt;
 
 use crate::EngineError;
 
+/// A pipeline's shader name and entry point.
+type PipelineKey = (Cow<'static, str>, &'static str);
+
 /// An open device and what records work on it (see the module).
 pub struct GpuContext {
     pub(super) device: wgpu::Device,
@@ -25,7 +28,7 @@ pub struct GpuContext {
     pub(super) info: wgpu::AdapterInfo,
     /// The limits the device was opened with.
     pub(super) limits: wgpu::Limits,
-    pipelines: Mutex<HashMap<(String, &'static str), Arc<wgpu::ComputePipeline>>>,
+    pipelines: Mutex<HashMap<PipelineKey, Arc<wgpu::ComputePipeline>>>,
     pending: Mutex<Pending>,
     /// The uniform arena: one slot of parameters per dispatch of a submission.
     arena: wgpu::Buffer,
@@ -190,17 +193,15 @@ impl GpuContext {
     /// The pipeline of `entry` in the WGSL `source` (named `name`), built on first use.
     pub(super) fn pipeline(
         &self,
-        name: &str,
+        name: impl Into<Cow<'static, str>>,
         entry: &'static str,
         source: impl FnOnce() -> String,
     ) -> Arc<wgpu::ComputePipeline> {
+        let name = name.into();
         let mut cache = self.pipelines.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(p) = cache.get(&(name.to_string(), entry)) {
-            return p.clone();
-        }
         cache
-            .entry((name.to_string(), entry))
-            .or_insert_with(|| {
+            .entry((name, entry))
+            .or_insert_with_key(|(name, _)| {
                 let module = self
                     .device
                     .create_shader_module(wgpu::ShaderModuleDescriptor {
@@ -328,17 +329,14 @@ impl GpuContext {
         let at = slot * self.slot_bytes;
         let bytes: &[u8] = bytemuck::cast_slice(params);
         p.staged[at..at + bytes.len()].copy_from_slice(bytes);
-        let buffers: Vec<&wgpu::Buffer> = binds
-            .iter()
-            .map(|b| {
-                let Bind::Whole(buf) = b;
-                *buf
-            })
-            .collect();
+        fn buffer<'a>(b: &Bind<'a>) -> &'a wgpu::Buffer {
+            let Bind::Whole(buf) = b;
+            buf
+        }
         let cached = p.groups[slot].as_ref().filter(|c| {
             c.pipeline == *pipeline
-                && c.buffers.len() == buffers.len()
-                && c.buffers.iter().zip(&buffers).all(|(a, b)| a == *b)
+                && c.buffers.len() == binds.len()
+                && c.buffers.iter().zip(binds).all(|(a, b)| a == buffer(b))
         });
         let group = match cached {
             Some(c) => c.group.clone(),
@@ -351,10 +349,10 @@ impl GpuContext {
                         size: std::num::NonZeroU64::new(PARAMS_BYTES as u64),
                     }),
                 }];
-                for (i, buf) in buffers.iter().enumerate() {
+                for (i, b) in binds.iter().enumerate() {
                     entries.push(wgpu::BindGroupEntry {
                         binding: i as u32 + 1,
-                        resource: buf.as_entire_binding(),
+                        resource: buffer(b).as_entire_binding(),
                     });
                 }
                 let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
@@ -364,7 +362,7 @@ impl GpuContext {
                 });
                 p.groups[slot] = Some(CachedGroup {
                     pipeline: pipeline.clone(),
-                    buffers: buffers.iter().map(|b| (*b).clone()).collect(),
+                    buffers: binds.iter().map(|b| buffer(b).clone()).collect(),
                     group: group.clone(),
                 });
                 group

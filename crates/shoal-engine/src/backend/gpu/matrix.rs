@@ -3,7 +3,8 @@
 //! binding could not hold them all, and multiplied by a kernel that decodes its type's
 //! blocks as it reads them (`shaders/matmul.wgsl` with the type's own file in front).
 
-use std::sync::Arc;
+use std::borrow::Cow;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use shoal_model::gguf::GgmlType;
@@ -26,6 +27,9 @@ pub struct GpuMatrix {
     row_bytes: usize,
     /// Consecutive row ranges, each in its own buffer.
     chunks: Vec<(usize, usize, wgpu::Buffer)>,
+    /// This type's pipelines, from the device's cache on first use: the product over
+    /// `BASE_ROWS` and over `WIDE_ROWS` activation rows per workgroup, and the gather.
+    pipelines: [OnceLock<Arc<wgpu::ComputePipeline>>; 3],
 }
 
 /// The WGSL of a weight type's block decoding, where the backend has it.
@@ -188,23 +192,41 @@ impl GpuMatrix {
             cols,
             row_bytes,
             chunks,
+            pipelines: Default::default(),
         })
     }
 
-    /// The pipeline of `entry` for this type, with `rows` activation rows per workgroup.
+    /// The pipeline of `entry` for this type, with `rows` activation rows per workgroup
+    /// (kept by the matrix: a product looks nothing up).
     fn pipeline(
         &self,
         ctx: &GpuContext,
         entry: &'static str,
         rows: u32,
     ) -> Arc<wgpu::ComputePipeline> {
-        let ty = self.ty;
-        let name = if rows == BASE_ROWS {
-            pipeline_name(ty).to_string()
-        } else {
-            format!("{} x{rows}", pipeline_name(ty))
+        let slot = match (entry, rows) {
+            ("gather", _) => 2,
+            (_, BASE_ROWS) => 0,
+            _ => 1,
         };
-        ctx.pipeline(&name, entry, || {
+        self.pipelines[slot]
+            .get_or_init(|| self.build_pipeline(ctx, entry, rows))
+            .clone()
+    }
+
+    fn build_pipeline(
+        &self,
+        ctx: &GpuContext,
+        entry: &'static str,
+        rows: u32,
+    ) -> Arc<wgpu::ComputePipeline> {
+        let ty = self.ty;
+        let name: Cow<'static, str> = if rows == BASE_ROWS {
+            pipeline_name(ty).into()
+        } else {
+            format!("{} x{rows}", pipeline_name(ty)).into()
+        };
+        ctx.pipeline(name, entry, || {
             format!(
                 "{}\n{}",
                 include_str!("shaders/matmul.wgsl").replace(
