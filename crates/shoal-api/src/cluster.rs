@@ -71,6 +71,27 @@ pub async fn publish_figures(
     }
 }
 
+/// Marks this node's GPUs that failed (a lost device) in its published facts, checking
+/// every 2 s, so `shoal nodes`, the dashboard and the planner see them; until the node
+/// is dropped.
+pub async fn publish_gpu_failures(node: std::sync::Weak<shoal_cluster::node::Node>) {
+    loop {
+        let failed = shoal_engine::device::failed_gpus();
+        let Some(node) = node.upgrade() else { return };
+        if !failed.is_empty() {
+            node.update_facts(|f| {
+                for g in &mut f.gpus {
+                    if let Some((_, why)) = failed.iter().find(|(i, _)| *i == g.index) {
+                        g.failed = Some(why.clone());
+                    }
+                }
+            })
+            .await;
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    }
+}
+
 /// `GET /cluster/figures`: every live node's figures by model, with the time they were
 /// read here: `{"at_ms", "nodes": {NAME: {MODEL: {...}}}}`.
 pub async fn figures(State(state): State<Arc<AppState>>, req: Request) -> Response {

@@ -133,8 +133,10 @@ pub struct Inputs {
     pub isa: (String, bool),
     /// `/sys/kernel/mm/transparent_hugepage/enabled`, when it exists.
     pub thp: Option<String>,
-    /// The GPU adapters wgpu finds here: `(gpu:N, name, API, software)`.
-    pub gpus: Vec<(usize, String, String, bool)>,
+    /// The GPU adapters wgpu finds here.
+    pub gpus: Vec<shoal_engine::device::GpuAdapter>,
+    /// The GPUs this process computed on that failed, with the reason.
+    pub failed_gpus: Vec<(usize, String)>,
 }
 
 /// Seconds after start by which every live peer should have a measured link.
@@ -343,7 +345,14 @@ fn host_findings(i: &Inputs, out: &mut Vec<Finding>) {
         Finding::ok("cpu", format!("the kernels use {isa}"))
     });
     // gpus
-    out.push(if i.gpus.is_empty() {
+    out.push(if let Some((n, why)) = i.failed_gpus.first() {
+        Finding::problem(
+            "gpu",
+            format!("gpu:{n} failed: {why}"),
+            "restart shoal serve on this node (check the GPU's driver first: dmesg, \
+             vulkaninfo --summary); until then its shares are placed elsewhere",
+        )
+    } else if i.gpus.is_empty() {
         Finding::ok(
             "gpu",
             "no GPU adapter (no Vulkan, Metal or DX12 driver answered): shares run on the CPU",
@@ -352,18 +361,26 @@ fn host_findings(i: &Inputs, out: &mut Vec<Finding>) {
         let list: Vec<String> = i
             .gpus
             .iter()
-            .map(|(n, name, api, software)| {
-                let kind = if *software {
+            .map(|g| {
+                let kind = if g.software {
                     ", software: computes on the CPU"
                 } else {
                     ""
                 };
-                format!("gpu:{n} {name} ({api}{kind})")
+                let memory = g
+                    .memory_bytes
+                    .map(|b| format!(", {:.1} GiB", b as f64 / (1u64 << 30) as f64))
+                    .unwrap_or_default();
+                format!("gpu:{} {} ({}{memory}{kind})", g.index, g.name, g.api)
             })
             .collect();
         Finding::ok(
             "gpu",
-            format!("{}; --device gpu:N computes on one", list.join(", ")),
+            format!(
+                "{}; --device gpu:N computes on one (--gpu-layers N: its first N layers, the \
+                 rest on the CPU)",
+                list.join(", ")
+            ),
         )
     });
     // huge pages
@@ -411,10 +428,8 @@ async fn gather(state: &AppState) -> Inputs {
         thp: std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok(),
         ..Inputs::default()
     };
-    i.gpus = shoal_engine::device::gpus()
-        .into_iter()
-        .map(|g| (g.index, g.name, g.api, g.software))
-        .collect();
+    i.gpus = shoal_engine::device::gpus();
+    i.failed_gpus = shoal_engine::device::failed_gpus();
     let isa = shoal_engine::bench::Isa::detected();
     i.isa = (
         isa.name().to_string(),
@@ -495,7 +510,16 @@ mod tests {
             available: Some(10 << 30),
             isa: ("avx2".into(), false),
             thp: Some("always [madvise] never".into()),
-            gpus: vec![(0, "llvmpipe".into(), "Vulkan".into(), true)],
+            gpus: vec![shoal_engine::device::GpuAdapter {
+                index: 0,
+                name: "llvmpipe".into(),
+                api: "Vulkan".into(),
+                software: true,
+                discrete: false,
+                max_buffer_bytes: 1 << 31,
+                memory_bytes: Some(24 << 30),
+            }],
+            failed_gpus: Vec::new(),
         }
     }
 
@@ -644,5 +668,19 @@ mod tests {
         i.secret = Some(("/x".into(), Some(0o100644)));
         let checks: Vec<String> = findings(&i).into_iter().map(|f| f.check).collect();
         assert_eq!(checks, ["cluster", "memory", "cpu", "gpu", "huge_pages"]);
+    }
+
+    #[test]
+    fn a_failed_gpu_is_a_problem_naming_it_and_why() {
+        let mut i = healthy();
+        i.failed_gpus = vec![(0, "the GPU device was lost (Destroyed)".into())];
+        let f = findings(&i).into_iter().find(|f| f.check == "gpu").unwrap();
+        assert_eq!(f.level, Level::Problem);
+        assert!(
+            f.what.contains("gpu:0 failed: the GPU device was lost"),
+            "{}",
+            f.what
+        );
+        assert!(f.fix.unwrap().contains("restart shoal serve"));
     }
 }

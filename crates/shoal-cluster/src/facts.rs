@@ -45,6 +45,12 @@ pub struct GpuFacts {
     pub software: bool,
     /// Its measured read bandwidth, GB/s, where the node computes on it.
     pub read_gb_s: Option<f64>,
+    /// Its own memory, bytes, where the driver says (absent from older nodes).
+    #[serde(default)]
+    pub memory_bytes: Option<u64>,
+    /// Why it no longer computes (the device was lost), once it failed.
+    #[serde(default)]
+    pub failed: Option<String>,
 }
 
 impl NodeFacts {
@@ -54,12 +60,26 @@ impl NodeFacts {
             id: id.to_string(),
             name: self.name.clone(),
             memory_total_bytes: self.memory_total_bytes,
-            memory_free_bytes: self.memory_free_bytes,
+            // a node whose GPU failed computes nothing more until it restarts
+            memory_free_bytes: if self.compute_gpu_failed() {
+                0
+            } else {
+                self.memory_free_bytes
+            },
             backend: self.backend.clone(),
             mem_bandwidth_gbs: self.mem_bandwidth_gbs,
             compute_gflops: self.compute_gflops,
             threads: self.threads,
         }
+    }
+}
+
+impl NodeFacts {
+    /// Whether the GPU this node computes on (its `backend`) has failed.
+    pub fn compute_gpu_failed(&self) -> bool {
+        self.gpus
+            .iter()
+            .any(|g| g.failed.is_some() && self.backend == format!("gpu:{}", g.index))
     }
 }
 
@@ -91,5 +111,47 @@ mod tests {
         );
         assert_eq!(parse_meminfo("MemTotal: x kB"), None);
         assert!(memory().is_some_and(|(t, f)| t >= f && t > 0));
+    }
+
+    #[test]
+    fn a_node_whose_compute_gpu_failed_offers_the_planner_no_memory() {
+        let gpu = |index, failed: Option<&str>| GpuFacts {
+            index,
+            name: "card".into(),
+            api: "Vulkan".into(),
+            software: false,
+            read_gb_s: None,
+            memory_bytes: Some(8 << 30),
+            failed: failed.map(str::to_string),
+        };
+        let mut f = NodeFacts {
+            name: "a".into(),
+            api: String::new(),
+            listen: String::new(),
+            memory_total_bytes: 16 << 30,
+            memory_free_bytes: 12 << 30,
+            backend: "gpu:1".into(),
+            threads: 4,
+            mem_bandwidth_gbs: 100.0,
+            compute_gflops: 50.0,
+            version: "0".into(),
+            gpus: vec![gpu(0, None), gpu(1, None)],
+        };
+        assert_eq!(f.to_spec("x").memory_free_bytes, 12 << 30);
+        // another GPU than the one it computes on: no matter
+        f.gpus[0].failed = Some("lost".into());
+        assert_eq!(f.to_spec("x").memory_free_bytes, 12 << 30);
+        f.gpus[1].failed = Some("lost".into());
+        assert!(f.compute_gpu_failed());
+        assert_eq!(f.to_spec("x").memory_free_bytes, 0);
+        // facts from a node older than these fields still read
+        let old = r#"{"name":"b","api":"","listen":"","memory_total_bytes":1,"memory_free_bytes":1,
+            "backend":"gpu:0","threads":1,"mem_bandwidth_gbs":1.0,"compute_gflops":1.0,
+            "version":"0","gpus":[{"index":0,"name":"c","api":"Vulkan","software":false,"read_gb_s":null}]}"#;
+        let old: NodeFacts = serde_json::from_str(old).unwrap();
+        assert_eq!(
+            (old.gpus[0].memory_bytes, old.gpus[0].failed.clone()),
+            (None, None)
+        );
     }
 }

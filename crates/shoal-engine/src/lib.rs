@@ -17,6 +17,7 @@ pub mod kv_cache;
 mod lookup;
 pub mod model;
 mod network;
+mod offload;
 pub mod parallel;
 pub mod planning;
 pub mod profile;

@@ -24,7 +24,7 @@ use crate::EngineError;
 pub use crate::backend::cpu::argmax;
 
 /// What the engine asks of a network on some backend.
-trait Forward: Send + Sync {
+pub(crate) trait Forward: Send + Sync {
     fn config(&self) -> &ModelConfig;
     fn plan(&self) -> &ShardPlan;
     fn backend(&self) -> &'static str;
@@ -118,8 +118,9 @@ impl std::fmt::Debug for Transformer {
 
 impl Transformer {
     /// Loads the whole model on one rank, or, when `comm` has several ranks, this rank's
-    /// tensor-parallel share of it (every rank one stage), on this process's device
-    /// ([`crate::device::for_this_process`]: the CPU unless told otherwise).
+    /// tensor-parallel share of it (every rank one stage), where this process places
+    /// shares ([`crate::device::placement_for_this_process`]: the CPU unless told
+    /// otherwise).
     ///
     /// # Errors
     /// When a tensor is missing or misshapen, or the model cannot be cut that many ways.
@@ -128,11 +129,11 @@ impl Transformer {
         cfg: ModelConfig,
         comm: Arc<dyn Communicator>,
     ) -> Result<Self, EngineError> {
-        Self::load_on_device(crate::device::for_this_process(), src, cfg, comm)
+        Self::load_on_device(crate::device::placement_for_this_process(), src, cfg, comm)
     }
 
-    /// Loads what `plan` says this rank holds, on this process's device; `tp` is the
-    /// communicator of the ranks of its pipeline stage.
+    /// Loads what `plan` says this rank holds, where this process places shares; `tp` is
+    /// the communicator of the ranks of its pipeline stage.
     ///
     /// # Errors
     /// When a tensor is missing or misshapen.
@@ -142,39 +143,75 @@ impl Transformer {
         plan: ShardPlan,
         tp: Arc<dyn Communicator>,
     ) -> Result<Self, EngineError> {
-        Self::load_shard_on(crate::device::for_this_process(), src, cfg, plan, tp)
+        Self::load_shard_on(
+            crate::device::placement_for_this_process(),
+            src,
+            cfg,
+            plan,
+            tp,
+        )
     }
 
-    /// Loads what `plan` says this rank holds on `device`; `tp` is the communicator of the
-    /// ranks of its pipeline stage.
+    /// Loads what `plan` says this rank holds as `place` says (a device, or a GPU's share
+    /// of the layers and the CPU's of the rest); `tp` is the communicator of the ranks of
+    /// its pipeline stage.
     ///
     /// # Errors
     /// When a tensor is missing or misshapen, or the device cannot be opened or cannot run
     /// the model (say why).
     pub fn load_shard_on(
-        device: crate::Device,
+        place: impl Into<crate::device::Placement>,
         src: &dyn WeightSource,
         cfg: ModelConfig,
         plan: ShardPlan,
         tp: Arc<dyn Communicator>,
     ) -> Result<Self, EngineError> {
-        match device.resolve() {
-            crate::device::Resolved::Cpu => Self::load_on(Cpu, src, cfg, plan, tp),
-            crate::device::Resolved::Gpu(n) => {
-                let gpu = crate::backend::gpu::Gpu::open(n)?;
-                tracing::info!("computing on GPU {n}: {}", gpu.describe());
-                Self::load_on(gpu, src, cfg, plan, tp)
-            }
+        use crate::device::GpuLayers;
+        let place = place.into();
+        let n = match place.device.resolve() {
+            crate::device::Resolved::Cpu => return Self::load_on(Cpu, src, cfg, plan, tp),
+            crate::device::Resolved::Gpu(n) => n,
+        };
+        let gpu = crate::backend::gpu::Gpu::open(n)?;
+        let layers = plan.layers.len();
+        let on_gpu = match place.gpu_layers {
+            GpuLayers::All => layers,
+            GpuLayers::First(k) => k.min(layers),
+            GpuLayers::Fit => match crate::device::gpus().get(n).and_then(|a| a.memory_bytes) {
+                Some(memory) => crate::offload::fit_layers(memory, src, &cfg, &plan)?,
+                None => layers,
+            },
+        };
+        if on_gpu == layers {
+            tracing::info!("computing on GPU {n}: {}", gpu.describe());
+            Self::load_on(gpu, src, cfg, plan, tp)
+        } else if on_gpu == 0 {
+            tracing::warn!(
+                "no layer on GPU {n} ({}, --gpu-layers {}): computing on the CPU",
+                gpu.describe(),
+                place.gpu_layers
+            );
+            Self::load_on(Cpu, src, cfg, plan, tp)
+        } else {
+            tracing::info!(
+                "computing {on_gpu} of {layers} layers on GPU {n} ({}), the rest on the CPU",
+                gpu.describe()
+            );
+            Ok(Transformer {
+                net: Box::new(crate::offload::Offloaded::load(
+                    gpu, src, cfg, plan, tp, on_gpu,
+                )?),
+            })
         }
     }
 
     /// Loads the whole model on one rank (or this rank's tensor-parallel share when `comm`
-    /// has several) on `device`.
+    /// has several) as `place` says.
     ///
     /// # Errors
     /// As [`Transformer::load_shard_on`], or when the model cannot be cut that many ways.
     pub fn load_on_device(
-        device: crate::Device,
+        place: impl Into<crate::device::Placement>,
         src: &dyn WeightSource,
         cfg: ModelConfig,
         comm: Arc<dyn Communicator>,
@@ -189,7 +226,7 @@ impl Transformer {
             crate::shard::plan(&cfg, src, layout, None, crate::shard::ExpertSplit::Auto)?
                 .swap_remove(comm.rank())
         };
-        Self::load_shard_on(device, src, cfg, plan, comm)
+        Self::load_shard_on(place, src, cfg, plan, comm)
     }
 
     /// Loads what `plan` says this rank holds on backend `be`.

@@ -17,6 +17,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use shoal_engine::device::{GpuLayers, Placement};
 use shoal_engine::transformer::argmax;
 use shoal_engine::weights::GgufWeights;
 use shoal_engine::{arch, Device, Transformer};
@@ -42,7 +43,7 @@ fn have_gpu(test: &str) -> bool {
     true
 }
 
-fn load(path: &Path, device: Device) -> Transformer {
+fn load(path: &Path, device: impl Into<Placement>) -> Transformer {
     let file = GgufFile::open(path).unwrap();
     let vocab = file.tensor("token_embd.weight").unwrap().shape()[0];
     let cfg = arch::config_from_gguf(file.metadata(), vocab, "gpu test").unwrap();
@@ -230,7 +231,7 @@ fn quantized_moe_matches_the_oracle() {
 /// Greedy tokens of a tensor-parallel split over two in-process ranks, rank `r` on
 /// `devices[r]`: rank 1 serves steps, rank 0 leads (`parallel::Lead`, as a split instance
 /// runs).
-fn split_tokens(path: &Path, devices: [Device; 2], n: usize) -> Vec<u32> {
+fn split_tokens(path: &Path, devices: [Placement; 2], n: usize) -> Vec<u32> {
     use shoal_comm::{mem_mesh, Transport};
     use shoal_engine::parallel::{serve, Lead, RankContext, Want};
     use shoal_engine::shard::{self, ExpertSplit, Layout};
@@ -300,8 +301,10 @@ fn a_split_over_gpu_and_cpu_ranks_gives_one_ranks_tokens() {
             logits = one.forward_last(&[id], &mut cache).unwrap();
         }
         for devices in [
-            [Device::Gpu(None), Device::Cpu],
-            [Device::Cpu, Device::Gpu(None)],
+            [Device::Gpu(None).into(), Device::Cpu.into()],
+            [Device::Cpu.into(), Device::Gpu(None).into()],
+            // rank 1's share cut after its first layer: GPU, then CPU
+            [Device::Cpu.into(), first_on_gpu(1)],
         ] {
             let got = split_tokens(&path, devices, 12);
             assert_eq!(got, want, "{} over {devices:?}", m.spec().name);
@@ -310,6 +313,77 @@ fn a_split_over_gpu_and_cpu_ranks_gives_one_ranks_tokens() {
                 m.spec().name
             );
         }
+    }
+}
+
+/// The first `n` layers of a share on the GPU, the rest on the CPU.
+fn first_on_gpu(n: usize) -> Placement {
+    Placement {
+        device: Device::Gpu(None),
+        gpu_layers: GpuLayers::First(n),
+    }
+}
+
+/// A model cut across the GPU and the CPU (`--gpu-layers`) gives the oracle's logits and
+/// the CPU's greedy tokens, whichever layer it is cut after, for a dense model with tied
+/// embeddings (the head on the CPU reads the embedding too), a mixture of experts and
+/// latent attention; a cache's prefix copies across both parts.
+#[test]
+fn a_model_cut_across_the_gpu_and_the_cpu_answers_like_the_cpu() {
+    if !have_gpu("a_model_cut_across_the_gpu_and_the_cpu_answers_like_the_cpu") {
+        return;
+    }
+    for mut spec in [
+        TinyModelSpec::qwen2(3),
+        TinyModelSpec::qwen3moe(1),
+        TinyModelSpec::deepseek2(2),
+    ] {
+        spec.n_layers = 3;
+        let m = spec.build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = write(&m, dir.path(), GgmlType::F32);
+        let cpu = load(&path, Device::Cpu);
+        let oracle = m.reference_logits_f16_kv(&PROMPT);
+        for n in [1, 2] {
+            let label = format!("{} seed {} cut after {n}", m.spec().name, m.spec().seed);
+            let cut = load(&path, first_on_gpu(n));
+            assert_eq!(cut.backend(), "gpu+cpu", "{label}");
+            for chunks in [vec![PROMPT.len()], vec![1; PROMPT.len()], vec![5, 1, 6]] {
+                let d = max_abs_diff(&chunked(&cut, &PROMPT, &chunks), &oracle);
+                eprintln!("{label}: chunks {chunks:?}: max|cut - oracle| {d:.2e}");
+                assert!(
+                    d < TOL,
+                    "{label}: {chunks:?}: logits differ from the oracle by {d}"
+                );
+            }
+            // greedy tokens; the second half after a copied prefix
+            let (mut cg, mut cc) = (cut.new_cache(64), cpu.new_cache(64));
+            let mut lg = cut.forward_last(&PROMPT, &mut cg).unwrap();
+            let mut lc = cpu.forward_last(&PROMPT, &mut cc).unwrap();
+            for step in 0..12 {
+                let (g, c) = (argmax(&lg) as u32, argmax(&lc) as u32);
+                assert_eq!(g, c, "{label}: step {step}");
+                if step == 6 {
+                    let mut copy = cut.new_cache(64);
+                    cut.copy_prefix(&cg, &mut copy, cg.len()).unwrap();
+                    cg = copy;
+                }
+                lg = cut.forward_last(&[g], &mut cg).unwrap();
+                lc = cpu.forward_last(&[c], &mut cc).unwrap();
+            }
+            assert_eq!(cg.len(), PROMPT.len() + 12, "{label}");
+            // a cache of the plain model is refused, not misread
+            let mut plain = cpu.new_cache(64);
+            let e = cut
+                .forward_last(&PROMPT, &mut plain)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("made by the cpu backend"), "{label}: {e}");
+            eprintln!("{label}: the CPU's 12 greedy tokens");
+        }
+        // all layers, or none, is no cut
+        assert_eq!(load(&path, first_on_gpu(3)).backend(), "gpu");
+        assert_eq!(load(&path, first_on_gpu(0)).backend(), "cpu");
     }
 }
 

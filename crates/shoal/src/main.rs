@@ -125,6 +125,12 @@ pub struct ComputeArgs {
         value_delimiter = ','
     )]
     pub device: Vec<shoal_engine::Device>,
+    /// On a GPU, how many of a share's layers it takes; the rest run on the CPU beside it.
+    /// auto: as many as its memory holds (with room for an 8192-position KV cache per layer;
+    /// all of them where the driver does not say its size); all; or a count (0: the CPU
+    /// alone).
+    #[arg(long, env = "SHOAL_GPU_LAYERS", default_value = "auto")]
+    pub gpu_layers: shoal_engine::device::GpuLayers,
 }
 
 /// The `--device` list of this process (see [`ComputeArgs::device`]).
@@ -172,7 +178,16 @@ impl ComputeArgs {
             .build_global()
             .ok();
         let first = self.device.first().copied().unwrap_or_default();
+        if let shoal_engine::device::GpuLayers::First(n @ 1..) = self.gpu_layers {
+            if self.device.iter().all(|d| *d == shoal_engine::Device::Cpu) {
+                anyhow::bail!(
+                    "--gpu-layers {n} puts layers on a GPU, but --device is cpu; add --device gpu \
+                     (or gpu:N, auto)"
+                );
+            }
+        }
         shoal_engine::device::use_for_this_process(first);
+        shoal_engine::device::use_gpu_layers_for_this_process(self.gpu_layers);
         RANK_DEVICES.set(self.device.clone()).ok();
         Ok(n)
     }

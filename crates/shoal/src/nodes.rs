@@ -88,10 +88,14 @@ pub fn nodes(args: LookArgs) -> anyhow::Result<()> {
             let n = g["index"].as_u64().unwrap_or(0);
             let using = backend == format!("gpu:{n}");
             println!(
-                "{:<17} gpu:{n} {} ({}{}){}{}",
+                "{:<17} gpu:{n} {} ({}{}{}){}{}",
                 "",
                 g["name"].as_str().unwrap_or("?"),
                 g["api"].as_str().unwrap_or("?"),
+                g["memory_bytes"]
+                    .as_u64()
+                    .map(|b| format!(", {:.1} GiB", b as f64 / (1u64 << 30) as f64))
+                    .unwrap_or_default(),
                 if g["software"].as_bool() == Some(true) {
                     ", software"
                 } else {
@@ -103,6 +107,9 @@ pub fn nodes(args: LookArgs) -> anyhow::Result<()> {
                     .unwrap_or_default(),
                 if using { ", computes here" } else { "" },
             );
+            if let Some(why) = g["failed"].as_str() {
+                println!("{:<17}   FAILED: {why}", "");
+            }
         }
     }
     Ok(())

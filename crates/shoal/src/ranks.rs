@@ -435,6 +435,8 @@ impl LocalWorkers {
                 .arg("worker")
                 .arg("--device")
                 .arg(device.to_string())
+                .arg("--gpu-layers")
+                .arg(shoal_engine::device::gpu_layers_for_this_process().to_string())
                 .arg(model)
                 .arg("--rank")
                 .arg(r.to_string())

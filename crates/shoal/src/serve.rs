@@ -172,6 +172,8 @@ fn gpu_facts() -> anyhow::Result<(String, Vec<shoal_cluster::facts::GpuFacts>, O
             name: g.name,
             api: g.api,
             software: g.software,
+            memory_bytes: g.memory_bytes,
+            failed: None,
         })
         .collect();
     let backend = using.map_or_else(|| "cpu".to_string(), |n| format!("gpu:{n}"));
@@ -338,6 +340,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
                     Arc::downgrade(&state),
                     node.clone(),
                 ));
+                tokio::spawn(shoal_api::cluster::publish_gpu_failures(Arc::downgrade(&node)));
                 let offered = {
                     let models = args.models.clone();
                     tokio::task::spawn_blocking(move || {

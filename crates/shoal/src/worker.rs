@@ -33,6 +33,9 @@ pub struct WorkerArgs {
     /// started it uses).
     #[arg(long, env = "SHOAL_DEVICE", default_value = "cpu")]
     pub device: shoal_engine::Device,
+    /// On a GPU, how many of this rank's layers it takes (see `shoal run --help`).
+    #[arg(long, env = "SHOAL_GPU_LAYERS", default_value = "auto")]
+    pub gpu_layers: shoal_engine::device::GpuLayers,
     /// How long to wait for rank 0 and the other ranks to appear, in seconds.
     #[arg(long, default_value_t = 600)]
     pub join_timeout_s: u64,
@@ -48,6 +51,7 @@ pub fn main(args: WorkerArgs) -> anyhow::Result<()> {
     ComputeArgs {
         threads: Some(args.threads.unwrap_or(job.threads)),
         device: vec![args.device],
+        gpu_layers: args.gpu_layers,
     }
     .apply()?;
     let layout = Layout {

@@ -453,6 +453,60 @@ impl<B: Backend> Network<B> {
         }
     }
 
+    /// Runs part of a step on a rank that holds part of a share (one device's layers, see
+    /// `crate::offload`): `input` (token ids on the first stage, hidden states otherwise,
+    /// each sequence's `counts[i]` rows in turn, after what `caches[i]` holds) through this
+    /// rank's layers, then the logits of the last `last` rows of each sequence where
+    /// `last` is given (last stage), else the hidden states.
+    ///
+    /// # Errors
+    /// As [`Network::step`] and [`Network::forward_layers`].
+    pub fn part_step(
+        &self,
+        input: PartInput<'_>,
+        counts: &[usize],
+        caches: &mut [&mut KvCache],
+        last: Option<usize>,
+    ) -> Result<Vec<f32>, EngineError> {
+        let rows: usize = counts.iter().sum();
+        match input {
+            PartInput::Tokens(tokens) => {
+                check_tokens(tokens, counts)?;
+                self.check_ids(tokens)?;
+            }
+            PartInput::Hidden(x) if x.len() != rows * self.cfg.hidden => {
+                return Err(EngineError::InvalidInput {
+                    what: format!(
+                        "{} hidden values for {rows} rows of {}",
+                        x.len(),
+                        self.cfg.hidden
+                    ),
+                })
+            }
+            PartInput::Hidden(_) => {}
+        }
+        let run = || {
+            self.with_step(counts, caches, |ws, kv| {
+                match input {
+                    PartInput::Tokens(tokens) => self.embed_into(tokens, ws)?,
+                    PartInput::Hidden(x) => ws.x = self.be.upload(x),
+                }
+                self.layers(ws, kv)?;
+                match last {
+                    Some(last) => self.head(ws, last),
+                    None => self.be.download(std::mem::take(&mut ws.x)),
+                }
+            })
+        };
+        // as in `forward_layers`: a step with collectives inside runs outside the backend's
+        // step team, which ranks of one process would otherwise wait on each other for
+        if self.tp.world_size() == 1 {
+            self.be.run_step(counts.iter().all(|&n| n == 1), run)
+        } else {
+            run()
+        }
+    }
+
     /// This rank's vocabulary slice of the logits of the last `last` rows of each
     /// sequence of hidden states `x` (last stage only).
     ///
@@ -480,6 +534,14 @@ impl<B: Backend> Network<B> {
         ws.x = self.be.upload(x.to_vec());
         self.head(&mut ws, last)
     }
+}
+
+/// What a part of a step starts from.
+pub(crate) enum PartInput<'a> {
+    /// Token ids (the first stage embeds them).
+    Tokens(&'a [u32]),
+    /// Hidden states, a row per token.
+    Hidden(Vec<f32>),
 }
 
 /// Checks that the tokens of a step are the sequences' rows.

@@ -25,6 +25,10 @@ pub struct GpuAdapter {
     pub discrete: bool,
     /// The largest buffer it allows, bytes.
     pub max_buffer_bytes: u64,
+    /// Its own memory, bytes: the largest device-local heap its Vulkan driver reports
+    /// (`None` through Metal and DX12, which do not say; on a Mac the GPU shares the
+    /// machine's memory).
+    pub memory_bytes: Option<u64>,
 }
 
 fn instance() -> &'static wgpu::Instance {
@@ -60,9 +64,62 @@ pub fn adapters() -> Vec<GpuAdapter> {
                 software: info.device_type == wgpu::DeviceType::Cpu,
                 discrete: info.device_type == wgpu::DeviceType::DiscreteGpu,
                 max_buffer_bytes: a.limits().max_buffer_size,
+                memory_bytes: device_memory(a),
             }
         })
         .collect()
+}
+
+/// The largest device-local memory heap of a Vulkan adapter, bytes.
+#[cfg(any(windows, all(unix, not(target_vendor = "apple"))))]
+fn device_memory(adapter: &wgpu::Adapter) -> Option<u64> {
+    /// `VK_MEMORY_HEAP_DEVICE_LOCAL_BIT`.
+    const DEVICE_LOCAL: u32 = 1;
+    // SAFETY: the raw adapter is only read, while `adapter` keeps it alive
+    let hal = unsafe { adapter.as_hal::<wgpu::hal::api::Vulkan>() }?;
+    let instance = hal.shared_instance().raw_instance();
+    // SAFETY: the physical device belongs to this instance and outlives the call
+    let props =
+        unsafe { instance.get_physical_device_memory_properties(hal.raw_physical_device()) };
+    props
+        .memory_heaps_as_slice()
+        .iter()
+        .filter(|h| h.flags.as_raw() & DEVICE_LOCAL != 0)
+        .map(|h| h.size)
+        .max()
+}
+
+#[cfg(not(any(windows, all(unix, not(target_vendor = "apple")))))]
+fn device_memory(_adapter: &wgpu::Adapter) -> Option<u64> {
+    None
+}
+
+fn opened() -> &'static Mutex<HashMap<usize, Arc<GpuContext>>> {
+    static OPEN: OnceLock<Mutex<HashMap<usize, Arc<GpuContext>>>> = OnceLock::new();
+    OPEN.get_or_init(Mutex::default)
+}
+
+/// The GPUs this process opened that failed (lost, or an error that leaves their work
+/// unusable), by number, with what went wrong.
+pub fn failed() -> Vec<(usize, String)> {
+    let open = opened().lock().unwrap_or_else(|p| p.into_inner());
+    let mut out: Vec<(usize, String)> = open
+        .iter()
+        .filter_map(|(&i, ctx)| Some((i, ctx.failure()?)))
+        .collect();
+    out.sort();
+    out
+}
+
+/// Destroys the device of GPU `index` if this process opened it (see
+/// [`crate::device::simulate_gpu_loss`]); whether it had.
+pub(crate) fn destroy(index: usize) -> bool {
+    let ctx = opened()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&index)
+        .cloned();
+    ctx.map(|c| c.destroy()).is_some()
 }
 
 /// The device of adapter `index`, opened on first use.
@@ -70,7 +127,6 @@ pub fn adapters() -> Vec<GpuAdapter> {
 /// # Errors
 /// When there is no such adapter or it refuses a device.
 pub(crate) fn open(index: usize) -> Result<Arc<GpuContext>, EngineError> {
-    static OPEN: OnceLock<Mutex<HashMap<usize, Arc<GpuContext>>>> = OnceLock::new();
     let all = raw_adapters();
     let Some(adapter) = all.get(index) else {
         return Err(EngineError::Unsupported {
@@ -92,10 +148,7 @@ pub(crate) fn open(index: usize) -> Result<Arc<GpuContext>, EngineError> {
             },
         });
     };
-    let mut open = OPEN
-        .get_or_init(Mutex::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
+    let mut open = opened().lock().unwrap_or_else(|p| p.into_inner());
     if let Some(ctx) = open.get(&index) {
         return Ok(ctx.clone());
     }

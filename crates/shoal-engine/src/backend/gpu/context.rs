@@ -13,8 +13,6 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use wgpu::util::DeviceExt;
-
 use crate::EngineError;
 
 /// A pipeline's shader name and entry point.
@@ -128,7 +126,17 @@ impl GpuContext {
         device.set_device_lost_callback(move |reason, message| {
             let mut slot = f.lock().unwrap_or_else(|p| p.into_inner());
             tracing::error!("GPU device lost ({reason:?}): {message}");
-            slot.get_or_insert_with(|| format!("the GPU device was lost ({reason:?}): {message}"));
+            let detail = if message.is_empty() {
+                String::new()
+            } else {
+                format!(": {message}")
+            };
+            slot.get_or_insert_with(|| {
+                format!(
+                    "the GPU device was lost ({reason:?}){detail}; restart shoal to compute on \
+                     it again, or use --device cpu"
+                )
+            });
         });
         let slot_bytes = (limits.min_uniform_buffer_offset_alignment as usize).max(PARAMS_BYTES);
         let arena = device.create_buffer(&wgpu::BufferDescriptor {
@@ -190,6 +198,20 @@ impl GpuContext {
         }
     }
 
+    /// What went wrong with the device, once something has (see the module).
+    pub(super) fn failure(&self) -> Option<String> {
+        self.failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Destroys the device, as a driver reset or an unplugged card would lose it.
+    pub(super) fn destroy(&self) {
+        self.device.destroy();
+        self.wait();
+    }
+
     /// The pipeline of `entry` in the WGSL `source` (named `name`), built on first use.
     pub(super) fn pipeline(
         &self,
@@ -238,15 +260,12 @@ impl GpuContext {
     /// A storage buffer holding `data` (padded with zeros to whole words).
     pub(super) fn buffer_with(&self, data: &[u8], label: &str) -> wgpu::Buffer {
         if data.len().is_multiple_of(4) && !data.is_empty() {
-            return self
-                .device
-                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some(label),
-                    contents: data,
-                    usage: wgpu::BufferUsages::STORAGE
-                        | wgpu::BufferUsages::COPY_SRC
-                        | wgpu::BufferUsages::COPY_DST,
-                });
+            // a queue write lands before the next submission, so before any command that
+            // can read the new buffer; unlike a buffer mapped at creation it fails through
+            // the error callback, not a panic, on a lost device
+            let buf = self.buffer(data.len(), label);
+            self.queue.write_buffer(&buf, 0, data);
+            return buf;
         }
         let mut padded = data.to_vec();
         padded.resize(data.len().max(4).div_ceil(4) * 4, 0);

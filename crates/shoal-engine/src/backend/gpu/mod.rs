@@ -239,8 +239,9 @@ impl Backend for Gpu {
         self.ctx.check().map_err(|e| EngineError::Load {
             what: format!(
                 "{e} (loading the model onto the GPU; a model larger than the GPU's memory \
-                 can be split: --pp 2 --device gpu,cpu puts its first layers on the GPU and \
-                 the rest on the CPU, or use --device cpu)"
+                 can be cut: --gpu-layers N puts its first N layers on the GPU and the rest \
+                 on the CPU, --gpu-layers auto as many as its memory is known to hold; or \
+                 use --device cpu)"
             ),
         })
     }
