@@ -30,6 +30,10 @@ pub struct NodeFacts {
     /// The GPU adapters the node has (absent from nodes older than this field).
     #[serde(default)]
     pub gpus: Vec<GpuFacts>,
+    /// Layers of a share its GPU takes at most, as it was told (`--gpu-layers N`, `all`
+    /// as `u32::MAX`); absent: what the GPU's memory holds.
+    #[serde(default)]
+    pub gpu_layers: Option<u32>,
 }
 
 /// One GPU adapter of a node.
@@ -70,16 +74,28 @@ impl NodeFacts {
             mem_bandwidth_gbs: self.mem_bandwidth_gbs,
             compute_gflops: self.compute_gflops,
             threads: self.threads,
+            gpu: self.compute_gpu().and_then(|g| {
+                Some(shoal_planner::GpuSpec {
+                    memory_bytes: g.memory_bytes,
+                    mem_bandwidth_gbs: g.read_gb_s?,
+                    max_layers: self.gpu_layers,
+                })
+            }),
         }
     }
 }
 
 impl NodeFacts {
-    /// Whether the GPU this node computes on (its `backend`) has failed.
-    pub fn compute_gpu_failed(&self) -> bool {
+    /// The GPU this node computes on (its `backend`), if any.
+    pub fn compute_gpu(&self) -> Option<&GpuFacts> {
         self.gpus
             .iter()
-            .any(|g| g.failed.is_some() && self.backend == format!("gpu:{}", g.index))
+            .find(|g| self.backend == format!("gpu:{}", g.index))
+    }
+
+    /// Whether the GPU this node computes on has failed.
+    pub fn compute_gpu_failed(&self) -> bool {
+        self.compute_gpu().is_some_and(|g| g.failed.is_some())
     }
 }
 
@@ -136,6 +152,7 @@ mod tests {
             compute_gflops: 50.0,
             version: "0".into(),
             gpus: vec![gpu(0, None), gpu(1, None)],
+            gpu_layers: None,
         };
         assert_eq!(f.to_spec("x").memory_free_bytes, 12 << 30);
         // another GPU than the one it computes on: no matter

@@ -757,6 +757,7 @@ mod tests {
             mem_bandwidth_gbs: 20.0,
             compute_gflops: 100.0,
             threads: 4,
+            gpu: None,
         }
     }
 

@@ -926,6 +926,7 @@ mod tests {
                 compute_gflops: 0.0,
                 version: "0".into(),
                 gpus: Vec::new(),
+                gpu_layers: None,
             }),
         }
     }
@@ -960,6 +961,7 @@ mod tests {
             mem_bandwidth_gbs: 20.0,
             compute_gflops: 100.0,
             threads: 4,
+            gpu: None,
         }
     }
 

@@ -4,7 +4,8 @@
 //! once a step, a row per token; the CPU part runs the remaining layers and the output head
 //! (on the last stage). Either part keeps the share's tensor-parallel communicator, so a
 //! rank cut this way works in any split. How many layers the GPU takes is the user's count
-//! or, by default, what its memory holds ([`fit_layers`]).
+//! or, by default, what its memory holds ([`fit_layers`], by the rule the planner predicts
+//! with).
 
 use std::sync::Arc;
 
@@ -23,12 +24,6 @@ use crate::EngineError;
 
 /// The name a cut share's caches and backend go by.
 const NAME: &str = "gpu+cpu";
-
-/// Positions of KV cache per layer [`fit_layers`] leaves room for on the GPU.
-pub(crate) const FIT_KV_POSITIONS: u64 = 8192;
-
-/// Bytes [`fit_layers`] leaves free on the GPU for the step's activations and logits.
-const FIT_SPARE_BYTES: u64 = 512 << 20;
 
 /// A share whose first layers run on the GPU and the rest on the CPU.
 pub(crate) struct Offloaded {
@@ -60,10 +55,10 @@ pub(crate) fn cut(plan: &ShardPlan, n: usize) -> (ShardPlan, ShardPlan) {
     (first, rest)
 }
 
-/// How many of `plan`'s first layers fit in `memory` bytes of GPU memory: each layer's
-/// weights (this rank's share of them) and its KV cache for [`FIT_KV_POSITIONS`]
-/// positions, after the embedding (first stage), a tenth of the memory and
-/// [`FIT_SPARE_BYTES`] are set aside.
+/// How many of `plan`'s first layers fit in `memory` bytes of GPU memory, by the rule the
+/// planner predicts with (`shoal_planner::gpu::layers_that_fit`): this rank's share of each
+/// layer's weights and its KV cache for `FIT_KV_POSITIONS` positions, after the embedding
+/// (first stage) and the set-asides.
 ///
 /// # Errors
 /// When a tensor's size cannot be read.
@@ -75,18 +70,18 @@ pub(crate) fn fit_layers(
 ) -> Result<usize, EngineError> {
     let spec = arch::spec(cfg.arch);
     let share = plan.shard.heads.len().max(1) as f64 / cfg.n_head.max(1) as f64;
-    let mut budget = memory.saturating_sub(memory / 10 + FIT_SPARE_BYTES);
+    let mut embedding = 0;
     if plan.first_stage {
         if let Some(t) = spec.model_tensor(arch::Role::TokenEmbd) {
             let vocab_share = plan.vocab.len() as f64 / cfg.vocab.max(1) as f64;
-            budget = budget.saturating_sub((src.stored_bytes(t.gguf)? as f64 * vocab_share) as u64);
+            embedding = (src.stored_bytes(t.gguf)? as f64 * vocab_share) as u64;
         }
     }
     let kv_per_position = match &cfg.mla {
         Some(m) => ((m.kv_lora_rank + m.rope_dims) * std::mem::size_of::<half::f16>()) as u64,
         None => KvCache::bytes_per_token_per_layer(plan.shard.kv_heads.len(), cfg.head_dim),
     };
-    let mut fit = 0;
+    let mut layers = Vec::with_capacity(plan.layers.len());
     for layer in plan.layers.clone() {
         let mut weights = 0u64;
         for (_, name) in spec.layer_names(layer) {
@@ -94,14 +89,14 @@ pub(crate) fn fit_layers(
                 weights += src.stored_bytes(&name)?;
             }
         }
-        let need = (weights as f64 * share) as u64 + kv_per_position * FIT_KV_POSITIONS;
-        if need > budget {
-            break;
-        }
-        budget -= need;
-        fit += 1;
+        layers.push((weights as f64 * share) as u64);
     }
-    Ok(fit)
+    Ok(shoal_planner::gpu::layers_that_fit(
+        memory,
+        embedding,
+        layers,
+        kv_per_position,
+    ))
 }
 
 impl Offloaded {
@@ -260,6 +255,7 @@ mod tests {
     use super::*;
     use crate::weights::GgufWeights;
     use shoal_model::gguf::GgufFile;
+    use shoal_planner::gpu::{FIT_KV_POSITIONS, FIT_SPARE_BYTES};
     use shoal_testkit::{GgmlType, TinyModelSpec};
 
     /// The GPU memory in which exactly `need` bytes fit after what [`fit_layers`] sets

@@ -222,6 +222,44 @@ impl<'a> Evaluator<'a> {
         self.cluster.nodes[node].mem_bandwidth_gbs * 1e9 * MEM_EFFICIENCY
     }
 
+    /// The read bandwidth of `node`'s GPU (its CPU's where it has none).
+    fn gpu_bw(&self, node: usize) -> f64 {
+        match &self.cluster.nodes[node].gpu {
+            Some(g) => g.mem_bandwidth_gbs * 1e9 * MEM_EFFICIENCY,
+            None => self.bw(node),
+        }
+    }
+
+    /// How many of the first layers of index `i`'s share of `st` run on `node`'s GPU (0
+    /// without one), by the rule the node loads by ([`crate::gpu`]).
+    fn gpu_layers(&self, t: &TpTable, i: usize, node: usize, st: Stage<'_>) -> usize {
+        let Some(g) = &self.cluster.nodes[node].gpu else {
+            return 0;
+        };
+        let (a, b) = st.layers;
+        let layers: Vec<u64> = (a..b).map(|l| t.held[i][l + 1] - t.held[i][l]).collect();
+        let embedding = if st.first { t.emb[i] } else { 0 };
+        g.layers(embedding, &layers, t.kv[i])
+    }
+
+    /// Seconds index `i` of `stage` on `node` reads for a decoded token: its GPU's layers
+    /// (with the head when it holds them all) at the GPU's bandwidth, the rest at the CPU's.
+    fn decode_secs(&self, t: &TpTable, i: usize, node: usize, st: Stage<'_>) -> f64 {
+        let all = self.decode_read(t, i, st);
+        let k = self.gpu_layers(t, i, node, st);
+        if k == 0 {
+            return all / self.bw(node);
+        }
+        let a = st.layers.0;
+        let gpu = if k == st.len() {
+            all
+        } else {
+            t.read[i][a + k] - t.read[i][a]
+                + k as f64 * KV_READ_FRACTION * self.ctx() * t.kv[i] as f64
+        };
+        gpu / self.gpu_bw(node) + (all - gpu) / self.bw(node)
+    }
+
     fn flops(&self, node: usize) -> f64 {
         self.cluster.nodes[node].compute_gflops * 1e9 * COMPUTE_EFFICIENCY
     }
@@ -249,7 +287,7 @@ impl<'a> Evaluator<'a> {
             .nodes
             .iter()
             .enumerate()
-            .map(|(i, &n)| self.decode_read(t, i, st) / self.bw(n))
+            .map(|(i, &n)| self.decode_secs(t, i, n, st))
             .fold(0.0, f64::max);
         let ar = self
             .all_reduce(st.nodes, self.hidden_bytes())
@@ -277,7 +315,15 @@ impl<'a> Evaluator<'a> {
                     + 2.0 * p * p * self.model.head_dim as f64 * heads * st.len() as f64
                     + 2.0 * ppb * head;
                 let weights = read - routed + experts * expert_touch + head;
-                (flop / self.flops(n)).max(weights / self.bw(n))
+                // the weights of the GPU's layers are read at its bandwidth
+                let k = self.gpu_layers(t, i, n, st);
+                let on_gpu = if k == st.len() {
+                    weights
+                } else {
+                    (t.read[i][a + k] - t.read[i][a]).min(weights)
+                };
+                let reading = on_gpu / self.gpu_bw(n) + (weights - on_gpu) / self.bw(n);
+                (flop / self.flops(n)).max(reading)
             })
             .fold(0.0, f64::max);
         let ar = self
@@ -295,13 +341,35 @@ impl<'a> Evaluator<'a> {
             + if st.last && !tied_once { t.head[i] } else { 0 };
         let kv_bytes = u64::from(self.req.ctx) * st.len() as u64 * t.kv[i];
         let spec = &self.cluster.nodes[node];
+        // the GPU's part: its layers and their cache, with the embedding (first stage),
+        // and everything when it takes every layer
+        let k = self.gpu_layers(t, i, node, st);
+        let own_memory = spec.gpu.as_ref().and_then(|g| g.memory_bytes);
+        let gpu_bytes = match (k, own_memory) {
+            (0, _) | (_, None) => 0,
+            (k, Some(_)) if k == st.len() => weight_bytes + kv_bytes,
+            (k, Some(_)) => {
+                t.held[i][a + k] - t.held[i][a]
+                    + if st.first { t.emb[i] } else { 0 }
+                    + u64::from(self.req.ctx) * k as u64 * t.kv[i]
+            }
+        };
+        // a tied head on the CPU beside an embedding on the GPU is a second copy
+        let second_copy = if tied_once && st.last && k > 0 && k < st.len() {
+            t.head[i]
+        } else {
+            0
+        };
+        let host = weight_bytes + kv_bytes + second_copy - gpu_bytes;
         NodeMemory {
             node: spec.id.clone(),
             weight_bytes,
             kv_bytes,
             overhead_bytes: RUNTIME_OVERHEAD_BYTES,
-            total_bytes: weight_bytes + kv_bytes + RUNTIME_OVERHEAD_BYTES,
+            total_bytes: host + RUNTIME_OVERHEAD_BYTES,
             free_bytes: spec.memory_free_bytes,
+            gpu_bytes,
+            gpu_memory_bytes: own_memory,
         }
     }
 
@@ -422,6 +490,7 @@ impl<'a> Evaluator<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spec::NodeSpec;
     use crate::testing::{dense_model, link, node};
 
     #[test]
@@ -463,5 +532,107 @@ mod tests {
         let t = ev.all_reduce(&[0, 1], 1250.0).unwrap();
         assert!((t - (5e-6 + 1e-6)).abs() < 1e-12);
         assert_eq!(ev.missing_links(&[vec![0], vec![1], vec![2]]), vec![(1, 2)]);
+    }
+
+    /// A node computing on a GPU that holds `gpu_gb` GB (`None`: shares the host's) at
+    /// `gpu_bw` GB/s, its CPU reading at `bw`.
+    fn gpu_node(id: &str, free_gb: f64, bw: f64, gpu_gb: Option<f64>, gpu_bw: f64) -> NodeSpec {
+        NodeSpec {
+            gpu: Some(crate::GpuSpec {
+                memory_bytes: gpu_gb.map(|g| (g * 1e9) as u64),
+                mem_bandwidth_gbs: gpu_bw,
+                max_layers: None,
+            }),
+            backend: "gpu:0".into(),
+            ..node(id, free_gb, bw)
+        }
+    }
+
+    #[test]
+    fn a_gpu_takes_the_layers_that_fit_and_reads_them_at_its_bandwidth() {
+        use crate::gpu::{FIT_KV_POSITIONS, FIT_SPARE_BYTES};
+        let layer = 1_000_000_000u64;
+        let m = dense_model(10, 8, 8, 64, 2048, layer);
+        let kv = m.kv_bytes_per_token_per_layer;
+        // room for the embedding and exactly 4 layers with their fit-time caches
+        let room = layer + 4 * (layer + kv * FIT_KV_POSITIONS) + FIT_SPARE_BYTES;
+        let gpu_memory = (room * 10).div_ceil(9) + 10;
+        let c = Cluster {
+            nodes: vec![gpu_node(
+                "a",
+                64.0,
+                10.0,
+                Some(gpu_memory as f64 / 1e9),
+                100.0,
+            )],
+            links: vec![],
+        };
+        let req = PlanRequest {
+            ctx: 1,
+            ..PlanRequest::default()
+        };
+        let ev = Evaluator::new(&c, &m, &req, 1);
+        let t = ev.table(1).unwrap();
+        let p = ev.predict(t, &[vec![0]], &crate::layers::ranges(&[10]));
+        let kv_read = 0.5 * kv as f64;
+        let gpu = 4.0 * (layer as f64 + kv_read);
+        let cpu = 6.0 * (layer as f64 + kv_read) + layer as f64; // and the head
+        let want = 1.0 / (gpu / (100e9 * MEM_EFFICIENCY) + cpu / (10e9 * MEM_EFFICIENCY));
+        assert!(
+            (p.decode_tok_s - want).abs() < 1e-9 * want,
+            "{p:?} want {want}"
+        );
+        let mem = &p.memory[0];
+        assert_eq!(mem.gpu_bytes, 5 * layer + 4 * kv, "embedding and 4 layers");
+        // the host holds the other 6 layers and the tied head's own copy
+        assert_eq!(mem.total_bytes, 7 * layer + 6 * kv + RUNTIME_OVERHEAD_BYTES);
+        assert!(mem.fits());
+        // a GPU that shares the host's memory takes every layer, counted there
+        let c = Cluster {
+            nodes: vec![gpu_node("a", 64.0, 10.0, None, 100.0)],
+            links: vec![],
+        };
+        let ev = Evaluator::new(&c, &m, &req, 1);
+        let p = ev.predict(
+            ev.table(1).unwrap(),
+            &[vec![0]],
+            &crate::layers::ranges(&[10]),
+        );
+        let want = 100e9 * MEM_EFFICIENCY / (m.bytes_per_token() + 10.0 * kv_read);
+        assert!((p.decode_tok_s - want).abs() < 1e-9 * want, "{p:?}");
+        assert_eq!(p.memory[0].gpu_bytes, 0);
+        assert_eq!(
+            p.memory[0].total_bytes,
+            m.weight_bytes() + 10 * kv + RUNTIME_OVERHEAD_BYTES
+        );
+        // a fixed count larger than the GPU's memory does not fit
+        let mut c = Cluster {
+            nodes: vec![gpu_node("a", 64.0, 10.0, Some(2.0), 100.0)],
+            links: vec![],
+        };
+        c.nodes[0].gpu.as_mut().unwrap().max_layers = Some(8);
+        let ev = Evaluator::new(&c, &m, &req, 1);
+        let p = ev.predict(
+            ev.table(1).unwrap(),
+            &[vec![0]],
+            &crate::layers::ranges(&[10]),
+        );
+        assert!(!p.memory[0].fits(), "{:?}", p.memory[0]);
+    }
+
+    #[test]
+    fn a_gpu_node_that_holds_the_model_beats_a_split_over_cpu_nodes() {
+        let m = dense_model(16, 8, 8, 64, 2048, 500_000_000);
+        let mut nodes = vec![node("cpu1", 64.0, 50.0), node("cpu2", 64.0, 50.0)];
+        nodes.push(gpu_node("gpu", 32.0, 40.0, Some(24.0), 900.0));
+        let c = crate::testing::mesh(nodes, 100.0, 10.0);
+        let best = crate::plan(&c, &m, &PlanRequest::default()).unwrap();
+        assert_eq!(best.placement.describe(), "gpu[0..16]", "{best:?}");
+        // with a GPU too small for a third of it, the GPU node still leads its share
+        let mut small = c.clone();
+        small.nodes[2].gpu.as_mut().unwrap().memory_bytes = Some(3_000_000_000);
+        let best = crate::plan(&small, &m, &PlanRequest::default()).unwrap();
+        eprintln!("{} {:?}", best.placement.describe(), best.prediction);
+        assert!(best.placement.describe().contains("gpu"), "{best:?}");
     }
 }

@@ -20,6 +20,7 @@
 //!     mem_bandwidth_gbs: 20.0,
 //!     compute_gflops: 200.0,
 //!     threads: 8,
+//!     gpu: None,
 //! };
 //! let cluster = Cluster {
 //!     nodes: vec![node("a"), node("b")],
@@ -43,6 +44,7 @@
 pub mod cost;
 mod enumerate;
 mod error;
+pub mod gpu;
 pub mod layers;
 mod placement;
 mod spec;
@@ -55,6 +57,7 @@ mod testing;
 
 pub use enumerate::{best, candidates, evaluate, plan, EXHAUSTIVE_NODES};
 pub use error::PlanError;
+pub use gpu::GpuSpec;
 pub use placement::{Candidate, NodeMemory, Placement, Prediction, SplitKind, StagePlacement};
 pub use spec::{
     Cluster, LayerParts, LinkSpec, ModelProfile, MoeSpec, NodeSpec, PlanRequest, Strategy,

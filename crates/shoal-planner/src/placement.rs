@@ -123,16 +123,26 @@ pub struct NodeMemory {
     pub kv_bytes: u64,
     /// Runtime overhead (activations, buffers): [`crate::cost::RUNTIME_OVERHEAD_BYTES`].
     pub overhead_bytes: u64,
-    /// All of the above.
+    /// All of the above that lives in the host's memory.
     pub total_bytes: u64,
     /// What the node has free for it.
     pub free_bytes: u64,
+    /// The part of the weights and KV cache in its GPU's own memory (0 without one, or
+    /// where the GPU shares the host's memory).
+    #[serde(default)]
+    pub gpu_bytes: u64,
+    /// The GPU's memory, where it has its own.
+    #[serde(default)]
+    pub gpu_memory_bytes: Option<u64>,
 }
 
 impl NodeMemory {
-    /// Whether the slice fits.
+    /// Whether the slice fits, in the host's memory and the GPU's.
     pub fn fits(&self) -> bool {
         self.total_bytes <= self.free_bytes
+            && self
+                .gpu_memory_bytes
+                .is_none_or(|m| self.gpu_bytes + crate::gpu::FIT_SPARE_BYTES <= m)
     }
 }
 
@@ -162,7 +172,12 @@ impl Prediction {
     /// The node using the largest fraction of its free memory.
     pub fn tightest(&self) -> Option<&NodeMemory> {
         self.memory.iter().max_by(|a, b| {
-            let f = |m: &NodeMemory| m.total_bytes as f64 / m.free_bytes.max(1) as f64;
+            let f = |m: &NodeMemory| {
+                let gpu = m.gpu_memory_bytes.map_or(0.0, |g| {
+                    (m.gpu_bytes + crate::gpu::FIT_SPARE_BYTES) as f64 / g.max(1) as f64
+                });
+                (m.total_bytes as f64 / m.free_bytes.max(1) as f64).max(gpu)
+            };
             f(a).total_cmp(&f(b))
         })
     }
@@ -171,7 +186,12 @@ impl Prediction {
     pub fn shortfall_bytes(&self) -> u64 {
         self.memory
             .iter()
-            .map(|m| m.total_bytes.saturating_sub(m.free_bytes))
+            .map(|m| {
+                let gpu = m.gpu_memory_bytes.map_or(0, |g| {
+                    (m.gpu_bytes + crate::gpu::FIT_SPARE_BYTES).saturating_sub(g)
+                });
+                m.total_bytes.saturating_sub(m.free_bytes) + gpu
+            })
             .sum()
     }
 }

@@ -26,14 +26,18 @@ pub struct NodeSpec {
     /// Memory a model may use on this node, bytes: a placement fits when every node's
     /// predicted use is at most this.
     pub memory_free_bytes: u64,
-    /// Compute backend, e.g. `cpu`, `metal`, `cuda`.
+    /// Compute backend, e.g. `cpu`, `gpu:0`.
     pub backend: String,
-    /// Measured memory read bandwidth, GB/s (1e9 bytes per second).
+    /// Measured memory read bandwidth of its CPU, GB/s (1e9 bytes per second).
     pub mem_bandwidth_gbs: f64,
     /// Measured matrix-multiply throughput of the batched (prefill) kernels, GFLOP/s.
     pub compute_gflops: f64,
     /// Compute threads.
     pub threads: u32,
+    /// The GPU it computes on, if any: its first layers of a share go there
+    /// ([`crate::gpu`]).
+    #[serde(default)]
+    pub gpu: Option<crate::gpu::GpuSpec>,
 }
 
 /// A measured (or described) link between two nodes. Links are symmetric; a pair without a
@@ -99,6 +103,14 @@ impl Cluster {
                     "compute {} GFLOP/s; give the measured matmul throughput (> 0)",
                     n.compute_gflops
                 )));
+            }
+            if let Some(g) = &n.gpu {
+                if !(g.mem_bandwidth_gbs.is_finite() && g.mem_bandwidth_gbs > 0.0) {
+                    return Err(bad(format!(
+                        "GPU memory bandwidth {} GB/s; give the measured read bandwidth (> 0)",
+                        g.mem_bandwidth_gbs
+                    )));
+                }
             }
             if n.memory_free_bytes > n.memory_total_bytes {
                 return Err(bad(format!(

@@ -15,6 +15,7 @@ pub fn node(id: &str, free_gb: f64, bw: f64) -> NodeSpec {
         mem_bandwidth_gbs: bw,
         compute_gflops: 100.0,
         threads: 4,
+        gpu: None,
     }
 }
 
@@ -85,6 +86,7 @@ pub fn mac_studios(rtt_us: f64, rdma: bool) -> Cluster {
             mem_bandwidth_gbs: 800.0,
             compute_gflops: 25_000.0,
             threads: 32,
+            gpu: None,
         })
         .collect();
     let mut c = mesh(nodes, rtt_us, 80.0);

@@ -33,10 +33,14 @@ CLUSTER FILE (TOML; GB = 1e9 bytes, Gbit/s = 1e9 bits/s):
   name = \"studio-1\"            # also its id unless `id` is given
   memory_gb = 512              # physical memory
   memory_free_gb = 480         # what a model may use (default: memory_gb less 10%, >= 1 GB)
-  backend = \"metal\"            # cpu (default), metal, cuda
+  backend = \"cpu\"              # informational: cpu (default), gpu:0
   mem_bandwidth_gbs = 800      # measured memory read bandwidth, GB/s
   compute_gflops = 25000       # measured matmul throughput (prefill), GFLOP/s
   threads = 32                 # compute threads (default 1)
+  gpu_bandwidth_gbs = 900      # optional: it computes on a GPU reading this fast, GB/s;
+  gpu_memory_gb = 24           #   with its own memory (omit when it shares the host's):
+  gpu_layers = 20              #   a share's first layers that fit (or this many) go there,
+                               #   the rest run on the CPU (mem_bandwidth_gbs) in memory_gb
 
   [[link]]                     # one per pair of nodes; a pair without one is unreachable
   a = \"studio-1\"
@@ -148,6 +152,11 @@ struct NodeEntry {
     compute_gflops: f64,
     #[serde(default = "one")]
     threads: u32,
+    /// The GPU the node computes on: its own memory (absent: it shares the host's, as a
+    /// Mac's does), its read bandwidth, and a fixed `--gpu-layers` count.
+    gpu_memory_gb: Option<f64>,
+    gpu_bandwidth_gbs: Option<f64>,
+    gpu_layers: Option<u32>,
 }
 
 fn cpu() -> String {
@@ -261,6 +270,24 @@ impl ClusterFile {
                 mem_bandwidth_gbs: n.mem_bandwidth_gbs,
                 compute_gflops: n.compute_gflops,
                 threads: n.threads,
+                gpu: match n.gpu_bandwidth_gbs {
+                    Some(bw) => Some(shoal_planner::GpuSpec {
+                        memory_bytes: n
+                            .gpu_memory_gb
+                            .map(|g| gb_bytes(g, &what("gpu_memory_gb")))
+                            .transpose()?,
+                        mem_bandwidth_gbs: bw,
+                        max_layers: n.gpu_layers,
+                    }),
+                    None if n.gpu_memory_gb.is_some() || n.gpu_layers.is_some() => {
+                        anyhow::bail!(
+                            "{}: gpu_memory_gb and gpu_layers describe a GPU; give its \
+                             gpu_bandwidth_gbs too",
+                            what("gpu_bandwidth_gbs")
+                        )
+                    }
+                    None => None,
+                },
             });
         }
         let mut links: Vec<LinkSpec> = self
@@ -458,7 +485,17 @@ fn print_table(model: &ModelProfile, cluster: &Cluster, args: &PlanArgs, shown: 
         let mem = c
             .prediction
             .tightest()
-            .map(|m| format!("{} {}/{} GB", m.node, gb(m.total_bytes), gb(m.free_bytes)))
+            .map(|m| match m.gpu_memory_bytes {
+                Some(g) if m.gpu_bytes > 0 => format!(
+                    "{} {}/{} GB, GPU {}/{}",
+                    m.node,
+                    gb(m.total_bytes),
+                    gb(m.free_bytes),
+                    gb(m.gpu_bytes),
+                    gb(g)
+                ),
+                _ => format!("{} {}/{} GB", m.node, gb(m.total_bytes), gb(m.free_bytes)),
+            })
             .unwrap_or_else(|| "-".into());
         println!(
             "{:>3}  {:<8}  {:>5}  {:>9}  {:>10}  {:<26}  {}",

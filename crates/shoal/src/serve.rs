@@ -146,12 +146,12 @@ fn host_name() -> String {
         .unwrap_or_else(|| "node".to_string())
 }
 
-/// This node's backend (`cpu` or `gpu:N`), its GPU adapters, and the read bandwidth of the
-/// one it computes on (probed; `None` on the CPU).
+/// This node's backend (`cpu` or `gpu:N`) and its GPU adapters, with the read bandwidth of
+/// the one it computes on (probed).
 ///
 /// # Errors
 /// When the GPU this process computes on cannot be opened.
-fn gpu_facts() -> anyhow::Result<(String, Vec<shoal_cluster::facts::GpuFacts>, Option<f64>)> {
+fn gpu_facts() -> anyhow::Result<(String, Vec<shoal_cluster::facts::GpuFacts>)> {
     let device = shoal_engine::device::for_this_process();
     let using = match device.resolve() {
         shoal_engine::device::Resolved::Cpu => None,
@@ -177,7 +177,7 @@ fn gpu_facts() -> anyhow::Result<(String, Vec<shoal_cluster::facts::GpuFacts>, O
         })
         .collect();
     let backend = using.map_or_else(|| "cpu".to_string(), |n| format!("gpu:{n}"));
-    Ok((backend, gpus, bw))
+    Ok((backend, gpus))
 }
 
 /// Joins the cluster: self-test, facts, then the node daemon.
@@ -198,7 +198,7 @@ async fn join_cluster(
         .await
         .context("the self-test stopped")??;
     let (total, free) = shoal_cluster::facts::memory().unwrap_or((0, 0));
-    let (backend, gpus, gpu_bw) = tokio::task::spawn_blocking(gpu_facts)
+    let (backend, gpus) = tokio::task::spawn_blocking(gpu_facts)
         .await
         .context("the GPU probe stopped")??;
     let facts = NodeFacts {
@@ -209,12 +209,16 @@ async fn join_cluster(
         memory_free_bytes: free.min(args.max_memory.unwrap_or(u64::MAX)) >> 26 << 26,
         backend,
         threads: threads as u32,
-        // decode reads the weights from the memory they live in: the GPU's where it
-        // computes there
-        mem_bandwidth_gbs: gpu_bw.unwrap_or(test.mem_bandwidth_gbs),
+        // the CPU's; the GPU's bandwidth is its own fact, for the layers it takes
+        mem_bandwidth_gbs: test.mem_bandwidth_gbs,
         compute_gflops: test.compute_gflops,
         version: env!("CARGO_PKG_VERSION").to_string(),
         gpus,
+        gpu_layers: match shoal_engine::device::gpu_layers_for_this_process() {
+            shoal_engine::device::GpuLayers::Fit => None,
+            shoal_engine::device::GpuLayers::All => Some(u32::MAX),
+            shoal_engine::device::GpuLayers::First(n) => Some(n.min(u32::MAX as usize) as u32),
+        },
     };
     let node = Node::start(NodeConfig {
         identity,
