@@ -52,6 +52,9 @@ pub struct GpuFacts {
     /// Its own memory, bytes, where the driver says (absent from older nodes).
     #[serde(default)]
     pub memory_bytes: Option<u64>,
+    /// Its measured matrix-product throughput, GFLOP/s, where the node computes on it.
+    #[serde(default)]
+    pub compute_gflops: Option<f64>,
     /// Why it no longer computes (the device was lost), once it failed.
     #[serde(default)]
     pub failed: Option<String>,
@@ -78,6 +81,7 @@ impl NodeFacts {
                 Some(shoal_planner::GpuSpec {
                     memory_bytes: g.memory_bytes,
                     mem_bandwidth_gbs: g.read_gb_s?,
+                    compute_gflops: g.compute_gflops,
                     max_layers: self.gpu_layers,
                 })
             }),
@@ -138,6 +142,7 @@ mod tests {
             software: false,
             read_gb_s: None,
             memory_bytes: Some(8 << 30),
+            compute_gflops: None,
             failed: failed.map(str::to_string),
         };
         let mut f = NodeFacts {

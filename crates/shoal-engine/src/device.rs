@@ -165,7 +165,7 @@ pub fn gpu_layers_for_this_process() -> GpuLayers {
 }
 
 /// The read bandwidth of the GPU `device` resolves to, GB/s: a kernel streams a buffer of
-/// up to 1 GiB, 20 passes per submission, best of 3.
+/// up to 1 GiB, up to 20 passes per submission, best of 3 (fewer on a slow device).
 ///
 /// # Errors
 /// When `device` is the CPU here, or the GPU fails.
@@ -190,6 +190,21 @@ pub fn failed_gpus() -> Vec<(usize, String)> {
 #[doc(hidden)]
 pub fn simulate_gpu_loss(index: usize) -> bool {
     crate::backend::gpu::adapters::destroy(index)
+}
+
+/// The matrix-product throughput of the GPU `device` resolves to, GFLOP/s: the backend's
+/// product of an F16 4096 x 4096 matrix with 64 rows, up to 8 per submission, best of 3
+/// (fewer on a slow device).
+///
+/// # Errors
+/// When `device` is the CPU here, or the GPU fails.
+pub fn gpu_matmul_gflops(device: Device) -> Result<f64, crate::EngineError> {
+    match device.resolve() {
+        Resolved::Gpu(n) => crate::backend::gpu::Gpu::open(n)?.matmul_gflops(),
+        Resolved::Cpu => Err(crate::EngineError::InvalidInput {
+            what: format!("device {device} is the CPU here: no GPU to probe"),
+        }),
+    }
 }
 
 /// The GPU adapters of this machine, real GPUs first.

@@ -264,6 +264,19 @@ impl<'a> Evaluator<'a> {
         self.cluster.nodes[node].compute_gflops * 1e9 * COMPUTE_EFFICIENCY
     }
 
+    /// The matrix throughput of `node`'s GPU (its CPU's where it has none or it was not
+    /// measured).
+    fn gpu_flops(&self, node: usize) -> f64 {
+        match self.cluster.nodes[node]
+            .gpu
+            .as_ref()
+            .and_then(|g| g.compute_gflops)
+        {
+            Some(g) => g * 1e9 * COMPUTE_EFFICIENCY,
+            None => self.flops(node),
+        }
+    }
+
     fn ctx(&self) -> f64 {
         f64::from(self.req.ctx)
     }
@@ -298,38 +311,53 @@ impl<'a> Evaluator<'a> {
     /// Prefill seconds of `stage` for the request's prompt.
     fn stage_prefill(&self, t: &TpTable, st: Stage<'_>) -> f64 {
         let p = f64::from(self.req.prompt_tokens);
-        let (a, b) = st.layers;
-        let ppb = self.model.params_per_byte();
-        let expert_touch = (p * self.model.active_fraction()).min(1.0);
         let compute = st
             .nodes
             .iter()
             .enumerate()
             .map(|(i, &n)| {
-                let read = t.read[i][b] - t.read[i][a];
-                let routed = t.routed_read[i][b] - t.routed_read[i][a];
-                let experts = (t.routed_held[i][b] - t.routed_held[i][a]) as f64;
-                let heads = t.ranks[i].heads.len() as f64;
-                let head = if st.last { t.head[i] as f64 } else { 0.0 };
-                let flop = 2.0 * p * ppb * read
-                    + 2.0 * p * p * self.model.head_dim as f64 * heads * st.len() as f64
-                    + 2.0 * ppb * head;
-                let weights = read - routed + experts * expert_touch + head;
-                // the weights of the GPU's layers are read at its bandwidth
+                // the GPU's layers (and the head when it takes them all) at its figures,
+                // the rest at the CPU's
+                let (a, b) = st.layers;
                 let k = self.gpu_layers(t, i, n, st);
-                let on_gpu = if k == st.len() {
-                    weights
-                } else {
-                    (t.read[i][a + k] - t.read[i][a]).min(weights)
+                let all = k == st.len();
+                let on_gpu = self.prefill_part(t, i, (a, a + k), st.last && all);
+                let on_cpu = self.prefill_part(t, i, (a + k, b), st.last && !all);
+                let secs = |(flop, weights): (f64, f64), flops: f64, bw: f64| {
+                    (flop / flops).max(weights / bw)
                 };
-                let reading = on_gpu / self.gpu_bw(n) + (weights - on_gpu) / self.bw(n);
-                (flop / self.flops(n)).max(reading)
+                secs(on_gpu, self.gpu_flops(n), self.gpu_bw(n))
+                    + secs(on_cpu, self.flops(n), self.bw(n))
             })
             .fold(0.0, f64::max);
         let ar = self
             .all_reduce(st.nodes, self.hidden_bytes() * p)
             .unwrap_or(0.0);
         compute + st.all_reduces() * ar
+    }
+
+    /// The FLOPs and weight bytes read of index `i`'s prefill of the request's prompt over
+    /// `layers` (and the head where `head`).
+    fn prefill_part(
+        &self,
+        t: &TpTable,
+        i: usize,
+        layers: (usize, usize),
+        head: bool,
+    ) -> (f64, f64) {
+        let p = f64::from(self.req.prompt_tokens);
+        let (a, b) = layers;
+        let ppb = self.model.params_per_byte();
+        let expert_touch = (p * self.model.active_fraction()).min(1.0);
+        let read = t.read[i][b] - t.read[i][a];
+        let routed = t.routed_read[i][b] - t.routed_read[i][a];
+        let experts = (t.routed_held[i][b] - t.routed_held[i][a]) as f64;
+        let heads = t.ranks[i].heads.len() as f64;
+        let head = if head { t.head[i] as f64 } else { 0.0 };
+        let flop = 2.0 * p * ppb * read
+            + 2.0 * p * p * self.model.head_dim as f64 * heads * (b - a) as f64
+            + 2.0 * ppb * head;
+        (flop, read - routed + experts * expert_touch + head)
     }
 
     /// Memory tensor-parallel index `i` of `stage` needs, on node `node`.
@@ -541,6 +569,7 @@ mod tests {
             gpu: Some(crate::GpuSpec {
                 memory_bytes: gpu_gb.map(|g| (g * 1e9) as u64),
                 mem_bandwidth_gbs: gpu_bw,
+                compute_gflops: None,
                 max_layers: None,
             }),
             backend: "gpu:0".into(),
@@ -604,6 +633,34 @@ mod tests {
         assert_eq!(
             p.memory[0].total_bytes,
             m.weight_bytes() + 10 * kv + RUNTIME_OVERHEAD_BYTES
+        );
+        // its prefill at its measured throughput, where it was measured
+        let mut c = c.clone();
+        let prefill = |c: &Cluster| {
+            let ev = Evaluator::new(c, &m, &req, 1);
+            ev.predict(
+                ev.table(1).unwrap(),
+                &[vec![0]],
+                &crate::layers::ranges(&[10]),
+            )
+            .prefill_tok_s
+        };
+        let cpu_figure = prefill(&c);
+        c.nodes[0].gpu.as_mut().unwrap().compute_gflops = Some(100_000.0);
+        let gpu_figure = prefill(&c);
+        let tokens = f64::from(req.prompt_tokens);
+        let flop = 2.0 * tokens * m.params_per_byte() * m.bytes_per_token()
+            + 2.0 * tokens * tokens * 64.0 * 8.0 * 10.0;
+        let want = tokens
+            / (flop / (100_000e9 * COMPUTE_EFFICIENCY))
+                .max(m.bytes_per_token() / (100e9 * MEM_EFFICIENCY));
+        assert!(
+            (gpu_figure - want).abs() < 1e-6 * want,
+            "{gpu_figure} want {want}"
+        );
+        assert!(
+            gpu_figure > 10.0 * cpu_figure,
+            "{gpu_figure} vs {cpu_figure}"
         );
         // a fixed count larger than the GPU's memory does not fit
         let mut c = Cluster {

@@ -24,6 +24,10 @@ pub struct GpuSpec {
     pub memory_bytes: Option<u64>,
     /// Its measured read bandwidth, GB/s.
     pub mem_bandwidth_gbs: f64,
+    /// Its measured matrix-product throughput, GFLOP/s (`None`: not measured; prefill is
+    /// then set against the node's CPU figure).
+    #[serde(default)]
+    pub compute_gflops: Option<f64>,
     /// Layers of a share it takes at most, as the node was told (`--gpu-layers N`; `None`:
     /// what fits).
     #[serde(default)]
@@ -98,6 +102,7 @@ mod tests {
         let g = |memory_bytes, max_layers| GpuSpec {
             memory_bytes,
             mem_bandwidth_gbs: 100.0,
+            compute_gflops: None,
             max_layers,
         };
         let layers = [1u64 << 30; 6];

@@ -104,7 +104,11 @@ pub fn nodes(args: LookArgs) -> anyhow::Result<()> {
                 g["read_gb_s"]
                     .as_f64()
                     .map(|b| format!(", {b:.0} GB/s"))
-                    .unwrap_or_default(),
+                    .unwrap_or_default()
+                    + &g["compute_gflops"]
+                        .as_f64()
+                        .map(|f| format!(", {f:.0} GFLOP/s"))
+                        .unwrap_or_default(),
                 if using { ", computes here" } else { "" },
             );
             if let Some(why) = g["failed"].as_str() {

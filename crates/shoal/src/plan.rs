@@ -38,6 +38,7 @@ CLUSTER FILE (TOML; GB = 1e9 bytes, Gbit/s = 1e9 bits/s):
   compute_gflops = 25000       # measured matmul throughput (prefill), GFLOP/s
   threads = 32                 # compute threads (default 1)
   gpu_bandwidth_gbs = 900      # optional: it computes on a GPU reading this fast, GB/s;
+  gpu_compute_gflops = 60000   #   measured matmul throughput (default: compute_gflops),
   gpu_memory_gb = 24           #   with its own memory (omit when it shares the host's):
   gpu_layers = 20              #   a share's first layers that fit (or this many) go there,
                                #   the rest run on the CPU (mem_bandwidth_gbs) in memory_gb
@@ -156,6 +157,7 @@ struct NodeEntry {
     /// Mac's does), its read bandwidth, and a fixed `--gpu-layers` count.
     gpu_memory_gb: Option<f64>,
     gpu_bandwidth_gbs: Option<f64>,
+    gpu_compute_gflops: Option<f64>,
     gpu_layers: Option<u32>,
 }
 
@@ -277,12 +279,16 @@ impl ClusterFile {
                             .map(|g| gb_bytes(g, &what("gpu_memory_gb")))
                             .transpose()?,
                         mem_bandwidth_gbs: bw,
+                        compute_gflops: n.gpu_compute_gflops,
                         max_layers: n.gpu_layers,
                     }),
-                    None if n.gpu_memory_gb.is_some() || n.gpu_layers.is_some() => {
+                    None if n.gpu_memory_gb.is_some()
+                        || n.gpu_layers.is_some()
+                        || n.gpu_compute_gflops.is_some() =>
+                    {
                         anyhow::bail!(
-                            "{}: gpu_memory_gb and gpu_layers describe a GPU; give its \
-                             gpu_bandwidth_gbs too",
+                            "{}: gpu_memory_gb, gpu_compute_gflops and gpu_layers describe a \
+                             GPU; give its gpu_bandwidth_gbs too",
                             what("gpu_bandwidth_gbs")
                         )
                     }

@@ -157,17 +157,24 @@ fn gpu_facts() -> anyhow::Result<(String, Vec<shoal_cluster::facts::GpuFacts>)> 
         shoal_engine::device::Resolved::Cpu => None,
         shoal_engine::device::Resolved::Gpu(n) => Some(n),
     };
-    let bw = match using {
-        Some(_) => Some(
-            shoal_engine::device::gpu_read_bandwidth(device)
-                .with_context(|| format!("--device {device}"))?,
+    let (bw, gflops) = match using {
+        Some(_) => (
+            Some(
+                shoal_engine::device::gpu_read_bandwidth(device)
+                    .with_context(|| format!("--device {device}"))?,
+            ),
+            Some(
+                shoal_engine::device::gpu_matmul_gflops(device)
+                    .with_context(|| format!("--device {device}"))?,
+            ),
         ),
-        None => None,
+        None => (None, None),
     };
     let gpus = shoal_engine::device::gpus()
         .into_iter()
         .map(|g| shoal_cluster::facts::GpuFacts {
             read_gb_s: bw.filter(|_| using == Some(g.index)),
+            compute_gflops: gflops.filter(|_| using == Some(g.index)),
             index: g.index,
             name: g.name,
             api: g.api,

@@ -106,6 +106,14 @@ impl Gpu {
         probe::read_bandwidth(&self.ctx, 20, 3)
     }
 
+    /// The device's throughput on prefill's matrix products, GFLOP/s (see [`probe`]).
+    ///
+    /// # Errors
+    /// When the device fails.
+    pub fn matmul_gflops(&self) -> Result<f64, EngineError> {
+        probe::matmul_gflops(&self.ctx, 8, 3)
+    }
+
     /// The adapter's name and API.
     pub fn describe(&self) -> String {
         self.ctx.describe()

@@ -393,3 +393,16 @@ fn experts_match_the_cpu() {
         }
     }
 }
+
+/// The probes give finite, positive figures (what they measure is a speed; its size is the
+/// device's, not a test's business), and the throughput probe's product is the backend's
+/// own: it fails the way a model's load would where it cannot run.
+#[test]
+fn the_probes_measure_bandwidth_and_throughput() {
+    let Some(g) = gpu() else { return };
+    let bw = super::probe::read_bandwidth(&g.ctx, 1, 1).unwrap();
+    let flops = super::probe::matmul_gflops(&g.ctx, 1, 1).unwrap();
+    eprintln!("{}: {bw:.1} GB/s, {flops:.1} GFLOP/s", g.describe());
+    assert!(bw.is_finite() && bw > 0.0, "{bw}");
+    assert!(flops.is_finite() && flops > 0.0, "{flops}");
+}
