@@ -151,7 +151,9 @@ struct Inner {
     /// Where application requests go, once the application listens.
     app: Mutex<Option<mpsc::Sender<AppCall>>>,
     /// Files this node serves to fetches, by SHA-256.
-    shared_files: Mutex<HashMap<String, std::path::PathBuf>>,
+    /// Files other nodes may fetch from, by SHA-256: each a model's files in order (one,
+    /// or a split set's parts, read as if laid end to end).
+    shared_files: Mutex<HashMap<String, Vec<std::path::PathBuf>>>,
     tag: String,
     session: SessionConfig,
     membership: Membership,
@@ -524,13 +526,14 @@ impl Node {
         }
     }
 
-    /// Lets other nodes fetch byte ranges of the file at `path`, whose SHA-256 is `sha256`.
-    pub fn share_file(&self, sha256: &str, path: std::path::PathBuf) {
+    /// Lets other nodes fetch byte ranges of the files at `paths` laid end to end (one file,
+    /// or a split set's parts in order), whose SHA-256 together is `sha256`.
+    pub fn share_file(&self, sha256: &str, paths: Vec<std::path::PathBuf>) {
         self.inner
             .shared_files
             .lock()
             .unwrap()
-            .insert(sha256.to_ascii_lowercase(), path);
+            .insert(sha256.to_ascii_lowercase(), paths);
     }
 
     /// `len` bytes (at most [`MAX_FETCH_BYTES`]) at `offset` of the file `sha256` from node
@@ -1063,31 +1066,52 @@ impl Inner {
     }
 }
 
-/// `len` bytes at `offset` of the shared file at `path` (`None`: not shared).
+/// `len` bytes at `offset` of the shared files at `paths` laid end to end (`None`: not
+/// shared).
 async fn read_range(
-    path: Option<std::path::PathBuf>,
+    paths: Option<Vec<std::path::PathBuf>>,
     sha256: &str,
     offset: u64,
     len: u64,
 ) -> Result<Vec<u8>, String> {
-    let path =
-        path.ok_or_else(|| format!("this node does not share a file with sha256 {sha256}"))?;
+    let paths =
+        paths.ok_or_else(|| format!("this node does not share a file with sha256 {sha256}"))?;
     if len == 0 || len > MAX_FETCH_BYTES {
         return Err(format!("a fetch of {len} bytes (1 to {MAX_FETCH_BYTES})"));
     }
     tokio::task::spawn_blocking(move || {
         use std::io::{Read, Seek, SeekFrom};
-        let mut f = std::fs::File::open(&path).map_err(|e| format!("opening the file: {e}"))?;
-        let size = f.metadata().map_err(|e| e.to_string())?.len();
+        let mut files = Vec::with_capacity(paths.len());
+        let mut size = 0u64;
+        for p in &paths {
+            let f = std::fs::File::open(p).map_err(|e| format!("opening {}: {e}", p.display()))?;
+            let n = f.metadata().map_err(|e| e.to_string())?.len();
+            files.push((f, size, n));
+            size += n;
+        }
         if offset.checked_add(len).is_none_or(|end| end > size) {
             return Err(format!(
                 "bytes {offset}..+{len} are outside the file of {size} bytes"
             ));
         }
-        f.seek(SeekFrom::Start(offset)).map_err(|e| e.to_string())?;
         let mut buf = vec![0u8; len as usize];
-        f.read_exact(&mut buf)
-            .map_err(|e| format!("reading the file: {e}"))?;
+        let mut at = offset;
+        let mut filled = 0usize;
+        for (f, start, n) in &mut files {
+            if filled == buf.len() {
+                break;
+            }
+            if at >= *start + *n || at < *start {
+                continue;
+            }
+            let take = ((*start + *n - at) as usize).min(buf.len() - filled);
+            f.seek(SeekFrom::Start(at - *start))
+                .map_err(|e| e.to_string())?;
+            f.read_exact(&mut buf[filled..filled + take])
+                .map_err(|e| format!("reading the file: {e}"))?;
+            filled += take;
+            at += take as u64;
+        }
         Ok(buf)
     })
     .await

@@ -1,11 +1,12 @@
-//! Fetching the part of a model file a rank reads from a node that holds it. The source
-//! sends a [`Manifest`] (the SHA-256 of every 4 MiB chunk and each tensor's byte range); the
-//! rank fetches the chunks holding the header first, computes from it the byte ranges its
-//! share reads exactly as the executor will cut the model, and fetches the chunks of those
-//! ranges into a sparse file of the full size (`DATA_DIR/models/SHA.gguf`), checking each
-//! against the manifest. The verified chunks are listed beside it (`SHA.chunks`), so an
-//! interrupted fetch resumes; a node that ends up with every chunk checks the whole file and
-//! offers it like any other.
+//! Fetching the part of a model file a rank reads from a node that holds it. A model is one
+//! file or a split set's parts, read as if laid end to end. The source sends a [`Manifest`]
+//! (the SHA-256 of every 4 MiB chunk, each file's size and header, each tensor's byte
+//! range); the rank fetches the chunks holding the headers first, computes from them the
+//! byte ranges its share reads exactly as the executor will cut the model, and fetches the
+//! chunks of those ranges into sparse files of the full sizes (`DATA_DIR/models/SHA.gguf`,
+//! or `SHA-0000i-of-0000n.gguf` for a set), checking each against the manifest. The
+//! verified chunks are listed beside them (`SHA.chunks`), so an interrupted fetch resumes; a
+//! node that ends up with every chunk checks the whole model and offers it like any other.
 
 use std::collections::BTreeSet;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -22,7 +23,7 @@ use shoal_cluster::node::MAX_FETCH_BYTES;
 use shoal_engine::shard::Layout;
 use shoal_model::gguf::GgufFile;
 
-use crate::models::{sha256_file, ModelFile};
+use crate::models::{sha256_parts, ModelFile};
 use crate::protocol::ControlRequest;
 use crate::report::RankState;
 use crate::Driver;
@@ -37,18 +38,113 @@ pub struct Manifest {
     chunk: u64,
     /// SHA-256 of each chunk, hex.
     hashes: Vec<String>,
-    /// Where the tensor data starts.
+    /// Where the (first) file's tensor data starts.
     data_offset: u64,
     /// Each tensor's absolute byte range.
     tensors: Vec<(String, u64, u64)>,
+    /// The size of each file of a split set, in order (empty: one file).
+    #[serde(default)]
+    parts: Vec<u64>,
+    /// Each file's header, as an absolute byte range (empty: the first `data_offset`
+    /// bytes).
+    #[serde(default)]
+    headers: Vec<(u64, u64)>,
 }
 
-/// A sparse copy of a model file being fetched chunk by chunk.
+impl Manifest {
+    /// The sizes of the model's files, in order.
+    fn part_sizes(&self) -> Vec<u64> {
+        if self.parts.is_empty() {
+            vec![self.size]
+        } else {
+            self.parts.clone()
+        }
+    }
+
+    /// The byte ranges of the files' headers.
+    fn header_ranges(&self) -> Vec<std::ops::Range<u64>> {
+        if self.headers.is_empty() {
+            std::iter::once(0..self.data_offset).collect()
+        } else {
+            self.headers.iter().map(|&(a, b)| a..b).collect()
+        }
+    }
+}
+
+/// Sparse copies of a model's files being written, read as if laid end to end.
+struct SparseFiles {
+    /// Each file, where it starts, and its size.
+    files: Vec<(std::fs::File, u64, u64)>,
+}
+
+impl SparseFiles {
+    /// Opens (creating them where missing) the files at `paths` and makes each its size;
+    /// whether any had another size before (its contents are then unknown).
+    fn open(paths: &[PathBuf], sizes: &[u64]) -> anyhow::Result<(Self, bool)> {
+        let mut files = Vec::with_capacity(paths.len());
+        let mut start = 0;
+        let mut resized = false;
+        for (p, &size) in paths.iter().zip(sizes) {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .read(true)
+                .write(true)
+                .open(p)
+                .with_context(|| format!("opening {}", p.display()))?;
+            if f.metadata()?.len() != size {
+                f.set_len(size)?;
+                resized = true;
+            }
+            files.push((f, start, size));
+            start += size;
+        }
+        Ok((SparseFiles { files }, resized))
+    }
+
+    /// Writes `bytes` at absolute offset `at`, across files where they cross.
+    fn write_at(&mut self, mut at: u64, mut bytes: &[u8]) -> anyhow::Result<()> {
+        for (f, start, size) in &mut self.files {
+            if bytes.is_empty() {
+                break;
+            }
+            if at < *start || at >= *start + *size {
+                continue;
+            }
+            let take = ((*start + *size - at) as usize).min(bytes.len());
+            f.seek(SeekFrom::Start(at - *start))?;
+            f.write_all(&bytes[..take])?;
+            bytes = &bytes[take..];
+            at += take as u64;
+        }
+        anyhow::ensure!(bytes.is_empty(), "bytes past the model's end");
+        Ok(())
+    }
+
+    fn sync(&self) -> anyhow::Result<()> {
+        for (f, _, _) in &self.files {
+            f.sync_data()?;
+        }
+        Ok(())
+    }
+}
+
+/// Where the sparse copy of model `sha` of `parts` files goes in `dir`.
+fn local_paths(dir: &Path, sha: &str, parts: usize) -> Vec<PathBuf> {
+    if parts <= 1 {
+        return vec![dir.join(format!("{sha}.gguf"))];
+    }
+    (0..parts)
+        .map(|i| dir.join(shoal_model::gguf::set::part_name(sha, i, parts)))
+        .collect()
+}
+
+/// A sparse copy of a model being fetched chunk by chunk.
 struct ChunkFetch {
     /// Chunks written and verified.
     done: BTreeSet<u64>,
-    /// The sparse file.
-    file: std::fs::File,
+    /// The sparse files.
+    files: SparseFiles,
     /// Where `done` is kept between attempts.
     done_path: PathBuf,
     /// The node fetched from.
@@ -102,34 +198,42 @@ impl Driver {
             )
             .map_err(anyhow::Error::msg)?;
         let m: Manifest = serde_json::from_value(answer).context("reading the manifest")?;
-        if m.chunk != CHUNK || m.hashes.len() as u64 != m.size.div_ceil(CHUNK) {
+        let sizes = m.part_sizes();
+        if m.chunk != CHUNK
+            || m.hashes.len() as u64 != m.size.div_ceil(CHUNK)
+            || sizes.iter().sum::<u64>() != m.size
+            || sizes.len() > 99_999
+            || m.header_ranges()
+                .iter()
+                .any(|r| r.start > r.end || r.end > m.size)
+        {
             bail!("node {src} sent a manifest that does not describe its file");
+        }
+        // `sha` names files here: only the hex of a digest
+        if sha.len() != 64 || !sha.bytes().all(|b| b.is_ascii_hexdigit()) {
+            bail!("{sha:?} is not a sha256");
         }
         let dir = self.cfg.data_dir.join("models");
         std::fs::create_dir_all(&dir)?;
-        let path = dir.join(format!("{sha}.gguf"));
+        let paths = local_paths(&dir, sha, sizes.len());
+        let path = paths[0].clone();
         let done_path = dir.join(format!("{sha}.chunks"));
+        let (files, resized) = SparseFiles::open(&paths, &sizes)?;
         let mut fetch = ChunkFetch {
             done: std::fs::read_to_string(&done_path)
                 .ok()
                 .and_then(|t| serde_json::from_str(&t).ok())
                 .unwrap_or_default(),
-            file: std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .read(true)
-                .write(true)
-                .open(&path)
-                .with_context(|| format!("opening {}", path.display()))?,
+            files,
             done_path,
             src: src.to_string(),
             sha: sha.to_string(),
         };
-        if fetch.file.metadata()?.len() != m.size {
-            fetch.file.set_len(m.size)?;
+        if resized {
             fetch.done.clear();
         }
-        let header: BTreeSet<u64> = (0..m.data_offset.min(m.size).div_ceil(CHUNK).max(1)).collect();
+        let mut header = chunks_of(&m.header_ranges(), m.size);
+        header.insert(0);
         self.fetch_chunks(inst, &m, &mut fetch, &header, stop)?;
         let needed = match self.rank_ranges(inst, rank, &path) {
             Ok(ranges) => chunks_of(&ranges, m.size),
@@ -167,8 +271,8 @@ impl Driver {
         self.fetch_chunks(inst, &m, &mut fetch, &needed, stop)?;
         tracing::info!(instance = %inst.id, secs = t0.elapsed().as_secs_f64(), "fetched");
         if fetch.done.len() == m.hashes.len() {
-            // every chunk is here: check the whole file and offer it like a fetched model
-            if sha256_file(&path)? == sha {
+            // every chunk is here: check the whole model and offer it like a fetched one
+            if sha256_parts(&paths)? == sha {
                 if let Some(profile) = self.profile(&inst.model) {
                     self.add_file(ModelFile {
                         name: inst.model.clone(),
@@ -176,6 +280,7 @@ impl Driver {
                         size: m.size,
                         profile,
                         path: path.clone(),
+                        parts: paths.clone(),
                     });
                     self.rt.block_on(self.publish_files());
                     tracing::info!(model = %inst.model, "the whole file is here and verified; offering it");
@@ -245,11 +350,10 @@ impl Driver {
                     fetch.src
                 );
             }
-            fetch.file.seek(SeekFrom::Start(off))?;
-            fetch.file.write_all(&bytes)?;
+            fetch.files.write_at(off, &bytes)?;
             fetch.done.insert(c);
             if k % 8 == 7 || k + 1 == todo.len() {
-                fetch.file.sync_data()?;
+                fetch.files.sync()?;
                 std::fs::write(&fetch.done_path, serde_json::to_string(&fetch.done)?)?;
                 let have = chunks.iter().filter(|c| fetch.done.contains(c)).count();
                 self.report(
@@ -280,28 +384,59 @@ impl Driver {
             .with_context(|| format!("this node does not offer a file with sha256 {sha}"))?;
         let m = tokio::task::spawn_blocking(move || -> anyhow::Result<Manifest> {
             let g = GgufFile::open(&file.path)?;
-            let h = g.header();
-            let tensors = h
-                .tensors
+            let tensors = g
+                .tensors()
                 .iter()
-                .map(|t| (t.name.clone(), h.data_offset + t.offset, t.size))
+                .filter_map(|t| {
+                    let r = g.tensor_range(&t.name).ok()?;
+                    Some((t.name.clone(), r.start, r.end - r.start))
+                })
                 .collect();
-            let mut f = std::fs::File::open(&file.path)?;
+            let headers: Vec<(u64, u64)> =
+                g.header_ranges().iter().map(|r| (r.start, r.end)).collect();
+            let sizes = g.part_sizes();
+            let size: u64 = sizes.iter().sum();
+            // chunks of the files laid end to end: a chunk may end in one and go on in the
+            // next
             let mut hashes = Vec::new();
-            let mut buf = vec![0u8; CHUNK as usize];
-            let mut left = file.size;
-            while left > 0 {
-                let n = CHUNK.min(left) as usize;
-                f.read_exact(&mut buf[..n])?;
-                hashes.push(hex(&Sha256::digest(&buf[..n])));
-                left -= n as u64;
+            let mut chunk = Sha256::new();
+            let mut in_chunk = 0u64;
+            let mut buf = vec![0u8; 1 << 20];
+            for p in g.part_paths() {
+                let mut f = std::fs::File::open(p)?;
+                loop {
+                    let want = ((CHUNK - in_chunk) as usize).min(buf.len());
+                    let n = f.read(&mut buf[..want])?;
+                    if n == 0 {
+                        break;
+                    }
+                    chunk.update(&buf[..n]);
+                    in_chunk += n as u64;
+                    if in_chunk == CHUNK {
+                        hashes.push(hex(&std::mem::take(&mut chunk).finalize()));
+                        in_chunk = 0;
+                    }
+                }
             }
+            if in_chunk > 0 {
+                hashes.push(hex(&chunk.finalize()));
+            }
+            anyhow::ensure!(
+                size == file.size,
+                "the model's files changed since they were offered"
+            );
             Ok(Manifest {
-                size: file.size,
+                size,
                 chunk: CHUNK,
                 hashes,
-                data_offset: h.data_offset,
+                data_offset: headers[0].1,
                 tensors,
+                parts: if sizes.len() > 1 { sizes } else { Vec::new() },
+                headers: if headers.len() > 1 {
+                    headers
+                } else {
+                    Vec::new()
+                },
             })
         })
         .await??;

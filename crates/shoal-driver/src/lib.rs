@@ -164,7 +164,7 @@ impl Driver {
     }
 
     fn add_file(&self, m: ModelFile) {
-        self.node.share_file(&m.sha256, m.path.clone());
+        self.node.share_file(&m.sha256, m.parts.clone());
         self.profiles
             .lock()
             .unwrap()

@@ -26,18 +26,23 @@ pub struct ModelFile {
     pub size: u64,
     /// What the planner needs.
     pub profile: ModelProfile,
-    /// Where it is (not published).
+    /// Where it is (not published): the file, or a split set's first part.
     #[serde(skip)]
     pub path: PathBuf,
+    /// Its files in order (not published): the file, or a split set's parts.
+    #[serde(skip)]
+    pub parts: Vec<PathBuf>,
 }
 
-/// SHA-256 of a whole file, hex.
-pub(crate) fn sha256_file(path: &Path) -> anyhow::Result<String> {
-    Ok(shoal_model::catalog::sha256_file(path)?.1)
+/// SHA-256 of a model's files read one after the other, hex.
+pub(crate) fn sha256_parts(paths: &[PathBuf]) -> anyhow::Result<String> {
+    let paths: Vec<&Path> = paths.iter().map(PathBuf::as_path).collect();
+    Ok(shoal_model::catalog::sha256_files(&paths)?.1)
 }
 
-/// A model this node can offer: `arg` resolved to a GGUF file, its SHA-256 (the catalog's for
-/// a fetched catalog model, computed otherwise) and profile.
+/// A model this node can offer: `arg` resolved to a GGUF file (or split set), its SHA-256
+/// (the catalog's for a fetched catalog model, computed otherwise, over a set's parts in
+/// order) and profile.
 pub fn describe_model(arg: &str) -> anyhow::Result<ModelFile> {
     let source = shoal_model::source::resolve(arg)?;
     let ModelSource::Gguf(path) = &source else {
@@ -46,11 +51,20 @@ pub fn describe_model(arg: &str) -> anyhow::Result<ModelFile> {
              serve it on one node with --model)"
         );
     };
+    let parts: Vec<PathBuf> = GgufFile::open(path)
+        .with_context(|| format!("opening {}", path.display()))?
+        .part_paths()
+        .into_iter()
+        .map(Path::to_path_buf)
+        .collect();
     let sha256 = match shoal_model::catalog::entry(arg) {
         Some(e) => e.sha256.to_string(),
-        None => sha256_file(path)?,
+        None => sha256_parts(&parts)?,
     };
-    let size = std::fs::metadata(path)?.len();
+    let mut size = 0;
+    for p in &parts {
+        size += std::fs::metadata(p)?.len();
+    }
     let name = model_id(arg);
     let profile = profile_from_model(arg)?;
     Ok(ModelFile {
@@ -59,11 +73,13 @@ pub fn describe_model(arg: &str) -> anyhow::Result<ModelFile> {
         size,
         profile,
         path: path.clone(),
+        parts,
     })
 }
 
 /// The id clients use for a MODEL argument: the catalog key, or the file or folder name
-/// without `.gguf`.
+/// without `.gguf` (a split set's name without its part number: `NAME` for any of
+/// `NAME-0000i-of-0000n.gguf`).
 pub fn model_id(arg: &str) -> String {
     let p = std::path::Path::new(arg);
     if p.exists() {
@@ -71,6 +87,9 @@ pub fn model_id(arg: &str) -> String {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| arg.to_string());
+        if let Some((prefix, _, _)) = shoal_model::gguf::set::parse_name(&name) {
+            return prefix.to_string();
+        }
         return name.strip_suffix(".gguf").unwrap_or(&name).to_string();
     }
     arg.rsplit('/').next().unwrap_or(arg).to_string()

@@ -187,8 +187,9 @@ pub fn stored_bytes(
     Ok((layers, src.stored_bytes(head.gguf)?))
 }
 
-/// The byte ranges of a GGUF file (offsets from the file's start) that a rank holding
-/// `plan` reads: the header, every tensor outside the blocks, every tensor of its stage's
+/// The byte ranges of a GGUF model (offsets in its files laid end to end: one file, or a
+/// split set's parts in order) that a rank holding `plan` reads: every file's header, every
+/// tensor outside the blocks, every tensor of its stage's
 /// blocks, except that of a tensor holding every routed expert only its experts' parts are
 /// read (their rows of each expert's gate and up projections, each expert's down
 /// projection whole). What a node that lacks the file fetches for the rank.
@@ -198,14 +199,14 @@ pub fn file_ranges(
     plan: &ShardPlan,
 ) -> Vec<Range<u64>> {
     let spec = crate::arch::spec(cfg.arch);
-    let base = file.header().data_offset;
-    let mut out: Vec<Range<u64>> = Vec::with_capacity(file.tensors().len() + 1);
-    out.push(0..base);
+    let mut out: Vec<Range<u64>> = file.header_ranges();
     let n_expert = cfg.moe.as_ref().map_or(0, |m| m.n_expert) as u64;
     let ffn = plan.shard.expert_ffn.clone();
     for t in file.tensors() {
-        let start = base + t.offset;
-        let whole = start..start + t.size;
+        let Ok(whole) = file.tensor_range(&t.name) else {
+            continue;
+        };
+        let start = whole.start;
         let Some((entry, layer)) = spec.entry(&t.name) else {
             out.push(whole);
             continue;

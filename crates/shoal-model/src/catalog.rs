@@ -458,17 +458,28 @@ fn hex(bytes: &[u8]) -> String {
 /// # Errors
 /// When the file cannot be opened or read.
 pub fn sha256_file(path: &Path) -> Result<(u64, String)> {
-    let mut f = File::open(path).map_err(io_err("opening", path))?;
+    sha256_files(&[path])
+}
+
+/// Size and SHA-256 (hex) of `paths` read one after the other (a split set's parts in
+/// order: the set's identity as the cluster shares it).
+///
+/// # Errors
+/// When a file cannot be read.
+pub fn sha256_files(paths: &[&Path]) -> Result<(u64, String)> {
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut n = 0u64;
-    loop {
-        let k = f.read(&mut buf).map_err(io_err("reading", path))?;
-        if k == 0 {
-            break;
+    for path in paths {
+        let mut f = File::open(path).map_err(io_err("opening", path))?;
+        loop {
+            let k = f.read(&mut buf).map_err(io_err("reading", path))?;
+            if k == 0 {
+                break;
+            }
+            h.update(&buf[..k]);
+            n += k as u64;
         }
-        h.update(&buf[..k]);
-        n += k as u64;
     }
     Ok((n, hex(&h.finalize())))
 }

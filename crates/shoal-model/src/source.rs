@@ -419,6 +419,20 @@ fn resolve_folder(dir: &Path) -> Result<ModelSource> {
         }
     }
     ggufs.sort();
+    // the parts of one split set are one model, given by any of its parts (the loader finds
+    // the others, and says which is missing)
+    let sets: Vec<Option<(&str, usize)>> = ggufs
+        .iter()
+        .map(|p| {
+            let name = p.file_name()?.to_str()?;
+            crate::gguf::set::parse_name(name).map(|(prefix, _, count)| (prefix, count))
+        })
+        .collect();
+    if let Some(Some(first)) = sets.first() {
+        if sets.iter().all(|s| s.as_ref() == Some(first)) {
+            return Ok(ModelSource::Gguf(ggufs[0].clone()));
+        }
+    }
     match ggufs.len() {
         1 => Ok(ModelSource::Gguf(ggufs.remove(0))),
         0 => Err(ResolveError::NotModelFolder {

@@ -579,6 +579,52 @@ impl GgufWriter {
             source,
         })
     }
+
+    /// This file cut into a split set of `parts` files the way llama.cpp's `gguf-split`
+    /// cuts one: the tensors in order, as evenly as their count allows; every part carries
+    /// `split.no` (u16, from 0), `split.count` (u16) and `split.tensors.count` (i32, the
+    /// set's), and the first part all the metadata besides.
+    pub fn split(&self, parts: usize) -> Vec<GgufWriter> {
+        let parts = parts.clamp(1, self.tensors.len().max(1));
+        let n = self.tensors.len();
+        (0..parts)
+            .map(|i| {
+                let mut w = GgufWriter {
+                    kvs: if i == 0 { self.kvs.clone() } else { Vec::new() },
+                    tensors: self.tensors[i * n / parts..(i + 1) * n / parts].to_vec(),
+                    ..self.clone()
+                };
+                w.add_kv("split.no", i as u16)
+                    .add_kv("split.count", parts as u16)
+                    .add_kv("split.tensors.count", n as i32);
+                w
+            })
+            .collect()
+    }
+
+    /// Writes [`GgufWriter::split`]'s parts into `dir` under llama.cpp's names
+    /// (`PREFIX-00001-of-00003.gguf`, ...) and returns their paths in order.
+    ///
+    /// # Errors
+    /// When a file cannot be written.
+    pub fn write_split(
+        &self,
+        dir: impl AsRef<Path>,
+        prefix: &str,
+        parts: usize,
+    ) -> Result<Vec<std::path::PathBuf>, TestkitError> {
+        let split = self.split(parts);
+        let count = split.len();
+        let mut paths = Vec::with_capacity(count);
+        for (i, w) in split.iter().enumerate() {
+            let p = dir
+                .as_ref()
+                .join(format!("{prefix}-{:05}-of-{count:05}.gguf", i + 1));
+            w.write_to(&p)?;
+            paths.push(p);
+        }
+        Ok(paths)
+    }
 }
 
 fn write_str(out: &mut Vec<u8>, s: &str) {

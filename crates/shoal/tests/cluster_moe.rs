@@ -3,7 +3,10 @@
 //! kit's Qwen3 MoE shape with 3 layers of 128 experts of 1024 features (F32, about 300 MB,
 //! so the file spans many 4 MiB fetch chunks) is loaded with whole experts on each node; the
 //! node without the file fetches only the chunks its rank reads (its half of every expert
-//! tensor, and everything else), and the cluster's greedy answer equals one process's.
+//! tensor, and everything else), and the cluster's greedy answer equals one process's. The
+//! same again with the model as a split set of three files (llama.cpp's `gguf-split`
+//! layout): `shoal run` on any part answers as the single file does, and the node without
+//! it fetches its share across the three files into a sparse set of its own.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -97,6 +100,16 @@ fn wait_until<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) 
 
 #[test]
 fn experts_placed_across_nodes_fetch_only_their_bytes_and_answer_like_one_process() {
+    placed_by_expert(None);
+}
+
+#[test]
+fn a_split_set_is_placed_fetched_and_answered_as_one_file() {
+    placed_by_expert(Some(3));
+}
+
+/// The test of the module: the model as one file, or as a set of `parts` files.
+fn placed_by_expert(parts: Option<usize>) {
     let dir = tempfile::tempdir().unwrap();
     let spec = TinyModelSpec {
         n_layers: 3,
@@ -108,18 +121,58 @@ fn experts_placed_across_nodes_fetch_only_their_bytes_and_answer_like_one_proces
         }),
         ..TinyModelSpec::qwen3moe(91)
     };
-    let path = dir.path().join("moe.gguf");
-    spec.build()
-        .unwrap()
-        .write_gguf(&path, GgmlType::F32)
-        .unwrap();
-    let size = std::fs::metadata(&path).unwrap().len();
-    let model = path.to_str().unwrap();
-
-    // one process, for the reference
-    let (ok, want, err) = run(&["run", model, PROMPT, "--temp", "0", "-n", TOKENS, "-t", "1"]);
+    let single = dir.path().join("moe.gguf");
+    let built = spec.build().unwrap();
+    built.write_gguf(&single, GgmlType::F32).unwrap();
+    // one process on the single file, for the reference
+    let (ok, want, err) = run(&[
+        "run",
+        single.to_str().unwrap(),
+        PROMPT,
+        "--temp",
+        "0",
+        "-n",
+        TOKENS,
+        "-t",
+        "1",
+    ]);
     assert!(ok, "{err}");
-
+    let (path, size) = match parts {
+        None => {
+            let size = std::fs::metadata(&single).unwrap().len();
+            (single, size)
+        }
+        Some(n) => {
+            let set_dir = dir.path().join("set");
+            std::fs::create_dir_all(&set_dir).unwrap();
+            let paths = built
+                .gguf_writer(GgmlType::F32)
+                .unwrap()
+                .write_split(&set_dir, "moe", n)
+                .unwrap();
+            std::fs::remove_file(&single).unwrap();
+            let size = paths
+                .iter()
+                .map(|p| std::fs::metadata(p).unwrap().len())
+                .sum();
+            // any part names the set
+            let (ok, got, err) = run(&[
+                "run",
+                paths[n - 1].to_str().unwrap(),
+                PROMPT,
+                "--temp",
+                "0",
+                "-n",
+                TOKENS,
+                "-t",
+                "1",
+            ]);
+            assert!(ok, "{err}");
+            assert_eq!(got, want, "the set answers as the single file");
+            (paths[0].clone(), size)
+        }
+    };
+    let model = path.to_str().unwrap();
     let secret = dir.path().join("secret");
     let (ok, s, _) = run(&["secret"]);
     assert!(ok);
@@ -166,11 +219,28 @@ fn experts_placed_across_nodes_fetch_only_their_bytes_and_answer_like_one_proces
     let fetched: Vec<u64> =
         serde_json::from_str(&std::fs::read_to_string(&chunks_file).unwrap()).unwrap();
     let total = size.div_ceil(4 << 20);
-    let sparse = chunks_file.with_extension("gguf");
-    let allocated = {
-        use std::os::unix::fs::MetadataExt;
-        std::fs::metadata(&sparse).unwrap().blocks() * 512
+    let sha = chunks_file
+        .file_stem()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let sparse: Vec<std::path::PathBuf> = match parts {
+        None => vec![chunks_file.with_extension("gguf")],
+        Some(n) => (1..=n)
+            .map(|i| models.join(format!("{sha}-{i:05}-of-{n:05}.gguf")))
+            .collect(),
     };
+    let allocated: u64 = sparse
+        .iter()
+        .map(|p| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(p)
+                .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+                .blocks()
+                * 512
+        })
+        .sum();
     eprintln!(
         "node b fetched {} of {total} chunks; its sparse copy takes {allocated} of {size} bytes",
         fetched.len()

@@ -8,6 +8,7 @@
 //! naming the file and the field, never a panic.
 
 mod metadata;
+pub mod set;
 mod types;
 
 use std::fs::File;
@@ -80,6 +81,14 @@ pub enum GgufError {
         /// The key.
         key: String,
         /// What is wrong.
+        problem: String,
+    },
+    /// A split set is incomplete, mixed with another set's files, or inconsistent.
+    #[error("{path}: {problem}")]
+    Set {
+        /// The file that shows it.
+        path: String,
+        /// What is wrong, and what to do.
         problem: String,
     },
     /// A tensor is missing or a requested slice of it is impossible.
@@ -614,74 +623,189 @@ impl<'a> Parser<'a> {
     }
 }
 
-/// An open, memory-mapped GGUF file.
-pub struct GgufFile {
+/// One file of an open GGUF model.
+struct Part {
     path: PathBuf,
     header: GgufHeader,
     map: memmap2::Mmap,
+    /// Where this file starts in the set's files laid end to end.
+    start: u64,
+}
+
+/// An open, memory-mapped GGUF model: one file, or a split set (`NAME-00001-of-00003.gguf`
+/// and its other parts, as llama.cpp's `gguf-split` writes them) read as one model: the
+/// metadata from the first part, each tensor from the part that holds it ([`set`]).
+pub struct GgufFile {
+    parts: Vec<Part>,
+    /// Every part's tensors, in set order.
+    tensors: Vec<TensorInfo>,
+    /// Tensor name to (part, index in `tensors`).
+    index: std::collections::HashMap<String, (usize, usize)>,
 }
 
 impl std::fmt::Debug for GgufFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GgufFile")
-            .field("path", &self.path)
-            .field("tensors", &self.header.tensors.len())
+            .field("path", &self.parts[0].path)
+            .field("parts", &self.parts.len())
+            .field("tensors", &self.tensors.len())
             .finish()
     }
 }
 
 impl GgufFile {
-    /// Opens and maps `path` and parses its header. Tensor data is not read until asked for.
+    /// Opens and maps `path` and parses its header; when it is a part of a split set, every
+    /// part of the set (found by the set's file names beside it). Tensor data is not read
+    /// until asked for.
     ///
     /// # Errors
-    /// When the file cannot be read or its header is malformed.
+    /// When a file cannot be read, a header is malformed, or the set is incomplete or mixed
+    /// ([`set`] says how each is refused).
     pub fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {
-        let path = path.as_ref().to_path_buf();
-        let label = path.display().to_string();
-        let io = |source| GgufError::Io {
-            path: label.clone(),
-            source,
+        let given = open_part(path.as_ref())?;
+        let Some(split) = set::Split::of(&given.path, &given.header.metadata)? else {
+            return Self::from_parts(vec![given]);
         };
-        let file = File::open(&path).map_err(io)?;
-        // SAFETY: the map is read-only and private to this process. Like every mmap-based
-        // model loader we accept that another process truncating or rewriting the file while
-        // it is open is outside what we can defend against.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        let header = GgufHeader::parse(&map, &label)?;
-        Ok(GgufFile { path, header, map })
+        let paths = split.paths(&given.path)?;
+        let mut parts = Vec::with_capacity(paths.len());
+        for (i, p) in paths.iter().enumerate() {
+            if i == split.no {
+                // the file given is reopened in place below
+                parts.push(None);
+                continue;
+            }
+            if !p.exists() {
+                return Err(set::missing(p, i, paths.len(), &given.path));
+            }
+            parts.push(Some(open_part(p)?));
+        }
+        parts[split.no] = Some(given);
+        let parts: Vec<Part> = parts.into_iter().flatten().collect();
+        let first = (parts[0].path.as_path(), &parts[0].header.metadata);
+        for (i, part) in parts.iter().enumerate() {
+            split.check_part(i, (&part.path, &part.header.metadata), first)?;
+        }
+        Self::from_parts(parts)
     }
 
-    /// The file's path.
+    /// The model over `parts` (in set order): their offsets end to end, and the tensor
+    /// index, refusing a tensor held by two parts or a count other than the set's.
+    fn from_parts(mut parts: Vec<Part>) -> Result<Self, GgufError> {
+        let mut start = 0;
+        for p in &mut parts {
+            p.start = start;
+            start += p.map.len() as u64;
+        }
+        let mut tensors = Vec::new();
+        let mut index: std::collections::HashMap<String, (usize, usize)> =
+            std::collections::HashMap::new();
+        for (i, p) in parts.iter().enumerate() {
+            for t in &p.header.tensors {
+                if let Some(&(other, _)) = index.get(&t.name) {
+                    return Err(set::twice(&t.name, &parts[other].path, &p.path));
+                }
+                index.insert(t.name.clone(), (i, tensors.len()));
+                tensors.push(t.clone());
+            }
+        }
+        if parts.len() > 1 {
+            set::check_count(&parts[0].path, &parts[0].header.metadata, tensors.len())?;
+        }
+        Ok(GgufFile {
+            parts,
+            tensors,
+            index,
+        })
+    }
+
+    /// The file's path (a split set's first part).
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.parts[0].path
     }
 
-    /// The parsed header.
-    pub fn header(&self) -> &GgufHeader {
-        &self.header
+    /// Every file of the model, in set order (one for a single file).
+    pub fn part_paths(&self) -> Vec<&Path> {
+        self.parts.iter().map(|p| p.path.as_path()).collect()
     }
 
-    /// The metadata section.
+    /// The bytes of every file, in set order.
+    pub fn part_sizes(&self) -> Vec<u64> {
+        self.parts.iter().map(|p| p.map.len() as u64).collect()
+    }
+
+    /// Bytes of all the model's files.
+    pub fn size(&self) -> u64 {
+        self.parts.iter().map(|p| p.map.len() as u64).sum()
+    }
+
+    /// The GGUF version of the (first) file.
+    pub fn version(&self) -> u32 {
+        self.parts[0].header.version
+    }
+
+    /// The byte ranges of the files' headers (everything before each file's tensor data),
+    /// as offsets in the files laid end to end in set order.
+    pub fn header_ranges(&self) -> Vec<Range<u64>> {
+        self.parts
+            .iter()
+            .map(|p| p.start..p.start + p.header.data_offset)
+            .collect()
+    }
+
+    /// Where tensor `t` (one of [`GgufFile::tensors`]) lies in the files laid end to end in
+    /// set order.
+    ///
+    /// # Errors
+    /// When the model has no such tensor.
+    pub fn tensor_range(&self, name: &str) -> Result<Range<u64>, GgufError> {
+        let (p, i) = self.locate(name)?;
+        let part = &self.parts[p];
+        let t = &self.tensors[i];
+        let start = part.start + part.header.data_offset + t.offset;
+        Ok(start..start + t.size)
+    }
+
+    /// The metadata section (a split set's first part's).
     pub fn metadata(&self) -> &Metadata {
-        &self.header.metadata
+        &self.parts[0].header.metadata
     }
 
-    /// All tensor infos, in file order.
+    /// All tensor infos, in set order (each offset within its own file's data section).
     pub fn tensors(&self) -> &[TensorInfo] {
-        &self.header.tensors
+        &self.tensors
+    }
+
+    fn locate(&self, name: &str) -> Result<(usize, usize), GgufError> {
+        self.index.get(name).copied().ok_or_else(|| {
+            let problem = if self.parts.len() > 1 {
+                format!("is not in any of the set's {} parts", self.parts.len())
+            } else {
+                "is not in the file".into()
+            };
+            GgufError::Tensor {
+                path: self.parts[0].path.display().to_string(),
+                name: name.to_string(),
+                problem,
+            }
+        })
+    }
+
+    /// The part holding tensor `name`.
+    fn part_of(&self, name: &str) -> Result<&Part, GgufError> {
+        Ok(&self.parts[self.locate(name)?.0])
     }
 
     /// The info of tensor `name`.
     ///
     /// # Errors
-    /// When the file has no such tensor.
+    /// When the model has no such tensor.
     pub fn tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
-        self.header.info(name)
+        Ok(&self.tensors[self.locate(name)?.1])
     }
 
-    /// Whether the file holds tensor `name`.
+    /// Whether the model holds tensor `name`.
     pub fn has_tensor(&self, name: &str) -> bool {
-        self.header.tensor(name).is_some()
+        self.index.contains_key(name)
     }
 
     /// Tells the OS this process is done with tensor `name`'s bytes for now: the whole pages
@@ -691,23 +815,26 @@ impl GgufFile {
     /// file. Best effort: does nothing where the OS refuses.
     pub fn release(&self, name: &str) {
         const PAGE: usize = 4096;
-        let Some(t) = self.header.tensor(name) else {
+        let Ok(part) = self.part_of(name) else {
             return;
         };
-        let Some(start) = usize::try_from(self.header.data_offset + t.offset).ok() else {
+        let Some(t) = part.header.tensor(name) else {
+            return;
+        };
+        let Some(start) = usize::try_from(part.header.data_offset + t.offset).ok() else {
             return;
         };
         let end = start.saturating_add(usize::try_from(t.size).unwrap_or(0));
         let (a, b) = (
             start.div_ceil(PAGE) * PAGE,
-            (end / PAGE * PAGE).min(self.map.len()),
+            (end / PAGE * PAGE).min(part.map.len()),
         );
         if a < b {
             // SAFETY: the map is a read-only private file mapping, so dropping its pages
             // loses nothing: a later read faults the file's bytes back in, and no reference
             // into the map sees different bytes.
             let _ = unsafe {
-                self.map
+                part.map
                     .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, a, b - a)
             };
         }
@@ -718,7 +845,8 @@ impl GgufFile {
     /// # Errors
     /// When the file has no such tensor.
     pub fn tensor_data(&self, name: &str) -> Result<&[u8], GgufError> {
-        self.header.tensor_data(&self.map, name)
+        let p = self.part_of(name)?;
+        p.header.tensor_data(&p.map, name)
     }
 
     /// The bytes of rows `rows` of tensor `name` (a row is `dims[0]` elements; for a weight
@@ -727,7 +855,8 @@ impl GgufFile {
     /// # Errors
     /// When the tensor is missing or the range is empty or out of bounds.
     pub fn tensor_rows(&self, name: &str, rows: Range<usize>) -> Result<&[u8], GgufError> {
-        self.header.tensor_rows(&self.map, name, rows)
+        let p = self.part_of(name)?;
+        p.header.tensor_rows(&p.map, name, rows)
     }
 
     /// The bytes of columns `cols` of every row of tensor `name`, gathered row after row
@@ -737,6 +866,28 @@ impl GgufFile {
     /// # Errors
     /// When the tensor is missing, or the range is empty, out of bounds or not block aligned.
     pub fn tensor_cols(&self, name: &str, cols: Range<usize>) -> Result<Vec<u8>, GgufError> {
-        self.header.tensor_cols(&self.map, name, cols)
+        let p = self.part_of(name)?;
+        p.header.tensor_cols(&p.map, name, cols)
     }
+}
+
+/// Opens and maps one file and parses its header.
+fn open_part(path: &Path) -> Result<Part, GgufError> {
+    let label = path.display().to_string();
+    let io = |source| GgufError::Io {
+        path: label.clone(),
+        source,
+    };
+    let file = File::open(path).map_err(io)?;
+    // SAFETY: the map is read-only and private to this process. Like every mmap-based
+    // model loader we accept that another process truncating or rewriting the file while
+    // it is open is outside what we can defend against.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+    let header = GgufHeader::parse(&map, &label)?;
+    Ok(Part {
+        path: path.to_path_buf(),
+        header,
+        map,
+        start: 0,
+    })
 }
