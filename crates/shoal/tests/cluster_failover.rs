@@ -5,6 +5,10 @@
 //! queues each request again with its prompt and the tokens already sent, and every stream
 //! goes on to the end: its text equals the uninterrupted run's, with one gap.
 //!
+//! When the node that dies is the lead, a stream that entered at another node cannot go on
+//! (the lead held its state), but it never stops silently: each API's stream ends with an
+//! error event in that API's shape.
+//!
 //! `SHOAL_FAILOVER_ROUNDS` (default 1) repeats the kill on a fresh cluster; `bench/failover.sh`
 //! runs 20 rounds with gaps held to 5 s and reports them. Each round prints one `failover
 //! round` line with each stream's longest gap.
@@ -263,4 +267,158 @@ fn streams_survive_the_death_of_a_non_lead_node() {
         gaps[gaps.len() / 2].as_millis(),
         gaps.last().unwrap().as_millis()
     );
+}
+
+/// What a raw stream of one API delivered: its text, and how it ended.
+#[derive(Debug, Default)]
+struct Ended {
+    lines: usize,
+    /// The error event's message, if one came.
+    error: Option<String>,
+    /// Whether it ended as its API ends a finished answer.
+    finished: bool,
+}
+
+/// Streams `body` to `route` at `url`, reading SSE `data:` lines or Ollama's JSON lines, and
+/// counting each in `progress`; `is_end` says whether a line finishes the answer, `error`
+/// whether it is an error (and its message).
+fn raw_stream(
+    url: &str,
+    route: &str,
+    body: &Value,
+    progress: &AtomicUsize,
+    is_end: fn(&str) -> bool,
+    error: fn(&Value) -> Option<String>,
+) -> Ended {
+    let mut out = Ended::default();
+    let resp = match ureq::post(&format!("{url}{route}")).send_json(body) {
+        Ok(r) => r,
+        Err(e) => {
+            out.error = Some(format!("the request failed: {e}"));
+            return out;
+        }
+    };
+    for line in BufReader::new(resp.into_body().into_reader()).lines() {
+        let Ok(line) = line else { break };
+        let data = line.strip_prefix("data: ").unwrap_or(&line);
+        if data.trim().is_empty() || data.starts_with("event: ") {
+            continue;
+        }
+        out.lines += 1;
+        progress.fetch_add(1, Ordering::Relaxed);
+        if is_end(data) {
+            out.finished = true;
+        }
+        if let Some(e) = serde_json::from_str::<Value>(data)
+            .ok()
+            .as_ref()
+            .and_then(error)
+        {
+            out.error = Some(e);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_stream_whose_lead_dies_ends_with_an_error_in_its_apis_shape() {
+    let Some(model) = cached_model("qwen05") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (mut nodes, inst) = cluster(dir.path(), &model);
+    let lead = format!("http://{}", inst["api"].as_str().unwrap());
+    let entry = nodes
+        .iter()
+        .find(|n| {
+            !inst["nodes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|x| x == &n.name)
+        })
+        .expect("a node outside the instance")
+        .url
+        .clone();
+    // the entry node forwards once the instance table it replicates names the lead
+    let t0 = Instant::now();
+    while !json_of(&["ps", "--json", "--url", &entry])
+        .as_array()
+        .is_some_and(|l| {
+            l.iter()
+                .any(|i| i["id"] == "qwen05" && i["api"].is_string())
+        })
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the entry node never saw the instance"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let messages = json!([{"role": "user", "content": PROMPTS[0]}]);
+    type Check = (
+        &'static str,
+        Value,
+        fn(&str) -> bool,
+        fn(&Value) -> Option<String>,
+    );
+    let apis: [Check; 3] = [
+        (
+            "/v1/chat/completions",
+            json!({"model": "qwen05", "messages": messages, "temperature": 0,
+                   "max_tokens": TOKENS, "ignore_eos": true, "stream": true}),
+            // a finish reason ends an answer ([DONE] follows an error too)
+            |d| d.contains("\"finish_reason\":\""),
+            |v| Some(v.get("error")?["message"].as_str()?.to_string()),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "qwen05", "messages": messages, "temperature": 0,
+                   "max_tokens": TOKENS, "stream": true}),
+            |d| d.contains("\"message_stop\""),
+            |v| {
+                (v["type"] == "error")
+                    .then(|| v["error"]["message"].as_str().map(str::to_string))?
+            },
+        ),
+        (
+            "/api/chat",
+            json!({"model": "qwen05", "messages": messages, "stream": true,
+                   "options": {"temperature": 0, "num_predict": TOKENS}}),
+            |d| d.contains("\"done\":true"),
+            |v| Some(v.get("error")?.as_str()?.to_string()),
+        ),
+    ];
+    let progress: Vec<Arc<AtomicUsize>> = apis.iter().map(|_| Arc::default()).collect();
+    let handles: Vec<_> = apis
+        .into_iter()
+        .zip(&progress)
+        .map(|((route, body, end, err), n)| {
+            let (url, n) = (entry.clone(), n.clone());
+            std::thread::spawn(move || (route, raw_stream(&url, route, &body, &n, end, err)))
+        })
+        .collect();
+    let t0 = Instant::now();
+    while progress.iter().any(|n| n.load(Ordering::Relaxed) < 20)
+        && !handles.iter().any(|h| h.is_finished())
+        && t0.elapsed() < Duration::from_secs(300)
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let victim = nodes.iter().position(|n| n.url == lead).unwrap();
+    eprintln!("killing the lead, {}", nodes[victim].name);
+    nodes.remove(victim);
+    for h in handles {
+        let (route, got) = h.join().unwrap();
+        eprintln!("{route}: {} lines, then {:?}", got.lines, got.error);
+        assert!(
+            !got.finished,
+            "{route}: the stream finished as if whole: {got:?}"
+        );
+        let e = got
+            .error
+            .unwrap_or_else(|| panic!("{route}: the stream ended silently"));
+        assert!(e.contains("stopped answering"), "{route}: {e}");
+    }
+    drop(nodes);
 }
