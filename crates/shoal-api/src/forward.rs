@@ -95,6 +95,13 @@ pub async fn forward(State(f): State<Forwarder>, req: Request, next: Next) -> Re
     // the key is checked before anything reads the body: a client without one cannot make
     // the node read megabytes
     if model_route {
+        if !f.state.keys.merged() {
+            let e = crate::keys::KeyStore::not_merged_error().flavor(flavor(&path));
+            let mut resp = e.into_response();
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("2"));
+            return resp;
+        }
         if let Err(e) = f.state.keys.authenticate(req.headers()) {
             return e.flavor(flavor(&path)).into_response();
         }

@@ -97,6 +97,10 @@ pub struct KeyStore {
     path: Option<PathBuf>,
     default_rpm: Option<u32>,
     inner: Mutex<Inner>,
+    /// Whether the store holds the cluster's keys: false from a node's joining a cluster
+    /// until [`replicate`] has merged every live peer's keys (model routes answer 503 until
+    /// then: a node that has not heard of the cluster's keys would otherwise serve without).
+    merged: std::sync::atomic::AtomicBool,
 }
 
 /// What can go wrong loading or saving keys.
@@ -192,7 +196,27 @@ impl KeyStore {
                 buckets: HashMap::new(),
                 limit: None,
             }),
+            merged: std::sync::atomic::AtomicBool::new(true),
         })
+    }
+
+    /// Whether the store holds the cluster's keys (always, outside a cluster).
+    pub fn merged(&self) -> bool {
+        self.merged.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn set_merged(&self, merged: bool) {
+        self.merged
+            .store(merged, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The answer to a model request while the cluster's keys are not merged yet.
+    pub fn not_merged_error() -> ApiError {
+        ApiError::new(
+            ErrorKind::Overloaded,
+            "this node is joining its cluster and has not received the cluster's API keys yet; \
+             retry in a few seconds",
+        )
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -486,18 +510,34 @@ pub const GOSSIP_KEY: &str = "keys";
 /// How often a node merges the key sets the others publish.
 const REPLICATE_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
+/// How long a node that was given no peer waits to discover some before it takes its own
+/// keys for the cluster's.
+const DISCOVERY_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// How long a node waits for its live peers' keys before it serves with what it has (and
+/// says which peers never published theirs).
+const MERGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Keeps the keys of `state` replicated through its cluster node until the state is gone:
 /// merges every node's published key set ([`KeyStore::merge`]) and publishes this node's
-/// whenever it changed (created, revoked or merged here).
+/// whenever it changed (created, revoked or merged here). Until every live peer's set is
+/// merged the store says it is not merged ([`KeyStore::merged`]): a node given peers
+/// (`expect_peers`) waits to see one, a node given none waits [`DISCOVERY_GRACE`] where it
+/// `discovers` peers on the network (mDNS) and not at all where it does not, and none waits
+/// longer than [`MERGE_TIMEOUT`].
 pub async fn replicate(
     state: std::sync::Weak<crate::state::AppState>,
     node: std::sync::Arc<shoal_cluster::node::Node>,
+    expect_peers: bool,
+    discovers: bool,
 ) {
     // the key's own name and some room for the encoding count against the bound too
     let limit = shoal_cluster::membership::MAX_KEY_VALUE_LEN - 64;
     if let Some(s) = state.upgrade() {
         s.keys.limit_replicated(limit);
+        s.keys.set_merged(false);
     }
+    let started = std::time::Instant::now();
     let mut published = String::new();
     let mut warned: std::collections::HashSet<String> = Default::default();
     // what each node published when it was last merged: unchanged sets are not read again
@@ -522,6 +562,32 @@ pub async fn replicate(
                         tracing::warn!(%from, "a node publishes API keys this node cannot read: {e}");
                     }
                 }
+            }
+        }
+        if !state.keys.merged() {
+            let peers: Vec<String> = node
+                .nodes()
+                .await
+                .into_iter()
+                .filter(|n| n.alive && !n.is_self)
+                .map(|n| n.id)
+                .collect();
+            let waiting: Vec<&String> = peers.iter().filter(|p| !merged.contains_key(*p)).collect();
+            let waited = started.elapsed();
+            let done = if peers.is_empty() {
+                !expect_peers && (!discovers || waited >= DISCOVERY_GRACE)
+            } else {
+                waiting.is_empty()
+            };
+            if done {
+                state.keys.set_merged(true);
+            } else if waited >= MERGE_TIMEOUT {
+                tracing::warn!(
+                    ?waiting,
+                    "serving without these peers' API keys: they have not published them in {} s",
+                    MERGE_TIMEOUT.as_secs()
+                );
+                state.keys.set_merged(true);
             }
         }
         let mine = serde_json::to_string(&state.keys.snapshot()).unwrap_or_default();

@@ -346,6 +346,8 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
                 tokio::spawn(shoal_api::keys::replicate(
                     Arc::downgrade(&state),
                     node.clone(),
+                    !args.peers.is_empty(),
+                    !args.no_mdns,
                 ));
                 tokio::spawn(shoal_api::cluster::publish_figures(
                     Arc::downgrade(&state),

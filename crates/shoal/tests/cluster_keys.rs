@@ -1,7 +1,8 @@
 //! API keys are cluster state: three `shoal serve` processes on loopback, smollm2 placed on
 //! node c only. A key created on node a authorises a request at node b (which forwards it to
 //! c, which checks it again); the key revoked on b is refused at every node within 5 s, and
-//! the other key goes on working.
+//! the other key goes on working. A node that joins once keys exist never serves without
+//! them: until it has merged the cluster's keys its model routes answer 503.
 
 mod common;
 
@@ -121,6 +122,35 @@ fn a_key_made_on_one_node_works_on_every_node_and_its_revocation_too() {
     // listings never show the hashes
     let (ok, out, err) = run(&["keys", "list", "--json", "--url", &c.url, "--key", &admin]);
     assert!(ok && !out.contains("hash"), "{err} {out}");
+
+    // a node joining now refuses model requests until it holds the keys: from its first
+    // answer on, a request without a key is 503 (not merged yet) or 401, never served
+    let d = node(dir, "d", &secret, &home, Some(&seed), &[]);
+    let t0 = Instant::now();
+    let mut statuses = Vec::new();
+    loop {
+        let (status, body) = chat(&d.url, None);
+        if statuses.last() != Some(&status) {
+            eprintln!("d after {:?}: {status} {body}", t0.elapsed());
+            statuses.push(status);
+        }
+        assert!(
+            matches!(status, 503 | 401),
+            "d answered {status} without a key: {body}"
+        );
+        if status == 401 || t0.elapsed() > Duration::from_secs(30) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        statuses.last(),
+        Some(&401),
+        "d merged the keys: {statuses:?}"
+    );
+    wait_until(Duration::from_secs(10), "d forwards with the key", || {
+        (chat(&d.url, Some(&admin)).0 == 200).then_some(())
+    });
 }
 
 /// The names of the keys node `url` holds itself, sorted (listed with `admin`'s key).
