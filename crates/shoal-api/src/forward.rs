@@ -129,8 +129,9 @@ pub async fn forward(State(f): State<Forwarder>, req: Request, next: Next) -> Re
     let Some(api) = lead else {
         return next.run(req).await;
     };
-    // a bad key is answered here, by the route itself, in its API's shape
-    if f.state.keys.authorize(req.headers()).is_err() {
+    // a bad key is answered here, by the route itself, in its API's shape; a good one is
+    // counted against its limit by the lead, which runs the request (and checks it again)
+    if f.state.keys.authenticate(req.headers()).is_err() {
         return next.run(req).await;
     }
     proxy(&f.client, &api, req, &path).await

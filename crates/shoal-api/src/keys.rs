@@ -1,7 +1,8 @@
 //! API keys: created with a random secret that is shown once, stored only as its SHA-256
 //! hash (in `keys.json` in the node's data directory, written atomically, mode 0600), checked
-//! on every model route once any key exists, with a per-key request rate limit (a token
-//! bucket refilled continuously, so a client learns exactly when to retry).
+//! on every model route once any key exists, with a per-key limit of requests per minute
+//! (over a sliding minute; a refused client is told when to retry). A request is counted
+//! once, by the node that runs it (a node that forwards one leaves it to the lead).
 //!
 //! The first key created is an administrator key, and only administrator keys may manage
 //! keys. While no key exists, the server is open, and keys may be managed from the loopback
@@ -13,7 +14,14 @@
 //! keys, less every key any node revoked (a revocation is kept for good, so a node that was
 //! away cannot bring a revoked key back). Any node then authorises any request, and a
 //! revocation reaches every node within a few gossip rounds. Rate limits travel with their
-//! keys; each node counts the requests it receives itself.
+//! keys and hold cluster-wide: each node publishes its own count of each key's requests
+//! over the last minute (every 250 ms, [`USAGE_KEY`]) and admits a request only while its
+//! count plus the others' stays under the limit. The slack is what the other nodes admit
+//! before their counts arrive: (nodes - 1) x (requests per second each admits) x 2 s at
+//! most (the publishing interval, a gossip round or two, and a loaded machine's delays;
+//! 17-23 requests over a limit of 60 measured at 10 a second on each of three nodes). A burst faster than that can pass the limit by more before the
+//! counts meet. A node joining the cluster answers 503 to model routes until it has merged
+//! its peers' keys.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -77,16 +85,20 @@ pub struct KeySet {
     pub revoked: Vec<Revoked>,
 }
 
-#[derive(Debug)]
-struct Bucket {
-    tokens: f64,
-    at: Instant,
-}
+/// The window a key's requests-per-minute limit counts over.
+const RATE_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// How long a peer's published counts are believed without a fresher copy.
+const USAGE_FRESH: std::time::Duration = std::time::Duration::from_secs(10);
 
 #[derive(Debug, Default)]
 struct Inner {
     set: KeySet,
-    buckets: HashMap<String, Bucket>,
+    /// When this node admitted each key's requests, over the last [`RATE_WINDOW`].
+    uses: HashMap<String, std::collections::VecDeque<Instant>>,
+    /// What each peer last published of its own counts (key id to requests in its window),
+    /// and when that arrived.
+    peer_uses: HashMap<String, (HashMap<String, u32>, Instant)>,
     /// Most bytes the replicated set may take (`None`: not replicated).
     limit: Option<usize>,
 }
@@ -193,11 +205,41 @@ impl KeyStore {
             default_rpm,
             inner: Mutex::new(Inner {
                 set,
-                buckets: HashMap::new(),
+                uses: HashMap::new(),
+                peer_uses: HashMap::new(),
                 limit: None,
             }),
             merged: std::sync::atomic::AtomicBool::new(true),
         })
+    }
+
+    /// This node's requests per key over the last minute (keys with any), as it publishes
+    /// them for the cluster-wide limit.
+    pub fn usage(&self) -> HashMap<String, u32> {
+        let mut inner = self.lock();
+        let now = Instant::now();
+        let mut out = HashMap::new();
+        inner.uses.retain(|id, uses| {
+            while uses
+                .front()
+                .is_some_and(|&t| now.duration_since(t) >= RATE_WINDOW)
+            {
+                uses.pop_front();
+            }
+            if !uses.is_empty() {
+                out.insert(id.clone(), uses.len().min(u32::MAX as usize) as u32);
+            }
+            !uses.is_empty()
+        });
+        out
+    }
+
+    /// Takes what node `node` published of its own requests per key (see
+    /// [`KeyStore::usage`]) into this node's limits.
+    pub fn merge_usage(&self, node: &str, counts: HashMap<String, u32>) {
+        self.lock()
+            .peer_uses
+            .insert(node.to_string(), (counts, Instant::now()));
     }
 
     /// Whether the store holds the cluster's keys (always, outside a cluster).
@@ -268,8 +310,8 @@ impl KeyStore {
             return Ok(false);
         }
         self.save(&next)?;
-        let Inner { set, buckets, .. } = &mut *inner;
-        buckets.retain(|id, _| next.keys.iter().any(|k| &k.id == id));
+        let Inner { set, uses, .. } = &mut *inner;
+        uses.retain(|id, _| next.keys.iter().any(|k| &k.id == id));
         *set = next;
         Ok(true)
     }
@@ -339,7 +381,7 @@ impl KeyStore {
         });
         self.save(&next)?;
         inner.set = next;
-        inner.buckets.remove(id);
+        inner.uses.remove(id);
         Ok(true)
     }
 
@@ -391,20 +433,31 @@ impl KeyStore {
         let Some(rpm) = key.rpm.or(self.default_rpm).filter(|&r| r > 0) else {
             return Ok(());
         };
-        let per_s = rpm as f64 / 60.0;
         let mut inner = self.lock();
         let now = Instant::now();
-        let b = inner.buckets.entry(key.id.clone()).or_insert(Bucket {
-            tokens: rpm as f64,
-            at: now,
-        });
-        b.tokens = (b.tokens + now.duration_since(b.at).as_secs_f64() * per_s).min(rpm as f64);
-        b.at = now;
-        if b.tokens >= 1.0 {
-            b.tokens -= 1.0;
+        let elsewhere: u64 = inner
+            .peer_uses
+            .values()
+            .filter(|(_, at)| now.duration_since(*at) < USAGE_FRESH)
+            .filter_map(|(counts, _)| counts.get(&key.id))
+            .map(|&n| u64::from(n))
+            .sum();
+        let uses = inner.uses.entry(key.id.clone()).or_default();
+        while uses
+            .front()
+            .is_some_and(|&t| now.duration_since(t) >= RATE_WINDOW)
+        {
+            uses.pop_front();
+        }
+        if (uses.len() as u64) + elsewhere < u64::from(rpm) {
+            uses.push_back(now);
             return Ok(());
         }
-        let wait = ((1.0 - b.tokens) / per_s).ceil() as u64;
+        // the oldest of this node's requests leaves the window first; where the others'
+        // fill it, a few seconds is as good a guess as any
+        let wait = uses.front().map_or(5, |&t| {
+            (RATE_WINDOW - now.duration_since(t)).as_secs().max(1)
+        });
         Err(ApiError::new(
             ErrorKind::RateLimited { retry_after: wait },
             format!(
@@ -507,6 +560,10 @@ impl KeyStore {
 
 /// Gossip key of a node's replicated key set.
 pub const GOSSIP_KEY: &str = "keys";
+
+/// The gossip key under which a node publishes its requests per API key over the last
+/// minute, which every node adds to its own when it checks a key's limit.
+pub const USAGE_KEY: &str = "key-use";
 /// How often a node merges the key sets the others publish.
 const REPLICATE_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
@@ -539,6 +596,7 @@ pub async fn replicate(
     }
     let started = std::time::Instant::now();
     let mut published = String::new();
+    let mut published_usage = String::new();
     let mut warned: std::collections::HashSet<String> = Default::default();
     // what each node published when it was last merged: unchanged sets are not read again
     let mut merged: std::collections::HashMap<String, String> = Default::default();
@@ -590,8 +648,24 @@ pub async fn replicate(
                 state.keys.set_merged(true);
             }
         }
+        // the cluster-wide rate limits: every peer's counts in, this node's out
+        for (from, value) in node.published(USAGE_KEY) {
+            if from == node.id() {
+                continue;
+            }
+            if let Ok(counts) = serde_json::from_str::<HashMap<String, u32>>(&value) {
+                state.keys.merge_usage(&from, counts);
+            }
+        }
+        let usage = serde_json::to_string(&state.keys.usage()).unwrap_or_default();
         let mine = serde_json::to_string(&state.keys.snapshot()).unwrap_or_default();
         drop(state);
+        if usage != published_usage {
+            match node.publish(USAGE_KEY, &usage).await {
+                Ok(()) => published_usage = usage,
+                Err(e) => tracing::debug!("publishing this node's key usage failed: {e}"),
+            }
+        }
         if mine != published {
             match node.publish(GOSSIP_KEY, &mine).await {
                 Ok(()) => published = mine,
@@ -677,9 +751,28 @@ mod tests {
         assert!(store.authorize(&bearer(&secret)).is_ok());
         let e = store.authorize(&bearer(&secret)).unwrap_err();
         match e.kind {
-            ErrorKind::RateLimited { retry_after } => assert!((1..=30).contains(&retry_after)),
+            ErrorKind::RateLimited { retry_after } => assert!((1..=60).contains(&retry_after)),
             k => panic!("{k:?}"),
         }
+    }
+
+    #[test]
+    fn other_nodes_counts_take_from_a_keys_limit_while_fresh() {
+        let store = KeyStore::open(None, None).unwrap();
+        let (rec, secret) = store.create("x", false, Some(10)).unwrap();
+        store.merge_usage("b", HashMap::from([(rec.id.clone(), 6)]));
+        store.merge_usage("c", HashMap::from([("another".to_string(), 9)]));
+        for i in 0..4 {
+            assert!(store.authorize(&bearer(&secret)).is_ok(), "request {i}");
+        }
+        assert!(
+            store.authorize(&bearer(&secret)).is_err(),
+            "6 elsewhere and 4 here"
+        );
+        assert_eq!(store.usage(), HashMap::from([(rec.id.clone(), 4)]));
+        // counts that are no longer fresh stop counting
+        store.lock().peer_uses.get_mut("b").unwrap().1 -= USAGE_FRESH;
+        assert!(store.authorize(&bearer(&secret)).is_ok());
     }
 
     #[test]

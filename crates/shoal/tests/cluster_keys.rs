@@ -2,7 +2,8 @@
 //! node c only. A key created on node a authorises a request at node b (which forwards it to
 //! c, which checks it again); the key revoked on b is refused at every node within 5 s, and
 //! the other key goes on working. A node that joins once keys exist never serves without
-//! them: until it has merged the cluster's keys its model routes answer 503.
+//! them: until it has merged the cluster's keys its model routes answer 503. A key's
+//! requests-per-minute limit holds across the nodes it is used through at once.
 
 mod common;
 
@@ -166,4 +167,97 @@ fn names(url: &str, admin: &str) -> Vec<String> {
         .collect();
     names.sort();
     names
+}
+
+/// Sends greedy one-token chats for smollm2 to `url` with `key`, one every `every`, until
+/// `until`, counting the answers by status (200, 429, other).
+fn paced(url: &str, key: &str, every: Duration, until: Instant) -> (usize, usize, usize) {
+    let (mut ok, mut limited, mut other) = (0, 0, 0);
+    let mut next = Instant::now();
+    while next < until {
+        let mut req = ureq::post(&format!("{url}/v1/chat/completions"))
+            .config()
+            .http_status_as_error(false)
+            .build();
+        req = req.header("Authorization", &format!("Bearer {key}"));
+        let body = json!({"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}],
+                          "temperature": 0, "max_tokens": 1});
+        match req.send_json(&body).map(|r| r.status().as_u16()) {
+            Ok(200) => ok += 1,
+            Ok(429) => limited += 1,
+            _ => other += 1,
+        }
+        next += every;
+        std::thread::sleep(next.saturating_duration_since(Instant::now()));
+    }
+    (ok, limited, other)
+}
+
+/// Requests a second each client sends to its node.
+const RATE: u32 = 10;
+
+/// What the limit may let through beyond itself with three nodes used at once: what the
+/// two others admit before their counts arrive, at most `RATE` a second for up to 2 s
+/// (the keys module's stated slack); per-node limits alone would admit 180.
+const SLACK: usize = 4 * RATE as usize;
+
+#[test]
+fn a_keys_limit_holds_across_the_nodes_it_is_used_through() {
+    let Some(model) = cached_model("smollm2") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let secret = common::secret(dir);
+    let home = model.parent().unwrap().parent().unwrap().to_path_buf();
+    // each node serves its own copy: nothing is forwarded, each counts what it runs
+    let extra = ["--model", "smollm2", "--ctx", "256"];
+    let a = node(dir, "a", &secret, &home, None, &extra);
+    let seed = a.listen.clone();
+    let b = node(dir, "b", &secret, &home, Some(&seed), &extra);
+    let c = node(dir, "c", &secret, &home, Some(&seed), &extra);
+    let nodes = [a, b, c];
+    common::agree(&nodes);
+    let (_, admin) = create(&nodes[0].url, "ops", None);
+    let v: Value = json_of(&[
+        "keys",
+        "create",
+        "--name",
+        "app",
+        "--rpm",
+        "60",
+        "--json",
+        "--url",
+        &nodes[0].url,
+        "--key",
+        &admin,
+    ]);
+    let user = v["secret"].as_str().unwrap().to_string();
+    wait_until(Duration::from_secs(10), "every node holds the key", || {
+        nodes
+            .iter()
+            .all(|n| chat(&n.url, Some(&user)).0 == 200)
+            .then_some(())
+    });
+    // the three probes above were counted too; three clients, one at each node, 10
+    // requests a second each for 12 s: 360 requests, 180 that per-node limits would admit
+    let until = Instant::now() + Duration::from_secs(12);
+    let handles: Vec<_> = nodes
+        .iter()
+        .map(|n| {
+            let (url, key) = (n.url.clone(), user.clone());
+            let every = Duration::from_secs(1) / RATE;
+            std::thread::spawn(move || paced(&url, &key, every, until))
+        })
+        .collect();
+    let counts: Vec<(usize, usize, usize)> =
+        handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let accepted: usize = counts.iter().map(|c| c.0).sum::<usize>() + 3;
+    eprintln!("per node (ok, 429, other): {counts:?}; accepted {accepted} of a limit of 60");
+    assert!(counts.iter().all(|c| c.2 == 0), "{counts:?}");
+    assert!(accepted >= 60, "the limit is reachable: {accepted}");
+    assert!(
+        accepted <= 60 + SLACK,
+        "{accepted} accepted, more than 60 + {SLACK}"
+    );
 }
