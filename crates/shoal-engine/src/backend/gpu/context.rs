@@ -260,11 +260,29 @@ impl GpuContext {
     /// A storage buffer holding `data` (padded with zeros to whole words).
     pub(super) fn buffer_with(&self, data: &[u8], label: &str) -> wgpu::Buffer {
         if data.len().is_multiple_of(4) && !data.is_empty() {
-            // a queue write lands before the next submission, so before any command that
-            // can read the new buffer; unlike a buffer mapped at creation it fails through
-            // the error callback, not a panic, on a lost device
-            let buf = self.buffer(data.len(), label);
-            self.queue.write_buffer(&buf, 0, data);
+            // filled through a mapping at creation: no staging copy (a model's weights would
+            // otherwise be staged whole until the load's submission)
+            let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: data.len() as u64,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: true,
+            });
+            match buf.get_mapped_range_mut(..) {
+                Ok(mut view) => {
+                    view.copy_from_slice(data);
+                    drop(view);
+                    buf.unmap();
+                }
+                // a lost device maps nothing: the buffer is never read, the next read or
+                // submission reports the loss
+                Err(e) => {
+                    let mut slot = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+                    slot.get_or_insert_with(|| format!("the GPU could not fill a buffer: {e}"));
+                }
+            }
             return buf;
         }
         let mut padded = data.to_vec();
