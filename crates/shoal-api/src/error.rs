@@ -34,6 +34,10 @@ pub enum ErrorKind {
     NotFound,
     /// The body is larger than the server accepts (413).
     TooLarge,
+    /// The prompt does not fit the model's context (400; OpenAI's code
+    /// `context_length_exceeded`, which agents such as Codex compact on, as Claude Code does
+    /// on Anthropic's "prompt is too long: N tokens > M maximum").
+    ContextLength,
     /// Too many requests for this key; retry after the given seconds (429).
     RateLimited {
         /// Seconds until a request will be accepted.
@@ -101,6 +105,7 @@ impl ApiError {
             ErrorKind::Permission => StatusCode::FORBIDDEN,
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::ContextLength => StatusCode::BAD_REQUEST,
             ErrorKind::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
@@ -136,6 +141,9 @@ impl ApiError {
                     ErrorKind::Permission => ("permission_error", None),
                     ErrorKind::NotFound => ("invalid_request_error", Some("model_not_found")),
                     ErrorKind::TooLarge => ("invalid_request_error", Some("request_too_large")),
+                    ErrorKind::ContextLength => {
+                        ("invalid_request_error", Some("context_length_exceeded"))
+                    }
                     ErrorKind::RateLimited { .. } => {
                         ("rate_limit_error", Some("rate_limit_exceeded"))
                     }
@@ -151,7 +159,7 @@ impl ApiError {
             }
             Flavor::Anthropic => {
                 let ty = match self.kind {
-                    ErrorKind::InvalidRequest => "invalid_request_error",
+                    ErrorKind::InvalidRequest | ErrorKind::ContextLength => "invalid_request_error",
                     ErrorKind::Authentication => "authentication_error",
                     ErrorKind::Permission => "permission_error",
                     ErrorKind::NotFound => "not_found_error",

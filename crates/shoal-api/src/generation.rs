@@ -460,15 +460,19 @@ fn prepare(
             Input::Chat { .. } => "messages",
             Input::Text(_) => "prompt",
         };
-        return Err(ApiError::invalid_param(
-            field,
+        // Anthropic's wording, which clients parse to know by how much to shorten
+        let mut e = ApiError::new(
+            crate::error::ErrorKind::ContextLength,
             format!(
-                "the prompt is {} tokens, but {} is served with a context of {ctx} tokens \
-                 (prompt plus output); shorten the prompt",
+                "prompt is too long: {} tokens > {} maximum ({} is served with a context of \
+                 {ctx} tokens, prompt plus output; shorten the prompt)",
                 prompt.len(),
+                ctx - 1,
                 served.id
             ),
-        ));
+        );
+        e.param = Some(field.to_string());
+        return Err(e);
     }
     let room = ctx - prompt.len();
     let max_tokens = match req.max_tokens {
@@ -547,17 +551,22 @@ fn fits_by_length(served: &ServedModel, input: &Input) -> Result<(), ApiError> {
     if bytes <= most {
         return Ok(());
     }
-    Err(ApiError::invalid_param(
-        match input {
-            Input::Chat { .. } => "messages",
-            Input::Text(_) => "prompt",
-        },
+    let mut e = ApiError::new(
+        crate::error::ErrorKind::ContextLength,
         format!(
-            "the prompt is {bytes} bytes, more than {} is served with a context of {} \
+            "prompt is too long: {bytes} bytes, more than {} is served with a context of {} \
              tokens can hold ({most} bytes at most); shorten the prompt",
             served.id, served.ctx
         ),
-    ))
+    );
+    e.param = Some(
+        match input {
+            Input::Chat { .. } => "messages",
+            Input::Text(_) => "prompt",
+        }
+        .to_string(),
+    );
+    Err(e)
 }
 
 /// The tool list as chat templates read it (OpenAI's function shape).

@@ -101,6 +101,22 @@ fn every_api_answers_in_its_own_shape() {
         assert_eq!(s, StatusCode::BAD_REQUEST);
         let msg = json_of(&b)["error"]["message"].as_str().unwrap().to_string();
         assert!(msg.contains("context of 128 tokens"), "{msg}");
+        // the shapes agents act on: OpenAI's code, Anthropic's "prompt is too long: N tokens
+        // > M maximum" (Claude Code compacts the conversation on it)
+        assert_eq!(json_of(&b)["error"]["code"], "context_length_exceeded", "{msg}");
+        let long = "word ".repeat(300); // within the bytes 128 tokens can hold, not the tokens
+        let (s, b) = call(&app, "POST", "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [{"role": "user", "content": long}]}).to_string().as_bytes()).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST);
+        let msg = json_of(&b)["error"]["message"].as_str().unwrap().to_string();
+        assert_eq!(json_of(&b)["error"]["code"], "context_length_exceeded", "{msg}");
+        assert!(msg.starts_with("prompt is too long: ") && msg.contains(" tokens > 127 maximum"), "{msg}");
+        let (s, b) = call(&app, "POST", "/v1/messages",
+            json!({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": long}]}).to_string().as_bytes()).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST);
+        let v = json_of(&b);
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().starts_with("prompt is too long: "), "{v}");
         let (s, _) = call(&app, "POST", "/v1/chat/completions",
             json!({"model": "tiny", "n": 2, "messages": [{"role": "user", "content": "hi"}]}).to_string().as_bytes()).await;
         assert_eq!(s, StatusCode::BAD_REQUEST);
