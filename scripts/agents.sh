@@ -131,10 +131,12 @@ for m in $used_models; do echo "$SERVER_KIND: $m at ${URLS[$m]}"; done
 metric() {
   curl -s "$URL/metrics" | awk -v n="$1" -v m="model=\"$MODEL\"" '$1 ~ "^"n"\\{" && index($1, m) {s += $2} END {print s+0}'
 }
-# refused: requests shoal answered with a 4xx or 5xx so far
+# refused: requests shoal answered with a 4xx or 5xx so far, less those whose prompt did not
+# fit the context (a limit the agents handle, by compacting their conversation, not a fault)
 refused() {
   curl -s "$URL/metrics" |
-    awk '$1 ~ /^shoal_http_requests_total\{/ && $1 ~ /status="[45]/ {s += $2} END {print s+0}'
+    awk '$1 ~ /^shoal_http_requests_total\{/ && $1 ~ /status="[45]/ {s += $2}
+         $1 ~ /^shoal_prompts_too_long_total\{/ {s -= $2} END {print s+0}'
 }
 
 # scratch AGENT: the agent's project, a git repository with the task files, made anew for

@@ -419,7 +419,7 @@ fn prepare(
     arrived: Instant,
 ) -> Result<Running, ApiError> {
     let served = state.model(&req.model)?;
-    fits_by_length(&served, &req.input)?;
+    fits_by_length(&served, &req.input).inspect_err(|_| state.metrics.too_long(&served.id))?;
     if req.stop.len() > MAX_STOPS || req.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
         return Err(ApiError::invalid_param(
             "stop",
@@ -472,6 +472,7 @@ fn prepare(
             ),
         );
         e.param = Some(field.to_string());
+        state.metrics.too_long(&served.id);
         return Err(e);
     }
     let room = ctx - prompt.len();

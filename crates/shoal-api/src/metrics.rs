@@ -64,6 +64,7 @@ pub struct Metrics {
     prompt_tokens: Family<ModelLabels, Counter>,
     generated_tokens: Family<ModelLabels, Counter>,
     resumed: Family<ModelLabels, Counter>,
+    too_long: Family<ModelLabels, Counter>,
     ttft: Family<ModelLabels, Histogram, fn() -> Histogram>,
     itl: Family<ModelLabels, Histogram, fn() -> Histogram>,
     queue_depth: Family<ModelLabels, Gauge>,
@@ -118,6 +119,13 @@ impl Metrics {
             "requests_resumed",
             "Requests that went on where their instance was placed again after it lost a node",
             resumed.clone(),
+        );
+        let too_long = Family::<ModelLabels, Counter>::default();
+        r.register(
+            "prompts_too_long",
+            "Requests refused because their prompt does not fit the model's context (a limit \
+             clients act on, such as by compacting the conversation, not a fault)",
+            too_long.clone(),
         );
         let ttft: Family<ModelLabels, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(latency_histogram);
@@ -211,6 +219,7 @@ impl Metrics {
             prompt_tokens,
             generated_tokens,
             resumed,
+            too_long,
             ttft,
             itl,
             queue_depth,
@@ -270,6 +279,11 @@ impl Metrics {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// Counts a request refused because its prompt does not fit the context.
+    pub fn too_long(&self, model: &str) {
+        self.too_long.get_or_create(&Self::model(model)).inc();
     }
 
     /// Counts a request that went on after its instance lost a node.
