@@ -1081,14 +1081,15 @@ async fn read_range(
     }
     tokio::task::spawn_blocking(move || {
         use std::io::{Read, Seek, SeekFrom};
-        let mut files = Vec::with_capacity(paths.len());
-        let mut size = 0u64;
+        // each file's size from its metadata; only the files the range falls in are opened
+        let mut sizes = Vec::with_capacity(paths.len());
         for p in &paths {
-            let f = std::fs::File::open(p).map_err(|e| format!("opening {}: {e}", p.display()))?;
-            let n = f.metadata().map_err(|e| e.to_string())?.len();
-            files.push((f, size, n));
-            size += n;
+            let n = std::fs::metadata(p)
+                .map_err(|e| format!("reading {}: {e}", p.display()))?
+                .len();
+            sizes.push(n);
         }
+        let size: u64 = sizes.iter().sum();
         if offset.checked_add(len).is_none_or(|end| end > size) {
             return Err(format!(
                 "bytes {offset}..+{len} are outside the file of {size} bytes"
@@ -1097,20 +1098,23 @@ async fn read_range(
         let mut buf = vec![0u8; len as usize];
         let mut at = offset;
         let mut filled = 0usize;
-        for (f, start, n) in &mut files {
+        let mut start = 0u64;
+        for (p, n) in paths.iter().zip(sizes) {
             if filled == buf.len() {
                 break;
             }
-            if at >= *start + *n || at < *start {
-                continue;
+            if at < start + n {
+                let take = ((start + n - at) as usize).min(buf.len() - filled);
+                let mut f =
+                    std::fs::File::open(p).map_err(|e| format!("opening {}: {e}", p.display()))?;
+                f.seek(SeekFrom::Start(at - start))
+                    .map_err(|e| e.to_string())?;
+                f.read_exact(&mut buf[filled..filled + take])
+                    .map_err(|e| format!("reading the file: {e}"))?;
+                filled += take;
+                at += take as u64;
             }
-            let take = ((*start + *n - at) as usize).min(buf.len() - filled);
-            f.seek(SeekFrom::Start(at - *start))
-                .map_err(|e| e.to_string())?;
-            f.read_exact(&mut buf[filled..filled + take])
-                .map_err(|e| format!("reading the file: {e}"))?;
-            filled += take;
-            at += take as u64;
+            start += n;
         }
         Ok(buf)
     })
