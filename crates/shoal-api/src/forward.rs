@@ -75,17 +75,60 @@ fn flavor(path: &str) -> Flavor {
     }
 }
 
-/// The API address of the node leading the instance `body` names, when this node does not
-/// serve it itself.
-fn lead_of(state: &AppState, body: &[u8]) -> Option<String> {
-    let control = state.instances.get()?;
-    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let name = v.get("model")?.as_str()?;
-    let base = name.strip_suffix(":latest").unwrap_or(name);
+/// Where a model request goes.
+enum Route {
+    /// This node answers it (it serves the model, or no instance by that name exists).
+    Here,
+    /// The node at this API address leads the instance.
+    Lead(String),
+    /// The instance exists in the cluster but no node can answer for it now.
+    NotReady(String, crate::state::InstanceView),
+}
+
+/// Where the request with `body` goes, when this node does not serve the model itself.
+fn route_of(state: &AppState, body: &[u8]) -> Route {
+    let Some(control) = state.instances.get() else {
+        return Route::Here;
+    };
+    let Some(name) = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| Some(v.get("model")?.as_str()?.to_string()))
+    else {
+        return Route::Here;
+    };
+    let base = name.strip_suffix(":latest").unwrap_or(&name);
     if state.served().iter().any(|m| m.id == name || m.id == base) {
-        return None;
+        return Route::Here;
     }
-    control.0.lead_api(base)
+    if let Some(api) = control.0.lead_api(base) {
+        return Route::Lead(api);
+    }
+    match control.0.instance(base) {
+        Some(view) => Route::NotReady(base.to_string(), view),
+        None => Route::Here,
+    }
+}
+
+/// The answer for a model whose instance no node can answer for now: 503 with a retry
+/// time while it is being placed or loaded (or its lead is not yet known here).
+fn not_ready(name: &str, view: &crate::state::InstanceView, path: &str) -> Response {
+    let message = match (&view.state[..], &view.reason) {
+        ("failed", Some(reason)) => format!(
+            "the instance `{name}` failed to load on the cluster ({reason}); `shoal ps` shows \
+             it, `shoal load` places it again"
+        ),
+        ("ready", _) => format!(
+            "the instance `{name}` is ready but its lead node is not yet known to this node; \
+             retry shortly"
+        ),
+        (state, _) => format!("the instance `{name}` is {state} on the cluster; retry shortly"),
+    };
+    let mut resp = ApiError::new(ErrorKind::Overloaded, message)
+        .flavor(flavor(path))
+        .into_response();
+    resp.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("2"));
+    resp
 }
 
 /// The middleware: forwards model requests for instances led elsewhere.
@@ -124,10 +167,12 @@ pub async fn forward(State(f): State<Forwarder>, req: Request, next: Next) -> Re
             return e.into_response();
         }
     };
-    let lead = lead_of(&f.state, &bytes);
+    let route = route_of(&f.state, &bytes);
     let req = Request::from_parts(parts, Body::from(bytes));
-    let Some(api) = lead else {
-        return next.run(req).await;
+    let api = match route {
+        Route::Here => return next.run(req).await,
+        Route::Lead(api) => api,
+        Route::NotReady(name, view) => return not_ready(&name, &view, &path),
     };
     // a bad key is answered here, by the route itself, in its API's shape; a good one is
     // counted against its limit by the lead, which runs the request (and checks it again)

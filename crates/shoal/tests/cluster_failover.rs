@@ -340,18 +340,20 @@ fn a_stream_whose_lead_dies_ends_with_an_error_in_its_apis_shape() {
         .expect("a node outside the instance")
         .url
         .clone();
-    // the entry node forwards once the instance table it replicates names the lead
+    // the entry node forwards once the instance table it replicates names the lead; until
+    // then it answers 503 with a retry time, as a client would see it
     let t0 = Instant::now();
-    while !json_of(&["ps", "--json", "--url", &entry])
-        .as_array()
-        .is_some_and(|l| {
-            l.iter()
-                .any(|i| i["id"] == "qwen05" && i["api"].is_string())
-        })
-    {
+    let probe = json!({"model": "qwen05", "max_tokens": 1,
+                       "messages": [{"role": "user", "content": "hi"}]});
+    loop {
+        match ureq::post(&format!("{entry}/v1/chat/completions")).send_json(&probe) {
+            Ok(_) => break,
+            Err(ureq::Error::StatusCode(503)) => {}
+            Err(e) => panic!("the entry node refused a request for the instance: {e}"),
+        }
         assert!(
             t0.elapsed() < Duration::from_secs(60),
-            "the entry node never saw the instance"
+            "the entry node never forwarded to the instance"
         );
         std::thread::sleep(Duration::from_millis(200));
     }
