@@ -83,11 +83,17 @@ pub enum GgmlType {
     Q6_K,
     /// bfloat16, id 30.
     BF16,
+    /// 4-bit non-linear grid, blocks of 32, id 20.
+    IQ4_NL,
+    /// 4-bit non-linear grid, super-blocks of 256 with 6-bit sub-block scales, id 23.
+    IQ4_XS,
+    /// FP4 (E2M1) values with an E8M0 scale per 32, id 39.
+    MXFP4,
 }
 
 impl GgmlType {
     /// Every type this module can quantize.
-    pub const ALL: [GgmlType; 10] = [
+    pub const ALL: [GgmlType; 13] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -98,6 +104,9 @@ impl GgmlType {
         GgmlType::Q4_K,
         GgmlType::Q6_K,
         GgmlType::BF16,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
+        GgmlType::MXFP4,
     ];
 
     /// The id GGUF stores for this type (`enum ggml_type`).
@@ -113,6 +122,9 @@ impl GgmlType {
             GgmlType::Q4_K => 12,
             GgmlType::Q6_K => 14,
             GgmlType::BF16 => 30,
+            GgmlType::IQ4_NL => 20,
+            GgmlType::IQ4_XS => 23,
+            GgmlType::MXFP4 => 39,
         }
     }
 
@@ -125,8 +137,16 @@ impl GgmlType {
     pub fn block_size(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => QK,
-            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q6_K => QK_K,
+            GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q8_0
+            | GgmlType::IQ4_NL
+            | GgmlType::MXFP4 => QK,
+            GgmlType::Q2_K
+            | GgmlType::Q3_K
+            | GgmlType::Q4_K
+            | GgmlType::Q6_K
+            | GgmlType::IQ4_XS => QK_K,
         }
     }
 
@@ -142,6 +162,9 @@ impl GgmlType {
             GgmlType::Q3_K => Q3_K_BLOCK_BYTES,
             GgmlType::Q4_K => Q4_K_BLOCK_BYTES,
             GgmlType::Q6_K => Q6_K_BLOCK_BYTES,
+            GgmlType::IQ4_NL => 2 + QK / 2,
+            GgmlType::IQ4_XS => 2 + 2 + 4 + QK_K / 2,
+            GgmlType::MXFP4 => 1 + QK / 2,
         }
     }
 
@@ -167,6 +190,9 @@ impl GgmlType {
             GgmlType::Q4_K => "q4_K",
             GgmlType::Q6_K => "q6_K",
             GgmlType::BF16 => "bf16",
+            GgmlType::IQ4_NL => "iq4_nl",
+            GgmlType::IQ4_XS => "iq4_xs",
+            GgmlType::MXFP4 => "mxfp4",
         }
     }
 
@@ -207,6 +233,9 @@ pub fn quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>, TestkitError> {
         GgmlType::Q3_K => quantize_q3_k(x)?,
         GgmlType::Q4_K => quantize_q4_k(x)?,
         GgmlType::Q6_K => quantize_q6_k(x)?,
+        GgmlType::IQ4_NL => quantize_iq4_nl(x)?,
+        GgmlType::IQ4_XS => quantize_iq4_xs(x)?,
+        GgmlType::MXFP4 => quantize_mxfp4(x)?,
     })
 }
 
@@ -247,7 +276,187 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<Vec<f
         GgmlType::Q3_K => dequantize_q3_k(bytes)?,
         GgmlType::Q4_K => dequantize_q4_k(bytes)?,
         GgmlType::Q6_K => dequantize_q6_k(bytes)?,
+        GgmlType::IQ4_NL => dequantize_iq4_nl(bytes)?,
+        GgmlType::IQ4_XS => dequantize_iq4_xs(bytes)?,
+        GgmlType::MXFP4 => dequantize_mxfp4(bytes)?,
     })
+}
+
+/// The grid of IQ4_NL and IQ4_XS codes, as ggml defines it (`kvalues_iq4nl`).
+pub const IQ4_GRID: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// The value of FP4 (E2M1) code `c`, from the OCP Microscaling format's definition: bit 3 is
+/// the sign, bits 1-2 an exponent biased by 1, bit 0 the mantissa; exponent 0 is subnormal.
+pub fn e2m1(c: u8) -> f64 {
+    let (e, m) = (i32::from((c >> 1) & 3), f64::from(c & 1));
+    let mag = if e == 0 {
+        m * 0.5
+    } else {
+        2f64.powi(e - 1) * (1.0 + m / 2.0)
+    };
+    if c & 8 != 0 {
+        -mag
+    } else {
+        mag
+    }
+}
+
+/// The index of the grid value nearest `v` (the first of two equally near).
+fn nearest_point(grid: impl Iterator<Item = f64>, v: f64) -> u8 {
+    let mut best = (0u8, f64::INFINITY);
+    for (i, g) in grid.enumerate() {
+        let e = (g - v).abs();
+        if e < best.1 {
+            best = (i as u8, e);
+        }
+    }
+    best.0
+}
+
+/// 32 values as 16 bytes of codes (value `j` in the low nibble of byte `j`, `j + 16` in the
+/// high one), each the nearest of `grid` to `x / d`.
+fn lut_codes(x: &[f32], d: f64, grid: impl Fn() -> Vec<f64>) -> [u8; 16] {
+    let g = grid();
+    let code = |v: f32| {
+        if d == 0.0 {
+            nearest_point(g.iter().copied(), 0.0)
+        } else {
+            nearest_point(g.iter().copied(), f64::from(v) / d)
+        }
+    };
+    std::array::from_fn(|j| code(x[j]) | (code(x[j + 16]) << 4))
+}
+
+/// 32 codes back to values: `d * grid[code]`, in f64.
+fn lut_values(qs: &[u8], d: f64, grid: impl Fn(u8) -> f64) -> Vec<f32> {
+    let low = qs.iter().map(|b| (d * grid(b & 0xF)) as f32);
+    let high = qs.iter().map(|b| (d * grid(b >> 4)) as f32);
+    low.chain(high).collect()
+}
+
+/// The value of largest magnitude in `x`, with its sign.
+fn signed_max(x: &[f32]) -> f32 {
+    x.iter()
+        .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m })
+}
+
+/// Quantizes `x` (a multiple of 32 long) to `IQ4_NL` blocks: an f16 scale `d` (the value of
+/// largest magnitude over the grid's end, -127) and 16 bytes of codes, each the nearest grid
+/// point (ggml then searches nearby scales; this writes valid, slightly coarser blocks).
+pub fn quantize_iq4_nl(x: &[f32]) -> Result<Vec<u8>, TestkitError> {
+    check_blocks(GgmlType::IQ4_NL, x.len())?;
+    let grid = || IQ4_GRID.iter().map(|&v| f64::from(v)).collect();
+    let mut out = Vec::with_capacity(x.len() / QK * GgmlType::IQ4_NL.block_bytes());
+    for block in x.chunks_exact(QK) {
+        let d = f16::from_f32(signed_max(block) / -127.0);
+        out.extend_from_slice(&d.to_le_bytes());
+        out.extend_from_slice(&lut_codes(block, f64::from(d.to_f32()), grid));
+    }
+    Ok(out)
+}
+
+/// Decodes `IQ4_NL` blocks (18 bytes: f16 `d`, 16 code bytes) in f64.
+pub fn dequantize_iq4_nl(bytes: &[u8]) -> Result<Vec<f32>, TestkitError> {
+    check_block_bytes(GgmlType::IQ4_NL, bytes)?;
+    Ok(bytes
+        .chunks_exact(GgmlType::IQ4_NL.block_bytes())
+        .flat_map(|b| {
+            let d = f64::from(f16::from_le_bytes([b[0], b[1]]).to_f32());
+            lut_values(&b[2..], d, |c| f64::from(IQ4_GRID[c as usize]))
+        })
+        .collect())
+}
+
+/// Quantizes `x` (a multiple of 256 long) to `IQ4_XS` blocks: an f16 `d`, the sub-block
+/// scales' high bit pairs (`scales_h`, bits `2 ib`), their low nibbles (`scales_l[ib / 2]`,
+/// nibble `ib % 2`), then 16 code bytes per 32-value sub-block. Sub-block `ib`'s scale is
+/// `d * (ls - 32)` with `ls` six bits; its codes index [`IQ4_GRID`] as IQ4_NL's do.
+pub fn quantize_iq4_xs(x: &[f32]) -> Result<Vec<u8>, TestkitError> {
+    check_blocks(GgmlType::IQ4_XS, x.len())?;
+    let grid = || IQ4_GRID.iter().map(|&v| f64::from(v)).collect();
+    let mut out = Vec::with_capacity(x.len() / QK_K * GgmlType::IQ4_XS.block_bytes());
+    for sb in x.chunks_exact(QK_K) {
+        let scales: Vec<f32> = sb
+            .chunks_exact(QK)
+            .map(|b| signed_max(b) / -127.0)
+            .collect();
+        let widest = signed_max(&scales);
+        let d = f16::from_f32(widest / -32.0);
+        let df = d.to_f32();
+        let ls: Vec<i32> = scales
+            .iter()
+            .map(|&s| {
+                if df == 0.0 {
+                    0
+                } else {
+                    ((s / df).round() as i32).clamp(-32, 31)
+                }
+            })
+            .collect();
+        let (mut high, mut low) = (0u16, [0u8; 4]);
+        for (ib, &l) in ls.iter().enumerate() {
+            let u = (l + 32) as u16;
+            high |= (u >> 4) << (2 * ib);
+            low[ib / 2] |= ((u & 0xF) as u8) << (4 * (ib % 2));
+        }
+        out.extend_from_slice(&d.to_le_bytes());
+        out.extend_from_slice(&high.to_le_bytes());
+        out.extend_from_slice(&low);
+        for (b, &l) in sb.chunks_exact(QK).zip(&ls) {
+            out.extend_from_slice(&lut_codes(b, f64::from(df) * f64::from(l), grid));
+        }
+    }
+    Ok(out)
+}
+
+/// Decodes `IQ4_XS` blocks (136 bytes) in f64.
+pub fn dequantize_iq4_xs(bytes: &[u8]) -> Result<Vec<f32>, TestkitError> {
+    check_block_bytes(GgmlType::IQ4_XS, bytes)?;
+    let mut out = Vec::with_capacity(bytes.len() / GgmlType::IQ4_XS.block_bytes() * QK_K);
+    for b in bytes.chunks_exact(GgmlType::IQ4_XS.block_bytes()) {
+        let d = f64::from(f16::from_le_bytes([b[0], b[1]]).to_f32());
+        let high = u16::from_le_bytes([b[2], b[3]]);
+        for ib in 0..QK_K / QK {
+            let low = (b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF;
+            let ls = i32::from(low) | (i32::from((high >> (2 * ib)) & 3) << 4);
+            let dl = d * f64::from(ls - 32);
+            let qs = &b[8 + 16 * ib..8 + 16 * ib + 16];
+            out.extend(lut_values(qs, dl, |c| f64::from(IQ4_GRID[c as usize])));
+        }
+    }
+    Ok(out)
+}
+
+/// Quantizes `x` (a multiple of 32 long) to `MXFP4` blocks: one E8M0 byte `e` (the scale is
+/// `2^(e - 127)`, chosen as ggml's reference does: `floor(log2(amax)) - 2`, so the largest
+/// value lands near the top of the FP4 range), then 16 bytes of FP4 codes, each the nearest
+/// E2M1 value to `x / scale`.
+pub fn quantize_mxfp4(x: &[f32]) -> Result<Vec<u8>, TestkitError> {
+    check_blocks(GgmlType::MXFP4, x.len())?;
+    let grid = || (0..16).map(e2m1).collect();
+    let mut out = Vec::with_capacity(x.len() / QK * GgmlType::MXFP4.block_bytes());
+    for block in x.chunks_exact(QK) {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let e = if amax > 0.0 {
+            (amax.log2().floor() as i32 - 2 + 127).clamp(0, 254) as u8
+        } else {
+            0
+        };
+        out.push(e);
+        out.extend_from_slice(&lut_codes(block, 2f64.powi(i32::from(e) - 127), grid));
+    }
+    Ok(out)
+}
+
+/// Decodes `MXFP4` blocks (17 bytes: E8M0 scale, 16 code bytes) in f64.
+pub fn dequantize_mxfp4(bytes: &[u8]) -> Result<Vec<f32>, TestkitError> {
+    check_block_bytes(GgmlType::MXFP4, bytes)?;
+    Ok(bytes
+        .chunks_exact(GgmlType::MXFP4.block_bytes())
+        .flat_map(|b| lut_values(&b[1..], 2f64.powi(i32::from(b[0]) - 127), e2m1))
+        .collect())
 }
 
 /// `dequantize(quantize(x))`: the values a reader sees after `x` is stored as `ty`.

@@ -1165,6 +1165,9 @@ impl TinyModel {
             GgmlType::Q4_K => 15, // MOSTLY_Q4_K_M
             GgmlType::Q6_K => 18,
             GgmlType::BF16 => 32,
+            GgmlType::IQ4_NL => 25,
+            GgmlType::IQ4_XS => 30,
+            GgmlType::MXFP4 => 38, // MOSTLY_MXFP4_MOE
         }
     }
 

@@ -17,6 +17,7 @@ use crate::profile::{self, Op};
 use crate::weights::{candle_dtype, Slice, WeightSource};
 use crate::EngineError;
 use candle_core::quantized::GgmlDType;
+use shoal_model::gguf::GgmlType;
 
 /// A weight matrix and what multiplies by it.
 #[derive(Debug, Clone)]
@@ -45,10 +46,8 @@ impl CpuMatrix {
     /// # Errors
     /// When the tensor is missing, misshapen or cannot be cut that way.
     pub fn load(src: &dyn WeightSource, name: &str, slice: &Slice) -> Result<Self, EngineError> {
-        if !candle_only() {
-            if let Some(m) = load_quant_matrix(src, name, slice)? {
-                return Ok(CpuMatrix::Kernel(Arc::new(m)));
-            }
+        if let Some(m) = load_quant_matrix(src, name, slice, candle_only())? {
+            return Ok(CpuMatrix::Kernel(Arc::new(m)));
         }
         Self::from_qtensor(name, src.load(name, slice)?)
     }
@@ -275,7 +274,8 @@ fn quant_matrix(name: &str, q: &QTensor) -> Result<Option<QuantMatrix>, EngineEr
 }
 
 /// `slice` of matrix `name` straight from the source's bytes into a [`QuantMatrix`] (one
-/// copy), when the source hands out bytes and the type has a kernel; `None` otherwise.
+/// copy), when the source hands out bytes and the type has a kernel (with `candle_first`,
+/// only a type candle cannot read); `None` otherwise.
 ///
 /// # Errors
 /// As [`WeightSource::load`], and when the bytes do not fit the shape.
@@ -283,11 +283,15 @@ fn load_quant_matrix(
     src: &dyn WeightSource,
     name: &str,
     slice: &Slice,
+    candle_first: bool,
 ) -> Result<Option<QuantMatrix>, EngineError> {
     let Some((dtype, [rows, cols], bytes)) = src.load_bytes(name, slice)? else {
         return Ok(None);
     };
-    let Some(ty) = candle_dtype(dtype).and_then(kernel_type) else {
+    if candle_first && candle_dtype(dtype).is_some() {
+        return Ok(None);
+    }
+    let Some(ty) = file_kernel_type(dtype) else {
         return Ok(None);
     };
     let m = QuantMatrix::from_bytes(ty, rows, cols, &bytes).map_err(|e| EngineError::Load {
@@ -296,6 +300,17 @@ fn load_quant_matrix(
     drop(bytes);
     src.release(name);
     Ok(Some(m))
+}
+
+/// The kernel type of a file's tensor type: the types candle also stores, and those only
+/// shoal's kernels read (IQ4_NL, IQ4_XS, MXFP4).
+fn file_kernel_type(t: GgmlType) -> Option<WeightType> {
+    match t {
+        GgmlType::IQ4_NL => Some(WeightType::Iq4Nl),
+        GgmlType::IQ4_XS => Some(WeightType::Iq4Xs),
+        GgmlType::MXFP4 => Some(WeightType::Mxfp4),
+        other => candle_dtype(other).and_then(kernel_type),
+    }
 }
 
 /// The kernel type of a candle storage type, where shoal has a kernel for it.

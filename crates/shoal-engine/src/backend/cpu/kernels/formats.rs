@@ -1,6 +1,6 @@
 //! The byte layouts of the weight types the kernels read (ggml's, as stored in GGUF) and the
 //! two 8-bit formats activations are quantized to once per step: [`BlockQ8`] (32 values, for
-//! the 32-value weight blocks) and [`BlockQ8K`] (256 values with 16-value sums, for the
+//! the 32-value weight blocks, and for IQ4_XS, whose 32-value sub-blocks each have a scale) and [`BlockQ8K`] (256 values with 16-value sums, for the
 //! K-quants). Quantizing an activation rounds its scale through f16 the way ggml does, so
 //! the integer work matches llama.cpp's.
 
@@ -36,6 +36,60 @@ pub enum WeightType {
     Q2K,
     /// 3-bit K-quant: 256 values, 6-bit scales per 16.
     Q3K,
+    /// 4-bit non-linear (IQ4_NL): 32 values, an f16 scale and 4-bit indices into
+    /// [`IQ4_VALUES`].
+    Iq4Nl,
+    /// IQ4_XS: 256 values, an f16 scale, a 6-bit scale per 32 and 4-bit indices into
+    /// [`IQ4_VALUES`].
+    Iq4Xs,
+    /// MXFP4: 32 FP4 (E2M1) values sharing one power-of-two (E8M0) scale.
+    Mxfp4,
+}
+
+/// The sixteen values an IQ4_NL or IQ4_XS code stands for (before its scale): the format's
+/// non-uniform grid, denser near zero where most weights lie, as ggml defines it
+/// (`kvalues_iq4nl`). Data of the format, not derived.
+pub const IQ4_VALUES: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// The sixteen FP4 (E2M1) values of the OCP Microscaling format, doubled so that they are
+/// integers: code `c` is sign bit 3, a two-bit exponent (bits 1-2, bias 1) and one mantissa
+/// bit, so `0, 0.5, 1, 1.5, 2, 3, 4, 6` and their negatives become `0, 1, 2, 3, 4, 6, 8,
+/// 12`; [`e8m0_half`] halves the block scale to make up for it. Derived from the format.
+pub const MXFP4_VALUES: [i8; 16] = mxfp4_values();
+
+const fn mxfp4_values() -> [i8; 16] {
+    let mut v = [0i8; 16];
+    let mut c = 0;
+    while c < 16 {
+        let (e, m) = ((c >> 1) & 3, (c & 1) as i8);
+        // twice the magnitude: subnormal (e = 0) is m * 0.5, else 2^(e-1) * (1 + m / 2)
+        let twice = if e == 0 { m } else { (2 + m) << (e - 1) };
+        v[c] = if c & 8 != 0 { -twice } else { twice };
+        c += 1;
+    }
+    v
+}
+
+/// Half the value of an E8M0 scale byte (`2^(e - 127)`, here `2^(e - 128)`), as an f32:
+/// exact for every byte (the two smallest are subnormal).
+#[inline]
+pub fn e8m0_half(e: u8) -> f32 {
+    if e < 2 {
+        f32::from_bits(0x0020_0000 << e)
+    } else {
+        f32::from_bits((e as u32 - 1) << 23)
+    }
+}
+
+/// The signed 6-bit scale (`-32..32`) of sub-block `ib` (0..8) of an IQ4_XS block `b`: four
+/// low bits from `scales_l` (bytes 4-8), two high bits from `scales_h` (bytes 2-4).
+#[inline]
+pub fn iq4xs_scale(b: &[u8], ib: usize) -> i32 {
+    let high = u16::from_le_bytes([b[2], b[3]]);
+    let low = (b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF;
+    (low as i32 | ((((high >> (2 * ib)) & 3) as i32) << 4)) - 32
 }
 
 /// What an activation row is turned into before it meets a weight row.
@@ -58,12 +112,15 @@ impl WeightType {
             | WeightType::Q4_1
             | WeightType::Q5_0
             | WeightType::Q5_1
-            | WeightType::Q8_0 => QK,
+            | WeightType::Q8_0
+            | WeightType::Iq4Nl
+            | WeightType::Mxfp4 => QK,
             WeightType::Q2K
             | WeightType::Q3K
             | WeightType::Q4K
             | WeightType::Q5K
-            | WeightType::Q6K => QK_K,
+            | WeightType::Q6K
+            | WeightType::Iq4Xs => QK_K,
         }
     }
 
@@ -82,6 +139,9 @@ impl WeightType {
             WeightType::Q6K => 210,
             WeightType::Q2K => 84,
             WeightType::Q3K => 110,
+            WeightType::Iq4Nl => 18,
+            WeightType::Iq4Xs => 136,
+            WeightType::Mxfp4 => 17,
         }
     }
 
@@ -93,7 +153,10 @@ impl WeightType {
             | WeightType::Q4_1
             | WeightType::Q5_0
             | WeightType::Q5_1
-            | WeightType::Q8_0 => ActFormat::Q8,
+            | WeightType::Q8_0
+            | WeightType::Iq4Nl
+            | WeightType::Iq4Xs
+            | WeightType::Mxfp4 => ActFormat::Q8,
             WeightType::Q2K
             | WeightType::Q3K
             | WeightType::Q4K
@@ -103,7 +166,7 @@ impl WeightType {
     }
 
     /// Every type, for tests and benchmarks.
-    pub const ALL: [WeightType; 12] = [
+    pub const ALL: [WeightType; 15] = [
         WeightType::F32,
         WeightType::F16,
         WeightType::Q4_0,
@@ -116,6 +179,9 @@ impl WeightType {
         WeightType::Q6K,
         WeightType::Q2K,
         WeightType::Q3K,
+        WeightType::Iq4Nl,
+        WeightType::Iq4Xs,
+        WeightType::Mxfp4,
     ];
 }
 

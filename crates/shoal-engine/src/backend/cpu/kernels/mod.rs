@@ -593,8 +593,14 @@ macro_rules! tiles_32 {
         )
     };
     ($ty:expr, $($m:ident)::+) => {{
+        #[cfg(target_arch = "x86_64")]
+        use tiled::kinds::{IQ4_NL, MXFP4};
         use tiled::kinds::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
         match $ty {
+            #[cfg(target_arch = "x86_64")]
+            WeightType::Iq4Nl => tiles_32!(@kind IQ4_NL, $($m)::+),
+            #[cfg(target_arch = "x86_64")]
+            WeightType::Mxfp4 => tiles_32!(@kind MXFP4, $($m)::+),
             WeightType::Q4_0 => tiles_32!(@kind Q4_0, $($m)::+),
             WeightType::Q4_1 => tiles_32!(@kind Q4_1, $($m)::+),
             WeightType::Q5_0 => tiles_32!(@kind Q5_0, $($m)::+),
@@ -670,6 +676,10 @@ fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
 fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
     use tiled::kinds::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     match isa {
+        // the grid types have no 512-bit pair kernels: their tiles run one at a time
+        Isa::Avx512Vnni if matches!(ty, WeightType::Iq4Nl | WeightType::Mxfp4) => {
+            tiles_32!(ty, x86_tiled::avx512vnni)
+        }
         Isa::Avx512Vnni => {
             let mut k = tiles_32!(ty, x86_tiled::avx512vnni);
             k.pair_four = Some(match ty {
@@ -1010,6 +1020,9 @@ impl QuantMatrix {
                         WeightType::Q4_1 => portable!(q4_1),
                         WeightType::Q5_0 => portable!(q5_0),
                         WeightType::Q5_1 => portable!(q5_1),
+                        WeightType::Iq4Nl => portable!(iq4nl),
+                        WeightType::Iq4Xs => portable!(iq4xs),
+                        WeightType::Mxfp4 => portable!(mxfp4),
                         _ => portable!(q8_0),
                     };
                     self.drive(&acts, self.cols / QK, t, y, &k);

@@ -3,7 +3,10 @@
 //! one weight row (whole blocks) and `N` quantized activation rows and returns `N` dot
 //! products; the integer part of every block is exact, only the f32 accumulation rounds.
 
-use super::formats::{f16_at, k3_scales, k4_scales, BlockQ8, BlockQ8K, QK};
+use super::formats::{
+    e8m0_half, f16_at, iq4xs_scale, k3_scales, k4_scales, BlockQ8, BlockQ8K, IQ4_VALUES,
+    MXFP4_VALUES, QK,
+};
 
 /// Q4_0 · Q8.
 pub fn q4_0<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
@@ -85,6 +88,61 @@ pub fn q5_1<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
                 s += ((b[8 + l] >> 4) | h1) as i32 * y.qs[l + 16] as i32;
             }
             *o += d * y.d * s as f32 + m * y.s;
+        }
+    }
+    out
+}
+
+/// The integer dot product of 32 codes `qs` (nibbles indexing `values`, laid out as Q4_0's)
+/// with activation block `y`.
+#[inline]
+fn lut_dot(values: &[i8; 16], qs: &[u8], y: &BlockQ8) -> i32 {
+    let mut s = 0i32;
+    for l in 0..QK / 2 {
+        s += values[(qs[l] & 0xF) as usize] as i32 * y.qs[l] as i32;
+        s += values[(qs[l] >> 4) as usize] as i32 * y.qs[l + 16] as i32;
+    }
+    s
+}
+
+/// IQ4_NL · Q8.
+pub fn iq4nl<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (i, b) in w.chunks_exact(18).enumerate() {
+        let d = f16_at(b, 0);
+        for (o, a) in out.iter_mut().zip(a) {
+            let y = &a[i];
+            *o += d * y.d * lut_dot(&IQ4_VALUES, &b[2..18], y) as f32;
+        }
+    }
+    out
+}
+
+/// MXFP4 · Q8.
+pub fn mxfp4<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (i, b) in w.chunks_exact(17).enumerate() {
+        let d = e8m0_half(b[0]);
+        for (o, a) in out.iter_mut().zip(a) {
+            let y = &a[i];
+            *o += d * y.d * lut_dot(&MXFP4_VALUES, &b[1..17], y) as f32;
+        }
+    }
+    out
+}
+
+/// IQ4_XS · Q8: each 32-value sub-block against its own activation block.
+pub fn iq4xs<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (i, b) in w.chunks_exact(136).enumerate() {
+        let d = f16_at(b, 0);
+        for (o, a) in out.iter_mut().zip(a) {
+            for ib in 0..8 {
+                let y = &a[8 * i + ib];
+                let qs = &b[8 + 16 * ib..8 + 16 * ib + 16];
+                let s = lut_dot(&IQ4_VALUES, qs, y) * iq4xs_scale(b, ib);
+                *o += d * y.d * s as f32;
+            }
         }
     }
     out

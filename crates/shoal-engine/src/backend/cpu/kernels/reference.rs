@@ -2,7 +2,10 @@
 //! any weight type to f32 (also how the embedding table is read), and a dot product in f64 of
 //! dequantized weights with dequantized activations.
 
-use super::formats::{f16_at, k2_code, k3_high, k3_scales, k4_scale_min, WeightType, QK};
+use super::formats::{
+    e8m0_half, f16_at, iq4xs_scale, k2_code, k3_high, k3_scales, k4_scale_min, WeightType,
+    IQ4_VALUES, MXFP4_VALUES, QK,
+};
 #[cfg(test)]
 use super::formats::{BlockQ8, BlockQ8K};
 
@@ -124,6 +127,17 @@ fn dequantize_block(ty: WeightType, b: &[u8], o: &mut [f32]) {
                 *o = dl * k2_code(&b[16..80], v) as f32 - ml;
             }
         }
+        WeightType::Iq4Nl => lut_block(&IQ4_VALUES, f16_at(b, 0), &b[2..18], o),
+        WeightType::Mxfp4 => lut_block(&MXFP4_VALUES, e8m0_half(b[0]), &b[1..17], o),
+        WeightType::Iq4Xs => {
+            // d, scales_h, scales_l[4], then 16 code bytes per 32-value sub-block
+            let d = f16_at(b, 0);
+            for ib in 0..8 {
+                let dl = d * iq4xs_scale(b, ib) as f32;
+                let qs = &b[8 + 16 * ib..8 + 16 * ib + 16];
+                lut_block(&IQ4_VALUES, dl, qs, &mut o[32 * ib..32 * ib + 32]);
+            }
+        }
         WeightType::Q3K => {
             // hmask[32], qs[64], scales[12], d; codes 0..8 stand for -4..4
             let d = f16_at(b, 108);
@@ -133,6 +147,15 @@ fn dequantize_block(ty: WeightType, b: &[u8], o: &mut [f32]) {
                 *o = d * sc[v / 16] as f32 * (q as i32 - 4) as f32;
             }
         }
+    }
+}
+
+/// 32 values whose 4-bit codes `qs` (value `j` in the low nibble of byte `j`, value `j + 16`
+/// in its high nibble) index `values`, times `d`.
+fn lut_block(values: &[i8; 16], d: f32, qs: &[u8], o: &mut [f32]) {
+    for i in 0..QK / 2 {
+        o[i] = d * values[(qs[i] & 0xF) as usize] as f32;
+        o[i + 16] = d * values[(qs[i] >> 4) as usize] as f32;
     }
 }
 
@@ -195,6 +218,10 @@ pub fn synthetic_matrix(ty: WeightType, rows: usize, blocks: usize, seed: u64) -
                 put_f16(b, 82, rng.random_range(-0.1f32..0.1));
             }
             WeightType::Q3K => put_f16(b, 108, rng.random_range(0.001f32..0.05)),
+            WeightType::Iq4Nl => put_f16(b, 0, rng.random_range(0.0001f32..0.001)),
+            WeightType::Iq4Xs => put_f16(b, 0, rng.random_range(0.00001f32..0.0001)),
+            // scales 2^-12 .. 2^-4 (bytes 116..124), as trained weights have
+            WeightType::Mxfp4 => b[0] = rng.random_range(116u8..124),
         }
     }
     data

@@ -1,6 +1,6 @@
 //! The interleaved layout the SIMD kernels read the 32-value block types in. Eight rows form
-//! a tile; for each block column a tile stores the eight f16 scales together (then the eight
-//! minimums, for Q4_1 and Q5_1), 32 more bytes for Q5_0 and Q5_1 (their codes' top bits, as
+//! a tile; for each block column a tile stores the eight scales together (f16, or MXFP4's
+//! E8M0 bytes; then the eight minimums, for Q4_1 and Q5_1), 32 more bytes for Q5_0 and Q5_1 (their codes' top bits, as
 //! [`HighBits`] says), and the quant bytes interleaved four at a time: byte `4 r + j` of
 //! group vector `g` is byte `4 g + j` of row `r` (of its codes, for Q5 in
 //! [`HighBits::Whole`]). One 32-byte load then holds four codes of each of
@@ -86,9 +86,18 @@ fn parts(ty: WeightType) -> Option<Parts> {
         WeightType::Q5_0 => (None, Some(2), 6, 16),
         WeightType::Q5_1 => (Some(2), Some(4), 8, 16),
         WeightType::Q8_0 => (None, None, 2, 32),
+        WeightType::Iq4Nl if lut_tiled() => (None, None, 2, 16),
+        WeightType::Mxfp4 if lut_tiled() => (None, None, 1, 16),
         _ => return None,
     };
     Some(Parts { m, qh, qs, qs_len })
+}
+
+/// Whether the 4-bit grid types (IQ4_NL, MXFP4) are tiled on this architecture: on x86-64,
+/// where the tile kernels look their codes up with `vpshufb`; elsewhere they run the
+/// portable kernels.
+const fn lut_tiled() -> bool {
+    cfg!(target_arch = "x86_64")
 }
 
 /// Whether `ty` has a tiled layout.
@@ -159,6 +168,10 @@ pub mod kinds {
     pub const Q5_1: u8 = 3;
     /// Q8_0.
     pub const Q8_0: u8 = 4;
+    /// IQ4_NL.
+    pub const IQ4_NL: u8 = 5;
+    /// MXFP4.
+    pub const MXFP4: u8 = 6;
 
     /// The weight type of code `kind`.
     pub const fn weight_type(kind: u8) -> WeightType {
@@ -167,6 +180,8 @@ pub mod kinds {
             Q4_1 => WeightType::Q4_1,
             Q5_0 => WeightType::Q5_0,
             Q5_1 => WeightType::Q5_1,
+            IQ4_NL => WeightType::Iq4Nl,
+            MXFP4 => WeightType::Mxfp4,
             _ => WeightType::Q8_0,
         }
     }
@@ -182,6 +197,8 @@ pub mod kinds {
             WeightType::Q5_0 => Q5_0,
             WeightType::Q5_1 => Q5_1,
             WeightType::Q8_0 => Q8_0,
+            WeightType::Iq4Nl => IQ4_NL,
+            WeightType::Mxfp4 => MXFP4,
             other => panic!("{other:?} is not a 32-value tiled type"),
         }
     }
@@ -201,9 +218,23 @@ pub mod kinds {
         matches!(kind, Q5_0 | Q5_1)
     }
 
+    /// Whether codes index a grid of sixteen values (IQ4_NL, MXFP4).
+    pub const fn is_grid(kind: u8) -> bool {
+        matches!(kind, IQ4_NL | MXFP4)
+    }
+
+    /// Bytes of a block's scale: an f16, or MXFP4's E8M0 byte.
+    pub const fn scale_bytes(kind: u8) -> usize {
+        if kind == MXFP4 {
+            1
+        } else {
+            2
+        }
+    }
+
     /// `(minimums, masks, quants)` offsets in a tile block (as [`super::tile_offsets`]).
     pub const fn offsets(kind: u8) -> (usize, usize, usize) {
-        let m = 2 * TILE_ROWS;
+        let m = scale_bytes(kind) * TILE_ROWS;
         let masks = m + if has_min(kind) { 2 * TILE_ROWS } else { 0 };
         let qs = masks + if has_high_bit(kind) { 32 } else { 0 };
         (m, masks, qs)
@@ -508,11 +539,12 @@ pub fn tile(
     let bb = ty.block_bytes();
     let tb = bb * TILE_ROWS;
     let (m_off, mask_off, qs_off) = tile_offsets(ty);
+    let sb = kinds::scale_bytes(kinds::of(ty));
     for (row, src_row) in data.chunks_exact(blocks * bb).enumerate().take(rows) {
         let (tile, r) = (row / TILE_ROWS, row % TILE_ROWS);
         for (b, src) in src_row.chunks_exact(bb).enumerate() {
             let dst = &mut out[(tile * blocks + b) * tb..][..tb];
-            dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+            dst[sb * r..sb * (r + 1)].copy_from_slice(&src[0..sb]);
             if let Some(m) = p.m {
                 dst[m_off + 2 * r..m_off + 2 * r + 2].copy_from_slice(&src[m..m + 2]);
             }
@@ -578,10 +610,11 @@ pub fn untile_row(
     let tb = bb * TILE_ROWS;
     let (tile, r) = (row / TILE_ROWS, row % TILE_ROWS);
     let (m_off, mask_off, qs_off) = tile_offsets(ty);
+    let sb = kinds::scale_bytes(kinds::of(ty));
     let mut out = vec![0u8; blocks * bb];
     for (b, dst) in out.chunks_exact_mut(bb).enumerate() {
         let src = &tiled[(tile * blocks + b) * tb..][..tb];
-        dst[0..2].copy_from_slice(&src[2 * r..2 * r + 2]);
+        dst[0..sb].copy_from_slice(&src[sb * r..sb * (r + 1)]);
         if let Some(m) = p.m {
             dst[m..m + 2].copy_from_slice(&src[m_off + 2 * r..m_off + 2 * r + 2]);
         }

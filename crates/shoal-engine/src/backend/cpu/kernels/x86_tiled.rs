@@ -3,7 +3,8 @@
 //! codes of each of the eight rows; it meets four activations broadcast to every lane, so
 //! lane `r` accumulates row `r`'s dot product with no horizontal reduction. Codes are
 //! unsigned (nibbles, 5-bit values, or Q8_0 shifted by 128 under VNNI); the offset is taken
-//! back exactly with the activation block's integer sum. Written once, compiled for AVX2 and
+//! back exactly with the activation block's integer sum. IQ4_NL's and MXFP4's nibbles are
+//! looked up in their grid of sixteen signed values and from there go the way of Q8_0's codes. Written once, compiled for AVX2 and
 //! for AVX-512 VNNI (+BW, whose byte masks set the 5th bits in one instruction); Q2_K and
 //! Q3_K for AVX2 only ([`k23_avx2`]: at AVX-512 they run in `x86_wide`).
 //! Callers must have checked the CPU features and that every activation row has a block per
@@ -15,8 +16,11 @@ use std::arch::x86_64::*;
 
 use super::each_tile;
 use super::formats::{BlockQ8, BlockQ8K};
+use super::formats::{IQ4_VALUES, MXFP4_VALUES};
 use super::prefetch::Prefetch;
-use super::tiled::kinds::{block_bytes, has_high_bit, has_min, offsets, Q4_0, Q5_0, Q8_0};
+use super::tiled::kinds::{
+    block_bytes, has_high_bit, has_min, is_grid, offsets, IQ4_NL, MXFP4, Q4_0, Q5_0, Q8_0,
+};
 use super::tiled::{k_offsets, TILE_ROWS};
 
 /// Asks for `lines` cache lines from `dist + 64 * lines * part` bytes past `t` into L1, and
@@ -115,6 +119,33 @@ unsafe fn nibbles(qs: *const u8) -> [__m256i; 8] {
         q[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     }
     q
+}
+
+/// The values of nibble codes `q` on the grid of `KIND` (IQ4_NL or MXFP4), signed: one
+/// `vpshufb` per code vector looks up all 32 codes in the 16-byte table.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn grid_values<const KIND: u8>(q: [__m256i; 8]) -> [__m256i; 8] {
+    let values = if KIND == MXFP4 {
+        &MXFP4_VALUES
+    } else {
+        &IQ4_VALUES
+    };
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(values.as_ptr() as *const __m128i));
+    q.map(|v| _mm256_shuffle_epi8(table, v))
+}
+
+/// Eight MXFP4 scale bytes (E8M0, one per row) at `p` as f32 halves, `2^(e - 128)`, the
+/// way [`super::formats::e8m0_half`] computes them: the exponent field `e - 1` where that
+/// is normal (`e >= 2`), else the subnormal `2^21 << e`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn e8m0_halves(p: *const u8) -> __m256 {
+    let e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+    let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
+    let subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+    let small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small))
 }
 
 /// AVX2: the eight vectors of 5-bit codes of a Q5_0/Q5_1 tile block whose quant bytes are
@@ -476,6 +507,8 @@ macro_rules! tiled_kernels {
                     })
                 } else if has_high_bit(KIND) {
                     $codes5(t.add(qs_off), t.add(mask_off))
+                } else if is_grid(KIND) {
+                    grid_values::<KIND>(nibbles(t.add(qs_off))).map(|v| $q8prep(v))
                 } else {
                     nibbles(t.add(qs_off))
                 }
@@ -493,7 +526,7 @@ macro_rules! tiled_kernels {
                 let yp = y.qs.as_ptr() as *const i32;
                 let ys: [__m256i; 8] =
                     core::array::from_fn(|k| _mm256_set1_epi32(yp.add(k).read_unaligned()));
-                if KIND == Q8_0 {
+                if KIND == Q8_0 || is_grid(KIND) {
                     let mut u = *q;
                     let mut v = ys;
                     for k in 0..8 {
@@ -518,7 +551,11 @@ macro_rules! tiled_kernels {
                 y: &BlockQ8,
                 p: __m256i,
             ) -> __m256 {
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i));
+                let d = if KIND == MXFP4 {
+                    e8m0_halves(t)
+                } else {
+                    _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i))
+                };
                 let acc = _mm256_fmadd_ps(
                     _mm256_mul_ps(d, _mm256_set1_ps(y.d)),
                     _mm256_cvtepi32_ps(p),
@@ -534,13 +571,13 @@ macro_rules! tiled_kernels {
             }
 
             /// How far above their values `kind`'s codes are stored: Q4_0 8, Q5_0 16, Q8_0
-            /// 128 under VNNI, others 0.
+            /// and the grid types' values 128 under VNNI, others 0.
             #[inline]
             const fn code_offset(kind: u8) -> i32 {
                 match kind {
                     Q4_0 => 8,
                     Q5_0 => 16,
-                    Q8_0 => $q8off,
+                    Q8_0 | IQ4_NL | MXFP4 => $q8off,
                     _ => 0,
                 }
             }
