@@ -9,7 +9,7 @@ set -euo pipefail
 home=${SHOAL_HOME:-$HOME/.cache/shoal}
 src=$home/llama.cpp-src
 build=$home/llama.cpp-build
-targets=(llama-bench ggml-rpc-server llama-simple llama-tokenize llama-lookup llama-speculative llama llama-server)
+targets=(llama-bench ggml-rpc-server llama-simple llama-tokenize llama-lookup llama-speculative llama llama-server llama-quantize)
 
 "$(dirname "$0")/../scripts/fetch-llamacpp-src.sh" >/dev/null
 command -v cmake >/dev/null || { echo "cmake is missing: apt-get install cmake" >&2; exit 1; }
@@ -22,7 +22,7 @@ flags=
 [ "$(uname -m)" = x86_64 ] && flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 if [ ! -x "$build/bin/llama-bench" ] || [ ! -x "$build/bin/ggml-rpc-server" ] ||
   [ ! -x "$build/bin/llama-lookup" ] || [ ! -x "$build/bin/llama-speculative" ] ||
-  [ ! -x "$build/bin/llama-server" ] ||
+  [ ! -x "$build/bin/llama-server" ] || [ ! -x "$build/bin/llama-quantize" ] ||
   [ "$(cat "$build/shoal-flags" 2>/dev/null)" != "$flags" ]; then
   cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_RPC=ON \
     -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" \

@@ -1,6 +1,6 @@
 //! shoal against llama.cpp on synthetic models of every supported architecture (Llama,
-//! Llama 3.1 RoPE scaling, Qwen2, Qwen3, Gemma 3) in F32, Q8_0 and Q4_K (and Q2_K, Q3_K on
-//! two of them): the test kit
+//! Llama 3.1 RoPE scaling, Qwen2, Qwen3, Gemma 3) in F32, Q8_0 and Q4_K (and Q2_K, Q3_K,
+//! IQ4_NL, IQ4_XS and MXFP4 on one each): the test kit
 //! writes each as GGUF, llama.cpp (the test kit's oracle, with an F16 KV cache as shoal
 //! keeps) loads it, decodes a prompt and 8 greedy tokens, and shoal, fed the same tokens,
 //! must give its logits at every prompt position and every generated step: every logit of
@@ -104,6 +104,15 @@ fn cases() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
     v.push((
         TinyModelSpec::qwen3(78).k_quant_shapes(),
         GgmlType::Q3_K,
+        QUANTIZED_WIDE,
+    ));
+    // the 4-bit grid types: IQ4_NL and MXFP4 (gpt-oss's experts) on 32-value blocks, IQ4_XS
+    // on the K-quant shapes
+    v.push((TinyModelSpec::qwen2(79), GgmlType::IQ4_NL, QUANTIZED));
+    v.push((TinyModelSpec::qwen3(80), GgmlType::MXFP4, QUANTIZED));
+    v.push((
+        TinyModelSpec::llama(81).k_quant_shapes(),
+        GgmlType::IQ4_XS,
         QUANTIZED_WIDE,
     ));
     v.push((TinyModelSpec::gemma3(75), GgmlType::F32, F32_GELU));

@@ -15,11 +15,11 @@ use crate::ComputeArgs;
 
 #[derive(Args, Debug)]
 pub struct KernelBenchArgs {
-    /// Weight types (comma-separated: f32,f16,q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,
-    /// q6_k).
+    /// Weight types (comma-separated: f32,f16,bf16,q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,
+    /// q6_k,iq4_nl,iq4_xs,mxfp4).
     #[arg(
         long,
-        default_value = "q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,q6_k"
+        default_value = "q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_nl,iq4_xs,mxfp4"
     )]
     pub types: String,
     /// Instruction sets (comma-separated: portable,avx2,avx512vnni on x86-64,
@@ -101,6 +101,7 @@ fn parse_type(s: &str) -> anyhow::Result<WeightType> {
     Ok(match s.trim().to_ascii_lowercase().as_str() {
         "f32" => WeightType::F32,
         "f16" => WeightType::F16,
+        "bf16" => WeightType::Bf16,
         "q4_0" => WeightType::Q4_0,
         "q4_1" => WeightType::Q4_1,
         "q5_0" => WeightType::Q5_0,
@@ -111,6 +112,9 @@ fn parse_type(s: &str) -> anyhow::Result<WeightType> {
         "q4_k" => WeightType::Q4K,
         "q5_k" => WeightType::Q5K,
         "q6_k" => WeightType::Q6K,
+        "iq4_nl" | "iq4nl" => WeightType::Iq4Nl,
+        "iq4_xs" | "iq4xs" => WeightType::Iq4Xs,
+        "mxfp4" => WeightType::Mxfp4,
         other => anyhow::bail!("unknown weight type {other:?} in --types"),
     })
 }

@@ -1,5 +1,5 @@
 //! The CPU backend's weight matrices: shoal's kernels ([`QuantMatrix`]) for the types they
-//! cover, candle's quantized matmul for the rest (BF16, Q8_1, ...) and, on arm64 with the
+//! cover, candle's quantized matmul for the rest (Q8_1) and, on arm64 with the
 //! portable kernels (`SHOAL_KERNELS=portable`), for everything: there candle's NEON code is
 //! faster than shoal's portable Rust.
 
@@ -318,6 +318,7 @@ fn kernel_type(t: GgmlDType) -> Option<WeightType> {
     Some(match t {
         GgmlDType::F32 => WeightType::F32,
         GgmlDType::F16 => WeightType::F16,
+        GgmlDType::BF16 => WeightType::Bf16,
         GgmlDType::Q4_0 => WeightType::Q4_0,
         GgmlDType::Q4_1 => WeightType::Q4_1,
         GgmlDType::Q5_0 => WeightType::Q5_0,

@@ -16,6 +16,8 @@ pub enum WeightType {
     F32,
     /// 16-bit IEEE float.
     F16,
+    /// bfloat16: an f32's top 16 bits.
+    Bf16,
     /// 4-bit, one f16 scale per 32.
     Q4_0,
     /// 4-bit, f16 scale and minimum per 32.
@@ -107,7 +109,7 @@ impl WeightType {
     /// Values per block.
     pub fn block_elems(self) -> usize {
         match self {
-            WeightType::F32 | WeightType::F16 => 1,
+            WeightType::F32 | WeightType::F16 | WeightType::Bf16 => 1,
             WeightType::Q4_0
             | WeightType::Q4_1
             | WeightType::Q5_0
@@ -128,7 +130,7 @@ impl WeightType {
     pub const fn block_bytes(self) -> usize {
         match self {
             WeightType::F32 => 4,
-            WeightType::F16 => 2,
+            WeightType::F16 | WeightType::Bf16 => 2,
             WeightType::Q4_0 => 18,
             WeightType::Q4_1 => 20,
             WeightType::Q5_0 => 22,
@@ -148,7 +150,7 @@ impl WeightType {
     /// The activation format this type's dot product takes.
     pub fn act_format(self) -> ActFormat {
         match self {
-            WeightType::F32 | WeightType::F16 => ActFormat::F32,
+            WeightType::F32 | WeightType::F16 | WeightType::Bf16 => ActFormat::F32,
             WeightType::Q4_0
             | WeightType::Q4_1
             | WeightType::Q5_0
@@ -166,9 +168,10 @@ impl WeightType {
     }
 
     /// Every type, for tests and benchmarks.
-    pub const ALL: [WeightType; 15] = [
+    pub const ALL: [WeightType; 16] = [
         WeightType::F32,
         WeightType::F16,
+        WeightType::Bf16,
         WeightType::Q4_0,
         WeightType::Q4_1,
         WeightType::Q5_0,
@@ -235,6 +238,12 @@ impl Default for BlockQ8K {
             sums32: [0; QK_K / 32],
         }
     }
+}
+
+/// The bfloat16 stored little-endian at `b[at..at + 2]`, as f32 (exact).
+#[inline]
+pub fn bf16_at(b: &[u8], at: usize) -> f32 {
+    f32::from_bits((u16::from_le_bytes([b[at], b[at + 1]]) as u32) << 16)
 }
 
 /// Rounds through f16 and back.

@@ -593,13 +593,9 @@ macro_rules! tiles_32 {
         )
     };
     ($ty:expr, $($m:ident)::+) => {{
-        #[cfg(target_arch = "x86_64")]
-        use tiled::kinds::{IQ4_NL, MXFP4};
-        use tiled::kinds::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+        use tiled::kinds::{IQ4_NL, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
         match $ty {
-            #[cfg(target_arch = "x86_64")]
             WeightType::Iq4Nl => tiles_32!(@kind IQ4_NL, $($m)::+),
-            #[cfg(target_arch = "x86_64")]
             WeightType::Mxfp4 => tiles_32!(@kind MXFP4, $($m)::+),
             WeightType::Q4_0 => tiles_32!(@kind Q4_0, $($m)::+),
             WeightType::Q4_1 => tiles_32!(@kind Q4_1, $($m)::+),
@@ -676,6 +672,16 @@ fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
 fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
     use tiled::kinds::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     match isa {
+        Isa::Avx512Vnni if ty == WeightType::Iq4Xs => TilePair::new(
+            x86_tiled::avx512vnni::tile_iq4xs::<1>,
+            x86_tiled::avx512vnni::tile_iq4xs::<4>,
+            x86_tiled::avx512vnni::run_iq4xs,
+        ),
+        _ if ty == WeightType::Iq4Xs => TilePair::new(
+            x86_tiled::avx2::tile_iq4xs::<1>,
+            x86_tiled::avx2::tile_iq4xs::<4>,
+            x86_tiled::avx2::run_iq4xs,
+        ),
         // the grid types have no 512-bit pair kernels: their tiles run one at a time
         Isa::Avx512Vnni if matches!(ty, WeightType::Iq4Nl | WeightType::Mxfp4) => {
             tiles_32!(ty, x86_tiled::avx512vnni)
@@ -716,6 +722,16 @@ fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
 #[cfg(target_arch = "aarch64")]
 fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
     match isa {
+        Isa::NeonDot if ty == WeightType::Iq4Xs => TilePair::new(
+            neon_tiled::neondot::tile_iq4xs::<1>,
+            neon_tiled::neondot::tile_iq4xs::<4>,
+            neon_tiled::neondot::run_iq4xs,
+        ),
+        _ if ty == WeightType::Iq4Xs => TilePair::new(
+            neon_tiled::neon::tile_iq4xs::<1>,
+            neon_tiled::neon::tile_iq4xs::<4>,
+            neon_tiled::neon::run_iq4xs,
+        ),
         Isa::NeonDot => tiles_32!(ty, neon_tiled::neondot),
         _ => tiles_32!(ty, neon_tiled::neon),
     }
@@ -1003,6 +1019,7 @@ impl QuantMatrix {
             ActFormat::F32 => {
                 let k = match ty {
                     WeightType::F32 => pick!(isa, f32w),
+                    WeightType::Bf16 => pick!(isa, bf16w),
                     _ => pick!(isa, f16w),
                 };
                 self.drive(x, self.cols, t, y, &k);

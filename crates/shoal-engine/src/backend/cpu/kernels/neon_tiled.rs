@@ -5,7 +5,8 @@
 //! of an 8-bit dot product accumulates row `r`'s sum with no horizontal reduction. The
 //! kernels run the two halves of a tile one after the other, so each half's codes, scales
 //! and sums fit the 32 vector registers. Codes are signed bytes (nibbles, 5- and 6-bit
-//! values, Q8_0 as stored), so unlike x86 no offset needs taking back for Q8_0.
+//! values, Q8_0 as stored, IQ4_NL's, IQ4_XS's and MXFP4's grid values looked up with `tbl`),
+//! so unlike x86 no offset needs taking back for Q8_0.
 //!
 //! Written once, compiled for two levels: `neon`, where the 8-bit dot product is two
 //! widening multiplies and two pairwise adds (every arm64 CPU: Cortex-A53/A72, the
@@ -22,8 +23,10 @@ use std::arch::aarch64::*;
 use std::arch::asm;
 
 use super::each_tile;
-use super::formats::{BlockQ8, BlockQ8K};
-use super::tiled::kinds::{block_bytes, has_high_bit, has_min, offsets, Q4_0, Q5_0, Q8_0};
+use super::formats::{e8m0_half, BlockQ8, BlockQ8K, IQ4_VALUES, MXFP4_VALUES};
+use super::tiled::kinds::{
+    block_bytes, has_high_bit, has_min, is_grid, offsets, IQ4_NL, MXFP4, Q4_0, Q5_0, Q8_0,
+};
 use super::tiled::{k_offsets, TILE_ROWS};
 
 /// Rows in one half of a tile (one 128-bit vector of i32 or f32 lanes).
@@ -49,6 +52,18 @@ macro_rules! run_kernels {
         ) {
             each_tile(w, tile_bytes, out, |t| {
                 let [o] = tile_dot::<1, KIND>(t, [a]);
+                o
+            })
+        }
+
+        /// [`run_dot`] for IQ4_XS.
+        ///
+        /// # Safety
+        /// As [`tile_iq4xs`]; `out` has room for eight values per tile.
+        #[target_feature(enable = $features)]
+        pub unsafe fn run_iq4xs(w: &[u8], tile_bytes: usize, a: &[BlockQ8], out: *mut f32) {
+            each_tile(w, tile_bytes, out, |t| {
+                let [o] = tile_iq4xs::<1>(t, [a]);
                 o
             })
         }
@@ -165,6 +180,27 @@ unsafe fn ld(p: *const u8) -> uint8x16_t {
     vld1q_u8(p)
 }
 
+/// The grid of `kind` (IQ4_NL or MXFP4) as a `tbl` table: its sixteen signed values.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn grid_table(kind: u8) -> uint8x16_t {
+    let values = if kind == MXFP4 {
+        &MXFP4_VALUES
+    } else {
+        &IQ4_VALUES
+    };
+    vld1q_u8(values.as_ptr() as *const u8)
+}
+
+/// Four MXFP4 scale bytes (E8M0, one per row) at `p` as f32 halves, as
+/// [`e8m0_half`] computes them.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn e8m0x4(p: *const u8) -> float32x4_t {
+    let v: [f32; 4] = std::array::from_fn(|i| e8m0_half(*p.add(i)));
+    vld1q_f32(v.as_ptr())
+}
+
 /// Plain NEON: `acc + sums of four i8 x i8 products` per lane, exact (a product fits i16).
 #[inline]
 #[target_feature(enable = "neon")]
@@ -259,7 +295,11 @@ macro_rules! neon_kernels {
                 for b in 0..w.len() / tb {
                     let t = w.as_ptr().add(b * tb);
                     for hf in 0..2 {
-                        let d = f16x4(t.add(2 * HALF * hf));
+                        let d = if KIND == MXFP4 {
+                            e8m0x4(t.add(HALF * hf))
+                        } else {
+                            f16x4(t.add(2 * HALF * hf))
+                        };
                         let m = if has_min(KIND) {
                             f16x4(t.add(m_off + 2 * HALF * hf))
                         } else {
@@ -283,6 +323,12 @@ macro_rules! neon_kernels {
                                     *qk = with_high_bit(*qk, (mask >> (16 * hf)) as u16);
                                 }
                             }
+                            if is_grid(KIND) {
+                                let table = grid_table(KIND);
+                                for qk in q.iter_mut() {
+                                    *qk = vqtbl1q_u8(table, *qk);
+                                }
+                            }
                         }
                         for j in 0..N {
                             let y = a[j].get_unchecked(b);
@@ -299,6 +345,54 @@ macro_rules! neon_kernels {
                                 vfmaq_f32(acc[j][hf], vmulq_n_f32(d, y.d), vcvtq_f32_s32(p));
                             if has_min(KIND) {
                                 acc[j][hf] = vfmaq_n_f32(acc[j][hf], m, y.s);
+                            }
+                        }
+                    }
+                }
+                store(acc)
+            }
+
+            /// IQ4_XS tile row against `N` activation rows (eight [`BlockQ8`] per
+            /// super-block): each 32-value sub-block is an IQ4_NL tile block whose row
+            /// scales are the super-block's `d` times the sub-block's signed scale.
+            ///
+            /// # Safety
+            /// The CPU has the features; `w` is whole IQ4_XS tile blocks; every activation
+            /// row has eight blocks per tile block.
+            #[inline]
+            #[target_feature(enable = $features)]
+            pub unsafe fn tile_iq4xs<const N: usize>(
+                w: &[u8],
+                a: [&[BlockQ8]; N],
+            ) -> [[f32; TILE_ROWS]; N] {
+                use k_offsets::{QSX, SCX};
+                let tb = QSX + 1024;
+                let m4 = vdupq_n_u8(0x0F);
+                let table = grid_table(IQ4_NL);
+                let mut acc = [[vdupq_n_f32(0.0); 2]; N];
+                for b in 0..w.len() / tb {
+                    let t = w.as_ptr().add(b * tb);
+                    for hf in 0..2 {
+                        let d = f16x4(t.add(2 * HALF * hf));
+                        for ib in 0..8 {
+                            let qs = t.add(QSX + 128 * ib);
+                            let mut q = [vdupq_n_u8(0); 8];
+                            for g in 0..4 {
+                                let v = ld(qs.add(32 * g + 16 * hf));
+                                q[g] = vqtbl1q_u8(table, vandq_u8(v, m4));
+                                q[g + 4] = vqtbl1q_u8(table, vshrq_n_u8::<4>(v));
+                            }
+                            let dsc = vmulq_f32(d, i8x4_f32(t.add(SCX + 8 * ib + HALF * hf)));
+                            for j in 0..N {
+                                let y = a[j].get_unchecked(8 * b + ib);
+                                let yp = y.qs.as_ptr();
+                                let mut pp = [vdupq_n_s32(0); 2];
+                                for (k, qk) in q.iter().enumerate() {
+                                    pp[k & 1] = dot(pp[k & 1], *qk, bcast(yp, 4 * k));
+                                }
+                                let p = vaddq_s32(pp[0], pp[1]);
+                                acc[j][hf] =
+                                    vfmaq_f32(acc[j][hf], vmulq_n_f32(dsc, y.d), vcvtq_f32_s32(p));
                             }
                         }
                     }

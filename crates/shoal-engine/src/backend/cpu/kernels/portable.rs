@@ -4,7 +4,7 @@
 //! products; the integer part of every block is exact, only the f32 accumulation rounds.
 
 use super::formats::{
-    e8m0_half, f16_at, iq4xs_scale, k3_scales, k4_scales, BlockQ8, BlockQ8K, IQ4_VALUES,
+    bf16_at, e8m0_half, f16_at, iq4xs_scale, k3_scales, k4_scales, BlockQ8, BlockQ8K, IQ4_VALUES,
     MXFP4_VALUES, QK,
 };
 
@@ -328,6 +328,19 @@ pub fn f32w<const N: usize>(w: &[u8], a: [&[f32]; N]) -> [f32; N] {
             .chunks_exact(4)
             .zip(a)
             .map(|(b, &x)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * x)
+            .sum();
+    }
+    out
+}
+
+/// BF16 weights · f32 activations.
+pub fn bf16w<const N: usize>(w: &[u8], a: [&[f32]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    for (o, a) in out.iter_mut().zip(a) {
+        *o = w
+            .chunks_exact(2)
+            .zip(a)
+            .map(|(b, &x)| bf16_at(b, 0) * x)
             .sum();
     }
     out

@@ -3,7 +3,7 @@
 //! dequantized weights with dequantized activations.
 
 use super::formats::{
-    e8m0_half, f16_at, iq4xs_scale, k2_code, k3_high, k3_scales, k4_scale_min, WeightType,
+    bf16_at, e8m0_half, f16_at, iq4xs_scale, k2_code, k3_high, k3_scales, k4_scale_min, WeightType,
     IQ4_VALUES, MXFP4_VALUES, QK,
 };
 #[cfg(test)]
@@ -26,6 +26,7 @@ fn dequantize_block(ty: WeightType, b: &[u8], o: &mut [f32]) {
     match ty {
         WeightType::F32 => o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
         WeightType::F16 => o[0] = f16_at(b, 0),
+        WeightType::Bf16 => o[0] = bf16_at(b, 0),
         WeightType::Q4_0 => {
             let d = f16_at(b, 0);
             for i in 0..QK / 2 {
@@ -205,6 +206,11 @@ pub fn synthetic_matrix(ty: WeightType, rows: usize, blocks: usize, seed: u64) -
         match ty {
             WeightType::F32 => b.copy_from_slice(&rng.random_range(-1f32..1.0).to_le_bytes()),
             WeightType::F16 => put_f16(b, 0, rng.random_range(-1f32..1.0)),
+            WeightType::Bf16 => b.copy_from_slice(
+                &half::bf16::from_f32(rng.random_range(-1f32..1.0))
+                    .to_bits()
+                    .to_le_bytes(),
+            ),
             WeightType::Q4_0 | WeightType::Q5_0 | WeightType::Q8_0 => {
                 put_f16(b, 0, rng.random_range(0.001f32..0.1))
             }

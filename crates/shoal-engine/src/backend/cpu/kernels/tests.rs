@@ -332,6 +332,7 @@ fn reference_layouts_match_candle() {
         let dt = match ty {
             WeightType::F32 => GgmlDType::F32,
             WeightType::F16 => GgmlDType::F16,
+            WeightType::Bf16 => GgmlDType::BF16,
             WeightType::Q4_0 => GgmlDType::Q4_0,
             WeightType::Q4_1 => GgmlDType::Q4_1,
             WeightType::Q5_0 => GgmlDType::Q5_0,

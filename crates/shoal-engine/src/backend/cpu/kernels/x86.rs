@@ -1,5 +1,6 @@
-//! x86-64 kernels for float weights (F32, F16), which stay in the row layout: one weight row
-//! against `N` activation rows with 8-wide FMA, F16 widened by F16C. Written once and
+//! x86-64 kernels for float weights (F32, F16, BF16), which stay in the row layout: one
+//! weight row against `N` activation rows with 8-wide FMA, F16 widened by F16C, BF16 by a
+//! shift. Written once and
 //! compiled for both x86 levels by [`x86_kernels!`]. The quantized types use the tiled kernels
 //! of `x86_tiled`. Callers must have checked the CPU features.
 
@@ -29,6 +30,53 @@ unsafe fn f16_at(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
+/// The body of a float-weight kernel: `k` weights (eight at a time from `$load(i)`, the
+/// rest one by one from `$scalar(l)`) against the `N` activation rows `$a`. One activation
+/// row keeps four accumulators, so four FMA chains run at once and the loop is bound by
+/// loads, not by the FMA latency; four rows keep one each (16 accumulators would not fit
+/// AVX2's registers). The closures are expanded in place, inside the caller's features.
+macro_rules! float_rows {
+    ($k:expr, $a:expr, |$i:ident| $load:expr, |$l:ident| $scalar:expr) => {{
+        let k = $k;
+        let a = $a;
+        const CHAINS: usize = 4;
+        let chains = if N == 1 { CHAINS } else { 1 };
+        let mut acc = [[_mm256_setzero_ps(); CHAINS]; N];
+        let mut at = 0;
+        while at + 8 * chains <= k {
+            for c in 0..chains {
+                let $i = at + 8 * c;
+                let x = $load;
+                for j in 0..N {
+                    let y = _mm256_loadu_ps(a[j].as_ptr().add($i));
+                    acc[j][c] = _mm256_fmadd_ps(x, y, acc[j][c]);
+                }
+            }
+            at += 8 * chains;
+        }
+        while at + 8 <= k {
+            let $i = at;
+            let x = $load;
+            for j in 0..N {
+                acc[j][0] = _mm256_fmadd_ps(x, _mm256_loadu_ps(a[j].as_ptr().add($i)), acc[j][0]);
+            }
+            at += 8;
+        }
+        let mut out = [0f32; N];
+        for j in 0..N {
+            let s = _mm256_add_ps(
+                _mm256_add_ps(acc[j][0], acc[j][1]),
+                _mm256_add_ps(acc[j][2], acc[j][3]),
+            );
+            out[j] = hsum_ps(s);
+            for $l in at..k {
+                out[j] += $scalar * *a[j].get_unchecked($l);
+            }
+        }
+        out
+    }};
+}
+
 macro_rules! x86_kernels {
     ($name:ident, $features:literal) => {
         /// Kernels for one x86 feature level.
@@ -41,25 +89,10 @@ macro_rules! x86_kernels {
             /// The CPU has the features; each activation row is at least `w.len() / 4` long.
             #[target_feature(enable = $features)]
             pub unsafe fn f32w<const N: usize>(w: &[u8], a: [&[f32]; N]) -> [f32; N] {
-                let k = w.len() / 4;
                 let wp = w.as_ptr() as *const f32;
-                let mut acc = [_mm256_setzero_ps(); N];
-                let mut i = 0;
-                while i + 8 <= k {
-                    let x = _mm256_loadu_ps(wp.add(i));
-                    for j in 0..N {
-                        acc[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(a[j].as_ptr().add(i)), acc[j]);
-                    }
-                    i += 8;
-                }
-                let mut out = [0f32; N];
-                for j in 0..N {
-                    out[j] = hsum_ps(acc[j]);
-                    for l in i..k {
-                        out[j] += wp.add(l).read_unaligned() * *a[j].get_unchecked(l);
-                    }
-                }
-                out
+                float_rows!(w.len() / 4, a, |i| _mm256_loadu_ps(wp.add(i)), |l| wp
+                    .add(l)
+                    .read_unaligned())
             }
 
             /// F16 weights · f32 activations.
@@ -68,25 +101,35 @@ macro_rules! x86_kernels {
             /// The CPU has the features; each activation row is at least `w.len() / 2` long.
             #[target_feature(enable = $features)]
             pub unsafe fn f16w<const N: usize>(w: &[u8], a: [&[f32]; N]) -> [f32; N] {
-                let k = w.len() / 2;
                 let wp = w.as_ptr();
-                let mut acc = [_mm256_setzero_ps(); N];
-                let mut i = 0;
-                while i + 8 <= k {
-                    let x = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(2 * i) as *const __m128i));
-                    for j in 0..N {
-                        acc[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(a[j].as_ptr().add(i)), acc[j]);
+                float_rows!(
+                    w.len() / 2,
+                    a,
+                    |i| _mm256_cvtph_ps(_mm_loadu_si128(wp.add(2 * i) as *const __m128i)),
+                    |l| f16_at(wp.add(2 * l))
+                )
+            }
+
+            /// BF16 weights · f32 activations: each weight widened to 32 bits and shifted
+            /// into an f32's top half.
+            ///
+            /// # Safety
+            /// The CPU has the features; each activation row is at least `w.len() / 2` long.
+            #[target_feature(enable = $features)]
+            pub unsafe fn bf16w<const N: usize>(w: &[u8], a: [&[f32]; N]) -> [f32; N] {
+                let wp = w.as_ptr();
+                float_rows!(
+                    w.len() / 2,
+                    a,
+                    |i| {
+                        let h = _mm_loadu_si128(wp.add(2 * i) as *const __m128i);
+                        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+                    },
+                    |l| {
+                        let bits = (wp.add(2 * l) as *const u16).read_unaligned();
+                        f32::from_bits((bits as u32) << 16)
                     }
-                    i += 8;
-                }
-                let mut out = [0f32; N];
-                for j in 0..N {
-                    out[j] = hsum_ps(acc[j]);
-                    for l in i..k {
-                        out[j] += f16_at(wp.add(2 * l)) * *a[j].get_unchecked(l);
-                    }
-                }
-                out
+                )
             }
         }
     };

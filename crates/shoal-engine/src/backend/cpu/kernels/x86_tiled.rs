@@ -717,6 +717,76 @@ macro_rules! tiled_kernels {
                 _mm256_loadu_si256(p as *const __m256i)
             }
 
+            /// IQ4_XS tile row against `N` activation rows (eight [`BlockQ8`] per
+            /// super-block): each 32-value sub-block is an IQ4_NL tile block whose row scales
+            /// are the super-block's `d` times the sub-block's signed 6-bit scale.
+            ///
+            /// # Safety
+            /// The CPU has the features; `w` is whole IQ4_XS tile blocks; every activation
+            /// row has eight blocks per tile block.
+            #[inline]
+            #[target_feature(enable = $features)]
+            pub unsafe fn tile_iq4xs<const N: usize>(
+                w: &[u8],
+                a: [&[BlockQ8]; N],
+            ) -> [[f32; TILE_ROWS]; N] {
+                iq4xs_with::<N>(w, a, Prefetch::for_rows(N))
+            }
+
+            /// [`tile_iq4xs`] with the prefetch distances `pf` (used when `N` is 1).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn iq4xs_with<const N: usize>(
+                w: &[u8],
+                a: [&[BlockQ8]; N],
+                pf: Prefetch,
+            ) -> [[f32; TILE_ROWS]; N] {
+                use k_offsets::{QSX, SCX};
+                let tb = QSX + 1024;
+                let mut acc = [_mm256_setzero_ps(); N];
+                for b in 0..w.len() / tb {
+                    let t = w.as_ptr().add(b * tb);
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i));
+                    for ib in 0..8 {
+                        if N == 1 {
+                            prefetch_quarter(t, tb, ib / 2, pf);
+                        }
+                        let q = grid_values::<IQ4_NL>(nibbles(t.add(QSX + 128 * ib)))
+                            .map(|v| $q8prep(v));
+                        let sc = _mm256_cvtepi32_ps(i8x8(t.add(SCX + 8 * ib)));
+                        let dsc = _mm256_mul_ps(d, sc);
+                        for j in 0..N {
+                            let y = a[j].get_unchecked(8 * b + ib);
+                            let seed = _mm256_set1_epi32(offset_part(IQ4_NL, y.sum));
+                            let p = block_dot::<IQ4_NL>(&q, y, seed);
+                            acc[j] = _mm256_fmadd_ps(
+                                _mm256_mul_ps(dsc, _mm256_set1_ps(y.d)),
+                                _mm256_cvtepi32_ps(p),
+                                acc[j],
+                            );
+                        }
+                    }
+                }
+                let mut out = [[0f32; TILE_ROWS]; N];
+                for j in 0..N {
+                    _mm256_storeu_ps(out[j].as_mut_ptr(), acc[j]);
+                }
+                out
+            }
+
+            /// [`tile_iq4xs`] over whole tiles against one activation row (decode).
+            ///
+            /// # Safety
+            /// As [`tile_iq4xs`]; `out` has room for eight values per tile.
+            #[target_feature(enable = $features)]
+            pub unsafe fn run_iq4xs(w: &[u8], tile_bytes: usize, a: &[BlockQ8], out: *mut f32) {
+                let pf = Prefetch::current();
+                each_tile(w, tile_bytes, out, |t| {
+                    let [o] = iq4xs_with::<1>(t, [a], pf);
+                    o
+                })
+            }
+
             /// Q4_K (`HIGH` false) or Q5_K (`HIGH` true) tile row against `N` rows.
             ///
             /// # Safety
