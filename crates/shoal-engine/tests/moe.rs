@@ -164,6 +164,8 @@ fn oracle_cases() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
             GgmlType::Q4_K,
             QUANTIZED_WIDE,
         ),
+        // gpt-oss keeps its experts in MXFP4
+        (TinyModelSpec::qwen3moe(79), GgmlType::MXFP4, QUANTIZED),
         (TinyModelSpec::mixtral(67), GgmlType::F32, F32),
         (TinyModelSpec::mixtral(68), GgmlType::Q8_0, QUANTIZED),
         (

@@ -316,7 +316,7 @@ fn tiny_k_quant_split() {
 
 /// Qwen3 (q/k norms, heads wider than hidden / heads) and Llama 3.1 RoPE scaling split
 /// every way the architectures' new parts could be cut wrong: heads across tensor-parallel
-/// ranks, layers across stages, and both.
+/// ranks, layers across stages, and both; in F32, Q8_0, Q4_K and IQ4_NL.
 #[test]
 fn tiny_qwen3_and_llama31_split() {
     let dir = tempfile::tempdir().unwrap();
@@ -336,6 +336,11 @@ fn tiny_qwen3_and_llama31_split() {
             .snapped_to(GgmlType::Q4_K),
             GgmlType::Q4_K,
         ),
+        // a grid type: IQ4_NL cut on 32-value blocks
+        (
+            TinyModelSpec::qwen3(28).snapped_to(GgmlType::IQ4_NL),
+            GgmlType::IQ4_NL,
+        ),
     ] {
         let spec = TinyModelSpec {
             n_layers: 4,
@@ -343,6 +348,7 @@ fn tiny_qwen3_and_llama31_split() {
         };
         let sub = dir.path().join(format!("{}-{ty:?}", spec.name));
         std::fs::create_dir_all(&sub).unwrap();
+        eprintln!("{} {ty:?}:", spec.name);
         check(&tiny(spec, ty, &sub), &PROMPT, 8, &[(2, 1), (1, 2), (2, 2)]);
     }
 }
@@ -390,6 +396,11 @@ fn tiny_moe_every_split_matches_one_rank() {
         });
         cases.push((q.snapped_to(GgmlType::Q8_0), GgmlType::Q8_0));
     }
+    // MXFP4, as gpt-oss's experts are stored: 32-value blocks slice as Q8_0's do
+    cases.push((
+        wider(TinyModelSpec::qwen3moe(45)).snapped_to(GgmlType::MXFP4),
+        GgmlType::MXFP4,
+    ));
     for (spec, ty) in cases {
         let spec = TinyModelSpec {
             n_layers: spec.n_layers.max(3),

@@ -919,3 +919,20 @@ fn gemma3_config_from_gguf_metadata() {
         arch::config_from_gguf(GgufFile::open(&p).unwrap().metadata(), 320, "defaults").unwrap();
     assert_eq!((cfg.sliding_pattern, cfg.rope_theta_local), (2, 10_000.0));
 }
+
+/// The 4-bit grid types against the f64 oracle over their dequantized weights: IQ4_NL and
+/// MXFP4 on 32-value blocks, IQ4_XS on the K-quant shapes (its activations are 32-value Q8
+/// blocks, as IQ4_NL's).
+#[test]
+fn grid_type_logits_match_oracle() {
+    check_quantized_logits(TinyModelSpec::qwen2(171), GgmlType::IQ4_NL, 0.15);
+    check_quantized_logits(TinyModelSpec::qwen3(172), GgmlType::MXFP4, 0.15);
+    check_quantized_logits(
+        TinyModelSpec {
+            n_head: 8,
+            ..TinyModelSpec::llama31(27).k_quant_shapes()
+        },
+        GgmlType::IQ4_XS,
+        0.5,
+    );
+}

@@ -543,8 +543,10 @@ fn matmul_many_equals_one_by_one() {
     use WeightType::*;
     let mut rng = StdRng::seed_from_u64(11);
     let cols = 512;
-    let groups: [&[(WeightType, usize)]; 5] = [
+    let groups: [&[(WeightType, usize)]; 7] = [
         &[(Q4_1, 64), (Q8_0, 24), (Q5_0, 19)],
+        &[(Iq4Xs, 40), (Iq4Nl, 16), (Mxfp4, 9)],
+        &[(Iq4Xs, 16), (Q4_0, 8)],
         &[(Q4K, 40), (Q6K, 16), (Q5K, 9)],
         &[(Q2K, 40), (Q3K, 27), (Q4K, 8)],
         &[(Q4_0, 16), (Q4K, 16), (F32, 5)],
@@ -724,7 +726,9 @@ fn gate_pairs_equal_gate_and_up_apart() {
     use crate::config::Activation;
     use WeightType::*;
     let mut rng = StdRng::seed_from_u64(31);
-    for ty in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K, Q2K, Q3K] {
+    for ty in [
+        Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K, Q2K, Q3K, Iq4Nl, Iq4Xs, Mxfp4,
+    ] {
         let cols = 256;
         for isa in Isa::levels().iter().copied().filter(|i| i.runs_here()) {
             let rows = 40;
