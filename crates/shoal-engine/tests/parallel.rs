@@ -336,7 +336,7 @@ fn tiny_qwen3_and_llama31_split() {
             .snapped_to(GgmlType::Q4_K),
             GgmlType::Q4_K,
         ),
-        // a grid type: IQ4_NL cut on 32-value blocks
+        // a grid type: IQ4_NL cut on 32-value blocks (IQ4_XS: see tiny_iq4_xs_split)
         (
             TinyModelSpec::qwen3(28).snapped_to(GgmlType::IQ4_NL),
             GgmlType::IQ4_NL,
@@ -632,28 +632,63 @@ fn compare_real(
     let file = GgufFile::open(&path).unwrap();
     let tok = shoal_model::tokenizer::Tokenizer::from_gguf(file.metadata()).unwrap();
     let prompt = tok.encode("The capital of France is", true, false).unwrap();
-    let n = 24;
+    Some(compare_forced(&path, &prompt, 24, layouts, faulty))
+}
+
+/// [`compare_real`]'s comparison of the model at `path`: `n` greedy tokens after `prompt`
+/// on one rank, then each layout teacher-forced along them.
+fn compare_forced(
+    path: &Path,
+    prompt: &[u32],
+    n: usize,
+    layouts: &[(usize, usize)],
+    faulty: Option<usize>,
+) -> Vec<((usize, usize), Comparison)> {
+    let (path, prompt) = (path.to_path_buf(), prompt.to_vec());
     let (tokens, rows) = one_rank(&path, &prompt, n);
     let reference: Vec<Vec<(u32, f32)>> = rows.iter().map(|r| top(r, 8)).collect();
-    Some(
-        layouts
-            .iter()
-            .map(|&(tp, pp)| {
-                let split =
-                    split_forced(&path, Layout { tp, pp }, &prompt, &tokens[..n - 1], faulty);
-                if tp == 1 && faulty.is_none() {
-                    assert_eq!(
-                        split, rows,
-                        "tp 1 pp {pp}: a pipeline split must be bit-exact"
-                    );
-                }
-                (
-                    (tp, pp),
-                    compare_teacher_forced(&reference, &split, REAL_TP_TOL),
-                )
-            })
-            .collect(),
-    )
+    layouts
+        .iter()
+        .map(|&(tp, pp)| {
+            let split = split_forced(&path, Layout { tp, pp }, &prompt, &tokens[..n - 1], faulty);
+            if tp == 1 && faulty.is_none() {
+                assert_eq!(
+                    split, rows,
+                    "tp 1 pp {pp}: a pipeline split must be bit-exact"
+                );
+            }
+            (
+                (tp, pp),
+                compare_teacher_forced(&reference, &split, REAL_TP_TOL),
+            )
+        })
+        .collect()
+}
+
+/// IQ4_XS split over the K-quant shapes. Its kernels quantize activations per 32 values
+/// over 256-wide rows; on this model the last-bit differences of a tensor-parallel sum
+/// move 8-bit roundings the way they do on the real models (measured: 1.4% of the largest
+/// logit, tokens the same), so it is held to the real models' teacher-forced rules
+/// ([`check_real`]) rather than to `TP_TOL`; pipelines stay bit-exact.
+#[test]
+fn tiny_iq4_xs_split() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinyModelSpec {
+        n_layers: 4,
+        n_head: 8,
+        ..TinyModelSpec::llama31(27).k_quant_shapes()
+    }
+    .snapped_to(GgmlType::IQ4_XS);
+    let path = tiny(spec, GgmlType::IQ4_XS, dir.path());
+    for ((tp, pp), c) in compare_forced(&path, &PROMPT, 12, &[(2, 1), (1, 2), (2, 2)], None) {
+        eprintln!(
+            "IQ4_XS tp {tp} pp {pp}: worst {:.2}% of the scale, mean {:.3}%",
+            100.0 * c.worst_rel,
+            100.0 * c.mean_rel()
+        );
+        c.assert_ok(&format!("IQ4_XS tp {tp} pp {pp}"));
+        assert!(c.mean_rel() <= REAL_TP_MEAN, "IQ4_XS tp {tp} pp {pp}: mean");
+    }
 }
 
 /// The top `k` of a row as `(id, logit)`, best first (the lower id on ties).

@@ -382,7 +382,9 @@ macro_rules! neon_kernels {
                                 q[g] = vqtbl1q_u8(table, vandq_u8(v, m4));
                                 q[g + 4] = vqtbl1q_u8(table, vshrq_n_u8::<4>(v));
                             }
-                            let dsc = vmulq_f32(d, i8x4_f32(t.add(SCX + 8 * ib + HALF * hf)));
+                            let sp = t.add(SCX + 8 * ib + HALF * hf);
+                            let bytes = (sp as *const u32).read_unaligned() as u64;
+                            let sc = vmovl_s16(vget_low_s16(vmovl_s8(vcreate_s8(bytes))));
                             for j in 0..N {
                                 let y = a[j].get_unchecked(8 * b + ib);
                                 let yp = y.qs.as_ptr();
@@ -390,9 +392,11 @@ macro_rules! neon_kernels {
                                 for (k, qk) in q.iter().enumerate() {
                                     pp[k & 1] = dot(pp[k & 1], *qk, bcast(yp, 4 * k));
                                 }
-                                let p = vaddq_s32(pp[0], pp[1]);
+                                // the sub-block scale on the integer sum (exact), as the reference
+                                // applies it
+                                let p = vmulq_s32(vaddq_s32(pp[0], pp[1]), sc);
                                 acc[j][hf] =
-                                    vfmaq_f32(acc[j][hf], vmulq_n_f32(dsc, y.d), vcvtq_f32_s32(p));
+                                    vfmaq_f32(acc[j][hf], vmulq_n_f32(d, y.d), vcvtq_f32_s32(p));
                             }
                         }
                     }

@@ -753,14 +753,16 @@ macro_rules! tiled_kernels {
                         }
                         let q = grid_values::<IQ4_NL>(nibbles(t.add(QSX + 128 * ib)))
                             .map(|v| $q8prep(v));
-                        let sc = _mm256_cvtepi32_ps(i8x8(t.add(SCX + 8 * ib)));
-                        let dsc = _mm256_mul_ps(d, sc);
+                        let sc = i8x8(t.add(SCX + 8 * ib));
                         for j in 0..N {
                             let y = a[j].get_unchecked(8 * b + ib);
                             let seed = _mm256_set1_epi32(offset_part(IQ4_NL, y.sum));
                             let p = block_dot::<IQ4_NL>(&q, y, seed);
+                            // the sub-block scale on the integer sum (exact), as the
+                            // reference applies it
+                            let p = _mm256_mullo_epi32(p, sc);
                             acc[j] = _mm256_fmadd_ps(
-                                _mm256_mul_ps(dsc, _mm256_set1_ps(y.d)),
+                                _mm256_mul_ps(d, _mm256_set1_ps(y.d)),
                                 _mm256_cvtepi32_ps(p),
                                 acc[j],
                             );
