@@ -1,10 +1,10 @@
 //! The interleaved layout the SIMD kernels read the 32-value block types in. Eight rows form
 //! a tile; for each block column a tile stores the eight scales together (f16, or MXFP4's
-//! E8M0 bytes; then the eight minimums, for Q4_1 and Q5_1), 32 more bytes for Q5_0 and Q5_1 (their codes' top bits, as
-//! [`HighBits`] says), and the quant bytes interleaved four at a time: byte `4 r + j` of
-//! group vector `g` is byte `4 g + j` of row `r` (of its codes, for Q5 in
-//! [`HighBits::Whole`]). One 32-byte load then holds four codes of each of
-//! eight rows, so a single 8-bit dot-product instruction against four broadcast activations
+//! E8M0 bytes; then the eight minimums, for Q4_1 and Q5_1), 32 more bytes for Q5_0 and Q5_1
+//! (their codes' top bits, as [`HighBits`] says), and the quant bytes interleaved four at a
+//! time: byte `4 r + j` of group vector `g` is byte `4 g + j` of row `r` (of its codes, for
+//! Q5 in [`HighBits::Whole`]). One 32-byte load then holds four codes of each of eight rows,
+//! so a single 8-bit dot-product instruction against four broadcast activations
 //! yields eight row sums at once: no horizontal reductions, one scale conversion per eight
 //! rows. A tile is exactly eight blocks' bytes, so repacking costs no memory; the last tile
 //! of a ragged matrix is padded with zero rows.
@@ -91,18 +91,11 @@ fn parts(ty: WeightType) -> Option<Parts> {
         WeightType::Q5_0 => (None, Some(2), 6, 16),
         WeightType::Q5_1 => (Some(2), Some(4), 8, 16),
         WeightType::Q8_0 => (None, None, 2, 32),
-        WeightType::Iq4Nl if lut_tiled() => (None, None, 2, 16),
-        WeightType::Mxfp4 if lut_tiled() => (None, None, 1, 16),
+        WeightType::Iq4Nl => (None, None, 2, 16),
+        WeightType::Mxfp4 => (None, None, 1, 16),
         _ => return None,
     };
     Some(Parts { m, qh, qs, qs_len })
-}
-
-/// Whether the 4-bit grid types (IQ4_NL, IQ4_XS, MXFP4) are tiled on this architecture: on
-/// x86-64 and arm64, whose tile kernels look their codes up (`vpshufb`, `tbl`); elsewhere
-/// they run the portable kernels.
-const fn lut_tiled() -> bool {
-    cfg!(any(target_arch = "x86_64", target_arch = "aarch64"))
 }
 
 /// Whether `ty` has a tiled layout.
@@ -110,13 +103,12 @@ pub fn is_tiled_type(ty: WeightType) -> bool {
     parts(ty).is_some() || is_k(ty)
 }
 
-/// Whether `ty` tiles by 256-value super-blocks: the K-quants, and IQ4_XS where the grid
-/// types are tiled.
+/// Whether `ty` tiles by 256-value super-blocks: the K-quants and IQ4_XS.
 fn is_k(ty: WeightType) -> bool {
     matches!(
         ty,
         WeightType::Q2K | WeightType::Q3K | WeightType::Q4K | WeightType::Q5K | WeightType::Q6K
-    ) || (ty == WeightType::Iq4Xs && lut_tiled())
+    ) || ty == WeightType::Iq4Xs
 }
 
 /// Bytes of one tile block (eight rows, one block column).

@@ -4,9 +4,10 @@
 //! lane `r` accumulates row `r`'s dot product with no horizontal reduction. Codes are
 //! unsigned (nibbles, 5-bit values, or Q8_0 shifted by 128 under VNNI); the offset is taken
 //! back exactly with the activation block's integer sum. IQ4_NL's and MXFP4's nibbles are
-//! looked up in their grid of sixteen signed values and from there go the way of Q8_0's codes. Written once, compiled for AVX2 and
-//! for AVX-512 VNNI (+BW, whose byte masks set the 5th bits in one instruction); Q2_K and
-//! Q3_K for AVX2 only ([`k23_avx2`]: at AVX-512 they run in `x86_wide`).
+//! looked up in their grid of sixteen signed values and from there go the way of Q8_0's
+//! codes (IQ4_XS's too, with a scale per 32-value sub-block). Written once, compiled for
+//! AVX2 and for AVX-512 VNNI (+BW, whose byte masks set the 5th bits in one instruction);
+//! Q2_K and Q3_K for AVX2 only ([`k23_avx2`]: at AVX-512 they run in `x86_wide`).
 //! Callers must have checked the CPU features and that every activation row has a block per
 //! block column of the tile row.
 
@@ -15,8 +16,7 @@
 use std::arch::x86_64::*;
 
 use super::each_tile;
-use super::formats::{BlockQ8, BlockQ8K};
-use super::formats::{IQ4_VALUES, MXFP4_VALUES};
+use super::formats::{BlockQ8, BlockQ8K, IQ4_VALUES, MXFP4_VALUES};
 use super::prefetch::Prefetch;
 use super::tiled::kinds::{
     block_bytes, has_high_bit, has_min, is_grid, offsets, IQ4_NL, MXFP4, Q4_0, Q5_0, Q8_0,
@@ -748,7 +748,7 @@ macro_rules! tiled_kernels {
                     let t = w.as_ptr().add(b * tb);
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(t as *const __m128i));
                     for ib in 0..8 {
-                        if N == 1 {
+                        if N == 1 && ib % 2 == 0 {
                             prefetch_quarter(t, tb, ib / 2, pf);
                         }
                         let q = grid_values::<IQ4_NL>(nibbles(t.add(QSX + 128 * ib)))
