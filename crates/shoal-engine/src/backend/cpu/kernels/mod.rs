@@ -670,25 +670,27 @@ fn tile_kernels_k(ty: WeightType, isa: Isa) -> TilePair<BlockQ8K> {
 
 #[cfg(target_arch = "x86_64")]
 fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
-    use tiled::kinds::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+    use tiled::kinds::{IQ4_NL, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     match isa {
-        Isa::Avx512Vnni if ty == WeightType::Iq4Xs => TilePair::new(
-            x86_tiled::avx512vnni::tile_iq4xs::<1>,
-            x86_tiled::avx512vnni::tile_iq4xs::<4>,
-            x86_tiled::avx512vnni::run_iq4xs,
-        ),
+        Isa::Avx512Vnni if ty == WeightType::Iq4Xs => TilePair {
+            pair_four: Some(x86_wide::tile2_iq4xs::<4>),
+            pair_eight: Some(x86_wide::tile2_iq4xs::<8>),
+            ..TilePair::new(
+                x86_tiled::avx512vnni::tile_iq4xs::<1>,
+                x86_tiled::avx512vnni::tile_iq4xs::<4>,
+                x86_tiled::avx512vnni::run_iq4xs,
+            )
+        },
         _ if ty == WeightType::Iq4Xs => TilePair::new(
             x86_tiled::avx2::tile_iq4xs::<1>,
             x86_tiled::avx2::tile_iq4xs::<4>,
             x86_tiled::avx2::run_iq4xs,
         ),
-        // the grid types have no 512-bit pair kernels: their tiles run one at a time
-        Isa::Avx512Vnni if matches!(ty, WeightType::Iq4Nl | WeightType::Mxfp4) => {
-            tiles_32!(ty, x86_tiled::avx512vnni)
-        }
         Isa::Avx512Vnni => {
             let mut k = tiles_32!(ty, x86_tiled::avx512vnni);
             k.pair_four = Some(match ty {
+                WeightType::Iq4Nl => x86_wide::tile2_dot::<4, IQ4_NL>,
+                WeightType::Mxfp4 => x86_wide::tile2_dot::<4, MXFP4>,
                 WeightType::Q4_0 => x86_wide::tile2_dot::<4, Q4_0>,
                 WeightType::Q4_1 => x86_wide::tile2_dot::<4, Q4_1>,
                 WeightType::Q5_0 => x86_wide::tile2_dot::<4, Q5_0>,
@@ -696,6 +698,8 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
                 _ => x86_wide::tile2_dot::<4, Q8_0>,
             });
             k.pair_eight = Some(match ty {
+                WeightType::Iq4Nl => x86_wide::tile2_dot::<8, IQ4_NL>,
+                WeightType::Mxfp4 => x86_wide::tile2_dot::<8, MXFP4>,
                 WeightType::Q4_0 => x86_wide::tile2_dot::<8, Q4_0>,
                 WeightType::Q4_1 => x86_wide::tile2_dot::<8, Q4_1>,
                 WeightType::Q5_0 => x86_wide::tile2_dot::<8, Q5_0>,

@@ -13,9 +13,11 @@
 use std::arch::x86_64::*;
 
 use super::each_tile;
-use super::formats::{BlockQ8, BlockQ8K};
+use super::formats::{BlockQ8, BlockQ8K, IQ4_VALUES, MXFP4_VALUES};
 use super::prefetch::Prefetch;
-use super::tiled::kinds::{block_bytes, has_high_bit, has_min, offsets, Q4_0, Q5_0, Q8_0};
+use super::tiled::kinds::{
+    block_bytes, has_high_bit, has_min, is_grid, offsets, MXFP4, Q4_0, Q5_0, Q8_0,
+};
 use super::tiled::{k_offsets, TILE_ROWS};
 use super::x86_tiled::prefetch_quarter;
 
@@ -41,6 +43,35 @@ unsafe fn f16x16(t0: *const u8, t1: *const u8, off: usize) -> __m512 {
         _mm_loadu_si128(t0.add(off) as *const __m128i),
     );
     _mm512_cvtph_ps(h)
+}
+
+/// Eight MXFP4 scale bytes (E8M0) of each tile at `off` as 16 f32 halves, `2^(e - 128)`,
+/// as [`super::formats::e8m0_half`] computes them (the two smallest subnormal).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn e8m0x16(t0: *const u8, t1: *const u8, off: usize) -> __m512 {
+    let b = _mm_unpacklo_epi64(
+        _mm_loadl_epi64(t0.add(off) as *const __m128i),
+        _mm_loadl_epi64(t1.add(off) as *const __m128i),
+    );
+    let e = _mm512_cvtepu8_epi32(b);
+    let normal = _mm512_slli_epi32::<23>(_mm512_sub_epi32(e, _mm512_set1_epi32(1)));
+    let subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x0020_0000), e);
+    let small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, subnormal))
+}
+
+/// The sixteen values of `kind`'s grid (IQ4_NL/IQ4_XS or MXFP4) in every 128-bit lane, a
+/// `vpshufb` table.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn grid_table(kind: u8) -> __m512i {
+    let values = if kind == MXFP4 {
+        &MXFP4_VALUES
+    } else {
+        &IQ4_VALUES
+    };
+    _mm512_broadcast_i32x4(_mm_loadu_si128(values.as_ptr() as *const __m128i))
 }
 
 /// Eight bytes of each tile at `off` (one per row), as 16 f32.
@@ -112,13 +143,15 @@ pub unsafe fn tile2_dot<const N: usize, const KIND: u8>(
     let m4 = _mm512_set1_epi8(0x0F);
     let c16 = _mm512_set1_epi8(0x10);
     let flip = _mm512_set1_epi8(0x80u8 as i8);
-    // unsigned codes carry this offset; Q8_0 is shifted by 128 to make it unsigned
+    // unsigned codes carry this offset; Q8_0 and the grid values are shifted by 128 to
+    // make them unsigned
     let offset: i32 = match KIND {
         Q4_0 => 8,
         Q5_0 => 16,
-        Q8_0 => 128,
+        _ if KIND == Q8_0 || is_grid(KIND) => 128,
         _ => 0,
     };
+    let table = grid_table(KIND);
     let mut acc = [_mm512_setzero_ps(); N];
     let next = w1.as_ptr().wrapping_add(w1.len());
     for b in 0..w0.len() / tb {
@@ -126,7 +159,11 @@ pub unsafe fn tile2_dot<const N: usize, const KIND: u8>(
         if prefetch {
             prefetch_next_pair(next, b, tb);
         }
-        let d = f16x16(t0, t1, 0);
+        let d = if KIND == MXFP4 {
+            e8m0x16(t0, t1, 0)
+        } else {
+            f16x16(t0, t1, 0)
+        };
         let m = if has_min(KIND) {
             f16x16(t0, t1, m_off)
         } else {
@@ -150,6 +187,11 @@ pub unsafe fn tile2_dot<const N: usize, const KIND: u8>(
                     *qk = _mm512_mask_add_epi8(*qk, lo | (hi << 32), *qk, c16);
                 }
             }
+            if is_grid(KIND) {
+                for qk in q.iter_mut() {
+                    *qk = _mm512_xor_si512(_mm512_shuffle_epi8(table, *qk), flip);
+                }
+            }
         }
         for j in 0..N {
             let y = a[j].get_unchecked(b);
@@ -169,6 +211,77 @@ pub unsafe fn tile2_dot<const N: usize, const KIND: u8>(
             );
             if has_min(KIND) {
                 acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(y.s), acc[j]);
+            }
+        }
+    }
+    let mut out = [[0f32; PAIR_ROWS]; N];
+    for j in 0..N {
+        _mm512_storeu_ps(out[j].as_mut_ptr(), acc[j]);
+    }
+    out
+}
+
+/// IQ4_XS: tiles `w0` and `w1` (the same number of tile blocks) against `N` activation rows
+/// (eight [`BlockQ8`] per super-block), as `x86_tiled`'s `tile_iq4xs` with every
+/// instruction serving sixteen rows.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/VNNI, F16C; `w0` and `w1` are whole IQ4_XS tile blocks,
+/// equally long; every activation row has eight blocks per tile block.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn tile2_iq4xs<const N: usize>(
+    w0: &[u8],
+    w1: &[u8],
+    a: [&[BlockQ8]; N],
+    prefetch: bool,
+) -> [[f32; PAIR_ROWS]; N] {
+    use k_offsets::{QSX, SCX};
+    let tb = QSX + 1024;
+    let m4 = _mm512_set1_epi8(0x0F);
+    let flip = _mm512_set1_epi8(0x80u8 as i8);
+    let table = grid_table(super::tiled::kinds::IQ4_NL);
+    let mut acc = [_mm512_setzero_ps(); N];
+    let next = w1.as_ptr().wrapping_add(w1.len());
+    for b in 0..w0.len() / tb {
+        let (t0, t1) = (w0.as_ptr().add(b * tb), w1.as_ptr().add(b * tb));
+        if prefetch {
+            prefetch_next_pair(next, b, tb);
+        }
+        let d = f16x16(t0, t1, 0);
+        for ib in 0..8 {
+            let mut q = [_mm512_setzero_si512(); 8];
+            for g in 0..4 {
+                let v = ld2(t0, t1, QSX + 128 * ib + 32 * g);
+                let (lo, hi) = (
+                    _mm512_and_si512(v, m4),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4),
+                );
+                q[g] = _mm512_xor_si512(_mm512_shuffle_epi8(table, lo), flip);
+                q[g + 4] = _mm512_xor_si512(_mm512_shuffle_epi8(table, hi), flip);
+            }
+            let sb = _mm_unpacklo_epi64(
+                _mm_loadl_epi64(t0.add(SCX + 8 * ib) as *const __m128i),
+                _mm_loadl_epi64(t1.add(SCX + 8 * ib) as *const __m128i),
+            );
+            let sc = _mm512_cvtepi8_epi32(sb);
+            for j in 0..N {
+                let y = a[j].get_unchecked(8 * b + ib);
+                let yp = y.qs.as_ptr();
+                let mut pp = [_mm512_setzero_si512(); 2];
+                for (k, qk) in q.iter().enumerate() {
+                    pp[k & 1] = _mm512_dpbusd_epi32(pp[k & 1], *qk, bcast(yp, 4 * k));
+                }
+                let p = _mm512_sub_epi32(
+                    _mm512_add_epi32(pp[0], pp[1]),
+                    _mm512_set1_epi32(128 * y.sum),
+                );
+                // the sub-block scale on the integer sum (exact), as the reference applies it
+                let p = _mm512_mullo_epi32(p, sc);
+                acc[j] = _mm512_fmadd_ps(
+                    _mm512_mul_ps(d, _mm512_set1_ps(y.d)),
+                    _mm512_cvtepi32_ps(p),
+                    acc[j],
+                );
             }
         }
     }
