@@ -1093,7 +1093,10 @@ mod tests {
     #[test]
     fn type_ids_match_ggml() {
         let ids: Vec<u32> = GgmlType::ALL.iter().map(|t| t.id()).collect();
-        assert_eq!(ids, vec![0, 1, 2, 3, 8, 10, 11, 12, 14, 30]);
+        assert_eq!(ids, vec![0, 1, 2, 3, 8, 10, 11, 12, 14, 30, 20, 23, 39]);
+        assert_eq!(GgmlType::IQ4_NL.bytes_for(64), Some(36));
+        assert_eq!(GgmlType::IQ4_XS.bytes_for(512), Some(272));
+        assert_eq!(GgmlType::MXFP4.bytes_for(64), Some(34));
         assert_eq!(GgmlType::Q2_K.bytes_for(512), Some(168));
         assert_eq!(GgmlType::Q3_K.bytes_for(256), Some(110));
         assert_eq!(GgmlType::Q4_K.bytes_for(512), Some(288));
