@@ -369,11 +369,18 @@ fn connections_are_capped_per_client_and_slow_headers_cut_off() {
         let body = r#"{"name": "ops", "admin": true}"#;
         c.write_all(format!("POST /admin/keys HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len()).as_bytes()).await.unwrap();
         assert_eq!(first_line(c).await, "HTTP/1.1 201 Created");
-        // two held connections from this address; the third is refused
-        let a = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let b = tokio::net::TcpStream::connect(addr).await.unwrap();
+        // two held connections from another address (so the first request's connection,
+        // whose place is given back when the server is done with it, cannot count); the
+        // third is refused
+        let from_other = || async {
+            let s = tokio::net::TcpSocket::new_v4().unwrap();
+            s.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+            s.connect(addr).await.unwrap()
+        };
+        let a = from_other().await;
+        let b = from_other().await;
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        let third = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let third = from_other().await;
         assert_eq!(first_line(third).await, "HTTP/1.1 429 Too Many Requests");
         // headers that never finish: the connection is closed after the timeout
         let mut slow = a;
