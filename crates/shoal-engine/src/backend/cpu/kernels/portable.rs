@@ -105,30 +105,33 @@ fn lut_dot(values: &[i8; 16], qs: &[u8], y: &BlockQ8) -> i32 {
     s
 }
 
-/// IQ4_NL · Q8.
-pub fn iq4nl<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
+/// 32-value grid blocks (`bytes` long: a scale, `scale` reads it, then 16 code bytes) · Q8.
+fn grid32<const N: usize>(
+    w: &[u8],
+    a: [&[BlockQ8]; N],
+    bytes: usize,
+    values: &[i8; 16],
+    scale: fn(&[u8]) -> f32,
+) -> [f32; N] {
     let mut out = [0f32; N];
-    for (i, b) in w.chunks_exact(18).enumerate() {
-        let d = f16_at(b, 0);
+    for (i, b) in w.chunks_exact(bytes).enumerate() {
+        let d = scale(b);
         for (o, a) in out.iter_mut().zip(a) {
             let y = &a[i];
-            *o += d * y.d * lut_dot(&IQ4_VALUES, &b[2..18], y) as f32;
+            *o += d * y.d * lut_dot(values, &b[bytes - 16..], y) as f32;
         }
     }
     out
 }
 
+/// IQ4_NL · Q8.
+pub fn iq4nl<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
+    grid32(w, a, 18, &IQ4_VALUES, |b| f16_at(b, 0))
+}
+
 /// MXFP4 · Q8.
 pub fn mxfp4<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
-    let mut out = [0f32; N];
-    for (i, b) in w.chunks_exact(17).enumerate() {
-        let d = e8m0_half(b[0]);
-        for (o, a) in out.iter_mut().zip(a) {
-            let y = &a[i];
-            *o += d * y.d * lut_dot(&MXFP4_VALUES, &b[1..17], y) as f32;
-        }
-    }
-    out
+    grid32(w, a, 17, &MXFP4_VALUES, |b| e8m0_half(b[0]))
 }
 
 /// IQ4_XS · Q8: each 32-value sub-block against its own activation block.
