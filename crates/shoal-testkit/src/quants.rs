@@ -316,17 +316,18 @@ fn nearest_point(grid: impl Iterator<Item = f64>, v: f64) -> u8 {
 }
 
 /// 32 values as 16 bytes of codes (value `j` in the low nibble of byte `j`, `j + 16` in the
-/// high one), each the nearest of `grid` to `x / d`.
-fn lut_codes(x: &[f32], d: f64, grid: impl Fn() -> Vec<f64>) -> [u8; 16] {
-    let g = grid();
+/// high one), each the index of the nearest of `grid` to `x / d` (0 when `d` is 0).
+fn lut_codes(x: &[f32], d: f64, grid: &[f64; 16]) -> [u8; 16] {
     let code = |v: f32| {
-        if d == 0.0 {
-            nearest_point(g.iter().copied(), 0.0)
-        } else {
-            nearest_point(g.iter().copied(), f64::from(v) / d)
-        }
+        let v = if d == 0.0 { 0.0 } else { f64::from(v) / d };
+        nearest_point(grid.iter().copied(), v)
     };
     std::array::from_fn(|j| code(x[j]) | (code(x[j + 16]) << 4))
+}
+
+/// [`IQ4_GRID`] as f64.
+fn iq4_grid() -> [f64; 16] {
+    IQ4_GRID.map(f64::from)
 }
 
 /// 32 codes back to values: `d * grid[code]`, in f64.
@@ -347,12 +348,12 @@ fn signed_max(x: &[f32]) -> f32 {
 /// point (ggml then searches nearby scales; this writes valid, slightly coarser blocks).
 pub fn quantize_iq4_nl(x: &[f32]) -> Result<Vec<u8>, TestkitError> {
     check_blocks(GgmlType::IQ4_NL, x.len())?;
-    let grid = || IQ4_GRID.iter().map(|&v| f64::from(v)).collect();
+    let grid = iq4_grid();
     let mut out = Vec::with_capacity(x.len() / QK * GgmlType::IQ4_NL.block_bytes());
     for block in x.chunks_exact(QK) {
         let d = f16::from_f32(signed_max(block) / -127.0);
         out.extend_from_slice(&d.to_le_bytes());
-        out.extend_from_slice(&lut_codes(block, f64::from(d.to_f32()), grid));
+        out.extend_from_slice(&lut_codes(block, f64::from(d.to_f32()), &grid));
     }
     Ok(out)
 }
@@ -375,7 +376,7 @@ pub fn dequantize_iq4_nl(bytes: &[u8]) -> Result<Vec<f32>, TestkitError> {
 /// `d * (ls - 32)` with `ls` six bits; its codes index [`IQ4_GRID`] as IQ4_NL's do.
 pub fn quantize_iq4_xs(x: &[f32]) -> Result<Vec<u8>, TestkitError> {
     check_blocks(GgmlType::IQ4_XS, x.len())?;
-    let grid = || IQ4_GRID.iter().map(|&v| f64::from(v)).collect();
+    let grid = iq4_grid();
     let mut out = Vec::with_capacity(x.len() / QK_K * GgmlType::IQ4_XS.block_bytes());
     for sb in x.chunks_exact(QK_K) {
         let scales: Vec<f32> = sb
@@ -405,7 +406,7 @@ pub fn quantize_iq4_xs(x: &[f32]) -> Result<Vec<u8>, TestkitError> {
         out.extend_from_slice(&high.to_le_bytes());
         out.extend_from_slice(&low);
         for (b, &l) in sb.chunks_exact(QK).zip(&ls) {
-            out.extend_from_slice(&lut_codes(b, f64::from(df) * f64::from(l), grid));
+            out.extend_from_slice(&lut_codes(b, f64::from(df) * f64::from(l), &grid));
         }
     }
     Ok(out)
@@ -435,7 +436,7 @@ pub fn dequantize_iq4_xs(bytes: &[u8]) -> Result<Vec<f32>, TestkitError> {
 /// E2M1 value to `x / scale`.
 pub fn quantize_mxfp4(x: &[f32]) -> Result<Vec<u8>, TestkitError> {
     check_blocks(GgmlType::MXFP4, x.len())?;
-    let grid = || (0..16).map(e2m1).collect();
+    let grid: [f64; 16] = std::array::from_fn(|c| e2m1(c as u8));
     let mut out = Vec::with_capacity(x.len() / QK * GgmlType::MXFP4.block_bytes());
     for block in x.chunks_exact(QK) {
         let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -445,7 +446,7 @@ pub fn quantize_mxfp4(x: &[f32]) -> Result<Vec<u8>, TestkitError> {
             0
         };
         out.push(e);
-        out.extend_from_slice(&lut_codes(block, 2f64.powi(i32::from(e) - 127), grid));
+        out.extend_from_slice(&lut_codes(block, 2f64.powi(i32::from(e) - 127), &grid));
     }
     Ok(out)
 }

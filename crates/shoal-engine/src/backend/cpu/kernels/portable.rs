@@ -336,28 +336,25 @@ pub fn f32w<const N: usize>(w: &[u8], a: [&[f32]; N]) -> [f32; N] {
     out
 }
 
-/// BF16 weights · f32 activations.
-pub fn bf16w<const N: usize>(w: &[u8], a: [&[f32]; N]) -> [f32; N] {
+/// Two-byte float weights (each read by `value`) · f32 activations.
+fn half_rows<const N: usize>(w: &[u8], a: [&[f32]; N], value: fn(&[u8], usize) -> f32) -> [f32; N] {
     let mut out = [0f32; N];
     for (o, a) in out.iter_mut().zip(a) {
         *o = w
             .chunks_exact(2)
             .zip(a)
-            .map(|(b, &x)| bf16_at(b, 0) * x)
+            .map(|(b, &x)| value(b, 0) * x)
             .sum();
     }
     out
 }
 
+/// BF16 weights · f32 activations.
+pub fn bf16w<const N: usize>(w: &[u8], a: [&[f32]; N]) -> [f32; N] {
+    half_rows(w, a, bf16_at)
+}
+
 /// F16 weights · f32 activations.
 pub fn f16w<const N: usize>(w: &[u8], a: [&[f32]; N]) -> [f32; N] {
-    let mut out = [0f32; N];
-    for (o, a) in out.iter_mut().zip(a) {
-        *o = w
-            .chunks_exact(2)
-            .zip(a)
-            .map(|(b, &x)| f16_at(b, 0) * x)
-            .sum();
-    }
-    out
+    half_rows(w, a, f16_at)
 }

@@ -45,15 +45,22 @@ unsafe fn f16x16(t0: *const u8, t1: *const u8, off: usize) -> __m512 {
     _mm512_cvtph_ps(h)
 }
 
+/// Eight bytes of each tile at `off` (one per row), tile 0's first, in one vector.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn bytes8x2(t0: *const u8, t1: *const u8, off: usize) -> __m128i {
+    _mm_unpacklo_epi64(
+        _mm_loadl_epi64(t0.add(off) as *const __m128i),
+        _mm_loadl_epi64(t1.add(off) as *const __m128i),
+    )
+}
+
 /// Eight MXFP4 scale bytes (E8M0) of each tile at `off` as 16 f32 halves, `2^(e - 128)`,
 /// as [`super::formats::e8m0_half`] computes them (the two smallest subnormal).
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn e8m0x16(t0: *const u8, t1: *const u8, off: usize) -> __m512 {
-    let b = _mm_unpacklo_epi64(
-        _mm_loadl_epi64(t0.add(off) as *const __m128i),
-        _mm_loadl_epi64(t1.add(off) as *const __m128i),
-    );
+    let b = bytes8x2(t0, t1, off);
     let e = _mm512_cvtepu8_epi32(b);
     let normal = _mm512_slli_epi32::<23>(_mm512_sub_epi32(e, _mm512_set1_epi32(1)));
     let subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x0020_0000), e);
@@ -78,10 +85,7 @@ unsafe fn grid_table(kind: u8) -> __m512i {
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn u8x16_ps(t0: *const u8, t1: *const u8, off: usize) -> __m512 {
-    let b = _mm_unpacklo_epi64(
-        _mm_loadl_epi64(t0.add(off) as *const __m128i),
-        _mm_loadl_epi64(t1.add(off) as *const __m128i),
-    );
+    let b = bytes8x2(t0, t1, off);
     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))
 }
 
@@ -259,11 +263,7 @@ pub unsafe fn tile2_iq4xs<const N: usize>(
                 q[g] = _mm512_xor_si512(_mm512_shuffle_epi8(table, lo), flip);
                 q[g + 4] = _mm512_xor_si512(_mm512_shuffle_epi8(table, hi), flip);
             }
-            let sb = _mm_unpacklo_epi64(
-                _mm_loadl_epi64(t0.add(SCX + 8 * ib) as *const __m128i),
-                _mm_loadl_epi64(t1.add(SCX + 8 * ib) as *const __m128i),
-            );
-            let sc = _mm512_cvtepi8_epi32(sb);
+            let sc = _mm512_cvtepi8_epi32(bytes8x2(t0, t1, SCX + 8 * ib));
             for j in 0..N {
                 let y = a[j].get_unchecked(8 * b + ib);
                 let yp = y.qs.as_ptr();
@@ -382,10 +382,7 @@ pub unsafe fn tile2_q45k<const N: usize, const HIGH: bool>(
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn i8x16_ps(t0: *const u8, t1: *const u8, off: usize) -> __m512 {
-    let b = _mm_unpacklo_epi64(
-        _mm_loadl_epi64(t0.add(off) as *const __m128i),
-        _mm_loadl_epi64(t1.add(off) as *const __m128i),
-    );
+    let b = bytes8x2(t0, t1, off);
     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))
 }
 
