@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The official Python clients (openai, anthropic, ollama from PyPI) against `shoal serve`:
-# starts an open server with smollm2 and qwen05 and a second one for API keys and rate
-# limits, runs crates/shoal-api/tests/clients/test_clients.py, and exits non-zero when any
-# test fails. The clients live in a virtual environment in $SHOAL_HOME (outside the clone).
+# starts an open server with smollm2 and qwen05, a second one for API keys and rate
+# limits and a third replaying a thinking model's output, runs
+# crates/shoal-api/tests/clients/test_clients.py, and exits non-zero when any test fails.
+# The clients live in a virtual environment in $SHOAL_HOME (outside the clone).
 # Needs a release build and the fetched models (scripts/test.sh does both first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,9 +45,16 @@ start open --model smollm2 --model qwen05 --parallel 4 --ctx 2048
 OPEN=$URL
 start keyed --model smollm2 --parallel 2 --ctx 512
 KEYED=$URL
-echo "servers: open $OPEN, keyed $KEYED"
+# no model that thinks is on the registries: smollm2 with Qwen3's chat template replays
+# output written in Qwen3's format, through the real tokenizer, scheduler and parsers
+start thinking --model smollm2 --parallel 2 --ctx 2048 \
+  --chat-template crates/shoal-model/tests/data/templates/Qwen-Qwen3-0.6B.jinja \
+  --replay crates/shoal-api/tests/data/thinking-qwen3.json
+THINKING=$URL
+echo "servers: open $OPEN, keyed $KEYED, thinking $THINKING"
 status=0
-"$VENV/bin/python" crates/shoal-api/tests/clients/test_clients.py --open "$OPEN" --keyed "$KEYED" "$@" || status=$?
+"$VENV/bin/python" crates/shoal-api/tests/clients/test_clients.py --open "$OPEN" --keyed "$KEYED" \
+  --thinking "$THINKING" "$@" || status=$?
 # the metrics the requests above produced must parse as Prometheus exposition
 "$VENV/bin/python" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1] + "/metrics").read().decode())' "$OPEN" >"$WORK/metrics.txt"
 if command -v promtool >/dev/null; then

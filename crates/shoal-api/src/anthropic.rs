@@ -3,10 +3,13 @@
 //! them), text / `tool_use` / `tool_result` content blocks, `tool_choice` (auto, any, tool,
 //! none), `stop_sequences`, `stop_reason`, and the streaming event sequence
 //! (`message_start`, `content_block_*`, `message_delta`, `message_stop`), with Anthropic's
-//! error shape. Keys may come as `x-api-key`. What a text-only local model cannot use is
-//! declined, not refused ([`crate::declined`]): hosted tools, `thinking` blocks and
-//! settings, `context_management`, `output_config.effort`, images and documents (each
-//! replaced by a note saying it was left out).
+//! error shape. Keys may come as `x-api-key`. A thinking model's reasoning comes as `thinking`
+//! blocks (streamed as `thinking_delta`s), `thinking` (enabled, adaptive or disabled) and
+//! `output_config.effort` switch it, and the thinking blocks of earlier turns go back to
+//! the template as their reasoning. What a text-only local model cannot use is declined, not
+//! refused ([`crate::declined`]): hosted tools, thinking for a model that does not reason,
+//! the thinking budget, `context_management`, images and documents (each replaced by a note
+//! saying it was left out).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -27,6 +30,7 @@ use crate::generation::{
     self, Finish, GenRequest, Input, Message, Out, OutputFormat, Tool, ToolChoice,
 };
 use crate::openai::OneOrMany;
+use crate::reasoning::{ReasoningFormat, Thinking};
 use crate::state::AppState;
 use crate::tools::ToolCall;
 
@@ -225,8 +229,12 @@ fn canonical_messages(
                     declined.ignore(&format!("{t} blocks"));
                     msg.content.push_str(OMITTED);
                 }
-                // thinking, redacted_thinking, server tool blocks, ...: nothing this model
-                // produced or can read
+                Some("thinking") if m.role == "assistant" => {
+                    let r = msg.reasoning.get_or_insert_with(String::new);
+                    r.push_str(b.get("thinking").and_then(Value::as_str).unwrap_or(""));
+                }
+                // redacted_thinking, server tool blocks, ...: nothing this model produced or
+                // can read
                 Some(t) => declined.ignore(&format!("{t} blocks")),
                 None => return Err(ApiError::invalid_param(&bf, "a block needs a 'type'")),
             }
@@ -299,6 +307,47 @@ fn tool_choice(v: Option<Value>) -> Result<ToolChoice, ApiError> {
     }
 }
 
+/// Anthropic's `thinking` setting (`enabled` with a budget, `adaptive`, `disabled`) and
+/// `output_config.effort` as thinking settings. The budget is not enforced (noted in
+/// `declined`); a type this server does not know is declined and thinking left as it is.
+fn thinking_of(
+    thinking: Option<&Value>,
+    effort: Option<&Value>,
+    declined: &mut Declined,
+) -> Result<Thinking, ApiError> {
+    let mut t = Thinking::default();
+    if let Some(v) = thinking.filter(|v| !v.is_null()) {
+        match v.get("type").and_then(Value::as_str) {
+            Some("enabled") => {
+                t.enabled = Some(true);
+                if v.get("budget_tokens").is_some() {
+                    declined.ignore("thinking.budget_tokens");
+                }
+            }
+            Some("adaptive") => t.enabled = Some(true),
+            Some("disabled") => t.enabled = Some(false),
+            Some(other) => declined.ignore(&format!("thinking type {other}")),
+            None => {
+                return Err(ApiError::invalid_param(
+                    "thinking.type",
+                    "thinking needs a type: enabled, adaptive or disabled",
+                ))
+            }
+        }
+    }
+    match effort {
+        None => {}
+        Some(Value::String(e)) => t.effort = Some(e.clone()),
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "output_config.effort",
+                "output_config.effort must be a string: low, medium or high",
+            ))
+        }
+    }
+    Ok(t)
+}
+
 fn stop_reason(f: Finish, stop: &Option<String>) -> &'static str {
     match f {
         Finish::Stop if stop.is_some() => "stop_sequence",
@@ -326,18 +375,17 @@ async fn messages_route(
         r.model,
         conversation(r.system, r.messages, r.tools, &mut declined)?,
     );
+    let effort = r
+        .output_config
+        .as_ref()
+        .and_then(|c| c.get("effort"))
+        .filter(|e| !e.is_null());
+    req.thinking = thinking_of(r.thinking.as_ref(), effort, &mut declined)?;
     for (field, present) in [
-        ("thinking", r.thinking.is_some()),
         ("context_management", r.context_management.is_some()),
         ("service_tier", r.service_tier.is_some()),
         ("mcp_servers", r.mcp_servers.is_some()),
         ("container", r.container.is_some()),
-        (
-            "output_config.effort",
-            r.output_config
-                .as_ref()
-                .is_some_and(|c| c.get("effort").is_some()),
-        ),
     ] {
         if present {
             declined.ignore(field);
@@ -381,7 +429,22 @@ async fn messages_route(
             }
         }
     }
+    let reasoning_sent = match &req.input {
+        Input::Chat { messages, .. } => messages.iter().any(|m| m.reasoning.is_some()),
+        Input::Text(_) => false,
+    };
     let running = generation::start(&state, req).await?;
+    if running.model.reasoning == ReasoningFormat::None {
+        for (field, given) in [
+            ("thinking", r.thinking.is_some()),
+            ("output_config.effort", effort.is_some()),
+            ("thinking blocks", reasoning_sent),
+        ] {
+            if given {
+                declined.ignore(field);
+            }
+        }
+    }
     let id = msg_id();
     let model = running.model.id.clone();
     if r.stream.unwrap_or(false) {
@@ -391,6 +454,9 @@ async fn messages_route(
     }
     let done = running.collect().await?;
     let mut content = Vec::new();
+    if !done.reasoning.is_empty() {
+        content.push(json!({"type": "thinking", "thinking": done.reasoning, "signature": ""}));
+    }
     if !done.text.is_empty() {
         content.push(json!({"type": "text", "text": done.text}));
     }
@@ -484,6 +550,40 @@ fn event(name: &str, data: Value) -> Item {
     Ok(SseEvent::default().event(name).data(data.to_string()))
 }
 
+/// Closes the open content block, if any, and moves on to the next index.
+fn close_block(items: &mut Vec<Item>, open: &mut Option<&'static str>, block: &mut usize) {
+    if open.take().is_some() {
+        items.push(event(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": *block}),
+        ));
+        *block += 1;
+    }
+}
+
+/// Opens a content block of `kind` (`text` or `thinking`) unless one is open; a block of
+/// another kind is closed first.
+fn open_block(
+    items: &mut Vec<Item>,
+    kind: &'static str,
+    open: &mut Option<&'static str>,
+    block: &mut usize,
+) {
+    if *open == Some(kind) {
+        return;
+    }
+    close_block(items, open, block);
+    *open = Some(kind);
+    let content_block = match kind {
+        "thinking" => json!({"type": "thinking", "thinking": "", "signature": ""}),
+        _ => json!({"type": "text", "text": ""}),
+    };
+    items.push(event(
+        "content_block_start",
+        json!({"type": "content_block_start", "index": *block, "content_block": content_block}),
+    ));
+}
+
 fn stream_messages(
     running: generation::Running,
     id: String,
@@ -500,28 +600,23 @@ fn stream_messages(
         ),
         event("ping", json!({"type": "ping"})),
     ];
-    // the index of the next content block, and whether a text block is open
+    // the index of the current content block, and the kind of block open, if one is
     let mut block = 0usize;
-    let mut text_open = false;
+    let mut open: Option<&'static str> = None;
     let s = running.stream_with(first, move |out| {
         let mut items = Vec::new();
-        let stop = |block: usize| {
-            event(
-                "content_block_stop",
-                json!({"type": "content_block_stop", "index": block}),
-            )
-        };
         match out {
-            Out::Text { text, .. } if text.is_empty() => {}
+            Out::Text { text, .. } | Out::Reasoning(text) if text.is_empty() => {}
+            Out::Reasoning(text) => {
+                open_block(&mut items, "thinking", &mut open, &mut block);
+                items.push(event(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": block,
+                           "delta": {"type": "thinking_delta", "thinking": text}}),
+                ));
+            }
             Out::Text { text, .. } => {
-                if !text_open {
-                    text_open = true;
-                    items.push(event(
-                        "content_block_start",
-                        json!({"type": "content_block_start", "index": block,
-                               "content_block": {"type": "text", "text": ""}}),
-                    ));
-                }
+                open_block(&mut items, "text", &mut open, &mut block);
                 items.push(event(
                     "content_block_delta",
                     json!({"type": "content_block_delta", "index": block,
@@ -529,11 +624,7 @@ fn stream_messages(
                 ));
             }
             Out::Call { call, .. } => {
-                if text_open {
-                    text_open = false;
-                    items.push(stop(block));
-                    block += 1;
-                }
+                close_block(&mut items, &mut open, &mut block);
                 items.push(event(
                     "content_block_start",
                     json!({"type": "content_block_start", "index": block,
@@ -546,7 +637,10 @@ fn stream_messages(
                            "delta": {"type": "input_json_delta",
                                      "partial_json": call.arguments.to_string()}}),
                 ));
-                items.push(stop(block));
+                items.push(event(
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": block}),
+                ));
                 block += 1;
             }
             Out::Finished {
@@ -554,10 +648,7 @@ fn stream_messages(
                 stop: stop_seq,
                 usage,
             } => {
-                if text_open {
-                    text_open = false;
-                    items.push(stop(block));
-                }
+                close_block(&mut items, &mut open, &mut block);
                 items.push(event(
                     "message_delta",
                     json!({"type": "message_delta",

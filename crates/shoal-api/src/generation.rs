@@ -2,8 +2,9 @@
 //! yields ([`Running`] → [`Out`]): the prompt is rendered through the model's own chat
 //! template (tools and tool results included), tokenized, checked against the context, and
 //! queued on the model's scheduler; the scheduler's token events come back as text, tool calls
-//! parsed in the model family's format, and a final reason with usage. Adapters only translate
-//! to and from their wire format.
+//! parsed in the model family's format, a thinking model's reasoning apart from its answer
+//! ([`crate::reasoning`]), and a final reason with usage. Adapters only translate to and from
+//! their wire format.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,6 +16,7 @@ use shoal_engine::SamplerConfig;
 use tokio::sync::mpsc;
 
 use crate::error::{ApiError, ErrorKind};
+use crate::reasoning::{ReasoningFormat, ReasoningSplitter, Segment, Thinking};
 use crate::state::{AppState, InstanceView, ServedModel};
 use crate::tools::{StreamEvent, ToolCall, ToolStream};
 
@@ -80,6 +82,9 @@ pub struct Message {
     pub tool_call_id: Option<String>,
     /// For a tool message: the function's name, when known.
     pub name: Option<String>,
+    /// For an assistant message: the reasoning that came before it, when the client sent it
+    /// back (templates of thinking models read it as `reasoning_content`).
+    pub reasoning: Option<String>,
 }
 
 impl Message {
@@ -91,6 +96,7 @@ impl Message {
             tool_calls: Vec::new(),
             tool_call_id: None,
             name: None,
+            reasoning: None,
         }
     }
 
@@ -111,6 +117,9 @@ impl Message {
         }
         if let Some(n) = &self.name {
             m["name"] = json!(n);
+        }
+        if let Some(r) = &self.reasoning {
+            m["reasoning_content"] = json!(r);
         }
         m
     }
@@ -157,6 +166,8 @@ pub struct GenRequest {
     pub format: OutputFormat,
     /// Generate through end-of-generation tokens (benchmarks; vLLM's `ignore_eos`).
     pub ignore_eos: bool,
+    /// Whether and how a thinking model reasons.
+    pub thinking: Thinking,
 }
 
 impl GenRequest {
@@ -175,6 +186,7 @@ impl GenRequest {
             tool_choice: ToolChoice::Auto,
             format: OutputFormat::Text,
             ignore_eos: false,
+            thinking: Thinking::default(),
         }
     }
 
@@ -183,6 +195,31 @@ impl GenRequest {
             Input::Chat { tools, .. } => tools,
             Input::Text(_) => &[],
         }
+    }
+
+    /// Whether the output is held to a shape (a forced tool call or a JSON format).
+    fn constrained(&self) -> bool {
+        self.format != OutputFormat::Text
+            || match &self.tool_choice {
+                ToolChoice::Required => !self.tools().is_empty(),
+                ToolChoice::Named(_) => true,
+                ToolChoice::Auto | ToolChoice::None => false,
+            }
+    }
+
+    /// The thinking settings the prompt is rendered with: the client's, except that output
+    /// held to a shape starts with that shape, so a thinking model does not reason first.
+    fn thinking_for_prompt(&self) -> Thinking {
+        let mut t = self.thinking.clone();
+        if self.constrained() {
+            t.enabled = Some(false);
+            for k in ["enable_thinking", "thinking"] {
+                if t.template_args.contains_key(k) {
+                    t.template_args.insert(k.into(), Value::Bool(false));
+                }
+            }
+        }
+        t
     }
 }
 
@@ -207,6 +244,8 @@ pub struct Usage {
     /// Of the prompt tokens, those taken from the KV cache of an earlier or running
     /// request instead of run.
     pub cached_tokens: usize,
+    /// Of the generated tokens, those of the reasoning.
+    pub reasoning_tokens: usize,
     /// From arrival to the first generated token.
     pub time_to_first_token: Duration,
     /// From arrival to the end.
@@ -238,6 +277,8 @@ pub enum Out {
         /// Per token, when asked for.
         logprobs: Vec<TokenLogprob>,
     },
+    /// Reasoning text of a thinking model, before its answer.
+    Reasoning(String),
     /// A complete tool call.
     Call {
         /// Its position among this response's calls.
@@ -269,6 +310,13 @@ pub struct Running {
     state: Arc<AppState>,
     rx: mpsc::UnboundedReceiver<Event>,
     _ticket: Ticket,
+    /// Cuts the output into reasoning and answer, for a model that reasons.
+    splitter: Option<ReasoningSplitter>,
+    /// Finds tool calls in the reasoning (a model may call a tool without closing it).
+    reasoning_parser: Option<ToolStream>,
+    /// Tokens generated inside the reasoning.
+    reasoning_tokens: usize,
+    /// Finds tool calls in the answer.
     parser: Option<ToolStream>,
     calls: usize,
     logprobs: bool,
@@ -303,6 +351,8 @@ impl std::fmt::Debug for Running {
 /// A finished request collected whole.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Completed {
+    /// The reasoning, for a thinking model (empty when it gave none).
+    pub reasoning: String,
     /// The text (outside tool calls).
     pub text: String,
     /// The tool calls.
@@ -446,7 +496,9 @@ fn prepare(
             "tool_choice is 'required' but no tools were given",
         ));
     }
-    let prompt = prompt_of(&model, &req.input, &splices)?;
+    let thinking = req.thinking_for_prompt();
+    let (prompt, in_reasoning) =
+        prompt_of(&model, served.reasoning, &req.input, &splices, &thinking)?;
     if tracing::enabled!(tracing::Level::TRACE) {
         let text = model.tokenizer.decode(&prompt, false);
         tracing::trace!(model = %served.id, tokens = prompt.len(), %text, "prompt");
@@ -495,6 +547,11 @@ fn prepare(
     let prompt_tokens = prompt.len();
     let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
     let parser = tools_active.then(|| ToolStream::new(served.tool_format, &names));
+    let reasons =
+        served.reasoning != ReasoningFormat::None && matches!(req.input, Input::Chat { .. });
+    let splitter = reasons.then(|| ReasoningSplitter::new(in_reasoning));
+    let reasoning_parser =
+        (reasons && tools_active).then(|| ToolStream::new(served.tool_format, &names));
     let submitted = Submitted {
         req,
         prompt,
@@ -504,6 +561,9 @@ fn prepare(
     let (rx, ticket) = submitted.submit(&served, Vec::new())?;
     state.metrics.prompt(&served.id, prompt_tokens);
     Ok(Running {
+        splitter,
+        reasoning_parser,
+        reasoning_tokens: 0,
         parser,
         logprobs: submitted.req.logprobs.is_some(),
         model: served,
@@ -538,7 +598,15 @@ pub async fn count_prompt(state: &Arc<AppState>, req: GenRequest) -> Result<usiz
         let _slot = slot;
         let served = st.model(&req.model)?;
         fits_by_length(&served, &req.input)?;
-        Ok(prompt_of(served.scheduler.model(), &req.input, &[])?.len())
+        let thinking = req.thinking_for_prompt();
+        let (prompt, _) = prompt_of(
+            served.scheduler.model(),
+            served.reasoning,
+            &req.input,
+            &[],
+            &thinking,
+        )?;
+        Ok(prompt.len())
     })
     .await
     .map_err(|e| ApiError::internal(format!("counting the prompt stopped: {e}")))?
@@ -586,27 +654,41 @@ fn template_tools(tools: &[Tool]) -> Vec<Value> {
 }
 
 /// Renders and tokenizes `input`, with the turns marked by [`crate::turns`] given their
-/// generated tokens (`splices`). A conversation with system messages after its start (Claude
-/// Code sends those) keeps them in place; only when the model's template refuses them are
-/// they moved into the leading system message, where every template takes one.
+/// generated tokens (`splices`) and the template switched for `thinking` (see
+/// [`crate::reasoning`]); also says whether the output starts inside a reasoning block the
+/// prompt opened. A conversation with system messages after its start (Claude Code sends
+/// those) keeps them in place; only when the model's template refuses them are they moved
+/// into the leading system message, where every template takes one.
 fn prompt_of(
     model: &shoal_engine::model::LoadedModel,
+    format: ReasoningFormat,
     input: &Input,
     splices: &[(String, Vec<u32>)],
-) -> Result<Vec<u32>, ApiError> {
+    thinking: &Thinking,
+) -> Result<(Vec<u32>, bool), ApiError> {
     let (messages, tools) = match input {
         Input::Text(text) => {
             return model
                 .raw_prompt(text)
+                .map(|p| (p, false))
                 .map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e}")))
         }
         Input::Chat { messages, tools } => (messages, tools),
     };
     let tool_values = template_tools(tools);
     let tools_arg = (!tool_values.is_empty()).then_some(&tool_values[..]);
-    let render = |messages: &[Message]| -> Result<Vec<u32>, shoal_engine::EngineError> {
+    let extra = thinking.template_args(format);
+    let wanted = thinking.wanted();
+    let render = |messages: &[Value],
+                  splices: &[(String, Vec<u32>)]|
+     -> Result<Option<(Vec<u32>, bool)>, shoal_engine::EngineError> {
+        let mut text = model.render_chat(messages, tools_arg, extra.as_ref())?;
+        let inside = crate::reasoning::settle_prompt(&mut text, format, wanted);
+        Ok(model.tokenize_chat(&text, splices)?.map(|p| (p, inside)))
+    };
+    let render_all = |messages: &[Message]| -> Result<(Vec<u32>, bool), shoal_engine::EngineError> {
         let msgs: Vec<Value> = messages.iter().map(Message::to_template).collect();
-        if let Some(p) = model.chat_prompt_spliced(&msgs, tools_arg, splices)? {
+        if let Some(p) = render(&msgs, splices)? {
             return Ok(p);
         }
         // the template rewrote a marked turn: render every turn from its generated text
@@ -620,16 +702,16 @@ fn prompt_of(
                 m.to_template()
             })
             .collect();
-        model.chat_prompt(&unmarked, tools_arg)
+        Ok(render(&unmarked, &[])?.unwrap_or_default())
     };
     let late_system = messages
         .iter()
         .skip(1)
         .any(|m| m.role == "system" || m.role == "developer");
-    match render(messages) {
+    match render_all(messages) {
         Err(e) if late_system => {
             tracing::info!(error = %e, "the chat template refused system messages after the start; moving them into the first");
-            render(&system_first(messages))
+            render_all(&system_first(messages))
                 .map_err(|e| ApiError::invalid(format!("cannot build the prompt: {e}")))
         }
         r => r.map_err(|e| ApiError::invalid(format!("cannot build the prompt: {e}"))),
@@ -767,11 +849,34 @@ fn resume_decision(
 }
 
 /// The constraint enforcing `req`'s output format or forced tool call, if any.
+///
+/// A model serving recorded outputs ([`crate::replay`]) is held to the one recorded for the
+/// request instead.
 fn constraint_for(
     served: &ServedModel,
     req: &GenRequest,
 ) -> Result<Option<Box<dyn TokenConstraint>>, ApiError> {
-    crate::constrain::for_request(served, req)
+    let Some(replay) = &served.replay else {
+        return crate::constrain::for_request(served, req);
+    };
+    let thinking = served.reasoning != ReasoningFormat::None && req.thinking_for_prompt().wanted();
+    let text = replay
+        .output_for(thinking, !req.tools().is_empty())
+        .ok_or_else(|| {
+            ApiError::invalid(format!(
+                "{} replays recorded outputs, and none is recorded for a request with thinking \
+                 {} and {} tools",
+                served.id,
+                if thinking { "on" } else { "off" },
+                if req.tools().is_empty() { "no" } else { "some" }
+            ))
+        })?;
+    let tok = &served.model().tokenizer;
+    let mut ids = tok
+        .encode(text, false, true)
+        .map_err(|e| ApiError::internal(format!("cannot tokenize the recorded output: {e}")))?;
+    ids.extend(tok.eos_id());
+    Ok(Some(Box::new(crate::replay::ReplayConstraint::new(ids))))
 }
 
 impl Running {
@@ -801,7 +906,43 @@ impl Running {
         }]
     }
 
+    /// Sorts the next piece of output into reasoning and answer. The log-probabilities of a
+    /// token go with the answer; a token of the reasoning has none listed.
     fn push_text(&mut self, text: String, logprobs: Vec<TokenLogprob>) {
+        let Some(splitter) = &mut self.splitter else {
+            return self.push_answer(text, logprobs);
+        };
+        let in_reasoning = splitter.in_reasoning();
+        let mut logprobs = (!in_reasoning).then_some(logprobs);
+        for seg in splitter.push(&text) {
+            self.push_segment(seg, &mut logprobs);
+        }
+        if let Some(lps) = logprobs.filter(|l| !l.is_empty()) {
+            self.push_answer(String::new(), lps);
+        }
+    }
+
+    fn push_segment(&mut self, seg: Segment, logprobs: &mut Option<Vec<TokenLogprob>>) {
+        match seg {
+            Segment::Reasoning(text) => match &mut self.reasoning_parser {
+                Some(p) => {
+                    let events = p.push(&text);
+                    self.push_events(events, true);
+                }
+                None => self.pending.push_back(Out::Reasoning(text)),
+            },
+            Segment::Answer(text) => {
+                // the reasoning is over: what its parser held back comes first
+                if let Some(p) = self.reasoning_parser.take() {
+                    let events = p.finish();
+                    self.push_events(events, true);
+                }
+                self.push_answer(text, logprobs.take().unwrap_or_default());
+            }
+        }
+    }
+
+    fn push_answer(&mut self, text: String, logprobs: Vec<TokenLogprob>) {
         match &mut self.parser {
             None => {
                 if !text.is_empty() || !logprobs.is_empty() {
@@ -811,14 +952,18 @@ impl Running {
             }
             Some(p) => {
                 let events = p.push(&text);
-                self.push_events(events);
+                self.push_events(events, false);
             }
         }
     }
 
-    fn push_events(&mut self, events: Vec<StreamEvent>) {
+    /// Queues a tool parser's events; its text is reasoning when `reasoning`.
+    fn push_events(&mut self, events: Vec<StreamEvent>, reasoning: bool) {
         for e in events {
             match e {
+                StreamEvent::Content(text) if reasoning && !text.is_empty() => {
+                    self.pending.push_back(Out::Reasoning(text))
+                }
                 StreamEvent::Content(text) if !text.is_empty() => {
                     self.shown.push_str(&text);
                     self.pending.push_back(Out::Text {
@@ -865,6 +1010,9 @@ impl Running {
                     self.first_token.get_or_insert(since);
                     self.last_token = now;
                     self.generated.push(id);
+                    if self.splitter.as_ref().is_some_and(|s| s.in_reasoning()) {
+                        self.reasoning_tokens += 1;
+                    }
                     let lps = if self.logprobs {
                         self.lp(id, logprob)
                     } else {
@@ -874,9 +1022,19 @@ impl Running {
                 }
                 Event::Text(text) => self.push_text(text, Vec::new()),
                 Event::Done(f) => {
+                    if let Some(s) = self.splitter.take() {
+                        let mut none = None;
+                        for seg in s.finish() {
+                            self.push_segment(seg, &mut none);
+                        }
+                    }
+                    if let Some(p) = self.reasoning_parser.take() {
+                        let events = p.finish();
+                        self.push_events(events, true);
+                    }
                     if let Some(p) = self.parser.take() {
                         let events = p.finish();
-                        self.push_events(events);
+                        self.push_events(events, false);
                     }
                     let reason = if self.calls > 0 {
                         Finish::ToolCalls
@@ -902,6 +1060,7 @@ impl Running {
                             prompt_tokens: f.prompt_tokens,
                             completion_tokens: f.completion_tokens,
                             cached_tokens: f.cached_tokens,
+                            reasoning_tokens: self.reasoning_tokens,
                             time_to_first_token,
                             total,
                         },
@@ -929,8 +1088,14 @@ impl Running {
     /// a Hermes-format model, say) is not kept: given back as it was written, it would teach
     /// the model that form for the rest of the conversation, where the chat template writes
     /// the calls as the model was trained to read them.
+    ///
+    /// A turn with reasoning is not kept either: templates write earlier reasoning their own
+    /// way (or leave it out), so its tokens would not stand for the turn as rendered.
     fn remember_turn(&mut self) {
-        if !matches!(self.submitted.req.input, Input::Chat { .. }) || self.resumed > 0 {
+        if !matches!(self.submitted.req.input, Input::Chat { .. })
+            || self.resumed > 0
+            || self.reasoning_tokens > 0
+        {
             return;
         }
         if !self.shown_calls.is_empty() {
@@ -1018,6 +1183,7 @@ impl Running {
     /// When the request failed after it started (500).
     pub async fn collect(mut self) -> Result<Completed, ApiError> {
         let mut out = Completed {
+            reasoning: String::new(),
             text: String::new(),
             calls: Vec::new(),
             reason: Finish::Stop,
@@ -1031,6 +1197,7 @@ impl Running {
                     out.text.push_str(&text);
                     out.logprobs.extend(logprobs);
                 }
+                Out::Reasoning(text) => out.reasoning.push_str(&text),
                 Out::Call { call, .. } => out.calls.push(call),
                 Out::Finished {
                     reason,

@@ -20,6 +20,8 @@ pub mod keys;
 pub mod metrics;
 pub mod ollama;
 pub mod openai;
+pub mod reasoning;
+pub mod replay;
 pub mod responses;
 pub mod responses_tools;
 pub mod state;

@@ -1,7 +1,8 @@
 //! Ollama-compatible routes: `POST /api/chat` and `POST /api/generate` (streaming
 //! newline-delimited JSON by default, as Ollama does; `options` for sampling, `format` for
-//! JSON output, tools with argument objects), `GET /api/tags`, `POST /api/show` and
-//! `GET /api/version`, with Ollama's `{"error": "..."}` shape.
+//! JSON output, tools with argument objects; a thinking model's reasoning in `thinking`,
+//! switched by `think`), `GET /api/tags`, `POST /api/show` and `GET /api/version`, with
+//! Ollama's `{"error": "..."}` shape.
 
 use std::sync::Arc;
 
@@ -17,6 +18,7 @@ use serde_json::{json, Value};
 use crate::error::{parse_body, ApiError, ErrorKind, Flavor};
 use crate::generation::{self, Finish, GenRequest, Input, Message, Out, OutputFormat, Tool, Usage};
 use crate::openai::{arguments_value, OneOrMany};
+use crate::reasoning::{ReasoningFormat, Thinking};
 use crate::state::AppState;
 use crate::tools::ToolCall;
 
@@ -69,6 +71,8 @@ struct WireMessage {
     tool_calls: Option<Vec<WireCall>>,
     #[serde(default)]
     tool_name: Option<String>,
+    #[serde(default)]
+    thinking: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -98,6 +102,8 @@ struct ChatRequest {
     options: Option<Options>,
     #[serde(default)]
     stream: Option<bool>,
+    #[serde(default)]
+    think: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -117,6 +123,29 @@ struct GenerateRequest {
     stream: Option<bool>,
     #[serde(default)]
     images: Option<Vec<Value>>,
+    #[serde(default)]
+    think: Option<Value>,
+}
+
+/// Ollama's `think`: `true` or `false`, or an effort level (`low`, `medium`, `high`) that
+/// also turns thinking on.
+fn thinking_of(think: Option<Value>) -> Result<Thinking, ApiError> {
+    let mut t = Thinking::default();
+    match think {
+        None | Some(Value::Null) => {}
+        Some(Value::Bool(b)) => t.enabled = Some(b),
+        Some(Value::String(e)) if ["low", "medium", "high"].contains(&e.as_str()) => {
+            t.enabled = Some(true);
+            t.effort = Some(e);
+        }
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "think",
+                "think must be true, false, \"low\", \"medium\" or \"high\"",
+            ))
+        }
+    }
+    Ok(t)
 }
 
 fn apply_options(req: &mut GenRequest, o: Options) -> Result<(), ApiError> {
@@ -228,22 +257,34 @@ fn ndjson(running: generation::Running, model: String, chat: bool) -> Response {
         s.push('\n');
         Ok(Bytes::from(s))
     };
-    let piece = move |model: &str, content: &str, calls: Option<Value>| {
+    let piece = move |model: &str, content: &str, thinking: Option<&str>, calls: Option<Value>| {
         let mut v = json!({"model": model, "created_at": now(), "done": false});
         if chat {
             v["message"] = json!({"role": "assistant", "content": content});
+            if let Some(t) = thinking {
+                v["message"]["thinking"] = json!(t);
+            }
             if let Some(c) = calls {
                 v["message"]["tool_calls"] = c;
             }
         } else {
             v["response"] = json!(content);
+            if let Some(t) = thinking {
+                v["thinking"] = json!(t);
+            }
         }
         v
     };
     let s = running.stream_with(Vec::new(), move |out| match out {
-        Out::Text { text, .. } if text.is_empty() => Vec::new(),
-        Out::Text { text, .. } => vec![line(piece(&model, &text, None))],
-        Out::Call { call, .. } => vec![line(piece(&model, "", Some(json!([call_json(&call)]))))],
+        Out::Text { text, .. } | Out::Reasoning(text) if text.is_empty() => Vec::new(),
+        Out::Text { text, .. } => vec![line(piece(&model, &text, None, None))],
+        Out::Reasoning(text) => vec![line(piece(&model, "", Some(&text), None))],
+        Out::Call { call, .. } => vec![line(piece(
+            &model,
+            "",
+            None,
+            Some(json!([call_json(&call)])),
+        ))],
         Out::Finished { reason, usage, .. } => {
             let mut f = finals(&model, reason, usage);
             if chat {
@@ -318,6 +359,7 @@ async fn chat_inner(
             });
         }
         msg.name = m.tool_name;
+        msg.reasoning = m.thinking.filter(|t| !t.is_empty());
         msgs.push(msg);
     }
     let tools: Vec<Tool> = r
@@ -341,6 +383,7 @@ async fn chat_inner(
     );
     apply_options(&mut req, r.options.unwrap_or_default())?;
     req.format = format(r.format)?;
+    req.thinking = thinking_of(r.think)?;
     let running = generation::start(&state, req).await?;
     let model = running.model.id.clone();
     if r.stream.unwrap_or(true) {
@@ -349,6 +392,9 @@ async fn chat_inner(
     let done = running.collect().await?;
     let mut v = finals(&model, done.reason, done.usage);
     v["message"] = json!({"role": "assistant", "content": done.text});
+    if !done.reasoning.is_empty() {
+        v["message"]["thinking"] = json!(done.reasoning);
+    }
     if !done.calls.is_empty() {
         v["message"]["tool_calls"] = done.calls.iter().map(call_json).collect();
     }
@@ -405,6 +451,7 @@ async fn generate_inner(
     let mut req = GenRequest::new(r.model, input);
     apply_options(&mut req, r.options.unwrap_or_default())?;
     req.format = format(r.format)?;
+    req.thinking = thinking_of(r.think)?;
     let running = generation::start(&state, req).await?;
     let model = running.model.id.clone();
     if r.stream.unwrap_or(true) {
@@ -413,6 +460,9 @@ async fn generate_inner(
     let done = running.collect().await?;
     let mut v = finals(&model, done.reason, done.usage);
     v["response"] = json!(done.text);
+    if !done.reasoning.is_empty() {
+        v["thinking"] = json!(done.reasoning);
+    }
     Ok(Json(v).into_response())
 }
 
@@ -491,6 +541,9 @@ pub async fn show(
             .is_some_and(|t| t.source().contains("tools"))
         {
             capabilities.push("tools");
+        }
+        if m.reasoning != ReasoningFormat::None {
+            capabilities.push("thinking");
         }
         Ok(Json(json!({
             "modelfile": "",

@@ -1,5 +1,7 @@
 //! OpenAI-compatible routes: `POST /v1/chat/completions` (streaming server-sent events and
-//! not; tools, `tool_choice`, streamed tool-call deltas, `response_format`, logprobs, usage),
+//! not; tools, `tool_choice`, streamed tool-call deltas, `response_format`, logprobs, usage;
+//! a thinking model's reasoning as `reasoning_content`, switched by `reasoning_effort`,
+//! `enable_thinking` or `chat_template_kwargs`),
 //! `POST /v1/completions` and `GET /v1/models`, with OpenAI's field names, defaults and error
 //! shape.
 
@@ -22,6 +24,7 @@ use crate::generation::{
     self, Finish, GenRequest, Input, Message, Out, OutputFormat, TokenLogprob, Tool, ToolChoice,
     Usage,
 };
+use crate::reasoning::{ReasoningFormat, Thinking};
 use crate::state::AppState;
 use crate::tools::ToolCall;
 
@@ -67,6 +70,9 @@ struct WireMessage {
     tool_call_id: Option<String>,
     #[serde(default)]
     name: Option<String>,
+    /// The reasoning before an assistant message (`reasoning` is another server's name).
+    #[serde(default, alias = "reasoning")]
+    reasoning_content: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -138,6 +144,46 @@ struct ChatRequest {
     ignore_eos: Option<bool>,
     #[serde(default)]
     reasoning_effort: Option<Value>,
+    #[serde(default)]
+    enable_thinking: Option<bool>,
+    #[serde(default)]
+    chat_template_kwargs: Option<Value>,
+}
+
+/// What a request asks about thinking: OpenAI's `reasoning_effort` (`none` turns it off, a
+/// level is passed to templates that read one), and the switches of other servers
+/// (`enable_thinking`; `chat_template_kwargs`, given to the template as they are).
+pub(crate) fn thinking_of(
+    effort: Option<&Value>,
+    enable: Option<bool>,
+    template_args: Option<Value>,
+) -> Result<Thinking, ApiError> {
+    let mut t = Thinking {
+        enabled: enable,
+        ..Thinking::default()
+    };
+    match effort {
+        None | Some(Value::Null) => {}
+        Some(Value::String(e)) if e == "none" => t.enabled = Some(false),
+        Some(Value::String(e)) => t.effort = Some(e.clone()),
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "reasoning_effort",
+                "reasoning_effort must be a string: none, minimal, low, medium or high",
+            ))
+        }
+    }
+    match template_args {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(m)) => t.template_args = m,
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "chat_template_kwargs",
+                "chat_template_kwargs must be a JSON object of the template's arguments",
+            ))
+        }
+    }
+    Ok(t)
 }
 
 /// Text of a message's `content`: a string, or the text parts of a list of parts; images,
@@ -236,6 +282,16 @@ fn messages(wire: Vec<WireMessage>, declined: &mut Declined) -> Result<Vec<Messa
         }
         msg.tool_call_id = m.tool_call_id;
         msg.name = m.name;
+        msg.reasoning = match m.reasoning_content {
+            None | Some(Value::Null) => None,
+            Some(Value::String(r)) => Some(r),
+            Some(_) => {
+                return Err(ApiError::invalid_param(
+                    &format!("{field}.reasoning_content"),
+                    "reasoning_content must be a string",
+                ))
+            }
+        };
         out.push(msg);
     }
     Ok(out)
@@ -403,6 +459,7 @@ fn usage_json(u: Usage) -> Value {
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
     })
 }
 
@@ -473,9 +530,11 @@ async fn chat_inner(
             tools: tools(r.tools, &mut declined)?,
         },
     );
-    if r.reasoning_effort.is_some() {
-        declined.ignore("reasoning_effort");
-    }
+    req.thinking = thinking_of(
+        r.reasoning_effort.as_ref(),
+        r.enable_thinking,
+        r.chat_template_kwargs,
+    )?;
     req.max_tokens = r
         .max_completion_tokens
         .or(r.max_tokens)
@@ -508,6 +567,16 @@ async fn chat_inner(
     req.format = response_format(r.response_format)?;
     req.ignore_eos = r.ignore_eos.unwrap_or(false);
     let running = generation::start(&state, req).await?;
+    if running.model.reasoning == ReasoningFormat::None {
+        for (field, given) in [
+            ("reasoning_effort", r.reasoning_effort.is_some()),
+            ("enable_thinking", r.enable_thinking.is_some()),
+        ] {
+            if given {
+                declined.ignore(field);
+            }
+        }
+    }
     let id = request_id("chatcmpl");
     let model = running.model.id.clone();
     let created = running.created;
@@ -523,6 +592,9 @@ async fn chat_inner(
         "content": if done.text.is_empty() && !done.calls.is_empty() { Value::Null } else { json!(done.text) },
         "refusal": Value::Null,
     });
+    if !done.reasoning.is_empty() {
+        message["reasoning_content"] = json!(done.reasoning);
+    }
     if !done.calls.is_empty() {
         message["tool_calls"] = done
             .calls
@@ -594,6 +666,11 @@ fn chat_stream(
             };
             vec![data(&chunk(json!({"content": text}), None, lp))]
         }
+        Out::Reasoning(text) => vec![data(&chunk(
+            json!({"reasoning_content": text}),
+            None,
+            Value::Null,
+        ))],
         Out::Call { index, call } => vec![data(&chunk(
             json!({"tool_calls": [call_json(index, &call, true)]}),
             None,
@@ -762,7 +839,7 @@ async fn completions_inner(
                 };
                 vec![data(&chunk(&text, None, lp))]
             }
-            Out::Call { .. } => Vec::new(),
+            Out::Reasoning(_) | Out::Call { .. } => Vec::new(),
             Out::Finished { reason, usage, .. } => {
                 let mut items = vec![data(&chunk("", Some(finish_str(reason)), Value::Null))];
                 if include_usage {

@@ -3,7 +3,10 @@
 //! `instructions`, `tools` (functions, namespaced functions and custom tools, see
 //! [`crate::responses_tools`]; hosted tools declined) and `tool_choice`, `text.format` (text, json_object,
 //! json_schema, enforced), `max_output_tokens`, sampling, streaming as the API's typed
-//! events, and `previous_response_id`: a stored response's conversation (its input and
+//! events; a thinking model's reasoning as a `reasoning` item with `reasoning_text`
+//! content (streamed as `response.reasoning_text.delta`), switched by `reasoning.effort`,
+//! and reasoning items sent back given to the template as the next turn's reasoning; and
+//! `previous_response_id`: a stored response's conversation (its input and
 //! output) continues where it ended. Stored responses live in a store on the node that
 //! answered ([`ResponseStore`], bounded in count and bytes, oldest out first); `store:
 //! false` keeps nothing. The
@@ -28,6 +31,7 @@ use crate::generation::{
     self, Finish, GenRequest, Input, Message, Out, OutputFormat, ToolChoice, Usage,
 };
 use crate::openai::{apply_sampling, Sampling};
+use crate::reasoning::ReasoningFormat;
 use crate::responses_tools::{custom_input, folded_name, ResponseTools};
 use crate::state::AppState;
 use crate::tools::ToolCall;
@@ -85,6 +89,7 @@ fn size_of(conversation: &[Message]) -> usize {
                 + m.content.len()
                 + m.tool_call_id.as_ref().map_or(0, String::len)
                 + m.name.as_ref().map_or(0, String::len)
+                + m.reasoning.as_ref().map_or(0, String::len)
                 + m.tool_calls
                     .iter()
                     .map(|c| {
@@ -203,20 +208,44 @@ fn content_text(v: &Value, param: &str, declined: &mut Declined) -> Result<Strin
 }
 
 /// Appends `call` to the assistant turn that `out` ends with, or starts one: a message and
-/// the calls after it, or calls one after another, are one assistant turn.
-fn push_call(out: &mut Vec<Message>, call: ToolCall) {
+/// the calls after it, or calls one after another, are one assistant turn. A new turn takes
+/// the `reasoning` that came before it.
+fn push_call(out: &mut Vec<Message>, call: ToolCall, reasoning: &mut Option<String>) {
     match out.last_mut() {
         Some(m) if m.role == "assistant" => m.tool_calls.push(call),
         _ => {
             let mut m = Message::text("assistant", "");
+            m.reasoning = reasoning.take();
             m.tool_calls.push(call);
             out.push(m);
         }
     }
 }
 
-/// The conversation `input` adds (text, or items). Items with nothing for this model
-/// (`reasoning`, hosted tool calls, compactions, ...) are skipped and noted in `declined`.
+/// The text of a `reasoning` item: its `reasoning_text` content, else its summary.
+fn reasoning_text(item: &Value) -> Option<String> {
+    let texts = |key: &str, kind: &str| -> String {
+        item.get(key)
+            .and_then(Value::as_array)
+            .map(|parts| {
+                parts
+                    .iter()
+                    .filter(|p| p.get("type").and_then(Value::as_str) == Some(kind))
+                    .filter_map(|p| p.get("text").and_then(Value::as_str))
+                    .collect::<Vec<_>>()
+                    .join("\n\n")
+            })
+            .unwrap_or_default()
+    };
+    Some(texts("content", "reasoning_text"))
+        .filter(|t| !t.is_empty())
+        .or_else(|| Some(texts("summary", "summary_text")).filter(|t| !t.is_empty()))
+}
+
+/// The conversation `input` adds (text, or items). A `reasoning` item's text becomes the
+/// reasoning of the assistant turn after it (one with only encrypted content has none);
+/// items with nothing for this model (hosted tool calls, compactions, ...) are skipped and
+/// noted in `declined`.
 fn input_messages(input: &Value, declined: &mut Declined) -> Result<Vec<Message>, ApiError> {
     let items = match input {
         Value::String(s) => return Ok(vec![Message::text("user", s.clone())]),
@@ -225,6 +254,7 @@ fn input_messages(input: &Value, declined: &mut Declined) -> Result<Vec<Message>
         _ => return Err(bad("input", "input must be a string or a list of items")),
     };
     let mut out: Vec<Message> = Vec::new();
+    let mut reasoning = None;
     for (i, item) in items.iter().enumerate() {
         let p = format!("input[{i}]");
         let kind = item
@@ -253,7 +283,16 @@ fn input_messages(input: &Value, declined: &mut Declined) -> Result<Vec<Message>
                     &format!("{p}.content"),
                     declined,
                 )?;
-                out.push(Message::text(role, text));
+                let mut m = Message::text(role, text);
+                if role == "assistant" {
+                    m.reasoning = reasoning.take();
+                }
+                out.push(m);
+            }
+            "reasoning" => {
+                if let Some(t) = reasoning_text(item) {
+                    reasoning = Some(t);
+                }
             }
             "function_call" => {
                 let arguments = field("arguments")?;
@@ -269,7 +308,7 @@ fn input_messages(input: &Value, declined: &mut Declined) -> Result<Vec<Message>
                         &format!("{p}.arguments"),
                     )?,
                 };
-                push_call(&mut out, call);
+                push_call(&mut out, call, &mut reasoning);
             }
             "custom_tool_call" => {
                 let call = ToolCall {
@@ -277,7 +316,7 @@ fn input_messages(input: &Value, declined: &mut Declined) -> Result<Vec<Message>
                     name: field("name")?.to_string(),
                     arguments: json!({"input": field("input")?}),
                 };
-                push_call(&mut out, call);
+                push_call(&mut out, call, &mut reasoning);
             }
             "function_call_output" | "custom_tool_call_output" => {
                 let call_id = field("call_id")?;
@@ -424,6 +463,9 @@ async fn inner(
             declined.ignore(field);
         }
     }
+    let reasoning_asked = r.get("reasoning").filter(|v| !v.is_null());
+    let reasoning_sent = conversation.iter().any(|m| m.reasoning.is_some())
+        || input_has_reasoning_items(r.get("input"));
     let mut messages = Vec::new();
     if let Some(i) = r.get("instructions").and_then(Value::as_str) {
         messages.push(Message::text("system", i));
@@ -465,9 +507,21 @@ async fn inner(
     )?;
     req.tool_choice = tool_choice_of(r.get("tool_choice"), &mut declined)?;
     req.format = format_of(r.get("text"))?;
+    req.thinking =
+        crate::openai::thinking_of(reasoning_asked.and_then(|v| v.get("effort")), None, None)?;
     let store = r.get("store").and_then(Value::as_bool).unwrap_or(true);
     let stream = r.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let running = generation::start(&state, req).await?;
+    if running.model.reasoning == ReasoningFormat::None {
+        for (field, given) in [
+            ("reasoning", reasoning_asked.is_some()),
+            ("reasoning items", reasoning_sent),
+        ] {
+            if given {
+                declined.ignore(field);
+            }
+        }
+    }
     let echo = Echo {
         model: running.model.id.clone(),
         instructions: r.get("instructions").cloned().unwrap_or(Value::Null),
@@ -494,6 +548,7 @@ async fn inner(
     let done = running.collect().await?;
     let output = Output {
         tools,
+        reasoning: (!done.reasoning.is_empty()).then(|| (new_id("rs"), done.reasoning.clone())),
         message: (!done.text.is_empty()).then(|| (new_id("msg"), done.text.clone())),
         calls: done
             .calls
@@ -515,21 +570,25 @@ async fn inner(
     Ok(resp)
 }
 
-/// Request fields with no meaning on this server, noted when present: reasoning controls
-/// (no reasoning output yet), extra output to include, service tiers and background runs.
-const IGNORED_FIELDS: [&str; 5] = [
-    "reasoning",
-    "include",
-    "service_tier",
-    "background",
-    "conversation",
-];
+/// Whether `input` holds `reasoning` items.
+fn input_has_reasoning_items(input: Option<&Value>) -> bool {
+    input.and_then(Value::as_array).is_some_and(|items| {
+        items
+            .iter()
+            .any(|i| i.get("type").and_then(Value::as_str) == Some("reasoning"))
+    })
+}
+
+/// Request fields with no meaning on this server, noted when present: extra output to
+/// include (no encrypted reasoning is given), service tiers and background runs.
+const IGNORED_FIELDS: [&str; 4] = ["include", "service_tier", "background", "conversation"];
 
 /// What a response produced: its text (with the item id) and its calls (with theirs), and
 /// the tools the calls map back to.
 #[derive(Default)]
 struct Output {
     tools: ResponseTools,
+    reasoning: Option<(String, String)>,
     message: Option<(String, String)>,
     calls: Vec<(String, ToolCall)>,
 }
@@ -537,10 +596,15 @@ struct Output {
 impl Output {
     fn items(&self) -> Vec<Value> {
         let mut items: Vec<Value> = self
-            .message
+            .reasoning
             .iter()
-            .map(|(id, text)| message_item(id, text, "completed"))
+            .map(|(id, text)| reasoning_item(id, text, "completed"))
             .collect();
+        items.extend(
+            self.message
+                .iter()
+                .map(|(id, text)| message_item(id, text, "completed")),
+        );
         items.extend(
             self.calls
                 .iter()
@@ -555,6 +619,15 @@ fn message_item(id: &str, text: &str, status: &str) -> Value {
            "content": if status == "in_progress" { json!([]) } else { json!([text_part(text)]) }})
 }
 
+fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
+    json!({"type": "reasoning", "id": id, "status": status, "summary": [],
+           "content": [reasoning_part(text)]})
+}
+
+fn reasoning_part(text: &str) -> Value {
+    json!({"type": "reasoning_text", "text": text})
+}
+
 fn text_part(text: &str) -> Value {
     json!({"type": "output_text", "text": text, "annotations": []})
 }
@@ -564,7 +637,7 @@ fn usage_json(u: Usage) -> Value {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_tokens},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     })
 }
@@ -618,6 +691,7 @@ fn keep(store: Option<(Arc<AppState>, Vec<Message>, String)>, id: &str, output: 
             .map_or(String::new(), |(_, t)| t.clone()),
     );
     reply.tool_calls = output.calls.iter().map(|(_, c)| c.clone()).collect();
+    reply.reasoning = output.reasoning.as_ref().map(|(_, r)| r.clone());
     conversation.push(reply);
     state.responses.put(id.to_string(), conversation, owner);
 }
@@ -633,6 +707,8 @@ struct Events {
     output: Output,
     /// Output index of the open text message, if one is open.
     open: Option<usize>,
+    /// Output index of the open reasoning item, if one is open.
+    open_reasoning: Option<usize>,
     store: Option<(Arc<AppState>, Vec<Message>, String)>,
 }
 
@@ -656,11 +732,61 @@ impl Events {
     }
 
     fn next_index(&self) -> usize {
-        usize::from(self.output.message.is_some()) + self.output.calls.len()
+        usize::from(self.output.reasoning.is_some())
+            + usize::from(self.output.message.is_some())
+            + self.output.calls.len()
+    }
+
+    fn reasoning(&mut self, delta: String) -> Vec<SseItem> {
+        let mut items = Vec::new();
+        let index = match self.open_reasoning {
+            Some(i) => i,
+            None => {
+                let i = self.next_index();
+                let rid = new_id("rs");
+                self.output.reasoning = Some((rid.clone(), String::new()));
+                self.open_reasoning = Some(i);
+                items.push(self.event(
+                    "response.output_item.added",
+                    json!({"output_index": i, "item": reasoning_item(&rid, "", "in_progress")}),
+                ));
+                i
+            }
+        };
+        let rid = self
+            .output
+            .reasoning
+            .as_ref()
+            .map_or(String::new(), |(r, _)| r.clone());
+        if let Some((_, t)) = self.output.reasoning.as_mut() {
+            t.push_str(&delta);
+        }
+        items.push(self.event(
+            "response.reasoning_text.delta",
+            json!({"item_id": rid, "output_index": index, "content_index": 0, "delta": delta}),
+        ));
+        items
+    }
+
+    fn close_reasoning(&mut self) -> Vec<SseItem> {
+        let Some(i) = self.open_reasoning.take() else {
+            return Vec::new();
+        };
+        let (rid, text) = self.output.reasoning.clone().unwrap_or_default();
+        vec![
+            self.event(
+                "response.reasoning_text.done",
+                json!({"item_id": rid, "output_index": i, "content_index": 0, "text": text}),
+            ),
+            self.event(
+                "response.output_item.done",
+                json!({"output_index": i, "item": reasoning_item(&rid, &text, "completed")}),
+            ),
+        ]
     }
 
     fn text(&mut self, delta: String) -> Vec<SseItem> {
-        let mut items = Vec::new();
+        let mut items = self.close_reasoning();
         let index = match self.open {
             Some(i) => i,
             None => {
@@ -716,7 +842,8 @@ impl Events {
     }
 
     fn call(&mut self, call: ToolCall) -> Vec<SseItem> {
-        let mut items = self.close_text();
+        let mut items = self.close_reasoning();
+        items.extend(self.close_text());
         let i = self.next_index();
         let custom = self.output.tools.is_custom(&call.name);
         let fid = new_id(if custom { "ctc" } else { "fc" });
@@ -758,7 +885,8 @@ impl Events {
     }
 
     fn finish(&mut self, reason: Finish, usage: Usage) -> Vec<SseItem> {
-        let mut items = self.close_text();
+        let mut items = self.close_reasoning();
+        items.extend(self.close_text());
         let object = self.object("completed", Some((reason, usage)));
         let kind = if reason == Finish::Length {
             "response.incomplete"
@@ -795,6 +923,7 @@ fn stream_response(
             ..Output::default()
         },
         open: None,
+        open_reasoning: None,
         store,
     };
     let first = vec![
@@ -809,6 +938,7 @@ fn stream_response(
     ];
     let s = running.stream_with(first, move |out| match out {
         Out::Text { text, .. } => ev.text(text),
+        Out::Reasoning(text) => ev.reasoning(text),
         Out::Call { call, .. } => ev.call(call),
         Out::Finished { reason, usage, .. } => ev.finish(reason, usage),
         Out::Failed(msg) => ev.failed(msg),

@@ -10,6 +10,8 @@ use shoal_engine::scheduler::{Scheduler, SchedulerConfig};
 use crate::error::{ApiError, ErrorKind};
 use crate::keys::KeyStore;
 use crate::metrics::Metrics;
+use crate::reasoning::ReasoningFormat;
+use crate::replay::Replay;
 use crate::tools::ToolFormat;
 
 /// A model this server answers for.
@@ -20,6 +22,10 @@ pub struct ServedModel {
     pub scheduler: Scheduler,
     /// How its chat template writes tool calls.
     pub tool_format: ToolFormat,
+    /// How it writes its reasoning, if it reasons.
+    pub reasoning: ReasoningFormat,
+    /// Recorded outputs given instead of sampled ones (see [`crate::replay`]).
+    pub replay: Option<Arc<Replay>>,
     /// Context length per request (prompt plus output).
     pub ctx: usize,
     /// Unix seconds when it was loaded.
@@ -84,14 +90,14 @@ impl ServedModel {
         split: Option<shoal_engine::parallel::RankContext>,
         draft: Option<Arc<LoadedModel>>,
     ) -> Result<Self, shoal_engine::EngineError> {
-        let tool_format = ToolFormat::detect(
-            model
-                .chat_template
-                .as_ref()
-                .map(|t| t.source())
-                .unwrap_or(""),
-            &format!("{:?}", model.transformer.config().arch),
-        );
+        let template = model
+            .chat_template
+            .as_ref()
+            .map(|t| t.source())
+            .unwrap_or("");
+        let tool_format =
+            ToolFormat::detect(template, &format!("{:?}", model.transformer.config().arch));
+        let reasoning = ReasoningFormat::detect(template);
         let size = std::fs::metadata(&model.path).map(|m| m.len()).unwrap_or(0);
         let ctx = config
             .ctx
@@ -107,6 +113,8 @@ impl ServedModel {
             id,
             scheduler,
             tool_format,
+            reasoning,
+            replay: None,
             ctx,
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -134,6 +142,12 @@ impl ServedModel {
     /// The loaded model.
     pub fn model(&self) -> &LoadedModel {
         self.scheduler.model()
+    }
+
+    /// Serves `replay`'s recorded outputs instead of sampled ones (see [`crate::replay`]).
+    pub fn with_replay(mut self, replay: Replay) -> Self {
+        self.replay = Some(Arc::new(replay));
+        self
     }
 }
 

@@ -10,7 +10,7 @@
 //! keyed by its first call id or, for a turn without calls, by its visible text; when an
 //! assistant message comes back whose text and calls equal what was answered, the message's
 //! place in the prompt is given those tokens as they are
-//! ([`shoal_engine::model::LoadedModel::chat_prompt_spliced`]): not the text re-tokenized,
+//! ([`shoal_engine::model::LoadedModel::tokenize_chat`]): not the text re-tokenized,
 //! since a model may well generate a split its tokenizer would merge. Bounded in count and
 //! bytes, oldest out first.
 

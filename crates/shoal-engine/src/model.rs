@@ -206,6 +206,17 @@ impl LoadedModel {
         ChatTemplate::new(src, &piece(tok.bos_id()), &piece(tok.eos_id()))
     }
 
+    /// Uses the chat template `source` (Jinja) instead of the one the model's files carry.
+    ///
+    /// # Errors
+    /// When the template does not parse.
+    pub fn set_chat_template(&mut self, source: &str) -> Result<(), EngineError> {
+        let t = Self::template(source, &self.tokenizer)
+            .map_err(|e| EngineError::Tokenizer(format!("chat template: {e}")))?;
+        self.chat_template = Some(t);
+        Ok(())
+    }
+
     /// Prompt tokens for raw text to continue: BOS when the model asks for it, special-token
     /// text taken literally (as llama.cpp's completion does).
     ///
@@ -225,25 +236,23 @@ impl LoadedModel {
         messages: &[serde_json::Value],
         tools: Option<&[serde_json::Value]>,
     ) -> Result<Vec<u32>, EngineError> {
-        self.chat_prompt_spliced(messages, tools, &[])
+        let text = self.render_chat(messages, tools, None)?;
+        self.tokenize_chat(&text, &[])
             .map(|p| p.unwrap_or_default())
     }
 
-    /// [`LoadedModel::chat_prompt`] with known token runs spliced in: each `(marker, ids)`
-    /// marker text, written into a message's content, is replaced in the rendered prompt by
-    /// `ids` as they are, and the text between markers is tokenized piece by piece. This is
-    /// how a turn the model generated is given back to it token for token (a tokenizer may
-    /// well merge generated text differently). `Ok(None)` when a marker does not appear
-    /// exactly once in the rendered prompt, in order (a template that rewrites content).
+    /// The text of `messages` (OpenAI-style JSON) rendered through the chat template with the
+    /// generation prompt; `extra` is the template's keyword arguments (a JSON object, such as
+    /// `{"enable_thinking": false}`).
     ///
     /// # Errors
-    /// When the model has no chat template, the template fails, or tokenization fails.
-    pub fn chat_prompt_spliced(
+    /// When the model has no chat template or the template fails.
+    pub fn render_chat(
         &self,
         messages: &[serde_json::Value],
         tools: Option<&[serde_json::Value]>,
-        splices: &[(String, Vec<u32>)],
-    ) -> Result<Option<Vec<u32>>, EngineError> {
+        extra: Option<&serde_json::Value>,
+    ) -> Result<String, EngineError> {
         let template = self
             .chat_template
             .as_ref()
@@ -253,21 +262,38 @@ impl LoadedModel {
                     self.name
                 ),
             })?;
-        let text = template
+        template
             .render(&RenderInput {
                 messages,
                 tools,
                 add_generation_prompt: true,
-                extra: None,
+                extra,
             })
-            .map_err(|e| EngineError::Tokenizer(format!("chat template: {e}")))?;
+            .map_err(|e| EngineError::Tokenizer(format!("chat template: {e}")))
+    }
+
+    /// The tokens of a rendered chat prompt ([`LoadedModel::render_chat`]), special tokens
+    /// parsed, with known token runs spliced in: each `(marker, ids)` marker text, written
+    /// into a message's content, is replaced by `ids` as they are, and the text between
+    /// markers is tokenized piece by piece. This is how a turn the model generated is given
+    /// back to it token for token (a tokenizer may well merge generated text differently).
+    /// `Ok(None)` when a marker does not appear exactly once in `text`, in order (a template
+    /// that rewrites content).
+    ///
+    /// # Errors
+    /// When tokenization fails.
+    pub fn tokenize_chat(
+        &self,
+        text: &str,
+        splices: &[(String, Vec<u32>)],
+    ) -> Result<Option<Vec<u32>>, EngineError> {
         // A template that writes the BOS text itself must not get a second BOS.
         let bos_text = self
             .tokenizer
             .bos_id()
             .and_then(|b| self.tokenizer.token_str(b));
         let add_bos = !bos_text.is_some_and(|b| !b.is_empty() && text.starts_with(b));
-        let mut rest = text.as_str();
+        let mut rest = text;
         let mut out = Vec::new();
         for (i, (marker, ids)) in splices.iter().enumerate() {
             let Some(at) = rest.find(marker.as_str()) else {

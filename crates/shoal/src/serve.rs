@@ -79,6 +79,16 @@ pub struct ServeArgs {
     /// Speculative decoding for the models served here with --model.
     #[command(flatten)]
     pub speculation: crate::SpeculationArgs,
+    /// A chat template (a Jinja file) for the models given with --model, instead of the
+    /// one their files carry.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    /// For testing API clients: the models given with --model give back the outputs
+    /// recorded in FILE (JSON: {"outputs": [{"thinking": BOOL, "tools": BOOL, "text":
+    /// "..."}]}) instead of sampling, token by token through the tokenizer, scheduler and
+    /// output parsers; a request gets the first output whose conditions it meets.
+    #[arg(long, value_name = "FILE")]
+    pub replay: Option<PathBuf>,
     /// Context length per request, prompt plus output (default: the model's, at most 4096).
     #[arg(long)]
     pub ctx: Option<usize>,
@@ -280,12 +290,28 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         Some(d) => Some(Arc::new(crate::models::open(d)?)),
         None => None,
     };
+    let template = match &args.chat_template {
+        Some(p) => Some(
+            std::fs::read_to_string(p)
+                .with_context(|| format!("reading the chat template {}", p.display()))?,
+        ),
+        None => None,
+    };
+    let replay = match &args.replay {
+        Some(p) => Some(shoal_api::replay::Replay::load(p).map_err(anyhow::Error::msg)?),
+        None => None,
+    };
     for arg in &args.models {
         let id = model_id(arg);
         if served.iter().any(|m: &ServedModel| m.id == id) {
             anyhow::bail!("two --model arguments are both called '{id}'");
         }
-        let model = crate::models::open(arg)?;
+        let mut model = crate::models::open(arg)?;
+        if let (Some(t), Some(p)) = (&template, &args.chat_template) {
+            model
+                .set_chat_template(t)
+                .with_context(|| format!("the chat template {}", p.display()))?;
+        }
         let ctx = args.ctx.unwrap_or(4096);
         let config = SchedulerConfig {
             max_batch: args.parallel,
@@ -298,7 +324,10 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
             Some(d) => ServedModel::start_with_draft(id, model, d.clone(), config)?,
             None => ServedModel::start(id, model, config)?,
         };
-        served.push(m);
+        served.push(match &replay {
+            Some(r) => m.with_replay(r.clone()),
+            None => m,
+        });
     }
     let ids: Vec<String> = served.iter().map(|m| m.id.clone()).collect();
     let state = AppState::new(served, keys);

@@ -1,10 +1,12 @@
 """The official Python clients (openai, anthropic, ollama) against a running `shoal serve`.
 
-Run by scripts/api-clients.sh, which starts two servers: OPEN (smollm2 and qwen05, no keys)
-and KEYED (smollm2; this script creates its keys). Every test must pass; the exit code is the
-number of failures.
+Run by scripts/api-clients.sh, which starts three servers: OPEN (smollm2 and qwen05, no keys),
+KEYED (smollm2; this script creates its keys) and THINKING (smollm2 with Qwen3's chat
+template, replaying output written in a thinking model's format). Every test must pass; the
+exit code is the number of failures.
 
-    python3 test_clients.py --open http://127.0.0.1:PORT --keyed http://127.0.0.1:PORT2
+    python3 test_clients.py --open http://127.0.0.1:PORT --keyed http://127.0.0.1:PORT2 \
+        --thinking http://127.0.0.1:PORT3
 """
 
 import argparse
@@ -691,16 +693,127 @@ def keys_and_rate_limits(url_keyed, **_):
         pass
 
 
+# ---------------------------------------------------------------- thinking
+#
+# The THINKING server replays output written in Qwen3's format (tests/data/thinking-qwen3.json)
+# through smollm2 given Qwen3's chat template: no model that thinks is on the package
+# registries. The replay picks its output by whether thinking is on and tools are offered.
+
+THINKER = "smollm2"
+MATH = [{"role": "user", "content": "What is 17 times 23?"}]
+MATH_REASONING = "Okay, 17 times 23. 17 times 20 is 340, and 17 times 3 is 51.\n\n340 plus 51 is 391."
+MATH_ANSWER = "17 \u00d7 23 = **391**."
+WEATHER_REASONING = (
+    "The user wants the weather in Paris. I have a get_weather tool that takes a city, "
+    'so I should call it with "Paris" instead of guessing.'
+)
+
+
+@test
+def openai_thinking(ot, **_):
+    r = ot.chat.completions.create(model=THINKER, messages=MATH)
+    m = r.choices[0].message
+    assert m.reasoning_content == MATH_REASONING and m.content == MATH_ANSWER, m
+    assert r.usage.completion_tokens_details.reasoning_tokens > 0, r.usage
+    reasoning, content = "", ""
+    for c in ot.chat.completions.create(model=THINKER, messages=MATH, stream=True):
+        if not c.choices:
+            continue
+        d = c.choices[0].delta
+        if getattr(d, "reasoning_content", None):
+            assert not content, "reasoning after the answer began"
+            reasoning += d.reasoning_content
+        content += d.content or ""
+    assert (reasoning, content) == (MATH_REASONING, MATH_ANSWER), (reasoning, content)
+    # a tool call after the reasoning, streamed
+    reasoning, calls = "", {}
+    for c in ot.chat.completions.create(model=THINKER, messages=ASK, tools=[WEATHER], stream=True):
+        d = c.choices[0].delta if c.choices else None
+        if d is None:
+            continue
+        reasoning += getattr(d, "reasoning_content", None) or ""
+        for tc in d.tool_calls or []:
+            calls.setdefault(tc.index, "")
+            calls[tc.index] += tc.function.arguments or ""
+    assert reasoning == WEATHER_REASONING, reasoning
+    assert [json.loads(a) for a in calls.values()] == [{"city": "Paris"}], calls
+    # thinking off
+    r = ot.chat.completions.create(model=THINKER, messages=MATH, reasoning_effort="none")
+    m = r.choices[0].message
+    assert getattr(m, "reasoning_content", None) is None and m.content == "17 \u00d7 23 = 391.", m
+
+
+@test
+def openai_responses_thinking(ot, **_):
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]
+    r = ot.responses.create(model=THINKER, input=ASK[0]["content"], tools=tools, reasoning={"effort": "high"})
+    kinds = [o.type for o in r.output]
+    assert kinds == ["reasoning", "function_call"], r.output
+    assert r.output[0].content[0].text == WEATHER_REASONING, r.output[0]
+    assert json.loads(r.output[1].arguments) == {"city": "Paris"}, r.output[1]
+    assert r.usage.output_tokens_details.reasoning_tokens > 0, r.usage
+    with ot.responses.stream(model=THINKER, input=MATH[0]["content"]) as s:
+        deltas = "".join(e.delta for e in s if e.type == "response.reasoning_text.delta")
+        final = s.get_final_response()
+    assert deltas == MATH_REASONING, deltas
+    assert [o.type for o in final.output] == ["reasoning", "message"], final.output
+    assert final.output[0].content[0].text == MATH_REASONING and final.output_text == MATH_ANSWER, final
+    off = ot.responses.create(model=THINKER, input=MATH[0]["content"], reasoning={"effort": "none"})
+    assert [o.type for o in off.output] == ["message"], off.output
+
+
+@test
+def anthropic_thinking(at, **_):
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    r = at.messages.create(model=THINKER, max_tokens=2048, thinking=thinking, messages=MATH)
+    assert [b.type for b in r.content] == ["thinking", "text"], r.content
+    assert r.content[0].thinking == MATH_REASONING and r.content[1].text == MATH_ANSWER, r.content
+    tools = [{"name": "get_weather", "description": "Current weather for a city.", "input_schema": WEATHER["function"]["parameters"]}]
+    with at.messages.stream(model=THINKER, max_tokens=2048, thinking=thinking, tools=tools, messages=ASK) as s:
+        streamed = "".join(e.thinking for e in s if e.type == "thinking")
+        m = s.get_final_message()
+    assert streamed == WEATHER_REASONING, streamed
+    assert [b.type for b in m.content] == ["thinking", "tool_use"] and m.stop_reason == "tool_use", m
+    assert m.content[0].thinking == WEATHER_REASONING and m.content[1].input == {"city": "Paris"}, m.content
+    # the thinking block goes back with the tool result
+    msgs = ASK + [
+        {"role": "assistant", "content": m.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": m.content[1].id, "content": RESULT}]},
+    ]
+    assert at.messages.count_tokens(model=THINKER, messages=msgs, tools=tools).input_tokens > 0
+    off = at.messages.create(model=THINKER, max_tokens=256, thinking={"type": "disabled"}, messages=MATH)
+    assert [b.type for b in off.content] == ["text"], off.content
+
+
+@test
+def ollama_thinking(olt, **_):
+    r = olt.chat(model=THINKER, messages=MATH, think=True)
+    assert r.message.thinking == MATH_REASONING and r.message.content == MATH_ANSWER, r.message
+    thinking, calls = "", []
+    for c in olt.chat(model=THINKER, messages=ASK, tools=[WEATHER], think=True, stream=True):
+        thinking += c.message.thinking or ""
+        calls += c.message.tool_calls or []
+    assert thinking == WEATHER_REASONING, thinking
+    assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})], calls
+    off = olt.chat(model=THINKER, messages=MATH, think=False)
+    assert not off.message.thinking and off.message.content == "17 \u00d7 23 = 391.", off.message
+    assert "thinking" in olt.show(THINKER).capabilities
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--open", required=True)
     p.add_argument("--keyed", required=True)
+    p.add_argument("--thinking", required=True, help="a server replaying a thinking model's output")
     p.add_argument("-k", default="", help="run only tests whose name contains this")
     args = p.parse_args()
     ctx = {
         "o": openai.OpenAI(base_url=args.open + "/v1", api_key="unused", max_retries=0, timeout=300),
         "a": anthropic.Anthropic(base_url=args.open, api_key="unused", max_retries=0, timeout=300),
         "ol": ollama.Client(host=args.open, timeout=300),
+        "ot": openai.OpenAI(base_url=args.thinking + "/v1", api_key="unused", max_retries=0, timeout=300),
+        "at": anthropic.Anthropic(base_url=args.thinking, api_key="unused", max_retries=0, timeout=300),
+        "olt": ollama.Client(host=args.thinking, timeout=300),
         "url_open": args.open,
         "url_keyed": args.keyed,
     }
