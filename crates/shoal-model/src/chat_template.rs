@@ -157,6 +157,7 @@ impl ChatTemplate {
         env.add_function("joiner", minijinja_contrib::globals::joiner);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        env.add_function("namespace", crate::template_list::namespace);
 
         let original = source.to_owned();
         let source = rewrite_generation_tags(source).into_owned();
@@ -1785,6 +1786,53 @@ mod tests {
             false,
             extra.as_ref(),
             expected,
+        );
+    }
+
+    #[test]
+    fn namespace_lists_change_in_place_as_in_python() {
+        let source = "{% set ns = namespace(ids=[], n=1, name='x') %}{% set _ = ns.ids.append('a') %}{% set _ = ns.ids.append('b') %}{% set _ = ns.ids.append('c') %}{{ ns.ids|length }} {{ ns.ids[0] }} {{ ns.ids[-1] }} {{ ns.ids.pop(0) }} {{ ns.ids.pop() }} {% for i in ns.ids %}[{{ i }}]{% endfor %} {{ ns.n }} {{ ns.name }}{% if ns.ids %} some{% endif %}";
+        assert_eq!(render_inline(source).unwrap(), "3 a c a c [b] 1 x some");
+        let err = render_inline("{% set ns = namespace(ids=[]) %}{{ ns.ids.pop() }}").unwrap_err();
+        assert!(err.to_string().contains("out of range"), "{err}");
+        assert_eq!(
+            render_inline("{% set ns = namespace() %}{% set ns.a = 2 %}{{ ns.a }}").unwrap(),
+            "2"
+        );
+        let err = render_inline(
+            "{% set ns = namespace(a=[]) %}{% set _ = ns.a.append(ns.a) %}{{ ns.a }}",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("cannot hold"), "{err}");
+    }
+
+    #[test]
+    fn kimi_k2_thinking_renders_tool_calls_and_their_results() {
+        let messages = parse(
+            r#"[{"role": "user", "content": "Weather in Paris and Oslo?"}, {"role": "assistant", "content": "", "reasoning_content": "Two cities.", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}, {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]}, {"role": "tool", "tool_call_id": "a", "content": "sunny"}, {"role": "tool", "tool_call_id": "b", "content": "rain"}]"#,
+        );
+        let got = render_source(
+            &template_source("Kimi-K2-Thinking.jinja"),
+            "",
+            "",
+            &messages,
+            None,
+            true,
+            None,
+        )
+        .unwrap();
+        for want in [
+            "<think>Two cities.</think>",
+            "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|>",
+            "<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{\"city\": \"Oslo\"}<|tool_call_end|>",
+            "## Return of functions.get_weather:0\nsunny",
+            "## Return of functions.get_weather:1\nrain",
+        ] {
+            assert!(got.contains(want), "{want:?} in {got}");
+        }
+        assert!(
+            got.ends_with("<|im_assistant|>assistant<|im_middle|>"),
+            "{got}"
         );
     }
 

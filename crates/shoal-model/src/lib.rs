@@ -7,4 +7,5 @@ pub mod catalog;
 pub mod chat_template;
 pub mod gguf;
 pub mod source;
+mod template_list;
 pub mod tokenizer;
