@@ -21,9 +21,13 @@ fn grammar(served: &ServedModel, req: &GenRequest) -> Option<Grammar> {
         crate::generation::Input::Text(_) => &[],
     };
     let format = match served.tool_format {
-        ToolFormat::Hermes => constrain::ToolFormat::Hermes,
+        // GLM's parser also takes a Hermes block of JSON, and every format a message that is
+        // a bare JSON call (Llama 3's shape)
+        ToolFormat::Hermes | ToolFormat::Glm => constrain::ToolFormat::Hermes,
         ToolFormat::Mistral => constrain::ToolFormat::Mistral,
-        ToolFormat::Llama3 | ToolFormat::Generic => constrain::ToolFormat::Llama3,
+        ToolFormat::Llama3 | ToolFormat::Generic | ToolFormat::Kimi => {
+            constrain::ToolFormat::Llama3
+        }
     };
     let pick = |only: Option<&str>| -> Vec<(String, serde_json::Value)> {
         tools

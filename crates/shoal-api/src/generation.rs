@@ -546,12 +546,15 @@ fn prepare(
     let tools_active = !tools.is_empty() && req.tool_choice != ToolChoice::None;
     let prompt_tokens = prompt.len();
     let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
-    let parser = tools_active.then(|| ToolStream::new(served.tool_format, &names));
+    let tool_parser = || {
+        ToolStream::new(served.tool_format, &names)
+            .with_schemas(tools.iter().map(|t| (t.name.as_str(), &t.parameters)))
+    };
+    let parser = tools_active.then(tool_parser);
     let reasons =
         served.reasoning != ReasoningFormat::None && matches!(req.input, Input::Chat { .. });
     let splitter = reasons.then(|| ReasoningSplitter::new(in_reasoning));
-    let reasoning_parser =
-        (reasons && tools_active).then(|| ToolStream::new(served.tool_format, &names));
+    let reasoning_parser = (reasons && tools_active).then(tool_parser);
     let submitted = Submitted {
         req,
         prompt,
@@ -1106,10 +1109,11 @@ impl Running {
                 .tokenizer
                 .decode(&self.generated, false);
             let in_markup = match self.model.tool_format {
-                crate::tools::ToolFormat::Hermes => {
+                crate::tools::ToolFormat::Hermes | crate::tools::ToolFormat::Glm => {
                     raw.matches("<tool_call>").count() >= self.shown_calls.len()
                 }
                 crate::tools::ToolFormat::Mistral => raw.contains("[TOOL_CALLS]"),
+                crate::tools::ToolFormat::Kimi => raw.contains("<|tool_calls_section_begin|>"),
                 crate::tools::ToolFormat::Llama3 | crate::tools::ToolFormat::Generic => true,
             };
             if !in_markup {

@@ -1,7 +1,10 @@
 //! Tool calls out of model output. Models write calls as text in their family's format:
 //! Qwen 2.5 / Hermes wrap each in `<tool_call>{"name": .., "arguments": {..}}</tool_call>`,
 //! Llama 3 writes a bare JSON object (`{"name": .., "parameters": {..}}`, sometimes after
-//! `<|python_tag|>`), Mistral writes `[TOOL_CALLS][{..}, ..]`. Small models also often answer
+//! `<|python_tag|>`), Mistral writes `[TOOL_CALLS][{..}, ..]`, GLM 4.5+ writes
+//! `<tool_call>NAME` then `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs, and Kimi K2
+//! writes `<|tool_calls_section_begin|>` then `<|tool_call_begin|>functions.NAME:N
+//! <|tool_call_argument_begin|>{..}<|tool_call_end|>` per call. Small models also often answer
 //! with a bare (or fenced) JSON call whatever their template says, so every format also
 //! accepts a message that *is* a JSON call. [`ToolStream`] finds calls incrementally while
 //! text streams: text that could still become a call is held back until it cannot, complete
@@ -20,6 +23,10 @@ pub enum ToolFormat {
     Llama3,
     /// `[TOOL_CALLS]` then a JSON array of calls (Mistral).
     Mistral,
+    /// `<tool_call>NAME` and `<arg_key>`/`<arg_value>` pairs, then `</tool_call>` (GLM 4.5+).
+    Glm,
+    /// A `<|tool_calls_section_begin|>` of `<|tool_call_begin|>` calls (Kimi K2).
+    Kimi,
     /// Only a message that is a JSON call (or a list of them).
     Generic,
 }
@@ -27,7 +34,11 @@ pub enum ToolFormat {
 impl ToolFormat {
     /// The format a chat template writes tool calls in (from the markers it contains).
     pub fn detect(chat_template: &str, _arch: &str) -> ToolFormat {
-        if chat_template.contains("<tool_call>") {
+        if chat_template.contains(KIMI_SECTION) {
+            ToolFormat::Kimi
+        } else if chat_template.contains("<arg_key>") {
+            ToolFormat::Glm
+        } else if chat_template.contains("<tool_call>") {
             ToolFormat::Hermes
         } else if chat_template.contains("[TOOL_CALLS]") {
             ToolFormat::Mistral
@@ -43,7 +54,8 @@ impl ToolFormat {
     /// The text that opens a call block in this format, if it has one.
     fn opener(self) -> Option<&'static str> {
         match self {
-            ToolFormat::Hermes => Some("<tool_call>"),
+            ToolFormat::Hermes | ToolFormat::Glm => Some("<tool_call>"),
+            ToolFormat::Kimi => Some(KIMI_SECTION),
             ToolFormat::Llama3 => Some("<|python_tag|>"),
             ToolFormat::Mistral => Some("[TOOL_CALLS]"),
             ToolFormat::Generic => None,
@@ -77,6 +89,11 @@ pub enum StreamEvent {
 }
 
 const HERMES_CLOSE: &str = "</tool_call>";
+const KIMI_SECTION: &str = "<|tool_calls_section_begin|>";
+const KIMI_SECTION_END: &str = "<|tool_calls_section_end|>";
+const KIMI_CALL: &str = "<|tool_call_begin|>";
+const KIMI_ARGS: &str = "<|tool_call_argument_begin|>";
+const KIMI_CALL_END: &str = "<|tool_call_end|>";
 const FENCE: &str = "```";
 
 /// Byte length of the JSON value at the start of `s` (which starts with `{` or `[`), once
@@ -163,6 +180,11 @@ enum Mode {
 pub struct ToolStream {
     format: ToolFormat,
     known: Vec<String>,
+    /// `(tool, argument)` pairs whose schema types the argument a string (GLM writes string
+    /// values bare, others as JSON).
+    string_args: Vec<(String, String)>,
+    /// Calls found in the open Kimi section.
+    section_calls: usize,
     /// Text received and not yet released.
     buf: String,
     mode: Mode,
@@ -176,11 +198,32 @@ impl ToolStream {
         ToolStream {
             format,
             known: known_tools.iter().map(|s| s.to_string()).collect(),
+            string_args: Vec::new(),
+            section_calls: 0,
             buf: String::new(),
             mode: Mode::Start,
             calls: 0,
             id_seed: rand::random(),
         }
+    }
+
+    /// The tools' argument schemas (`(name, parameters)`): an argument a schema types as a
+    /// string stays text in formats that write values bare (GLM), even when it reads as JSON.
+    pub fn with_schemas<'a>(
+        mut self,
+        tools: impl IntoIterator<Item = (&'a str, &'a Value)>,
+    ) -> Self {
+        for (name, params) in tools {
+            let Some(props) = params.get("properties").and_then(Value::as_object) else {
+                continue;
+            };
+            for (arg, schema) in props {
+                if schema.get("type").and_then(Value::as_str) == Some("string") {
+                    self.string_args.push((name.to_string(), arg.clone()));
+                }
+            }
+        }
+        self
     }
 
     /// Feeds the next piece of generated text; returns what can be released.
@@ -371,13 +414,19 @@ impl ToolStream {
         true
     }
 
-    /// Inside a call block after the opener (Hermes or Mistral).
+    /// Inside a call block after the opener (Hermes, Mistral, GLM or Kimi).
     fn block(&mut self, last: bool, out: &mut Vec<StreamEvent>) -> bool {
         let opener = self.format.opener().unwrap_or("");
         let lead = self.buf.len() - self.buf.trim_start().len();
         let body = &self.buf[lead..];
+        if self.format == ToolFormat::Kimi {
+            return self.kimi_block(last, out);
+        }
         if body.is_empty() {
             return self.block_failed(last, out, opener);
+        }
+        if self.format == ToolFormat::Glm && !body.starts_with('{') {
+            return self.glm_block(last, out);
         }
         if self.format == ToolFormat::Mistral && !body.starts_with('[') && !body.starts_with('{') {
             // newer Mistral templates: NAME[ARGS]{json}
@@ -433,6 +482,143 @@ impl ToolStream {
         self.buf.drain(..consumed);
         self.emit_calls(calls, out);
         self.mode = Mode::Start;
+        true
+    }
+
+    /// A GLM block, `NAME` then `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs, up to
+    /// `</tool_call>`. A value is JSON unless the tool's schema types it a string or it does
+    /// not parse (GLM's template writes strings bare and other values as JSON).
+    fn glm_block(&mut self, last: bool, out: &mut Vec<StreamEvent>) -> bool {
+        let Some(end) = self.buf.find(HERMES_CLOSE) else {
+            let name_so_far = self
+                .buf
+                .trim_start()
+                .split(['\n', '<'])
+                .next()
+                .unwrap_or("");
+            let plausible = name_so_far.len() < 256
+                && name_so_far
+                    .chars()
+                    .all(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | '.'));
+            return if last {
+                self.block_failed(last, out, "<tool_call>")
+            } else if plausible {
+                false
+            } else {
+                self.block_not_a_call("<tool_call>")
+            };
+        };
+        let inner = &self.buf[..end];
+        let name_end = inner.find("<arg_key>").unwrap_or(inner.len());
+        let name = inner[..name_end].trim().to_string();
+        let mut args = serde_json::Map::new();
+        let mut rest = &inner[name_end..];
+        let mut well_formed = true;
+        while let Some(k) = rest.find("<arg_key>") {
+            let tag = |s: &str, open: &str, close: &str| -> Option<(String, usize)> {
+                let a = s.find(open)? + open.len();
+                let b = a + s[a..].find(close)?;
+                Some((s[a..b].to_string(), b + close.len()))
+            };
+            let Some((key, after_key)) = tag(&rest[k..], "<arg_key>", "</arg_key>") else {
+                well_formed = false;
+                break;
+            };
+            let after_key = &rest[k + after_key..];
+            let Some((raw, after_value)) = tag(after_key, "<arg_value>", "</arg_value>") else {
+                well_formed = false;
+                break;
+            };
+            let key = key.trim().to_string();
+            let is_string = self
+                .string_args
+                .iter()
+                .any(|(t, a)| *t == name && *a == key);
+            let value = if is_string {
+                Value::String(raw)
+            } else {
+                serde_json::from_str::<Value>(&raw).unwrap_or(Value::String(raw))
+            };
+            args.insert(key, value);
+            rest = &after_key[after_value..];
+        }
+        let call = well_formed
+            .then(|| {
+                one_call(
+                    &serde_json::json!({"name": name, "arguments": args}),
+                    &self.known,
+                )
+            })
+            .flatten();
+        let Some(call) = call else {
+            return self.block_not_a_call("<tool_call>");
+        };
+        self.buf.drain(..end + HERMES_CLOSE.len());
+        self.emit_calls(vec![call], out);
+        self.mode = Mode::Start;
+        true
+    }
+
+    /// Inside a Kimi K2 section: each `<|tool_call_begin|>functions.NAME:N
+    /// <|tool_call_argument_begin|>{json}<|tool_call_end|>` is a call, out as soon as it is
+    /// complete; `<|tool_calls_section_end|>` ends the section.
+    fn kimi_block(&mut self, last: bool, out: &mut Vec<StreamEvent>) -> bool {
+        let lead = self.buf.len() - self.buf.trim_start().len();
+        let body = &self.buf[lead..];
+        if let Some(rest) = body.strip_prefix(KIMI_SECTION_END) {
+            let consumed = self.buf.len() - rest.len();
+            self.buf.drain(..consumed);
+            self.section_calls = 0;
+            self.mode = Mode::Start;
+            return true;
+        }
+        if body.starts_with(KIMI_CALL) {
+            let Some(end) = body.find(KIMI_CALL_END) else {
+                return if last { self.kimi_not_a_call() } else { false };
+            };
+            let call = body[KIMI_CALL.len()..end]
+                .split_once(KIMI_ARGS)
+                .and_then(|(id, json)| {
+                    // `functions.NAME:N`
+                    let id = id.trim();
+                    let id = id.strip_prefix("functions.").unwrap_or(id);
+                    let name = match id.rsplit_once(':') {
+                        Some((n, i)) if i.chars().all(|c| c.is_ascii_digit()) => n,
+                        _ => id,
+                    };
+                    let args = serde_json::from_str::<Value>(json.trim()).ok()?;
+                    one_call(
+                        &serde_json::json!({"name": name, "arguments": args}),
+                        &self.known,
+                    )
+                });
+            let Some(call) = call else {
+                return self.kimi_not_a_call();
+            };
+            self.buf.drain(..lead + end + KIMI_CALL_END.len());
+            self.emit_calls(vec![call], out);
+            self.section_calls += 1;
+            return true;
+        }
+        if body.is_empty()
+            || (!last && (KIMI_CALL.starts_with(body) || KIMI_SECTION_END.starts_with(body)))
+        {
+            if last && self.section_calls == 0 {
+                return self.kimi_not_a_call();
+            }
+            return false;
+        }
+        self.kimi_not_a_call()
+    }
+
+    /// What follows in a Kimi section is not a call: text, with the section's opener when
+    /// no call of it came out.
+    fn kimi_not_a_call(&mut self) -> bool {
+        if self.section_calls == 0 {
+            return self.block_not_a_call(KIMI_SECTION);
+        }
+        self.section_calls = 0;
+        self.mode = Mode::Plain;
         true
     }
 
@@ -633,6 +819,20 @@ mod tests {
         );
     }
 
+    const ALL: [ToolFormat; 6] = [
+        ToolFormat::Hermes,
+        ToolFormat::Llama3,
+        ToolFormat::Mistral,
+        ToolFormat::Glm,
+        ToolFormat::Kimi,
+        ToolFormat::Generic,
+    ];
+
+    /// GLM 4.6's calls, as its template writes them: string values bare, others as JSON.
+    const GLM_CALLS: &str = "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris é</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>get_time\n<arg_key>timezone</arg_key>\n<arg_value>123</arg_value>\n</tool_call>";
+    /// Kimi K2's calls, as its template writes them.
+    const KIMI_CALLS: &str = "I'll look.<|tool_calls_section_begin|>\n<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|>\n<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{\"timezone\": \"CET\"}<|tool_call_end|><|tool_calls_section_end|>";
+
     fn texts() -> impl Strategy<Value = String> {
         prop_oneof![
             Just("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris é}\"}}\n</tool_call>".to_string()),
@@ -641,6 +841,9 @@ mod tests {
             Just("{\"name\": \"nope\", \"arguments\": {}}".to_string()),
             Just("Just text with a < and <tool and émojis 🎉".to_string()),
             Just("<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\"".to_string()),
+            Just(GLM_CALLS.to_string()),
+            Just(KIMI_CALLS.to_string()),
+            Just("<|tool_calls_section_begin|><|tool_call_begin|>functions.nope:0<|tool_call_argument_begin|>{}<|tool_call_end|>".to_string()),
             ".{0,60}",
         ]
     }
@@ -649,7 +852,7 @@ mod tests {
         /// However the text is cut into deltas, streaming gives what parsing it whole gives.
         #[test]
         fn streaming_equals_whole(text in texts(), cuts in prop::collection::vec(0usize..200, 0..12)) {
-            for format in [ToolFormat::Hermes, ToolFormat::Llama3, ToolFormat::Mistral, ToolFormat::Generic] {
+            for format in ALL {
                 let (whole_text, whole_calls) = parse_tool_calls(format, &text, KNOWN);
                 let mut points: Vec<usize> = cuts.iter().map(|&c| c % (text.len() + 1)).filter(|&c| text.is_char_boundary(c)).collect();
                 points.sort_unstable();
@@ -682,12 +885,118 @@ mod tests {
         #[test]
         fn never_panics(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
             let text = String::from_utf8_lossy(&bytes).into_owned();
-            for format in [ToolFormat::Hermes, ToolFormat::Llama3, ToolFormat::Mistral, ToolFormat::Generic] {
+            for format in ALL {
                 let (c, calls) = parse_tool_calls(format, &text, &[]);
                 if calls.is_empty() {
                     prop_assert_eq!(c, text.clone());
                 }
             }
+        }
+    }
+
+    /// Every cut of `text` into pieces of `n` bytes, streamed: the text and calls.
+    fn streamed(
+        format: ToolFormat,
+        text: &str,
+        n: usize,
+        schemas: &[(&str, Value)],
+    ) -> (String, Vec<(String, Value)>) {
+        let mut s =
+            ToolStream::new(format, KNOWN).with_schemas(schemas.iter().map(|(n, v)| (*n, v)));
+        let mut events = Vec::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            let mut k = n.min(rest.len());
+            while !rest.is_char_boundary(k) {
+                k += 1;
+            }
+            events.extend(s.push(&rest[..k]));
+            rest = &rest[k..];
+        }
+        events.extend(s.finish());
+        let (mut content, mut calls) = (String::new(), Vec::new());
+        for e in events {
+            match e {
+                StreamEvent::Content(t) => content.push_str(&t),
+                StreamEvent::ToolCall { call, .. } => calls.push((call.name, call.arguments)),
+            }
+        }
+        (content, calls)
+    }
+
+    #[test]
+    fn glm_calls_take_string_values_bare_and_others_as_json() {
+        let schemas = [(
+            "get_time",
+            json!({"type": "object", "properties": {"timezone": {"type": "string"}}}),
+        )];
+        for n in 1..=GLM_CALLS.len() {
+            let (content, calls) = streamed(ToolFormat::Glm, GLM_CALLS, n, &schemas);
+            assert_eq!(content.trim(), "Let me check.", "{n}");
+            assert_eq!(
+                calls,
+                [
+                    (
+                        "get_weather".to_string(),
+                        json!({"city": "Paris é", "days": 3})
+                    ),
+                    ("get_time".to_string(), json!({"timezone": "123"})),
+                ],
+                "{n}"
+            );
+        }
+        // without a schema a value that reads as JSON is JSON
+        let (_, calls) = streamed(ToolFormat::Glm, GLM_CALLS, 7, &[]);
+        assert_eq!(calls[1].1, json!({"timezone": 123}));
+        // a Hermes block of JSON (what a forced call's grammar writes) is a call too
+        let (_, calls) = parse_tool_calls(
+            ToolFormat::Glm,
+            "<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>",
+            KNOWN,
+        );
+        assert_eq!(names(&calls), ["get_time"]);
+        // an unknown tool, a broken pair, an unclosed block: text, never lost
+        for text in [
+            "<tool_call>nope\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+            "<tool_call>get_time\n<arg_key>a</arg_key>1</tool_call>",
+            "<tool_call>get_time\n<arg_key>timezone</arg_key><arg_value>CET",
+            "<tool_call>what is this? a question</tool_call>",
+        ] {
+            let (c, calls) = parse_tool_calls(ToolFormat::Glm, text, KNOWN);
+            assert!(calls.is_empty(), "{text}");
+            assert_eq!(c, text);
+        }
+    }
+
+    #[test]
+    fn kimi_sections_give_each_call_as_it_completes() {
+        for n in 1..=KIMI_CALLS.len() {
+            let (content, calls) = streamed(ToolFormat::Kimi, KIMI_CALLS, n, &[]);
+            assert_eq!(content.trim(), "I'll look.", "{n}");
+            assert_eq!(
+                calls,
+                [
+                    ("get_weather".to_string(), json!({"city": "Paris"})),
+                    ("get_time".to_string(), json!({"timezone": "CET"})),
+                ],
+                "{n}"
+            );
+        }
+        let mut s = ToolStream::new(ToolFormat::Kimi, KNOWN);
+        let first = KIMI_CALLS.find("<|tool_call_end|>").unwrap() + "<|tool_call_end|>".len();
+        let events = s.push(&KIMI_CALLS[..first]);
+        assert!(
+            matches!(events.last(), Some(StreamEvent::ToolCall { .. })),
+            "{events:?}"
+        );
+        for text in [
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.nope:0<|tool_call_argument_begin|>{}<|tool_call_end|>",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{broken<|tool_call_end|>",
+            "<|tool_calls_section_begin|> and then prose",
+        ] {
+            let (c, calls) = parse_tool_calls(ToolFormat::Kimi, text, KNOWN);
+            assert!(calls.is_empty(), "{text}");
+            assert_eq!(c, text);
         }
     }
 
@@ -709,5 +1018,17 @@ mod tests {
             ToolFormat::detect("{{ messages }}", "llama"),
             ToolFormat::Generic
         );
+        for (template, format) in [
+            ("GLM-4.6.jinja", ToolFormat::Glm),
+            ("Kimi-K2-Thinking.jinja", ToolFormat::Kimi),
+            ("Qwen-Qwen3-0.6B.jinja", ToolFormat::Hermes),
+        ] {
+            let path = format!(
+                "{}/../shoal-model/tests/data/templates/{template}",
+                env!("CARGO_MANIFEST_DIR")
+            );
+            let src = std::fs::read_to_string(&path).unwrap();
+            assert_eq!(ToolFormat::detect(&src, ""), format, "{template}");
+        }
     }
 }

@@ -586,3 +586,63 @@ fn the_real_templates_switch_thinking_and_their_output_comes_apart() {
         });
     }
 }
+
+/// GLM 4.6 and Kimi K2 Thinking reason, then call a tool in their own markup: the call
+/// comes out as a call after the reasoning, and the call and its result sent back render
+/// through the template.
+#[test]
+fn glm_and_kimi_calls_after_their_reasoning_are_calls() {
+    let cases = [
+        (
+            "GLM-4.6.jinja",
+            "<think>I need the weather, so I call the tool.</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+        ),
+        (
+            "Kimi-K2-Thinking.jinja",
+            "<think>I need the weather, so I call the tool.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|><|tool_calls_section_end|>",
+        ),
+    ];
+    for (name, output) in cases {
+        let replay: Replay =
+            serde_json::from_value(json!({"outputs": [{"text": output}]})).unwrap();
+        let (_dir, app) = app(name, replay);
+        runtime().block_on(async {
+            for stream in [false, true] {
+                let r = json!({"model": "thinker", "stream": stream, "tools": [weather_tool()],
+                               "messages": [{"role": "user", "content": "Weather in Paris?"}]});
+                let (s, _, b) = send(&app, "POST", "/v1/chat/completions", None, &r).await;
+                assert_eq!(s, StatusCode::OK, "{name}: {b}");
+                let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::new());
+                if stream {
+                    for c in sse_data(&b) {
+                        let d = &c["choices"][0]["delta"];
+                        reasoning.push_str(d["reasoning_content"].as_str().unwrap_or(""));
+                        content.push_str(d["content"].as_str().unwrap_or(""));
+                        calls.extend(d["tool_calls"].as_array().cloned().unwrap_or_default());
+                    }
+                } else {
+                    let m = &json_of(&b)["choices"][0]["message"];
+                    reasoning = m["reasoning_content"].as_str().unwrap_or("").to_string();
+                    content = m["content"].as_str().unwrap_or("").to_string();
+                    calls = m["tool_calls"].as_array().cloned().unwrap_or_default();
+                }
+                assert_eq!(reasoning, "I need the weather, so I call the tool.", "{name}: {b}");
+                assert_eq!(content, "", "{name}: {b}");
+                assert_eq!(calls.len(), 1, "{name}: {b}");
+                assert_eq!(calls[0]["function"]["name"], "get_weather");
+                assert_eq!(
+                    json_of(calls[0]["function"]["arguments"].as_str().unwrap()),
+                    json!({"city": "Paris"}),
+                    "{name}"
+                );
+            }
+            let r = json!({"model": "thinker", "tools": [weather_tool()], "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "reasoning_content": "I need the weather.",
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]});
+            let (s, _, b) = send(&app, "POST", "/v1/chat/completions", None, &r).await;
+            assert_eq!(s, StatusCode::OK, "{name}: {b}");
+        });
+    }
+}
