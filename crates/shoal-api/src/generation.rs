@@ -16,7 +16,7 @@ use shoal_engine::SamplerConfig;
 use tokio::sync::mpsc;
 
 use crate::error::{ApiError, ErrorKind};
-use crate::reasoning::{ReasoningFormat, ReasoningSplitter, Segment, Thinking};
+use crate::reasoning::{OutputSplitter, ReasoningFormat, Segment, Thinking};
 use crate::state::{AppState, InstanceView, ServedModel};
 use crate::tools::{StreamEvent, ToolCall, ToolStream};
 
@@ -119,7 +119,9 @@ impl Message {
             m["name"] = json!(n);
         }
         if let Some(r) = &self.reasoning {
+            // Qwen3, DeepSeek, GLM and Kimi read the one, gpt-oss the other
             m["reasoning_content"] = json!(r);
+            m["thinking"] = json!(r);
         }
         m
     }
@@ -311,7 +313,7 @@ pub struct Running {
     rx: mpsc::UnboundedReceiver<Event>,
     _ticket: Ticket,
     /// Cuts the output into reasoning and answer, for a model that reasons.
-    splitter: Option<ReasoningSplitter>,
+    splitter: Option<OutputSplitter>,
     /// Finds tool calls in the reasoning (a model may call a tool without closing it).
     reasoning_parser: Option<ToolStream>,
     /// Tokens generated inside the reasoning.
@@ -553,7 +555,9 @@ fn prepare(
     let parser = tools_active.then(tool_parser);
     let reasons =
         served.reasoning != ReasoningFormat::None && matches!(req.input, Input::Chat { .. });
-    let splitter = reasons.then(|| ReasoningSplitter::new(in_reasoning));
+    let splitter = reasons
+        .then(|| OutputSplitter::for_format(served.reasoning, in_reasoning, &names))
+        .flatten();
     let reasoning_parser = (reasons && tools_active).then(tool_parser);
     let submitted = Submitted {
         req,
@@ -641,16 +645,15 @@ fn fits_by_length(served: &ServedModel, input: &Input) -> Result<(), ApiError> {
     Err(e)
 }
 
-/// The tool list as chat templates read it (OpenAI's function shape).
+/// The tool list as chat templates read it (OpenAI's function shape). A tool without a
+/// description gets an empty one: some templates (gpt-oss's) join it to other text, which
+/// fails on an undefined value.
 fn template_tools(tools: &[Tool]) -> Vec<Value> {
     tools
         .iter()
         .map(|t| {
-            let mut f = json!({"name": t.name});
-            if let Some(d) = &t.description {
-                f["description"] = json!(d);
-            }
-            f["parameters"] = t.parameters.clone();
+            let f = json!({"name": t.name, "description": t.description.as_deref().unwrap_or(""),
+                           "parameters": t.parameters});
             json!({"type": "function", "function": f})
         })
         .collect()
@@ -941,6 +944,19 @@ impl Running {
                     self.push_events(events, true);
                 }
                 self.push_answer(text, logprobs.take().unwrap_or_default());
+            }
+            Segment::Call { name, arguments } => {
+                let call = ToolCall {
+                    id: crate::tools::new_call_id(),
+                    name,
+                    arguments,
+                };
+                self.shown_calls.push(call.clone());
+                self.pending.push_back(Out::Call {
+                    index: self.calls,
+                    call,
+                });
+                self.calls += 1;
             }
         }
     }

@@ -16,6 +16,7 @@ pub mod doctor;
 pub mod error;
 pub mod forward;
 pub mod generation;
+pub mod harmony;
 pub mod keys;
 pub mod metrics;
 pub mod ollama;

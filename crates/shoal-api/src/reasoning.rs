@@ -1,14 +1,18 @@
 //! A thinking model's reasoning, apart from its answer. Qwen3, DeepSeek R1 and V3.1, GLM 4.5+
 //! and Kimi K2 Thinking write their reasoning between `<think>` and `</think>` before the
 //! answer, or their chat template's generation prompt opens the block and the model only
-//! closes it. [`ReasoningFormat::detect`] tells such a model by its template;
+//! closes it; gpt-oss writes harmony channels instead ([`crate::harmony`]).
+//! [`ReasoningFormat::detect`] tells such a model by its template;
 //! [`Thinking`] is what a request asks (on, off, an effort) and becomes the template's
 //! switches (`enable_thinking`, `thinking`, `reasoning_effort`); [`settle_prompt`] makes a
 //! rendered prompt agree with that for templates without a switch, and says whether the
-//! output starts inside the reasoning; [`ReasoningSplitter`] cuts the output, as it streams,
-//! into reasoning and answer text, holding back only what could still be a tag.
+//! output starts inside the reasoning; [`ReasoningSplitter`] cuts `<think>` output, as it
+//! streams, into reasoning and answer text, holding back only what could still be a tag, and
+//! [`OutputSplitter`] is whichever splitter the model's format needs.
 
 use serde_json::{Map, Value};
+
+use crate::harmony::HarmonySplitter;
 
 /// The tag that opens a reasoning block.
 pub const OPEN: &str = "<think>";
@@ -22,13 +26,17 @@ pub enum ReasoningFormat {
     None,
     /// `<think>...</think>` before the answer.
     ThinkTags,
+    /// gpt-oss's harmony channels (`analysis` before `final`).
+    Harmony,
 }
 
 impl ReasoningFormat {
     /// The format a chat template's model reasons in: a template that handles `</think>` in
     /// the turns it renders belongs to a model that writes it.
     pub fn detect(chat_template: &str) -> ReasoningFormat {
-        if chat_template.contains(CLOSE) {
+        if chat_template.contains("<|channel|>analysis") {
+            ReasoningFormat::Harmony
+        } else if chat_template.contains(CLOSE) {
             ReasoningFormat::ThinkTags
         } else {
             ReasoningFormat::None
@@ -68,8 +76,15 @@ impl Thinking {
             let on = Value::Bool(self.wanted());
             args.insert("enable_thinking".into(), on.clone());
             args.insert("thinking".into(), on);
-            if let Some(e) = &self.effort {
-                args.insert("reasoning_effort".into(), Value::String(e.clone()));
+            match (&self.effort, format) {
+                (Some(e), _) => {
+                    args.insert("reasoning_effort".into(), Value::String(e.clone()));
+                }
+                // gpt-oss always reasons: off is its least effort, and an empty analysis
+                (None, ReasoningFormat::Harmony) if !self.wanted() => {
+                    args.insert("reasoning_effort".into(), Value::String("low".into()));
+                }
+                _ => {}
             }
         }
         args.extend(self.template_args.clone());
@@ -82,8 +97,16 @@ impl Thinking {
 /// is closed, or an empty one written, so the model answers at once. Returns whether the
 /// output starts inside a reasoning block the prompt opened.
 pub fn settle_prompt(text: &mut String, format: ReasoningFormat, wanted: bool) -> bool {
-    if format == ReasoningFormat::None {
-        return false;
+    match format {
+        ReasoningFormat::None => return false,
+        ReasoningFormat::Harmony => {
+            // an empty analysis message: the model goes on in another channel
+            if !wanted && text.trim_end().ends_with("<|start|>assistant") {
+                text.push_str("<|channel|>analysis<|message|><|end|><|start|>assistant");
+            }
+            return false;
+        }
+        ReasoningFormat::ThinkTags => {}
     }
     let tail = text.trim_end();
     if tail.ends_with(OPEN) {
@@ -105,6 +128,62 @@ pub enum Segment {
     Reasoning(String),
     /// Answer text.
     Answer(String),
+    /// A tool call written in the reasoning format's own markup (harmony's).
+    Call {
+        /// The function's name.
+        name: String,
+        /// Its arguments (a JSON object).
+        arguments: Value,
+    },
+}
+
+/// The splitter of a model's reasoning format.
+#[derive(Debug, Clone)]
+pub enum OutputSplitter {
+    /// `<think>` blocks.
+    Think(ReasoningSplitter),
+    /// harmony channels.
+    Harmony(HarmonySplitter),
+}
+
+impl OutputSplitter {
+    /// The splitter for `format` (none for a model that does not reason): `inside` when the
+    /// prompt opened a block, `known_tools` the calls harmony may make.
+    pub fn for_format(format: ReasoningFormat, inside: bool, known_tools: &[&str]) -> Option<Self> {
+        match format {
+            ReasoningFormat::None => None,
+            ReasoningFormat::ThinkTags => {
+                Some(OutputSplitter::Think(ReasoningSplitter::new(inside)))
+            }
+            ReasoningFormat::Harmony => {
+                Some(OutputSplitter::Harmony(HarmonySplitter::new(known_tools)))
+            }
+        }
+    }
+
+    /// Whether the output is inside the reasoning.
+    pub fn in_reasoning(&self) -> bool {
+        match self {
+            OutputSplitter::Think(s) => s.in_reasoning(),
+            OutputSplitter::Harmony(s) => s.in_reasoning(),
+        }
+    }
+
+    /// Feeds the next piece of output; returns what can be released.
+    pub fn push(&mut self, text: &str) -> Vec<Segment> {
+        match self {
+            OutputSplitter::Think(s) => s.push(text),
+            OutputSplitter::Harmony(s) => s.push(text),
+        }
+    }
+
+    /// Ends the output, releasing what was held back.
+    pub fn finish(self) -> Vec<Segment> {
+        match self {
+            OutputSplitter::Think(s) => s.finish(),
+            OutputSplitter::Harmony(s) => s.finish(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -258,6 +337,7 @@ mod tests {
                     r.push_str(&t)
                 }
                 Segment::Answer(t) => a.push_str(&t),
+                Segment::Call { .. } => panic!("no calls in <think> output"),
             }
         }
         (r, a)

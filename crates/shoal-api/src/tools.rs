@@ -96,6 +96,12 @@ const KIMI_ARGS: &str = "<|tool_call_argument_begin|>";
 const KIMI_CALL_END: &str = "<|tool_call_end|>";
 const FENCE: &str = "```";
 
+/// A new, unique call id (`call_` and 24 letters and digits), for calls found outside a
+/// [`ToolStream`].
+pub fn new_call_id() -> String {
+    ToolStream::new(ToolFormat::Generic, &[]).new_id()
+}
+
 /// Byte length of the JSON value at the start of `s` (which starts with `{` or `[`), once
 /// its brackets balance outside strings; `None` while incomplete.
 fn json_end(s: &str) -> Option<usize> {

@@ -646,3 +646,120 @@ fn glm_and_kimi_calls_after_their_reasoning_are_calls() {
         });
     }
 }
+
+/// gpt-oss's harmony output through its real template: the analysis channel is the
+/// reasoning and a commentary message to `functions.NAME` a call, in every API, streamed and
+/// not; with thinking off the prompt ends with an empty analysis message and the effort is
+/// low; the reasoning of a turn sent back is rendered as the template's `thinking`.
+#[test]
+fn gpt_oss_harmony_channels_map_to_each_api() {
+    let name = "openai-gpt-oss-120b.jinja";
+    assert_eq!(
+        ReasoningFormat::detect(&template(name)),
+        ReasoningFormat::Harmony
+    );
+    let replay: Replay = serde_json::from_value(json!({"outputs": [
+        {"thinking": true, "tools": true, "text": "<|channel|>analysis<|message|>Need the weather; call the tool.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}"},
+        {"thinking": true, "tools": false, "text": format!("<|channel|>analysis<|message|>{MATH_REASONING}<|end|><|start|>assistant<|channel|>final<|message|>{MATH_ANSWER}")},
+        {"thinking": false, "text": "<|channel|>final<|message|>391."}
+    ]}))
+    .unwrap();
+    let (_dir, app) = app(name, replay);
+    runtime().block_on(async {
+        let q = json!([{"role": "user", "content": "What is 17 times 23?"}]);
+        let (s, _, b) = send(&app, "POST", "/v1/chat/completions", None, &json!({"model": "thinker", "messages": q})).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        let m = &json_of(&b)["choices"][0]["message"];
+        assert_eq!((m["reasoning_content"].as_str(), m["content"].as_str()), (Some(MATH_REASONING), Some(MATH_ANSWER)), "{b}");
+        let (s, _, b) = send(&app, "POST", "/api/chat", None, &json!({"model": "thinker", "stream": false, "think": "high", "messages": q})).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        assert_eq!(json_of(&b)["message"]["thinking"], MATH_REASONING, "{b}");
+        let (s, _, b) = send(&app, "POST", "/v1/chat/completions", None, &json!({"model": "thinker", "messages": q, "reasoning_effort": "none"})).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        let m = &json_of(&b)["choices"][0]["message"];
+        assert!(m.get("reasoning_content").is_none() && m["content"] == "391.", "{b}");
+
+        for stream in [false, true] {
+            let r = json!({"model": "thinker", "stream": stream, "tools": [weather_tool()],
+                           "messages": [{"role": "user", "content": "Weather in Paris?"}]});
+            let (s, _, b) = send(&app, "POST", "/v1/chat/completions", None, &r).await;
+            assert_eq!(s, StatusCode::OK, "{b}");
+            let (mut reasoning, mut calls, mut finish) = (String::new(), Vec::new(), Value::Null);
+            if stream {
+                for c in sse_data(&b) {
+                    let ch = &c["choices"][0];
+                    reasoning.push_str(ch["delta"]["reasoning_content"].as_str().unwrap_or(""));
+                    calls.extend(ch["delta"]["tool_calls"].as_array().cloned().unwrap_or_default());
+                    if !ch["finish_reason"].is_null() {
+                        finish = ch["finish_reason"].clone();
+                    }
+                }
+            } else {
+                let v = json_of(&b);
+                reasoning = v["choices"][0]["message"]["reasoning_content"].as_str().unwrap_or("").to_string();
+                calls = v["choices"][0]["message"]["tool_calls"].as_array().cloned().unwrap_or_default();
+                finish = v["choices"][0]["finish_reason"].clone();
+            }
+            assert_eq!(reasoning, "Need the weather; call the tool.", "{b}");
+            assert_eq!(calls.len(), 1, "{b}");
+            assert_eq!(json_of(calls[0]["function"]["arguments"].as_str().unwrap()), json!({"city": "Paris"}));
+            assert_eq!(finish, "tool_calls");
+
+            let r = json!({"model": "thinker", "max_tokens": 500, "stream": stream,
+                           "tools": [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+                           "messages": [{"role": "user", "content": "Weather in Paris?"}]});
+            let (s, _, b) = send(&app, "POST", "/v1/messages", None, &r).await;
+            assert_eq!(s, StatusCode::OK, "{b}");
+            if !stream {
+                let v = json_of(&b);
+                let kinds: Vec<&str> = v["content"].as_array().unwrap().iter().map(|c| c["type"].as_str().unwrap()).collect();
+                assert_eq!(kinds, ["thinking", "tool_use"], "{b}");
+                assert_eq!(v["content"][1]["input"], json!({"city": "Paris"}));
+            } else {
+                assert!(b.contains("thinking_delta") && b.contains("\"tool_use\""), "{b}");
+            }
+            let r = json!({"model": "thinker", "stream": stream, "input": "Weather in Paris?",
+                           "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]});
+            let (s, _, b) = send(&app, "POST", "/v1/responses", None, &r).await;
+            assert_eq!(s, StatusCode::OK, "{b}");
+            assert!(b.contains("\"reasoning\"") && b.contains("\"function_call\""), "{b}");
+        }
+
+        // the call and its reasoning sent back: the template renders the reasoning as the
+        // analysis before the call (the prompt grows by it)
+        let turn = |with: bool| {
+            let mut a = json!({"role": "assistant", "content": "",
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]});
+            if with {
+                a["reasoning_content"] = json!("I should look the weather up with the tool.");
+            }
+            json!([{"role": "user", "content": "Weather in Paris?"}, a,
+                   {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
+        };
+        let without = prompt_tokens(&app, turn(false)).await;
+        let with = prompt_tokens(&app, turn(true)).await;
+        assert!(with > without + 20, "{with} vs {without}");
+    });
+    // thinking off: the prompt ends with an empty analysis message, at low effort
+    let dir = tempfile::tempdir().unwrap();
+    let mut model = tiny_model_with_context(dir.path(), 4096);
+    model.set_chat_template(&template(name)).unwrap();
+    let off = Thinking {
+        enabled: Some(false),
+        ..Thinking::default()
+    };
+    let args = off.template_args(ReasoningFormat::Harmony);
+    let mut text = model
+        .render_chat(
+            &[json!({"role": "user", "content": "Hi"})],
+            None,
+            args.as_ref(),
+        )
+        .unwrap();
+    assert!(!settle_prompt(&mut text, ReasoningFormat::Harmony, false));
+    assert!(text.contains("Reasoning: low"), "{text}");
+    assert!(
+        text.ends_with("<|start|>assistant<|channel|>analysis<|message|><|end|><|start|>assistant"),
+        "{text}"
+    );
+}
