@@ -193,7 +193,7 @@ mod tests {
         let mut s = HarmonySplitter::new(&["get_weather"]);
         let mut out: Vec<Segment> = Vec::new();
         let mut rest = text;
-        let mut add = |segs: Vec<Segment>, out: &mut Vec<Segment>| {
+        let add = |segs: Vec<Segment>, out: &mut Vec<Segment>| {
             for seg in segs {
                 match (out.last_mut(), &seg) {
                     (Some(Segment::Reasoning(a)), Segment::Reasoning(b))
