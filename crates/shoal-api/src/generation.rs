@@ -938,14 +938,11 @@ impl Running {
                 None => self.pending.push_back(Out::Reasoning(text)),
             },
             Segment::Answer(text) => {
-                // the reasoning is over: what its parser held back comes first
-                if let Some(p) = self.reasoning_parser.take() {
-                    let events = p.finish();
-                    self.push_events(events, true);
-                }
+                self.end_reasoning();
                 self.push_answer(text, logprobs.take().unwrap_or_default());
             }
             Segment::Call { name, arguments } => {
+                self.end_reasoning();
                 let call = ToolCall {
                     id: crate::tools::new_call_id(),
                     name,
@@ -958,6 +955,14 @@ impl Running {
                 });
                 self.calls += 1;
             }
+        }
+    }
+
+    /// The reasoning is over: what its tool parser held back comes out first.
+    fn end_reasoning(&mut self) {
+        if let Some(p) = self.reasoning_parser.take() {
+            let events = p.finish();
+            self.push_events(events, true);
         }
     }
 

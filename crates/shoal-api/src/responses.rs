@@ -546,16 +546,23 @@ async fn inner(
         return Ok(resp);
     }
     let done = running.collect().await?;
-    let output = Output {
+    let mut output = Output {
         tools,
-        reasoning: (!done.reasoning.is_empty()).then(|| (new_id("rs"), done.reasoning.clone())),
-        message: (!done.text.is_empty()).then(|| (new_id("msg"), done.text.clone())),
-        calls: done
-            .calls
-            .iter()
-            .map(|c| (new_id("fc"), c.clone()))
-            .collect(),
+        items: Vec::new(),
     };
+    if !done.reasoning.is_empty() {
+        output
+            .items
+            .push(Item::Reasoning(new_id("rs"), done.reasoning.clone()));
+    }
+    if !done.text.is_empty() {
+        output
+            .items
+            .push(Item::Message(new_id("msg"), done.text.clone()));
+    }
+    for c in &done.calls {
+        output.items.push(Item::Call(new_id("fc"), c.clone()));
+    }
     let object = response_object(
         &id,
         created,
@@ -583,34 +590,46 @@ fn input_has_reasoning_items(input: Option<&Value>) -> bool {
 /// include (no encrypted reasoning is given), service tiers and background runs.
 const IGNORED_FIELDS: [&str; 4] = ["include", "service_tier", "background", "conversation"];
 
-/// What a response produced: its text (with the item id) and its calls (with theirs), and
-/// the tools the calls map back to.
+/// One item a response produced, with its id.
+enum Item {
+    Reasoning(String, String),
+    Message(String, String),
+    Call(String, ToolCall),
+}
+
+/// What a response produced, its items in order, and the tools the calls map back to.
 #[derive(Default)]
 struct Output {
     tools: ResponseTools,
-    reasoning: Option<(String, String)>,
-    message: Option<(String, String)>,
-    calls: Vec<(String, ToolCall)>,
+    items: Vec<Item>,
 }
 
 impl Output {
     fn items(&self) -> Vec<Value> {
-        let mut items: Vec<Value> = self
-            .reasoning
+        self.items
             .iter()
-            .map(|(id, text)| reasoning_item(id, text, "completed"))
-            .collect();
-        items.extend(
-            self.message
-                .iter()
-                .map(|(id, text)| message_item(id, text, "completed")),
-        );
-        items.extend(
-            self.calls
-                .iter()
-                .map(|(id, c)| self.tools.call_item(id, c, "completed")),
-        );
-        items
+            .map(|i| match i {
+                Item::Reasoning(id, text) => reasoning_item(id, text, "completed"),
+                Item::Message(id, text) => message_item(id, text, "completed"),
+                Item::Call(id, c) => self.tools.call_item(id, c, "completed"),
+            })
+            .collect()
+    }
+
+    /// The response as one assistant turn of the conversation.
+    fn turn(&self) -> Message {
+        let mut reply = Message::text("assistant", "");
+        for i in &self.items {
+            match i {
+                Item::Reasoning(_, text) => reply
+                    .reasoning
+                    .get_or_insert_with(String::new)
+                    .push_str(text),
+                Item::Message(_, text) => reply.content.push_str(text),
+                Item::Call(_, c) => reply.tool_calls.push(c.clone()),
+            }
+        }
+        reply
     }
 }
 
@@ -683,16 +702,7 @@ fn keep(store: Option<(Arc<AppState>, Vec<Message>, String)>, id: &str, output: 
     let Some((state, mut conversation, owner)) = store else {
         return;
     };
-    let mut reply = Message::text(
-        "assistant",
-        output
-            .message
-            .as_ref()
-            .map_or(String::new(), |(_, t)| t.clone()),
-    );
-    reply.tool_calls = output.calls.iter().map(|(_, c)| c.clone()).collect();
-    reply.reasoning = output.reasoning.as_ref().map(|(_, r)| r.clone());
-    conversation.push(reply);
+    conversation.push(output.turn());
     state.responses.put(id.to_string(), conversation, owner);
 }
 
@@ -705,10 +715,8 @@ struct Events {
     echo: Echo,
     seq: u64,
     output: Output,
-    /// Output index of the open text message, if one is open.
+    /// Output index of the open message or reasoning item, if one is open.
     open: Option<usize>,
-    /// Output index of the open reasoning item, if one is open.
-    open_reasoning: Option<usize>,
     store: Option<(Arc<AppState>, Vec<Message>, String)>,
 }
 
@@ -731,69 +739,37 @@ impl Events {
         )
     }
 
-    fn next_index(&self) -> usize {
-        usize::from(self.output.reasoning.is_some())
-            + usize::from(self.output.message.is_some())
-            + self.output.calls.len()
-    }
-
-    fn reasoning(&mut self, delta: String) -> Vec<SseItem> {
+    /// Appends `delta` to the open item when it is a reasoning item (`reasoning`) or a
+    /// message (else), or closes the open one and opens a new one.
+    fn append(&mut self, reasoning: bool, delta: String) -> Vec<SseItem> {
+        if delta.is_empty() {
+            return Vec::new();
+        }
+        let same = self.open.is_some_and(|i| {
+            matches!(
+                (&self.output.items[i], reasoning),
+                (Item::Reasoning(..), true) | (Item::Message(..), false)
+            )
+        });
         let mut items = Vec::new();
-        let index = match self.open_reasoning {
-            Some(i) => i,
-            None => {
-                let i = self.next_index();
+        if !same {
+            items.extend(self.close());
+            let i = self.output.items.len();
+            self.open = Some(i);
+            if reasoning {
                 let rid = new_id("rs");
-                self.output.reasoning = Some((rid.clone(), String::new()));
-                self.open_reasoning = Some(i);
+                self.output
+                    .items
+                    .push(Item::Reasoning(rid.clone(), String::new()));
                 items.push(self.event(
                     "response.output_item.added",
                     json!({"output_index": i, "item": reasoning_item(&rid, "", "in_progress")}),
                 ));
-                i
-            }
-        };
-        let rid = self
-            .output
-            .reasoning
-            .as_ref()
-            .map_or(String::new(), |(r, _)| r.clone());
-        if let Some((_, t)) = self.output.reasoning.as_mut() {
-            t.push_str(&delta);
-        }
-        items.push(self.event(
-            "response.reasoning_text.delta",
-            json!({"item_id": rid, "output_index": index, "content_index": 0, "delta": delta}),
-        ));
-        items
-    }
-
-    fn close_reasoning(&mut self) -> Vec<SseItem> {
-        let Some(i) = self.open_reasoning.take() else {
-            return Vec::new();
-        };
-        let (rid, text) = self.output.reasoning.clone().unwrap_or_default();
-        vec![
-            self.event(
-                "response.reasoning_text.done",
-                json!({"item_id": rid, "output_index": i, "content_index": 0, "text": text}),
-            ),
-            self.event(
-                "response.output_item.done",
-                json!({"output_index": i, "item": reasoning_item(&rid, &text, "completed")}),
-            ),
-        ]
-    }
-
-    fn text(&mut self, delta: String) -> Vec<SseItem> {
-        let mut items = self.close_reasoning();
-        let index = match self.open {
-            Some(i) => i,
-            None => {
-                let i = self.next_index();
+            } else {
                 let mid = new_id("msg");
-                self.output.message = Some((mid.clone(), String::new()));
-                self.open = Some(i);
+                self.output
+                    .items
+                    .push(Item::Message(mid.clone(), String::new()));
                 items.push(self.event(
                     "response.output_item.added",
                     json!({"output_index": i, "item": message_item(&mid, "", "in_progress")}),
@@ -802,49 +778,72 @@ impl Events {
                     "response.content_part.added",
                     json!({"item_id": mid, "output_index": i, "content_index": 0, "part": text_part("")}),
                 ));
-                i
             }
-        };
-        let mid = self
-            .output
-            .message
-            .as_ref()
-            .map_or(String::new(), |(m, _)| m.clone());
-        if let Some((_, t)) = self.output.message.as_mut() {
-            t.push_str(&delta);
         }
+        let Some(i) = self.open else {
+            return items;
+        };
+        let (kind, id) = match &mut self.output.items[i] {
+            Item::Reasoning(id, text) => {
+                text.push_str(&delta);
+                ("response.reasoning_text.delta", id.clone())
+            }
+            Item::Message(id, text) => {
+                text.push_str(&delta);
+                ("response.output_text.delta", id.clone())
+            }
+            Item::Call(..) => return items,
+        };
         items.push(self.event(
-            "response.output_text.delta",
-            json!({"item_id": mid, "output_index": index, "content_index": 0, "delta": delta}),
+            kind,
+            json!({"item_id": id, "output_index": i, "content_index": 0, "delta": delta}),
         ));
         items
     }
 
-    fn close_text(&mut self) -> Vec<SseItem> {
+    /// Closes the open message or reasoning item, if one is open.
+    fn close(&mut self) -> Vec<SseItem> {
         let Some(i) = self.open.take() else {
             return Vec::new();
         };
-        let (mid, text) = self.output.message.clone().unwrap_or_default();
-        vec![
-            self.event(
-                "response.output_text.done",
-                json!({"item_id": mid, "output_index": i, "content_index": 0, "text": text}),
-            ),
-            self.event(
-                "response.content_part.done",
-                json!({"item_id": mid, "output_index": i, "content_index": 0, "part": text_part(&text)}),
-            ),
-            self.event(
-                "response.output_item.done",
-                json!({"output_index": i, "item": message_item(&mid, &text, "completed")}),
-            ),
-        ]
+        match &self.output.items[i] {
+            Item::Reasoning(rid, text) => {
+                let (rid, text) = (rid.clone(), text.clone());
+                vec![
+                    self.event(
+                        "response.reasoning_text.done",
+                        json!({"item_id": rid, "output_index": i, "content_index": 0, "text": text}),
+                    ),
+                    self.event(
+                        "response.output_item.done",
+                        json!({"output_index": i, "item": reasoning_item(&rid, &text, "completed")}),
+                    ),
+                ]
+            }
+            Item::Message(mid, text) => {
+                let (mid, text) = (mid.clone(), text.clone());
+                vec![
+                    self.event(
+                        "response.output_text.done",
+                        json!({"item_id": mid, "output_index": i, "content_index": 0, "text": text}),
+                    ),
+                    self.event(
+                        "response.content_part.done",
+                        json!({"item_id": mid, "output_index": i, "content_index": 0, "part": text_part(&text)}),
+                    ),
+                    self.event(
+                        "response.output_item.done",
+                        json!({"output_index": i, "item": message_item(&mid, &text, "completed")}),
+                    ),
+                ]
+            }
+            Item::Call(..) => Vec::new(),
+        }
     }
 
     fn call(&mut self, call: ToolCall) -> Vec<SseItem> {
-        let mut items = self.close_reasoning();
-        items.extend(self.close_text());
-        let i = self.next_index();
+        let mut items = self.close();
+        let i = self.output.items.len();
         let custom = self.output.tools.is_custom(&call.name);
         let fid = new_id(if custom { "ctc" } else { "fc" });
         let (delta_kind, done_kind, done_field, args) = if custom {
@@ -880,13 +879,12 @@ impl Events {
             "response.output_item.done",
             json!({"output_index": i, "item": done}),
         ));
-        self.output.calls.push((fid, call));
+        self.output.items.push(Item::Call(fid, call));
         items
     }
 
     fn finish(&mut self, reason: Finish, usage: Usage) -> Vec<SseItem> {
-        let mut items = self.close_reasoning();
-        items.extend(self.close_text());
+        let mut items = self.close();
         let object = self.object("completed", Some((reason, usage)));
         let kind = if reason == Finish::Length {
             "response.incomplete"
@@ -923,7 +921,6 @@ fn stream_response(
             ..Output::default()
         },
         open: None,
-        open_reasoning: None,
         store,
     };
     let first = vec![
@@ -937,8 +934,8 @@ fn stream_response(
         },
     ];
     let s = running.stream_with(first, move |out| match out {
-        Out::Text { text, .. } => ev.text(text),
-        Out::Reasoning(text) => ev.reasoning(text),
+        Out::Text { text, .. } => ev.append(false, text),
+        Out::Reasoning(text) => ev.append(true, text),
         Out::Call { call, .. } => ev.call(call),
         Out::Finished { reason, usage, .. } => ev.finish(reason, usage),
         Out::Failed(msg) => ev.failed(msg),

@@ -99,7 +99,24 @@ const FENCE: &str = "```";
 /// A new, unique call id (`call_` and 24 letters and digits), for calls found outside a
 /// [`ToolStream`].
 pub fn new_call_id() -> String {
-    ToolStream::new(ToolFormat::Generic, &[]).new_id()
+    call_id(rand::random(), 0)
+}
+
+/// The id of call `index` of a message whose calls are numbered from `seed`: splitmix64 over
+/// the seed and the index, unique within a message.
+fn call_id(seed: u64, index: usize) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut x = seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut id = String::from("call_");
+    for _ in 0..24 {
+        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        id.push(ALPHABET[(z % ALPHABET.len() as u64) as usize] as char);
+    }
+    id
 }
 
 /// Byte length of the JSON value at the start of `s` (which starts with `{` or `[`), once
@@ -252,20 +269,8 @@ impl ToolStream {
         out
     }
 
-    fn new_id(&mut self) -> String {
-        const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
-        // splitmix64 over the seed and the call's index: unique within a message
-        let mut x = self.id_seed ^ (self.calls as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let mut id = String::from("call_");
-        for _ in 0..24 {
-            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            id.push(ALPHABET[(z % ALPHABET.len() as u64) as usize] as char);
-        }
-        id
+    fn new_id(&self) -> String {
+        call_id(self.id_seed, self.calls)
     }
 
     fn emit_calls(&mut self, calls: Vec<(String, Value)>, out: &mut Vec<StreamEvent>) {

@@ -763,3 +763,38 @@ fn gpt_oss_harmony_channels_map_to_each_api() {
         "{text}"
     );
 }
+
+/// Reasoning that goes on after a call, then an answer: the Responses API streams each as
+/// its own item, numbered in order, and the completed response lists the same items in the
+/// same order (nothing overwritten).
+#[test]
+fn responses_items_keep_their_order_when_reasoning_resumes_after_a_call() {
+    let replay: Replay = serde_json::from_value(json!({"outputs": [{"text":
+        "<think>\nFirst the weather.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>\nThen I answer.\n</think>\n\nChecking Oslo."}]}))
+    .unwrap();
+    let (_dir, app) = app("Qwen-Qwen3-0.6B.jinja", replay);
+    runtime().block_on(async {
+        let r = json!({"model": "thinker", "stream": true, "input": "Weather in Oslo?",
+                       "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]});
+        let (s, _, b) = send(&app, "POST", "/v1/responses", None, &r).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        let events = sse_data(&b);
+        let added: Vec<(u64, String)> = events
+            .iter()
+            .filter(|e| e["type"] == "response.output_item.added")
+            .map(|e| (e["output_index"].as_u64().unwrap(), e["item"]["type"].as_str().unwrap().to_string()))
+            .collect();
+        assert_eq!(
+            added,
+            [(0, "reasoning".into()), (1, "function_call".into()), (2, "reasoning".into()), (3, "message".into())],
+            "{b}"
+        );
+        let done = events.iter().find(|e| e["type"] == "response.completed").expect("completed");
+        let output = done["response"]["output"].as_array().unwrap();
+        let kinds: Vec<&str> = output.iter().map(|o| o["type"].as_str().unwrap()).collect();
+        assert_eq!(kinds, ["reasoning", "function_call", "reasoning", "message"]);
+        assert_eq!(output[0]["content"][0]["text"].as_str().unwrap().trim(), "First the weather.");
+        assert_eq!(output[2]["content"][0]["text"].as_str().unwrap().trim(), "Then I answer.");
+        assert_eq!(output[3]["content"][0]["text"], "Checking Oslo.");
+    });
+}
