@@ -308,8 +308,8 @@ fn tool_choice(v: Option<Value>) -> Result<ToolChoice, ApiError> {
 }
 
 /// Anthropic's `thinking` setting (`enabled` with a budget, `adaptive`, `disabled`) and
-/// `output_config.effort` as thinking settings. The budget is not enforced (noted in
-/// `declined`); a type this server does not know is declined and thinking left as it is.
+/// `output_config.effort` as thinking settings; a type this server does not know is
+/// declined and thinking left as it is.
 fn thinking_of(
     thinking: Option<&Value>,
     effort: Option<&Value>,
@@ -320,9 +320,15 @@ fn thinking_of(
         match v.get("type").and_then(Value::as_str) {
             Some("enabled") => {
                 t.enabled = Some(true);
-                if v.get("budget_tokens").is_some() {
-                    declined.ignore("thinking.budget_tokens");
-                }
+                t.budget = match v.get("budget_tokens") {
+                    None | Some(Value::Null) => None,
+                    Some(b) => Some(b.as_u64().filter(|&b| b > 0).ok_or_else(|| {
+                        ApiError::invalid_param(
+                            "thinking.budget_tokens",
+                            "budget_tokens must be a positive integer",
+                        )
+                    })? as usize),
+                };
             }
             Some("adaptive") => t.enabled = Some(true),
             Some("disabled") => t.enabled = Some(false),
@@ -429,6 +435,7 @@ async fn messages_route(
             }
         }
     }
+    let budget = req.thinking.budget.is_some();
     let reasoning_sent = match &req.input {
         Input::Chat { messages, .. } => messages.iter().any(|m| m.reasoning.is_some()),
         Input::Text(_) => false,
@@ -444,6 +451,9 @@ async fn messages_route(
                 declined.ignore(field);
             }
         }
+    } else if running.model.reasoning != ReasoningFormat::ThinkTags && budget {
+        // harmony's reasoning is held by its effort, not a count
+        declined.ignore("thinking.budget_tokens");
     }
     let id = msg_id();
     let model = running.model.id.clone();

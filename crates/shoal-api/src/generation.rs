@@ -564,6 +564,7 @@ fn prepare(
         prompt,
         max_tokens,
         sampling,
+        in_reasoning,
     };
     let (rx, ticket) = submitted.submit(&served, Vec::new())?;
     state.metrics.prompt(&served.id, prompt_tokens);
@@ -745,6 +746,8 @@ struct Submitted {
     prompt: Vec<u32>,
     max_tokens: usize,
     sampling: SamplerConfig,
+    /// Whether the prompt opened a reasoning block.
+    in_reasoning: bool,
 }
 
 impl Submitted {
@@ -761,7 +764,7 @@ impl Submitted {
             // drawn from a stream of its own, the same for the same seed and position
             sampler.seed = sampler.seed.wrapping_add(resume.len() as u64);
         }
-        let constraint = constraint_for(served, &self.req)?;
+        let constraint = constraint_for(served, &self.req, self.in_reasoning)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let sink = Box::new(move |ev: Event| tx.send(ev).is_ok());
         let ticket = served
@@ -857,13 +860,18 @@ fn resume_decision(
 /// The constraint enforcing `req`'s output format or forced tool call, if any.
 ///
 /// A model serving recorded outputs ([`crate::replay`]) is held to the one recorded for the
-/// request instead.
+/// request instead. Otherwise, for a thinking model asked for a reasoning budget, the budget
+/// (`in_reasoning`: the prompt opened the block).
 fn constraint_for(
     served: &ServedModel,
     req: &GenRequest,
+    in_reasoning: bool,
 ) -> Result<Option<Box<dyn TokenConstraint>>, ApiError> {
     let Some(replay) = &served.replay else {
-        return crate::constrain::for_request(served, req);
+        if let Some(c) = crate::constrain::for_request(served, req)? {
+            return Ok(Some(c));
+        }
+        return budget_for(served, req, in_reasoning);
     };
     let thinking = served.reasoning != ReasoningFormat::None && req.thinking_for_prompt().wanted();
     let text = replay
@@ -883,6 +891,34 @@ fn constraint_for(
         .map_err(|e| ApiError::internal(format!("cannot tokenize the recorded output: {e}")))?;
     ids.extend(tok.eos_id());
     Ok(Some(Box::new(crate::replay::ReplayConstraint::new(ids))))
+}
+
+/// The reasoning budget of `req`, when it asks for one and the model reasons in `<think>`
+/// blocks with thinking on.
+fn budget_for(
+    served: &ServedModel,
+    req: &GenRequest,
+    in_reasoning: bool,
+) -> Result<Option<Box<dyn TokenConstraint>>, ApiError> {
+    let Some(budget) = req.thinking.budget else {
+        return Ok(None);
+    };
+    if served.reasoning != ReasoningFormat::ThinkTags || !req.thinking_for_prompt().wanted() {
+        return Ok(None);
+    }
+    let tok = &served.model().tokenizer;
+    let ids = |text: &str| {
+        tok.encode(text, false, true)
+            .map_err(|e| ApiError::internal(format!("cannot tokenize {text:?}: {e}")))
+    };
+    let (open, close) = (crate::reasoning::OPEN, crate::reasoning::CLOSE);
+    Ok(Some(Box::new(crate::reasoning::ReasoningBudget::new(
+        budget,
+        in_reasoning,
+        ids(open)?,
+        ids(close)?,
+        ids(&format!("\n{close}\n\n"))?,
+    ))))
 }
 
 impl Running {

@@ -1,7 +1,7 @@
 //! OpenAI-compatible routes: `POST /v1/chat/completions` (streaming server-sent events and
 //! not; tools, `tool_choice`, streamed tool-call deltas, `response_format`, logprobs, usage;
 //! a thinking model's reasoning as `reasoning_content`, switched by `reasoning_effort`,
-//! `enable_thinking` or `chat_template_kwargs`),
+//! `enable_thinking` or `chat_template_kwargs` and held to `thinking_budget` tokens),
 //! `POST /v1/completions` and `GET /v1/models`, with OpenAI's field names, defaults and error
 //! shape.
 
@@ -148,6 +148,9 @@ struct ChatRequest {
     enable_thinking: Option<bool>,
     #[serde(default)]
     chat_template_kwargs: Option<Value>,
+    /// Most reasoning tokens (the name Qwen's own API gives it).
+    #[serde(default)]
+    thinking_budget: Option<u64>,
 }
 
 /// What a request asks about thinking: OpenAI's `reasoning_effort` (`none` turns it off, a
@@ -535,6 +538,7 @@ async fn chat_inner(
         r.enable_thinking,
         r.chat_template_kwargs,
     )?;
+    req.thinking.budget = r.thinking_budget.map(|b| b as usize);
     req.max_tokens = r
         .max_completion_tokens
         .or(r.max_tokens)
@@ -571,6 +575,7 @@ async fn chat_inner(
         for (field, given) in [
             ("reasoning_effort", r.reasoning_effort.is_some()),
             ("enable_thinking", r.enable_thinking.is_some()),
+            ("thinking_budget", r.thinking_budget.is_some()),
         ] {
             if given {
                 declined.ignore(field);

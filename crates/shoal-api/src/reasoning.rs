@@ -8,9 +8,15 @@
 //! rendered prompt agree with that for templates without a switch, and says whether the
 //! output starts inside the reasoning; [`ReasoningSplitter`] cuts `<think>` output, as it
 //! streams, into reasoning and answer text, holding back only what could still be a tag, and
-//! [`OutputSplitter`] is whichever splitter the model's format needs.
+//! [`OutputSplitter`] is whichever splitter the model's format needs. [`ReasoningBudget`]
+//! holds `<think>` reasoning to a number of tokens (Anthropic's `budget_tokens`), closing the
+//! block for the model when they are spent.
+
+use std::collections::VecDeque;
 
 use serde_json::{Map, Value};
+use shoal_engine::scheduler::TokenConstraint;
+use shoal_engine::EngineError;
 
 use crate::harmony::HarmonySplitter;
 
@@ -54,6 +60,8 @@ pub struct Thinking {
     /// Keyword arguments the client gave the template itself (`chat_template_kwargs`); they
     /// win over the switches derived from `enabled`.
     pub template_args: Map<String, Value>,
+    /// Most tokens of reasoning (see [`ReasoningBudget`]).
+    pub budget: Option<usize>,
 }
 
 impl Thinking {
@@ -119,6 +127,123 @@ pub fn settle_prompt(text: &mut String, format: ReasoningFormat, wanted: bool) -
         text.push_str(CLOSE);
     }
     false
+}
+
+/// Where a [`ReasoningBudget`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Budget {
+    /// Waiting for the model to open a block (within its first tokens).
+    Before,
+    /// Inside the block, counting.
+    Counting,
+    /// Spent: writing the closing tokens, this many done.
+    Closing(usize),
+    /// The block is over (or never opened): nothing more to do.
+    Over,
+}
+
+/// Tokens a model has to open a reasoning block before a budget stops watching for one.
+const OPEN_WITHIN: usize = 8;
+
+/// Holds `<think>` reasoning to `budget` tokens: it counts the tokens inside the block (from
+/// the start when the prompt opened it, else from the model's own opening tag) and, when they
+/// are spent before the model closed the block, allows only the tokens that close it, then
+/// everything again. Closing and opening tags are recognised as their tokens (`</think>` is
+/// one special token in the families that use it).
+#[derive(Debug)]
+pub struct ReasoningBudget {
+    state: Budget,
+    left: usize,
+    open: Vec<u32>,
+    close: Vec<u32>,
+    /// What is written for the model when the budget is spent (`\n</think>\n\n`).
+    closing: Vec<u32>,
+    recent: VecDeque<u32>,
+    seen: usize,
+}
+
+impl ReasoningBudget {
+    /// A budget of `budget` tokens for output that starts inside a block (`inside`) or may
+    /// open one; `open`, `close` and `closing` are the tokens of `<think>`, `</think>` and
+    /// what closes the block when the budget is spent.
+    pub fn new(
+        budget: usize,
+        inside: bool,
+        open: Vec<u32>,
+        close: Vec<u32>,
+        closing: Vec<u32>,
+    ) -> Self {
+        ReasoningBudget {
+            state: if inside {
+                Budget::Counting
+            } else {
+                Budget::Before
+            },
+            left: budget,
+            open,
+            close,
+            closing,
+            recent: VecDeque::new(),
+            seen: 0,
+        }
+    }
+
+    fn ends_with(&self, tag: &[u32]) -> bool {
+        !tag.is_empty()
+            && self.recent.len() >= tag.len()
+            && self
+                .recent
+                .iter()
+                .skip(self.recent.len() - tag.len())
+                .eq(tag.iter())
+    }
+}
+
+impl TokenConstraint for ReasoningBudget {
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), EngineError> {
+        if self.state == Budget::Counting && self.left == 0 {
+            self.state = Budget::Closing(0);
+        }
+        if let Budget::Closing(i) = self.state {
+            let want = self.closing[i] as usize;
+            if want >= logits.len() {
+                self.state = Budget::Over;
+                return Ok(());
+            }
+            for (t, l) in logits.iter_mut().enumerate() {
+                if t != want {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn commit(&mut self, token: u32) -> Result<(), EngineError> {
+        self.seen += 1;
+        self.recent.push_back(token);
+        let keep = self.open.len().max(self.close.len());
+        while self.recent.len() > keep {
+            self.recent.pop_front();
+        }
+        self.state = match self.state {
+            Budget::Before if self.ends_with(&self.open) => Budget::Counting,
+            Budget::Before if self.seen >= OPEN_WITHIN => Budget::Over,
+            Budget::Counting if self.ends_with(&self.close) => Budget::Over,
+            Budget::Counting => {
+                self.left = self.left.saturating_sub(1);
+                Budget::Counting
+            }
+            Budget::Closing(i) if i + 1 >= self.closing.len() => Budget::Over,
+            Budget::Closing(i) => Budget::Closing(i + 1),
+            s => s,
+        };
+        Ok(())
+    }
+
+    fn is_finished(&self) -> bool {
+        false
+    }
 }
 
 /// A piece of output, sorted.
@@ -441,6 +566,47 @@ mod tests {
             client.template_args(ReasoningFormat::None),
             Some(json!({"enable_thinking": false}))
         );
+    }
+
+    #[test]
+    fn a_spent_budget_closes_the_block_and_then_lets_everything_through() {
+        // tokens: 1 = <think>, 2 = </think>, 3 = "\n", 4.. = words
+        let allowed = |b: &mut ReasoningBudget| {
+            let mut l = [0.0f32; 10];
+            b.mask(&mut l).unwrap();
+            l.iter()
+                .enumerate()
+                .filter(|(_, v)| v.is_finite())
+                .map(|(i, _)| i as u32)
+                .collect::<Vec<_>>()
+        };
+        let mut b = ReasoningBudget::new(3, false, vec![1], vec![2], vec![3, 2, 3]);
+        for t in [1, 5, 6] {
+            assert_eq!(allowed(&mut b).len(), 10);
+            b.commit(t).unwrap();
+        }
+        assert_eq!(allowed(&mut b).len(), 10, "one token left");
+        b.commit(7).unwrap();
+        for want in [3, 2, 3] {
+            assert_eq!(allowed(&mut b), [want]);
+            b.commit(want).unwrap();
+        }
+        assert_eq!(allowed(&mut b).len(), 10, "the answer is free");
+        // a model that closes the block itself in time is never held
+        let mut b = ReasoningBudget::new(2, true, vec![1], vec![2], vec![3, 2, 3]);
+        b.commit(5).unwrap();
+        b.commit(2).unwrap();
+        for t in [5, 6, 7, 8] {
+            assert_eq!(allowed(&mut b).len(), 10);
+            b.commit(t).unwrap();
+        }
+        // a model that answers without a block is never held
+        let mut b = ReasoningBudget::new(1, false, vec![1], vec![2], vec![3, 2, 3]);
+        for t in 0..20 {
+            assert_eq!(allowed(&mut b).len(), 10);
+            b.commit(4 + t % 5).unwrap();
+        }
+        assert!(!b.is_finished());
     }
 
     #[test]
