@@ -1,7 +1,9 @@
 //! `shoal chat MODEL`: an interactive multi-turn conversation in the terminal. Each turn
 //! re-renders the whole conversation through the chat template and generates through the
 //! scheduler `shoal serve` uses (one slot), which keeps the last turn's KV cache and runs
-//! only the tokens after the part it already holds.
+//! only the tokens after the part it already holds. A thinking model's reasoning goes to
+//! stderr apart from its answer, and back to the template with its turn as the template
+//! expects it (`reasoning_content`).
 
 use std::io::{BufRead, Write};
 use std::sync::Arc;
@@ -29,6 +31,9 @@ pub struct ChatArgs {
     /// API key for --url (when the node has keys).
     #[arg(long, env = "SHOAL_API_KEY", hide_env_values = true)]
     pub key: Option<String>,
+    /// A thinking model answers at once, without reasoning first.
+    #[arg(long)]
+    pub no_think: bool,
 }
 
 pub fn main(args: ChatArgs) -> anyhow::Result<()> {
@@ -56,7 +61,9 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
         model.clone(),
         SchedulerConfig {
             max_batch: 1,
-            max_queue: 0,
+            // the last turn's slot is given back just after its end is reported: the next
+            // turn waits for it instead of finding the model busy
+            max_queue: 1,
             ctx,
             prefix_cache: true,
             draft_max: 0,
@@ -89,7 +96,7 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
             _ => {}
         }
         messages.push(serde_json::json!({"role": "user", "content": text}));
-        let prompt = model.chat_prompt(&messages, None)?;
+        let (prompt, splitter) = crate::run::chat_prompt(&model, &messages, !args.no_think)?;
         if prompt.is_empty() {
             anyhow::bail!("the chat template rendered an empty prompt");
         }
@@ -100,14 +107,15 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
         }
         let request = args.sampling.request(&model, prompt, 0.7)?;
         let mut stdout = std::io::stdout().lock();
-        let done = scheduler.generate(request, &mut |t| {
-            stdout
-                .write_all(t.as_bytes())
-                .and_then(|_| stdout.flush())
-                .is_ok()
-        })?;
+        let mut output = crate::run::Output::new(splitter);
+        scheduler.generate(request, &mut |t| output.push(&mut stdout, t).is_ok())?;
+        output.finish(&mut stdout)?;
         writeln!(stdout)?;
-        messages.push(serde_json::json!({"role": "assistant", "content": done.text}));
+        let mut turn = serde_json::json!({"role": "assistant", "content": output.answer});
+        if !output.reasoning.is_empty() {
+            turn["reasoning_content"] = serde_json::json!(output.reasoning);
+        }
+        messages.push(turn);
     }
     Ok(())
 }

@@ -207,39 +207,64 @@ impl RunArgs {
             messages.push(serde_json::json!({"role": "system", "content": s}));
         }
         messages.push(serde_json::json!({"role": "user", "content": self.prompt}));
-        let format = ReasoningFormat::detect(
-            model
-                .chat_template
-                .as_ref()
-                .map(|t| t.source())
-                .unwrap_or(""),
-        );
-        let thinking = Thinking {
-            enabled: Some(!self.no_think),
-            ..Thinking::default()
-        };
-        let args = thinking.template_args(format);
-        let mut text = model.render_chat(&messages, None, args.as_ref())?;
-        let inside = settle_prompt(&mut text, format, thinking.wanted());
-        let tokens = model.tokenize_chat(&text, &[])?.unwrap_or_default();
-        Ok((tokens, OutputSplitter::for_format(format, inside, &[])))
+        chat_prompt(model, &messages, !self.no_think)
     }
 }
 
+/// The prompt tokens of `messages` (OpenAI-style JSON) through `model`'s chat template, with
+/// thinking on or off (`think`), and for a thinking model the splitter of its output.
+pub(crate) fn chat_prompt(
+    model: &LoadedModel,
+    messages: &[serde_json::Value],
+    think: bool,
+) -> anyhow::Result<(Vec<u32>, Option<OutputSplitter>)> {
+    let format = ReasoningFormat::detect(
+        model
+            .chat_template
+            .as_ref()
+            .map(|t| t.source())
+            .unwrap_or(""),
+    );
+    let thinking = Thinking {
+        enabled: Some(think),
+        ..Thinking::default()
+    };
+    let args = thinking.template_args(format);
+    let mut text = model.render_chat(messages, None, args.as_ref())?;
+    let inside = settle_prompt(&mut text, format, thinking.wanted());
+    let tokens = model.tokenize_chat(&text, &[])?.unwrap_or_default();
+    Ok((tokens, OutputSplitter::for_format(format, inside, &[])))
+}
+
 /// Writes a thinking model's output: reasoning to stderr (dimmed on a terminal), the answer
-/// to stdout.
-struct Output {
+/// to stdout; keeps both.
+pub(crate) struct Output {
     splitter: Option<OutputSplitter>,
     dim: bool,
     reasoned: bool,
+    /// The answer and the reasoning written so far.
+    pub(crate) answer: String,
+    pub(crate) reasoning: String,
 }
 
 impl Output {
+    /// Output for a model whose output `splitter` sorts (none: all of it is the answer).
+    pub(crate) fn new(splitter: Option<OutputSplitter>) -> Self {
+        Output {
+            splitter,
+            dim: std::io::stderr().is_terminal(),
+            reasoned: false,
+            answer: String::new(),
+            reasoning: String::new(),
+        }
+    }
+
     fn write(&mut self, out: &mut impl Write, segments: Vec<Segment>) -> std::io::Result<()> {
         for seg in segments {
             match seg {
                 Segment::Reasoning(t) => {
                     self.reasoned = true;
+                    self.reasoning.push_str(&t);
                     let mut err = std::io::stderr().lock();
                     if self.dim {
                         write!(err, "\x1b[2m{t}\x1b[0m")?;
@@ -251,6 +276,7 @@ impl Output {
                     if std::mem::take(&mut self.reasoned) {
                         eprintln!();
                     }
+                    self.answer.push_str(&t);
                     out.write_all(t.as_bytes())?;
                 }
                 Segment::Call { name, arguments } => {
@@ -262,9 +288,12 @@ impl Output {
     }
 
     /// Writes `text` as it comes.
-    fn push(&mut self, out: &mut impl Write, text: &str) -> std::io::Result<()> {
+    pub(crate) fn push(&mut self, out: &mut impl Write, text: &str) -> std::io::Result<()> {
         match &mut self.splitter {
-            None => out.write_all(text.as_bytes()).and_then(|_| out.flush()),
+            None => {
+                self.answer.push_str(text);
+                out.write_all(text.as_bytes()).and_then(|_| out.flush())
+            }
             Some(s) => {
                 let segs = s.push(text);
                 self.write(out, segs)
@@ -273,7 +302,7 @@ impl Output {
     }
 
     /// Writes what the splitter held back.
-    fn finish(&mut self, out: &mut impl Write) -> std::io::Result<()> {
+    pub(crate) fn finish(&mut self, out: &mut impl Write) -> std::io::Result<()> {
         match self.splitter.take() {
             Some(s) => {
                 self.write(out, s.finish())?;
@@ -298,11 +327,7 @@ fn answer(
     ranks: usize,
 ) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
-    let mut output = Output {
-        splitter,
-        dim: std::io::stderr().is_terminal(),
-        reasoned: false,
-    };
+    let mut output = Output::new(splitter);
     let mut write_err = None;
     let done = scheduler.generate(request, &mut |text| match output.push(&mut stdout, text) {
         Ok(()) => true,
@@ -458,11 +483,11 @@ mod tests {
 
     #[test]
     fn a_thinking_models_answer_alone_goes_to_stdout() {
-        let mut out = Output {
-            splitter: OutputSplitter::for_format(ReasoningFormat::ThinkTags, false, &[]),
-            dim: false,
-            reasoned: false,
-        };
+        let mut out = Output::new(OutputSplitter::for_format(
+            ReasoningFormat::ThinkTags,
+            false,
+            &[],
+        ));
         let mut stdout = Vec::new();
         for piece in [
             "<thi",
@@ -475,11 +500,11 @@ mod tests {
         }
         out.finish(&mut stdout).unwrap();
         assert_eq!(String::from_utf8(stdout).unwrap(), "It is 4.");
-        let mut plain = Output {
-            splitter: None,
-            dim: false,
-            reasoned: false,
-        };
+        assert_eq!(
+            (out.reasoning.as_str(), out.answer.as_str()),
+            ("Two and two is four.", "It is 4.")
+        );
+        let mut plain = Output::new(None);
         let mut stdout = Vec::new();
         plain.push(&mut stdout, "<think>as is").unwrap();
         plain.finish(&mut stdout).unwrap();
