@@ -42,7 +42,13 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
             url: url.clone(),
             key: args.key.clone(),
         };
-        return crate::remote::chat(&client, &args.model, args.system.as_deref(), &args.sampling);
+        return crate::remote::chat(
+            &client,
+            &args.model,
+            args.system.as_deref(),
+            !args.no_think,
+            &args.sampling,
+        );
     }
     args.compute.apply()?;
     crate::rank_device(0, 1)?;

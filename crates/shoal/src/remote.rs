@@ -2,9 +2,10 @@
 //! (`shoal serve`) through its OpenAI-compatible API instead of a model loaded here. The
 //! sampling options travel as request fields (vLLM's `top_k`, `min_p`,
 //! `repetition_penalty` and `ignore_eos` beside OpenAI's own), text streams to stdout as it
-//! arrives, statistics go to stderr.
+//! arrives, a thinking model's reasoning (`reasoning_content`) to stderr, statistics go to
+//! stderr.
 
-use std::io::{BufRead, Write};
+use std::io::{BufRead, IsTerminal, Write};
 use std::time::Instant;
 
 use serde_json::{json, Value};
@@ -15,6 +16,7 @@ use crate::run::SamplingArgs;
 /// What one streamed answer cost.
 struct Answer {
     text: String,
+    reasoning: String,
     prompt_tokens: u64,
     completion_tokens: u64,
     first: Option<f64>,
@@ -54,19 +56,35 @@ fn stream(client: &Client, path: &str, body: &Value, chat: bool) -> anyhow::Resu
     let reader = client.post_stream(path, body)?.into_reader();
     let mut out = Answer {
         text: String::new(),
+        reasoning: String::new(),
         prompt_tokens: 0,
         completion_tokens: 0,
         first: None,
         total: 0.0,
     };
     let mut stdout = std::io::stdout().lock();
+    let dim = std::io::stderr().is_terminal();
     for_each_event(reader, |v| {
+        let reasoning = v["choices"][0]["delta"]["reasoning_content"].as_str();
+        if let Some(r) = reasoning.filter(|r| chat && !r.is_empty()) {
+            out.first.get_or_insert(t0.elapsed().as_secs_f64());
+            let mut err = std::io::stderr().lock();
+            if dim {
+                write!(err, "\x1b[2m{r}\x1b[0m")?;
+            } else {
+                err.write_all(r.as_bytes())?;
+            }
+            out.reasoning.push_str(r);
+        }
         let piece = if chat {
             v["choices"][0]["delta"]["content"].as_str()
         } else {
             v["choices"][0]["text"].as_str()
         };
         if let Some(p) = piece.filter(|p| !p.is_empty()) {
+            if out.text.is_empty() && !out.reasoning.is_empty() {
+                eprintln!();
+            }
             out.first.get_or_insert(t0.elapsed().as_secs_f64());
             stdout.write_all(p.as_bytes())?;
             stdout.flush()?;
@@ -112,6 +130,7 @@ pub fn run(
     prompt: &str,
     system: Option<&str>,
     raw: bool,
+    think: bool,
     sampling: &SamplingArgs,
 ) -> anyhow::Result<()> {
     let c = Client::new(client);
@@ -129,6 +148,9 @@ pub fn run(
         )
     };
     sampling_fields(sampling, &mut body)?;
+    if !think && !raw {
+        body["reasoning_effort"] = json!("none");
+    }
     let a = stream(&c, path, &body, !raw)?;
     if !raw {
         println!();
@@ -142,6 +164,7 @@ pub fn chat(
     client: &ClientArgs,
     model: &str,
     system: Option<&str>,
+    think: bool,
     sampling: &SamplingArgs,
 ) -> anyhow::Result<()> {
     let c = Client::new(client);
@@ -171,10 +194,17 @@ pub fn chat(
         }
         let mut body = json!({"model": model, "messages": messages});
         sampling_fields(sampling, &mut body)?;
+        if !think {
+            body["reasoning_effort"] = json!("none");
+        }
         match stream(&c, "/v1/chat/completions", &body, true) {
             Ok(a) => {
                 println!();
-                messages.push(json!({"role": "assistant", "content": a.text}));
+                let mut turn = json!({"role": "assistant", "content": a.text});
+                if !a.reasoning.is_empty() {
+                    turn["reasoning_content"] = json!(a.reasoning);
+                }
+                messages.push(turn);
             }
             Err(e) => {
                 messages.pop();

@@ -445,6 +445,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<()> {
             &args.prompt,
             args.system.as_deref(),
             args.raw,
+            !args.no_think,
             &args.sampling,
         );
     }
