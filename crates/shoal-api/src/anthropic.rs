@@ -4,12 +4,13 @@
 //! none), `stop_sequences`, `stop_reason`, and the streaming event sequence
 //! (`message_start`, `content_block_*`, `message_delta`, `message_stop`), with Anthropic's
 //! error shape. Keys may come as `x-api-key`. A thinking model's reasoning comes as `thinking`
-//! blocks (streamed as `thinking_delta`s), `thinking` (enabled, adaptive or disabled) and
-//! `output_config.effort` switch it, and the thinking blocks of earlier turns go back to
-//! the template as their reasoning. What a text-only local model cannot use is declined, not
-//! refused ([`crate::declined`]): hosted tools, thinking for a model that does not reason,
-//! the thinking budget, `context_management`, images and documents (each replaced by a note
-//! saying it was left out).
+//! blocks (streamed as `thinking_delta`s), `thinking` (enabled with its budget held,
+//! adaptive or disabled) and `output_config.effort` switch it, and the thinking blocks of
+//! earlier turns go back to the template as their reasoning. What a text-only local model
+//! cannot use is declined, not refused ([`crate::declined`]): hosted tools, thinking for a
+//! model that does not reason (and a budget for one that reasons by effort, gpt-oss),
+//! `context_management`, images and documents (each replaced by a note saying it was left
+//! out).
 
 use std::convert::Infallible;
 use std::sync::Arc;

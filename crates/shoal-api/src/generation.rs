@@ -565,6 +565,9 @@ fn prepare(
         max_tokens,
         sampling,
         in_reasoning,
+        // reasoning and tool-call markers are control tokens in some families (gpt-oss's
+        // channels, Kimi K2's call sections): their parsers must see them
+        special_text: splitter.is_some() || parser.is_some(),
     };
     let (rx, ticket) = submitted.submit(&served, Vec::new())?;
     state.metrics.prompt(&served.id, prompt_tokens);
@@ -748,6 +751,8 @@ struct Submitted {
     sampling: SamplerConfig,
     /// Whether the prompt opened a reasoning block.
     in_reasoning: bool,
+    /// Whether control tokens' text goes into the output (the parsers read markup).
+    special_text: bool,
 }
 
 impl Submitted {
@@ -780,6 +785,7 @@ impl Submitted {
                     logprobs: self.req.logprobs,
                     constraint,
                     ignore_eos: self.req.ignore_eos,
+                    special_text: self.special_text,
                     resume,
                 },
                 sink,

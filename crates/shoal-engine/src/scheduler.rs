@@ -81,6 +81,11 @@ pub struct SequenceRequest {
     pub constraint: Option<Box<dyn TokenConstraint>>,
     /// Keep going through end-of-generation tokens.
     pub ignore_eos: bool,
+    /// Write control tokens' text into the output (they give none otherwise): for output
+    /// parsers that read markup made of them, such as gpt-oss's harmony channels or a
+    /// family whose `<think>` or tool-call markers are control tokens. End-of-generation
+    /// tokens end the output either way.
+    pub special_text: bool,
     /// Tokens this request already generated on an instance that was lost (empty for a new
     /// request): they run after the prompt, count towards `max_tokens`, penalties, stop
     /// strings and the constraint, and their text is not sent again, so the sequence goes
@@ -876,12 +881,13 @@ impl<'m> Worker<'m> {
         let mut sampler = Sampler::new(r.sampler.clone());
         sampler.observe(&r.prompt);
         let stops = StopMatcher::new(&r.stop);
+        let decoder = StreamDecoder::new(!r.special_text);
         let mut seq = Sequence {
             job,
             cache,
             sampler,
             prefilled: cached,
-            decoder: StreamDecoder::new(true),
+            decoder,
             stops,
             generated: 0,
             generated_ids: Vec::new(),

@@ -238,6 +238,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> SequenceRequest {
         logprobs: None,
         constraint: None,
         ignore_eos: true,
+        special_text: false,
         resume: Vec::new(),
     }
 }
@@ -964,4 +965,58 @@ fn draft_model_decoding_gives_the_same_tokens() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("vocabulary"), "{e}");
+}
+
+/// Allows exactly the given tokens, in order.
+struct Forced(Vec<u32>, usize);
+
+impl shoal_engine::scheduler::TokenConstraint for Forced {
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), shoal_engine::EngineError> {
+        let want = self.0[self.1] as usize;
+        for (i, l) in logits.iter_mut().enumerate() {
+            if i != want {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+    fn commit(&mut self, _token: u32) -> Result<(), shoal_engine::EngineError> {
+        self.1 += 1;
+        Ok(())
+    }
+    fn is_finished(&self) -> bool {
+        self.1 >= self.0.len()
+    }
+}
+
+/// A control token generated mid-output gives no text, unless the request asks for control
+/// tokens' text (output parsers that read markup made of them).
+#[test]
+fn control_tokens_give_their_text_only_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Arc::new(load(&tiny(
+        TinyModelSpec::qwen2(9),
+        GgmlType::F32,
+        dir.path(),
+    )));
+    let ids = m.tokenizer.encode("x<|im_start|>y", false, true).unwrap();
+    assert_eq!(ids.len(), 3, "{ids:?}");
+    let sched = Scheduler::start(
+        m.clone(),
+        SchedulerConfig {
+            max_batch: 1,
+            max_queue: 2,
+            ctx: 64,
+            prefix_cache: false,
+            draft_max: 0,
+        },
+    )
+    .unwrap();
+    for (special_text, want) in [(false, "xy"), (true, "x<|im_start|>y")] {
+        let mut r = request(vec![1, 2, 3], 10);
+        r.constraint = Some(Box::new(Forced(ids.clone(), 0)));
+        r.special_text = special_text;
+        let done = sched.generate(r, &mut |_| true).unwrap();
+        assert_eq!(done.text, want);
+    }
 }

@@ -42,6 +42,7 @@ fn request(max_tokens: usize) -> SequenceRequest {
         logprobs: None,
         constraint: None,
         ignore_eos: true,
+        special_text: false,
         resume: Vec::new(),
     }
 }

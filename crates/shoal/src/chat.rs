@@ -111,7 +111,8 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
             messages.pop();
             continue;
         }
-        let request = args.sampling.request(&model, prompt, 0.7)?;
+        let mut request = args.sampling.request(&model, prompt, 0.7)?;
+        request.special_text = splitter.is_some();
         let mut stdout = std::io::stdout().lock();
         let mut output = crate::run::Output::new(splitter);
         scheduler.generate(request, &mut |t| output.push(&mut stdout, t).is_ok())?;

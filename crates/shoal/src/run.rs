@@ -133,6 +133,7 @@ impl SamplingArgs {
             logprobs: None,
             constraint,
             ignore_eos: self.ignore_eos,
+            special_text: false,
             resume: Vec::new(),
         })
     }
@@ -406,7 +407,8 @@ fn main_split(args: RunArgs) -> anyhow::Result<()> {
     args.use_template(&mut model)?;
     let model = Arc::new(model);
     let (prompt, splitter) = args.prompt(&model)?;
-    let request = args.sampling.request(&model, prompt, 0.7)?;
+    let mut request = args.sampling.request(&model, prompt, 0.7)?;
+    request.special_text = splitter.is_some();
     let scheduler = Scheduler::start_split(
         model.clone(),
         ctx,
@@ -460,7 +462,8 @@ pub fn main(args: RunArgs) -> anyhow::Result<()> {
         .sampling
         .ctx()
         .max(prompt.len() + args.sampling.max_tokens);
-    let request = args.sampling.request(&model, prompt, 0.7)?;
+    let mut request = args.sampling.request(&model, prompt, 0.7)?;
+    request.special_text = splitter.is_some();
     let config = SchedulerConfig {
         max_batch: 1,
         max_queue: 0,
