@@ -16,6 +16,7 @@
 use serde_json::Value;
 
 use crate::reasoning::Segment;
+use crate::tools::longest_prefix_suffix;
 
 const MESSAGE: &str = "<|message|>";
 const CHANNEL: &str = "<|channel|>";
@@ -68,19 +69,6 @@ fn body_of(header: &str) -> Body {
     }
 }
 
-/// Byte length of the longest end of `s` that could start one of `tags`.
-fn partial_tag(s: &str, tags: &[&str]) -> usize {
-    tags.iter()
-        .map(|tag| {
-            (1..tag.len().min(s.len() + 1))
-                .rev()
-                .find(|&n| s.is_char_boundary(s.len() - n) && tag.starts_with(&s[s.len() - n..]))
-                .unwrap_or(0)
-        })
-        .max()
-        .unwrap_or(0)
-}
-
 impl HarmonySplitter {
     /// A splitter for output that follows `<|start|>assistant`, accepting calls of
     /// `known_tools`.
@@ -129,7 +117,11 @@ impl HarmonySplitter {
                         }
                         None if matches!(body, Body::Call(_)) => return out,
                         None => {
-                            let keep = partial_tag(&self.buf, &ENDS);
+                            let keep = ENDS
+                                .iter()
+                                .map(|t| longest_prefix_suffix(&self.buf, t))
+                                .max()
+                                .unwrap_or(0);
                             let text: String = self.buf.drain(..self.buf.len() - keep).collect();
                             self.release(&body, text, &mut out);
                             return out;

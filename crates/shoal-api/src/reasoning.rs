@@ -19,6 +19,7 @@ use shoal_engine::scheduler::TokenConstraint;
 use shoal_engine::EngineError;
 
 use crate::harmony::HarmonySplitter;
+use crate::tools::longest_prefix_suffix;
 
 /// The tag that opens a reasoning block.
 pub const OPEN: &str = "<think>";
@@ -333,14 +334,6 @@ pub struct ReasoningSplitter {
     buf: String,
 }
 
-/// Byte length of the longest end of `s` that `tag` starts with.
-fn partial_tag(s: &str, tag: &str) -> usize {
-    (1..tag.len().min(s.len() + 1))
-        .rev()
-        .find(|&n| s.is_char_boundary(s.len() - n) && tag.starts_with(&s[s.len() - n..]))
-        .unwrap_or(0)
-}
-
 impl ReasoningSplitter {
     /// A splitter for output that starts inside a block the prompt opened (`inside`), or
     /// that may open one itself.
@@ -397,7 +390,7 @@ impl ReasoningSplitter {
                         self.state = State::Closing;
                         continue;
                     }
-                    let held = self.buf.len() - partial_tag(&self.buf, CLOSE);
+                    let held = self.buf.len() - longest_prefix_suffix(&self.buf, CLOSE);
                     let release = self.buf[..held].trim_end().len();
                     if release > 0 {
                         out.push(Segment::Reasoning(self.buf[..release].to_string()));

@@ -678,8 +678,9 @@ fn content(out: &mut Vec<StreamEvent>, text: String) {
     }
 }
 
-/// Length of the longest suffix of `s` that is a proper prefix of `marker`.
-fn longest_prefix_suffix(s: &str, marker: &str) -> usize {
+/// Length of the longest suffix of `s` that is a proper prefix of `marker`: text that could
+/// still become the marker, held back by the streaming parsers.
+pub(crate) fn longest_prefix_suffix(s: &str, marker: &str) -> usize {
     (1..marker.len().min(s.len() + 1))
         .rev()
         .find(|&n| {

@@ -38,10 +38,16 @@ fn qwen3_replay() -> Replay {
 
 /// The tiny model with `template`, replaying `replay`, served as `thinker`.
 fn app(template_name: &str, replay: Replay) -> (tempfile::TempDir, axum::Router) {
+    app_with(template_name, Some(replay))
+}
+
+/// The tiny model with `template`, served as `thinker`, replaying `replay` when given (else
+/// generating).
+fn app_with(template_name: &str, replay: Option<Replay>) -> (tempfile::TempDir, axum::Router) {
     let dir = tempfile::tempdir().unwrap();
     let mut model = tiny_model_with_context(dir.path(), 4096);
     model.set_chat_template(&template(template_name)).unwrap();
-    let served = ServedModel::start(
+    let mut served = ServedModel::start(
         "thinker",
         model,
         SchedulerConfig {
@@ -52,8 +58,10 @@ fn app(template_name: &str, replay: Replay) -> (tempfile::TempDir, axum::Router)
             draft_max: 0,
         },
     )
-    .unwrap()
-    .with_replay(replay);
+    .unwrap();
+    if let Some(r) = replay {
+        served = served.with_replay(r);
+    }
     let state = Arc::new(AppState::new(
         vec![served],
         KeyStore::open(None, None).unwrap(),
@@ -807,32 +815,12 @@ fn responses_items_keep_their_order_when_reasoning_resumes_after_a_call() {
 #[test]
 fn a_reasoning_budget_closes_the_block_and_the_answer_follows() {
     let dir = tempfile::tempdir().unwrap();
-    let mut model = tiny_model_with_context(dir.path(), 4096);
-    model
-        .set_chat_template(&template("deepseek-ai-DeepSeek-V3.1.jinja"))
-        .unwrap();
-    let closing = model
+    let closing = tiny_model_with_context(dir.path(), 4096)
         .tokenizer
         .encode("\n</think>\n\n", false, true)
         .unwrap()
         .len() as u64;
-    let served = ServedModel::start(
-        "thinker",
-        model,
-        SchedulerConfig {
-            max_batch: 2,
-            max_queue: 8,
-            ctx: 4096,
-            prefix_cache: true,
-            draft_max: 0,
-        },
-    )
-    .unwrap();
-    let state = Arc::new(AppState::new(
-        vec![served],
-        KeyStore::open(None, None).unwrap(),
-    ));
-    let app = shoal_api::router(state, &HttpOptions::default());
+    let (_served, app) = app_with("deepseek-ai-DeepSeek-V3.1.jinja", None);
     runtime().block_on(async {
         let ask = |budget: Option<u64>| {
             let mut r = json!({"model": "thinker", "max_tokens": 60, "temperature": 0,
