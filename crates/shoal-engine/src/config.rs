@@ -19,6 +19,10 @@ pub enum Arch {
     Gemma3,
     /// Qwen3 MoE: the Qwen3 block with a routed mixture of experts for its feed-forward.
     Qwen3Moe,
+    /// GLM-4.5 / 4.6 / 4.7 (`glm4moe`): q/k/v biases, optional q/k norms, RoPE on half of
+    /// each head, leading dense layers, then routed experts (sigmoid with a selection bias)
+    /// and a shared expert; its multi-token-prediction layers are not run.
+    Glm4Moe,
     /// DeepSeek V2/V3 (and Kimi K2): multi-head latent attention, routed and shared
     /// experts, leading dense layers.
     Deepseek2,
@@ -150,6 +154,9 @@ pub struct ModelConfig {
     pub rope_scale: f64,
     /// How RoPE pairs dimensions.
     pub rope_style: RopeStyle,
+    /// Dimensions of each head RoPE rotates, the first ones, where a model rotates only part
+    /// of its heads (GLM-4.5: half); `None` = the whole head.
+    pub rope_dims: Option<usize>,
     /// Per-pair divisors of the global layers' RoPE frequencies (Llama 3.1 scaling) from
     /// a `config.json`; GGUF files hold them as a tensor instead.
     pub rope_freq_factors: Option<Arc<[f32]>>,
@@ -230,6 +237,14 @@ impl ModelConfig {
                 "head_count {} is not a multiple of head_count_kv {}",
                 self.n_head, self.n_kv_head
             ));
+        }
+        if let Some(d) = self.rope_dims {
+            if d == 0 || !d.is_multiple_of(2) || d > self.head_dim {
+                return Err(format!(
+                    "rope dimension count {d} must be even, above 0 and at most the head size {}",
+                    self.head_dim
+                ));
+            }
         }
         if !self.head_dim.is_multiple_of(2) {
             return Err(format!(

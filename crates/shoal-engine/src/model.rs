@@ -410,13 +410,14 @@ fn head_bytes(file: &GgufFile) -> Option<u64> {
         .ok()
 }
 
-/// Bytes read from weights for one decoded token: every block tensor (routed experts at
-/// the share a token reads) plus the output head (the embedding when tied). The embedding
-/// lookup itself reads one row and is ignored.
+/// Bytes read from weights for one decoded token: every tensor of the blocks the model
+/// runs (routed experts at the share a token reads) plus the output head (the embedding
+/// when tied). The embedding lookup itself reads one row and is ignored.
 fn per_token_bytes(file: &GgufFile, spec: &ArchSpec, cfg: &ModelConfig) -> u64 {
     let blocks: u64 = file
         .tensors()
         .iter()
+        .filter(|t| crate::arch::layer_of(&t.name).is_none_or(|l| l < cfg.n_layer))
         .filter_map(|t| match spec.entry(&t.name) {
             Some((entry, Some(_))) => Some(read_per_token(cfg, entry.role, t.size)),
             _ => crate::arch::layer_of(&t.name).map(|_| t.size),

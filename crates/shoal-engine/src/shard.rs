@@ -207,15 +207,15 @@ pub fn file_ranges(
             continue;
         };
         let start = whole.start;
-        let Some((entry, layer)) = spec.entry(&t.name) else {
+        // a block the rank does not hold, or one the model does not run (GLM's
+        // multi-token-prediction layers after the last)
+        if crate::arch::layer_of(&t.name).is_some_and(|l| !plan.layers.contains(&l)) {
+            continue;
+        }
+        let Some((entry, _)) = spec.entry(&t.name) else {
             out.push(whole);
             continue;
         };
-        if let Some(l) = layer {
-            if !plan.layers.contains(&l) {
-                continue;
-            }
-        }
         if !entry.role.is_routed_expert() || n_expert == 0 || !t.size.is_multiple_of(n_expert) {
             out.push(whole);
             continue;

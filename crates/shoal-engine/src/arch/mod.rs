@@ -12,6 +12,7 @@
 
 pub mod deepseek2;
 pub mod gemma3;
+pub mod glm4moe;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
@@ -232,13 +233,14 @@ pub struct ArchSpec {
 }
 
 /// Every architecture the engine runs.
-pub static ARCHS: [&ArchSpec; 6] = [
+pub static ARCHS: [&ArchSpec; 7] = [
     &llama::SPEC,
     &qwen2::SPEC,
     &qwen3::SPEC,
     &gemma3::SPEC,
     &qwen3moe::SPEC,
     &deepseek2::SPEC,
+    &glm4moe::SPEC,
 ];
 
 /// The routed-expert tensors of a mixture-of-experts layer, with llama.cpp's names (optional
@@ -465,6 +467,7 @@ pub(crate) fn common_gguf(
         rope_theta_local: rope_theta,
         rope_scale: if rope_scale > 0.0 { rope_scale } else { 1.0 },
         rope_style: crate::config::RopeStyle::Halves,
+        rope_dims: None,
         rope_freq_factors: None,
         context_len: md
             .opt_usize_max(&k("context_length"), 1 << 24)?
@@ -611,6 +614,7 @@ pub(crate) fn common_hf(
         rope_theta_local: rope_theta,
         rope_scale: 1.0,
         rope_style: crate::config::RopeStyle::Halves,
+        rope_dims: None,
         rope_freq_factors: None,
         context_len: num("max_position_embeddings").unwrap_or(4096),
         attn_scale: if head_dim > 0 {

@@ -390,6 +390,9 @@ pub struct Rope {
     pub style: RopeStyle,
     /// Values per head.
     pub head_dim: usize,
+    /// Dimensions of each head rotated, the first ones (`head_dim` for the whole head); the
+    /// frequencies are spread over these.
+    pub dims: usize,
     /// Base frequency.
     pub base: f64,
     /// Linear position scaling (1 = none): positions are divided by it.

@@ -61,6 +61,7 @@ impl<B: Backend> Attention<B> {
             rows(&shard.heads),
         )?;
         let local = cfg.is_local_layer(layer);
+        let rope_dims = cfg.rope_dims.unwrap_or(hd);
         let (base, scale) = if local {
             (cfg.rope_theta_local, 1.0)
         } else {
@@ -86,11 +87,12 @@ impl<B: Backend> Attention<B> {
             rope: Rope {
                 style: cfg.rope_style,
                 head_dim: hd,
+                dims: rope_dims,
                 base,
                 scale,
                 freq_factors: if local { None } else { freq_factors.cloned() },
                 yarn: match (local, &cfg.yarn) {
-                    (false, Some(y)) => Some(YarnRope::new(y, hd, base, scale)),
+                    (false, Some(y)) => Some(YarnRope::new(y, rope_dims, base, scale)),
                     _ => None,
                 },
             },

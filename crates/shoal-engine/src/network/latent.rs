@@ -117,6 +117,7 @@ impl<B: Backend> LatentAttention<B> {
                 rope: Rope {
                     style: cfg.rope_style,
                     head_dim: m.rope_dims,
+                    dims: m.rope_dims,
                     base,
                     scale: cfg.rope_scale,
                     freq_factors: None,

@@ -78,6 +78,7 @@ pub fn attend(
     }
     let rope_of = |rope: &Rope| Rope {
         head_dim: rd,
+        dims: rd,
         ..rope.clone()
     };
     let rope = rope_of(&layer.rope);

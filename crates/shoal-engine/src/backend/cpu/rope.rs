@@ -8,8 +8,8 @@
 use crate::backend::{Rope, StepRows};
 use crate::config::RopeStyle;
 
-/// What makes two layers' tables the same: base, scale, head size, frequency factors (by
-/// address) and YaRN's settings (by bits).
+/// What makes two layers' tables the same: base, scale, rotated dimensions, frequency
+/// factors (by address) and YaRN's settings (by bits).
 pub(crate) type Key = (u64, u64, usize, usize, Option<[u32; 4]>);
 
 /// The key of `rope`'s tables.
@@ -17,7 +17,7 @@ pub(crate) fn key(rope: &Rope) -> Key {
     (
         rope.base.to_bits(),
         rope.scale.to_bits(),
-        rope.head_dim,
+        rope.dims,
         rope.freq_factors
             .as_ref()
             .map_or(0, |f| f.as_ptr() as usize),
@@ -26,7 +26,7 @@ pub(crate) fn key(rope: &Rope) -> Key {
     )
 }
 
-/// One kind of layer's table for a step: `(rows, head_dim / 2)` cosines and sines.
+/// One kind of layer's table for a step: `(rows, dims / 2)` cosines and sines.
 #[derive(Debug, Default)]
 struct Table {
     key: Key,
@@ -66,12 +66,12 @@ impl RopeTables {
     }
 }
 
-/// Cosines and sines of `rope` at `positions`, `(positions, head_dim / 2)`: pair `i`'s
+/// Cosines and sines of `rope` at `positions`, `(positions, dims / 2)`: pair `i`'s
 /// angle interpolated by the scale, or with YaRN mixed with the extrapolated angle by a
 /// ramp over the pairs, and both scaled by YaRN's magnitude.
 pub(crate) fn fill(rope: &Rope, positions: &[usize], cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
-    let half = rope.head_dim / 2;
-    let theta_scale = (rope.base as f32).powf(-2.0 / rope.head_dim as f32);
+    let half = rope.dims / 2;
+    let theta_scale = (rope.base as f32).powf(-2.0 / rope.dims as f32);
     let freq_scale = (1.0 / rope.scale) as f32;
     cos.clear();
     sin.clear();
@@ -99,14 +99,14 @@ pub(crate) fn fill(rope: &Rope, positions: &[usize], cos: &mut Vec<f32>, sin: &m
 }
 
 /// Rotates every head of every row of `x` (rows laid out `(heads, head_dim)`) by its row's
-/// position.
+/// position: the head's first `dims` values, the rest left as they are.
 pub fn rotate(x: &mut [f32], rope: &Rope, rows: &StepRows, tables: &mut RopeTables) {
     let n = rows.len();
     if n == 0 || x.is_empty() {
         return;
     }
     let table = tables.get(rope, &rows.positions);
-    let (hd, half) = (rope.head_dim, rope.head_dim / 2);
+    let (hd, half) = (rope.head_dim, rope.dims / 2);
     let per_row = x.len() / n;
     for (r, row) in x.chunks_exact_mut(per_row).enumerate() {
         let (c, s) = (
@@ -114,6 +114,7 @@ pub fn rotate(x: &mut [f32], rope: &Rope, rows: &StepRows, tables: &mut RopeTabl
             &table.sin[r * half..(r + 1) * half],
         );
         for head in row.chunks_exact_mut(hd) {
+            let head = &mut head[..2 * half];
             match rope.style {
                 RopeStyle::Interleaved => {
                     for (i, pair) in head.chunks_exact_mut(2).enumerate() {
@@ -144,6 +145,7 @@ mod tests {
         Rope {
             style,
             head_dim: 8,
+            dims: 8,
             base: 10_000.0,
             scale: 1.0,
             freq_factors: factors.map(Arc::from),
@@ -200,6 +202,33 @@ mod tests {
     }
 
     #[test]
+    fn a_partial_rotation_turns_the_first_dims_as_a_head_of_that_size_and_keeps_the_rest() {
+        let rows = StepRows::new(&[2], &[3]);
+        for style in [RopeStyle::Interleaved, RopeStyle::Halves] {
+            // heads of 12 with their first 8 rotated, against heads of 8 rotated whole
+            let x: Vec<f32> = (0..2 * 2 * 12).map(|i| (i as f32 * 0.61).cos()).collect();
+            let mut partial = x.clone();
+            let r = Rope {
+                head_dim: 12,
+                dims: 8,
+                ..rope(style, None)
+            };
+            rotate(&mut partial, &r, &rows, &mut RopeTables::default());
+            let mut firsts: Vec<f32> = x.chunks(12).flat_map(|h| h[..8].to_vec()).collect();
+            rotate(
+                &mut firsts,
+                &rope(style, None),
+                &rows,
+                &mut RopeTables::default(),
+            );
+            for (h, (got, want)) in partial.chunks(12).zip(firsts.chunks(8)).enumerate() {
+                assert_eq!(&got[..8], want, "{style:?} head {h}");
+                assert_eq!(&got[8..], &x[h * 12 + 8..h * 12 + 12], "{style:?} head {h}");
+            }
+        }
+    }
+
+    #[test]
     fn yarn_mixes_interpolation_and_extrapolation_by_the_ramp() {
         use crate::backend::YarnRope;
         use crate::config::YarnConfig;
@@ -219,6 +248,7 @@ mod tests {
         let r = Rope {
             style: RopeStyle::Interleaved,
             head_dim: dims,
+            dims,
             base,
             scale,
             freq_factors: None,

@@ -101,6 +101,7 @@ impl Gpu {
         }
         let rope = Rope {
             head_dim: rd,
+            dims: rd,
             ..layer.rope.clone()
         };
         let cols = |rows, width, si, from, so, at| Cols {

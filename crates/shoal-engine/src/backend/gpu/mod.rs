@@ -502,7 +502,7 @@ impl Backend for Gpu {
             None => {
                 let (mut cos, mut sin) = (Vec::new(), Vec::new());
                 rope_fill(rope, &rows.positions, &mut cos, &mut sin);
-                let half = rope.head_dim / 2;
+                let half = rope.dims / 2;
                 let mut both = Vec::with_capacity(cos.len() * 2);
                 for r in 0..n {
                     both.extend_from_slice(&cos[r * half..(r + 1) * half]);
@@ -519,11 +519,21 @@ impl Backend for Gpu {
             RopeStyle::Halves => 1,
         };
         let pipe = self.kernel("rope", "rope", include_str!("shaders/rope.wgsl"));
+        let pairs = per_row / rope.head_dim * (rope.dims / 2);
         self.ctx.dispatch(
             &pipe,
-            &[per_row as u32, rope.head_dim as u32, style, n as u32],
+            &[
+                per_row as u32,
+                rope.head_dim as u32,
+                style,
+                n as u32,
+                rope.dims as u32,
+                0,
+                0,
+                0,
+            ],
             &[Bind::Whole(x.buf()), Bind::Whole(table)],
-            [((per_row / 2) as u32).div_ceil(64), n as u32, 1],
+            [(pairs as u32).div_ceil(64), n as u32, 1],
         );
     }
 

@@ -207,6 +207,17 @@ fn ropes() -> Vec<Rope> {
         out.push(Rope {
             style,
             head_dim: 16,
+            dims: 16,
+            base: 10_000.0,
+            scale: 1.0,
+            freq_factors: None,
+            yarn: None,
+        });
+        // GLM-4.5's partial rotation: the first half of each head
+        out.push(Rope {
+            style,
+            head_dim: 16,
+            dims: 8,
             base: 10_000.0,
             scale: 1.0,
             freq_factors: None,
@@ -215,6 +226,7 @@ fn ropes() -> Vec<Rope> {
         out.push(Rope {
             style,
             head_dim: 16,
+            dims: 16,
             base: 500_000.0,
             scale: 8.0,
             freq_factors: Some(factors.clone()),
