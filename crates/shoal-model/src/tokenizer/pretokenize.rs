@@ -90,6 +90,9 @@ pub const SUPPORTED_PRE: &[&str] = &[
     "llama3",
     "llama-v3",
     "llama-bpe",
+    "glm4",
+    "glm5",
+    "chatglm-bpe",
     "falcon3",
     "falcon-h1",
     "pixtral",
@@ -137,6 +140,9 @@ pub fn pre_info(pre: Option<&str>) -> Result<PreInfo, TokenizerError> {
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
         | "lfm2" | "jina-v5-nano" => info(PreType::Llama3, true, true),
         "dbrx" | "smaug-bpe" => info(PreType::Llama3, false, false),
+        // GLM-4 and later: Llama 3's regex, with no BOS (llama.cpp's CHATGLM4)
+        "glm4" | "glm5" => info(PreType::Llama3, true, false),
+        "chatglm-bpe" => info(PreType::Llama3, false, false),
         "deepseek-llm" => info(PreType::DeepSeekLlm, false, false),
         "deepseek-coder" => info(PreType::DeepSeekCoder, false, false),
         "falcon" => info(PreType::Falcon, false, false),
