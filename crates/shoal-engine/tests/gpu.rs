@@ -172,6 +172,9 @@ fn moe_models_match_the_oracle() {
     }
     check(TinyModelSpec::qwen3moe(1), GgmlType::F32);
     check(TinyModelSpec::mixtral(2), GgmlType::F32);
+    // GLM: biased q/k/v, q/k norms, RoPE on half of each head, sigmoid routing with a
+    // selection bias beside a shared expert
+    check(TinyModelSpec::glm4moe(3), GgmlType::F32);
 }
 
 /// DeepSeek V2 and V3 (multi-head latent attention, shared experts, leading dense layers,

@@ -1,8 +1,10 @@
 //! Mixtures of experts and latent attention, end to end: the test kit's tiny Qwen3 MoE,
 //! Mixtral (GGUF `llama` with experts), DeepSeek V2 (softmax routing, shared experts, a
 //! leading dense layer, latent attention with plain queries) and DeepSeek V3 (sigmoid
-//! routing with a selection bias and group-limited top-k, compressed queries, YaRN) written
-//! as GGUF and loaded through the engine's ordinary path.
+//! routing with a selection bias and group-limited top-k, compressed queries, YaRN) and GLM-4.5
+//! (`glm4moe`: biased q/k/v with q/k norms, RoPE on half of each head, a leading dense layer,
+//! sigmoid routing with a selection bias beside a shared expert, a multi-token-prediction
+//! layer the decoder leaves out) written as GGUF and loaded through the engine's ordinary path.
 //!
 //! - Against the test kit's f64 reference (which rounds what the engine's f16 cache rounds):
 //!   F32 files within `F32_TOL` absolute, whole prompt, chunked and token by token.
@@ -14,7 +16,8 @@
 //!   that the sequence's routing survives a change of the router's input scale quantized
 //!   arithmetic could make (else a flipped expert could pass for a fault).
 //! - Planted faults fail that comparison: routing that ignores the group limit, the
-//!   selection bias or the weights' renormalisation, shared experts left out, YaRN left out.
+//!   selection bias or the weights' renormalisation, shared experts left out, YaRN left out,
+//!   RoPE over GLM's whole head, GLM's q/k biases left out.
 //! - Malformed files are refused at load with a message naming the problem.
 
 mod common;
@@ -61,12 +64,13 @@ const QUANTIZED_WIDE: Tolerance = Tolerance {
 /// least, for a quantized comparison to count (the test kit's `ROUTE_SCALE_MARGIN`).
 const ROUTE_SCALE_MARGIN: f64 = 1.6e-2;
 
-fn specs() -> [TinyModelSpec; 4] {
+fn specs() -> [TinyModelSpec; 5] {
     [
         TinyModelSpec::qwen3moe(7),
         TinyModelSpec::mixtral(7),
         TinyModelSpec::deepseek2(7),
         TinyModelSpec::deepseek3(7),
+        TinyModelSpec::glm4moe(7),
     ]
 }
 
@@ -187,6 +191,13 @@ fn oracle_cases() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
             GgmlType::Q4_K,
             QUANTIZED_WIDE,
         ),
+        (TinyModelSpec::glm4moe(84), GgmlType::F32, F32),
+        (TinyModelSpec::glm4moe(89), GgmlType::Q8_0, QUANTIZED),
+        (
+            TinyModelSpec::glm4moe(86).k_quant_shapes(),
+            GgmlType::Q4_K,
+            QUANTIZED_WIDE,
+        ),
     ]
 }
 
@@ -272,7 +283,7 @@ fn planted_moe_faults_fail_the_comparison() {
     let solo = || Arc::new(shoal_comm::Solo);
     type Plant = fn(&mut ModelConfig);
     type Hide = fn(&str) -> bool;
-    let cases: [(TinyModelSpec, &str, Option<Plant>, Option<Hide>); 6] = [
+    let cases: [(TinyModelSpec, &str, Option<Plant>, Option<Hide>); 8] = [
         (
             TinyModelSpec::mixtral(67),
             "the chosen experts' weights not renormalised",
@@ -306,6 +317,18 @@ fn planted_moe_faults_fail_the_comparison() {
             "shared experts left out",
             Some(|c| c.moe.as_mut().unwrap().n_shared = 0),
             None,
+        ),
+        (
+            TinyModelSpec::glm4moe(84),
+            "RoPE over the whole head",
+            Some(|c| c.rope_dims = None),
+            None,
+        ),
+        (
+            TinyModelSpec::glm4moe(84),
+            "the q/k biases left out",
+            None,
+            Some(|n| n.ends_with("attn_q.bias") || n.ends_with("attn_k.bias")),
         ),
         (
             TinyModelSpec::qwen3moe(64),

@@ -385,6 +385,7 @@ fn tiny_moe_every_split_matches_one_rank() {
         TinyModelSpec::mixtral(32),
         TinyModelSpec::deepseek2(33),
         TinyModelSpec::deepseek3(34),
+        TinyModelSpec::glm4moe(35),
     ]
     .into_iter()
     .enumerate()
@@ -422,16 +423,23 @@ fn tiny_moe_every_split_matches_one_rank() {
 }
 
 /// A rank that lacks the model file fetches only the byte ranges `shard::file_ranges` names
-/// for its plan (with whole experts, only its experts' parts of the expert tensors): each
-/// rank here reads a copy of the file holding only those ranges (zeros elsewhere), and the
-/// split still gives one rank's tokens; the copies hold well under the whole file.
+/// for its plan (with whole experts, only its experts' parts of the expert tensors; never a
+/// GLM multi-token-prediction layer, which the decoder does not run): each rank here reads a
+/// copy of the file holding only those ranges (zeros elsewhere), and the split still gives
+/// one rank's tokens; the copies hold well under the whole file.
 #[test]
 fn moe_ranks_load_from_only_their_byte_ranges() {
+    for spec in [TinyModelSpec::qwen3moe(51), TinyModelSpec::glm4moe(52)] {
+        let spec = TinyModelSpec {
+            n_layers: 4,
+            ..spec
+        };
+        ranks_load_from_only_their_byte_ranges(spec);
+    }
+}
+
+fn ranks_load_from_only_their_byte_ranges(spec: TinyModelSpec) {
     let dir = tempfile::tempdir().unwrap();
-    let spec = TinyModelSpec {
-        n_layers: 4,
-        ..TinyModelSpec::qwen3moe(51)
-    };
     let path = tiny(spec, GgmlType::F32, dir.path());
     let (want, _) = one_rank(&path, &PROMPT, 8);
     let whole = std::fs::read(&path).unwrap();
@@ -462,14 +470,32 @@ fn moe_ranks_load_from_only_their_byte_ranges() {
                 whole.len()
             );
             if experts == ExpertSplit::Whole && layout.pp == 1 {
-                // everything but the other rank's half of every expert tensor
+                // everything but the other rank's half of every expert tensor and the
+                // layers the decoder does not run
+                let layer = |name: &str| {
+                    name.strip_prefix("blk.")
+                        .and_then(|r| r.split('.').next())
+                        .and_then(|n| n.parse::<usize>().ok())
+                };
+                let unrun = |name: &str| layer(name).is_some_and(|l| l >= cfg.n_layer);
                 let routed: u64 = file
                     .tensors()
                     .iter()
-                    .filter(|t| t.name.contains("_exps."))
+                    .filter(|t| t.name.contains("_exps.") && !unrun(&t.name))
                     .map(|t| t.size)
                     .sum();
-                assert_eq!(kept, whole.len() as u64 - routed / 2, "rank {r}");
+                let skipped: u64 = file
+                    .tensors()
+                    .iter()
+                    .filter(|t| unrun(&t.name))
+                    .map(|t| t.size)
+                    .sum();
+                assert_eq!(
+                    kept,
+                    whole.len() as u64 - routed / 2 - skipped,
+                    "{} rank {r}",
+                    path.display()
+                );
             }
             paths.push(p);
         }

@@ -275,7 +275,7 @@ fn check_pair(spec: TinyModelSpec, gguf_ty: GgmlType) {
         kv_str(&g, "tokenizer.ggml.pre"),
         match s.arch {
             Arch::Llama | Arch::Gemma3 | Arch::Deepseek2 | Arch::Mixtral => "smollm",
-            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => "qwen2",
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe => "qwen2",
         }
     );
     assert_eq!(kv_str(&g, "tokenizer.chat_template"), CHATML_TEMPLATE);
@@ -805,7 +805,7 @@ const ROUTE_SCALE_MARGIN: f64 = 1.6e-2;
 
 /// The tiny models compared with llama.cpp: Llama (also with Llama 3.1 RoPE scaling), Qwen2,
 /// Qwen3 and Gemma 3, tied and untied outputs, F32 and the quantized types, and the mixture of
-/// experts models (Qwen3 MoE, Mixtral, DeepSeek V2 and V3) in F32, Q8_0 and Q4_K, each with
+/// experts models (Qwen3 MoE, Mixtral, DeepSeek V2 and V3, GLM-4.5) in F32, Q8_0 and Q4_K, each with
 /// the tolerance its arithmetic calls for (see [`Tolerance`]'s constants and
 /// [`QUANTIZED_WIDE_MOE`]).
 fn oracle_specs() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
@@ -905,6 +905,17 @@ fn oracle_specs() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
         ),
         (
             TinyModelSpec::deepseek3(78).k_quant_shapes(),
+            GgmlType::Q4_K,
+            QUANTIZED_WIDE_MOE,
+        ),
+        (TinyModelSpec::glm4moe(84), GgmlType::F32, Tolerance::F32),
+        (
+            TinyModelSpec::glm4moe(89),
+            GgmlType::Q8_0,
+            Tolerance::QUANTIZED,
+        ),
+        (
+            TinyModelSpec::glm4moe(86).k_quant_shapes(),
             GgmlType::Q4_K,
             QUANTIZED_WIDE_MOE,
         ),
@@ -1115,12 +1126,13 @@ fn llama_cpp_comparison_catches_wrong_rope_base() {
 }
 
 /// One of each mixture-of-experts spec at its default shapes.
-fn moe_specs() -> [TinyModelSpec; 4] {
+fn moe_specs() -> [TinyModelSpec; 5] {
     [
         TinyModelSpec::qwen3moe(80),
         TinyModelSpec::mixtral(81),
         TinyModelSpec::deepseek2(82),
         TinyModelSpec::deepseek3(83),
+        TinyModelSpec::glm4moe(84),
     ]
 }
 
@@ -1148,9 +1160,24 @@ fn expected_moe_layer(spec: &TinyModelSpec, l: usize) -> Vec<&'static str> {
             "attn_k_norm.weight",
             "attn_v.weight",
         ]),
+        None if spec.arch == Arch::Glm4Moe => v.extend([
+            "attn_q.weight",
+            "attn_q.bias",
+            "attn_q_norm.weight",
+            "attn_k.weight",
+            "attn_k.bias",
+            "attn_k_norm.weight",
+            "attn_v.weight",
+            "attn_v.bias",
+        ]),
         None => v.extend(["attn_q.weight", "attn_k.weight", "attn_v.weight"]),
     }
-    v.extend(["attn_output.weight", "ffn_norm.weight"]);
+    v.push("attn_output.weight");
+    v.push(if spec.arch == Arch::Glm4Moe {
+        "post_attention_norm.weight"
+    } else {
+        "ffn_norm.weight"
+    });
     let moe = spec.moe.as_ref().unwrap();
     if l < moe.leading_dense {
         v.extend(["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]);
@@ -1170,6 +1197,14 @@ fn expected_moe_layer(spec: &TinyModelSpec, l: usize) -> Vec<&'static str> {
             "ffn_gate_shexp.weight",
             "ffn_up_shexp.weight",
             "ffn_down_shexp.weight",
+        ]);
+    }
+    if l >= spec.n_layers {
+        v.extend([
+            "nextn.eh_proj.weight",
+            "nextn.enorm.weight",
+            "nextn.hnorm.weight",
+            "nextn.shared_head_norm.weight",
         ]);
     }
     v
@@ -1197,7 +1232,11 @@ fn expected_moe_ne(spec: &TinyModelSpec, part: &str) -> Vec<u64> {
         mla.v_dim,
     );
     let dims: Vec<usize> = match part {
-        "attn_norm.weight" | "ffn_norm.weight" => vec![h],
+        "attn_norm.weight" | "ffn_norm.weight" | "post_attention_norm.weight" => vec![h],
+        "attn_q.bias" => vec![nh * hd],
+        "attn_k.bias" | "attn_v.bias" => vec![nkv * hd],
+        "nextn.eh_proj.weight" => vec![2 * h, h],
+        "nextn.enorm.weight" | "nextn.hnorm.weight" | "nextn.shared_head_norm.weight" => vec![h],
         "attn_q_norm.weight" | "attn_k_norm.weight" => vec![hd],
         "attn_q.weight" if spec.mla.is_some() => vec![h, nh * (nope + rope)],
         "attn_q.weight" => vec![h, nh * hd],
@@ -1293,6 +1332,27 @@ fn check_moe_keys(g: &Gguf, spec: &TinyModelSpec) {
                 assert!(!g.kv.contains_key(&k("rope.scaling.type")));
             }
         }
+        Arch::Glm4Moe => {
+            assert_eq!(a, "glm4moe");
+            let u = |key: &str| kv_u32(g, &k(key));
+            assert_eq!(u("block_count"), 4);
+            assert_eq!(u("nextn_predict_layers"), 1);
+            assert_eq!(u("expert_feed_forward_length"), 32);
+            assert_eq!(u("feed_forward_length"), 128);
+            assert_eq!(u("leading_dense_block_count"), 1);
+            assert_eq!(u("attention.head_count_kv"), 2);
+            assert_eq!(u("attention.key_length"), 32);
+            assert_eq!(u("attention.value_length"), 32);
+            assert_eq!(u("rope.dimension_count"), 16);
+            assert_eq!(u("expert_shared_count"), 1);
+            assert_eq!(u("expert_gating_func"), 2);
+            assert_eq!(kv_f32(g, &k("expert_weights_scale")), 2.5);
+            assert_eq!(
+                g.kv.get(&k("expert_weights_norm")).cloned(),
+                Some(GgufValue::Bool(true))
+            );
+            assert!(!g.kv.contains_key(&k("expert_group_count")));
+        }
         other => panic!("{other:?} is not a MoE arch"),
     }
 }
@@ -1307,7 +1367,7 @@ fn check_moe_gguf(spec: TinyModelSpec, ty: GgmlType) {
     let label = format!("{} {ty:?}", s.name);
     let g = read_gguf(&m.gguf_writer(ty).unwrap().bytes().unwrap());
     let mut names = vec!["token_embd.weight".to_string()];
-    for l in 0..s.n_layers {
+    for l in 0..s.n_layers + s.nextn_layers {
         names.extend(
             expected_moe_layer(s, l)
                 .iter()
@@ -1545,15 +1605,24 @@ fn moe_spec_validation() {
     s.moe.as_mut().unwrap().gating = crate::ExpertGating::Sigmoid;
     rejected(
         s,
-        "sigmoid gating outside DeepSeek",
-        "are Deepseek2 settings",
+        "sigmoid gating outside DeepSeek and GLM",
+        "are Deepseek2 and Glm4Moe settings",
     );
+    let mut s = TinyModelSpec::glm4moe(1);
+    s.moe.as_mut().unwrap().probs_bias = false;
+    rejected(s, "GLM without its selection bias", "exp_probs_b");
+    let mut s = TinyModelSpec::glm4moe(1);
+    s.rope_dims = 40;
+    rejected(s, "more rotated dimensions than a head", "at most head_dim");
+    let mut s = TinyModelSpec::qwen3moe(1);
+    s.nextn_layers = 1;
+    rejected(s, "prediction layers outside GLM", "Glm4Moe settings");
     let mut s = TinyModelSpec::mixtral(1);
     s.moe.as_mut().unwrap().n_shared_expert = 1;
     rejected(
         s,
         "shared experts outside DeepSeek",
-        "are Deepseek2 settings",
+        "are Deepseek2 and Glm4Moe settings",
     );
     let mut s = TinyModelSpec::mixtral(1);
     s.ffn_size = 128;

@@ -1,10 +1,10 @@
 //! Mixture-of-experts, multi-head latent attention and YaRN settings of the tiny models,
 //! with the routing and RoPE arithmetic the reference uses, and deliberately broken MoE files.
 //!
-//! [`MoeSpec`] describes the routed feed-forward of `qwen3moe`, `deepseek2` and Mixtral
-//! (`llama` with experts): how many experts, how many each token uses, their FFN size, shared
-//! experts and leading dense layers (DeepSeek), the gating function, the selection bias
-//! (`exp_probs_b`, DeepSeek V3), group-limited selection and the normalisation and scale of
+//! [`MoeSpec`] describes the routed feed-forward of `qwen3moe`, `deepseek2`, `glm4moe` and
+//! Mixtral (`llama` with experts): how many experts, how many each token uses, their FFN size,
+//! shared experts and leading dense layers (DeepSeek, GLM), the gating function, the selection
+//! bias (`exp_probs_b`, DeepSeek V3, GLM), group-limited selection and the normalisation and scale of
 //! the chosen experts' weights. [`route`] chooses a token's experts and weights exactly as
 //! llama.cpp's `build_moe_ffn` does:
 //!
@@ -61,10 +61,10 @@ pub struct MoeSpec {
     /// Inner size of each routed expert's SwiGLU FFN (`expert_feed_forward_length`; Mixtral
     /// writes it as `feed_forward_length`).
     pub expert_ffn: usize,
-    /// DeepSeek only: shared experts, run on every token and added to the routed output, as
+    /// DeepSeek and GLM only: shared experts, run on every token and added to the routed output, as
     /// one SwiGLU FFN of inner size `n_shared_expert * expert_ffn` (`expert_shared_count`).
     pub n_shared_expert: usize,
-    /// DeepSeek only: the first `leading_dense` layers have a dense FFN of the spec's
+    /// DeepSeek and GLM only: the first `leading_dense` layers have a dense FFN of the spec's
     /// `ffn_size` instead of experts (`leading_dense_block_count`).
     pub leading_dense: usize,
     /// Gating function (llama.cpp's `qwen3moe` and `llama` always use softmax).
@@ -72,15 +72,15 @@ pub struct MoeSpec {
     /// Whether the chosen experts' weights are divided by their sum (`expert_weights_norm`;
     /// always on for `qwen3moe` and `llama` in llama.cpp).
     pub norm_weights: bool,
-    /// DeepSeek only: factor on the chosen experts' weights (`expert_weights_scale`), written
+    /// DeepSeek and GLM only: factor on the chosen experts' weights (`expert_weights_scale`), written
     /// when set.
     pub weights_scale: Option<f32>,
-    /// DeepSeek only: expert groups for group-limited selection (`expert_group_count`),
+    /// DeepSeek and GLM only: expert groups for group-limited selection (`expert_group_count`),
     /// written when not 0; selection is group-limited when above 1.
     pub n_group: usize,
-    /// DeepSeek only: groups kept per token (`expert_group_used_count`).
+    /// DeepSeek and GLM only: groups kept per token (`expert_group_used_count`).
     pub n_group_used: usize,
-    /// DeepSeek only: a per-expert bias (`exp_probs_b.bias`) added to the probabilities for
+    /// DeepSeek and GLM only: a per-expert bias (`exp_probs_b.bias`) added to the probabilities for
     /// choosing the experts, not for weighting them.
     pub probs_bias: bool,
     /// When not 0: the router reads only the first `router_dims` hidden dimensions (its

@@ -13,7 +13,10 @@
 //! and a sliding window (`t - u < sliding_window`), the attention output and the FFN output
 //! each RMSNormed before their residual add, a pre-FFN norm, and `gelu` (tanh approximation)
 //! in place of SiLU; scale `1/sqrt(head_dim)`. Qwen3 is Qwen2 without biases and with the
-//! q/k RMSNorm per head before RoPE (plain `w` scaling). Llama 3.1 RoPE scaling divides
+//! q/k RMSNorm per head before RoPE (plain `w` scaling). GLM-4.5 (`glm4moe`) is Qwen2's
+//! biased attention with Qwen3's q/k norms, its rotate-half RoPE on the first `rope_dims`
+//! dimensions of each head only (`inv_freq[i] = theta^(-2i/rope_dims)`), and DeepSeek V3's
+//! routing below; its prediction layers are not run. Llama 3.1 RoPE scaling divides
 //! each pair's inverse frequency by its factor ([`crate::Llama3Rope::freq_factors`]). It
 //! has been checked against llama.cpp
 //! running the GGUF written by [`TinyModel::write_gguf`] (F32 weights, F32 KV cache, no flash
@@ -340,7 +343,8 @@ impl TinyModel {
                         let n = norm(head, &format!("{p}.self_attn.{norm_name}.weight"));
                         head.copy_from_slice(&n);
                     }
-                    rope(head, pos, theta, factors.as_deref());
+                    let turned = if s.rope_dims > 0 { s.rope_dims } else { hd };
+                    rope(&mut head[..turned], pos, theta, factors.as_deref());
                 }
             }
             qs.push(q);

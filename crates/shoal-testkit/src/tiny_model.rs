@@ -82,6 +82,12 @@ pub enum Arch {
     /// routed mixture of experts (softmax router, weights renormalised). Tokenizer pre type
     /// `smollm`.
     Mixtral,
+    /// GLM-4.5 / 4.6 / 4.7 (`glm4moe`): q/k/v biases, an RMSNorm over each query and key head,
+    /// NeoX RoPE on the first [`TinyModelSpec::rope_dims`] dimensions of each head, the FFN
+    /// norm named `post_attention_norm`, leading dense layers, then routed experts (sigmoid
+    /// with a selection bias) beside a shared expert, and the multi-token-prediction layers of
+    /// [`TinyModelSpec::nextn_layers`] after the others. Tokenizer pre type `qwen2`.
+    Glm4Moe,
 }
 
 impl Arch {
@@ -95,6 +101,7 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Deepseek2 => "deepseek2",
             Arch::Mixtral => "llama",
+            Arch::Glm4Moe => "glm4moe",
         }
     }
 
@@ -108,6 +115,7 @@ impl Arch {
             Arch::Qwen3Moe => "Qwen3MoeForCausalLM",
             Arch::Deepseek2 => "DeepseekV2ForCausalLM",
             Arch::Mixtral => "MixtralForCausalLM",
+            Arch::Glm4Moe => "Glm4MoeForCausalLM",
         }
     }
 
@@ -121,17 +129,21 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3_moe",
             Arch::Deepseek2 => "deepseek_v2",
             Arch::Mixtral => "mixtral",
+            Arch::Glm4Moe => "glm4_moe",
         }
     }
 
     /// Whether q, k and v projections carry biases.
     pub fn has_qkv_bias(self) -> bool {
-        matches!(self, Arch::Qwen2)
+        matches!(self, Arch::Qwen2 | Arch::Glm4Moe)
     }
 
     /// Whether each query and key head is RMS-normed before RoPE.
     pub fn has_qk_norm(self) -> bool {
-        matches!(self, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe)
+        matches!(
+            self,
+            Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe | Arch::Glm4Moe
+        )
     }
 
     /// Whether GGUF stores q/k rows permuted relative to HF.
@@ -143,14 +155,24 @@ impl Arch {
     pub fn pre_tokenizer(self) -> PreTokenizer {
         match self {
             Arch::Llama | Arch::Gemma3 | Arch::Deepseek2 | Arch::Mixtral => PreTokenizer::Smollm,
-            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => PreTokenizer::Qwen2,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe => PreTokenizer::Qwen2,
         }
     }
 
     /// Whether the architecture routes its feed-forward through experts (its spec needs
     /// [`TinyModelSpec::moe`]).
     pub fn is_moe(self) -> bool {
-        matches!(self, Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Mixtral)
+        matches!(
+            self,
+            Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Mixtral | Arch::Glm4Moe
+        )
+    }
+
+    /// Whether the routing may use DeepSeek's settings (shared experts, leading dense layers,
+    /// sigmoid gating, a weight scale, groups, a selection bias), as llama.cpp's graphs of
+    /// these architectures do.
+    pub fn has_deepseek_routing(self) -> bool {
+        matches!(self, Arch::Deepseek2 | Arch::Glm4Moe)
     }
 }
 
@@ -297,6 +319,13 @@ pub struct TinyModelSpec {
     /// DeepSeek only: YaRN RoPE scaling (`beta_fast` 32 and `beta_slow` 1, the values
     /// llama.cpp's `deepseek2` uses whatever the file says).
     pub yarn: Option<YarnRope>,
+    /// GLM only: RoPE turns the first `rope_dims` dimensions of each head (with frequencies
+    /// over `rope_dims`) and leaves the rest (`rope.dimension_count`); 0 turns all of them.
+    pub rope_dims: usize,
+    /// GLM only: multi-token-prediction layers written after the `n_layers` others (a whole
+    /// block each plus its `nextn.*` tensors; `block_count` counts them and
+    /// `nextn_predict_layers` says how many). The reference never runs them.
+    pub nextn_layers: usize,
 }
 
 impl TinyModelSpec {
@@ -326,6 +355,8 @@ impl TinyModelSpec {
             moe: None,
             mla: None,
             yarn: None,
+            rope_dims: 0,
+            nextn_layers: 0,
         }
     }
 
@@ -533,6 +564,42 @@ impl TinyModelSpec {
         }
     }
 
+    /// A 3-layer GLM-4.5 (`glm4moe`): hidden 64, 4 query heads of 32 (wider than the hidden
+    /// size, so `key_length` is written) over 2 KV heads, q/k/v biases and per-head q/k norms,
+    /// NeoX RoPE on the first 16 of each head's 32 dimensions, eps 1e-5, untied output; layer 0
+    /// has a dense FFN of 128, layers 1-2 route through 8 experts of FFN 32, 2 per token, by
+    /// sigmoid plus a per-expert selection bias, weights normalised and scaled by 2.5, beside
+    /// 1 shared expert; [`MoeSpec::router_dims`] 16; one multi-token-prediction layer after
+    /// them (`block_count` 4).
+    pub fn glm4moe(seed: u64) -> Self {
+        TinyModelSpec {
+            arch: Arch::Glm4Moe,
+            name: "tiny-glm4moe".to_string(),
+            n_head: 4,
+            n_kv_head: 2,
+            head_dim: 32,
+            ffn_size: 128,
+            n_layers: 3,
+            moe: Some(MoeSpec {
+                n_expert: 8,
+                n_expert_used: 2,
+                expert_ffn: 32,
+                n_shared_expert: 1,
+                leading_dense: 1,
+                gating: ExpertGating::Sigmoid,
+                norm_weights: true,
+                weights_scale: Some(2.5),
+                n_group: 0,
+                n_group_used: 0,
+                probs_bias: true,
+                router_dims: 16,
+            }),
+            rope_dims: 16,
+            nextn_layers: 1,
+            ..Self::llama(seed)
+        }
+    }
+
     /// Whether layer `il` routes its FFN through experts (a MoE model past its leading dense
     /// layers).
     pub fn is_moe_layer(&self, il: usize) -> bool {
@@ -555,7 +622,8 @@ impl TinyModelSpec {
 
     /// This spec widened so every row is a whole number of 256-element K-quant blocks:
     /// hidden 256, FFN 512, head_dim 64 (4 heads, 2 KV heads kept). Experts get an FFN of 256
-    /// (Mixtral's `ffn_size` too); DeepSeek's latent attention a latent and query rank of 256,
+    /// (Mixtral's `ffn_size` too), GLM's rotated dimensions 32; DeepSeek's latent attention a
+    /// latent and query rank of 256,
     /// 64 position-free, 32 rotated and 64 value dimensions per head (`attn_k_b`, whose rows
     /// are the 64 position-free dimensions, stays F32).
     pub fn k_quant_shapes(mut self) -> Self {
@@ -563,6 +631,9 @@ impl TinyModelSpec {
         self.ffn_size = 512;
         self.head_dim = 64;
         self.n_head = 4;
+        if self.rope_dims > 0 {
+            self.rope_dims = 32;
+        }
         if let Some(moe) = &mut self.moe {
             moe.expert_ffn = 256;
             if moe.router_dims > 0 {
@@ -645,6 +716,15 @@ impl TinyModelSpec {
         if self.llama3_rope.is_some() && self.arch != Arch::Llama {
             return bad("llama3_rope is a Llama setting".to_string());
         }
+        if (self.rope_dims > 0 || self.nextn_layers > 0) && self.arch != Arch::Glm4Moe {
+            return bad("rope_dims and nextn_layers are Glm4Moe settings".to_string());
+        }
+        if self.rope_dims > self.head_dim || !self.rope_dims.is_multiple_of(2) {
+            return bad(format!(
+                "rope_dims {} must be even and at most head_dim {}",
+                self.rope_dims, self.head_dim
+            ));
+        }
         self.validate_moe()?;
         if self.n_layers == 0 || self.context_length == 0 {
             return bad("n_layers and context_length must be positive".to_string());
@@ -688,12 +768,18 @@ impl TinyModelSpec {
                 || moe.weights_scale.is_some()
                 || moe.n_group > 0
                 || moe.probs_bias;
-            if arch != Arch::Deepseek2 && deepseek_only {
+            if !arch.has_deepseek_routing() && deepseek_only {
                 return bad(format!(
                     "moe: llama.cpp's {arch:?} routes by softmax with renormalised weights; shared \
                      experts, leading dense layers, sigmoid gating, a weight scale, groups and \
-                     a selection bias are Deepseek2 settings"
+                     a selection bias are Deepseek2 and Glm4Moe settings"
                 ));
+            }
+            if arch == Arch::Glm4Moe && !moe.probs_bias {
+                return bad(
+                    "moe: llama.cpp's glm4moe requires the selection bias (exp_probs_b)"
+                        .to_string(),
+                );
             }
             if moe.router_dims > self.hidden_size {
                 return bad(format!(
@@ -852,7 +938,7 @@ impl TinyModel {
             0.0,
             0.2,
         );
-        for l in 0..s.n_layers {
+        for l in 0..s.n_layers + s.nextn_layers {
             let p = format!("model.layers.{l}");
             add(format!("{p}.input_layernorm.weight"), vec![h], 1.0, 0.05);
             if let Some(mla) = &s.mla {
@@ -944,6 +1030,14 @@ impl TinyModel {
                         0.06,
                     );
                 }
+            }
+            if l >= s.n_layers {
+                // the prediction layer's own tensors: its input is the projection of the
+                // normed embedding of the next token beside the normed hidden state
+                add(format!("{p}.eh_proj.weight"), vec![h, 2 * h], 0.0, 0.08);
+                add(format!("{p}.enorm.weight"), vec![h], 1.0, 0.05);
+                add(format!("{p}.hnorm.weight"), vec![h], 1.0, 0.05);
+                add(format!("{p}.shared_head.norm.weight"), vec![h], 1.0, 0.05);
             }
         }
         add("model.norm.weight".into(), vec![h], 1.0, 0.05);
@@ -1197,19 +1291,30 @@ impl TinyModel {
         if ty.is_quantized() {
             w.add_kv("general.quantization_version", 2u32);
         }
-        w.add_kv(format!("{a}.block_count"), s.n_layers as u32)
-            .add_kv(format!("{a}.context_length"), s.context_length as u32)
-            .add_kv(format!("{a}.embedding_length"), s.hidden_size as u32)
-            .add_kv(format!("{a}.feed_forward_length"), s.ffn_size as u32)
-            .add_kv(format!("{a}.attention.head_count"), s.n_head as u32)
-            .add_kv(format!("{a}.attention.head_count_kv"), s.n_kv_head as u32)
-            .add_kv(format!("{a}.attention.layer_norm_rms_epsilon"), s.rms_eps)
-            .add_kv(format!("{a}.rope.freq_base"), s.rope_theta)
-            .add_kv(format!("{a}.rope.dimension_count"), s.head_dim as u32)
-            .add_kv(format!("{a}.vocab_size"), s.vocab_size as u32);
+        let rope_dims = if s.rope_dims > 0 {
+            s.rope_dims
+        } else {
+            s.head_dim
+        };
+        w.add_kv(
+            format!("{a}.block_count"),
+            (s.n_layers + s.nextn_layers) as u32,
+        )
+        .add_kv(format!("{a}.context_length"), s.context_length as u32)
+        .add_kv(format!("{a}.embedding_length"), s.hidden_size as u32)
+        .add_kv(format!("{a}.feed_forward_length"), s.ffn_size as u32)
+        .add_kv(format!("{a}.attention.head_count"), s.n_head as u32)
+        .add_kv(format!("{a}.attention.head_count_kv"), s.n_kv_head as u32)
+        .add_kv(format!("{a}.attention.layer_norm_rms_epsilon"), s.rms_eps)
+        .add_kv(format!("{a}.rope.freq_base"), s.rope_theta)
+        .add_kv(format!("{a}.rope.dimension_count"), rope_dims as u32)
+        .add_kv(format!("{a}.vocab_size"), s.vocab_size as u32);
         if s.mla.is_none()
             && (s.head_dim * s.n_head != s.hidden_size
-                || matches!(s.arch, Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe))
+                || matches!(
+                    s.arch,
+                    Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe
+                ))
         {
             w.add_kv(format!("{a}.attention.key_length"), s.head_dim as u32)
                 .add_kv(format!("{a}.attention.value_length"), s.head_dim as u32);
@@ -1269,10 +1374,10 @@ impl TinyModel {
         Ok(w)
     }
 
-    /// The metadata of the experts, the latent attention and YaRN, under the keys llama.cpp's
-    /// converters write (DeepSeek's `rope.dimension_count` is then the rotated dimensions,
-    /// `head_count_kv` 1 and `key_length` / `value_length` the latent's, replacing the plain
-    /// values written before).
+    /// The metadata of the experts, the latent attention, YaRN and GLM's prediction layers,
+    /// under the keys llama.cpp's converters write (DeepSeek's `rope.dimension_count` is then
+    /// the rotated dimensions, `head_count_kv` 1 and `key_length` / `value_length` the
+    /// latent's, replacing the plain values written before).
     fn add_moe_kvs(&self, w: &mut GgufWriter) {
         let s = &self.spec;
         let a = s.arch.gguf_name();
@@ -1285,21 +1390,26 @@ impl TinyModel {
         if s.arch != Arch::Mixtral {
             w.add_kv(k("expert_feed_forward_length"), moe.expert_ffn as u32);
         }
-        let Some(mla) = &s.mla else {
+        if !s.arch.has_deepseek_routing() {
             return;
-        };
-        w.set_kv(&k("attention.head_count_kv"), 1u32)
-            .set_kv(&k("rope.dimension_count"), mla.rope_dim as u32);
+        }
+        if let Some(mla) = &s.mla {
+            w.set_kv(&k("attention.head_count_kv"), 1u32)
+                .set_kv(&k("rope.dimension_count"), mla.rope_dim as u32);
+            w.add_kv(k("attention.q_lora_rank"), mla.q_lora_rank as u32)
+                .add_kv(k("attention.kv_lora_rank"), mla.kv_lora_rank as u32)
+                .add_kv(
+                    k("attention.key_length"),
+                    (mla.kv_lora_rank + mla.rope_dim) as u32,
+                )
+                .add_kv(k("attention.value_length"), mla.kv_lora_rank as u32)
+                .add_kv(k("attention.key_length_mla"), mla.qk_dim() as u32)
+                .add_kv(k("attention.value_length_mla"), mla.v_dim as u32);
+        }
+        if s.arch == Arch::Glm4Moe {
+            w.add_kv(k("nextn_predict_layers"), s.nextn_layers as u32);
+        }
         w.add_kv(k("leading_dense_block_count"), moe.leading_dense as u32)
-            .add_kv(k("attention.q_lora_rank"), mla.q_lora_rank as u32)
-            .add_kv(k("attention.kv_lora_rank"), mla.kv_lora_rank as u32)
-            .add_kv(
-                k("attention.key_length"),
-                (mla.kv_lora_rank + mla.rope_dim) as u32,
-            )
-            .add_kv(k("attention.value_length"), mla.kv_lora_rank as u32)
-            .add_kv(k("attention.key_length_mla"), mla.qk_dim() as u32)
-            .add_kv(k("attention.value_length_mla"), mla.v_dim as u32)
             .add_kv(k("expert_shared_count"), moe.n_shared_expert as u32);
         if let Some(scale) = moe.weights_scale {
             w.add_kv(k("expert_weights_scale"), scale);
@@ -1413,7 +1523,7 @@ impl TinyModel {
                 obj.insert("attention_bias".into(), json!(false));
                 obj.insert("attention_dropout".into(), json!(0.0));
             }
-            Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Mixtral => {
+            Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Mixtral | Arch::Glm4Moe => {
                 if let Some(moe) = &s.moe {
                     Self::moe_config(obj, s, moe);
                 }
@@ -1447,7 +1557,15 @@ impl TinyModel {
                 } else {
                     "greedy"
                 };
-                if moe.gating == ExpertGating::Sigmoid {
+                if s.arch == Arch::Glm4Moe {
+                    obj.insert(
+                        "partial_rotary_factor".into(),
+                        json!(s.rope_dims as f64 / s.head_dim as f64),
+                    );
+                    obj.insert("num_nextn_predict_layers".into(), json!(s.nextn_layers));
+                    obj.insert("attention_bias".into(), json!(true));
+                    obj.insert("use_qk_norm".into(), json!(true));
+                } else if moe.gating == ExpertGating::Sigmoid {
                     obj.insert("architectures".into(), json!(["DeepseekV3ForCausalLM"]));
                     obj.insert("model_type".into(), json!("deepseek_v3"));
                 }
@@ -1618,6 +1736,7 @@ pub fn gguf_name_for(arch: Arch, hf_name: &str) -> Option<String> {
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let gemma = arch == Arch::Gemma3;
+    let glm = arch == Arch::Glm4Moe;
     let qk_norm = arch.has_qk_norm();
     let part = match rest {
         "input_layernorm.weight" => "attn_norm.weight",
@@ -1630,7 +1749,11 @@ pub fn gguf_name_for(arch: Arch, hf_name: &str) -> Option<String> {
         "self_attn.o_proj.weight" => "attn_output.weight",
         "self_attn.q_norm.weight" if qk_norm => "attn_q_norm.weight",
         "self_attn.k_norm.weight" if qk_norm => "attn_k_norm.weight",
-        "post_attention_layernorm.weight" if gemma => "post_attention_norm.weight",
+        "post_attention_layernorm.weight" if gemma || glm => "post_attention_norm.weight",
+        "eh_proj.weight" if glm => "nextn.eh_proj.weight",
+        "enorm.weight" if glm => "nextn.enorm.weight",
+        "hnorm.weight" if glm => "nextn.hnorm.weight",
+        "shared_head.norm.weight" if glm => "nextn.shared_head_norm.weight",
         "post_attention_layernorm.weight" => "ffn_norm.weight",
         "pre_feedforward_layernorm.weight" if gemma => "ffn_norm.weight",
         "post_feedforward_layernorm.weight" if gemma => "post_ffw_norm.weight",
@@ -1650,19 +1773,29 @@ fn moe_gguf_part(arch: Arch, rest: &str) -> Option<&'static str> {
         (Arch::Mixtral, "block_sparse_moe.experts.w1.weight") => "ffn_gate_exps.weight",
         (Arch::Mixtral, "block_sparse_moe.experts.w3.weight") => "ffn_up_exps.weight",
         (Arch::Mixtral, "block_sparse_moe.experts.w2.weight") => "ffn_down_exps.weight",
-        (Arch::Qwen3Moe | Arch::Deepseek2, "mlp.gate.weight") => "ffn_gate_inp.weight",
-        (Arch::Qwen3Moe | Arch::Deepseek2, "mlp.experts.gate_proj.weight") => {
+        (Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Glm4Moe, "mlp.gate.weight") => {
+            "ffn_gate_inp.weight"
+        }
+        (Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Glm4Moe, "mlp.experts.gate_proj.weight") => {
             "ffn_gate_exps.weight"
         }
-        (Arch::Qwen3Moe | Arch::Deepseek2, "mlp.experts.up_proj.weight") => "ffn_up_exps.weight",
-        (Arch::Qwen3Moe | Arch::Deepseek2, "mlp.experts.down_proj.weight") => {
+        (Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Glm4Moe, "mlp.experts.up_proj.weight") => {
+            "ffn_up_exps.weight"
+        }
+        (Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Glm4Moe, "mlp.experts.down_proj.weight") => {
             "ffn_down_exps.weight"
         }
+        (Arch::Deepseek2 | Arch::Glm4Moe, "mlp.gate.e_score_correction_bias") => "exp_probs_b.bias",
+        (Arch::Deepseek2 | Arch::Glm4Moe, "mlp.shared_experts.gate_proj.weight") => {
+            "ffn_gate_shexp.weight"
+        }
+        (Arch::Deepseek2 | Arch::Glm4Moe, "mlp.shared_experts.up_proj.weight") => {
+            "ffn_up_shexp.weight"
+        }
+        (Arch::Deepseek2 | Arch::Glm4Moe, "mlp.shared_experts.down_proj.weight") => {
+            "ffn_down_shexp.weight"
+        }
         (Arch::Deepseek2, rest) => match rest {
-            "mlp.gate.e_score_correction_bias" => "exp_probs_b.bias",
-            "mlp.shared_experts.gate_proj.weight" => "ffn_gate_shexp.weight",
-            "mlp.shared_experts.up_proj.weight" => "ffn_up_shexp.weight",
-            "mlp.shared_experts.down_proj.weight" => "ffn_down_shexp.weight",
             "self_attn.q_a_proj.weight" => "attn_q_a.weight",
             "self_attn.q_a_layernorm.weight" => "attn_q_a_norm.weight",
             "self_attn.q_b_proj.weight" => "attn_q_b.weight",
@@ -1754,6 +1887,10 @@ fn gguf_order_key(hf: &str) -> (usize, usize, usize) {
         "mlp.shared_experts.up_proj.weight",
         "mlp.shared_experts.down_proj.weight",
         "post_feedforward_layernorm.weight",
+        "eh_proj.weight",
+        "enorm.weight",
+        "hnorm.weight",
+        "shared_head.norm.weight",
         "",
     ];
     match hf {
