@@ -404,3 +404,32 @@ fn malformed_moe_files_are_refused_naming_the_problem() {
         }
     }
 }
+
+/// GLM files whose layer counts or rotated dimensions cannot work are refused at load,
+/// naming the key.
+#[test]
+fn malformed_glm_files_are_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = TinyModelSpec::glm4moe(7).build().unwrap();
+    for (key, value, expect) in [
+        (
+            "glm4moe.nextn_predict_layers",
+            4u32,
+            "nextn_predict_layers 4",
+        ),
+        ("glm4moe.rope.dimension_count", 48, "48"),
+        ("glm4moe.rope.dimension_count", 15, "15"),
+        ("glm4moe.rope.dimension_count", 0, "rope"),
+    ] {
+        let mut w = m.gguf_writer(GgmlType::F32).unwrap();
+        w.set_kv(key, value);
+        let p = dir.path().join(format!("glm-{value}.gguf"));
+        w.write_to(&p).unwrap();
+        let err = match try_load(&p) {
+            Ok(_) => panic!("{key} = {value} loaded"),
+            Err(e) => e.to_string(),
+        };
+        eprintln!("{key} = {value}: {err}");
+        assert!(err.contains(expect), "{key} = {value}: {err}");
+    }
+}

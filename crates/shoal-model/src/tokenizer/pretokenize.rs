@@ -466,6 +466,18 @@ mod tests {
     }
 
     #[test]
+    fn glm_files_split_as_llama3_without_a_bos_and_with_whole_words_first() {
+        for pre in ["glm4", "glm5"] {
+            let info = pre_info(Some(pre)).unwrap();
+            assert_eq!(info.pre, PreType::Llama3, "{pre}");
+            assert!(info.ignore_merges && !info.add_bos, "{pre}");
+        }
+        let chatglm = pre_info(Some("chatglm-bpe")).unwrap();
+        assert_eq!(chatglm.pre, PreType::Llama3);
+        assert!(!chatglm.ignore_merges && !chatglm.add_bos);
+    }
+
+    #[test]
     fn llama3_digits_and_newlines() {
         assert_eq!(
             words(PreType::Llama3, "1234567 x\n\n y"),
