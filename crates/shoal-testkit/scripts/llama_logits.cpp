@@ -27,6 +27,13 @@
 //   logits        with --all-logits only: the full logit rows of `steps`
 // Floats are printed with %.9g (exact for f32); a non-finite logit is printed as null.
 //
+//   llama_logits --split REGEX
+//
+// runs llama.cpp's pre-tokenizer split for REGEX (the first of a `tokenizer.ggml.pre`
+// value's expressions, which selects llama.cpp's own scanner where it has one) over each
+// NUL-terminated text on stdin, without the byte encoding, and prints one line per text:
+// its words, each as lowercase hex of its UTF-8 bytes, separated by spaces.
+//
 // scripts/build-llama-oracle.sh builds it against a minimal CPU-only llama.cpp; the test
 // kit's oracle module (crates/shoal-testkit/src/oracle.rs) runs it and parses the line.
 #include "llama.h"
@@ -38,6 +45,37 @@
 #include <cstring>
 #include <string>
 #include <vector>
+
+// llama.cpp's pre-tokenizer (src/unicode.h, exported by the library, not in its API)
+std::vector<std::string> unicode_regex_split(const std::string & text,
+                                             const std::vector<std::string> & regex_exprs,
+                                             bool byte_encode);
+
+static int split_stdin(const char * regex) {
+    std::string text;
+    int c;
+    while ((c = getchar()) != EOF) {
+        if (c != 0) {
+            text.push_back((char) c);
+            continue;
+        }
+        // an empty text has no words (llama.cpp's scanners return none for it, and the
+        // function then falls back to std::regex, which cannot read their expressions)
+        const std::vector<std::string> words =
+            text.empty() ? std::vector<std::string>() : unicode_regex_split(text, { regex }, false);
+        for (size_t w = 0; w < words.size(); w++) {
+            if (w > 0) {
+                putchar(' ');
+            }
+            for (unsigned char b : words[w]) {
+                printf("%02x", b);
+            }
+        }
+        putchar('\n');
+        text.clear();
+    }
+    return 0;
+}
 
 static void die(const char * msg) {
     fprintf(stderr, "llama_logits: %s\n", msg);
@@ -120,6 +158,9 @@ static void print_top(const std::vector<std::pair<int, float>> & top) {
 int main(int argc, char ** argv) {
     if (argc < 2) {
         usage();
+    }
+    if (argc == 3 && strcmp(argv[1], "--split") == 0) {
+        return split_stdin(argv[2]);
     }
     const char * model_path = argv[1];
     std::string text;

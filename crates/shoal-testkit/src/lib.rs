@@ -39,8 +39,8 @@ pub use moe::{
     route, route_margin, route_scale_margin, ExpertGating, MlaSpec, MoeFault, MoeSpec, YarnRope,
 };
 pub use oracle::{
-    compare_teacher_forced, oracle_bin, require_oracle, run_llama_oracle, run_llama_oracle_with,
-    Comparison, OracleCache, OracleInput, OracleRun, Tolerance,
+    compare_teacher_forced, llama_pretokenize, oracle_bin, require_oracle, run_llama_oracle,
+    run_llama_oracle_with, Comparison, OracleCache, OracleInput, OracleRun, Tolerance,
 };
 pub use quants::{
     dequantize, dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, quantize, quantize_q4_0,

@@ -103,6 +103,77 @@ pub fn require_oracle(test: &str) -> Option<PathBuf> {
     bin
 }
 
+/// llama.cpp's pre-tokenizer words for each of `texts`, from the oracle at `bin` (its
+/// `--split` mode): `regex` is the first expression llama.cpp lists for a
+/// `tokenizer.ggml.pre` value, which selects its hand-written scanner where it has one
+/// (`\\p{Han}+` for Kimi K2). An error says what failed.
+pub fn llama_pretokenize(
+    bin: &Path,
+    regex: &str,
+    texts: &[&str],
+) -> Result<Vec<Vec<String>>, String> {
+    use std::io::Write;
+    if let Some(t) = texts.iter().find(|t| t.contains('\0')) {
+        return Err(format!(
+            "text {t:?} holds a NUL, which ends a text for the oracle"
+        ));
+    }
+    let mut child = Command::new(bin)
+        .arg("--split")
+        .arg(regex)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run the oracle {}: {e}", bin.display()))?;
+    let mut input = Vec::new();
+    for t in texts {
+        input.extend_from_slice(t.as_bytes());
+        input.push(0);
+    }
+    child
+        .stdin
+        .take()
+        .expect("stdin is piped")
+        .write_all(&input)
+        .map_err(|e| format!("cannot write to the oracle: {e}"))?;
+    let out = child
+        .wait_with_output()
+        .map_err(|e| format!("the oracle did not finish: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "the oracle's split failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let text = String::from_utf8(out.stdout).map_err(|e| format!("oracle output: {e}"))?;
+    let lines: Vec<&str> = text.lines().collect();
+    if lines.len() != texts.len() {
+        return Err(format!(
+            "the oracle split {} texts into {} lines",
+            texts.len(),
+            lines.len()
+        ));
+    }
+    lines
+        .iter()
+        .map(|line| {
+            line.split(' ')
+                .filter(|w| !w.is_empty())
+                .map(|w| {
+                    let bytes = (0..w.len())
+                        .step_by(2)
+                        .map(|i| u8::from_str_radix(w.get(i..i + 2).unwrap_or("zz"), 16))
+                        .collect::<Result<Vec<u8>, _>>()
+                        .map_err(|e| format!("oracle word {w:?}: {e}"))?;
+                    String::from_utf8(bytes).map_err(|e| format!("oracle word {w:?}: {e}"))
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// The KV cache type the oracle runs with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OracleCache {

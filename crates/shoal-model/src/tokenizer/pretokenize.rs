@@ -2,8 +2,8 @@
 //! of steps applied in turn, each step cutting every piece of the previous one further (a
 //! regex match becomes a piece, and so does the text between two matches).
 //!
-//! The step lists follow llama.cpp's choice for each `tokenizer.ggml.pre` value. The four
-//! common regexes (GPT-2, Llama 3, Qwen2, Qwen3.5) are hand-written scanners that reproduce
+//! The step lists follow llama.cpp's choice for each `tokenizer.ggml.pre` value. The common
+//! regexes (GPT-2, Llama 3, Qwen2, Qwen3.5, Kimi K2's) are hand-written scanners that reproduce
 //! llama.cpp's own scanners, including where those differ from the regex they stand for
 //! (a lookahead never looks past the end of the current piece). The other steps are
 //! ordinary regexes run on each piece.
@@ -22,6 +22,12 @@ enum Scanner {
     Qwen2,
     /// As [`Scanner::Qwen2`] with marks joining letter runs (`[\p{L}\p{M}]+`).
     Qwen35,
+    /// Kimi K2's, as llama.cpp scans it: `\p{Han}+`, then as [`Scanner::Llama3`] but with
+    /// Han characters out of the letter runs and the contractions only as a letter run's
+    /// suffix (`[^\r\n\p{L}\p{N}]?[\p{L}--\p{Han}]+('s|'t|'re|'ve|'m|'ll|'d)?`, case-blind).
+    /// The tokenizer's own regex also splits a letter run where lower case turns to upper;
+    /// llama.cpp does not, and neither does this.
+    KimiK2,
     /// `[^\n]+|[\n]+`
     Newlines,
 }
@@ -55,6 +61,8 @@ pub enum PreType {
     DeepSeekCoder,
     /// Gemma 4: SentencePiece-style BPE over raw UTF-8, split only at newlines.
     Gemma4,
+    /// Kimi K2 (`kimi-k2`).
+    KimiK2,
 }
 
 /// What a `tokenizer.ggml.pre` value implies besides its regexes.
@@ -122,6 +130,7 @@ pub const SUPPORTED_PRE: &[&str] = &[
     "falcon",
     "deepseek-llm",
     "deepseek-coder",
+    "kimi-k2",
 ];
 
 /// Maps a `tokenizer.ggml.pre` value (absent = default) to its pre-tokenizer.
@@ -155,6 +164,7 @@ pub fn pre_info(pre: Option<&str>) -> Result<PreInfo, TokenizerError> {
         | "solar-open" | "grok-2" => info(PreType::Qwen2, false, false),
         "qwen35" => info(PreType::Qwen35, false, false),
         "gemma4" => info(PreType::Gemma4, false, true),
+        "kimi-k2" => info(PreType::KimiK2, false, false),
         other => {
             return Err(TokenizerError::UnsupportedPre {
                 pre: other.to_string(),
@@ -227,6 +237,7 @@ impl PreTokenizer {
                 re(r"\p{N}"),
             ],
             PreType::Gemma4 => vec![scan(Newlines)],
+            PreType::KimiK2 => vec![scan(KimiK2)],
         };
         Ok(PreTokenizer {
             steps: steps.into_iter().collect::<Result<_, _>>()?,
@@ -330,8 +341,42 @@ fn scan(kind: Scanner, chars: &[char], mut emit: impl FnMut(usize, usize)) {
         let c = chars[pos];
         let f = unicode::flags(c);
 
+        if kind == Scanner::KimiK2 {
+            // `\p{Han}+`
+            if unicode::is_han(c) {
+                let mut p = pos + 1;
+                while p < n && unicode::is_han(chars[p]) {
+                    p += 1;
+                }
+                word!(p);
+            }
+            // `[^\r\n\p{L}\p{N}]?[\p{L}--\p{Han}]+` and a contraction after it
+            let letter = |i: usize| has(fl(i), LETTER) && !unicode::is_han(chars[i]);
+            let leading = !(is_crlf(c) || f & (LETTER | NUMBER) != 0);
+            if letter(pos) || (leading && letter(pos + 1)) {
+                let mut p = pos + usize::from(leading);
+                while letter(p) {
+                    p += 1;
+                }
+                if p + 1 < n && chars[p] == '\'' {
+                    let c1 = chars[p + 1].to_ascii_lowercase();
+                    if matches!(c1, 's' | 't' | 'm' | 'd') {
+                        p += 2;
+                    } else if p + 2 < n
+                        && matches!(
+                            (c1, chars[p + 2].to_ascii_lowercase()),
+                            ('r', 'e') | ('v', 'e') | ('l', 'l')
+                        )
+                    {
+                        p += 3;
+                    }
+                }
+                word!(p);
+            }
+        }
+
         // Contractions: 's 't 're 've 'm 'll 'd
-        if c == '\'' && pos + 1 < n {
+        if c == '\'' && pos + 1 < n && kind != Scanner::KimiK2 {
             let low = |c: char| {
                 if case_insensitive {
                     c.to_ascii_lowercase()
@@ -377,8 +422,9 @@ fn scan(kind: Scanner, chars: &[char], mut emit: impl FnMut(usize, usize)) {
                 word!(p);
             }
         } else {
-            // `[^\r\n\p{L}\p{N}]?\p{L}+`
-            if !(is_crlf(c) || f & NUMBER != 0)
+            // `[^\r\n\p{L}\p{N}]?\p{L}+` (Kimi K2's letter runs are matched above)
+            if kind != Scanner::KimiK2
+                && !(is_crlf(c) || f & NUMBER != 0)
                 && (f & letter_mask != 0 || has(fl(pos + 1), letter_mask))
             {
                 let mut p = pos + 1;
@@ -389,7 +435,7 @@ fn scan(kind: Scanner, chars: &[char], mut emit: impl FnMut(usize, usize)) {
             }
             // `\p{N}{1,3}` (Llama 3) or `\p{N}`
             if f & NUMBER != 0 {
-                if kind == Scanner::Llama3 {
+                if matches!(kind, Scanner::Llama3 | Scanner::KimiK2) {
                     let mut p = pos;
                     let mut group = pos;
                     while has(fl(p), NUMBER) {
@@ -475,6 +521,16 @@ mod tests {
         let chatglm = pre_info(Some("chatglm-bpe")).unwrap();
         assert_eq!(chatglm.pre, PreType::Llama3);
         assert!(!chatglm.ignore_merges && !chatglm.add_bos);
+    }
+
+    #[test]
+    fn kimi_k2_keeps_han_apart_and_contractions_on_their_word() {
+        assert_eq!(
+            words(PreType::KimiK2, "Hello世界 don't I'M 12345\n\n x"),
+            ["Hello", "世界", " don't", " I'M", " ", "123", "45", "\n\n", " x"]
+        );
+        assert_eq!(words(PreType::KimiK2, " 中文abc"), [" ", "中文", "abc"]);
+        assert_eq!(pre_info(Some("kimi-k2")).unwrap().pre, PreType::KimiK2);
     }
 
     #[test]

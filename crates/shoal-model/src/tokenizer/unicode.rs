@@ -100,6 +100,21 @@ pub fn is_letter(c: char) -> bool {
     flags(c) & LETTER != 0
 }
 
+/// Whether `c` is a Han character, by the blocks llama.cpp's Kimi K2 pre-tokenizer counts:
+/// the CJK Unified Ideographs and their extensions A to F, and the CJK Compatibility
+/// Ideographs and their supplement.
+pub fn is_han(c: char) -> bool {
+    matches!(
+        c as u32,
+        0x4E00..=0x9FFF
+            | 0x3400..=0x4DBF
+            | 0x20000..=0x2A6DF
+            | 0x2A700..=0x2EBEF
+            | 0xF900..=0xFAFF
+            | 0x2F800..=0x2FA1F
+    )
+}
+
 /// Whether `c` is a number (`\p{N}`).
 #[inline]
 pub fn is_number(c: char) -> bool {
