@@ -192,6 +192,32 @@ fn oracle_cases() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
             QUANTIZED_WIDE,
         ),
         (TinyModelSpec::glm4moe(84), GgmlType::F32, F32),
+        // routers reading the whole hidden state: a token's experts depend on its context
+        (
+            TinyModelSpec::qwen3moe(64).routed_on_the_whole_state(),
+            GgmlType::F32,
+            F32,
+        ),
+        (
+            TinyModelSpec::mixtral(67).routed_on_the_whole_state(),
+            GgmlType::F32,
+            F32,
+        ),
+        (
+            TinyModelSpec::deepseek2(70).routed_on_the_whole_state(),
+            GgmlType::F32,
+            F32,
+        ),
+        (
+            TinyModelSpec::deepseek3(73).routed_on_the_whole_state(),
+            GgmlType::F32,
+            F32,
+        ),
+        (
+            TinyModelSpec::glm4moe(84).routed_on_the_whole_state(),
+            GgmlType::F32,
+            F32,
+        ),
         (TinyModelSpec::glm4moe(89), GgmlType::Q8_0, QUANTIZED),
         (
             TinyModelSpec::glm4moe(86).k_quant_shapes(),
@@ -210,7 +236,17 @@ fn shoal_matches_llamacpp_on_every_moe_architecture() {
     let mut failed = Vec::new();
     for (spec, ty, tol) in oracle_cases() {
         let m = spec.snapped_to(ty).build().unwrap();
-        let label = format!("{} seed {} {ty:?}", m.spec().name, m.spec().seed);
+        let whole = m.spec().moe.as_ref().is_some_and(|e| e.router_dims == 0);
+        let label = format!(
+            "{} seed {} {ty:?}{}",
+            m.spec().name,
+            m.spec().seed,
+            if whole {
+                " (routed on the whole state)"
+            } else {
+                ""
+            }
+        );
         let path = write(&m, dir.path(), ty);
         let run = oracle(&bin, &path);
         let margin = route_margin(&m, &run);

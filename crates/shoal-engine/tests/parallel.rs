@@ -397,6 +397,16 @@ fn tiny_moe_every_split_matches_one_rank() {
         });
         cases.push((q.snapped_to(GgmlType::Q8_0), GgmlType::Q8_0));
     }
+    // routers reading the whole hidden state, so the experts follow the context
+    for spec in [
+        TinyModelSpec::qwen3moe(46),
+        TinyModelSpec::deepseek3(47),
+        TinyModelSpec::glm4moe(48),
+    ] {
+        let spec = spec.routed_on_the_whole_state();
+        let name = format!("{}-whole-state", spec.name);
+        cases.push((TinyModelSpec { name, ..spec }, GgmlType::F32));
+    }
     // MXFP4, as gpt-oss's experts are stored: 32-value blocks slice as Q8_0's do
     cases.push((
         wider(TinyModelSpec::qwen3moe(45)).snapped_to(GgmlType::MXFP4),

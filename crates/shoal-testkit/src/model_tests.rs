@@ -909,6 +909,22 @@ fn oracle_specs() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
             QUANTIZED_WIDE_MOE,
         ),
         (TinyModelSpec::glm4moe(84), GgmlType::F32, Tolerance::F32),
+        // routers reading the whole hidden state (a token's experts follow its context)
+        (
+            TinyModelSpec::qwen3moe(64).routed_on_the_whole_state(),
+            GgmlType::F32,
+            Tolerance::F32,
+        ),
+        (
+            TinyModelSpec::deepseek3(73).routed_on_the_whole_state(),
+            GgmlType::F32,
+            Tolerance::F32,
+        ),
+        (
+            TinyModelSpec::glm4moe(84).routed_on_the_whole_state(),
+            GgmlType::F32,
+            Tolerance::F32,
+        ),
         (
             TinyModelSpec::glm4moe(89),
             GgmlType::Q8_0,
@@ -1684,6 +1700,31 @@ fn moe_spec_validation() {
         "a latent rank of partial blocks",
         "mla.kv_lora_rank = 48",
     );
+}
+
+/// With the router reading the whole hidden state, the same token goes to other experts in
+/// another context; with it reading only the dimensions that hold the embedding, under
+/// softmax gating, it never does.
+#[test]
+fn routes_follow_the_context_when_the_router_reads_the_whole_state() {
+    let contexts: [&[u32]; 3] = [&[1, 17, 250, 42, 99], &[311, 7, 128, 64, 200, 5, 99], &[99]];
+    for spec in moe_specs() {
+        let last = |m: &TinyModel, ids: &[u32]| m.reference_routes(ids).pop().unwrap();
+        let whole = spec.clone().routed_on_the_whole_state().build().unwrap();
+        let routes: Vec<_> = contexts.iter().map(|c| last(&whole, c)).collect();
+        let name = &whole.spec().name;
+        eprintln!("{name}: token 99's experts per MoE layer in three contexts: {routes:?}");
+        assert!(
+            routes.iter().any(|r| r != &routes[0]),
+            "{name}: token 99 takes the same experts in every context"
+        );
+        let reserved = spec.build().unwrap();
+        let softmax = reserved.spec().moe.as_ref().unwrap().gating == crate::ExpertGating::Softmax;
+        if softmax {
+            let routes: Vec<_> = contexts.iter().map(|c| last(&reserved, c)).collect();
+            assert!(routes.iter().all(|r| r == &routes[0]), "{name}: {routes:?}");
+        }
+    }
 }
 
 #[test]

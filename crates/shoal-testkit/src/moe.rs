@@ -90,6 +90,9 @@ pub struct MoeSpec {
     /// whose quantized products perturb the rest of the hidden state then still chooses the
     /// reference's experts under softmax gating (the scale is common to every expert), where
     /// otherwise a near-tie flips a choice and moves the logits far beyond any tolerance.
+    /// 0 (see [`crate::TinyModelSpec::routed_on_the_whole_state`]) routes on the whole
+    /// hidden state, as a trained model does: a token's experts then follow its context,
+    /// which the F32 comparisons and splits check.
     pub router_dims: usize,
 }
 

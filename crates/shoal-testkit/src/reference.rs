@@ -109,6 +109,22 @@ fn rope_adjacent(v: &mut [f64], pos: usize, theta: f64, yarn: Option<&YarnRope>)
     }
 }
 
+/// What a forward pass records of its routing, per position: the smallest margins (plain
+/// and under a common scale of the router's logits) and the experts of each MoE layer.
+struct Probe {
+    margins: Vec<[f64; 2]>,
+    routes: Vec<Vec<Vec<usize>>>,
+}
+
+impl Probe {
+    fn new(positions: usize) -> Self {
+        Probe {
+            margins: vec![[f64::INFINITY; 2]; positions],
+            routes: vec![Vec::new(); positions],
+        }
+    }
+}
+
 /// Softmax of attention scores.
 fn softmax(scores: &[f64]) -> Vec<f64> {
     let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -180,31 +196,39 @@ impl TinyModel {
     /// An engine whose arithmetic moves the router's scores by more than this at a position
     /// may route that position differently from the reference.
     pub fn reference_route_margins(&self, ids: &[u32]) -> Vec<f64> {
-        let mut margins = vec![[f64::INFINITY; 2]; ids.len()];
-        self.forward_with(ids, false, Some(&mut margins));
-        margins.iter().map(|m| m[0]).collect()
+        let mut probe = Probe::new(ids.len());
+        self.forward_with(ids, false, Some(&mut probe));
+        probe.margins.iter().map(|m| m[0]).collect()
     }
 
     /// How far each position of `ids` is from choosing other experts when the router's
     /// logits are all scaled by one factor: the smallest [`crate::moe::route_scale_margin`]
     /// over the model's MoE layers (infinite for a dense model).
     pub fn reference_route_scale_margins(&self, ids: &[u32]) -> Vec<f64> {
-        let mut margins = vec![[f64::INFINITY; 2]; ids.len()];
-        self.forward_with(ids, false, Some(&mut margins));
-        margins.iter().map(|m| m[1]).collect()
+        let mut probe = Probe::new(ids.len());
+        self.forward_with(ids, false, Some(&mut probe));
+        probe.margins.iter().map(|m| m[1]).collect()
+    }
+
+    /// The experts each position of `ids` is routed to: per position, per MoE layer (in
+    /// layer order), the chosen experts' ids in ascending order (empty for a dense model).
+    pub fn reference_routes(&self, ids: &[u32]) -> Vec<Vec<Vec<usize>>> {
+        let mut probe = Probe::new(ids.len());
+        self.forward_with(ids, false, Some(&mut probe));
+        probe.routes
     }
 
     fn forward(&self, ids: &[u32], f16_kv: bool) -> Vec<Vec<f32>> {
         self.forward_with(ids, f16_kv, None)
     }
 
-    /// The forward pass; with `margins`, each position's entry is lowered to its routing
-    /// margin in every MoE layer.
+    /// The forward pass; with `probe`, each position's margins are lowered to its routing
+    /// margins in every MoE layer, and its chosen experts recorded.
     fn forward_with(
         &self,
         ids: &[u32],
         f16_kv: bool,
-        mut margins: Option<&mut Vec<[f64; 2]>>,
+        mut probe: Option<&mut Probe>,
     ) -> Vec<Vec<f32>> {
         let s = self.spec();
         assert!(
@@ -251,8 +275,10 @@ impl TinyModel {
                 let hn = norm(&xs[t], &format!("{p}.{ffn_norm}.weight"));
                 let d = match &s.moe {
                     Some(moe) if s.is_moe_layer(l) => {
-                        let (d, margin) = self.moe_ffn(&p, &hn, moe, margins.is_some());
-                        if let Some(m) = margins.as_deref_mut() {
+                        let (d, margin, chosen) = self.moe_ffn(&p, &hn, moe, probe.is_some());
+                        if let Some(probe) = probe.as_deref_mut() {
+                            probe.routes[t].push(chosen);
+                            let m = &mut probe.margins;
                             m[t] = [m[t][0].min(margin[0]), m[t][1].min(margin[1])];
                         }
                         d
@@ -485,7 +511,15 @@ impl TinyModel {
     /// The mixture-of-experts FFN of layer prefix `p` on the normed input `hn`: the routed
     /// experts' SwiGLU outputs weighted as [`crate::route`] says, plus the shared experts';
     /// and the routing's [`crate::route_margin`].
-    fn moe_ffn(&self, p: &str, hn: &[f64], moe: &MoeSpec, margins: bool) -> (Vec<f64>, [f64; 2]) {
+    /// Layer `p`'s routed (and shared) experts on the normed input `hn`: their output, with
+    /// `margins` the routing margins, and the chosen experts in ascending order.
+    fn moe_ffn(
+        &self,
+        p: &str,
+        hn: &[f64],
+        moe: &MoeSpec,
+        margins: bool,
+    ) -> (Vec<f64>, [f64; 2], Vec<usize>) {
         let s = self.spec();
         let names = MoeNames::of(s.arch, p);
         let logits = linear(hn, self.w(&names.router), None);
@@ -503,7 +537,10 @@ impl TinyModel {
             [f64::INFINITY; 2]
         };
         let mut out = vec![0.0f64; hn.len()];
-        for (e, weight) in route(&logits, moe, bias) {
+        let routed = route(&logits, moe, bias);
+        let mut chosen: Vec<usize> = routed.iter().map(|r| r.0).collect();
+        chosen.sort_unstable();
+        for (e, weight) in routed {
             let d = swiglu(
                 hn,
                 &expert(gate, e),
@@ -528,6 +565,6 @@ impl TinyModel {
                 *o += d;
             }
         }
-        (out, margin)
+        (out, margin, chosen)
     }
 }

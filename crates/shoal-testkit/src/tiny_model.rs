@@ -656,6 +656,15 @@ impl TinyModelSpec {
         self
     }
 
+    /// This spec with a router that reads the whole hidden state ([`MoeSpec::router_dims`]
+    /// 0), so a token's experts depend on its context, as in a trained model.
+    pub fn routed_on_the_whole_state(mut self) -> Self {
+        if let Some(moe) = &mut self.moe {
+            moe.router_dims = 0;
+        }
+        self
+    }
+
     /// This spec with `tied_embeddings` set.
     pub fn tied(mut self, tied: bool) -> Self {
         self.tied_embeddings = tied;
