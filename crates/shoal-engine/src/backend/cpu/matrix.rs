@@ -303,12 +303,19 @@ fn load_quant_matrix(
 }
 
 /// The kernel type of a file's tensor type: the types candle also stores, and those only
-/// shoal's kernels read (IQ4_NL, IQ4_XS, MXFP4).
+/// shoal's kernels read (the i-quants and MXFP4).
 fn file_kernel_type(t: GgmlType) -> Option<WeightType> {
     match t {
         GgmlType::IQ4_NL => Some(WeightType::Iq4Nl),
         GgmlType::IQ4_XS => Some(WeightType::Iq4Xs),
         GgmlType::MXFP4 => Some(WeightType::Mxfp4),
+        GgmlType::IQ1_S => Some(WeightType::Iq1S),
+        GgmlType::IQ1_M => Some(WeightType::Iq1M),
+        GgmlType::IQ2_XXS => Some(WeightType::Iq2Xxs),
+        GgmlType::IQ2_XS => Some(WeightType::Iq2Xs),
+        GgmlType::IQ2_S => Some(WeightType::Iq2S),
+        GgmlType::IQ3_XXS => Some(WeightType::Iq3Xxs),
+        GgmlType::IQ3_S => Some(WeightType::Iq3S),
         other => candle_dtype(other).and_then(kernel_type),
     }
 }

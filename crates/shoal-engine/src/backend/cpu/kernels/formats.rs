@@ -1,7 +1,7 @@
 //! The byte layouts of the weight types the kernels read (ggml's, as stored in GGUF) and the
 //! two 8-bit formats activations are quantized to once per step: [`BlockQ8`] (32 values, for
-//! the 32-value weight blocks, and for IQ4_XS, whose 32-value sub-blocks each have a scale) and [`BlockQ8K`] (256 values with 16-value sums, for the
-//! K-quants). Quantizing an activation rounds its scale through f16 the way ggml does, so
+//! the 32-value weight blocks, and for IQ4_XS, whose 32-value sub-blocks each have a scale)
+//! and [`BlockQ8K`] (256 values with 16-value sums, for the K-quants and the grid i-quants). Quantizing an activation rounds its scale through f16 the way ggml does, so
 //! the integer work matches llama.cpp's.
 
 /// Values per block of the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
@@ -46,6 +46,21 @@ pub enum WeightType {
     Iq4Xs,
     /// MXFP4: 32 FP4 (E2M1) values sharing one power-of-two (E8M0) scale.
     Mxfp4,
+    /// IQ1_S: 256 values, groups of eight on a 2048-point grid of -1, 0, 1, shifted by ±1/8,
+    /// a 3-bit scale per 32 (see [`super::iquants`] for this and the other grid i-quants).
+    Iq1S,
+    /// IQ1_M: as IQ1_S with a shift per eight and a 3-bit scale per 16.
+    Iq1M,
+    /// IQ2_XXS: 256 values, groups of eight on a 256-point grid, signs, a scale per 32.
+    Iq2Xxs,
+    /// IQ2_XS: a 512-point grid, a scale per 16.
+    Iq2Xs,
+    /// IQ2_S: a 1024-point grid, explicit signs, a scale per 16.
+    Iq2S,
+    /// IQ3_XXS: groups of four on a 256-point grid, signs, a scale per 32.
+    Iq3Xxs,
+    /// IQ3_S: groups of four on a 512-point grid, explicit signs, a scale per 32.
+    Iq3S,
 }
 
 /// The sixteen values an IQ4_NL or IQ4_XS code stands for (before its scale): the format's
@@ -122,7 +137,14 @@ impl WeightType {
             | WeightType::Q4K
             | WeightType::Q5K
             | WeightType::Q6K
-            | WeightType::Iq4Xs => QK_K,
+            | WeightType::Iq4Xs
+            | WeightType::Iq1S
+            | WeightType::Iq1M
+            | WeightType::Iq2Xxs
+            | WeightType::Iq2Xs
+            | WeightType::Iq2S
+            | WeightType::Iq3Xxs
+            | WeightType::Iq3S => QK_K,
         }
     }
 
@@ -144,6 +166,13 @@ impl WeightType {
             WeightType::Iq4Nl => 18,
             WeightType::Iq4Xs => 136,
             WeightType::Mxfp4 => 17,
+            WeightType::Iq1S => 50,
+            WeightType::Iq1M => 56,
+            WeightType::Iq2Xxs => 66,
+            WeightType::Iq2Xs => 74,
+            WeightType::Iq2S => 82,
+            WeightType::Iq3Xxs => 98,
+            WeightType::Iq3S => 110,
         }
     }
 
@@ -163,12 +192,19 @@ impl WeightType {
             | WeightType::Q3K
             | WeightType::Q4K
             | WeightType::Q5K
-            | WeightType::Q6K => ActFormat::Q8K,
+            | WeightType::Q6K
+            | WeightType::Iq1S
+            | WeightType::Iq1M
+            | WeightType::Iq2Xxs
+            | WeightType::Iq2Xs
+            | WeightType::Iq2S
+            | WeightType::Iq3Xxs
+            | WeightType::Iq3S => ActFormat::Q8K,
         }
     }
 
     /// Every type, for tests and benchmarks.
-    pub const ALL: [WeightType; 16] = [
+    pub const ALL: [WeightType; 23] = [
         WeightType::F32,
         WeightType::F16,
         WeightType::Bf16,
@@ -185,6 +221,13 @@ impl WeightType {
         WeightType::Iq4Nl,
         WeightType::Iq4Xs,
         WeightType::Mxfp4,
+        WeightType::Iq1S,
+        WeightType::Iq1M,
+        WeightType::Iq2Xxs,
+        WeightType::Iq2Xs,
+        WeightType::Iq2S,
+        WeightType::Iq3Xxs,
+        WeightType::Iq3S,
     ];
 }
 

@@ -17,6 +17,8 @@
 mod buffer;
 pub mod formats;
 mod gate_pair;
+mod iq_grids;
+pub mod iquants;
 pub mod math;
 #[cfg(target_arch = "aarch64")]
 mod neon_tiled;
@@ -1069,6 +1071,13 @@ impl QuantMatrix {
                         },
                         WeightType::Q2K => portable!(q2k),
                         WeightType::Q3K => portable!(q3k),
+                        WeightType::Iq1S => portable!(iq1s),
+                        WeightType::Iq1M => portable!(iq1m),
+                        WeightType::Iq2Xxs => portable!(iq2xxs),
+                        WeightType::Iq2Xs => portable!(iq2xs),
+                        WeightType::Iq2S => portable!(iq2s),
+                        WeightType::Iq3Xxs => portable!(iq3xxs),
+                        WeightType::Iq3S => portable!(iq3s),
                         _ => portable!(q6k),
                     };
                     self.drive(&acts, self.cols / QK_K, t, y, &k);

@@ -4,9 +4,10 @@
 //! products; the integer part of every block is exact, only the f32 accumulation rounds.
 
 use super::formats::{
-    bf16_at, e8m0_half, f16_at, iq4xs_scale, k3_scales, k4_scales, BlockQ8, BlockQ8K, IQ4_VALUES,
-    MXFP4_VALUES, QK,
+    bf16_at, e8m0_half, f16_at, iq4xs_scale, k3_scales, k4_scales, BlockQ8, BlockQ8K, WeightType,
+    IQ4_VALUES, MXFP4_VALUES, QK, QK_K,
 };
+use super::iquants;
 
 /// Q4_0 · Q8.
 pub fn q4_0<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
@@ -149,6 +150,66 @@ pub fn iq4xs<const N: usize>(w: &[u8], a: [&[BlockQ8]; N]) -> [f32; N] {
         }
     }
     out
+}
+
+/// A grid i-quant ([`super::iquants`]) · Q8K: each block decoded once to small integers and
+/// per-16 scales, then an exact integer sum per 16 values for every activation row.
+fn iq<const N: usize>(ty: WeightType, w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    let mut out = [0f32; N];
+    let mut vals = [0i8; QK_K];
+    let mut scales = [0f32; 16];
+    for (i, b) in w.chunks_exact(ty.block_bytes()).enumerate() {
+        iquants::decode(ty, b, &mut vals, &mut scales);
+        for (o, a) in out.iter_mut().zip(a) {
+            let y = &a[i];
+            let mut sum = 0f32;
+            for (g, s) in scales.iter().enumerate() {
+                let isum: i32 = vals[16 * g..16 * g + 16]
+                    .iter()
+                    .zip(&y.qs[16 * g..16 * g + 16])
+                    .map(|(&v, &q)| v as i32 * q as i32)
+                    .sum();
+                sum += s * isum as f32;
+            }
+            *o += y.d * sum;
+        }
+    }
+    out
+}
+
+/// IQ1_S · Q8K.
+pub fn iq1s<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    iq(WeightType::Iq1S, w, a)
+}
+
+/// IQ1_M · Q8K.
+pub fn iq1m<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    iq(WeightType::Iq1M, w, a)
+}
+
+/// IQ2_XXS · Q8K.
+pub fn iq2xxs<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    iq(WeightType::Iq2Xxs, w, a)
+}
+
+/// IQ2_XS · Q8K.
+pub fn iq2xs<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    iq(WeightType::Iq2Xs, w, a)
+}
+
+/// IQ2_S · Q8K.
+pub fn iq2s<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    iq(WeightType::Iq2S, w, a)
+}
+
+/// IQ3_XXS · Q8K.
+pub fn iq3xxs<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    iq(WeightType::Iq3Xxs, w, a)
+}
+
+/// IQ3_S · Q8K.
+pub fn iq3s<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+    iq(WeightType::Iq3S, w, a)
 }
 
 /// Q8_0 · Q8.

@@ -4,10 +4,11 @@
 
 use super::formats::{
     bf16_at, e8m0_half, f16_at, iq4xs_scale, k2_code, k3_high, k3_scales, k4_scale_min, WeightType,
-    IQ4_VALUES, MXFP4_VALUES, QK,
+    IQ4_VALUES, MXFP4_VALUES, QK, QK_K,
 };
 #[cfg(test)]
 use super::formats::{BlockQ8, BlockQ8K};
+use super::iquants;
 
 /// Dequantizes one row (`bytes` holds whole blocks) into `out` (one value per element).
 ///
@@ -139,6 +140,20 @@ fn dequantize_block(ty: WeightType, b: &[u8], o: &mut [f32]) {
                 lut_block(&IQ4_VALUES, dl, qs, &mut o[32 * ib..32 * ib + 32]);
             }
         }
+        WeightType::Iq1S
+        | WeightType::Iq1M
+        | WeightType::Iq2Xxs
+        | WeightType::Iq2Xs
+        | WeightType::Iq2S
+        | WeightType::Iq3Xxs
+        | WeightType::Iq3S => {
+            let mut vals = [0i8; QK_K];
+            let mut scales = [0f32; 16];
+            iquants::decode(ty, b, &mut vals, &mut scales);
+            for (i, o) in o.iter_mut().enumerate() {
+                *o = scales[i / 16] * vals[i] as f32;
+            }
+        }
         WeightType::Q3K => {
             // hmask[32], qs[64], scales[12], d; codes 0..8 stand for -4..4
             let d = f16_at(b, 108);
@@ -228,6 +243,21 @@ pub fn synthetic_matrix(ty: WeightType, rows: usize, blocks: usize, seed: u64) -
             WeightType::Iq4Xs => put_f16(b, 0, rng.random_range(0.00001f32..0.0001)),
             // scales 2^-12 .. 2^-4 (bytes 116..124), as trained weights have
             WeightType::Mxfp4 => b[0] = rng.random_range(116u8..124),
+            // the grid i-quants' values run to tens of `d` (IQ1: units of `d`)
+            WeightType::Iq2Xxs
+            | WeightType::Iq2Xs
+            | WeightType::Iq2S
+            | WeightType::Iq3Xxs
+            | WeightType::Iq3S => put_f16(b, 0, rng.random_range(0.0002f32..0.002)),
+            WeightType::Iq1S => put_f16(b, 0, rng.random_range(0.002f32..0.02)),
+            WeightType::Iq1M => {
+                // `d`'s four nibbles are the top nibbles of the four scale words (bytes 48..56)
+                let bits = half::f16::from_f32(rng.random_range(0.002f32..0.02)).to_bits();
+                for k in 0..4 {
+                    let at = 49 + 2 * k;
+                    b[at] = (b[at] & 0x0F) | ((((bits >> (4 * k)) & 0xF) as u8) << 4);
+                }
+            }
         }
     }
     data

@@ -134,7 +134,15 @@ fn largest_codes_and_activations_stay_exact() {
                     | WeightType::Q5_0
                     | WeightType::Q8_0
                     | WeightType::Iq4Nl
-                    | WeightType::Iq4Xs => 0..2,
+                    | WeightType::Iq4Xs
+                    | WeightType::Iq1S
+                    | WeightType::Iq2Xxs
+                    | WeightType::Iq2Xs
+                    | WeightType::Iq2S
+                    | WeightType::Iq3Xxs
+                    | WeightType::Iq3S => 0..2,
+                    // `d` is spread over the top nibbles of the scale words
+                    WeightType::Iq1M => 48..56,
                     WeightType::Mxfp4 => 0..1,
                     WeightType::Q6K => 208..210,
                     WeightType::Q2K => 80..84,
@@ -343,8 +351,18 @@ fn reference_layouts_match_candle() {
             WeightType::Q6K => GgmlDType::Q6K,
             WeightType::Q2K => GgmlDType::Q2K,
             WeightType::Q3K => GgmlDType::Q3K,
-            // candle has no decoder for these: the test kit's is checked below
-            WeightType::Iq4Nl | WeightType::Iq4Xs | WeightType::Mxfp4 => continue,
+            // candle has no decoder for these: the test kit's (IQ4, MXFP4) and gguf-py's (the
+            // grid i-quants) are checked below
+            WeightType::Iq4Nl
+            | WeightType::Iq4Xs
+            | WeightType::Mxfp4
+            | WeightType::Iq1S
+            | WeightType::Iq1M
+            | WeightType::Iq2Xxs
+            | WeightType::Iq2Xs
+            | WeightType::Iq2S
+            | WeightType::Iq3Xxs
+            | WeightType::Iq3S => continue,
         };
         let blocks = if ty.block_elems() == 1 { 512 } else { 2 };
         let cols = blocks * ty.block_elems();
@@ -363,6 +381,72 @@ fn reference_layouts_match_candle() {
             assert!(
                 (a - b).abs() <= 1e-6 * b.abs().max(1.0),
                 "{ty:?} value {i}: ours {a}, candle {b}"
+            );
+        }
+    }
+}
+
+/// The grid i-quants read as gguf-py (llama.cpp's Python package, numpy code written apart
+/// from ggml's C) reads them: random blocks of every type, decoded by both, agree to f32
+/// rounding. Needs python3 with the `gguf` package (skipped without it, failed under CI).
+#[test]
+fn grid_iquants_read_as_gguf_py_reads_them() {
+    let have = std::process::Command::new("python3")
+        .args(["-c", "import gguf.quants, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have {
+        shoal_testkit::skip_or_fail(
+            "grid_iquants_read_as_gguf_py_reads_them",
+            "python3 with the gguf and numpy packages is missing (python3 -m pip install gguf numpy)",
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for (ty, name) in [
+        (WeightType::Iq1S, "IQ1_S"),
+        (WeightType::Iq1M, "IQ1_M"),
+        (WeightType::Iq2Xxs, "IQ2_XXS"),
+        (WeightType::Iq2Xs, "IQ2_XS"),
+        (WeightType::Iq2S, "IQ2_S"),
+        (WeightType::Iq3Xxs, "IQ3_XXS"),
+        (WeightType::Iq3S, "IQ3_S"),
+    ] {
+        let blocks = 64;
+        let data = synthetic_matrix(ty, 1, blocks, 23);
+        let path = dir.path().join(name);
+        std::fs::write(&path, &data).unwrap();
+        let script = format!(
+            "import sys, numpy as np\n\
+             from gguf import quants, GGMLQuantizationType as T\n\
+             raw = np.fromfile(sys.argv[1], dtype=np.uint8).reshape(1, -1)\n\
+             v = quants.dequantize(raw, T.{name}).astype(np.float32).reshape(-1)\n\
+             sys.stdout.buffer.write(v.tobytes())\n"
+        );
+        let out = std::process::Command::new("python3")
+            .args(["-c", &script])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let theirs: Vec<f32> = out
+            .stdout
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let mut ours = vec![0f32; blocks * ty.block_elems()];
+        dequantize_row(ty, &data, &mut ours);
+        assert_eq!(theirs.len(), ours.len(), "{name}");
+        let scale = theirs.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(scale > 0.0, "{name}: all zero");
+        for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-6 * scale,
+                "{name} value {i}: ours {a}, gguf-py {b}"
             );
         }
     }

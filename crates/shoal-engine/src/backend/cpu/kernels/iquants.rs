@@ -1,0 +1,212 @@
+//! The grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): 256-value
+//! super-blocks whose groups of eight (or four) values are points of a lattice
+//! ([`super::iq_grids`]), with signs and small per-16 or per-32 scales. [`decode`] turns one
+//! block into 256 small integers and 16 scales (value `i` is `scales[i / 16] * vals[i]`), the
+//! form both the reference dequantization and the portable dot product read, so the integer
+//! part of a dot product is exact.
+//!
+//! Layouts, as ggml stores them (`d` an f16; every multi-byte field little-endian):
+//! - IQ2_XXS (66 bytes): `d`, then per 32 values two u32: four grid indices (bytes) and
+//!   four 7-bit sign codes with a 4-bit scale on top; the scale is `d (0.5 + s) / 4`.
+//! - IQ2_XS (74): `d`, 32 u16 (9-bit grid index, 7-bit sign code), 8 bytes of two 4-bit
+//!   scales (one per 16 values).
+//! - IQ2_S (82): `d`, 32 index bytes, 32 sign bytes, 8 bytes holding the indices' top two
+//!   bits, 8 scale bytes as IQ2_XS's.
+//! - IQ3_XXS (98): `d`, 64 index bytes (four-value points), then per 32 values a u32 of four
+//!   sign codes and a 4-bit scale (`d (0.5 + s) / 2`).
+//! - IQ3_S (110): `d`, 64 index bytes, 8 bytes of the indices' ninth bits, 32 sign bytes, 4
+//!   bytes of two 4-bit scales (`d (1 + 2 s)`, one per 32 values).
+//! - IQ1_S (50): `d`, 32 index bytes, then per 32 values a u16: three more bits of each of
+//!   its four indices, a 3-bit scale (`d (2 s + 1)`) and the sign of a shift of 1/8 added to
+//!   every value.
+//! - IQ1_M (56): 32 index bytes, 16 bytes of three index bits and a shift sign per group of
+//!   eight, 8 bytes of 3-bit scales per 16 values whose top nibbles together are `d`.
+//!
+//! A 7-bit sign code stands for eight signs, the eighth making the count of minus signs even
+//! ([`signs_of`]). IQ1's shift of ±1/8 is kept exact by decoding its values in eighths.
+
+use super::formats::{f16_at, WeightType, QK_K};
+use super::iq_grids::{IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID};
+
+/// The eight signs (bit `j` set: value `j` is negative) of 7-bit sign code `code`: its seven
+/// bits, and an eighth that makes the number of set bits even.
+#[inline]
+pub fn signs_of(code: u32) -> u8 {
+    let c = (code & 127) as u8;
+    c | (((c.count_ones() & 1) as u8) << 7)
+}
+
+/// Magnitudes `grid` (its bytes) under `signs`, written to `out`.
+#[inline]
+fn signed(grid: &[u8], signs: u8, out: &mut [i8]) {
+    for (j, (o, &g)) in out.iter_mut().zip(grid).enumerate() {
+        let v = g as i8;
+        *o = if signs >> j & 1 == 1 { -v } else { v };
+    }
+}
+
+#[inline]
+fn u16_at(b: &[u8], at: usize) -> u32 {
+    u16::from_le_bytes([b[at], b[at + 1]]) as u32
+}
+
+#[inline]
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// Decodes one block `b` of i-quant type `ty` into `vals` and `scales` (value `i` is
+/// `scales[i / 16] * vals[i]`).
+///
+/// # Panics
+/// When `ty` is not an i-quant of this module or `b` is shorter than its block.
+pub fn decode(ty: WeightType, b: &[u8], vals: &mut [i8; QK_K], scales: &mut [f32; 16]) {
+    match ty {
+        WeightType::Iq2Xxs => {
+            let d = f16_at(b, 0);
+            for ib in 0..8 {
+                let at = 2 + 8 * ib;
+                let aux = u32_at(b, at + 4);
+                let s = d * (0.5 + (aux >> 28) as f32) * 0.25;
+                scales[2 * ib] = s;
+                scales[2 * ib + 1] = s;
+                for l in 0..4 {
+                    let grid = IQ2XXS_GRID[b[at + l] as usize].to_le_bytes();
+                    let o = 32 * ib + 8 * l;
+                    signed(&grid, signs_of(aux >> (7 * l)), &mut vals[o..o + 8]);
+                }
+            }
+        }
+        WeightType::Iq2Xs | WeightType::Iq2S => {
+            let d = f16_at(b, 0);
+            let scale_at = if ty == WeightType::Iq2Xs { 66 } else { 74 };
+            for ib in 0..8 {
+                let sc = b[scale_at + ib];
+                scales[2 * ib] = d * (0.5 + (sc & 0xF) as f32) * 0.25;
+                scales[2 * ib + 1] = d * (0.5 + (sc >> 4) as f32) * 0.25;
+                for l in 0..4 {
+                    let (grid, signs) = if ty == WeightType::Iq2Xs {
+                        let q = u16_at(b, 2 + 2 * (4 * ib + l));
+                        (IQ2XS_GRID[(q & 511) as usize], signs_of(q >> 9))
+                    } else {
+                        let high = ((b[66 + ib] as usize) << (8 - 2 * l)) & 0x300;
+                        let index = b[2 + 4 * ib + l] as usize | high;
+                        (IQ2S_GRID[index], b[34 + 4 * ib + l])
+                    };
+                    let o = 32 * ib + 8 * l;
+                    signed(&grid.to_le_bytes(), signs, &mut vals[o..o + 8]);
+                }
+            }
+        }
+        WeightType::Iq3Xxs => {
+            let d = f16_at(b, 0);
+            for ib in 0..8 {
+                let aux = u32_at(b, 66 + 4 * ib);
+                let s = d * (0.5 + (aux >> 28) as f32) * 0.5;
+                scales[2 * ib] = s;
+                scales[2 * ib + 1] = s;
+                for l in 0..4 {
+                    let signs = signs_of(aux >> (7 * l));
+                    let q = 2 + 8 * ib + 2 * l;
+                    let g1 = IQ3XXS_GRID[b[q] as usize].to_le_bytes();
+                    let g2 = IQ3XXS_GRID[b[q + 1] as usize].to_le_bytes();
+                    let o = 32 * ib + 8 * l;
+                    signed(&g1, signs, &mut vals[o..o + 4]);
+                    signed(&g2, signs >> 4, &mut vals[o + 4..o + 8]);
+                }
+            }
+        }
+        WeightType::Iq3S => {
+            let d = f16_at(b, 0);
+            for ib in 0..8 {
+                let sc = (b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF;
+                let s = d * (1 + 2 * sc as u32) as f32;
+                scales[2 * ib] = s;
+                scales[2 * ib + 1] = s;
+                let qh = b[66 + ib] as usize;
+                for l in 0..4 {
+                    let q = 2 + 8 * ib + 2 * l;
+                    let i1 = b[q] as usize | ((qh << (8 - 2 * l)) & 256);
+                    let i2 = b[q + 1] as usize | ((qh << (7 - 2 * l)) & 256);
+                    let signs = b[74 + 4 * ib + l];
+                    let o = 32 * ib + 8 * l;
+                    signed(&IQ3S_GRID[i1].to_le_bytes(), signs, &mut vals[o..o + 4]);
+                    signed(
+                        &IQ3S_GRID[i2].to_le_bytes(),
+                        signs >> 4,
+                        &mut vals[o + 4..o + 8],
+                    );
+                }
+            }
+        }
+        WeightType::Iq1S => {
+            let d = f16_at(b, 0);
+            for ib in 0..8 {
+                let qh = u16_at(b, 34 + 2 * ib);
+                // in eighths: the grid's -1, 0, 1 become -8, 0, 8, the shift is -1 or 1
+                let s = d * (2 * ((qh >> 12) & 7) + 1) as f32 / 8.0;
+                scales[2 * ib] = s;
+                scales[2 * ib + 1] = s;
+                let shift: i8 = if qh & 0x8000 != 0 { -1 } else { 1 };
+                for l in 0..4 {
+                    let index =
+                        b[2 + 4 * ib + l] as usize | ((((qh >> (3 * l)) & 7) as usize) << 8);
+                    let o = 32 * ib + 8 * l;
+                    eighths(IQ1S_GRID[index], shift, &mut vals[o..o + 8]);
+                }
+            }
+        }
+        WeightType::Iq1M => {
+            let sc = [u16_at(b, 48), u16_at(b, 50), u16_at(b, 52), u16_at(b, 54)];
+            let bits =
+                (sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000);
+            let d = half::f16::from_bits(bits as u16).to_f32();
+            for ib in 0..8 {
+                let s = sc[ib / 2] >> (6 * (ib % 2));
+                scales[2 * ib] = d * (2 * (s & 7) + 1) as f32 / 8.0;
+                scales[2 * ib + 1] = d * (2 * ((s >> 3) & 7) + 1) as f32 / 8.0;
+                let (h0, h1) = (b[32 + 2 * ib] as usize, b[32 + 2 * ib + 1] as usize);
+                let q = 4 * ib;
+                let groups = [
+                    (b[q] as usize | ((h0 << 8) & 0x700), h0 & 0x08),
+                    (b[q + 1] as usize | ((h0 << 4) & 0x700), h0 & 0x80),
+                    (b[q + 2] as usize | ((h1 << 8) & 0x700), h1 & 0x08),
+                    (b[q + 3] as usize | ((h1 << 4) & 0x700), h1 & 0x80),
+                ];
+                for (l, (index, negative)) in groups.into_iter().enumerate() {
+                    let shift: i8 = if negative != 0 { -1 } else { 1 };
+                    let o = 32 * ib + 8 * l;
+                    eighths(IQ1S_GRID[index], shift, &mut vals[o..o + 8]);
+                }
+            }
+        }
+        other => panic!("{other:?} is not a grid i-quant"),
+    }
+}
+
+/// IQ1's eight signed grid values (bytes of `point`) plus `shift`, in eighths.
+#[inline]
+fn eighths(point: u64, shift: i8, out: &mut [i8]) {
+    for (o, g) in out.iter_mut().zip(point.to_le_bytes()) {
+        *o = 8 * (g as i8) + shift;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sign_codes_keep_an_even_count_of_minus_signs() {
+        for code in 0..128u32 {
+            let s = signs_of(code);
+            assert_eq!(s & 127, code as u8);
+            assert_eq!(s.count_ones() % 2, 0, "{code}");
+        }
+        // ggml's ksigns_iq2xs begins 0, 129, 130, 3, 132, 5, 6, 135
+        assert_eq!(
+            (0..8).map(signs_of).collect::<Vec<_>>(),
+            [0, 129, 130, 3, 132, 5, 6, 135]
+        );
+    }
+}
