@@ -1,6 +1,6 @@
 //! shoal against llama.cpp on synthetic models of every supported architecture (Llama,
 //! Llama 3.1 RoPE scaling, Qwen2, Qwen3, Gemma 3) in F32, Q8_0 and Q4_K (and Q2_K, Q3_K,
-//! IQ4_NL, IQ4_XS and MXFP4 on one each): the test kit
+//! IQ4_NL, IQ4_XS and MXFP4 on one each, and random blocks of each grid i-quant): the test kit
 //! writes each as GGUF, llama.cpp (the test kit's oracle, with an F16 KV cache as shoal
 //! keeps) loads it, decodes a prompt and 8 greedy tokens, and shoal, fed the same tokens,
 //! must give its logits at every prompt position and every generated step: every logit of
@@ -25,6 +25,7 @@ use common::SwappedHeads;
 use shoal_engine::weights::GgufWeights;
 use shoal_engine::{arch, ModelConfig, Transformer};
 use shoal_model::gguf::GgufFile;
+use shoal_testkit::iquants::{randomize_to_grid_iquant, GridIquant};
 use shoal_testkit::{require_oracle, Comparison, GgmlType, OracleRun, TinyModelSpec, Tolerance};
 
 /// Prompt ids of the tiny tokenizer's vocabulary.
@@ -143,6 +144,50 @@ fn shoal_matches_llamacpp_on_every_architecture() {
             prompt.steps,
             tol.rel_logit,
             generated.excused.len() + prompt.excused.len()
+        );
+        for c in [generated, prompt] {
+            if !c.passed() {
+                failed.push(format!("{label}:\n  {}", c.failures.join("\n  ")));
+            }
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// The grid i-quants, which the test kit writes as random blocks (see
+/// `shoal_testkit::iquants`): a Llama and a Qwen3 on the K-quant shapes with every matrix
+/// of each type, embedding and output included, give llama.cpp's logits.
+#[test]
+fn grid_iquant_models_match_llamacpp() {
+    let Some(bin) = require_oracle("grid_iquant_models_match_llamacpp") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut failed = Vec::new();
+    for (i, ty) in GridIquant::ALL.into_iter().enumerate() {
+        let spec = if i % 2 == 0 {
+            TinyModelSpec::llama(90 + i as u64)
+        } else {
+            TinyModelSpec::qwen3(90 + i as u64)
+        }
+        .k_quant_shapes();
+        let label = format!("{} seed {} {ty:?}", spec.name, spec.seed);
+        let mut w = spec.build().unwrap().gguf_writer(GgmlType::F32).unwrap();
+        let turned = randomize_to_grid_iquant(&mut w, ty, spec.seed);
+        assert!(turned >= 9, "{label}: {turned} matrices turned");
+        let path = dir.path().join(format!("{ty:?}.gguf"));
+        w.write_to(&path).unwrap();
+        let run = oracle(&bin, &path);
+        let (generated, prompt) = compare(&load(&path), &run, QUANTIZED_WIDE);
+        eprintln!(
+            "{label}: worst |shoal - llama.cpp| {:.2e} of the scale over {} generated steps, \
+             {:.2e} over {} prompt positions; {} near-ties excused; llama.cpp generated {:?}",
+            generated.worst_rel,
+            generated.steps,
+            prompt.worst_rel,
+            prompt.steps,
+            generated.excused.len() + prompt.excused.len(),
+            run.generated
         );
         for c in [generated, prompt] {
             if !c.passed() {

@@ -24,6 +24,7 @@ use shoal_engine::shard::{self, ExpertSplit, Layout};
 use shoal_engine::weights::GgufWeights;
 use shoal_engine::{arch, ModelConfig, Transformer};
 use shoal_model::gguf::GgufFile;
+use shoal_testkit::iquants::{randomize_to_grid_iquant, GridIquant};
 use shoal_testkit::{compare_teacher_forced, Comparison, GgmlType, TinyModelSpec, Tolerance};
 
 /// Largest logit difference of a tensor-parallel split of a tiny model, relative to the
@@ -724,6 +725,82 @@ fn tiny_iq4_xs_split() {
         );
         c.assert_ok(&format!("IQ4_XS tp {tp} pp {pp}"));
         assert!(c.mean_rel() <= REAL_TP_MEAN, "IQ4_XS tp {tp} pp {pp}: mean");
+    }
+}
+
+/// The grid i-quants (random blocks, see `shoal_testkit::iquants`) split as IQ4_XS does:
+/// tensor, pipeline and both, teacher-forced against one rank. Their portable kernels add
+/// each 256-value block's sum to the row's in block order and a rank's columns are whole
+/// blocks, so a tensor split here gives one rank's logits bit for bit.
+#[test]
+fn tiny_grid_iquant_split() {
+    let dir = tempfile::tempdir().unwrap();
+    for ty in GridIquant::ALL {
+        let spec = TinyModelSpec {
+            n_layers: 4,
+            n_head: 8,
+            ..TinyModelSpec::llama(28).k_quant_shapes()
+        };
+        let mut w = spec.build().unwrap().gguf_writer(GgmlType::F32).unwrap();
+        randomize_to_grid_iquant(&mut w, ty, 28);
+        let path = dir.path().join(format!("{ty:?}.gguf"));
+        w.write_to(&path).unwrap();
+        for ((tp, pp), c) in compare_forced(&path, &PROMPT, 12, &[(2, 1), (1, 2), (2, 2)], None) {
+            eprintln!(
+                "{ty:?} tp {tp} pp {pp}: worst {:.2}% of the scale, mean {:.3}%",
+                100.0 * c.worst_rel,
+                100.0 * c.mean_rel()
+            );
+            c.assert_ok(&format!("{ty:?} tp {tp} pp {pp}"));
+            assert!(c.mean_rel() <= REAL_TP_MEAN, "{ty:?} tp {tp} pp {pp}: mean");
+        }
+        // the tensor split is real: a rank that swaps two heads fails the comparison
+        let (_, c) = compare_forced(&path, &PROMPT, 12, &[(2, 1)], Some(1)).remove(0);
+        assert!(!c.passed(), "{ty:?}: a faulty rank passed");
+    }
+}
+
+/// A mixture of experts whose experts (and every other matrix) are IQ2_XXS random blocks,
+/// split by whole experts and by slices of every expert, gives one rank's tokens, and its
+/// logits within the real models' teacher-forced rules (ranks that add their experts' sums
+/// in another order than one rank would move the last bits, which the next layer's 8-bit
+/// activations can turn into about 1% of the scale, as with IQ4_XS; measured here: none).
+#[test]
+fn tiny_grid_iquant_experts_split() {
+    let dir = tempfile::tempdir().unwrap();
+    // 8 heads of 64 and experts of 512 features, so each of 2 ranks holds whole 256-column
+    // blocks of the attention output and of every expert's down projection
+    let base = TinyModelSpec::qwen3moe(29).k_quant_shapes();
+    let spec = TinyModelSpec {
+        n_layers: 3,
+        n_head: 8,
+        moe: base.moe.clone().map(|m| shoal_testkit::MoeSpec {
+            expert_ffn: 512,
+            ..m
+        }),
+        ..base
+    };
+    let mut w = spec.build().unwrap().gguf_writer(GgmlType::F32).unwrap();
+    randomize_to_grid_iquant(&mut w, GridIquant::Iq2Xxs, 29);
+    let path = dir.path().join("moe-iq2xxs.gguf");
+    w.write_to(&path).unwrap();
+    let n = 8;
+    let (want, rows) = one_rank(&path, &PROMPT, n);
+    let reference: Vec<Vec<(u32, f32)>> = rows.iter().map(|r| top(r, 8)).collect();
+    for experts in [ExpertSplit::Whole, ExpertSplit::Sliced] {
+        for (tp, pp) in [(2, 1), (1, 2), (2, 2)] {
+            let (got, logits, _) = split(&path, Layout { tp, pp }, experts, &PROMPT, n);
+            let label = format!("tp {tp} pp {pp} ({} experts)", experts.name());
+            assert_eq!(got, want, "{label}: greedy tokens differ");
+            let c = compare_teacher_forced(&reference, &logits, REAL_TP_TOL);
+            eprintln!(
+                "{label}: worst {:.2}% of the scale, mean {:.3}%",
+                100.0 * c.worst_rel,
+                100.0 * c.mean_rel()
+            );
+            c.assert_ok(&label);
+            assert!(c.mean_rel() <= REAL_TP_MEAN, "{label}: mean");
+        }
     }
 }
 

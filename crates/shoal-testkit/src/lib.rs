@@ -20,6 +20,7 @@
 //! under CI (`CI=true`), where they fail instead ([`skip_or_fail`]).
 
 pub mod gguf_writer;
+pub mod iquants;
 pub mod moe;
 pub mod oracle;
 pub mod quants;
