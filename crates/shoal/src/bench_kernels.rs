@@ -16,7 +16,7 @@ use crate::ComputeArgs;
 #[derive(Args, Debug)]
 pub struct KernelBenchArgs {
     /// Weight types (comma-separated: f32,f16,bf16,q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,
-    /// q6_k,iq4_nl,iq4_xs,mxfp4).
+    /// q6_k,iq4_nl,iq4_xs,mxfp4,iq1_s,iq1_m,iq2_xxs,iq2_xs,iq2_s,iq3_xxs,iq3_s).
     #[arg(
         long,
         default_value = "q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_nl,iq4_xs,mxfp4"
@@ -115,6 +115,13 @@ fn parse_type(s: &str) -> anyhow::Result<WeightType> {
         "iq4_nl" | "iq4nl" => WeightType::Iq4Nl,
         "iq4_xs" | "iq4xs" => WeightType::Iq4Xs,
         "mxfp4" => WeightType::Mxfp4,
+        "iq1_s" => WeightType::Iq1S,
+        "iq1_m" => WeightType::Iq1M,
+        "iq2_xxs" => WeightType::Iq2Xxs,
+        "iq2_xs" => WeightType::Iq2Xs,
+        "iq2_s" => WeightType::Iq2S,
+        "iq3_xxs" => WeightType::Iq3Xxs,
+        "iq3_s" => WeightType::Iq3S,
         other => anyhow::bail!("unknown weight type {other:?} in --types"),
     })
 }

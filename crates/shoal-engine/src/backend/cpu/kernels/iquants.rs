@@ -40,8 +40,9 @@ pub fn signs_of(code: u32) -> u8 {
 #[inline]
 fn signed(grid: &[u8], signs: u8, out: &mut [i8]) {
     for (j, (o, &g)) in out.iter_mut().zip(grid).enumerate() {
-        let v = g as i8;
-        *o = if signs >> j & 1 == 1 { -v } else { v };
+        // all ones where the sign bit is set: (v ^ m) - m negates v then, keeps it otherwise
+        let m = -(((signs >> j) & 1) as i8);
+        *o = (g as i8 ^ m).wrapping_sub(m);
     }
 }
 
