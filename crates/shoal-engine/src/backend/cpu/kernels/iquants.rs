@@ -36,13 +36,34 @@ pub fn signs_of(code: u32) -> u8 {
     c | (((c.count_ones() & 1) as u8) << 7)
 }
 
-/// Magnitudes `grid` (its bytes) under `signs`, written to `out`.
+/// For each sign byte, a mask with byte `j` all ones where bit `j` is set.
+const SIGN_MASKS: [u64; 256] = sign_masks();
+
+const fn sign_masks() -> [u64; 256] {
+    let mut t = [0u64; 256];
+    let mut s = 0;
+    while s < 256 {
+        let mut j = 0;
+        while j < 8 {
+            if s >> j & 1 == 1 {
+                t[s] |= 0xFF << (8 * j);
+            }
+            j += 1;
+        }
+        s += 1;
+    }
+    t
+}
+
+/// Eight magnitudes (the bytes of `grid`, each 1 to 127) under `signs`, written to `out`.
+/// Bytewise in one u64: a negated byte is `(g ^ 0xFF) + 1`, which never carries into the
+/// next byte since `g` is at least 1.
 #[inline]
-fn signed(grid: &[u8], signs: u8, out: &mut [i8]) {
-    for (j, (o, &g)) in out.iter_mut().zip(grid).enumerate() {
-        // all ones where the sign bit is set: (v ^ m) - m negates v then, keeps it otherwise
-        let m = -(((signs >> j) & 1) as i8);
-        *o = (g as i8 ^ m).wrapping_sub(m);
+fn signed(grid: u64, signs: u8, out: &mut [i8]) {
+    let m = SIGN_MASKS[signs as usize];
+    let v = (grid ^ m).wrapping_add(m & 0x0101_0101_0101_0101);
+    for (o, b) in out.iter_mut().zip(v.to_le_bytes()) {
+        *o = b as i8;
     }
 }
 
@@ -72,9 +93,9 @@ pub fn decode(ty: WeightType, b: &[u8], vals: &mut [i8; QK_K], scales: &mut [f32
                 scales[2 * ib] = s;
                 scales[2 * ib + 1] = s;
                 for l in 0..4 {
-                    let grid = IQ2XXS_GRID[b[at + l] as usize].to_le_bytes();
+                    let grid = IQ2XXS_GRID[b[at + l] as usize];
                     let o = 32 * ib + 8 * l;
-                    signed(&grid, signs_of(aux >> (7 * l)), &mut vals[o..o + 8]);
+                    signed(grid, signs_of(aux >> (7 * l)), &mut vals[o..o + 8]);
                 }
             }
         }
@@ -95,7 +116,7 @@ pub fn decode(ty: WeightType, b: &[u8], vals: &mut [i8; QK_K], scales: &mut [f32
                         (IQ2S_GRID[index], b[34 + 4 * ib + l])
                     };
                     let o = 32 * ib + 8 * l;
-                    signed(&grid.to_le_bytes(), signs, &mut vals[o..o + 8]);
+                    signed(grid, signs, &mut vals[o..o + 8]);
                 }
             }
         }
@@ -109,11 +130,10 @@ pub fn decode(ty: WeightType, b: &[u8], vals: &mut [i8; QK_K], scales: &mut [f32
                 for l in 0..4 {
                     let signs = signs_of(aux >> (7 * l));
                     let q = 2 + 8 * ib + 2 * l;
-                    let g1 = IQ3XXS_GRID[b[q] as usize].to_le_bytes();
-                    let g2 = IQ3XXS_GRID[b[q + 1] as usize].to_le_bytes();
+                    let grid = IQ3XXS_GRID[b[q] as usize] as u64
+                        | (IQ3XXS_GRID[b[q + 1] as usize] as u64) << 32;
                     let o = 32 * ib + 8 * l;
-                    signed(&g1, signs, &mut vals[o..o + 4]);
-                    signed(&g2, signs >> 4, &mut vals[o + 4..o + 8]);
+                    signed(grid, signs, &mut vals[o..o + 8]);
                 }
             }
         }
@@ -131,12 +151,8 @@ pub fn decode(ty: WeightType, b: &[u8], vals: &mut [i8; QK_K], scales: &mut [f32
                     let i2 = b[q + 1] as usize | ((qh << (7 - 2 * l)) & 256);
                     let signs = b[74 + 4 * ib + l];
                     let o = 32 * ib + 8 * l;
-                    signed(&IQ3S_GRID[i1].to_le_bytes(), signs, &mut vals[o..o + 4]);
-                    signed(
-                        &IQ3S_GRID[i2].to_le_bytes(),
-                        signs >> 4,
-                        &mut vals[o + 4..o + 8],
-                    );
+                    let grid = IQ3S_GRID[i1] as u64 | (IQ3S_GRID[i2] as u64) << 32;
+                    signed(grid, signs, &mut vals[o..o + 8]);
                 }
             }
         }
@@ -148,12 +164,12 @@ pub fn decode(ty: WeightType, b: &[u8], vals: &mut [i8; QK_K], scales: &mut [f32
                 let s = d * (2 * ((qh >> 12) & 7) + 1) as f32 / 8.0;
                 scales[2 * ib] = s;
                 scales[2 * ib + 1] = s;
-                let shift: i8 = if qh & 0x8000 != 0 { -1 } else { 1 };
+                let negative = qh & 0x8000 != 0;
                 for l in 0..4 {
                     let index =
                         b[2 + 4 * ib + l] as usize | ((((qh >> (3 * l)) & 7) as usize) << 8);
                     let o = 32 * ib + 8 * l;
-                    eighths(IQ1S_GRID[index], shift, &mut vals[o..o + 8]);
+                    eighths(index, negative, &mut vals[o..o + 8]);
                 }
             }
         }
@@ -175,9 +191,8 @@ pub fn decode(ty: WeightType, b: &[u8], vals: &mut [i8; QK_K], scales: &mut [f32
                     (b[q + 3] as usize | ((h1 << 4) & 0x700), h1 & 0x80),
                 ];
                 for (l, (index, negative)) in groups.into_iter().enumerate() {
-                    let shift: i8 = if negative != 0 { -1 } else { 1 };
                     let o = 32 * ib + 8 * l;
-                    eighths(IQ1S_GRID[index], shift, &mut vals[o..o + 8]);
+                    eighths(index, negative != 0, &mut vals[o..o + 8]);
                 }
             }
         }
@@ -185,17 +200,55 @@ pub fn decode(ty: WeightType, b: &[u8], vals: &mut [i8; QK_K], scales: &mut [f32
     }
 }
 
-/// IQ1's eight signed grid values (bytes of `point`) plus `shift`, in eighths.
+/// IQ1's grid points in eighths with the shift added: `[+1/8, -1/8]` tables, each point's
+/// eight values `8 g ± 1` as bytes of one u64 (derived from [`IQ1S_GRID`]).
+static IQ1_EIGHTHS: [[u64; 2048]; 2] = [eighths_table(1), eighths_table(-1)];
+
+const fn eighths_table(shift: i8) -> [u64; 2048] {
+    let mut t = [0u64; 2048];
+    let mut i = 0;
+    while i < 2048 {
+        let mut j = 0;
+        while j < 8 {
+            let g = (IQ1S_GRID[i] >> (8 * j)) as u8 as i8;
+            t[i] |= ((8 * g + shift) as u8 as u64) << (8 * j);
+            j += 1;
+        }
+        i += 1;
+    }
+    t
+}
+
+/// IQ1's eight values of grid point `index` with a shift of `+1/8` (or `-1/8` when
+/// `negative`), in eighths, written to `out`.
 #[inline]
-fn eighths(point: u64, shift: i8, out: &mut [i8]) {
-    for (o, g) in out.iter_mut().zip(point.to_le_bytes()) {
-        *o = 8 * (g as i8) + shift;
+fn eighths(index: usize, negative: bool, out: &mut [i8]) {
+    let v = IQ1_EIGHTHS[usize::from(negative)][index];
+    for (o, b) in out.iter_mut().zip(v.to_le_bytes()) {
+        *o = b as i8;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn signs_negate_exactly_the_marked_bytes() {
+        let grid = u64::from_le_bytes([1, 8, 25, 43, 62, 127, 4, 15]);
+        for signs in 0..=255u8 {
+            let mut out = [0i8; 8];
+            signed(grid, signs, &mut out);
+            for (j, (&o, g)) in out.iter().zip(grid.to_le_bytes()).enumerate() {
+                let want = if signs >> j & 1 == 1 {
+                    -(g as i8)
+                } else {
+                    g as i8
+                };
+                assert_eq!(o, want, "signs {signs:#010b} byte {j}");
+            }
+        }
+    }
 
     #[test]
     fn sign_codes_keep_an_even_count_of_minus_signs() {
