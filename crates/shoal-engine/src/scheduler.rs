@@ -746,11 +746,20 @@ impl<'m> Worker<'m> {
     }
 
     fn run(mut self) {
-        // Wait for work here; run each busy period on a compute-pool thread, so the many
-        // parallel loops of a step start without a cross-thread hand-off each.
+        // Wait for work here; run each busy period of a local model on a compute-pool
+        // thread, so the many parallel loops of a step start without a cross-thread
+        // hand-off each. A split's lead stays on its own thread, as the other ranks' loops
+        // do: its steps wait on the other ranks, and a pool thread held through those waits
+        // is one a rank in this process may need to finish the step (two leads here on a
+        // pool of two would wait on each other's ranks for ever).
         while self.admit(true) != Admit::Shutdown {
             let me = &mut self;
-            if rayon::scope(move |_| me.run_busy()) {
+            let shutdown = if me.lead.is_some() {
+                me.run_busy()
+            } else {
+                rayon::scope(move |_| me.run_busy())
+            };
+            if shutdown {
                 break;
             }
         }
