@@ -25,7 +25,7 @@ use common::SwappedHeads;
 use shoal_engine::weights::GgufWeights;
 use shoal_engine::{arch, ModelConfig, Transformer};
 use shoal_model::gguf::GgufFile;
-use shoal_testkit::iquants::{randomize_to_grid_iquant, GridIquant};
+use shoal_testkit::iquants::{write_grid_iquant_gguf, GridIquant};
 use shoal_testkit::{require_oracle, Comparison, GgmlType, OracleRun, TinyModelSpec, Tolerance};
 
 /// Prompt ids of the tiny tokenizer's vocabulary.
@@ -172,11 +172,9 @@ fn grid_iquant_models_match_llamacpp() {
         }
         .k_quant_shapes();
         let label = format!("{} seed {} {ty:?}", spec.name, spec.seed);
-        let mut w = spec.build().unwrap().gguf_writer(GgmlType::F32).unwrap();
-        let turned = randomize_to_grid_iquant(&mut w, ty, spec.seed);
-        assert!(turned >= 9, "{label}: {turned} matrices turned");
         let path = dir.path().join(format!("{ty:?}.gguf"));
-        w.write_to(&path).unwrap();
+        let turned = write_grid_iquant_gguf(&spec, ty, spec.seed, &path).unwrap();
+        assert!(turned >= 9, "{label}: {turned} matrices turned");
         let run = oracle(&bin, &path);
         let (generated, prompt) = compare(&load(&path), &run, QUANTIZED_WIDE);
         eprintln!(

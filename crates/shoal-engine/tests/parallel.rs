@@ -24,7 +24,7 @@ use shoal_engine::shard::{self, ExpertSplit, Layout};
 use shoal_engine::weights::GgufWeights;
 use shoal_engine::{arch, ModelConfig, Transformer};
 use shoal_model::gguf::GgufFile;
-use shoal_testkit::iquants::{randomize_to_grid_iquant, GridIquant};
+use shoal_testkit::iquants::{write_grid_iquant_gguf, GridIquant};
 use shoal_testkit::{compare_teacher_forced, Comparison, GgmlType, TinyModelSpec, Tolerance};
 
 /// Largest logit difference of a tensor-parallel split of a tiny model, relative to the
@@ -741,10 +741,8 @@ fn tiny_grid_iquant_split() {
             n_head: 8,
             ..TinyModelSpec::llama(28).k_quant_shapes()
         };
-        let mut w = spec.build().unwrap().gguf_writer(GgmlType::F32).unwrap();
-        randomize_to_grid_iquant(&mut w, ty, 28);
         let path = dir.path().join(format!("{ty:?}.gguf"));
-        w.write_to(&path).unwrap();
+        write_grid_iquant_gguf(&spec, ty, 28, &path).unwrap();
         for ((tp, pp), c) in compare_forced(&path, &PROMPT, 12, &[(2, 1), (1, 2), (2, 2)], None) {
             eprintln!(
                 "{ty:?} tp {tp} pp {pp}: worst {:.2}% of the scale, mean {:.3}%",
@@ -780,10 +778,8 @@ fn tiny_grid_iquant_experts_split() {
         }),
         ..base
     };
-    let mut w = spec.build().unwrap().gguf_writer(GgmlType::F32).unwrap();
-    randomize_to_grid_iquant(&mut w, GridIquant::Iq2Xxs, 29);
     let path = dir.path().join("moe-iq2xxs.gguf");
-    w.write_to(&path).unwrap();
+    write_grid_iquant_gguf(&spec, GridIquant::Iq2Xxs, 29, &path).unwrap();
     let n = 8;
     let (want, rows) = one_rank(&path, &PROMPT, n);
     let reference: Vec<Vec<(u32, f32)>> = rows.iter().map(|r| top(r, 8)).collect();

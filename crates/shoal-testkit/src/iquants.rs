@@ -6,8 +6,13 @@
 //! model from the one its spec describes, but a well-formed file of that type, and an engine
 //! that reads it must give llama.cpp's logits on it.
 
+use std::path::Path;
+
 use crate::gguf_writer::GgufWriter;
+use crate::quants::GgmlType;
 use crate::rng::SplitMix64;
+use crate::tiny_model::TinyModelSpec;
+use crate::TestkitError;
 
 /// A grid i-quant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -108,10 +113,10 @@ impl GridIquant {
 pub fn randomize_to_grid_iquant(w: &mut GgufWriter, ty: GridIquant, seed: u64) -> usize {
     let mut turned = 0;
     for t in w.tensors_mut() {
-        let rows: u64 = t.ne.iter().skip(1).product();
         if t.ne.len() < 2 || t.ne[0] % 256 != 0 || t.name.ends_with("ffn_gate_inp.weight") {
             continue;
         }
+        let rows: u64 = t.ne.iter().skip(1).product();
         let blocks = (t.ne[0] / 256 * rows) as usize;
         let name_seed = t
             .name
@@ -122,4 +127,21 @@ pub fn randomize_to_grid_iquant(w: &mut GgufWriter, ty: GridIquant, seed: u64) -
         turned += 1;
     }
     turned
+}
+
+/// Writes `spec`'s model to `path` with every matrix [`randomize_to_grid_iquant`] turns made
+/// random blocks of `ty` (drawn from `seed`); returns how many it turned.
+///
+/// # Errors
+/// When the spec is invalid or the file cannot be written.
+pub fn write_grid_iquant_gguf(
+    spec: &TinyModelSpec,
+    ty: GridIquant,
+    seed: u64,
+    path: impl AsRef<Path>,
+) -> Result<usize, TestkitError> {
+    let mut w = spec.build()?.gguf_writer(GgmlType::F32)?;
+    let turned = randomize_to_grid_iquant(&mut w, ty, seed);
+    w.write_to(path)?;
+    Ok(turned)
 }
