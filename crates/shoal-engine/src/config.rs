@@ -26,6 +26,10 @@ pub enum Arch {
     /// DeepSeek V2/V3 (and Kimi K2): multi-head latent attention, routed and shared
     /// experts, leading dense layers.
     Deepseek2,
+    /// gpt-oss (`gpt-oss`): biased attention with a learned sink per head, sliding-window
+    /// and full layers alternating, YaRN on both, routed experts with biases chosen by their
+    /// raw logits and weighted by a softmax over the chosen, a clamped SwiGLU.
+    GptOss,
 }
 
 /// How a router turns its logits into expert probabilities.
@@ -35,6 +39,9 @@ pub enum Gating {
     Softmax,
     /// A sigmoid of each logit (DeepSeek V3, Kimi K2).
     Sigmoid,
+    /// The raw logits choose; the chosen experts' weights are a softmax over their logits
+    /// (gpt-oss).
+    SoftmaxWeight,
 }
 
 /// The routed experts of a mixture-of-experts feed-forward.
@@ -123,6 +130,9 @@ pub enum Activation {
     Silu,
     /// GELU with the tanh approximation (GeGLU).
     GeluTanh,
+    /// gpt-oss's clamped SwiGLU: `g = min(gate, 7)`, `u = clamp(up, -7, 7)`, `g
+    /// sigmoid(1.702 g) (u + 1)`.
+    SwigluOai,
 }
 
 /// Hyperparameters of one model, resolved.
@@ -172,6 +182,9 @@ pub struct ModelConfig {
     pub sliding_window: Option<usize>,
     /// Every `n`-th layer (1-based) is global; others use the sliding window.
     pub sliding_pattern: usize,
+    /// Whether the sliding-window layers' RoPE is scaled as the global layers' is (gpt-oss);
+    /// otherwise they rotate unscaled (Gemma 3).
+    pub sliding_rope_scaled: bool,
     /// The routed experts, for a mixture-of-experts model.
     pub moe: Option<MoeConfig>,
     /// Multi-head latent attention, for DeepSeek V2/V3.

@@ -4,7 +4,10 @@
 //! routing with a selection bias and group-limited top-k, compressed queries, YaRN) and GLM-4.5
 //! (`glm4moe`: biased q/k/v with q/k norms, RoPE on half of each head, a leading dense layer,
 //! sigmoid routing with a selection bias beside a shared expert, a multi-token-prediction
-//! layer the decoder leaves out) written as GGUF and loaded through the engine's ordinary path.
+//! layer the decoder leaves out) and gpt-oss (biased attention with a sink per head, windowed
+//! and full layers alternating, YaRN on both, biased experts chosen by their logits around the
+//! clamped SwiGLU; F32, MXFP4 and Q8_0) written as GGUF and loaded through the engine's
+//! ordinary path.
 //!
 //! - Against the test kit's f64 reference (which rounds what the engine's f16 cache rounds):
 //!   F32 files within `F32_TOL` absolute, whole prompt, chunked and token by token.
@@ -17,7 +20,8 @@
 //!   arithmetic could make (else a flipped expert could pass for a fault).
 //! - Planted faults fail that comparison: routing that ignores the group limit, the
 //!   selection bias or the weights' renormalisation, shared experts left out, YaRN left out,
-//!   RoPE over GLM's whole head, GLM's q/k biases left out.
+//!   RoPE over GLM's whole head, GLM's q/k biases left out; gpt-oss's window ignored, its
+//!   windowed layers' RoPE unscaled, a plain SwiGLU, a softmax over every expert.
 //! - Malformed files are refused at load with a message naming the problem.
 
 mod common;
@@ -64,13 +68,14 @@ const QUANTIZED_WIDE: Tolerance = Tolerance {
 /// least, for a quantized comparison to count (the test kit's `ROUTE_SCALE_MARGIN`).
 const ROUTE_SCALE_MARGIN: f64 = 1.6e-2;
 
-fn specs() -> [TinyModelSpec; 5] {
+fn specs() -> [TinyModelSpec; 6] {
     [
         TinyModelSpec::qwen3moe(7),
         TinyModelSpec::mixtral(7),
         TinyModelSpec::deepseek2(7),
         TinyModelSpec::deepseek3(7),
         TinyModelSpec::glm4moe(7),
+        TinyModelSpec::gpt_oss(7),
     ]
 }
 
@@ -224,6 +229,11 @@ fn oracle_cases() -> Vec<(TinyModelSpec, GgmlType, Tolerance)> {
             GgmlType::Q4_K,
             QUANTIZED_WIDE,
         ),
+        (TinyModelSpec::gpt_oss(91), GgmlType::F32, F32),
+        // gpt-oss's tiny model carries 8-bit activation rounding further than the others
+        // (both engines land 2.6e-2 to 4.7e-2 of the scale from the f64 reference on it)
+        (TinyModelSpec::gpt_oss(92), GgmlType::MXFP4, QUANTIZED_WIDE),
+        (TinyModelSpec::gpt_oss(93), GgmlType::Q8_0, QUANTIZED_WIDE),
     ]
 }
 
@@ -319,7 +329,7 @@ fn planted_moe_faults_fail_the_comparison() {
     let solo = || Arc::new(shoal_comm::Solo);
     type Plant = fn(&mut ModelConfig);
     type Hide = fn(&str) -> bool;
-    let cases: [(TinyModelSpec, &str, Option<Plant>, Option<Hide>); 8] = [
+    let cases: [(TinyModelSpec, &str, Option<Plant>, Option<Hide>); 12] = [
         (
             TinyModelSpec::mixtral(67),
             "the chosen experts' weights not renormalised",
@@ -365,6 +375,30 @@ fn planted_moe_faults_fail_the_comparison() {
             "the q/k biases left out",
             None,
             Some(|n| n.ends_with("attn_q.bias") || n.ends_with("attn_k.bias")),
+        ),
+        (
+            TinyModelSpec::gpt_oss(91),
+            "the sliding window ignored",
+            Some(|c| c.sliding_window = None),
+            None,
+        ),
+        (
+            TinyModelSpec::gpt_oss(91),
+            "the windowed layers' RoPE unscaled",
+            Some(|c| c.sliding_rope_scaled = false),
+            None,
+        ),
+        (
+            TinyModelSpec::gpt_oss(91),
+            "a plain SwiGLU for the clamped one",
+            Some(|c| c.activation = shoal_engine::config::Activation::Silu),
+            None,
+        ),
+        (
+            TinyModelSpec::gpt_oss(91),
+            "a softmax over every expert for one over the chosen",
+            Some(|c| c.moe.as_mut().unwrap().gating = shoal_engine::config::Gating::Softmax),
+            None,
         ),
         (
             TinyModelSpec::qwen3moe(64),

@@ -275,7 +275,7 @@ fn check_pair(spec: TinyModelSpec, gguf_ty: GgmlType) {
         kv_str(&g, "tokenizer.ggml.pre"),
         match s.arch {
             Arch::Llama | Arch::Gemma3 | Arch::Deepseek2 | Arch::Mixtral => "smollm",
-            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe => "qwen2",
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe | Arch::GptOss => "qwen2",
         }
     );
     assert_eq!(kv_str(&g, "tokenizer.chat_template"), CHATML_TEMPLATE);

@@ -8,13 +8,15 @@
 //! the chosen experts' weights. [`route`] chooses a token's experts and weights exactly as
 //! llama.cpp's `build_moe_ffn` does:
 //!
-//! 1. `probs` = softmax over every expert's router logit, or the sigmoid of each;
+//! 1. `probs` = softmax over every expert's router logit, or the sigmoid of each, or the
+//!    logits themselves (gpt-oss's `SoftmaxWeight`);
 //! 2. the selection scores are `probs + bias` (the bias only steers the choice);
 //! 3. with `n_group > 1` groups (consecutive runs of `n_expert / n_group` experts), each group
 //!    scores the sum of its two best selection scores, the `n_group_used` best groups are
 //!    kept and every expert of the other groups is masked to `-inf`;
 //! 4. the `n_expert_used` best selection scores are chosen (the lower index first on a tie);
-//! 5. their weights are their unbiased `probs`, divided by their sum (clamped below at
+//! 5. their weights are their unbiased `probs` (with `SoftmaxWeight`, a softmax over the
+//!    chosen logits), divided by their sum (clamped below at
 //!    `6.103515625e-5`) when `norm_weights`, then multiplied by `weights_scale` when it is
 //!    set and neither 0 nor 1.
 //!
@@ -38,6 +40,9 @@ pub enum ExpertGating {
     Softmax,
     /// The sigmoid of each logit (GGUF id 2).
     Sigmoid,
+    /// The raw logits choose and the chosen experts' weights are a softmax over their logits
+    /// (GGUF id 3; llama.cpp's `gpt-oss` graph uses it whatever the file says).
+    SoftmaxWeight,
 }
 
 impl ExpertGating {
@@ -46,6 +51,7 @@ impl ExpertGating {
         match self {
             ExpertGating::Softmax => 1,
             ExpertGating::Sigmoid => 2,
+            ExpertGating::SoftmaxWeight => 3,
         }
     }
 }
@@ -198,6 +204,12 @@ pub fn route(logits: &[f64], moe: &MoeSpec, bias: Option<&[f32]>) -> Vec<(usize,
     let (probs, select, _) = selection(logits, moe, bias);
     let chosen = best(&select, moe.n_expert_used);
     let mut weights: Vec<f64> = chosen.iter().map(|&e| probs[e]).collect();
+    if moe.gating == ExpertGating::SoftmaxWeight {
+        let m = weights.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        weights.iter_mut().for_each(|w| *w = (*w - m).exp());
+        let z: f64 = weights.iter().sum();
+        weights.iter_mut().for_each(|w| *w /= z);
+    }
     if moe.norm_weights {
         let sum = weights.iter().sum::<f64>().max(6.103_515_625e-5);
         weights.iter_mut().for_each(|w| *w /= sum);
@@ -265,6 +277,7 @@ fn selection(logits: &[f64], moe: &MoeSpec, bias: Option<&[f32]>) -> (Vec<f64>, 
             e.iter().map(|v| v / z).collect()
         }
         ExpertGating::Sigmoid => logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect(),
+        ExpertGating::SoftmaxWeight => logits.to_vec(),
     };
     let mut select: Vec<f64> = match bias {
         Some(b) => probs

@@ -16,7 +16,11 @@
 //! q/k RMSNorm per head before RoPE (plain `w` scaling). GLM-4.5 (`glm4moe`) is Qwen2's
 //! biased attention with Qwen3's q/k norms, its rotate-half RoPE on the first `rope_dims`
 //! dimensions of each head only (`inv_freq[i] = theta^(-2i/rope_dims)`), and DeepSeek V3's
-//! routing below; its prediction layers are not run. Llama 3.1 RoPE scaling divides
+//! routing below; its prediction layers are not run. gpt-oss is Qwen2's biased attention plus
+//! an output bias, a sink logit per head in each softmax, its even layers attending only
+//! within the sliding window, rotate-half RoPE with YaRN ([`crate::YarnRope::angle`], both
+//! q and k scaled by `1 + 0.1 ln(factor)` as ggml scales the cosine and sine) on every layer,
+//! and its own experts (below). Llama 3.1 RoPE scaling divides
 //! each pair's inverse frequency by its factor ([`crate::Llama3Rope::freq_factors`]). It
 //! has been checked against llama.cpp
 //! running the GGUF written by [`TinyModel::write_gguf`] (F32 weights, F32 KV cache, no flash
@@ -27,7 +31,9 @@
 //! chooses, each chosen expert's SwiGLU FFN (`down_e(silu(gate_e(x)) * up_e(x))`) times its
 //! weight, summed, plus DeepSeek's shared experts (one SwiGLU FFN, unweighted); DeepSeek's
 //! first `leading_dense` layers keep a dense FFN. Qwen3 MoE keeps Qwen3's attention and
-//! Mixtral Llama's.
+//! Mixtral Llama's. gpt-oss's router has a bias, and each expert is `down(swiglu_oai(gate(x)
+//! + b_g, up(x) + b_u)) + b_d` with `swiglu_oai(g, u) = min(g, 7) sigmoid(1.702 min(g, 7))
+//! (clamp(u, -7, 7) + 1)` (llama.cpp's constants).
 //!
 //! DeepSeek's multi-head latent attention follows llama.cpp's `deepseek2` graph: the query is
 //! `attn_q` of the normed input, or `attn_q_b(rmsnorm(attn_q_a(x)))` with a query rank; each
@@ -93,6 +99,21 @@ fn rope(v: &mut [f64], pos: usize, theta: f64, factors: Option<&[f32]>) {
     }
 }
 
+/// Rotate-half RoPE with YaRN (gpt-oss, llama.cpp's NeoX rotation): pair `(i, i + half)`
+/// turns by [`YarnRope::angle`], and both values are scaled by `1 + 0.1 ln(factor)` (the
+/// magnitude ggml's `rope_yarn` gives the cosine and sine).
+fn rope_yarn_halves(v: &mut [f64], pos: usize, theta: f64, yarn: &YarnRope) {
+    let hd = v.len();
+    let half = hd / 2;
+    let m = 1.0 + 0.1 * f64::from(yarn.factor).ln();
+    for i in 0..half {
+        let (s, c) = yarn.angle(pos, i, hd, theta).sin_cos();
+        let (a, b) = (v[i], v[i + half]);
+        v[i] = (a * c - b * s) * m;
+        v[i + half] = (b * c + a * s) * m;
+    }
+}
+
 /// Rotates adjacent pairs `(v[2i], v[2i + 1])` of `v` for position `pos`: by `pos *
 /// theta^(-2i/len)`, or by YaRN's angle for that pair.
 fn rope_adjacent(v: &mut [f64], pos: usize, theta: f64, yarn: Option<&YarnRope>) {
@@ -133,6 +154,31 @@ fn softmax(scores: &[f64]) -> Vec<f64> {
     e.iter().map(|e| e / z).collect()
 }
 
+/// Softmax of attention scores with a sink logit: `sink` joins the softmax and its weight is
+/// dropped (gpt-oss).
+fn softmax_with_sink(scores: &[f64], sink: f64) -> Vec<f64> {
+    let m = scores.iter().cloned().fold(sink, f64::max);
+    let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+    let z: f64 = e.iter().sum::<f64>() + (sink - m).exp();
+    e.iter().map(|e| e / z).collect()
+}
+
+/// gpt-oss's expert: `down(swiglu_oai(gate(x) + b_g, up(x) + b_u)) + b_d`, with
+/// `swiglu_oai(g, u) = min(g, 7) sigmoid(1.702 min(g, 7)) (clamp(u, -7, 7) + 1)`.
+fn swiglu_oai_expert(x: &[f64], w: [&Weight; 3], b: [&Weight; 3]) -> Vec<f64> {
+    let g = linear(x, w[0], Some(b[0]));
+    let u = linear(x, w[1], Some(b[1]));
+    let act: Vec<f64> = g
+        .iter()
+        .zip(&u)
+        .map(|(&g, &u)| {
+            let c = g.min(7.0);
+            c / (1.0 + (-1.702 * c).exp()) * (u.clamp(-7.0, 7.0) + 1.0)
+        })
+        .collect();
+    linear(&act, w[2], Some(b[2]))
+}
+
 /// `down(act(gate(x)) * up(x))` with `act` SiLU, or GELU (tanh) when `gelu`.
 fn swiglu(x: &[f64], gate: &Weight, up: &Weight, down: &Weight, gelu: bool) -> Vec<f64> {
     let g = linear(x, gate, None);
@@ -157,6 +203,15 @@ fn expert(w: &Weight, e: usize) -> Weight {
     Weight {
         shape: w.shape[1..].to_vec(),
         data: w.data[e * size..(e + 1) * size].to_vec(),
+    }
+}
+
+/// Expert `e`'s row of a stacked `[n_expert, n]` bias.
+fn expert_bias(w: &Weight, e: usize) -> Weight {
+    let n = w.shape[1];
+    Weight {
+        shape: vec![n],
+        data: w.data[e * n..(e + 1) * n].to_vec(),
     }
 }
 
@@ -370,7 +425,10 @@ impl TinyModel {
                         head.copy_from_slice(&n);
                     }
                     let turned = if s.rope_dims > 0 { s.rope_dims } else { hd };
-                    rope(&mut head[..turned], pos, theta, factors.as_deref());
+                    match &s.yarn {
+                        Some(y) => rope_yarn_halves(&mut head[..turned], pos, theta, y),
+                        None => rope(&mut head[..turned], pos, theta, factors.as_deref()),
+                    }
                 }
             }
             qs.push(q);
@@ -378,6 +436,7 @@ impl TinyModel {
             vs.push(kv_store(v, f16_kv));
         }
         let scale = 1.0 / (hd as f64).sqrt();
+        let sinks = self.weight(&format!("{p}.self_attn.sinks"));
         (0..xs.len())
             .map(|t| {
                 let mut attn = vec![0.0f64; nh * hd];
@@ -395,14 +454,22 @@ impl TinyModel {
                             q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() * scale
                         })
                         .collect();
-                    for (i, a) in softmax(&scores).iter().enumerate() {
+                    let weights = match sinks {
+                        Some(sk) => softmax_with_sink(&scores, f64::from(sk.data[head])),
+                        None => softmax(&scores),
+                    };
+                    for (i, a) in weights.iter().enumerate() {
                         let v = &vs[first + i][kvh * hd..(kvh + 1) * hd];
                         for d in 0..hd {
                             attn[head * hd + d] += a * v[d];
                         }
                     }
                 }
-                let mut o = linear(&attn, self.w(&format!("{p}.self_attn.o_proj.weight")), None);
+                let mut o = linear(
+                    &attn,
+                    self.w(&format!("{p}.self_attn.o_proj.weight")),
+                    bias("o"),
+                );
                 if gemma {
                     o = norm(&o, &format!("{p}.post_attention_layernorm.weight"));
                 }
@@ -522,7 +589,11 @@ impl TinyModel {
     ) -> (Vec<f64>, [f64; 2], Vec<usize>) {
         let s = self.spec();
         let names = MoeNames::of(s.arch, p);
-        let logits = linear(hn, self.w(&names.router), None);
+        let logits = linear(
+            hn,
+            self.w(&names.router),
+            self.weight(&format!("{p}.mlp.gate.bias")),
+        );
         let bias = moe
             .probs_bias
             .then(|| self.w(&format!("{p}.mlp.gate.e_score_correction_bias")));
@@ -540,14 +611,16 @@ impl TinyModel {
         let routed = route(&logits, moe, bias);
         let mut chosen: Vec<usize> = routed.iter().map(|r| r.0).collect();
         chosen.sort_unstable();
+        let oss = s.arch == Arch::GptOss;
         for (e, weight) in routed {
-            let d = swiglu(
-                hn,
-                &expert(gate, e),
-                &expert(up, e),
-                &expert(down, e),
-                false,
-            );
+            let (g, u, dn) = (expert(gate, e), expert(up, e), expert(down, e));
+            let d = if oss {
+                let b = |n: &str| expert_bias(self.w(&format!("{p}.mlp.experts.{n}_proj.bias")), e);
+                let (bg, bu, bd) = (b("gate"), b("up"), b("down"));
+                swiglu_oai_expert(hn, [&g, &u, &dn], [&bg, &bu, &bd])
+            } else {
+                swiglu(hn, &g, &u, &dn, false)
+            };
             for (o, d) in out.iter_mut().zip(d) {
                 *o += weight * d;
             }

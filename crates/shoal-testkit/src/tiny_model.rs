@@ -88,6 +88,14 @@ pub enum Arch {
     /// with a selection bias) beside a shared expert, and the multi-token-prediction layers of
     /// [`TinyModelSpec::nextn_layers`] after the others. Tokenizer pre type `qwen2`.
     Glm4Moe,
+    /// gpt-oss (`gpt-oss`): biases on q, k, v and the attention output, a sink logit per
+    /// query head (`self_attn.sinks`, GGUF `attn_sinks.weight`), sliding-window layers (the
+    /// even ones) alternating with full ones, NeoX RoPE with YaRN on both, the FFN norm named
+    /// `post_attention_norm`; every layer routes through experts with biases (router
+    /// `mlp.gate.bias`, `mlp.experts.{gate,up,down}_proj.bias`), chosen by their raw logits
+    /// and weighted by a softmax over the chosen, around the clamped SwiGLU. Tokenizer pre
+    /// type `qwen2`.
+    GptOss,
 }
 
 impl Arch {
@@ -102,6 +110,7 @@ impl Arch {
             Arch::Deepseek2 => "deepseek2",
             Arch::Mixtral => "llama",
             Arch::Glm4Moe => "glm4moe",
+            Arch::GptOss => "gpt-oss",
         }
     }
 
@@ -116,6 +125,7 @@ impl Arch {
             Arch::Deepseek2 => "DeepseekV2ForCausalLM",
             Arch::Mixtral => "MixtralForCausalLM",
             Arch::Glm4Moe => "Glm4MoeForCausalLM",
+            Arch::GptOss => "GptOssForCausalLM",
         }
     }
 
@@ -130,12 +140,13 @@ impl Arch {
             Arch::Deepseek2 => "deepseek_v2",
             Arch::Mixtral => "mixtral",
             Arch::Glm4Moe => "glm4_moe",
+            Arch::GptOss => "gpt_oss",
         }
     }
 
     /// Whether q, k and v projections carry biases.
     pub fn has_qkv_bias(self) -> bool {
-        matches!(self, Arch::Qwen2 | Arch::Glm4Moe)
+        matches!(self, Arch::Qwen2 | Arch::Glm4Moe | Arch::GptOss)
     }
 
     /// Whether each query and key head is RMS-normed before RoPE.
@@ -155,7 +166,9 @@ impl Arch {
     pub fn pre_tokenizer(self) -> PreTokenizer {
         match self {
             Arch::Llama | Arch::Gemma3 | Arch::Deepseek2 | Arch::Mixtral => PreTokenizer::Smollm,
-            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe => PreTokenizer::Qwen2,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe | Arch::GptOss => {
+                PreTokenizer::Qwen2
+            }
         }
     }
 
@@ -164,7 +177,7 @@ impl Arch {
     pub fn is_moe(self) -> bool {
         matches!(
             self,
-            Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Mixtral | Arch::Glm4Moe
+            Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Mixtral | Arch::Glm4Moe | Arch::GptOss
         )
     }
 
@@ -600,16 +613,59 @@ impl TinyModelSpec {
         }
     }
 
+    /// A 3-layer gpt-oss: hidden 64, 4 query heads of 32 (wider than the hidden size) over
+    /// 2 KV heads, q/k/v and output biases, a sink logit per head, layers 0 and 2 attending
+    /// within a window of 4 positions, NeoX RoPE (base 150000) with YaRN (factor 4 over an
+    /// original context of 32) on every layer, eps 1e-5, untied output; every layer routes
+    /// through 8 experts of FFN 32 with biases, 2 per token, by their raw logits, weighted by
+    /// a softmax over the two; the router reads the whole hidden state.
+    pub fn gpt_oss(seed: u64) -> Self {
+        TinyModelSpec {
+            arch: Arch::GptOss,
+            name: "tiny-gpt-oss".to_string(),
+            n_head: 4,
+            n_kv_head: 2,
+            head_dim: 32,
+            n_layers: 3,
+            rope_theta: 150_000.0,
+            rope_local_theta: 150_000.0,
+            sliding_window: 4,
+            sliding_window_pattern: 2,
+            moe: Some(MoeSpec {
+                n_expert: 8,
+                n_expert_used: 2,
+                expert_ffn: 32,
+                n_shared_expert: 0,
+                leading_dense: 0,
+                gating: ExpertGating::SoftmaxWeight,
+                norm_weights: false,
+                weights_scale: None,
+                n_group: 0,
+                n_group_used: 0,
+                probs_bias: false,
+                router_dims: 0,
+            }),
+            yarn: Some(YarnRope {
+                factor: 4.0,
+                original_context: 32,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                log_multiplier: 0.0,
+            }),
+            ..Self::llama(seed)
+        }
+    }
+
     /// Whether layer `il` routes its FFN through experts (a MoE model past its leading dense
     /// layers).
     pub fn is_moe_layer(&self, il: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| il >= m.leading_dense)
     }
 
-    /// Whether layer `il` is a local (sliding-window) layer: Gemma 3 only,
+    /// Whether layer `il` is a local (sliding-window) layer: Gemma 3 and gpt-oss only,
     /// `il % pattern < pattern - 1`.
     pub fn is_local_layer(&self, il: usize) -> bool {
-        self.arch == Arch::Gemma3
+        matches!(self.arch, Arch::Gemma3 | Arch::GptOss)
             && self.sliding_window_pattern > 0
             && il % self.sliding_window_pattern < self.sliding_window_pattern - 1
     }
@@ -717,10 +773,22 @@ impl TinyModelSpec {
         if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} must be even", self.head_dim));
         }
-        if self.arch == Arch::Gemma3
+        if matches!(self.arch, Arch::Gemma3 | Arch::GptOss)
             && (self.sliding_window == 0 || self.sliding_window_pattern == 0)
         {
-            return bad("gemma3 needs sliding_window and sliding_window_pattern > 0".to_string());
+            return bad(format!(
+                "{:?} needs sliding_window and sliding_window_pattern > 0",
+                self.arch
+            ));
+        }
+        if self.arch == Arch::GptOss
+            && (self.sliding_window_pattern != 2 || self.rope_local_theta != self.rope_theta)
+        {
+            return bad(
+                "gpt-oss: llama.cpp alternates windowed and full layers (pattern 2) and rotates \
+                 both with one base"
+                    .to_string(),
+            );
         }
         if self.llama3_rope.is_some() && self.arch != Arch::Llama {
             return bad("llama3_rope is a Llama setting".to_string());
@@ -760,8 +828,24 @@ impl TinyModelSpec {
                 "`mla` is set exactly for Deepseek2 (the spec is {arch:?})"
             ));
         }
-        if self.yarn.is_some() && arch != Arch::Deepseek2 {
-            return bad("yarn is a Deepseek2 setting".to_string());
+        if self.yarn.is_some() && !matches!(arch, Arch::Deepseek2 | Arch::GptOss) {
+            return bad("yarn is a Deepseek2 and GptOss setting".to_string());
+        }
+        if let (Arch::GptOss, Some(moe)) = (arch, &self.moe) {
+            if moe.gating != ExpertGating::SoftmaxWeight || moe.router_dims != 0 {
+                return bad(
+                    "gpt-oss: llama.cpp's graph weighs by a softmax over the chosen logits \
+                     (SoftmaxWeight); and its biases reach every dimension, so router_dims \
+                     must be 0"
+                        .to_string(),
+                );
+            }
+        } else if self
+            .moe
+            .as_ref()
+            .is_some_and(|m| m.gating == ExpertGating::SoftmaxWeight)
+        {
+            return bad("SoftmaxWeight gating is a GptOss setting".to_string());
         }
         if let Some(moe) = &self.moe {
             if moe.n_expert < 2 || moe.n_expert_used == 0 || moe.n_expert_used > moe.n_expert {
@@ -772,8 +856,8 @@ impl TinyModelSpec {
             }
             let deepseek_only = moe.n_shared_expert > 0
                 || moe.leading_dense > 0
-                || moe.gating != ExpertGating::Softmax
-                || !moe.norm_weights
+                || moe.gating == ExpertGating::Sigmoid
+                || (!moe.norm_weights && arch != Arch::GptOss)
                 || moe.weights_scale.is_some()
                 || moe.n_group > 0
                 || moe.probs_bias;
@@ -850,7 +934,10 @@ impl TinyModelSpec {
                     y.factor, y.original_context
                 ));
             }
-            if y.beta_fast != 32.0 || y.beta_slow != 1.0 {
+            if y.beta_fast != 32.0
+                || y.beta_slow != 1.0
+                || (arch == Arch::GptOss && y.log_multiplier != 0.0)
+            {
                 return bad(format!(
                     "yarn: llama.cpp's deepseek2 uses beta_fast 32 and beta_slow 1 whatever the \
                      file says (the spec has {} and {})",
@@ -996,6 +1083,10 @@ impl TinyModel {
                     0.0,
                     0.08,
                 );
+                if s.arch == Arch::GptOss {
+                    add(format!("{p}.self_attn.o_proj.bias"), vec![h], 0.0, 0.1);
+                    add(format!("{p}.self_attn.sinks"), vec![s.n_head], 0.0, 1.0);
+                }
             }
             add(
                 format!("{p}.post_attention_layernorm.weight"),
@@ -1153,6 +1244,28 @@ impl TinyModel {
         add(names.gate, vec![n, f, h], 0.0, 0.08);
         add(names.up, vec![n, f, h], 0.0, 0.08);
         add(names.down, vec![n, h, f], 0.0, 0.08);
+        if s.arch == Arch::GptOss {
+            // std 1 on the gate and up biases, so some products pass the SwiGLU's clamps
+            add(format!("{p}.mlp.gate.bias"), vec![n], 0.0, 0.5);
+            add(
+                format!("{p}.mlp.experts.gate_proj.bias"),
+                vec![n, f],
+                0.0,
+                1.0,
+            );
+            add(
+                format!("{p}.mlp.experts.up_proj.bias"),
+                vec![n, f],
+                0.0,
+                1.0,
+            );
+            add(
+                format!("{p}.mlp.experts.down_proj.bias"),
+                vec![n, h],
+                0.0,
+                0.1,
+            );
+        }
         if moe.n_shared_expert > 0 {
             let fs = moe.n_shared_expert * f;
             let sp = format!("{p}.mlp.shared_experts");
@@ -1322,13 +1435,19 @@ impl TinyModel {
             && (s.head_dim * s.n_head != s.hidden_size
                 || matches!(
                     s.arch,
-                    Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe
+                    Arch::Gemma3 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe | Arch::GptOss
                 ))
         {
             w.add_kv(format!("{a}.attention.key_length"), s.head_dim as u32)
                 .add_kv(format!("{a}.attention.value_length"), s.head_dim as u32);
         }
         self.add_moe_kvs(&mut w);
+        if s.arch == Arch::GptOss {
+            w.add_kv(
+                format!("{a}.attention.sliding_window"),
+                s.sliding_window as u32,
+            );
+        }
         if s.arch == Arch::Gemma3 {
             w.add_kv(
                 format!("{a}.attention.sliding_window"),
@@ -1399,6 +1518,22 @@ impl TinyModel {
         if s.arch != Arch::Mixtral {
             w.add_kv(k("expert_feed_forward_length"), moe.expert_ffn as u32);
         }
+        if let Some(y) = &s.yarn {
+            w.add_kv(k("rope.scaling.type"), "yarn")
+                .add_kv(k("rope.scaling.factor"), y.factor)
+                .add_kv(
+                    k("rope.scaling.original_context_length"),
+                    y.original_context as u32,
+                )
+                .add_kv(k("rope.scaling.yarn_beta_fast"), y.beta_fast)
+                .add_kv(k("rope.scaling.yarn_beta_slow"), y.beta_slow);
+            if y.log_multiplier != 0.0 {
+                w.add_kv(
+                    k("rope.scaling.yarn_log_multiplier"),
+                    y.gguf_log_multiplier(),
+                );
+            }
+        }
         if !s.arch.has_deepseek_routing() {
             return;
         }
@@ -1430,20 +1565,6 @@ impl TinyModel {
         if moe.n_group > 0 {
             w.add_kv(k("expert_group_count"), moe.n_group as u32)
                 .add_kv(k("expert_group_used_count"), moe.n_group_used as u32);
-        }
-        if let Some(y) = &s.yarn {
-            w.add_kv(k("rope.scaling.type"), "yarn")
-                .add_kv(k("rope.scaling.factor"), y.factor)
-                .add_kv(
-                    k("rope.scaling.original_context_length"),
-                    y.original_context as u32,
-                )
-                .add_kv(k("rope.scaling.yarn_beta_fast"), y.beta_fast)
-                .add_kv(k("rope.scaling.yarn_beta_slow"), y.beta_slow)
-                .add_kv(
-                    k("rope.scaling.yarn_log_multiplier"),
-                    y.gguf_log_multiplier(),
-                );
         }
     }
 
@@ -1532,7 +1653,7 @@ impl TinyModel {
                 obj.insert("attention_bias".into(), json!(false));
                 obj.insert("attention_dropout".into(), json!(0.0));
             }
-            Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Mixtral | Arch::Glm4Moe => {
+            Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Mixtral | Arch::Glm4Moe | Arch::GptOss => {
                 if let Some(moe) = &s.moe {
                     Self::moe_config(obj, s, moe);
                 }
@@ -1556,7 +1677,7 @@ impl TinyModel {
             }
             _ => {
                 let scoring = match moe.gating {
-                    ExpertGating::Softmax => "softmax",
+                    ExpertGating::Softmax | ExpertGating::SoftmaxWeight => "softmax",
                     ExpertGating::Sigmoid => "sigmoid",
                 };
                 let topk_method = if moe.probs_bias {
@@ -1746,6 +1867,7 @@ pub fn gguf_name_for(arch: Arch, hf_name: &str) -> Option<String> {
     let layer: usize = layer.parse().ok()?;
     let gemma = arch == Arch::Gemma3;
     let glm = arch == Arch::Glm4Moe;
+    let oss = arch == Arch::GptOss;
     let qk_norm = arch.has_qk_norm();
     let part = match rest {
         "input_layernorm.weight" => "attn_norm.weight",
@@ -1758,7 +1880,13 @@ pub fn gguf_name_for(arch: Arch, hf_name: &str) -> Option<String> {
         "self_attn.o_proj.weight" => "attn_output.weight",
         "self_attn.q_norm.weight" if qk_norm => "attn_q_norm.weight",
         "self_attn.k_norm.weight" if qk_norm => "attn_k_norm.weight",
-        "post_attention_layernorm.weight" if gemma || glm => "post_attention_norm.weight",
+        "post_attention_layernorm.weight" if gemma || glm || oss => "post_attention_norm.weight",
+        "self_attn.o_proj.bias" if oss => "attn_output.bias",
+        "self_attn.sinks" if oss => "attn_sinks.weight",
+        "mlp.gate.bias" if oss => "ffn_gate_inp.bias",
+        "mlp.experts.gate_proj.bias" if oss => "ffn_gate_exps.bias",
+        "mlp.experts.up_proj.bias" if oss => "ffn_up_exps.bias",
+        "mlp.experts.down_proj.bias" if oss => "ffn_down_exps.bias",
         "eh_proj.weight" if glm => "nextn.eh_proj.weight",
         "enorm.weight" if glm => "nextn.enorm.weight",
         "hnorm.weight" if glm => "nextn.hnorm.weight",
@@ -1782,18 +1910,21 @@ fn moe_gguf_part(arch: Arch, rest: &str) -> Option<&'static str> {
         (Arch::Mixtral, "block_sparse_moe.experts.w1.weight") => "ffn_gate_exps.weight",
         (Arch::Mixtral, "block_sparse_moe.experts.w3.weight") => "ffn_up_exps.weight",
         (Arch::Mixtral, "block_sparse_moe.experts.w2.weight") => "ffn_down_exps.weight",
-        (Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Glm4Moe, "mlp.gate.weight") => {
+        (Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Glm4Moe | Arch::GptOss, "mlp.gate.weight") => {
             "ffn_gate_inp.weight"
         }
-        (Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Glm4Moe, "mlp.experts.gate_proj.weight") => {
-            "ffn_gate_exps.weight"
-        }
-        (Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Glm4Moe, "mlp.experts.up_proj.weight") => {
-            "ffn_up_exps.weight"
-        }
-        (Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Glm4Moe, "mlp.experts.down_proj.weight") => {
-            "ffn_down_exps.weight"
-        }
+        (
+            Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Glm4Moe | Arch::GptOss,
+            "mlp.experts.gate_proj.weight",
+        ) => "ffn_gate_exps.weight",
+        (
+            Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Glm4Moe | Arch::GptOss,
+            "mlp.experts.up_proj.weight",
+        ) => "ffn_up_exps.weight",
+        (
+            Arch::Qwen3Moe | Arch::Deepseek2 | Arch::Glm4Moe | Arch::GptOss,
+            "mlp.experts.down_proj.weight",
+        ) => "ffn_down_exps.weight",
         (Arch::Deepseek2 | Arch::Glm4Moe, "mlp.gate.e_score_correction_bias") => "exp_probs_b.bias",
         (Arch::Deepseek2 | Arch::Glm4Moe, "mlp.shared_experts.gate_proj.weight") => {
             "ffn_gate_shexp.weight"
@@ -1847,10 +1978,11 @@ fn reserve_router_dims(gguf: &str, shape: &[usize], data: &mut [f32], moe: &MoeS
 }
 
 /// Whether GGUF holds weight `gguf` (of HF shape `shape`) in F32 whatever type `ty` the file
-/// asks for: the expert router always (llama.cpp's converter and quantizer never quantize
-/// it), and `attn_k_b` when its rows (the last dimension) are not whole blocks of `ty`.
+/// asks for: the expert router and every bias always (llama.cpp's converter and quantizer
+/// never quantize them; gpt-oss's expert biases are 2-D), and `attn_k_b` when its rows (the last dimension) are not whole blocks of `ty`.
 pub fn kept_f32(gguf: &str, shape: &[usize], ty: GgmlType) -> bool {
     gguf.ends_with(".ffn_gate_inp.weight")
+        || gguf.ends_with(".bias")
         || (gguf.ends_with(".attn_k_b.weight")
             && !shape
                 .last()
@@ -1878,16 +2010,22 @@ fn gguf_order_key(hf: &str) -> (usize, usize, usize) {
         "self_attn.k_b_proj.weight",
         "self_attn.v_b_proj.weight",
         "self_attn.o_proj.weight",
+        "self_attn.o_proj.bias",
+        "self_attn.sinks",
         "post_attention_layernorm.weight",
         "pre_feedforward_layernorm.weight",
         "mlp.gate_proj.weight",
         "mlp.up_proj.weight",
         "mlp.down_proj.weight",
         "mlp.gate.weight",
+        "mlp.gate.bias",
         "mlp.gate.e_score_correction_bias",
         "mlp.experts.gate_proj.weight",
+        "mlp.experts.gate_proj.bias",
         "mlp.experts.up_proj.weight",
+        "mlp.experts.up_proj.bias",
         "mlp.experts.down_proj.weight",
+        "mlp.experts.down_proj.bias",
         "block_sparse_moe.gate.weight",
         "block_sparse_moe.experts.w1.weight",
         "block_sparse_moe.experts.w3.weight",

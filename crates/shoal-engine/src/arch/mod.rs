@@ -13,6 +13,7 @@
 pub mod deepseek2;
 pub mod gemma3;
 pub mod glm4moe;
+pub mod gpt_oss;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
@@ -55,6 +56,11 @@ pub enum Role {
     AttnKNorm,
     /// Attention output projection.
     AttnOut,
+    /// Attention output bias.
+    AttnOutBias,
+    /// A learned logit per query head that joins every softmax of its scores without a
+    /// value (gpt-oss's attention sinks), `[n_head]`.
+    AttnSinks,
     /// Norm of the attention output, before its residual add.
     PostAttnNorm,
     /// Norm before the feed-forward block.
@@ -69,6 +75,8 @@ pub enum Role {
     PostFfnNorm,
     /// Router of a mixture of experts, `[n_expert, hidden]`.
     FfnGateInp,
+    /// The router's bias, `[n_expert]`.
+    FfnGateInpBias,
     /// Gate projections of every routed expert, `[n_expert, expert_ffn, hidden]`.
     FfnGateExps,
     /// Up projections of every routed expert.
@@ -80,6 +88,12 @@ pub enum Role {
     FfnGateUpExps,
     /// Per-expert bias added to the router's probabilities for selection only (DeepSeek V3).
     FfnExpProbsBias,
+    /// Biases of every routed expert's gate projection, `[n_expert, expert_ffn]`.
+    FfnGateExpsBias,
+    /// Biases of every routed expert's up projection, `[n_expert, expert_ffn]`.
+    FfnUpExpsBias,
+    /// Biases of every routed expert's down projection, `[n_expert, hidden]`.
+    FfnDownExpsBias,
     /// Gate projection of the shared experts.
     FfnGateShexp,
     /// Up projection of the shared experts.
@@ -233,7 +247,7 @@ pub struct ArchSpec {
 }
 
 /// Every architecture the engine runs.
-pub static ARCHS: [&ArchSpec; 7] = [
+pub static ARCHS: [&ArchSpec; 8] = [
     &llama::SPEC,
     &qwen2::SPEC,
     &qwen3::SPEC,
@@ -241,6 +255,7 @@ pub static ARCHS: [&ArchSpec; 7] = [
     &qwen3moe::SPEC,
     &deepseek2::SPEC,
     &glm4moe::SPEC,
+    &gpt_oss::SPEC,
 ];
 
 /// The routed-expert tensors of a mixture-of-experts layer, with llama.cpp's names (optional
@@ -481,6 +496,7 @@ pub(crate) fn common_gguf(
         activation: crate::config::Activation::Silu,
         sliding_window: None,
         sliding_pattern: 0,
+        sliding_rope_scaled: false,
         moe: None,
         mla: None,
         yarn,
@@ -543,9 +559,10 @@ pub(crate) fn moe_gguf(
     let gating = match md.opt_usize_max(&k("expert_gating_func"), DIM_MAX)? {
         None | Some(0) | Some(1) => Gating::Softmax,
         Some(2) => Gating::Sigmoid,
+        Some(3) => Gating::SoftmaxWeight,
         Some(other) => {
             return Err(EngineError::Unsupported {
-                what: format!("expert gating function {other} (supported: 1 softmax, 2 sigmoid)"),
+                what: format!("expert gating function {other} (supported: 1 softmax, 2 sigmoid, 3 softmax over the chosen)"),
             })
         }
     };
@@ -626,6 +643,7 @@ pub(crate) fn common_hf(
         activation: crate::config::Activation::Silu,
         sliding_window: None,
         sliding_pattern: 0,
+        sliding_rope_scaled: false,
         moe: None,
         mla: None,
         yarn: None,

@@ -66,13 +66,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// for `capacity` positions.
     fn kv(&self, layers: usize, layout: KvLayout, capacity: usize) -> Self::Kv;
 
-    /// A layer's routed experts from the ones this rank holds: `(expert id, gate/up pair,
-    /// down)`, of `n_expert` in all.
-    fn experts(
-        &self,
-        held: Vec<(usize, Self::GateUp, Self::Matrix)>,
-        n_expert: usize,
-    ) -> Self::Experts;
+    /// A layer's routed experts from the ones this rank holds, of `n_expert` in all.
+    fn experts(&self, held: Vec<HeldExpert<Self>>, n_expert: usize) -> Self::Experts;
 
     /// Whether this backend can run a model of `cfg` (every architecture on the CPU).
     ///
@@ -219,7 +214,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
     ) -> Result<(), EngineError>;
 
     /// The routed experts' part of a mixture-of-experts feed-forward: row `r` of `out` is
-    /// the sum over its routes `(e, w)` of `w * down_e(act(gate_e x_r) * up_e x_r)`, over
+    /// the sum over its routes `(e, w)` of `w * down_e(act(gate_e x_r) * up_e x_r)` (each
+    /// product plus its [`ExpertBias`] where the expert has one), over
     /// the experts this rank holds (zero where it holds none of a row's).
     ///
     /// # Errors
@@ -263,6 +259,31 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// adds one row. The backend decides where and on how many threads it runs; a rank of
     /// a split model runs its steps in place instead (it waits for peers inside a step).
     fn run_step<R: Send>(&self, decode: bool, f: impl FnOnce() -> R + Send) -> R;
+}
+
+/// One routed expert as a rank holds it.
+pub struct HeldExpert<B: Backend> {
+    /// Its id.
+    pub id: usize,
+    /// Its gate and up projections (the rank's features).
+    pub gate_up: B::GateUp,
+    /// Its down projection (the rank's input columns).
+    pub down: B::Matrix,
+    /// Its biases, where the model has them (gpt-oss).
+    pub bias: Option<ExpertBias>,
+}
+
+/// The biases of one routed expert: added to its gate and up products before the
+/// activation, and to its down product before its routing weight scales it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertBias {
+    /// Gate bias of the rank's features.
+    pub gate: Vec<f32>,
+    /// Up bias of the rank's features.
+    pub up: Vec<f32>,
+    /// Down bias (whole), on the one rank of a feature split that adds it; `None` on the
+    /// others, whose partial sums must not count it again.
+    pub down: Option<Vec<f32>>,
 }
 
 /// How one sequence's KV cache lays out a layer.
@@ -442,7 +463,7 @@ impl YarnRope {
 }
 
 /// The query heads a rank holds in one layer and the KV heads they read.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Heads {
     /// Query heads of this rank.
     pub n_head: usize,
@@ -460,4 +481,7 @@ pub struct Heads {
     pub window: Option<usize>,
     /// Score scale.
     pub scale: f32,
+    /// Per query head of this rank, a logit that joins its softmax without a value
+    /// (gpt-oss's attention sinks): the weights of the real keys then sum to less than one.
+    pub sinks: Option<Arc<[f32]>>,
 }

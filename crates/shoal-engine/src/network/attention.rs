@@ -1,8 +1,9 @@
 //! Multi-head (grouped-query) self-attention over a rank's query heads, written once for
 //! every kind of step: q/k/v products (with biases where the file has them), per-head q/k
-//! norms (Qwen3, Gemma 3), RoPE, the backend's attention over its KV cache, and the output
-//! projection, whose partial sums one all-reduce makes whole when the heads are cut across
-//! ranks.
+//! norms (Qwen3, Gemma 3), RoPE, the backend's attention over its KV cache (with a sink
+//! logit per head where the file has them, gpt-oss), and the output projection (and its bias,
+//! added by the rank holding the first heads only), whose partial sums one all-reduce makes
+//! whole when the heads are cut across ranks.
 
 use std::sync::Arc;
 
@@ -15,6 +16,7 @@ use crate::backend::{Backend, Heads, Rope, YarnRope};
 use crate::config::ModelConfig;
 use crate::profile::{self, Op};
 use crate::shard::LayerShard;
+use crate::weights::Slice;
 use crate::EngineError;
 
 /// One layer's attention on one rank.
@@ -54,18 +56,34 @@ impl<B: Backend> Attention<B> {
         let q = column(Role::AttnQ, Role::AttnQBias, q_out, &shard.heads)?;
         let k = column(Role::AttnK, Role::AttnKBias, kv_out, &shard.kv_heads)?;
         let v = column(Role::AttnV, Role::AttnVBias, kv_out, &shard.kv_heads)?;
-        let o = Linear::cols(
+        let mut o = Linear::cols(
             t,
             &t.layer_required(Role::AttnOut, layer)?,
             [cfg.hidden, q_out],
             rows(&shard.heads),
         )?;
+        // the bias joins the sum once: on the rank holding the first heads
+        if shard.heads.start == 0 && !shard.heads.is_empty() {
+            if let Some(name) = t.layer(Role::AttnOutBias, layer)? {
+                t.check_shape(&name, &[cfg.hidden])?;
+                o.bias = Some(t.be.vector(t.values(&name, &Slice::Full)?));
+            }
+        }
+        let sinks = match t.layer(Role::AttnSinks, layer)? {
+            Some(name) => {
+                t.check_shape(&name, &[cfg.n_head])?;
+                let all = t.values(&name, &Slice::Full)?;
+                Some(all[shard.heads.clone()].into())
+            }
+            None => None,
+        };
         let local = cfg.is_local_layer(layer);
         let rope_dims = cfg.rope_dims.unwrap_or(hd);
-        let (base, scale) = if local {
-            (cfg.rope_theta_local, 1.0)
-        } else {
-            (cfg.rope_theta, cfg.rope_scale)
+        let scaled = !local || cfg.sliding_rope_scaled;
+        let (base, scale) = match (local, scaled) {
+            (false, _) => (cfg.rope_theta, cfg.rope_scale),
+            (true, true) => (cfg.rope_theta_local, cfg.rope_scale),
+            (true, false) => (cfg.rope_theta_local, 1.0),
         };
         Ok(Attention {
             q,
@@ -83,6 +101,7 @@ impl<B: Backend> Attention<B> {
                 head_dim: hd,
                 window: if local { cfg.sliding_window } else { None },
                 scale: cfg.attn_scale as f32,
+                sinks,
             },
             rope: Rope {
                 style: cfg.rope_style,
@@ -90,9 +109,9 @@ impl<B: Backend> Attention<B> {
                 dims: rope_dims,
                 base,
                 scale,
-                freq_factors: if local { None } else { freq_factors.cloned() },
-                yarn: match (local, &cfg.yarn) {
-                    (false, Some(y)) => Some(YarnRope::new(y, rope_dims, base, scale)),
+                freq_factors: if scaled { freq_factors.cloned() } else { None },
+                yarn: match (scaled, &cfg.yarn) {
+                    (true, Some(y)) => Some(YarnRope::new(y, rope_dims, base, scale)),
                     _ => None,
                 },
             },
@@ -156,6 +175,9 @@ impl<B: Backend> Attention<B> {
         }
         let _p = profile::scope(Op::AttnOut);
         be.matmul(&[&*self.o.w], &ws.att, &mut [&mut ws.out])?;
+        if let Some(b) = &self.o.bias {
+            be.add_bias(&mut ws.out, b);
+        }
         if tp.world_size() > 1 {
             be.all_reduce(tp, &mut ws.out)?;
         }

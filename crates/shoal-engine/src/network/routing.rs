@@ -1,5 +1,6 @@
 //! Where a mixture of experts sends each row: the router's logits become probabilities
-//! (a softmax over the experts, or a sigmoid of each), a per-expert bias may shift them for
+//! (a softmax over the experts, or a sigmoid of each; or they stay logits, and the chosen
+//! experts' weights are a softmax over theirs, as gpt-oss routes), a per-expert bias may shift them for
 //! the choice only (DeepSeek V3), group-limited routing may rule out all but the best
 //! groups of experts (each group scored by the sum of its two best), the `k` best experts
 //! are chosen, and their weights are their unbiased probabilities, renormalised to sum to
@@ -76,6 +77,7 @@ impl Routing {
                         *p = 1.0 / (1.0 + (-l).exp());
                     }
                 }
+                Gating::SoftmaxWeight => probs.copy_from_slice(row),
             }
             select.copy_from_slice(&probs);
             if let Some(b) = &self.bias {
@@ -91,6 +93,18 @@ impl Routing {
             // the k best, best first; ties go to the lower id
             order.sort_by(|&a, &b| select[b].total_cmp(&select[a]).then(a.cmp(&b)));
             let chosen = &order[..self.k];
+            if self.gating == Gating::SoftmaxWeight {
+                // the weights are a softmax over the chosen logits (the best is first)
+                let max = probs[chosen[0]];
+                let mut sum = 0f32;
+                for &e in chosen {
+                    probs[e] = (probs[e] - max).exp();
+                    sum += probs[e];
+                }
+                for &e in chosen {
+                    probs[e] /= sum;
+                }
+            }
             let sum: f32 = chosen.iter().map(|&e| probs[e]).sum();
             let div = if self.norm {
                 sum.max(MIN_WEIGHT_SUM)
@@ -188,6 +202,17 @@ mod tests {
         assert_eq!(routes.experts, vec![2]);
         let sig = 1.0 / (1.0 + 2f32.exp());
         assert!((routes.weights[0] - sig).abs() < 1e-6);
+    }
+
+    #[test]
+    fn softmax_weight_chooses_by_logit_and_weighs_the_chosen() {
+        let logits = [0.5, 3.0, -1.0, 2.0];
+        let mut routes = Routes::default();
+        routing(Gating::SoftmaxWeight, 2).route(&logits, 4, &mut routes);
+        assert_eq!(routes.experts, vec![1, 3]);
+        let z = 3f32.exp() + 2f32.exp();
+        assert!((routes.weights[0] - 3f32.exp() / z).abs() < 1e-6);
+        assert!((routes.weights[1] - 2f32.exp() / z).abs() < 1e-6);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The CPU backend's attention over its KV cache layout ([`super::kv`]), on plain slices:
-//! for each query, scores against every visible cached key, a softmax, and the weighted sum
-//! of the values. Decode runs one query per head, the query heads of a KV group together;
+//! for each query, scores against every visible cached key, a softmax (with the head's sink
+//! logit where the model has them), and the weighted sum of the values. Decode runs one query per head, the query heads of a KV group together;
 //! prefill runs `t` queries per head, heads in parallel. Each query head reads the KV head
 //! its group maps to, so a tensor-parallel rank can hold any range of query heads.
 
@@ -10,11 +10,13 @@ use std::sync::Mutex;
 use half::f16;
 use rayon::prelude::*;
 
-use crate::backend::cpu::kernels::{prefetch_l2, scores, softmax, team, weighted_sum};
+use crate::backend::cpu::kernels::{
+    prefetch_l2, scores, softmax, softmax_with_sink, team, weighted_sum,
+};
 
 /// Shapes and options of attention over one rank's heads.
 #[derive(Debug, Clone, Copy)]
-pub struct AttentionShape {
+pub struct AttentionShape<'a> {
     /// Query heads of this rank.
     pub n_head: usize,
     /// Global index of this rank's first query head.
@@ -31,6 +33,8 @@ pub struct AttentionShape {
     pub window: Option<usize>,
     /// Score scale.
     pub scale: f32,
+    /// Per query head of this rank, its sink logit (see [`crate::backend::Heads::sinks`]).
+    pub sinks: Option<&'a [f32]>,
 }
 
 /// Keys per block in decode: 32 keys of 64 (128) values are 8 (16) KB of keys and as much
@@ -49,9 +53,9 @@ thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-impl AttentionShape {
+impl<'a> AttentionShape<'a> {
     /// The shape of `heads` over cache buffers of `capacity` positions.
-    pub fn new(heads: &crate::backend::Heads, capacity: usize) -> Self {
+    pub fn new(heads: &'a crate::backend::Heads, capacity: usize) -> Self {
         AttentionShape {
             n_head: heads.n_head,
             first_head: heads.first_head,
@@ -61,6 +65,15 @@ impl AttentionShape {
             capacity,
             window: heads.window,
             scale: heads.scale,
+            sinks: heads.sinks.as_deref(),
+        }
+    }
+
+    /// The softmax of local head `h`'s scores `sc`, in place.
+    fn softmax(&self, h: usize, sc: &mut [f32]) {
+        match self.sinks {
+            Some(s) => softmax_with_sink(sc, s[h]),
+            None => softmax(sc),
         }
     }
 
@@ -88,7 +101,7 @@ impl AttentionShape {
             let mut buf = s.borrow_mut();
             buf.resize(keys.len(), 0.0);
             scores(qh, &k[span.clone()], self.scale, &mut buf[..]);
-            softmax(&mut buf[..]);
+            self.softmax(h, &mut buf[..]);
             out.fill(0.0);
             weighted_sum(&buf[..], &v[span], out);
         });
@@ -243,8 +256,8 @@ impl AttentionShape {
                     scores(qh, &ks[b * hd..e * hd], self.scale, sc);
                 }
             }
-            for sc in buf.chunks_exact_mut(n) {
-                softmax(sc);
+            for (sc, h) in buf.chunks_exact_mut(n).zip(h0..h1) {
+                self.softmax(h, sc);
             }
             out.fill(0.0);
             for b in (0..n).step_by(KEY_BLOCK) {
@@ -336,7 +349,7 @@ mod tests {
 
     /// Heads 2..5 of a model with 3 query heads per KV head: local heads read KV heads 0,
     /// 1, 1 of the rank's two.
-    fn shape(window: Option<usize>) -> AttentionShape {
+    fn shape(window: Option<usize>) -> AttentionShape<'static> {
         AttentionShape {
             n_head: 3,
             first_head: 2,
@@ -346,6 +359,7 @@ mod tests {
             capacity: 17,
             window,
             scale: 0.3,
+            sinks: None,
         }
     }
 
@@ -373,7 +387,7 @@ mod tests {
 
     /// 7 local heads from global head 1, 2 per KV head (groups of 1, 2, 2, 2), a cache of 9
     /// positions.
-    fn ragged_shard(window: Option<usize>) -> AttentionShape {
+    fn ragged_shard(window: Option<usize>) -> AttentionShape<'static> {
         AttentionShape {
             n_head: 7,
             first_head: 1,
@@ -383,6 +397,7 @@ mod tests {
             capacity: 9,
             window,
             scale: 0.5,
+            sinks: None,
         }
     }
 
@@ -465,6 +480,7 @@ mod tests {
                 capacity: cap,
                 window: None,
                 scale: 0.2,
+                sinks: None,
             };
             let q: Vec<f32> = (0..6 * hd).map(|i| val(i, 10)).collect();
             let k: Vec<f16> = (0..2 * cap * hd)

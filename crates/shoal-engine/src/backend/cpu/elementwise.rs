@@ -121,6 +121,7 @@ mod tests {
             let want: Vec<f32> = match act {
                 Activation::Silu => candle_nn::ops::silu(&gt).unwrap(),
                 Activation::GeluTanh => gt.gelu().unwrap(),
+                Activation::SwigluOai => unreachable!("checked on its own below"),
             }
             .mul(&ut)
             .unwrap()
@@ -134,6 +135,23 @@ mod tests {
                 .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
                 .fold(0f32, f32::max);
             assert!(worst < 2e-6, "{act:?}: relative difference {worst}");
+        }
+    }
+
+    /// gpt-oss's clamped SwiGLU against its formula in f64, across both clamps.
+    #[test]
+    fn swiglu_oai_clamps_gate_above_and_up_on_both_sides() {
+        let g: Vec<f32> = (0..400).map(|i| (i as f32 - 200.0) * 0.06).collect();
+        let u: Vec<f32> = (0..400).map(|i| (i as f32 - 150.0) * -0.05).collect();
+        let mut got = vec![0f32; g.len()];
+        gated(Activation::SwigluOai, &g, &u, &mut got);
+        for ((&g, &u), &got) in g.iter().zip(&u).zip(&got) {
+            let c = f64::from(g).min(7.0);
+            let want = c / (1.0 + (-1.702 * c).exp()) * (f64::from(u).clamp(-7.0, 7.0) + 1.0);
+            assert!(
+                (f64::from(got) - want).abs() <= 2e-6 * want.abs().max(1.0),
+                "g {g} u {u}: {got} against {want}"
+            );
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The routed experts of a mixture-of-experts layer on the CPU: each held expert a gate/up
-//! pair and a down matrix ([`super::matrix`]), and the product of a step's rows through
+//! pair and a down matrix ([`super::matrix`]) with their biases where the model has them,
+//! and the product of a step's rows through
 //! their routes. Rows are grouped by expert, so each expert's weights are read once per
 //! step whatever the number of rows routed to it (one row for a decode step, many for a
 //! prefill chunk or a batched decode step); each group's rows are gathered, run through
@@ -9,9 +10,9 @@
 
 use std::cell::RefCell;
 
-use super::matrix::{CpuGateUp, CpuMatrix};
-use super::{elementwise, sized};
-use crate::backend::Routes;
+use super::matrix::{add_row_bias, CpuGateUp, CpuMatrix};
+use super::{elementwise, sized, Cpu};
+use crate::backend::{ExpertBias, HeldExpert, Routes};
 use crate::config::Activation;
 use crate::profile::{self, Op};
 use crate::EngineError;
@@ -19,8 +20,16 @@ use crate::EngineError;
 /// The routed experts of one layer that a rank holds.
 #[derive(Debug)]
 pub struct CpuExperts {
-    /// Per expert id: its gate/up pair and down projection, where this rank holds it.
-    held: Vec<Option<(CpuGateUp, CpuMatrix)>>,
+    /// Per expert id: its gate/up pair, down projection and biases, where this rank holds it.
+    held: Vec<Option<Expert>>,
+}
+
+/// One held expert.
+#[derive(Debug)]
+struct Expert {
+    gate_up: CpuGateUp,
+    down: CpuMatrix,
+    bias: Option<ExpertBias>,
 }
 
 /// An expert's work in a step: its id and the `(row, weight)` of every row routed to it.
@@ -33,12 +42,16 @@ thread_local! {
 }
 
 impl CpuExperts {
-    /// The experts `held` (`(id, gate/up, down)`) of `n_expert` in all.
-    pub fn new(held: Vec<(usize, CpuGateUp, CpuMatrix)>, n_expert: usize) -> Self {
-        let mut slots: Vec<Option<(CpuGateUp, CpuMatrix)>> = (0..n_expert).map(|_| None).collect();
-        for (e, gu, down) in held {
-            if let Some(slot) = slots.get_mut(e) {
-                *slot = Some((gu, down));
+    /// The experts `held` of `n_expert` in all.
+    pub fn new(held: Vec<HeldExpert<Cpu>>, n_expert: usize) -> Self {
+        let mut slots: Vec<Option<Expert>> = (0..n_expert).map(|_| None).collect();
+        for x in held {
+            if let Some(slot) = slots.get_mut(x.id) {
+                *slot = Some(Expert {
+                    gate_up: x.gate_up,
+                    down: x.down,
+                    bias: x.bias,
+                });
             }
         }
         CpuExperts { held: slots }
@@ -95,7 +108,7 @@ impl CpuExperts {
             let (mut xs, mut h, mut y) = std::mem::take(&mut *b.borrow_mut());
             let result = (|| {
                 for (e, members) in &groups {
-                    let Some((gate_up, down)) = &self.held[*e] else {
+                    let Some(expert) = &self.held[*e] else {
                         continue;
                     };
                     let input: &[f32] = if rows == 1 {
@@ -108,10 +121,19 @@ impl CpuExperts {
                         }
                         &xs
                     };
-                    gate_up.gated(act, input, &mut h)?;
+                    let bias = expert.bias.as_ref();
+                    expert.gate_up.gated_biased(
+                        act,
+                        input,
+                        bias.map(|b| (&b.gate[..], &b.up[..])),
+                        &mut h,
+                    )?;
                     {
                         let _p = profile::scope(Op::Down);
-                        CpuMatrix::products(&[down], &h, &mut [&mut y])?;
+                        CpuMatrix::products(&[&expert.down], &h, &mut [&mut y])?;
+                        if let Some(down) = bias.and_then(|b| b.down.as_deref()) {
+                            add_row_bias(&mut y, down)?;
+                        }
                     }
                     let _p = profile::scope(Op::Experts);
                     for (j, &(r, w)) in members.iter().enumerate() {

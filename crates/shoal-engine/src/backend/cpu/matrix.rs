@@ -213,10 +213,25 @@ impl CpuGateUp {
     /// # Errors
     /// When `x` is not a whole number of rows.
     pub fn gated(&self, act: Activation, x: &[f32], out: &mut Vec<f32>) -> Result<(), EngineError> {
+        self.gated_biased(act, x, None, out)
+    }
+
+    /// `act(x G^T + b_g) * (x U^T + b_u)` into `out`, with `bias = (b_g, b_u)` one value per
+    /// feature where given (gpt-oss's experts).
+    ///
+    /// # Errors
+    /// When `x` is not a whole number of rows, or a bias is not one value per feature.
+    pub fn gated_biased(
+        &self,
+        act: Activation,
+        x: &[f32],
+        bias: Option<(&[f32], &[f32])>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), EngineError> {
         match self {
             CpuGateUp::Paired(pair) => {
                 let _p = profile::scope(Op::GateUp);
-                pair.gated_products_into(x, act, out)
+                pair.gated_products_into(x, act, bias, out)
                     .map_err(|e| EngineError::Internal {
                         what: e.to_string(),
                     })
@@ -229,6 +244,12 @@ impl CpuGateUp {
                     let _p = profile::scope(Op::GateUp);
                     CpuMatrix::products(&[gate, up], x, &mut [&mut g, &mut u])
                 };
+                let products = products.and_then(|()| match bias {
+                    Some((bg, bu)) => {
+                        add_row_bias(&mut g, bg).and_then(|()| add_row_bias(&mut u, bu))
+                    }
+                    None => Ok(()),
+                });
                 if products.is_ok() {
                     let _p = profile::scope(Op::Activation);
                     out.resize(g.len(), 0.0);
@@ -239,6 +260,22 @@ impl CpuGateUp {
             }
         }
     }
+}
+
+/// Adds `bias` to every row of `y` (rows as long as `bias`).
+///
+/// # Errors
+/// When `y` is not a whole number of such rows.
+pub(crate) fn add_row_bias(y: &mut [f32], bias: &[f32]) -> Result<(), EngineError> {
+    if bias.is_empty() || !y.len().is_multiple_of(bias.len()) {
+        return Err(EngineError::Internal {
+            what: format!("a bias of {} values on {} products", bias.len(), y.len()),
+        });
+    }
+    for row in y.chunks_exact_mut(bias.len()) {
+        elementwise::add(row, bias);
+    }
+    Ok(())
 }
 
 thread_local! {

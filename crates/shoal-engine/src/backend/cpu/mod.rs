@@ -28,7 +28,7 @@ use self::kernels::team;
 use self::kv::CpuKv;
 use self::matrix::{CpuGateUp, CpuMatrix};
 use self::rope::RopeTables;
-use super::{Backend, Heads, KvLayout, LatentLayer, Rope, Routes, StepRows};
+use super::{Backend, Heads, HeldExpert, KvLayout, LatentLayer, Rope, Routes, StepRows};
 use crate::config::Activation;
 use crate::weights::{Slice, WeightSource};
 use crate::EngineError;
@@ -86,7 +86,7 @@ impl Backend for Cpu {
         CpuKv::new(layers, layout, capacity)
     }
 
-    fn experts(&self, held: Vec<(usize, CpuGateUp, CpuMatrix)>, n_expert: usize) -> CpuExperts {
+    fn experts(&self, held: Vec<HeldExpert<Cpu>>, n_expert: usize) -> CpuExperts {
         CpuExperts::new(held, n_expert)
     }
 

@@ -25,7 +25,7 @@ use shoal_comm::Communicator;
 use self::context::{Bind, GpuContext};
 use self::matrix::GpuMatrix;
 use super::cpu::rope::{fill as rope_fill, key as rope_key, Key as RopeKey};
-use super::{Backend, Heads, KvLayout, LatentLayer, Rope, Routes, StepRows};
+use super::{Backend, Heads, HeldExpert, KvLayout, LatentLayer, Rope, Routes, StepRows};
 use crate::config::{Activation, RopeStyle};
 use crate::weights::{Slice, WeightSource};
 use crate::EngineError;
@@ -181,6 +181,7 @@ impl Gpu {
         let code = match act {
             Activation::Silu => 0,
             Activation::GeluTanh => 1,
+            Activation::SwigluOai => 2,
         };
         self.ctx.dispatch(
             &pipe,
@@ -259,6 +260,13 @@ impl Backend for Gpu {
     }
 
     fn supports(&self, cfg: &crate::ModelConfig) -> Result<(), EngineError> {
+        if cfg.arch == crate::config::Arch::GptOss {
+            return Err(EngineError::Unsupported {
+                what: "gpt-oss on the GPU: its attention sinks and expert biases have no GPU \
+                       kernels yet; use --device cpu"
+                    .into(),
+            });
+        }
         if let Some(m) = &cfg.mla {
             let dims = m.kv_lora_rank + m.rope_dims;
             if dims > latent::MAX_DIMS || !dims.is_multiple_of(2) {
@@ -322,11 +330,12 @@ impl Backend for Gpu {
         }
     }
 
-    fn experts(&self, held: Vec<(usize, GpuGateUp, GpuMatrix)>, n_expert: usize) -> GpuExperts {
+    fn experts(&self, held: Vec<HeldExpert<Gpu>>, n_expert: usize) -> GpuExperts {
+        // experts with biases are refused by `supports` before any is loaded
         let mut slots: Vec<Option<(GpuGateUp, GpuMatrix)>> = (0..n_expert).map(|_| None).collect();
-        for (e, gu, down) in held {
-            if let Some(slot) = slots.get_mut(e) {
-                *slot = Some((gu, down));
+        for x in held {
+            if let Some(slot) = slots.get_mut(x.id) {
+                *slot = Some((x.gate_up, x.down));
             }
         }
         GpuExperts { held: slots }
@@ -548,6 +557,11 @@ impl Backend for Gpu {
         rows: &StepRows,
         out: &mut GpuAct,
     ) -> Result<(), EngineError> {
+        if heads.sinks.is_some() {
+            return Err(EngineError::Unsupported {
+                what: "attention sinks on the GPU; use --device cpu".into(),
+            });
+        }
         let width = heads.n_head * heads.head_dim;
         let kv_width = heads.n_kv_head * heads.head_dim;
         let n = rows.len();

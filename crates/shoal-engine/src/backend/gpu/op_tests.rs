@@ -19,7 +19,7 @@ use rand::{Rng, SeedableRng};
 
 use super::Gpu;
 use crate::backend::cpu::Cpu;
-use crate::backend::{Backend, Heads, KvLayout, Rope, Routes, StepRows, YarnRope};
+use crate::backend::{Backend, Heads, HeldExpert, KvLayout, Rope, Routes, StepRows, YarnRope};
 use crate::config::{Activation, RopeStyle};
 use crate::weights::{Slice, WeightSource};
 use crate::EngineError;
@@ -169,7 +169,11 @@ fn products_embeddings_and_gated_activations_match_the_cpu() {
                 rel_diff(&host(&g, &g2), &c2) < 1e-4,
                 "matmul {rows}x{cols} t{t}"
             );
-            for act in [Activation::Silu, Activation::GeluTanh] {
+            for act in [
+                Activation::Silu,
+                Activation::GeluTanh,
+                Activation::SwigluOai,
+            ] {
                 let gp = g.gate_up(
                     g.matrix(&src, "gate", &Slice::Full).unwrap(),
                     g.matrix(&src, "up", &Slice::Full).unwrap(),
@@ -283,6 +287,7 @@ fn attention_matches_the_cpu() {
             head_dim: hd,
             window,
             scale: 1.0 / (hd as f32).sqrt(),
+            sinks: None,
         };
         let layout = KvLayout::Heads {
             kv_heads: n_kv,
@@ -360,11 +365,12 @@ fn experts_match_the_cpu() {
         held.iter()
             .map(|&e| {
                 let m = |n: String| g.matrix(&src, &n, &Slice::Full).unwrap();
-                (
-                    e,
-                    g.gate_up(m(format!("g{e}")), m(format!("u{e}"))),
-                    m(format!("d{e}")),
-                )
+                HeldExpert {
+                    id: e,
+                    gate_up: g.gate_up(m(format!("g{e}")), m(format!("u{e}"))),
+                    down: m(format!("d{e}")),
+                    bias: None,
+                }
             })
             .collect(),
         n_expert,
@@ -373,11 +379,12 @@ fn experts_match_the_cpu() {
         held.iter()
             .map(|&e| {
                 let m = |n: String| Cpu.matrix(&src, &n, &Slice::Full).unwrap();
-                (
-                    e,
-                    Cpu.gate_up(m(format!("g{e}")), m(format!("u{e}"))),
-                    m(format!("d{e}")),
-                )
+                HeldExpert {
+                    id: e,
+                    gate_up: Cpu.gate_up(m(format!("g{e}")), m(format!("u{e}"))),
+                    down: m(format!("d{e}")),
+                    bias: None,
+                }
             })
             .collect(),
         n_expert,
@@ -396,7 +403,11 @@ fn experts_match_the_cpu() {
         }
         let x = random(rows * d, &mut rng);
         let (mut go, mut co) = (super::GpuAct::default(), Vec::new());
-        for act in [Activation::Silu, Activation::GeluTanh] {
+        for act in [
+            Activation::Silu,
+            Activation::GeluTanh,
+            Activation::SwigluOai,
+        ] {
             g.moe(&ge, act, &g.upload(x.clone()), &routes, &mut go)
                 .unwrap();
             Cpu.moe(&ce, act, &x, &routes, &mut co).unwrap();

@@ -69,22 +69,23 @@ impl GatePair {
     /// When `x` is not a whole number of rows.
     pub fn gated_products(&self, x: &[f32], act: Activation) -> Result<Vec<f32>, KernelError> {
         let mut h = Vec::new();
-        self.gated_products_into(x, act, &mut h)?;
+        self.gated_products_into(x, act, None, &mut h)?;
         Ok(h)
     }
 
-    /// `act(x G^T) * (x U^T)` into `h`: `x` holds `t` rows of [`GatePair::cols`] values,
-    /// `h` becomes `t` rows of [`GatePair::features`] values (its capacity is kept from
-    /// call to call). The activation runs inside the product's parallel loop, each job over
-    /// the features it has just computed; the pair's own output goes to a scratch buffer of
-    /// the calling thread.
+    /// `act(x G^T + b_g) * (x U^T + b_u)` into `h`, the biases `bias = (b_g, b_u)` where
+    /// given: `x` holds `t` rows of [`GatePair::cols`] values, `h` becomes `t` rows of
+    /// [`GatePair::features`] values (its capacity is kept from call to call). The biases and
+    /// the activation run inside the product's parallel loop, each job over the features it
+    /// has just computed; the pair's own output goes to a scratch buffer of the calling thread.
     ///
     /// # Errors
-    /// When `x` is not a whole number of rows.
+    /// When `x` is not a whole number of rows, or a bias is not one value per feature.
     pub fn gated_products_into(
         &self,
         x: &[f32],
         act: Activation,
+        bias: Option<(&[f32], &[f32])>,
         h: &mut Vec<f32>,
     ) -> Result<(), KernelError> {
         let (n, cols) = (self.m.rows, self.m.cols);
@@ -94,6 +95,20 @@ impl GatePair {
                 cols,
                 problem: format!("{} inputs to a gate/up pair", x.len()),
             });
+        }
+        if let Some((g, u)) = bias {
+            if g.len() != n / 2 || u.len() != n / 2 {
+                return Err(KernelError::Shape {
+                    rows: n,
+                    cols,
+                    problem: format!(
+                        "biases of {} and {} values for {} features",
+                        g.len(),
+                        u.len(),
+                        n / 2
+                    ),
+                });
+            }
         }
         let t = x.len() / cols;
         let half = n / 2;
@@ -128,7 +143,7 @@ impl GatePair {
                         // other job's tiles map to them.
                         let (ys, hs) = unsafe {
                             (
-                                std::slice::from_raw_parts(
+                                std::slice::from_raw_parts_mut(
                                     yp.get().add(tok * n + rows.start),
                                     rows.len(),
                                 ),
@@ -138,6 +153,9 @@ impl GatePair {
                                 ),
                             )
                         };
+                        if let Some(b) = bias {
+                            add_pair_bias(ys, rows.start / 2, b);
+                        }
                         gated_pairs(act, ys, hs);
                     }
                 };
@@ -155,10 +173,28 @@ impl GatePair {
             h.resize(t * half, 0.0);
             let mut y = vec![0f32; t * n];
             self.m.matmul(x, &mut y)?;
-            for (ys, hs) in y.chunks_exact(n).zip(h.chunks_exact_mut(half)) {
+            for (ys, hs) in y.chunks_exact_mut(n).zip(h.chunks_exact_mut(half)) {
+                if let Some(b) = bias {
+                    add_pair_bias(ys, 0, b);
+                }
                 super::gated_pairs(act, ys, hs);
             }
             Ok(())
+        }
+    }
+}
+
+/// Adds the gate and up biases `(g, u)` to a pair's products `ys` (whole tile pairs: eight
+/// gate values, then the same eight features' up values), whose first feature is `first`.
+fn add_pair_bias(ys: &mut [f32], first: usize, (g, u): (&[f32], &[f32])) {
+    for (j, pair) in ys.chunks_exact_mut(2 * TILE_ROWS).enumerate() {
+        let f = first + j * TILE_ROWS;
+        let (gs, us) = pair.split_at_mut(TILE_ROWS);
+        for (v, b) in gs.iter_mut().zip(&g[f..f + TILE_ROWS]) {
+            *v += b;
+        }
+        for (v, b) in us.iter_mut().zip(&u[f..f + TILE_ROWS]) {
+            *v += b;
         }
     }
 }

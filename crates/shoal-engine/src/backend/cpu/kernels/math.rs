@@ -63,7 +63,23 @@ pub fn gated(act: Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
                 *o = gelu_tanh(g) * u;
             }
         }
+        Activation::SwigluOai => {
+            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                *o = swiglu_oai(g, u);
+            }
+        }
     }
+}
+
+/// gpt-oss's clamped SwiGLU of one gate and up value (ggml's `swiglu_oai` with the alpha
+/// and limit llama.cpp's graph gives it).
+#[inline(always)]
+fn swiglu_oai(g: f32, u: f32) -> f32 {
+    const ALPHA: f32 = 1.702;
+    const LIMIT: f32 = 7.0;
+    let g = g.min(LIMIT);
+    let u = u.clamp(-LIMIT, LIMIT);
+    g / (1.0 + exp(-ALPHA * g)) * (u + 1.0)
 }
 
 /// Softmax in place: `x[i] = e^(x[i] - max) / sum`.

@@ -404,6 +404,21 @@ pub fn softmax(x: &mut [f32]) {
     math::softmax(x)
 }
 
+/// Softmax in place with a sink: `sink` joins the softmax as one more logit whose weight
+/// is dropped, so the weights of `x` sum to less than one (gpt-oss's attention sinks).
+pub fn softmax_with_sink(x: &mut [f32], sink: f32) {
+    let max = x.iter().fold(sink, |a, &b| a.max(b));
+    let mut sum = math::exp(sink - max);
+    for v in x.iter_mut() {
+        *v = math::exp(*v - max);
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
 /// Sampling weights ([`math::softmax_weights`]): `out[i] = e^((logits[i] - max) *
 /// inv_temp)`, 0 for non-finite logits; returns their sum. 8-wide where the CPU has AVX2.
 ///

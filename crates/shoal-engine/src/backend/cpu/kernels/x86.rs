@@ -551,7 +551,8 @@ unsafe fn gated8(act: crate::config::Activation, g: __m256, u: __m256) -> __m256
     use crate::config::Activation;
     let one = _mm256_set1_ps(1.0);
     let z = match act {
-        Activation::Silu => g,
+        // handled by the callers (`gated`, `gated_pairs`) before they come here
+        Activation::Silu | Activation::SwigluOai => g,
         Activation::GeluTanh => {
             let x2 = _mm256_mul_ps(g, g);
             let inner = _mm256_fmadd_ps(_mm256_set1_ps(0.044_715), x2, one);
@@ -568,6 +569,10 @@ unsafe fn gated8(act: crate::config::Activation, g: __m256, u: __m256) -> __m256
 /// The CPU has AVX2 and FMA; the slices are equally long.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn gated(act: crate::config::Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    if act == crate::config::Activation::SwigluOai {
+        // its clamps have no 8-wide form here; the portable loop vectorizes on its own
+        return super::math::gated(act, gate, up, out);
+    }
     let n = out.len() / 8 * 8;
     let mut i = 0;
     while i < n {
@@ -586,6 +591,12 @@ pub unsafe fn gated(act: crate::config::Activation, gate: &[f32], up: &[f32], ou
 /// The CPU has AVX2 and FMA; `pairs.len() == 2 * out.len()`, a multiple of 16.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn gated_pairs(act: crate::config::Activation, pairs: &[f32], out: &mut [f32]) {
+    if act == crate::config::Activation::SwigluOai {
+        for (p, o) in pairs.chunks_exact(16).zip(out.chunks_exact_mut(8)) {
+            super::math::gated(act, &p[..8], &p[8..], o);
+        }
+        return;
+    }
     for (p, o) in out.chunks_exact_mut(8).enumerate() {
         let g = _mm256_loadu_ps(pairs.as_ptr().add(16 * p));
         let u = _mm256_loadu_ps(pairs.as_ptr().add(16 * p + 8));
