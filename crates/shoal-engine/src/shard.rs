@@ -191,8 +191,8 @@ pub fn stored_bytes(
 /// split set's parts in order) that a rank holding `plan` reads: every file's header, every
 /// tensor outside the blocks, every tensor of its stage's
 /// blocks, except that of a tensor holding every routed expert only its experts' parts are
-/// read (their rows of each expert's gate and up projections, each expert's down
-/// projection whole). What a node that lacks the file fetches for the rank.
+/// read (their rows of each expert's gate and up projections and their values of those
+/// projections' biases, each expert's down projection and its bias whole). What a node that lacks the file fetches for the rank.
 pub fn file_ranges(
     cfg: &ModelConfig,
     file: &shoal_model::gguf::GgufFile,
@@ -225,10 +225,17 @@ pub fn file_ranges(
         let row_bytes = t.row_bytes();
         for e in plan.shard.experts.clone() {
             let at = start + e as u64 * per_expert;
+            if let Role::FfnGateExpsBias | Role::FfnUpExpsBias = entry.role {
+                // one value per feature: the rank's features of the expert's row
+                let features = cfg.moe.as_ref().map_or(1, |m| m.expert_ffn as u64);
+                let value = per_expert / features.max(1);
+                out.push(at + ffn.start as u64 * value..at + ffn.end as u64 * value);
+                continue;
+            }
             // an expert's rows: its gate (or up) features, or both halves when fused
             let halves: &[u64] = match entry.role {
-                crate::arch::Role::FfnGateUpExps => &[0, 1],
-                crate::arch::Role::FfnDownExps => &[],
+                Role::FfnGateUpExps => &[0, 1],
+                Role::FfnDownExps | Role::FfnDownExpsBias => &[],
                 _ => &[0],
             };
             if halves.is_empty() {

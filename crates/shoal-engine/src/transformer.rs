@@ -166,12 +166,36 @@ impl Transformer {
         plan: ShardPlan,
         tp: Arc<dyn Communicator>,
     ) -> Result<Self, EngineError> {
-        use crate::device::GpuLayers;
         let place = place.into();
         let n = match place.device.resolve() {
             crate::device::Resolved::Cpu => return Self::load_on(Cpu, src, cfg, plan, tp),
             crate::device::Resolved::Gpu(n) => n,
         };
+        if place.device != crate::device::Device::Auto {
+            return Self::load_on_gpu(n, &place, src, cfg, plan, tp);
+        }
+        // `auto` asked for whatever runs the model best: a model the GPU backend cannot run
+        // (an architecture or weight type without GPU kernels) runs on the CPU instead
+        match Self::load_on_gpu(n, &place, src, cfg.clone(), plan.clone(), tp.clone()) {
+            Err(EngineError::Unsupported { what }) => {
+                tracing::warn!("GPU {n} cannot run this model ({what}): computing on the CPU");
+                Self::load_on(Cpu, src, cfg, plan, tp)
+            }
+            other => other,
+        }
+    }
+
+    /// [`Transformer::load_shard_on`] on GPU `n` (and the CPU, for the layers `place` leaves
+    /// there).
+    fn load_on_gpu(
+        n: usize,
+        place: &crate::device::Placement,
+        src: &dyn WeightSource,
+        cfg: ModelConfig,
+        plan: ShardPlan,
+        tp: Arc<dyn Communicator>,
+    ) -> Result<Self, EngineError> {
+        use crate::device::GpuLayers;
         let gpu = crate::backend::gpu::Gpu::open(n)?;
         let layers = plan.layers.len();
         let on_gpu = match place.gpu_layers {

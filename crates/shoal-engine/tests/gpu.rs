@@ -428,3 +428,33 @@ fn auto_never_takes_a_software_adapter() {
         "{e}"
     );
 }
+
+/// gpt-oss (attention sinks, expert biases) has no GPU kernels yet: asked for the GPU, the
+/// load is refused with what is missing and what to do instead.
+#[test]
+fn gpt_oss_on_the_gpu_is_refused_saying_what_to_do() {
+    if !have_gpu("gpt_oss_on_the_gpu_is_refused_saying_what_to_do") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(
+        &TinyModelSpec::gpt_oss(1).build().unwrap(),
+        dir.path(),
+        GgmlType::F32,
+    );
+    let file = GgufFile::open(&path).unwrap();
+    let vocab = file.tensor("token_embd.weight").unwrap().shape()[0];
+    let cfg = arch::config_from_gguf(file.metadata(), vocab, "gpu test").unwrap();
+    let e = Transformer::load_on_device(
+        Device::Gpu(None),
+        &GgufWeights::new(file),
+        cfg,
+        Arc::new(shoal_comm::Solo),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("gpt-oss") && e.contains("sinks") && e.contains("--device cpu"),
+        "{e}"
+    );
+}

@@ -31,9 +31,9 @@
 //! chooses, each chosen expert's SwiGLU FFN (`down_e(silu(gate_e(x)) * up_e(x))`) times its
 //! weight, summed, plus DeepSeek's shared experts (one SwiGLU FFN, unweighted); DeepSeek's
 //! first `leading_dense` layers keep a dense FFN. Qwen3 MoE keeps Qwen3's attention and
-//! Mixtral Llama's. gpt-oss's router has a bias, and each expert is `down(swiglu_oai(gate(x)
-//! + b_g, up(x) + b_u)) + b_d` with `swiglu_oai(g, u) = min(g, 7) sigmoid(1.702 min(g, 7))
-//! (clamp(u, -7, 7) + 1)` (llama.cpp's constants).
+//! Mixtral Llama's. gpt-oss's router has a bias, and each expert is
+//! `down(swiglu_oai(gate(x) + b_g, up(x) + b_u)) + b_d` with `swiglu_oai(g, u) = min(g, 7)
+//! sigmoid(1.702 min(g, 7)) (clamp(u, -7, 7) + 1)` (llama.cpp's constants).
 //!
 //! DeepSeek's multi-head latent attention follows llama.cpp's `deepseek2` graph: the query is
 //! `attn_q` of the normed input, or `attn_q_b(rmsnorm(attn_q_a(x)))` with a query rank; each

@@ -151,12 +151,18 @@ impl Role {
         )
     }
 
-    /// Whether the tensor holds every routed expert (a decode step reads only the chosen
-    /// experts' part of it).
+    /// Whether the tensor holds every routed expert, their matrices or their biases (a
+    /// decode step reads only the chosen experts' part of it).
     pub fn is_routed_expert(self) -> bool {
         matches!(
             self,
-            Role::FfnGateExps | Role::FfnUpExps | Role::FfnDownExps | Role::FfnGateUpExps
+            Role::FfnGateExps
+                | Role::FfnUpExps
+                | Role::FfnDownExps
+                | Role::FfnGateUpExps
+                | Role::FfnGateExpsBias
+                | Role::FfnUpExpsBias
+                | Role::FfnDownExpsBias
         )
     }
 }

@@ -1,9 +1,9 @@
 //! Multi-head (grouped-query) self-attention over a rank's query heads, written once for
 //! every kind of step: q/k/v products (with biases where the file has them), per-head q/k
 //! norms (Qwen3, Gemma 3), RoPE, the backend's attention over its KV cache (with a sink
-//! logit per head where the file has them, gpt-oss), and the output projection (and its bias,
-//! added by the rank holding the first heads only), whose partial sums one all-reduce makes
-//! whole when the heads are cut across ranks.
+//! logit per head where the file has them, gpt-oss), and the output projection, whose partial
+//! sums one all-reduce makes whole when the heads are cut across ranks (its bias is added
+//! after that sum, by every rank).
 
 use std::sync::Arc;
 
@@ -62,12 +62,9 @@ impl<B: Backend> Attention<B> {
             [cfg.hidden, q_out],
             rows(&shard.heads),
         )?;
-        // the bias joins the sum once: on the rank holding the first heads
-        if shard.heads.start == 0 && !shard.heads.is_empty() {
-            if let Some(name) = t.layer(Role::AttnOutBias, layer)? {
-                t.check_shape(&name, &[cfg.hidden])?;
-                o.bias = Some(t.be.vector(t.values(&name, &Slice::Full)?));
-            }
+        if let Some(name) = t.layer(Role::AttnOutBias, layer)? {
+            t.check_shape(&name, &[cfg.hidden])?;
+            o.bias = Some(t.be.vector(t.values(&name, &Slice::Full)?));
         }
         let sinks = match t.layer(Role::AttnSinks, layer)? {
             Some(name) => {
@@ -175,11 +172,12 @@ impl<B: Backend> Attention<B> {
         }
         let _p = profile::scope(Op::AttnOut);
         be.matmul(&[&*self.o.w], &ws.att, &mut [&mut ws.out])?;
-        if let Some(b) = &self.o.bias {
-            be.add_bias(&mut ws.out, b);
-        }
         if tp.world_size() > 1 {
             be.all_reduce(tp, &mut ws.out)?;
+        }
+        // after the sum, on every rank: the same values in the same order as on one rank
+        if let Some(b) = &self.o.bias {
+            be.add_bias(&mut ws.out, b);
         }
         Ok(())
     }

@@ -143,7 +143,7 @@ impl GatePair {
                         // other job's tiles map to them.
                         let (ys, hs) = unsafe {
                             (
-                                std::slice::from_raw_parts_mut(
+                                std::slice::from_raw_parts(
                                     yp.get().add(tok * n + rows.start),
                                     rows.len(),
                                 ),
@@ -153,10 +153,10 @@ impl GatePair {
                                 ),
                             )
                         };
-                        if let Some(b) = bias {
-                            add_pair_bias(ys, rows.start / 2, b);
+                        match bias {
+                            Some(b) => biased_gated_pairs(act, ys, rows.start / 2, b, hs),
+                            None => gated_pairs(act, ys, hs),
                         }
-                        gated_pairs(act, ys, hs);
                     }
                 };
                 QuantMatrix::shared_tiled(&[&self.m], x, t, &[yp], Some(&after));
@@ -173,28 +173,38 @@ impl GatePair {
             h.resize(t * half, 0.0);
             let mut y = vec![0f32; t * n];
             self.m.matmul(x, &mut y)?;
-            for (ys, hs) in y.chunks_exact_mut(n).zip(h.chunks_exact_mut(half)) {
-                if let Some(b) = bias {
-                    add_pair_bias(ys, 0, b);
+            for (ys, hs) in y.chunks_exact(n).zip(h.chunks_exact_mut(half)) {
+                match bias {
+                    Some(b) => biased_gated_pairs(act, ys, 0, b, hs),
+                    None => super::gated_pairs(act, ys, hs),
                 }
-                super::gated_pairs(act, ys, hs);
             }
             Ok(())
         }
     }
 }
 
-/// Adds the gate and up biases `(g, u)` to a pair's products `ys` (whole tile pairs: eight
-/// gate values, then the same eight features' up values), whose first feature is `first`.
-fn add_pair_bias(ys: &mut [f32], first: usize, (g, u): (&[f32], &[f32])) {
-    for (j, pair) in ys.chunks_exact_mut(2 * TILE_ROWS).enumerate() {
+/// [`super::gated_pairs`] of a pair's products `ys` (whole tile pairs: eight gate values,
+/// then the same eight features' up values) with the gate and up biases `(g, u)` added
+/// first, into `hs`; the pair's first feature is `first`. `ys` is left as it is.
+fn biased_gated_pairs(
+    act: Activation,
+    ys: &[f32],
+    first: usize,
+    (g, u): (&[f32], &[f32]),
+    hs: &mut [f32],
+) {
+    let mut pair = [0f32; 2 * TILE_ROWS];
+    for (j, (p, h)) in ys
+        .chunks_exact(2 * TILE_ROWS)
+        .zip(hs.chunks_exact_mut(TILE_ROWS))
+        .enumerate()
+    {
         let f = first + j * TILE_ROWS;
-        let (gs, us) = pair.split_at_mut(TILE_ROWS);
-        for (v, b) in gs.iter_mut().zip(&g[f..f + TILE_ROWS]) {
-            *v += b;
+        for i in 0..TILE_ROWS {
+            pair[i] = p[i] + g[f + i];
+            pair[TILE_ROWS + i] = p[TILE_ROWS + i] + u[f + i];
         }
-        for (v, b) in us.iter_mut().zip(&u[f..f + TILE_ROWS]) {
-            *v += b;
-        }
+        super::gated_pairs(act, &pair, h);
     }
 }
