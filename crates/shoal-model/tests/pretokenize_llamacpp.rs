@@ -35,6 +35,9 @@ const OWN: &[&str] = &[
     "",
     " ",
     "\n",
+    "ÉCOLE École éCOLE ÀBC ABCé HTTPServer McDonald's DON'T Don'T ÜBERgroß",
+    "x!\n/ a?/\r\n// b.\n\n/ /path/to/file",
+    "ΑΘΗΝΑ Αθήνα СССР ǅungla ǈ ᾈ ʰmod",
 ];
 
 /// llama.cpp's test vectors, when its source folder is here.
@@ -98,6 +101,11 @@ fn scanners_split_as_llama_cpp_does() {
         (
             PreType::Qwen2,
             "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+        ),
+        // llama.cpp runs this one through its regex engine (no scanner of its own)
+        (
+            PreType::Gpt4o,
+            "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
         ),
     ];
     // the strings tell the scanners apart: Llama 3's differs from Kimi K2's on some

@@ -3,10 +3,11 @@
 //! regex match becomes a piece, and so does the text between two matches).
 //!
 //! The step lists follow llama.cpp's choice for each `tokenizer.ggml.pre` value. The common
-//! regexes (GPT-2, Llama 3, Qwen2, Qwen3.5, Kimi K2's) are hand-written scanners that reproduce
-//! llama.cpp's own scanners, including where those differ from the regex they stand for
-//! (a lookahead never looks past the end of the current piece). The other steps are
-//! ordinary regexes run on each piece.
+//! regexes (GPT-2, Llama 3, Qwen2, Qwen3.5, Kimi K2's, GPT-4o's) are hand-written scanners
+//! that reproduce llama.cpp's own scanners (or, for GPT-4o's, its regex engine's reading of
+//! the regex), including where those differ from the regex they stand for (a lookahead never
+//! looks past the end of the current piece). The other steps are ordinary regexes run on
+//! each piece.
 
 use super::unicode::{self, Flags, LETTER, MARK, NUMBER, WHITESPACE};
 use super::TokenizerError;
@@ -28,6 +29,13 @@ enum Scanner {
     /// The tokenizer's own regex also splits a letter run where lower case turns to upper;
     /// llama.cpp does not, and neither does this.
     KimiK2,
+    /// GPT-4o's (o200k: gpt-oss, Llama 4), as llama.cpp runs it:
+    /// `[^\r\n\p{L}\p{N}]?U*L+C?|[^\r\n\p{L}\p{N}]?U+L*C?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+`
+    /// with `U` a letter other than `a`-`z`, `L` a letter other than `A`-`Z` (llama.cpp's
+    /// reading of the tokenizer's upper- and lower-case classes: a letter outside ASCII is
+    /// both, and marks join no word) and `C` a contraction (`'s`, `'t`, `'re`, `'ve`, `'m`,
+    /// `'ll`, `'d`, case-blind).
+    Gpt4o,
     /// `[^\n]+|[\n]+`
     Newlines,
 }
@@ -63,6 +71,8 @@ pub enum PreType {
     Gemma4,
     /// Kimi K2 (`kimi-k2`).
     KimiK2,
+    /// GPT-4o's o200k (`gpt-4o`, `llama4`, `minimax-m2`): gpt-oss.
+    Gpt4o,
 }
 
 /// What a `tokenizer.ggml.pre` value implies besides its regexes.
@@ -131,6 +141,11 @@ pub const SUPPORTED_PRE: &[&str] = &[
     "deepseek-llm",
     "deepseek-coder",
     "kimi-k2",
+    "gpt-4o",
+    "llama4",
+    "kanana2",
+    "talkie",
+    "minimax-m2",
 ];
 
 /// Maps a `tokenizer.ggml.pre` value (absent = default) to its pre-tokenizer.
@@ -165,6 +180,9 @@ pub fn pre_info(pre: Option<&str>) -> Result<PreInfo, TokenizerError> {
         "qwen35" => info(PreType::Qwen35, false, false),
         "gemma4" => info(PreType::Gemma4, false, true),
         "kimi-k2" => info(PreType::KimiK2, false, false),
+        "gpt-4o" | "llama4" | "kanana2" | "talkie" | "minimax-m2" => {
+            info(PreType::Gpt4o, false, false)
+        }
         other => {
             return Err(TokenizerError::UnsupportedPre {
                 pre: other.to_string(),
@@ -238,6 +256,7 @@ impl PreTokenizer {
             ],
             PreType::Gemma4 => vec![scan(Newlines)],
             PreType::KimiK2 => vec![scan(KimiK2)],
+            PreType::Gpt4o => vec![scan(Gpt4o)],
         };
         Ok(PreTokenizer {
             steps: steps.into_iter().collect::<Result<_, _>>()?,
@@ -375,8 +394,14 @@ fn scan(kind: Scanner, chars: &[char], mut emit: impl FnMut(usize, usize)) {
             }
         }
 
+        if kind == Scanner::Gpt4o {
+            if let Some(end) = gpt4o_word(chars, pos) {
+                word!(end);
+            }
+        }
+
         // Contractions: 's 't 're 've 'm 'll 'd
-        if c == '\'' && pos + 1 < n && kind != Scanner::KimiK2 {
+        if c == '\'' && pos + 1 < n && !matches!(kind, Scanner::KimiK2 | Scanner::Gpt4o) {
             let low = |c: char| {
                 if case_insensitive {
                     c.to_ascii_lowercase()
@@ -422,9 +447,9 @@ fn scan(kind: Scanner, chars: &[char], mut emit: impl FnMut(usize, usize)) {
                 word!(p);
             }
         } else {
-            // `[^\r\n\p{L}\p{N}]?\p{L}+` (Kimi K2's letter runs are matched above)
-            if kind != Scanner::KimiK2
-                && !(is_crlf(c) || f & NUMBER != 0)
+            // `[^\r\n\p{L}\p{N}]?\p{L}+` (Kimi K2's and GPT-4o's letter runs are matched
+            // above)
+            if !(matches!(kind, Scanner::KimiK2 | Scanner::Gpt4o) || is_crlf(c) || f & NUMBER != 0)
                 && (f & letter_mask != 0 || has(fl(pos + 1), letter_mask))
             {
                 let mut p = pos + 1;
@@ -435,7 +460,7 @@ fn scan(kind: Scanner, chars: &[char], mut emit: impl FnMut(usize, usize)) {
             }
             // `\p{N}{1,3}` (Llama 3) or `\p{N}`
             if f & NUMBER != 0 {
-                if matches!(kind, Scanner::Llama3 | Scanner::KimiK2) {
+                if matches!(kind, Scanner::Llama3 | Scanner::KimiK2 | Scanner::Gpt4o) {
                     let mut p = pos;
                     let mut group = pos;
                     while has(fl(p), NUMBER) {
@@ -457,7 +482,7 @@ fn scan(kind: Scanner, chars: &[char], mut emit: impl FnMut(usize, usize)) {
                 while fl(p).is_some_and(|f| f & other_mask == 0) {
                     p += 1;
                 }
-                while p < n && is_crlf(chars[p]) {
+                while p < n && (is_crlf(chars[p]) || (kind == Scanner::Gpt4o && chars[p] == '/')) {
                     p += 1;
                 }
                 word!(p);
@@ -488,6 +513,51 @@ fn scan(kind: Scanner, chars: &[char], mut emit: impl FnMut(usize, usize)) {
         // Nothing matched: one char alone.
         word!(pos + 1);
     }
+}
+
+/// The end of GPT-4o's letter word at `pos` (see [`Scanner::Gpt4o`]): an optional leading
+/// char that is no letter, number or line break, then `U*L+` as a backtracking matcher takes
+/// it (the longest run of `U`, then `L`s; where the run is followed by no `L`, up to its last
+/// char that is also an `L`), else `U+`; then a contraction. `None` when no letter follows.
+fn gpt4o_word(chars: &[char], pos: usize) -> Option<usize> {
+    let n = chars.len();
+    let letter = |i: usize| i < n && unicode::flags(chars[i]) & LETTER != 0;
+    let upper = |i: usize| letter(i) && !chars[i].is_ascii_lowercase();
+    let lower = |i: usize| letter(i) && !chars[i].is_ascii_uppercase();
+    let c = chars[pos];
+    let lead = !(c == '\r' || c == '\n' || unicode::flags(c) & (LETTER | NUMBER) != 0);
+    let s = pos + usize::from(lead);
+    if !letter(s) {
+        return None;
+    }
+    let mut k = s;
+    while upper(k) {
+        k += 1;
+    }
+    let mut end = if lower(k) {
+        let mut e = k;
+        while lower(e) {
+            e += 1;
+        }
+        e
+    } else {
+        // give back the run's tail down to its last char that is also an `L` (else `U+`)
+        (s..k).rev().find(|&j| lower(j)).map_or(k, |j| j + 1)
+    };
+    if end + 1 < n && chars[end] == '\'' {
+        let c1 = chars[end + 1].to_ascii_lowercase();
+        if matches!(c1, 's' | 't' | 'm' | 'd') {
+            end += 2;
+        } else if end + 2 < n
+            && matches!(
+                (c1, chars[end + 2].to_ascii_lowercase()),
+                ('r', 'e') | ('v', 'e') | ('l', 'l')
+            )
+        {
+            end += 3;
+        }
+    }
+    Some(end)
 }
 
 #[cfg(test)]
