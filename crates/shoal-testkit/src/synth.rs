@@ -20,6 +20,7 @@
 //! | `qwen3-30b-a3b-24l` (alias `qwen3-30b-a3b`) | `qwen3moe` | 24 of 48 | Qwen3-30B-A3B |
 //! | `deepseek-v2-lite` | `deepseek2` | 27 of 27 | DeepSeek-V2-Lite |
 //! | `mixtral-8x7b-8l` (alias `mixtral-8x7b`) | `llama` + experts | 8 of 32 | Mixtral-8x7B |
+//! | `gpt-oss-120b-4l` (alias `gpt-oss-120b`) | `gpt-oss` | 4 of 36 | gpt-oss-120b |
 //!
 //! A shape with fewer layers than its model is simply shallower: `block_count` says so, and
 //! `general.name` names the depth. Each layer has the full model's sizes.
@@ -51,6 +52,10 @@
 //! - `mixtral-8x7b-8l`: F32 norms and routers; `attn_k`, `attn_v` `Q8_0`; `attn_output`
 //!   `Q5_K`; `Q4_K` `token_embd`, `attn_q`, `ffn_gate_exps`, `ffn_up_exps`; `ffn_down_exps`
 //!   `Q6_K` in layers 0, 3, 6, 7 and `Q4_K` elsewhere; `output` `Q6_K`.
+//!
+//! - `gpt-oss-120b-4l` is not `Q4_K_M`-like but as the published MXFP4 files are assumed to
+//!   be: routed experts MXFP4; the attention projections, `token_embd` and `output` `Q8_0`;
+//!   norms, sinks, the router and every bias F32.
 //!
 //! Where this differs from a real `Q4_K_M` file of the full model: the layer-dependent rules
 //! use the synthetic file's depth (as `llama-quantize` would on that shallower file), so the
@@ -105,6 +110,8 @@ pub const NORM_SPREAD: f32 = 0.05;
 pub const CHUNK_BYTES: usize = 4 << 20;
 /// `general.file_type` of `Q4_K_M` (`LLAMA_FTYPE_MOSTLY_Q4_K_M`).
 pub const FILE_TYPE_Q4_K_M: u32 = 15;
+/// `general.file_type` of gpt-oss's MXFP4 files (`LLAMA_FTYPE_MOSTLY_MXFP4_MOE`).
+pub const FILE_TYPE_MXFP4_MOE: u32 = 38;
 
 /// Standard deviation of a uniform integer in `0..n`: `sqrt((n² - 1) / 12)`.
 fn uniform_int_std(n: f32) -> f32 {
@@ -131,6 +138,8 @@ pub enum SynthType {
     Q5_K,
     /// 6-bit K-quant, id 14.
     Q6_K,
+    /// 4-bit E2M1 values with one E8M0 scale per 32 (gpt-oss's experts), id 39.
+    MXFP4,
 }
 
 impl SynthType {
@@ -145,6 +154,7 @@ impl SynthType {
             SynthType::Q4_K => 12,
             SynthType::Q5_K => 13,
             SynthType::Q6_K => 14,
+            SynthType::MXFP4 => 39,
         }
     }
 
@@ -152,7 +162,7 @@ impl SynthType {
     pub fn block_size(self) -> u64 {
         match self {
             SynthType::F32 | SynthType::F16 => 1,
-            SynthType::Q5_0 | SynthType::Q5_1 | SynthType::Q8_0 => 32,
+            SynthType::Q5_0 | SynthType::Q5_1 | SynthType::Q8_0 | SynthType::MXFP4 => 32,
             SynthType::Q4_K | SynthType::Q5_K | SynthType::Q6_K => 256,
         }
     }
@@ -168,6 +178,7 @@ impl SynthType {
             SynthType::Q4_K => 144,
             SynthType::Q5_K => 176,
             SynthType::Q6_K => 210,
+            SynthType::MXFP4 => 17,
         }
     }
 
@@ -182,6 +193,7 @@ impl SynthType {
             SynthType::Q4_K => "q4_K",
             SynthType::Q5_K => "q5_K",
             SynthType::Q6_K => "q6_K",
+            SynthType::MXFP4 => "mxfp4",
         }
     }
 
@@ -202,6 +214,9 @@ pub enum SynthArch {
     Deepseek2,
     /// Mixtral: `llama` with `llama.expert_count`.
     Mixtral,
+    /// `gpt-oss`: biased attention with a sink per head, alternating sliding-window layers,
+    /// YaRN, biased experts in MXFP4.
+    GptOss,
 }
 
 impl SynthArch {
@@ -211,13 +226,14 @@ impl SynthArch {
             SynthArch::Qwen3Moe => "qwen3moe",
             SynthArch::Deepseek2 => "deepseek2",
             SynthArch::Mixtral => "llama",
+            SynthArch::GptOss => "gpt-oss",
         }
     }
 
     /// The pre-tokenizer the test kit's tokenizer is written with (as [`crate::Arch`] does).
     pub fn pre_tokenizer(self) -> PreTokenizer {
         match self {
-            SynthArch::Qwen3Moe => PreTokenizer::Qwen2,
+            SynthArch::Qwen3Moe | SynthArch::GptOss => PreTokenizer::Qwen2,
             SynthArch::Deepseek2 | SynthArch::Mixtral => PreTokenizer::Smollm,
         }
     }
@@ -343,6 +359,10 @@ impl Shape {
         let mut t: Vec<(String, Vec<u64>)> =
             vec![("token_embd.weight".into(), vec![h, u(self.vocab)])];
         for l in 0..self.n_layer {
+            if self.arch == SynthArch::GptOss {
+                self.gpt_oss_layer(l, &mut t);
+                continue;
+            }
             let mut add = |part: &str, ne: Vec<u64>| t.push((format!("blk.{l}.{part}.weight"), ne));
             add("attn_norm", vec![h]);
             if let Some(m) = &self.mla {
@@ -392,6 +412,55 @@ impl Shape {
         t.push(("output.weight".into(), vec![h, u(self.vocab)]));
         t
     }
+
+    /// Layer `l`'s tensors of a gpt-oss file (llama.cpp's converter layout), onto `t`.
+    fn gpt_oss_layer(&self, l: usize, t: &mut Vec<(String, Vec<u64>)>) {
+        let u = |x: usize| x as u64;
+        let h = u(self.hidden);
+        let (e, eff) = (u(self.experts.count), u(self.expert_ffn()));
+        let (q, kv) = (
+            u(self.n_head * self.head_dim),
+            u(self.n_kv_head * self.head_dim),
+        );
+        let mut add = |name: &str, ne: Vec<u64>| t.push((format!("blk.{l}.{name}"), ne));
+        add("attn_norm.weight", vec![h]);
+        add("attn_q.weight", vec![h, q]);
+        add("attn_q.bias", vec![q]);
+        add("attn_k.weight", vec![h, kv]);
+        add("attn_k.bias", vec![kv]);
+        add("attn_v.weight", vec![h, kv]);
+        add("attn_v.bias", vec![kv]);
+        add("attn_output.weight", vec![q, h]);
+        add("attn_output.bias", vec![h]);
+        add("attn_sinks.weight", vec![u(self.n_head)]);
+        add("post_attention_norm.weight", vec![h]);
+        add("ffn_gate_inp.weight", vec![h, e]);
+        add("ffn_gate_inp.bias", vec![e]);
+        add("ffn_gate_exps.weight", vec![h, eff, e]);
+        add("ffn_gate_exps.bias", vec![eff, e]);
+        add("ffn_up_exps.weight", vec![h, eff, e]);
+        add("ffn_up_exps.bias", vec![eff, e]);
+        add("ffn_down_exps.weight", vec![eff, h, e]);
+        add("ffn_down_exps.bias", vec![h, e]);
+    }
+}
+
+/// The types of a gpt-oss file's tensors as the published MXFP4 files hold them (as this
+/// module assumes them): routed experts MXFP4, the other matrices `Q8_0`, the router, norms,
+/// sinks and every bias F32.
+fn gpt_oss_types(tensors: &[(String, Vec<u64>)]) -> Vec<SynthType> {
+    tensors
+        .iter()
+        .map(|(name, ne)| {
+            if ne.len() < 2 || name.ends_with(".bias") || name.contains("ffn_gate_inp") {
+                SynthType::F32
+            } else if name.contains("_exps.") {
+                SynthType::MXFP4
+            } else {
+                SynthType::Q8_0
+            }
+        })
+        .collect()
 }
 
 /// The shapes this module writes (see the module docs).
@@ -497,6 +566,42 @@ pub fn shapes() -> Vec<Shape> {
             mla: None,
             yarn: None,
             seed: 0x4d58_3837,
+        },
+        Shape {
+            name: "gpt-oss-120b-4l",
+            aliases: &["gpt-oss-120b"],
+            model: "gpt-oss-120b",
+            arch: SynthArch::GptOss,
+            n_layer: 4,
+            model_layers: 36,
+            hidden: 2880,
+            n_head: 64,
+            n_kv_head: 8,
+            head_dim: 64,
+            ffn: 2880,
+            vocab: 201_088,
+            context_length: 131_072,
+            rope_theta: 150_000.0,
+            rms_eps: 1e-5,
+            experts: Experts {
+                count: 128,
+                used: 4,
+                ffn: Some(2880),
+                shared: 0,
+                leading_dense: 0,
+                gating_func: None,
+                weights_scale: None,
+                weights_norm: None,
+            },
+            mla: None,
+            yarn: Some(Yarn {
+                factor: 32.0,
+                original_context: 4096,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                log_multiplier: 0.0,
+            }),
+            seed: 0x4f53_5331,
         },
     ]
 }
@@ -758,7 +863,14 @@ fn metadata(s: &Shape) -> GgufWriter {
                 s.model, s.n_layer, s.model_layers
             ),
         )
-        .add_kv("general.file_type", FILE_TYPE_Q4_K_M)
+        .add_kv(
+            "general.file_type",
+            if s.arch == SynthArch::GptOss {
+                FILE_TYPE_MXFP4_MOE
+            } else {
+                FILE_TYPE_Q4_K_M
+            },
+        )
         .add_kv("general.quantization_version", 2u32)
         .add_kv(k("block_count"), u(s.n_layer))
         .add_kv(k("context_length"), u(s.context_length))
@@ -790,7 +902,7 @@ fn metadata(s: &Shape) -> GgufWriter {
         }
         None => {
             w.add_kv(k("rope.dimension_count"), u(s.head_dim));
-            if s.arch == SynthArch::Qwen3Moe {
+            if matches!(s.arch, SynthArch::Qwen3Moe | SynthArch::GptOss) {
                 w.add_kv(k("attention.key_length"), u(s.head_dim))
                     .add_kv(k("attention.value_length"), u(s.head_dim));
             }
@@ -813,8 +925,13 @@ fn metadata(s: &Shape) -> GgufWriter {
                 y.original_context,
             )
             .add_kv(k("rope.scaling.yarn_beta_fast"), y.beta_fast)
-            .add_kv(k("rope.scaling.yarn_beta_slow"), y.beta_slow)
-            .add_kv(k("rope.scaling.yarn_log_multiplier"), y.log_multiplier);
+            .add_kv(k("rope.scaling.yarn_beta_slow"), y.beta_slow);
+        if y.log_multiplier != 0.0 {
+            w.add_kv(k("rope.scaling.yarn_log_multiplier"), y.log_multiplier);
+        }
+    }
+    if s.arch == SynthArch::GptOss {
+        w.add_kv(k("attention.sliding_window"), 128u32);
     }
     let tok = TinyTokenizer::new();
     let (tokens, types) = tok.gguf_tokens(s.vocab);
@@ -865,7 +982,11 @@ impl SynthPlan {
             ));
         }
         let list = s.tensors();
-        let types = q4_k_m_types(s.n_layer, s.experts.count, &list);
+        let types = if s.arch == SynthArch::GptOss {
+            gpt_oss_types(&list)
+        } else {
+            q4_k_m_types(s.n_layer, s.experts.count, &list)
+        };
         let alignment = u64::from(GGUF_DEFAULT_ALIGNMENT);
         let mut tensors = Vec::with_capacity(list.len());
         let mut rel = 0u64;
@@ -877,7 +998,8 @@ impl SynthPlan {
                     ty.name()
                 ))
             })?;
-            let fill = if ne.len() == 1 {
+            // gpt-oss's biases and sinks are 1-D too, but weights
+            let fill = if ne.len() == 1 && name.contains("norm") {
                 Fill::Norm
             } else {
                 Fill::Weight
@@ -1143,6 +1265,8 @@ fn pack_k4_scales(sc: &[u8; 8], mn: &[u8; 8]) -> [u8; 12] {
 /// Sub-block scales of `Q4_K`/`Q5_K`: uniform in `K4_SCALE_LO..K4_SCALE_LO + K4_SCALE_SPAN`.
 const K4_SCALE_LO: u8 = 40;
 const K4_SCALE_SPAN: u8 = 24;
+/// The E8M0 scale byte of every MXFP4 block (scale `2^(e - 127)`).
+const MXFP4_SCALE_EXPONENT: u8 = 120;
 /// `Q6_K` sub-block scale magnitudes: uniform in `64..128`, random sign.
 const Q6_SCALE_LO: u8 = 64;
 
@@ -1227,6 +1351,14 @@ fn fill_blocks(ty: SynthType, fill: Fill, rng: &mut SplitMix64, buf: &mut [u8]) 
                 block[..2].copy_from_slice(&dd);
                 block[2..4].copy_from_slice(&dm);
                 block[4..16].copy_from_slice(&pack_k4_scales(&sc, &sc));
+            }
+        }
+        SynthType::MXFP4 => {
+            // random E2M1 codes (root mean square 2.93) under the scale 2^(120 - 127): a
+            // deviation of 0.023
+            random_bytes(rng, buf);
+            for block in buf.chunks_exact_mut(17) {
+                block[0] = MXFP4_SCALE_EXPONENT;
             }
         }
         SynthType::Q6_K => {
@@ -1533,6 +1665,104 @@ mod tests {
         assert!(by_type.contains_key(&SynthType::Q5_0));
     }
 
+    /// A tiny gpt-oss-like shape: every tensor kind of the real one, small.
+    fn tiny_gpt_oss() -> Shape {
+        Shape {
+            name: "tiny-gpt-oss",
+            arch: SynthArch::GptOss,
+            n_layer: 2,
+            model_layers: 2,
+            hidden: 64,
+            n_head: 4,
+            n_kv_head: 2,
+            head_dim: 32,
+            ffn: 64,
+            experts: Experts {
+                count: 4,
+                used: 2,
+                ffn: Some(64),
+                shared: 0,
+                leading_dense: 0,
+                gating_func: None,
+                weights_scale: None,
+                weights_norm: None,
+            },
+            mla: None,
+            yarn: Some(Yarn {
+                factor: 32.0,
+                original_context: 4096,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                log_multiplier: 0.0,
+            }),
+            ..tiny()
+        }
+    }
+
+    #[test]
+    fn gpt_oss_files_hold_its_tensors_in_its_types() {
+        let plan = SynthPlan::new(&tiny_gpt_oss()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("oss.gguf");
+        plan.write(&path, |_, _| {}).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let p = parse(&bytes).unwrap();
+        let kv = |k: &str| p.kvs.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        assert_eq!(
+            kv("general.architecture"),
+            Some(GgufValue::String("gpt-oss".into()))
+        );
+        assert_eq!(
+            kv("gpt-oss.attention.sliding_window"),
+            Some(GgufValue::U32(128))
+        );
+        assert_eq!(kv("gpt-oss.attention.key_length"), Some(GgufValue::U32(32)));
+        assert_eq!(
+            kv("gpt-oss.expert_feed_forward_length"),
+            Some(GgufValue::U32(64))
+        );
+        assert_eq!(
+            kv("gpt-oss.rope.scaling.type"),
+            Some(GgufValue::String("yarn".into()))
+        );
+        assert_eq!(kv("gpt-oss.rope.scaling.yarn_log_multiplier"), None);
+        assert_eq!(
+            kv("general.file_type"),
+            Some(GgufValue::U32(FILE_TYPE_MXFP4_MOE))
+        );
+        let ty = |name: &str| plan.tensors.iter().find(|t| t.name == name).unwrap().ty;
+        use SynthType::*;
+        for (name, want) in [
+            ("token_embd.weight", Q8_0),
+            ("output.weight", Q8_0),
+            ("blk.1.attn_q.weight", Q8_0),
+            ("blk.1.attn_q.bias", F32),
+            ("blk.1.attn_output.bias", F32),
+            ("blk.1.attn_sinks.weight", F32),
+            ("blk.1.post_attention_norm.weight", F32),
+            ("blk.1.ffn_gate_inp.weight", F32),
+            ("blk.1.ffn_gate_inp.bias", F32),
+            ("blk.1.ffn_gate_exps.weight", MXFP4),
+            ("blk.1.ffn_up_exps.weight", MXFP4),
+            ("blk.1.ffn_down_exps.weight", MXFP4),
+            ("blk.1.ffn_gate_exps.bias", F32),
+            ("blk.1.ffn_down_exps.bias", F32),
+        ] {
+            assert_eq!(ty(name), want, "{name}");
+        }
+        // MXFP4 blocks decode to weights of the documented scale; biases are weights
+        for t in &plan.tensors {
+            let start = (plan.data_start() + t.offset) as usize;
+            let v = decode(t.ty, &bytes[start..start + t.size as usize]);
+            let n = v.len() as f64;
+            let sd = (v.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / n).sqrt();
+            if t.fill == Fill::Weight {
+                let s = WEIGHT_STD as f64;
+                assert!((sd / s - 1.0).abs() < 0.2, "{} {:?} sd {sd}", t.name, t.ty);
+            }
+        }
+    }
+
     /// Dequantizes with the kit's reference decoders, or by ggml's formulas for the types the
     /// kit has none for.
     fn decode(ty: SynthType, data: &[u8]) -> Vec<f32> {
@@ -1547,6 +1777,7 @@ mod tests {
             SynthType::Q8_0 => dequantize(GgmlType::Q8_0, data, n(34, 32)).unwrap(),
             SynthType::Q4_K => dequantize(GgmlType::Q4_K, data, n(144, 256)).unwrap(),
             SynthType::Q6_K => dequantize(GgmlType::Q6_K, data, n(210, 256)).unwrap(),
+            SynthType::MXFP4 => dequantize(GgmlType::MXFP4, data, n(17, 32)).unwrap(),
             SynthType::Q5_0 | SynthType::Q5_1 => {
                 let bb = ty.block_bytes() as usize;
                 let mut out = Vec::new();
