@@ -1686,7 +1686,11 @@ fn moe_spec_validation() {
     );
     let mut s = TinyModelSpec::qwen3moe(1);
     s.yarn = TinyModelSpec::deepseek3(1).yarn;
-    rejected(s, "YaRN outside DeepSeek", "yarn is a Deepseek2 setting");
+    rejected(
+        s,
+        "YaRN outside DeepSeek and gpt-oss",
+        "yarn is a Deepseek2 and GptOss setting",
+    );
     let mut s = TinyModelSpec::deepseek3(1);
     s.yarn.as_mut().unwrap().beta_fast = 16.0;
     rejected(s, "a beta llama.cpp ignores", "has 16 and 1");

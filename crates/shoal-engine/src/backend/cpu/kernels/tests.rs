@@ -826,7 +826,12 @@ fn gate_pairs_equal_gate_and_up_apart() {
                 continue;
             };
             assert_eq!((pair.features(), pair.cols()), (rows, cols));
-            for act in [Activation::Silu, Activation::GeluTanh] {
+            let (bg, bu) = (random_acts(rows, &mut rng), random_acts(rows, &mut rng));
+            for act in [
+                Activation::Silu,
+                Activation::GeluTanh,
+                Activation::SwigluOai,
+            ] {
                 for t in [1, 3, 4, 9] {
                     let x = random_acts(t * cols, &mut rng);
                     let mut g = vec![0f32; t * rows];
@@ -835,6 +840,12 @@ fn gate_pairs_equal_gate_and_up_apart() {
                     up.matmul(&x, &mut u).unwrap();
                     let mut want = vec![0f32; t * rows];
                     gated(act, &g, &u, &mut want);
+                    // with biases (gpt-oss's experts): added to the products first
+                    let add = |v: &[f32], b: &[f32]| -> Vec<f32> {
+                        v.iter().zip(b.iter().cycle()).map(|(v, b)| v + b).collect()
+                    };
+                    let mut want_biased = vec![0f32; t * rows];
+                    gated(act, &add(&g, &bg), &add(&u, &bu), &mut want_biased);
                     for threads in 1..=3 {
                         let pool = team::test_pool(threads);
                         let got = pool.install(|| pair.gated_products(&x, act)).unwrap();
@@ -843,9 +854,23 @@ fn gate_pairs_equal_gate_and_up_apart() {
                             .install(|| team::step(|| pair.gated_products(&x, act)))
                             .unwrap();
                         assert_eq!(got, want, "in a step: {ty:?} {isa:?} {act:?} t={t}");
+                        let mut got = Vec::new();
+                        pool.install(|| {
+                            pair.gated_products_into(&x, act, Some((&bg, &bu)), &mut got)
+                        })
+                        .unwrap();
+                        assert_eq!(got, want_biased, "biased: {ty:?} {isa:?} {act:?} t={t}");
                     }
                 }
             }
+            assert!(pair
+                .gated_products_into(
+                    &[0.0; 256],
+                    Activation::Silu,
+                    Some((&bg[1..], &bu)),
+                    &mut Vec::new()
+                )
+                .is_err());
             assert!(pair.gated_products(&[0.0; 255], Activation::Silu).is_err());
             assert!(pair
                 .gated_products(&[], Activation::Silu)
