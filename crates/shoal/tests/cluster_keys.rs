@@ -171,8 +171,8 @@ fn names(url: &str, admin: &str) -> Vec<String> {
 
 /// Sends greedy one-token chats for smollm2 to `url` with `key`, one every `every`, until
 /// `until`, counting the answers by status (200, 429, other).
-fn paced(url: &str, key: &str, every: Duration, until: Instant) -> (usize, usize, usize) {
-    let (mut ok, mut limited, mut other) = (0, 0, 0);
+fn paced(url: &str, key: &str, every: Duration, until: Instant) -> (usize, usize, Vec<String>) {
+    let (mut ok, mut limited, mut other) = (0, 0, Vec::new());
     let mut next = Instant::now();
     while next < until {
         let mut req = ureq::post(&format!("{url}/v1/chat/completions"))
@@ -182,10 +182,15 @@ fn paced(url: &str, key: &str, every: Duration, until: Instant) -> (usize, usize
         req = req.header("Authorization", &format!("Bearer {key}"));
         let body = json!({"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}],
                           "temperature": 0, "max_tokens": 1});
-        match req.send_json(&body).map(|r| r.status().as_u16()) {
-            Ok(200) => ok += 1,
-            Ok(429) => limited += 1,
-            _ => other += 1,
+        match req.send_json(&body) {
+            Ok(r) if r.status() == 200 => ok += 1,
+            Ok(r) if r.status() == 429 => limited += 1,
+            Ok(mut r) => other.push(format!(
+                "{} {}",
+                r.status(),
+                r.body_mut().read_to_string().unwrap_or_default()
+            )),
+            Err(e) => other.push(e.to_string()),
         }
         next += every;
         std::thread::sleep(next.saturating_duration_since(Instant::now()));
@@ -250,11 +255,23 @@ fn a_keys_limit_holds_across_the_nodes_it_is_used_through() {
             std::thread::spawn(move || paced(&url, &key, every, until))
         })
         .collect();
-    let counts: Vec<(usize, usize, usize)> =
+    let counts: Vec<(usize, usize, Vec<String>)> =
         handles.into_iter().map(|h| h.join().unwrap()).collect();
     let accepted: usize = counts.iter().map(|c| c.0).sum::<usize>() + 3;
-    eprintln!("per node (ok, 429, other): {counts:?}; accepted {accepted} of a limit of 60");
-    assert!(counts.iter().all(|c| c.2 == 0), "{counts:?}");
+    let summary: Vec<(usize, usize, usize)> =
+        counts.iter().map(|c| (c.0, c.1, c.2.len())).collect();
+    eprintln!("per node (ok, 429, other): {summary:?}; accepted {accepted} of a limit of 60");
+    // a node whose queue is full sheds a request with 503 (three nodes computing on two
+    // cores): that is not the limit failing; anything else is
+    let wrong: Vec<&String> = counts
+        .iter()
+        .flat_map(|c| &c.2)
+        .filter(|o| !o.starts_with("503"))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "answers neither 200, 429 nor 503: {wrong:?}"
+    );
     assert!(accepted >= 60, "the limit is reachable: {accepted}");
     assert!(
         accepted <= 60 + SLACK,
