@@ -51,6 +51,22 @@ fn load(path: &Path, device: impl Into<Placement>) -> Transformer {
     Transformer::load_on_device(device, &src, cfg, Arc::new(shoal_comm::Solo)).unwrap()
 }
 
+/// The error of loading `path` on `device`, which must fail.
+fn load_error(path: &Path, device: Device) -> String {
+    let file = GgufFile::open(path).unwrap();
+    let vocab = file.tensor("token_embd.weight").unwrap().shape()[0];
+    let cfg = arch::config_from_gguf(file.metadata(), vocab, "gpu test").unwrap();
+    match Transformer::load_on_device(
+        device,
+        &GgufWeights::new(file),
+        cfg,
+        Arc::new(shoal_comm::Solo),
+    ) {
+        Ok(_) => panic!("{} loaded on {device}", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
 fn write(m: &TinyModel, dir: &Path, ty: GgmlType) -> PathBuf {
     let p = dir.join(format!("{}-{}-{ty:?}.gguf", m.spec().name, m.spec().seed));
     m.write_gguf(&p, ty).unwrap();
@@ -411,18 +427,7 @@ fn auto_never_takes_a_software_adapter() {
         dir.path(),
         GgmlType::F32,
     );
-    let file = GgufFile::open(&path).unwrap();
-    let vocab = file.tensor("token_embd.weight").unwrap().shape()[0];
-    let cfg = arch::config_from_gguf(file.metadata(), vocab, "gpu test").unwrap();
-    let past = Device::Gpu(Some(gpus.len()));
-    let e = Transformer::load_on_device(
-        past,
-        &GgufWeights::new(file),
-        cfg,
-        Arc::new(shoal_comm::Solo),
-    )
-    .unwrap_err()
-    .to_string();
+    let e = load_error(&path, Device::Gpu(Some(gpus.len())));
     assert!(
         e.contains(&format!("there is no GPU {}", gpus.len())),
         "{e}"
@@ -442,17 +447,7 @@ fn gpt_oss_on_the_gpu_is_refused_saying_what_to_do() {
         dir.path(),
         GgmlType::F32,
     );
-    let file = GgufFile::open(&path).unwrap();
-    let vocab = file.tensor("token_embd.weight").unwrap().shape()[0];
-    let cfg = arch::config_from_gguf(file.metadata(), vocab, "gpu test").unwrap();
-    let e = Transformer::load_on_device(
-        Device::Gpu(None),
-        &GgufWeights::new(file),
-        cfg,
-        Arc::new(shoal_comm::Solo),
-    )
-    .unwrap_err()
-    .to_string();
+    let e = load_error(&path, Device::Gpu(None));
     assert!(
         e.contains("gpt-oss") && e.contains("sinks") && e.contains("--device cpu"),
         "{e}"
