@@ -84,30 +84,23 @@ fn linear(x: &[f64], w: &Weight, b: Option<&Weight>) -> Vec<f64> {
         .collect()
 }
 
-/// Rotate-half RoPE on one head vector at position `pos`; `factors` divide each pair's
-/// inverse frequency.
-fn rope(v: &mut [f64], pos: usize, theta: f64, factors: Option<&[f32]>) {
-    let hd = v.len();
-    let half = hd / 2;
-    for i in 0..half {
-        let f = factors.map_or(1.0, |f| f[i] as f64);
-        let inv = theta.powf(-((2 * i) as f64) / hd as f64) / f;
-        let (s, c) = (pos as f64 * inv).sin_cos();
-        let (a, b) = (v[i], v[i + half]);
-        v[i] = a * c - b * s;
-        v[i + half] = b * c + a * s;
-    }
-}
-
-/// Rotate-half RoPE with YaRN (gpt-oss, llama.cpp's NeoX rotation): pair `(i, i + half)`
-/// turns by [`YarnRope::angle`], and both values are scaled by `1 + 0.1 ln(factor)` (the
+/// Rotate-half RoPE on one head vector at position `pos`: pair `(i, i + half)` turns by
+/// `pos * theta^(-2i/len)` divided by `factors[i]` where given, or with YaRN (gpt-oss, llama.cpp's
+/// NeoX rotation) by [`YarnRope::angle`], both values then scaled by `1 + 0.1 ln(factor)` (the
 /// magnitude ggml's `rope_yarn` gives the cosine and sine).
-fn rope_yarn_halves(v: &mut [f64], pos: usize, theta: f64, yarn: &YarnRope) {
+fn rope(v: &mut [f64], pos: usize, theta: f64, factors: Option<&[f32]>, yarn: Option<&YarnRope>) {
     let hd = v.len();
     let half = hd / 2;
-    let m = 1.0 + 0.1 * f64::from(yarn.factor).ln();
+    let m = yarn.map_or(1.0, |y| 1.0 + 0.1 * f64::from(y.factor).ln());
     for i in 0..half {
-        let (s, c) = yarn.angle(pos, i, hd, theta).sin_cos();
+        let angle = match yarn {
+            Some(y) => y.angle(pos, i, hd, theta),
+            None => {
+                let f = factors.map_or(1.0, |f| f[i] as f64);
+                pos as f64 * theta.powf(-((2 * i) as f64) / hd as f64) / f
+            }
+        };
+        let (s, c) = angle.sin_cos();
         let (a, b) = (v[i], v[i + half]);
         v[i] = (a * c - b * s) * m;
         v[i + half] = (b * c + a * s) * m;
@@ -425,10 +418,13 @@ impl TinyModel {
                         head.copy_from_slice(&n);
                     }
                     let turned = if s.rope_dims > 0 { s.rope_dims } else { hd };
-                    match &s.yarn {
-                        Some(y) => rope_yarn_halves(&mut head[..turned], pos, theta, y),
-                        None => rope(&mut head[..turned], pos, theta, factors.as_deref()),
-                    }
+                    rope(
+                        &mut head[..turned],
+                        pos,
+                        theta,
+                        factors.as_deref(),
+                        s.yarn.as_ref(),
+                    );
                 }
             }
             qs.push(q);
