@@ -7,7 +7,10 @@
 #   edit  greeting.txt must read "hello shoal" afterwards
 # Each run is checked from outside: the agent's exit status, no protocol error in its output
 # and no request the server refused (4xx/5xx in shoal's request counters), the answer or the
-# file. Prints a table of agent x task with the time each took, and the share of prompt
+# file. An agent still working when its time is up (--timeout) fails its task, not the
+# protocol, if shoal's counters of answered requests and prompt and generated tokens moved
+# in the last PROGRESS_WINDOW seconds (default 300) before; an agent left waiting on a
+# server that had stopped answering fails the protocol. Prints a table of agent x task with the time each took, and the share of prompt
 # tokens each agent's requests took from the prefix cache (over all its requests, and over
 # those after its first task: each task is a new session in the same project).
 #
@@ -33,6 +36,7 @@ TASKS=read,edit
 MODELS=codex=qwen05,claude=qwen05,qwen=qwen05,aider=qwen15
 SERVER_KIND=shoal
 TIMEOUT=900
+PROGRESS_WINDOW=${PROGRESS_WINDOW:-300}
 REQUIRED_TASKS=${REQUIRED_TASKS-aider-read,aider-edit}
 while [ $# -gt 0 ]; do
   case $1 in
@@ -139,6 +143,29 @@ refused() {
          $1 ~ /^shoal_prompts_too_long_total\{/ {s -= $2} END {print s+0}'
 }
 
+# work_done: the sum of shoal's counters that move while it serves (answered requests, prompt
+# and generated tokens); 0 from llama-server
+work_done() {
+  curl -s "$URL/metrics" |
+    awk '$1 ~ /^shoal_(http_requests_total|prompt_tokens_total|generated_tokens_total)\{/ {s += $2}
+         END {print s+0}'
+}
+
+# watch_progress FILE: every 5 s, writes the time (epoch seconds) to FILE when work_done has
+# moved since the last look; runs until killed
+watch_progress() {
+  local last now
+  last=$(work_done)
+  date +%s >"$1"
+  while sleep 5; do
+    now=$(work_done)
+    if [ "$now" != "$last" ]; then
+      date +%s >"$1"
+      last=$now
+    fi
+  done
+}
+
 # scratch AGENT: the agent's project, a git repository with the task files, made anew for
 # each task at the same path (the agents write the project's path into their system prompts:
 # each task is a new session in the same project)
@@ -238,8 +265,13 @@ for agent in ${AGENTS//,/ }; do
     before=$(refused)
     t0=$(date +%s)
     rc=0
+    watch_progress "$WORK/progress" &
+    watcher=$!
     run "$agent" "$task" "$dir" "$home" "$out" || rc=$?
+    kill "$watcher" 2>/dev/null || true
+    wait "$watcher" 2>/dev/null || true
     secs=$(($(date +%s) - t0))
+    idle=$(($(date +%s) - $(cat "$WORK/progress")))
     if [ -z "$first" ]; then
       first=$(metric shoal_prompt_tokens_total)
       cfirst=$(metric shoal_prompt_tokens_cached)
@@ -247,7 +279,15 @@ for agent in ${AGENTS//,/ }; do
     nrefused=$(($(refused) - before))
     proto=pass
     why=
-    if [ $rc -ne 0 ]; then proto=fail; why="exit $rc"; fi
+    if [ $rc -eq 124 ] && [ "$idle" -le "$PROGRESS_WINDOW" ]; then
+      why="timed out, still working: the server's last answer or token ${idle}s before the end"
+    elif [ $rc -eq 124 ]; then
+      proto=fail
+      why="timed out waiting: nothing from the server in the last ${idle}s"
+    elif [ $rc -ne 0 ]; then
+      proto=fail
+      why="exit $rc"
+    fi
     if [ "$nrefused" -gt 0 ]; then proto=fail; why="$why; $nrefused refused"; fi
     if grep -qiE 'API Error|invalid_request_error|unexpected status|stream disconnected|400 Bad Request' "$out"; then
       proto=fail; why="$why; protocol error in output"
