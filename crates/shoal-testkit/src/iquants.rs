@@ -84,10 +84,14 @@ impl GridIquant {
 
     /// `n` random blocks (see the module docs), from `seed`.
     pub fn random_blocks(self, n: usize, seed: u64) -> Vec<u8> {
-        let mut rng = SplitMix64::new(seed);
-        let bb = self.block_bytes();
-        let mut out = vec![0u8; n * bb];
-        for b in out.chunks_exact_mut(bb) {
+        let mut out = vec![0u8; n * self.block_bytes()];
+        self.fill_random(&mut SplitMix64::new(seed), &mut out);
+        out
+    }
+
+    /// Fills `out` (whole blocks) with random blocks (see the module docs) drawn from `rng`.
+    pub fn fill_random(self, rng: &mut SplitMix64, out: &mut [u8]) {
+        for b in out.chunks_exact_mut(self.block_bytes()) {
             for v in b.iter_mut() {
                 *v = rng.next_u64() as u8;
             }
@@ -103,7 +107,6 @@ impl GridIquant {
                 b[..2].copy_from_slice(&d.to_le_bytes());
             }
         }
-        out
     }
 }
 

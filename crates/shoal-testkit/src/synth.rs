@@ -1,5 +1,5 @@
-//! Synthetic GGUF files with the exact shapes and quantization mix of real mixture-of-experts
-//! models, for benchmarks.
+//! Synthetic GGUF files with the exact shapes and quantization mix of real models (mostly
+//! mixtures of experts), for benchmarks.
 //!
 //! No mixture-of-experts weights exist on these machines, yet how fast an engine decodes a
 //! model depends almost only on the bytes it reads per token: which tensors there are, their
@@ -21,6 +21,7 @@
 //! | `deepseek-v2-lite` | `deepseek2` | 27 of 27 | DeepSeek-V2-Lite |
 //! | `mixtral-8x7b-8l` (alias `mixtral-8x7b`) | `llama` + experts | 8 of 32 | Mixtral-8x7B |
 //! | `gpt-oss-120b-4l` (alias `gpt-oss-120b`) | `gpt-oss` | 4 of 36 | gpt-oss-120b |
+//! | `mistral-7b-8l-iq2_xxs`, `-iq3_s`, `-iq4_xs` | `llama` (dense) | 8 of 32 | Mistral-7B |
 //!
 //! A shape with fewer layers than its model is simply shallower: `block_count` says so, and
 //! `general.name` names the depth. Each layer has the full model's sizes.
@@ -56,6 +57,9 @@
 //! - `gpt-oss-120b-4l` is not `Q4_K_M`-like but as the published MXFP4 files are assumed to
 //!   be: routed experts MXFP4; the attention projections, `token_embd` and `output` `Q8_0`;
 //!   norms, sinks, the router and every bias F32.
+//! - The `mistral-7b-8l-*` files are as `llama-quantize --pure` writes them: every matrix
+//!   (`token_embd` and `output` too) of the named type, norms F32. They measure the i-quant
+//!   kernels alone; a published file of those types mixes in K-quants.
 //!
 //! Where this differs from a real `Q4_K_M` file of the full model: the layer-dependent rules
 //! use the synthetic file's depth (as `llama-quantize` would on that shallower file), so the
@@ -65,11 +69,12 @@
 //!
 //! # Values
 //!
-//! Weights are random but valid and well scaled: K-quant and 32-value blocks get random
+//! Weights are random but valid and well scaled: K-quant, IQ4_XS and 32-value blocks get random
 //! quants with small f16 scales chosen so the dequantized weights have mean about 0 and
 //! standard deviation [`WEIGHT_STD`] (sub-block scales random in a narrow band; `Q6_K` and
 //! `Q5_0` scales with random signs, as ggml's can have, so their quants' half-step bias
-//! cancels); routers and
+//! cancels); the grid i-quants random lattice points, signs and scales
+//! ([`crate::iquants`]); routers and
 //! other float weights are uniform with that deviation, norms uniform in `1 ± 0.05`. With
 //! every input normalized, each projection gives values of order 1, so logits stay finite and
 //! each token's router picks experts roughly uniformly at random. A [`SplitMix64`] seeded from
@@ -98,6 +103,8 @@ use std::path::{Path, PathBuf};
 use half::f16;
 
 use crate::gguf_writer::{GgufValue, GgufWriter, GGUF_DEFAULT_ALIGNMENT};
+use crate::iquants::GridIquant;
+use crate::quants::IQ4_GRID;
 use crate::rng::SplitMix64;
 use crate::tokenizer::{PreTokenizer, TinyTokenizer, CHATML_TEMPLATE};
 use crate::TestkitError;
@@ -140,6 +147,12 @@ pub enum SynthType {
     Q6_K,
     /// 4-bit E2M1 values with one E8M0 scale per 32 (gpt-oss's experts), id 39.
     MXFP4,
+    /// 2.06-bit grid i-quant (eight-value lattice points, sign codes), id 16.
+    IQ2_XXS,
+    /// 3.44-bit grid i-quant (four-value lattice points, sign bytes), id 21.
+    IQ3_S,
+    /// 4.25-bit non-linear codes with a 6-bit scale per 32 values, id 23.
+    IQ4_XS,
 }
 
 impl SynthType {
@@ -155,6 +168,9 @@ impl SynthType {
             SynthType::Q5_K => 13,
             SynthType::Q6_K => 14,
             SynthType::MXFP4 => 39,
+            SynthType::IQ2_XXS => 16,
+            SynthType::IQ3_S => 21,
+            SynthType::IQ4_XS => 23,
         }
     }
 
@@ -163,7 +179,12 @@ impl SynthType {
         match self {
             SynthType::F32 | SynthType::F16 => 1,
             SynthType::Q5_0 | SynthType::Q5_1 | SynthType::Q8_0 | SynthType::MXFP4 => 32,
-            SynthType::Q4_K | SynthType::Q5_K | SynthType::Q6_K => 256,
+            SynthType::Q4_K
+            | SynthType::Q5_K
+            | SynthType::Q6_K
+            | SynthType::IQ2_XXS
+            | SynthType::IQ3_S
+            | SynthType::IQ4_XS => 256,
         }
     }
 
@@ -179,6 +200,9 @@ impl SynthType {
             SynthType::Q5_K => 176,
             SynthType::Q6_K => 210,
             SynthType::MXFP4 => 17,
+            SynthType::IQ2_XXS => 66,
+            SynthType::IQ3_S => 110,
+            SynthType::IQ4_XS => 136,
         }
     }
 
@@ -194,6 +218,9 @@ impl SynthType {
             SynthType::Q5_K => "q5_K",
             SynthType::Q6_K => "q6_K",
             SynthType::MXFP4 => "mxfp4",
+            SynthType::IQ2_XXS => "iq2_xxs",
+            SynthType::IQ3_S => "iq3_s",
+            SynthType::IQ4_XS => "iq4_xs",
         }
     }
 
@@ -217,6 +244,8 @@ pub enum SynthArch {
     /// `gpt-oss`: biased attention with a sink per head, alternating sliding-window layers,
     /// YaRN, biased experts in MXFP4.
     GptOss,
+    /// `llama` without experts: a dense model (Mistral 7B's shapes).
+    Llama,
 }
 
 impl SynthArch {
@@ -225,7 +254,7 @@ impl SynthArch {
         match self {
             SynthArch::Qwen3Moe => "qwen3moe",
             SynthArch::Deepseek2 => "deepseek2",
-            SynthArch::Mixtral => "llama",
+            SynthArch::Mixtral | SynthArch::Llama => "llama",
             SynthArch::GptOss => "gpt-oss",
         }
     }
@@ -234,12 +263,57 @@ impl SynthArch {
     pub fn pre_tokenizer(self) -> PreTokenizer {
         match self {
             SynthArch::Qwen3Moe | SynthArch::GptOss => PreTokenizer::Qwen2,
-            SynthArch::Deepseek2 | SynthArch::Mixtral => PreTokenizer::Smollm,
+            SynthArch::Deepseek2 | SynthArch::Mixtral | SynthArch::Llama => PreTokenizer::Smollm,
         }
     }
 }
 
-/// The experts of a shape.
+/// How a shape's tensors are typed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mix {
+    /// `llama-quantize`'s `Q4_K_M` rules (see the module docs).
+    Q4KM,
+    /// gpt-oss's published files: MXFP4 experts, `Q8_0` other matrices.
+    Mxfp4Moe,
+    /// `llama-quantize --pure`: every matrix of this type (F16 where its rows are not whole
+    /// blocks), norms F32.
+    Pure(SynthType),
+}
+
+impl Mix {
+    /// `general.file_type` (llama.cpp's `enum llama_ftype`).
+    pub fn file_type(self) -> u32 {
+        match self {
+            Mix::Q4KM => FILE_TYPE_Q4_K_M,
+            Mix::Mxfp4Moe => FILE_TYPE_MXFP4_MOE,
+            Mix::Pure(t) => match t {
+                SynthType::F32 => 0,
+                SynthType::F16 => 1,
+                SynthType::Q5_0 => 8,
+                SynthType::Q5_1 => 9,
+                SynthType::Q8_0 => 7,
+                SynthType::Q4_K => 15,
+                SynthType::Q5_K => 17,
+                SynthType::Q6_K => 18,
+                SynthType::IQ2_XXS => 19,
+                SynthType::IQ3_S => 26,
+                SynthType::IQ4_XS => 30,
+                SynthType::MXFP4 => FILE_TYPE_MXFP4_MOE,
+            },
+        }
+    }
+
+    /// How the mix is named in the file's description.
+    fn describe(self) -> String {
+        match self {
+            Mix::Q4KM => "a Q4_K_M-like mix".into(),
+            Mix::Mxfp4Moe => "MXFP4 experts".into(),
+            Mix::Pure(t) => format!("every matrix {}", t.name()),
+        }
+    }
+}
+
+/// The experts of a shape (a count of 0: a dense model).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Experts {
     /// Routed experts per layer.
@@ -328,6 +402,8 @@ pub struct Shape {
     pub mla: Option<Mla>,
     /// YaRN scaling, where the model has it.
     pub yarn: Option<Yarn>,
+    /// How the tensors are typed.
+    pub mix: Mix,
     /// Seed of the random weights.
     pub seed: u64,
 }
@@ -340,7 +416,7 @@ impl Shape {
 
     /// Whether layer `l` routes through experts (else it has a dense FFN).
     pub fn is_moe_layer(&self, l: usize) -> bool {
-        l >= self.experts.leading_dense
+        self.experts.count > 0 && l >= self.experts.leading_dense
     }
 
     /// `general.name`: the shape and its depth.
@@ -463,6 +539,23 @@ fn gpt_oss_types(tensors: &[(String, Vec<u64>)]) -> Vec<SynthType> {
         .collect()
 }
 
+/// `llama-quantize --pure`'s types: `ty` for every tensor it quantizes (F16 where the rows
+/// are not whole blocks of `ty`), F32 for the rest.
+fn pure_types(ty: SynthType, tensors: &[(String, Vec<u64>)]) -> Vec<SynthType> {
+    tensors
+        .iter()
+        .map(|(name, ne)| {
+            if !allows_quantization(name, ne) {
+                SynthType::F32
+            } else if ne[0].is_multiple_of(ty.block_size()) {
+                ty
+            } else {
+                SynthType::F16
+            }
+        })
+        .collect()
+}
+
 /// The shapes this module writes (see the module docs).
 pub fn shapes() -> Vec<Shape> {
     vec![
@@ -494,6 +587,7 @@ pub fn shapes() -> Vec<Shape> {
             },
             mla: None,
             yarn: None,
+            mix: Mix::Q4KM,
             seed: 0x5157_3330,
         },
         Shape {
@@ -535,6 +629,7 @@ pub fn shapes() -> Vec<Shape> {
                 beta_slow: 1.0,
                 log_multiplier: 0.1 * 0.707,
             }),
+            mix: Mix::Q4KM,
             seed: 0x4453_5632,
         },
         Shape {
@@ -565,6 +660,7 @@ pub fn shapes() -> Vec<Shape> {
             },
             mla: None,
             yarn: None,
+            mix: Mix::Q4KM,
             seed: 0x4d58_3837,
         },
         Shape {
@@ -601,9 +697,48 @@ pub fn shapes() -> Vec<Shape> {
                 beta_slow: 1.0,
                 log_multiplier: 0.0,
             }),
+            mix: Mix::Mxfp4Moe,
             seed: 0x4f53_5331,
         },
+        mistral_7b("mistral-7b-8l-iq2_xxs", SynthType::IQ2_XXS, 0x4d37_4932),
+        mistral_7b("mistral-7b-8l-iq3_s", SynthType::IQ3_S, 0x4d37_4933),
+        mistral_7b("mistral-7b-8l-iq4_xs", SynthType::IQ4_XS, 0x4d37_4934),
     ]
+}
+
+/// Mistral 7B's shapes at 8 of its 32 layers, every matrix of type `ty`.
+fn mistral_7b(name: &'static str, ty: SynthType, seed: u64) -> Shape {
+    Shape {
+        name,
+        aliases: &[],
+        model: "Mistral-7B",
+        arch: SynthArch::Llama,
+        n_layer: 8,
+        model_layers: 32,
+        hidden: 4096,
+        n_head: 32,
+        n_kv_head: 8,
+        head_dim: 128,
+        ffn: 14_336,
+        vocab: 32_000,
+        context_length: 32_768,
+        rope_theta: 1e6,
+        rms_eps: 1e-5,
+        experts: Experts {
+            count: 0,
+            used: 0,
+            ffn: None,
+            shared: 0,
+            leading_dense: 0,
+            gating_func: None,
+            weights_scale: None,
+            weights_norm: None,
+        },
+        mla: None,
+        yarn: None,
+        mix: Mix::Pure(ty),
+        seed,
+    }
 }
 
 /// The shape called `name` (or with that alias).
@@ -858,19 +993,14 @@ fn metadata(s: &Shape) -> GgufWriter {
             "general.description",
             format!(
                 "Synthetic benchmark file from shoal-testkit: {}'s shapes at {} of {} layers with \
-                 a Q4_K_M-like mix and random weights. Speed figures are real; generated text is \
-                 meaningless.",
-                s.model, s.n_layer, s.model_layers
+                 {} and random weights. Speed figures are real; generated text is meaningless.",
+                s.model,
+                s.n_layer,
+                s.model_layers,
+                s.mix.describe()
             ),
         )
-        .add_kv(
-            "general.file_type",
-            if s.arch == SynthArch::GptOss {
-                FILE_TYPE_MXFP4_MOE
-            } else {
-                FILE_TYPE_Q4_K_M
-            },
-        )
+        .add_kv("general.file_type", s.mix.file_type())
         .add_kv("general.quantization_version", 2u32)
         .add_kv(k("block_count"), u(s.n_layer))
         .add_kv(k("context_length"), u(s.context_length))
@@ -883,9 +1013,11 @@ fn metadata(s: &Shape) -> GgufWriter {
         )
         .add_kv(k("rope.freq_base"), s.rope_theta)
         .add_kv(k("attention.layer_norm_rms_epsilon"), s.rms_eps)
-        .add_kv(k("vocab_size"), u(s.vocab))
-        .add_kv(k("expert_count"), u(s.experts.count))
-        .add_kv(k("expert_used_count"), u(s.experts.used));
+        .add_kv(k("vocab_size"), u(s.vocab));
+    if s.experts.count > 0 {
+        w.add_kv(k("expert_count"), u(s.experts.count))
+            .add_kv(k("expert_used_count"), u(s.experts.used));
+    }
     if let Some(eff) = s.experts.ffn {
         w.add_kv(k("expert_feed_forward_length"), u(eff));
     }
@@ -972,20 +1104,28 @@ impl SynthPlan {
                 s.vocab
             ));
         }
-        if s.hidden == 0 || s.n_head == 0 || s.n_layer == 0 || s.experts.count == 0 {
-            return bad("hidden, heads, layers and experts must be above 0".into());
+        if s.hidden == 0 || s.n_head == 0 || s.n_layer == 0 {
+            return bad("hidden, heads and layers must be above 0".into());
         }
-        if s.experts.used == 0 || s.experts.used > s.experts.count {
+        let dense = s.arch == SynthArch::Llama;
+        if dense != (s.experts.count == 0) {
+            return bad(format!(
+                "{} experts in a {} shape",
+                s.experts.count,
+                if dense { "dense" } else { "mixture-of-experts" }
+            ));
+        }
+        if !dense && (s.experts.used == 0 || s.experts.used > s.experts.count) {
             return bad(format!(
                 "uses {} of {} experts",
                 s.experts.used, s.experts.count
             ));
         }
         let list = s.tensors();
-        let types = if s.arch == SynthArch::GptOss {
-            gpt_oss_types(&list)
-        } else {
-            q4_k_m_types(s.n_layer, s.experts.count, &list)
+        let types = match s.mix {
+            Mix::Mxfp4Moe => gpt_oss_types(&list),
+            Mix::Q4KM => q4_k_m_types(s.n_layer, s.experts.count, &list),
+            Mix::Pure(t) => pure_types(t, &list),
         };
         let alignment = u64::from(GGUF_DEFAULT_ALIGNMENT);
         let mut tensors = Vec::with_capacity(list.len());
@@ -1361,6 +1501,19 @@ fn fill_blocks(ty: SynthType, fill: Fill, rng: &mut SplitMix64, buf: &mut [u8]) 
                 block[0] = MXFP4_SCALE_EXPONENT;
             }
         }
+        SynthType::IQ2_XXS => GridIquant::Iq2Xxs.fill_random(rng, buf),
+        SynthType::IQ3_S => GridIquant::Iq3S.fill_random(rng, buf),
+        SynthType::IQ4_XS => {
+            // d * (ls - 32) * grid[q]: 6-bit scales ls and codes q uniform (random bytes)
+            random_bytes(rng, buf);
+            let grid_rms = (IQ4_GRID.iter().map(|&g| f32::from(g).powi(2)).sum::<f32>()
+                / IQ4_GRID.len() as f32)
+                .sqrt();
+            let d = h(sigma / (uniform_int_rms(-32.0, 64.0) * grid_rms));
+            for block in buf.chunks_exact_mut(136) {
+                block[..2].copy_from_slice(&d);
+            }
+        }
         SynthType::Q6_K => {
             // d * scale * (q - 32), q uniform in 0..64, scales of random sign
             random_bytes(rng, buf);
@@ -1561,6 +1714,7 @@ mod tests {
                 beta_slow: 1.0,
                 log_multiplier: 0.0707,
             }),
+            mix: Mix::Q4KM,
             seed: 7,
         }
     }
@@ -1695,8 +1849,87 @@ mod tests {
                 beta_slow: 1.0,
                 log_multiplier: 0.0,
             }),
+            mix: Mix::Mxfp4Moe,
             ..tiny()
         }
+    }
+
+    /// A dense `--pure` file: every matrix of its type, norms F32, no expert keys, and the
+    /// blocks scaled as documented.
+    #[test]
+    fn pure_dense_files_hold_every_matrix_in_one_type() {
+        let shape = Shape {
+            name: "tiny-dense",
+            arch: SynthArch::Llama,
+            n_layer: 2,
+            hidden: 256,
+            n_head: 4,
+            n_kv_head: 2,
+            head_dim: 64,
+            ffn: 512,
+            experts: Experts {
+                count: 0,
+                used: 0,
+                ffn: None,
+                shared: 0,
+                leading_dense: 0,
+                gating_func: None,
+                weights_scale: None,
+                weights_norm: None,
+            },
+            mla: None,
+            yarn: None,
+            mix: Mix::Pure(SynthType::IQ4_XS),
+            ..tiny()
+        };
+        let plan = SynthPlan::new(&shape).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dense.gguf");
+        plan.write(&path, |_, _| {}).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let parsed = parse(&bytes).unwrap();
+        let kv = |k: &str| {
+            parsed
+                .kvs
+                .iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(kv("general.file_type"), Some(GgufValue::U32(30)));
+        assert_eq!(kv("llama.expert_count"), None);
+        for t in &plan.tensors {
+            let want = if t.ne.len() == 1 {
+                SynthType::F32
+            } else {
+                SynthType::IQ4_XS
+            };
+            assert_eq!(t.ty, want, "{}", t.name);
+            assert!(!t.name.contains("exps"), "{}", t.name);
+            if t.ty == SynthType::IQ4_XS {
+                let start = (plan.data_start() + t.offset) as usize;
+                let v = decode(t.ty, &bytes[start..start + t.size as usize]);
+                let n = v.len() as f64;
+                let sd = (v.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / n).sqrt();
+                assert!(
+                    (sd / WEIGHT_STD as f64 - 1.0).abs() < 0.1,
+                    "{} sd {sd}",
+                    t.name
+                );
+            }
+        }
+        assert_eq!(plan.active_bytes_per_token(), {
+            let blocks: u64 = plan
+                .tensors
+                .iter()
+                .filter(|t| t.name.starts_with("blk."))
+                .map(|t| t.size)
+                .sum();
+            blocks + plan.tensors.last().unwrap().size
+        });
+        // a dense shape with experts, and a mixture without, are refused
+        let mut bad = shape.clone();
+        bad.experts.count = 2;
+        assert!(SynthPlan::new(&bad).is_err());
     }
 
     #[test]
@@ -1778,6 +2011,10 @@ mod tests {
             SynthType::Q4_K => dequantize(GgmlType::Q4_K, data, n(144, 256)).unwrap(),
             SynthType::Q6_K => dequantize(GgmlType::Q6_K, data, n(210, 256)).unwrap(),
             SynthType::MXFP4 => dequantize(GgmlType::MXFP4, data, n(17, 32)).unwrap(),
+            SynthType::IQ4_XS => dequantize(GgmlType::IQ4_XS, data, n(136, 256)).unwrap(),
+            SynthType::IQ2_XXS | SynthType::IQ3_S => {
+                panic!("the kit has no decoder for {ty:?}; the engine's tests read these blocks")
+            }
             SynthType::Q5_0 | SynthType::Q5_1 => {
                 let bb = ty.block_bytes() as usize;
                 let mut out = Vec::new();
@@ -1852,6 +2089,7 @@ mod tests {
             SynthType::Q4_K,
             SynthType::Q5_K,
             SynthType::Q6_K,
+            SynthType::IQ4_XS,
         ];
         for ty in types {
             let mut rng = SplitMix64::new(ty.id() as u64);
@@ -1872,11 +2110,16 @@ mod tests {
         for s in shapes() {
             let plan = SynthPlan::new(&s).unwrap();
             assert_eq!(shape(s.name).unwrap().name, s.name);
-            // files of 6-11 GB, read per token well below that
+            let dense_model = s.experts.count == 0;
+            // mixtures of experts: files of 6-11 GB, read per token well below that; the
+            // dense files are under 2 GB, read whole but for the embedding
             let gb = plan.total_len as f64 / 1e9;
-            assert!((5.0..12.0).contains(&gb), "{} {gb}", s.name);
+            let sizes = if dense_model { 0.3..2.0 } else { 5.0..12.0 };
+            assert!(sizes.contains(&gb), "{} {gb}", s.name);
             let active = plan.active_bytes_per_token();
-            assert!(active < plan.total_len / 2, "{}", s.name);
+            if !dense_model {
+                assert!(active < plan.total_len / 2, "{}", s.name);
+            }
             // the bytes per token by hand: dense parts plus used/count of the experts
             let dense: u64 = plan
                 .tensors
@@ -1892,9 +2135,12 @@ mod tests {
                 .sum();
             let head = plan.tensors.last().unwrap();
             assert_eq!(head.name, "output.weight");
-            let want = dense as f64
-                + experts as f64 * s.experts.used as f64 / s.experts.count as f64
-                + head.size as f64;
+            let routed_share = if dense_model {
+                0.0
+            } else {
+                s.experts.used as f64 / s.experts.count as f64
+            };
+            let want = dense as f64 + experts as f64 * routed_share + head.size as f64;
             assert!(
                 (active as f64 - want).abs() < plan.tensors.len() as f64,
                 "{}",

@@ -63,11 +63,17 @@ fn run(args: &[String]) -> Result<(), String> {
             for (ty, (n, bytes)) in p.bytes_by_type() {
                 println!("  {:<5} {n:>5} tensors {:>14} bytes", ty.name(), bytes);
             }
+            let routed = if p.shape.experts.count == 0 {
+                "every block tensor".to_string()
+            } else {
+                format!(
+                    "blocks with routed experts at {}/{}",
+                    p.shape.experts.used, p.shape.experts.count
+                )
+            };
             println!(
-                "  active bytes per token: {} (blocks with routed experts at {}/{}, plus output)",
-                p.active_bytes_per_token(),
-                p.shape.experts.used,
-                p.shape.experts.count
+                "  active bytes per token: {} ({routed}, plus output)",
+                p.active_bytes_per_token()
             );
             for line in p.mix_lines() {
                 println!("  {line}");
