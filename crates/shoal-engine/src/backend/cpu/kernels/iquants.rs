@@ -31,13 +31,27 @@ use super::iq_grids::{IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, 
 /// The eight signs (bit `j` set: value `j` is negative) of 7-bit sign code `code`: its seven
 /// bits, and an eighth that makes the number of set bits even.
 #[inline]
-pub fn signs_of(code: u32) -> u8 {
+pub const fn signs_of(code: u32) -> u8 {
     let c = (code & 127) as u8;
     c | (((c.count_ones() & 1) as u8) << 7)
 }
 
 /// For each sign byte, a mask with byte `j` all ones where bit `j` is set.
-const SIGN_MASKS: [u64; 256] = sign_masks();
+static SIGN_MASKS: [u64; 256] = sign_masks();
+
+/// For each 7-bit sign code, the mask of its eight signs ([`signs_of`]).
+static EVEN_SIGN_MASKS: [u64; 128] = even_sign_masks();
+
+const fn even_sign_masks() -> [u64; 128] {
+    let all = sign_masks();
+    let mut t = [0u64; 128];
+    let mut c = 0;
+    while c < 128 {
+        t[c] = all[signs_of(c as u32) as usize];
+        c += 1;
+    }
+    t
+}
 
 const fn sign_masks() -> [u64; 256] {
     let mut t = [0u64; 256];
@@ -55,16 +69,14 @@ const fn sign_masks() -> [u64; 256] {
     t
 }
 
-/// Eight magnitudes (the bytes of `grid`, each 1 to 127) under `signs`, written to `out`.
-/// Bytewise in one u64: a negated byte is `(g ^ 0xFF) + 1`, which never carries into the
-/// next byte since `g` is at least 1.
+/// Eight magnitudes (the bytes of `grid`, each 1 to 127) negated where the bytes of the
+/// mask `m` are all ones, written to `out` (eight long). Bytewise in one u64: a negated byte
+/// is `(g ^ 0xFF) + 1`, which never carries into the next byte since `g` is at least 1.
 #[inline]
-fn signed(grid: u64, signs: u8, out: &mut [i8]) {
-    let m = SIGN_MASKS[signs as usize];
+fn signed(grid: u64, m: u64, out: &mut [i8]) {
     let v = (grid ^ m).wrapping_add(m & 0x0101_0101_0101_0101);
-    for (o, b) in out.iter_mut().zip(v.to_le_bytes()) {
-        *o = b as i8;
-    }
+    let bytes = v.to_le_bytes().map(|b| b as i8);
+    out[..8].copy_from_slice(&bytes);
 }
 
 #[inline]
@@ -77,6 +89,155 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
+/// One 32-value group of a lattice i-quant block (every grid type but IQ1's): four grid
+/// points of eight magnitudes (1 to 127, as the bytes of a u64, value 0 lowest), a mask per
+/// point with byte `j` all ones where value `j` is negative, and the odd integer scales
+/// (at most 31) of the group's two halves of 16 values: value `i` is
+/// `FACTOR d scales[i / 16] (±mags)`.
+#[derive(Debug, Clone, Copy)]
+pub struct Group {
+    /// The magnitudes, eight values a word.
+    pub mags: [u64; 4],
+    /// The sign masks, eight values a word.
+    pub minus: [u64; 4],
+    /// The scales of values 0-15 and 16-31.
+    pub scales: [i32; 2],
+}
+
+/// A lattice i-quant: how its blocks read as eight [`Group`]s. The kernels read blocks
+/// group by group through this (inlined into each kernel, so the type is known there).
+pub trait Lattice {
+    /// The type.
+    const TYPE: WeightType;
+    /// A block's unit, as a fraction of its `d`.
+    const FACTOR: f32;
+    /// Group `g` (0..8) of block `b`.
+    fn group(b: &[u8], g: usize) -> Group;
+}
+
+/// IQ2_XXS.
+pub struct Iq2Xxs;
+/// IQ2_XS.
+pub struct Iq2Xs;
+/// IQ2_S.
+pub struct Iq2S;
+/// IQ3_XXS.
+pub struct Iq3Xxs;
+/// IQ3_S.
+pub struct Iq3S;
+
+/// The sign mask of 7-bit sign code `code` (its low seven bits), with the eighth sign that
+/// makes the count of minus signs even ([`signs_of`]).
+#[inline(always)]
+fn code_mask(code: u32) -> u64 {
+    EVEN_SIGN_MASKS[(code & 127) as usize]
+}
+
+impl Lattice for Iq2Xxs {
+    const TYPE: WeightType = WeightType::Iq2Xxs;
+    // d (0.5 + s) / 4 = d / 8 (2 s + 1)
+    const FACTOR: f32 = 0.125;
+    #[inline(always)]
+    fn group(b: &[u8], g: usize) -> Group {
+        let at = 2 + 8 * g;
+        let aux = u32_at(b, at + 4);
+        let s = 2 * (aux >> 28) as i32 + 1;
+        Group {
+            mags: std::array::from_fn(|l| IQ2XXS_GRID[b[at + l] as usize]),
+            minus: std::array::from_fn(|l| code_mask(aux >> (7 * l))),
+            scales: [s, s],
+        }
+    }
+}
+
+impl Lattice for Iq2Xs {
+    const TYPE: WeightType = WeightType::Iq2Xs;
+    const FACTOR: f32 = 0.125;
+    #[inline(always)]
+    fn group(b: &[u8], g: usize) -> Group {
+        let sc = b[66 + g] as i32;
+        let q: [u32; 4] = std::array::from_fn(|l| u16_at(b, 2 + 2 * (4 * g + l)));
+        Group {
+            mags: std::array::from_fn(|l| IQ2XS_GRID[(q[l] & 511) as usize]),
+            minus: std::array::from_fn(|l| code_mask(q[l] >> 9)),
+            scales: [2 * (sc & 0xF) + 1, 2 * (sc >> 4) + 1],
+        }
+    }
+}
+
+impl Lattice for Iq2S {
+    const TYPE: WeightType = WeightType::Iq2S;
+    const FACTOR: f32 = 0.125;
+    #[inline(always)]
+    fn group(b: &[u8], g: usize) -> Group {
+        let sc = b[74 + g] as i32;
+        let high = b[66 + g] as usize;
+        Group {
+            mags: std::array::from_fn(|l| {
+                IQ2S_GRID[b[2 + 4 * g + l] as usize | ((high << (8 - 2 * l)) & 0x300)]
+            }),
+            minus: std::array::from_fn(|l| SIGN_MASKS[b[34 + 4 * g + l] as usize]),
+            scales: [2 * (sc & 0xF) + 1, 2 * (sc >> 4) + 1],
+        }
+    }
+}
+
+impl Lattice for Iq3Xxs {
+    const TYPE: WeightType = WeightType::Iq3Xxs;
+    // d (0.5 + s) / 2 = d / 4 (2 s + 1)
+    const FACTOR: f32 = 0.25;
+    #[inline(always)]
+    fn group(b: &[u8], g: usize) -> Group {
+        let aux = u32_at(b, 66 + 4 * g);
+        let s = 2 * (aux >> 28) as i32 + 1;
+        Group {
+            mags: std::array::from_fn(|l| {
+                let q = 2 + 8 * g + 2 * l;
+                IQ3XXS_GRID[b[q] as usize] as u64 | (IQ3XXS_GRID[b[q + 1] as usize] as u64) << 32
+            }),
+            minus: std::array::from_fn(|l| code_mask(aux >> (7 * l))),
+            scales: [s, s],
+        }
+    }
+}
+
+impl Lattice for Iq3S {
+    const TYPE: WeightType = WeightType::Iq3S;
+    // d (1 + 2 s)
+    const FACTOR: f32 = 1.0;
+    #[inline(always)]
+    fn group(b: &[u8], g: usize) -> Group {
+        let sc = (b[106 + g / 2] >> (4 * (g % 2))) & 0xF;
+        let s = 2 * sc as i32 + 1;
+        let qh = b[66 + g] as usize;
+        Group {
+            mags: std::array::from_fn(|l| {
+                let q = 2 + 8 * g + 2 * l;
+                let i1 = b[q] as usize | ((qh << (8 - 2 * l)) & 256);
+                let i2 = b[q + 1] as usize | ((qh << (7 - 2 * l)) & 256);
+                IQ3S_GRID[i1] as u64 | (IQ3S_GRID[i2] as u64) << 32
+            }),
+            minus: std::array::from_fn(|l| SIGN_MASKS[b[74 + 4 * g + l] as usize]),
+            scales: [s, s],
+        }
+    }
+}
+
+/// Decodes a lattice type's block `b` into `vals` and `scales`.
+fn decode_lattice<L: Lattice>(b: &[u8], vals: &mut [i8; QK_K], scales: &mut [f32; 16]) {
+    let unit = L::FACTOR * f16_at(b, 0);
+    for g in 0..QK_K / 32 {
+        let group = L::group(b, g);
+        for h in 0..2 {
+            scales[2 * g + h] = unit * group.scales[h] as f32;
+        }
+        for l in 0..4 {
+            let o = 32 * g + 8 * l;
+            signed(group.mags[l], group.minus[l], &mut vals[o..o + 8]);
+        }
+    }
+}
+
 /// Decodes one block `b` of i-quant type `ty` into `vals` and `scales` (value `i` is
 /// `scales[i / 16] * vals[i]`).
 ///
@@ -84,78 +245,11 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
 /// When `ty` is not an i-quant of this module or `b` is shorter than its block.
 pub fn decode(ty: WeightType, b: &[u8], vals: &mut [i8; QK_K], scales: &mut [f32; 16]) {
     match ty {
-        WeightType::Iq2Xxs => {
-            let d = f16_at(b, 0);
-            for ib in 0..8 {
-                let at = 2 + 8 * ib;
-                let aux = u32_at(b, at + 4);
-                let s = d * (0.5 + (aux >> 28) as f32) * 0.25;
-                scales[2 * ib] = s;
-                scales[2 * ib + 1] = s;
-                for l in 0..4 {
-                    let grid = IQ2XXS_GRID[b[at + l] as usize];
-                    let o = 32 * ib + 8 * l;
-                    signed(grid, signs_of(aux >> (7 * l)), &mut vals[o..o + 8]);
-                }
-            }
-        }
-        WeightType::Iq2Xs | WeightType::Iq2S => {
-            let d = f16_at(b, 0);
-            let scale_at = if ty == WeightType::Iq2Xs { 66 } else { 74 };
-            for ib in 0..8 {
-                let sc = b[scale_at + ib];
-                scales[2 * ib] = d * (0.5 + (sc & 0xF) as f32) * 0.25;
-                scales[2 * ib + 1] = d * (0.5 + (sc >> 4) as f32) * 0.25;
-                for l in 0..4 {
-                    let (grid, signs) = if ty == WeightType::Iq2Xs {
-                        let q = u16_at(b, 2 + 2 * (4 * ib + l));
-                        (IQ2XS_GRID[(q & 511) as usize], signs_of(q >> 9))
-                    } else {
-                        let high = ((b[66 + ib] as usize) << (8 - 2 * l)) & 0x300;
-                        let index = b[2 + 4 * ib + l] as usize | high;
-                        (IQ2S_GRID[index], b[34 + 4 * ib + l])
-                    };
-                    let o = 32 * ib + 8 * l;
-                    signed(grid, signs, &mut vals[o..o + 8]);
-                }
-            }
-        }
-        WeightType::Iq3Xxs => {
-            let d = f16_at(b, 0);
-            for ib in 0..8 {
-                let aux = u32_at(b, 66 + 4 * ib);
-                let s = d * (0.5 + (aux >> 28) as f32) * 0.5;
-                scales[2 * ib] = s;
-                scales[2 * ib + 1] = s;
-                for l in 0..4 {
-                    let signs = signs_of(aux >> (7 * l));
-                    let q = 2 + 8 * ib + 2 * l;
-                    let grid = IQ3XXS_GRID[b[q] as usize] as u64
-                        | (IQ3XXS_GRID[b[q + 1] as usize] as u64) << 32;
-                    let o = 32 * ib + 8 * l;
-                    signed(grid, signs, &mut vals[o..o + 8]);
-                }
-            }
-        }
-        WeightType::Iq3S => {
-            let d = f16_at(b, 0);
-            for ib in 0..8 {
-                let sc = (b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF;
-                let s = d * (1 + 2 * sc as u32) as f32;
-                scales[2 * ib] = s;
-                scales[2 * ib + 1] = s;
-                let qh = b[66 + ib] as usize;
-                for l in 0..4 {
-                    let q = 2 + 8 * ib + 2 * l;
-                    let i1 = b[q] as usize | ((qh << (8 - 2 * l)) & 256);
-                    let i2 = b[q + 1] as usize | ((qh << (7 - 2 * l)) & 256);
-                    let signs = b[74 + 4 * ib + l];
-                    let o = 32 * ib + 8 * l;
-                    let grid = IQ3S_GRID[i1] as u64 | (IQ3S_GRID[i2] as u64) << 32;
-                    signed(grid, signs, &mut vals[o..o + 8]);
-                }
-            }
-        }
+        WeightType::Iq2Xxs => decode_lattice::<Iq2Xxs>(b, vals, scales),
+        WeightType::Iq2Xs => decode_lattice::<Iq2Xs>(b, vals, scales),
+        WeightType::Iq2S => decode_lattice::<Iq2S>(b, vals, scales),
+        WeightType::Iq3Xxs => decode_lattice::<Iq3Xxs>(b, vals, scales),
+        WeightType::Iq3S => decode_lattice::<Iq3S>(b, vals, scales),
         WeightType::Iq1S => {
             let d = f16_at(b, 0);
             for ib in 0..8 {
@@ -238,7 +332,7 @@ mod tests {
         let grid = u64::from_le_bytes([1, 8, 25, 43, 62, 127, 4, 15]);
         for signs in 0..=255u8 {
             let mut out = [0i8; 8];
-            signed(grid, signs, &mut out);
+            signed(grid, SIGN_MASKS[signs as usize], &mut out);
             for (j, (&o, g)) in out.iter().zip(grid.to_le_bytes()).enumerate() {
                 let want = if signs >> j & 1 == 1 {
                     -(g as i8)
@@ -256,6 +350,7 @@ mod tests {
             let s = signs_of(code);
             assert_eq!(s & 127, code as u8);
             assert_eq!(s.count_ones() % 2, 0, "{code}");
+            assert_eq!(code_mask(code), SIGN_MASKS[s as usize], "{code}");
         }
         // ggml's ksigns_iq2xs begins 0, 129, 130, 3, 132, 5, 6, 135
         assert_eq!(

@@ -81,7 +81,7 @@ unsafe fn prefetch_quarter_half(t: *const u8, len: usize, part: usize, half: usi
 /// loses pace at page boundaries. A prefetch never faults, even past the end.
 #[inline]
 #[target_feature(enable = "sse")]
-unsafe fn prefetch_block(t: *const u8, len: usize, pf: Prefetch) {
+pub(super) unsafe fn prefetch_block(t: *const u8, len: usize, pf: Prefetch) {
     prefetch_lines(t, pf.block, pf.l2, len.div_ceil(64), 0);
 }
 
