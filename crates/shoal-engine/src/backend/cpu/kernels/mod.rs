@@ -533,6 +533,10 @@ type Kern<A, const N: usize> = unsafe fn(&[u8], [&[A]; N]) -> [f32; N];
 struct KernPair<A: 'static> {
     one: Kern<A, 1>,
     four: Kern<A, 4>,
+    /// Where the type has one, a kernel over sixteen activation rows: for types whose blocks
+    /// cost more to read than to multiply (the grid i-quants), each block is read once per
+    /// sixteen rows.
+    sixteen: Option<Kern<A, 16>>,
 }
 
 macro_rules! pick {
@@ -542,16 +546,36 @@ macro_rules! pick {
             Isa::Avx512Vnni => KernPair {
                 one: x86::avx512vnni::$f::<1>,
                 four: x86::avx512vnni::$f::<4>,
+                sixteen: None,
             },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => KernPair {
                 one: x86::avx2::$f::<1>,
                 four: x86::avx2::$f::<4>,
+                sixteen: None,
             },
-            _ => KernPair {
-                one: portable::$f::<1>,
-                four: portable::$f::<4>,
+            _ => portable!($f),
+        }
+    };
+}
+
+/// As [`pick!`], with the level's sixteen-row kernel.
+macro_rules! pick_sixteen {
+    ($isa:expr, $f:ident) => {
+        match $isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => KernPair {
+                one: x86::avx512vnni::$f::<1>,
+                four: x86::avx512vnni::$f::<4>,
+                sixteen: Some(x86::avx512vnni::$f::<16>),
             },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => KernPair {
+                one: x86::avx2::$f::<1>,
+                four: x86::avx2::$f::<4>,
+                sixteen: Some(x86::avx2::$f::<16>),
+            },
+            _ => portable!($f),
         }
     };
 }
@@ -561,6 +585,7 @@ macro_rules! portable {
         KernPair {
             one: portable::$f::<1>,
             four: portable::$f::<4>,
+            sixteen: None,
         }
     };
 }
@@ -1079,20 +1104,22 @@ impl QuantMatrix {
                         WeightType::Q4K => KernPair {
                             one: portable::q45k::<1, false>,
                             four: portable::q45k::<4, false>,
+                            sixteen: None,
                         },
                         WeightType::Q5K => KernPair {
                             one: portable::q45k::<1, true>,
                             four: portable::q45k::<4, true>,
+                            sixteen: None,
                         },
                         WeightType::Q2K => portable!(q2k),
                         WeightType::Q3K => portable!(q3k),
-                        WeightType::Iq1S => pick!(isa, iq1s),
-                        WeightType::Iq1M => pick!(isa, iq1m),
-                        WeightType::Iq2Xxs => pick!(isa, iq2xxs),
-                        WeightType::Iq2Xs => pick!(isa, iq2xs),
-                        WeightType::Iq2S => pick!(isa, iq2s),
-                        WeightType::Iq3Xxs => pick!(isa, iq3xxs),
-                        WeightType::Iq3S => pick!(isa, iq3s),
+                        WeightType::Iq1S => pick_sixteen!(isa, iq1s),
+                        WeightType::Iq1M => pick_sixteen!(isa, iq1m),
+                        WeightType::Iq2Xxs => pick_sixteen!(isa, iq2xxs),
+                        WeightType::Iq2Xs => pick_sixteen!(isa, iq2xs),
+                        WeightType::Iq2S => pick_sixteen!(isa, iq2s),
+                        WeightType::Iq3Xxs => pick_sixteen!(isa, iq3xxs),
+                        WeightType::Iq3S => pick_sixteen!(isa, iq3s),
                         _ => portable!(q6k),
                     };
                     self.drive(&acts, self.cols / QK_K, t, y, &k);
@@ -1313,6 +1340,17 @@ impl QuantMatrix {
         for r in rows {
             let w = &self.data[r * self.row_bytes..(r + 1) * self.row_bytes];
             let mut tok = 0;
+            if let Some(sixteen) = k.sixteen {
+                while tok + 16 <= t {
+                    // SAFETY: as for the four-row kernel below.
+                    let o = unsafe { sixteen(w, std::array::from_fn(|j| act(tok + j))) };
+                    for (j, v) in o.into_iter().enumerate() {
+                        // SAFETY: as below.
+                        unsafe { *out.0.add((tok + j) * n + r) = v };
+                    }
+                    tok += 16;
+                }
+            }
             while tok + 4 <= t {
                 // SAFETY: `matmul_with` checked this CPU runs the kernel's level; `w` is whole
                 // blocks and every activation row has `per_row` blocks (or values), as many as

@@ -98,6 +98,8 @@ fn every_type_at_every_level_matches_the_reference() {
             let blocks = if ty.block_elems() == 1 { 67 } else { 3 };
             // t = 6 runs the four-row kernel once and the one-row kernel twice
             check(ty, isa, 5, blocks, 6, 7);
+            // t = 37: the sixteen-row kernel twice (where the type has one), then four and one
+            check(ty, isa, 3, blocks, 37, 13);
             check(ty, isa, 3, blocks, 1, 8);
             // several tiles (pairs of tiles under AVX-512) with a ragged last one; t = 13
             // runs the eight-, four- and one-row kernels
