@@ -21,6 +21,8 @@ mod iq_grids;
 pub mod iquants;
 pub mod math;
 #[cfg(target_arch = "aarch64")]
+mod neon;
+#[cfg(target_arch = "aarch64")]
 mod neon_tiled;
 mod portable;
 mod prefetch;
@@ -559,7 +561,7 @@ macro_rules! pick {
     };
 }
 
-/// As [`pick!`], with the level's sixteen-row kernel.
+/// As [`pick!`] (on arm64 too), with the level's sixteen-row kernel.
 macro_rules! pick_sixteen {
     ($isa:expr, $f:ident) => {
         match $isa {
@@ -574,6 +576,18 @@ macro_rules! pick_sixteen {
                 one: x86::avx2::$f::<1>,
                 four: x86::avx2::$f::<4>,
                 sixteen: Some(x86::avx2::$f::<16>),
+            },
+            #[cfg(target_arch = "aarch64")]
+            Isa::NeonDot => KernPair {
+                one: neon::neondot::$f::<1>,
+                four: neon::neondot::$f::<4>,
+                sixteen: Some(neon::neondot::$f::<16>),
+            },
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => KernPair {
+                one: neon::neon::$f::<1>,
+                four: neon::neon::$f::<4>,
+                sixteen: Some(neon::neon::$f::<16>),
             },
             _ => portable!($f),
         }

@@ -204,7 +204,7 @@ unsafe fn e8m0x4(p: *const u8) -> float32x4_t {
 /// Plain NEON: `acc + sums of four i8 x i8 products` per lane, exact (a product fits i16).
 #[inline]
 #[target_feature(enable = "neon")]
-unsafe fn dot_neon(acc: int32x4_t, q: int8x16_t, y: int8x16_t) -> int32x4_t {
+pub(super) unsafe fn dot_neon(acc: int32x4_t, q: int8x16_t, y: int8x16_t) -> int32x4_t {
     let lo = vpaddlq_s16(vmull_s8(vget_low_s8(q), vget_low_s8(y)));
     let hi = vpaddlq_s16(vmull_high_s8(q, y));
     vaddq_s32(acc, vpaddq_s32(lo, hi))
@@ -213,7 +213,7 @@ unsafe fn dot_neon(acc: int32x4_t, q: int8x16_t, y: int8x16_t) -> int32x4_t {
 /// `dotprod`: the same in one `sdot`.
 #[inline]
 #[target_feature(enable = "neon,dotprod")]
-unsafe fn dot_sdot(mut acc: int32x4_t, q: int8x16_t, y: int8x16_t) -> int32x4_t {
+pub(super) unsafe fn dot_sdot(mut acc: int32x4_t, q: int8x16_t, y: int8x16_t) -> int32x4_t {
     // SAFETY: sdot only reads and writes the named vector registers; the caller's level
     // includes dotprod.
     asm!(
