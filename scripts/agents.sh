@@ -152,11 +152,10 @@ work_done() {
 }
 
 # watch_progress FILE: every 5 s, writes the time (epoch seconds) to FILE when work_done has
-# moved since the last look; runs until killed
+# moved since the last look; runs until killed (the caller writes FILE's first time)
 watch_progress() {
   local last now
   last=$(work_done)
-  date +%s >"$1"
   while sleep 5; do
     now=$(work_done)
     if [ "$now" != "$last" ]; then
@@ -265,6 +264,7 @@ for agent in ${AGENTS//,/ }; do
     before=$(refused)
     t0=$(date +%s)
     rc=0
+    date +%s >"$WORK/progress"
     watch_progress "$WORK/progress" &
     watcher=$!
     run "$agent" "$task" "$dir" "$home" "$out" || rc=$?
