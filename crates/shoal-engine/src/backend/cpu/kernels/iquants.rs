@@ -5,7 +5,7 @@
 //! form both the reference dequantization and the portable dot product read, so the integer
 //! part of a dot product is exact. Every type but IQ1's is also read group by group
 //! ([`Lattice`]: magnitudes, sign masks and integer scales of 32 values), which is what the
-//! x86 kernels multiply with and what [`decode`] builds on for those types.
+//! x86 and NEON kernels multiply with and what [`decode`] builds on for those types.
 //!
 //! Layouts, as ggml stores them (`d` an f16; every multi-byte field little-endian):
 //! - IQ2_XXS (66 bytes): `d`, then per 32 values two u32: four grid indices (bytes) and
