@@ -1,22 +1,22 @@
 //! AArch64 kernels for the grid i-quants, which stay in the row layout: the NEON counterpart
-//! of the lattice kernel in `x86.rs`. Per 32 values of a lattice type (IQ2_XXS, IQ2_XS,
+//! of the kernels in `x86.rs`. Per 32 values of a lattice type (IQ2_XXS, IQ2_XS,
 //! IQ2_S, IQ3_XXS, IQ3_S), the four grid points' magnitudes ([`iquants::Lattice`], at most
 //! 62) as two byte vectors, their sign masks negating the activations (`(q ^ m) - m`; `q`
 //! is never -128), 8-bit dot products (four products summed per 32-bit lane) times each
 //! 16-value half's integer scale, a block's groups summed in 32 bits (at most
 //! 8 x 2 x 31 x 4 x 62 x 127 a lane), then one f32 product a block with its unit and the
-//! row's `d`. Compiled for `neon` and `neondot` with their dot products from `neon_tiled`.
-//! IQ1_S and IQ1_M run the portable kernel at every level. Callers must have checked the CPU
-//! features and that every activation row has a block per block of the weight row.
+//! row's `d`. IQ1_S and IQ1_M decode a block once ([`iquants::decode`]) and take 8-bit dot
+//! products of its values (signed: no sign trick needed). Compiled for `neon` and `neondot`
+//! with their dot products from `neon_tiled`. Callers must have checked the CPU features
+//! and that every activation row has a block per block of the weight row.
 
 #![allow(unsafe_op_in_unsafe_fn)]
 
 use std::arch::aarch64::*;
 
-use super::formats::{f16_at, BlockQ8K, QK_K};
+use super::formats::{f16_at, BlockQ8K, WeightType, QK_K};
 use super::iquants::{self, Lattice};
 use super::neon_tiled::{dot_neon, dot_sdot};
-use super::portable;
 
 /// Eight bytes of `lo` then eight of `hi`, as one vector.
 #[inline]
@@ -68,20 +68,53 @@ macro_rules! neon_row_kernels {
                 core::array::from_fn(|j| vaddvq_f32(acc[j]))
             }
 
-            /// IQ1_S · Q8K: the portable kernel.
+            /// IQ1_S or IQ1_M · Q8K: each block decoded once ([`iquants::decode`], values
+            /// in eighths, at most 9) to 256 small integers and 16 scales, then per 16
+            /// values and activation row one 8-bit dot product, scaled in f32 by the
+            /// group's scale and the row's `d`.
             ///
             /// # Safety
-            /// None beyond the kernels' signature; unsafe to match them.
-            pub unsafe fn iq1s<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
-                portable::iq1s(w, a)
+            /// The CPU has the features; each activation row holds a block per block of `w`.
+            #[target_feature(enable = $features)]
+            unsafe fn iq1<const N: usize>(
+                ty: WeightType,
+                w: &[u8],
+                a: [&[BlockQ8K]; N],
+            ) -> [f32; N] {
+                let mut vals = [0i8; QK_K];
+                let mut scales = [0f32; 16];
+                let mut acc = [vdupq_n_f32(0.0); N];
+                for (i, b) in w.chunks_exact(ty.block_bytes()).enumerate() {
+                    iquants::decode(ty, b, &mut vals, &mut scales);
+                    let rows: [&BlockQ8K; N] = core::array::from_fn(|j| a[j].get_unchecked(i));
+                    for (g, &s) in scales.iter().enumerate() {
+                        let v = vld1q_s8(vals.as_ptr().add(16 * g));
+                        for j in 0..N {
+                            let q = vld1q_s8(rows[j].qs.as_ptr().add(16 * g));
+                            let d = $dot(vdupq_n_s32(0), v, q);
+                            acc[j] = vmlaq_n_f32(acc[j], vcvtq_f32_s32(d), s * rows[j].d);
+                        }
+                    }
+                }
+                core::array::from_fn(|j| vaddvq_f32(acc[j]))
             }
 
-            /// IQ1_M · Q8K: the portable kernel.
+            /// IQ1_S · Q8K.
             ///
             /// # Safety
-            /// None beyond the kernels' signature; unsafe to match them.
+            /// The CPU has the features; each activation row holds a block per block of `w`.
+            #[target_feature(enable = $features)]
+            pub unsafe fn iq1s<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
+                iq1::<N>(WeightType::Iq1S, w, a)
+            }
+
+            /// IQ1_M · Q8K.
+            ///
+            /// # Safety
+            /// The CPU has the features; each activation row holds a block per block of `w`.
+            #[target_feature(enable = $features)]
             pub unsafe fn iq1m<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
-                portable::iq1m(w, a)
+                iq1::<N>(WeightType::Iq1M, w, a)
             }
 
             lattice_kernels! {
