@@ -281,7 +281,8 @@ pub enum Mix {
 }
 
 impl Mix {
-    /// `general.file_type` (llama.cpp's `enum llama_ftype`).
+    /// `general.file_type` (llama.cpp's `enum llama_ftype`; a pure K-quant file as its `_S`
+    /// type, the one that keeps the type for every matrix but the output).
     pub fn file_type(self) -> u32 {
         match self {
             Mix::Q4KM => FILE_TYPE_Q4_K_M,
@@ -292,8 +293,8 @@ impl Mix {
                 SynthType::Q5_0 => 8,
                 SynthType::Q5_1 => 9,
                 SynthType::Q8_0 => 7,
-                SynthType::Q4_K => 15,
-                SynthType::Q5_K => 17,
+                SynthType::Q4_K => 14,
+                SynthType::Q5_K => 16,
                 SynthType::Q6_K => 18,
                 SynthType::IQ2_XXS => 19,
                 SynthType::IQ3_S => 26,
