@@ -31,6 +31,13 @@ use shoal_testkit::{require_oracle, Comparison, GgmlType, OracleRun, TinyModelSp
 /// Prompt ids of the tiny tokenizer's vocabulary.
 const PROMPT: [u32; 10] = [294, 267, 266, 278, 7, 300, 296, 12, 99, 42];
 
+/// A prompt long enough for the batched prefill of the lattice i-quants (sixteen rows or more
+/// per product: their blocks unpacked once per batch on AVX-512 VNNI).
+const LONG_PROMPT: [u32; 27] = [
+    294, 267, 266, 278, 7, 300, 296, 12, 99, 42, 5, 61, 250, 17, 133, 208, 77, 3, 191, 240, 9, 160,
+    31, 284, 120, 56, 1,
+];
+
 /// Tokens llama.cpp generates after the prompt.
 const GENERATE: usize = 8;
 
@@ -156,7 +163,8 @@ fn shoal_matches_llamacpp_on_every_architecture() {
 
 /// The grid i-quants, which the test kit writes as random blocks (see
 /// `shoal_testkit::iquants`): a Llama and a Qwen3 on the K-quant shapes with every matrix
-/// of each type, embedding and output included, give llama.cpp's logits.
+/// of each type, embedding and output included, give llama.cpp's logits, after the test
+/// prompt and after one long enough for the batched prefill ([`LONG_PROMPT`]).
 #[test]
 fn grid_iquant_models_match_llamacpp() {
     let Some(bin) = require_oracle("grid_iquant_models_match_llamacpp") else {
@@ -175,21 +183,25 @@ fn grid_iquant_models_match_llamacpp() {
         let path = dir.path().join(format!("{ty:?}.gguf"));
         let turned = write_grid_iquant_gguf(&spec, ty, spec.seed, &path).unwrap();
         assert!(turned >= 9, "{label}: {turned} matrices turned");
-        let run = oracle(&bin, &path);
-        let (generated, prompt) = compare(&load(&path), &run, QUANTIZED_WIDE);
-        eprintln!(
-            "{label}: worst |shoal - llama.cpp| {:.2e} of the scale over {} generated steps, \
-             {:.2e} over {} prompt positions; {} near-ties excused; llama.cpp generated {:?}",
-            generated.worst_rel,
-            generated.steps,
-            prompt.worst_rel,
-            prompt.steps,
-            generated.excused.len() + prompt.excused.len(),
-            run.generated
-        );
-        for c in [generated, prompt] {
-            if !c.passed() {
-                failed.push(format!("{label}:\n  {}", c.failures.join("\n  ")));
+        let model = load(&path);
+        for tokens in [&PROMPT[..], &LONG_PROMPT[..]] {
+            let run = common::llama_run(&bin, &path, tokens, GENERATE);
+            let (generated, prompt) =
+                common::compare_with_run(&model, &run, tokens, QUANTIZED_WIDE);
+            eprintln!(
+                "{label}: worst |shoal - llama.cpp| {:.2e} of the scale over {} generated steps, \
+                 {:.2e} over {} prompt positions; {} near-ties excused; llama.cpp generated {:?}",
+                generated.worst_rel,
+                generated.steps,
+                prompt.worst_rel,
+                prompt.steps,
+                generated.excused.len() + prompt.excused.len(),
+                run.generated
+            );
+            for c in [generated, prompt] {
+                if !c.passed() {
+                    failed.push(format!("{label}:\n  {}", c.failures.join("\n  ")));
+                }
             }
         }
     }

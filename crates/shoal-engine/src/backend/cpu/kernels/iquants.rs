@@ -113,6 +113,8 @@ pub trait Lattice {
     const TYPE: WeightType;
     /// A block's unit, as a fraction of its `d`.
     const FACTOR: f32;
+    /// Whether both halves of every group share one scale (a scale per 32 values).
+    const PER_32: bool;
     /// Group `g` (0..8) of block `b`.
     fn group(b: &[u8], g: usize) -> Group;
 }
@@ -137,6 +139,7 @@ fn code_mask(code: u32) -> u64 {
 
 impl Lattice for Iq2Xxs {
     const TYPE: WeightType = WeightType::Iq2Xxs;
+    const PER_32: bool = true;
     // d (0.5 + s) / 4 = d / 8 (2 s + 1)
     const FACTOR: f32 = 0.125;
     #[inline(always)]
@@ -154,6 +157,7 @@ impl Lattice for Iq2Xxs {
 
 impl Lattice for Iq2Xs {
     const TYPE: WeightType = WeightType::Iq2Xs;
+    const PER_32: bool = false;
     const FACTOR: f32 = 0.125;
     #[inline(always)]
     fn group(b: &[u8], g: usize) -> Group {
@@ -169,6 +173,7 @@ impl Lattice for Iq2Xs {
 
 impl Lattice for Iq2S {
     const TYPE: WeightType = WeightType::Iq2S;
+    const PER_32: bool = false;
     const FACTOR: f32 = 0.125;
     #[inline(always)]
     fn group(b: &[u8], g: usize) -> Group {
@@ -186,6 +191,7 @@ impl Lattice for Iq2S {
 
 impl Lattice for Iq3Xxs {
     const TYPE: WeightType = WeightType::Iq3Xxs;
+    const PER_32: bool = true;
     // d (0.5 + s) / 2 = d / 4 (2 s + 1)
     const FACTOR: f32 = 0.25;
     #[inline(always)]
@@ -205,6 +211,7 @@ impl Lattice for Iq3Xxs {
 
 impl Lattice for Iq3S {
     const TYPE: WeightType = WeightType::Iq3S;
+    const PER_32: bool = true;
     // d (1 + 2 s)
     const FACTOR: f32 = 1.0;
     #[inline(always)]
@@ -221,6 +228,85 @@ impl Lattice for Iq3S {
             }),
             minus: std::array::from_fn(|l| SIGN_MASKS[b[74 + 4 * g + l] as usize]),
             scales: [s, s],
+        }
+    }
+}
+
+/// The unpacked form of one super-block column of [`UNPACKED_ROWS`] rows of a lattice type,
+/// which the batched x86 kernel reads (`x86_unpacked`): every value as a byte, so a batch of
+/// activation rows meets each weight value with one 8-bit multiply-add instead of rebuilding
+/// it from grid indices and sign codes once per activation row. Built once per super-block
+/// column per batch (a few kilobytes, in L1) and then read by every activation row. Offsets
+/// in bytes:
+/// - [`D`](unpacked::D): each row's unit, `FACTOR d`, as sixteen f32 (exact: `FACTOR` is a
+///   power of two).
+/// - [`SC`](unpacked::SC): the odd integer scales per 16 values as signed bytes, byte
+///   `16 h + r` for half `h` (0..16) of row `r`.
+/// - [`QS`](unpacked::QS): the values, plus 128 (as unsigned bytes, the operand form of an
+///   unsigned-by-signed 8-bit product), interleaved four per row: byte `64 v + 4 r + j` is
+///   value `4 v + j` of row `r`, so one 64-byte vector holds four values of every row.
+///
+/// Rows past the live ones are zero (units, scales and values).
+pub mod unpacked {
+    /// The rows' units.
+    pub const D: usize = 0;
+    /// The scales.
+    pub const SC: usize = 64;
+    /// The values.
+    pub const QS: usize = SC + 16 * super::UNPACKED_ROWS;
+    /// Bytes of one unpacked super-block column.
+    pub const BYTES: usize = QS + super::QK_K * super::UNPACKED_ROWS;
+}
+
+/// Rows of an unpacked super-block column ([`unpacked`]).
+pub const UNPACKED_ROWS: usize = 16;
+
+/// Unpacks one super-block of each of `blocks` (at most [`UNPACKED_ROWS`], each a whole block
+/// of `L`) into `out` ([`unpacked::BYTES`] long) as [`unpacked`] lays it out; rows past
+/// `blocks.len()` are zeroed.
+///
+/// One row's part of an unpacked super-block column: block `b`'s values plus 128 in order
+/// (as the bytes of 32 words) and its scales per 16 values. Kept out of line: inlined into
+/// the AVX-512 unpacking, LLVM turns the grid lookups into slower gathers.
+#[inline(never)]
+pub fn unpack_row<L: Lattice>(b: &[u8], values: &mut [u64; QK_K / 8], scales: &mut [i8; 16]) {
+    const TOP: u64 = 0x8080_8080_8080_8080;
+    for g in 0..QK_K / 32 {
+        let group = L::group(b, g);
+        scales[2 * g] = group.scales[0] as i8;
+        scales[2 * g + 1] = group.scales[1] as i8;
+        for l in 0..4 {
+            let (m, minus) = (group.mags[l], group.minus[l]);
+            // negated bytes as in `signed`, then 128 added (the top bit flipped)
+            values[4 * g + l] = (m ^ minus).wrapping_add(minus & 0x0101_0101_0101_0101) ^ TOP;
+        }
+    }
+}
+
+/// Unpacks one super-block of each of `blocks` (at most [`UNPACKED_ROWS`], each a whole block
+/// of `L`) into `out` ([`unpacked::BYTES`] long) as [`unpacked`] lays it out; rows past
+/// `blocks.len()` are zeroed. The definition the x86 unpacking (`x86_unpacked::unpack`) is
+/// tested against.
+///
+/// # Panics
+/// When there are more blocks than rows, a block is short, or `out` is.
+#[cfg(test)]
+pub fn unpack<L: Lattice>(blocks: &[&[u8]], out: &mut [u8]) {
+    use unpacked::{D, QS, SC};
+    assert!(blocks.len() <= UNPACKED_ROWS && out.len() >= unpacked::BYTES);
+    out[..QS].fill(0);
+    out[QS..unpacked::BYTES].fill(0x80);
+    for (r, &b) in blocks.iter().enumerate() {
+        let unit = L::FACTOR * f16_at(b, 0);
+        out[D + 4 * r..D + 4 * r + 4].copy_from_slice(&unit.to_le_bytes());
+        let (mut values, mut scales) = ([0u64; QK_K / 8], [0i8; 16]);
+        unpack_row::<L>(b, &mut values, &mut scales);
+        for (h, s) in scales.into_iter().enumerate() {
+            out[SC + 16 * h + r] = s as u8;
+        }
+        let bytes: Vec<u8> = values.iter().flat_map(|w| w.to_le_bytes()).collect();
+        for (v, four) in bytes.chunks_exact(4).enumerate() {
+            out[QS + 64 * v + 4 * r..QS + 64 * v + 4 * r + 4].copy_from_slice(four);
         }
     }
 }

@@ -2,17 +2,20 @@
 //! ([`QuantMatrix`]) times a batch of f32 activation rows. Activations are quantized once per
 //! call to 8 bits ([`formats`]), then every weight row meets every activation row through an
 //! integer dot product: one activation row at a time for decode, four at a time for prefill
-//! (each weight block decoded once per four tokens). For SIMD the quantized types are
-//! repacked at load into tiles of eight interleaved rows (`tiled`), so one instruction
-//! serves eight rows. Rows (tiles) are split across the compute pool.
+//! (each weight block decoded once per four tokens; the lattice i-quants, whose blocks cost
+//! more to decode than to multiply, unpack sixteen rows' blocks to bytes once per batch on
+//! AVX-512 VNNI, `x86_unpacked`). For SIMD the quantized types are repacked at load into
+//! tiles of eight interleaved rows (`tiled`), so one instruction serves eight rows. Rows
+//! (tiles) are split across the compute pool.
 //!
 //! The instruction set is chosen at run time ([`Isa`]): AVX-512 VNNI, AVX2, NEON with or
 //! without the 8-bit dot product, or portable Rust, so one binary runs at full speed on any
 //! x86-64 or arm64 machine without `-C target-cpu=native`. `SHOAL_KERNELS` caps the choice
 //! (`portable|avx2|avx512vnni` on x86-64, `portable|neon|neondot` on arm64; for comparisons
 //! and tests). `unsafe` lives only in the intrinsics modules (`x86`, `x86_tiled`,
-//! `x86_wide`, `neon_tiled`), in `buffer`'s chunks shared by several buffers, and in this
-//! module's calls into them and its output pointer, each with a `SAFETY` line.
+//! `x86_wide`, `x86_unpacked`, `neon`, `neon_tiled`), in `buffer`'s chunks shared by several
+//! buffers, and in this module's calls into them and its output pointer, each with a
+//! `SAFETY` line.
 
 mod buffer;
 pub mod formats;
@@ -34,6 +37,8 @@ mod tiled;
 mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_tiled;
+#[cfg(target_arch = "x86_64")]
+mod x86_unpacked;
 #[cfg(target_arch = "x86_64")]
 mod x86_wide;
 
@@ -800,6 +805,10 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
 thread_local! {
     static SCRATCH_Q8: RefCell<Vec<BlockQ8>> = const { RefCell::new(Vec::new()) };
     static SCRATCH_Q8K: RefCell<Vec<BlockQ8K>> = const { RefCell::new(Vec::new()) };
+    /// An unpacked super-block column and the sums of a row group (see [`Unpacked`]).
+    #[cfg(target_arch = "x86_64")]
+    static SCRATCH_UNPACKED: RefCell<(Vec<u8>, Vec<[f32; iquants::UNPACKED_ROWS]>)> =
+        const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// The output matrix, written by several threads at disjoint positions.
@@ -1113,7 +1122,7 @@ impl QuantMatrix {
                 if self.tiled {
                     #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                     self.drive_tiles(&acts, self.cols / QK_K, t, y, &tile_kernels_k(ty, isa));
-                } else {
+                } else if !self.batched_lattice(&acts, t, y) {
                     let k = match ty {
                         WeightType::Q4K => KernPair {
                             one: portable::q45k::<1, false>,
@@ -1386,6 +1395,152 @@ impl QuantMatrix {
                 tok += 1;
             }
         }
+    }
+}
+
+/// Activation rows from which a lattice i-quant's product unpacks its weights once per batch
+/// ([`Unpacked`]); fewer rows read the blocks directly.
+#[cfg(target_arch = "x86_64")]
+const UNPACK_FROM_ROWS: usize = 16;
+
+#[cfg(target_arch = "x86_64")]
+type UnpackedKern<const N: usize> =
+    unsafe fn(&[u8], [&BlockQ8K; N], &mut [[f32; iquants::UNPACKED_ROWS]; N]);
+
+/// The batched path of a lattice i-quant (x86-64 with AVX-512 VNNI): its unpacker
+/// (`x86_unpacked::unpack`) and the kernels over eight, four and one activation rows
+/// (`x86_unpacked`). For each group of sixteen weight rows, each super-block column is
+/// unpacked once and every activation row of the batch meets it there.
+#[cfg(target_arch = "x86_64")]
+struct Unpacked {
+    unpack: unsafe fn(&[&[u8]], &mut [u8]),
+    eight: UnpackedKern<8>,
+    four: UnpackedKern<4>,
+    one: UnpackedKern<1>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Unpacked {
+    /// The batched path of `ty` at `isa`, where there is one.
+    fn kernels(ty: WeightType, isa: Isa) -> Option<Unpacked> {
+        use iquants::Lattice;
+        macro_rules! of {
+            ($l:ty) => {
+                Unpacked {
+                    unpack: x86_unpacked::unpack::<$l>,
+                    eight: x86_unpacked::block_dot::<8, { <$l as Lattice>::PER_32 }>,
+                    four: x86_unpacked::block_dot::<4, { <$l as Lattice>::PER_32 }>,
+                    one: x86_unpacked::block_dot::<1, { <$l as Lattice>::PER_32 }>,
+                }
+            };
+        }
+        if isa != Isa::Avx512Vnni {
+            return None;
+        }
+        Some(match ty {
+            WeightType::Iq2Xxs => of!(iquants::Iq2Xxs),
+            WeightType::Iq2Xs => of!(iquants::Iq2Xs),
+            WeightType::Iq2S => of!(iquants::Iq2S),
+            WeightType::Iq3Xxs => of!(iquants::Iq3Xxs),
+            WeightType::Iq3S => of!(iquants::Iq3S),
+            _ => return None,
+        })
+    }
+}
+
+impl QuantMatrix {
+    /// Runs `y = x W^T` (`acts`: `t` rows of quantized activations) through the batched path
+    /// of a lattice i-quant where this matrix and batch have one ([`Unpacked`]); false where
+    /// not, and nothing was written.
+    fn batched_lattice(&self, acts: &[BlockQ8K], t: usize, y: &mut [f32]) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if t >= UNPACK_FROM_ROWS {
+            if let Some(k) = Unpacked::kernels(self.ty, self.isa) {
+                self.drive_unpacked(acts, t, y, &k);
+                return true;
+            }
+        }
+        let _ = (acts, t, y);
+        false
+    }
+
+    /// `y = x W^T` through the batched path `k` (`acts`: `t` rows of quantized activations):
+    /// groups of sixteen rows split across the compute pool.
+    #[cfg(target_arch = "x86_64")]
+    fn drive_unpacked(&self, acts: &[BlockQ8K], t: usize, y: &mut [f32], k: &Unpacked) {
+        debug_assert_eq!(y.len(), t * self.rows);
+        let out = OutPtr(y.as_mut_ptr());
+        let groups = self.rows.div_ceil(iquants::UNPACKED_ROWS);
+        let threads = rayon::current_num_threads();
+        if threads <= 1 || groups < 2 {
+            for g in 0..groups {
+                self.unpacked_group(g, acts, t, out, k);
+            }
+            return;
+        }
+        let chunks = (threads * 4).min(groups);
+        let per_chunk = groups.div_ceil(chunks);
+        team::for_each(chunks, |c| {
+            for g in c * per_chunk..((c + 1) * per_chunk).min(groups) {
+                self.unpacked_group(g, acts, t, out, k);
+            }
+        });
+    }
+
+    /// Rows `16 g ..` (sixteen, or what is left) against all `t` activation rows: per
+    /// super-block column, one unpacking and then every activation row, eight at a time.
+    #[cfg(target_arch = "x86_64")]
+    fn unpacked_group(&self, g: usize, acts: &[BlockQ8K], t: usize, out: OutPtr, k: &Unpacked) {
+        const ROWS: usize = iquants::UNPACKED_ROWS;
+        let per_row = self.cols / QK_K;
+        let bb = self.ty.block_bytes();
+        let r0 = g * ROWS;
+        let live = ROWS.min(self.rows - r0);
+        SCRATCH_UNPACKED.with(|s| {
+            let mut s = s.borrow_mut();
+            let (block, sums) = &mut *s;
+            block.resize(iquants::unpacked::BYTES, 0);
+            sums.clear();
+            sums.resize(t, [0.0; ROWS]);
+            for b in 0..per_row {
+                // the rows' blocks two columns on, into L2 while this column is multiplied
+                if b + 2 < per_row {
+                    for r in r0..r0 + live {
+                        let at = r * self.row_bytes + (b + 2) * bb;
+                        prefetch_l2(&self.data[at..at + bb]);
+                    }
+                }
+                let blocks: [&[u8]; ROWS] = std::array::from_fn(|i| {
+                    let at = (r0 + i.min(live - 1)) * self.row_bytes + b * bb;
+                    &self.data[at..at + bb]
+                });
+                // SAFETY: as for the kernels below.
+                unsafe { (k.unpack)(&blocks[..live], block) };
+                let act = |tok: usize| &acts[tok * per_row + b];
+                let mut tok = 0;
+                macro_rules! run {
+                    ($n:literal, $kern:expr) => {
+                        while t - tok >= $n {
+                            let rows: [&BlockQ8K; $n] = std::array::from_fn(|j| act(tok + j));
+                            let sums: &mut [[f32; ROWS]; $n] =
+                                (&mut sums[tok..tok + $n]).try_into().expect("n rows");
+                            // SAFETY: `kernels` offers these only at the AVX-512 VNNI level,
+                            // which `with_isa` checked this CPU runs; `block` is whole.
+                            unsafe { $kern(block, rows, sums) };
+                            tok += $n;
+                        }
+                    };
+                }
+                run!(8, k.eight);
+                run!(4, k.four);
+                run!(1, k.one);
+            }
+            for (tok, vals) in sums.iter().enumerate() {
+                // SAFETY: tok < t and r0 + live <= rows: inside `y` (t * rows long); only
+                // this job writes rows r0..r0 + live.
+                unsafe { store_rows(out.get().add(tok * self.rows + r0), vals, live) };
+            }
+        });
     }
 }
 

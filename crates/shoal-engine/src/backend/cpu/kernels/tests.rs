@@ -454,6 +454,55 @@ fn grid_iquants_read_as_gguf_py_reads_them() {
     }
 }
 
+/// The batched path of the lattice i-quants (each super-block column unpacked once per batch;
+/// x86-64 with AVX-512 VNNI): whole and ragged groups of sixteen rows through the eight-,
+/// four- and one-row kernels, at every level (the others read the blocks directly).
+#[test]
+fn batched_lattice_products_match_the_reference() {
+    use WeightType::{Iq2S, Iq2Xs, Iq2Xxs, Iq3S, Iq3Xxs};
+    for isa in Isa::available() {
+        for ty in [Iq2Xxs, Iq2Xs, Iq2S, Iq3Xxs, Iq3S] {
+            // 37 rows: two groups of sixteen and five more; t = 31: 8 + 8 + 8 + 4 + 1 + 1 + 1
+            check(ty, isa, 37, 2, 31, 21);
+            check(ty, isa, 16, 1, 16, 22);
+            check(ty, isa, 3, 3, 16, 23);
+        }
+    }
+}
+
+/// The x86 unpacking (vectors and a transpose in registers) writes every byte of the
+/// portable definition's, for whole and ragged groups of rows of every lattice type.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn simd_unpacking_equals_the_definition() {
+    fn same<L: iquants::Lattice>() {
+        let data = synthetic_matrix(L::TYPE, 16, 2, 31);
+        let bb = L::TYPE.block_bytes();
+        let row = data.len() / 16;
+        for live in [16, 5, 1] {
+            for b in 0..2 {
+                let blocks: Vec<&[u8]> = (0..live)
+                    .map(|r| &data[r * row + b * bb..r * row + (b + 1) * bb])
+                    .collect();
+                let mut want = vec![0xAAu8; iquants::unpacked::BYTES];
+                iquants::unpack::<L>(&blocks, &mut want);
+                let mut got = vec![0x55u8; iquants::unpacked::BYTES];
+                // SAFETY: `same` runs only once the CPU is known to have AVX-512 (below).
+                unsafe { x86_unpacked::unpack::<L>(&blocks, &mut got) };
+                assert!(got == want, "{:?}: {live} rows, block {b}", L::TYPE);
+            }
+        }
+    }
+    if Isa::detected() < Isa::Avx512Vnni {
+        return;
+    }
+    same::<iquants::Iq2Xxs>();
+    same::<iquants::Iq2Xs>();
+    same::<iquants::Iq2S>();
+    same::<iquants::Iq3Xxs>();
+    same::<iquants::Iq3S>();
+}
+
 /// The IQ4 grids' ends (code 0: -127) and MXFP4's largest negative values (code 15: -12),
 /// which the all-0xFF blocks above do not reach, against activations of the largest
 /// magnitude of both signs.
