@@ -296,8 +296,9 @@ fn split_tokens(path: &Path, devices: [Placement; 2], n: usize) -> Vec<u32> {
 }
 
 /// A tensor-parallel split with one rank on the GPU and one on the CPU gives the tokens of
-/// one rank alone, for a dense model and a mixture of experts (F32 weights: no near-ties
-/// on these seeds' paths, where the CPU's activations are not quantized either).
+/// one rank alone, for a dense model and mixtures of experts, gpt-oss's sinks and expert
+/// biases split by head and by feature among them (F32 weights: no near-ties on these
+/// seeds' paths, where the CPU's activations are not quantized either).
 #[test]
 fn a_split_over_gpu_and_cpu_ranks_gives_one_ranks_tokens() {
     if !have_gpu("a_split_over_gpu_and_cpu_ranks_gives_one_ranks_tokens") {
@@ -306,6 +307,7 @@ fn a_split_over_gpu_and_cpu_ranks_gives_one_ranks_tokens() {
     for spec in [
         TinyModelSpec::qwen2(3).tied(false),
         TinyModelSpec::qwen3moe(1),
+        TinyModelSpec::gpt_oss(1),
     ] {
         let m = spec.build().unwrap();
         let dir = tempfile::tempdir().unwrap();
@@ -434,22 +436,17 @@ fn auto_never_takes_a_software_adapter() {
     );
 }
 
-/// gpt-oss (attention sinks, expert biases) has no GPU kernels yet: asked for the GPU, the
-/// load is refused with what is missing and what to do instead.
+/// gpt-oss on the GPU: attention sinks, sliding-window layers, biased attention and
+/// experts, the clamped SwiGLU, YaRN; in F32, and with every matrix in MXFP4 (as its experts
+/// are stored).
 #[test]
-fn gpt_oss_on_the_gpu_is_refused_saying_what_to_do() {
-    if !have_gpu("gpt_oss_on_the_gpu_is_refused_saying_what_to_do") {
+fn gpt_oss_models_match_the_oracle() {
+    if !have_gpu("gpt_oss_models_match_the_oracle") {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let path = write(
-        &TinyModelSpec::gpt_oss(1).build().unwrap(),
-        dir.path(),
-        GgmlType::F32,
-    );
-    let e = load_error(&path, Device::Gpu(None));
-    assert!(
-        e.contains("gpt-oss") && e.contains("sinks") && e.contains("--device cpu"),
-        "{e}"
+    check(TinyModelSpec::gpt_oss(1), GgmlType::F32);
+    check(
+        TinyModelSpec::gpt_oss(2).snapped_to(GgmlType::MXFP4),
+        GgmlType::MXFP4,
     );
 }

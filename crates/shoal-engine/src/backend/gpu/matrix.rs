@@ -48,6 +48,7 @@ pub(super) fn type_source(ty: GgmlType) -> Option<&'static str> {
         GgmlType::Q4_K => include_str!("shaders/q4_k.wgsl"),
         GgmlType::Q5_K => include_str!("shaders/q5_k.wgsl"),
         GgmlType::Q6_K => include_str!("shaders/q6_k.wgsl"),
+        GgmlType::MXFP4 => include_str!("shaders/mxfp4.wgsl"),
         _ => return None,
     })
 }
@@ -68,6 +69,7 @@ fn pipeline_name(ty: GgmlType) -> &'static str {
         GgmlType::Q5_K => "matmul q5_k",
         GgmlType::Q6_K => "matmul q6_k",
         GgmlType::BF16 => "matmul bf16",
+        GgmlType::MXFP4 => "matmul mxfp4",
         _ => "matmul other",
     }
 }

@@ -84,7 +84,13 @@ pub struct Gpu {
     pub(super) ctx: Arc<GpuContext>,
     /// Activations products borrow for their intermediate values.
     scratch: Arc<Mutex<Vec<GpuAct>>>,
+    /// Device copies of attention sink logits, each beside the host values it was made from
+    /// (held, so no other values take their address while the entry lives).
+    sinks: Arc<Mutex<Vec<SinkCopy>>>,
 }
+
+/// A layer's attention sink logits on the host and their copy on the device.
+type SinkCopy = (Arc<[f32]>, wgpu::Buffer);
 
 impl Gpu {
     /// The backend on GPU adapter `index` (see [`adapters::adapters`]).
@@ -95,6 +101,7 @@ impl Gpu {
         Ok(Gpu {
             ctx: adapters::open(index)?,
             scratch: Arc::default(),
+            sinks: Arc::default(),
         })
     }
 
@@ -126,6 +133,17 @@ impl Gpu {
         src: &'static str,
     ) -> Arc<wgpu::ComputePipeline> {
         self.ctx.pipeline(name, entry, || src.to_string())
+    }
+
+    /// The device copy of a layer's attention sink logits, uploaded on first use.
+    fn sinks(&self, host: &Arc<[f32]>) -> wgpu::Buffer {
+        let mut cache = self.sinks.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, b)) = cache.iter().find(|(h, _)| Arc::ptr_eq(h, host)) {
+            return b.clone();
+        }
+        let b = self.ctx.buffer_with(bytemuck::cast_slice(host), "sinks");
+        cache.push((host.clone(), b.clone()));
+        b
     }
 
     /// Workgroups for `n` items of `per` each, folded into two dimensions.
@@ -224,7 +242,22 @@ pub struct GpuTables {
 
 /// The routed experts a rank holds of one layer: `(gate/up, down)` by expert id.
 pub struct GpuExperts {
-    held: Vec<Option<(GpuGateUp, GpuMatrix)>>,
+    held: Vec<Option<GpuExpert>>,
+}
+
+/// One routed expert on the device: its gate and up projections, its down projection and
+/// its biases where the model has them (gpt-oss; see [`crate::backend::ExpertBias`]).
+struct GpuExpert {
+    gate_up: GpuGateUp,
+    down: GpuMatrix,
+    bias: Option<GpuExpertBias>,
+}
+
+/// [`crate::backend::ExpertBias`] on the device.
+struct GpuExpertBias {
+    gate: GpuVector,
+    up: GpuVector,
+    down: Option<GpuVector>,
 }
 
 impl Backend for Gpu {
@@ -260,13 +293,6 @@ impl Backend for Gpu {
     }
 
     fn supports(&self, cfg: &crate::ModelConfig) -> Result<(), EngineError> {
-        if cfg.arch == crate::config::Arch::GptOss {
-            return Err(EngineError::Unsupported {
-                what: "gpt-oss on the GPU: its attention sinks and expert biases have no GPU \
-                       kernels yet; use --device cpu"
-                    .into(),
-            });
-        }
         if let Some(m) = &cfg.mla {
             let dims = m.kv_lora_rank + m.rope_dims;
             if dims > latent::MAX_DIMS || !dims.is_multiple_of(2) {
@@ -331,11 +357,19 @@ impl Backend for Gpu {
     }
 
     fn experts(&self, held: Vec<HeldExpert<Gpu>>, n_expert: usize) -> GpuExperts {
-        // experts with biases are refused by `supports` before any is loaded
-        let mut slots: Vec<Option<(GpuGateUp, GpuMatrix)>> = (0..n_expert).map(|_| None).collect();
+        let mut slots: Vec<Option<GpuExpert>> = (0..n_expert).map(|_| None).collect();
         for x in held {
             if let Some(slot) = slots.get_mut(x.id) {
-                *slot = Some((x.gate_up, x.down));
+                let bias = x.bias.map(|b| GpuExpertBias {
+                    gate: self.vector(b.gate),
+                    up: self.vector(b.up),
+                    down: b.down.map(|d| self.vector(d)),
+                });
+                *slot = Some(GpuExpert {
+                    gate_up: x.gate_up,
+                    down: x.down,
+                    bias,
+                });
             }
         }
         GpuExperts { held: slots }
@@ -557,11 +591,6 @@ impl Backend for Gpu {
         rows: &StepRows,
         out: &mut GpuAct,
     ) -> Result<(), EngineError> {
-        if heads.sinks.is_some() {
-            return Err(EngineError::Unsupported {
-                what: "attention sinks on the GPU; use --device cpu".into(),
-            });
-        }
         let width = heads.n_head * heads.head_dim;
         let kv_width = heads.n_kv_head * heads.head_dim;
         let n = rows.len();
@@ -586,6 +615,7 @@ impl Backend for Gpu {
         out.resize(&self.ctx, n * width);
         let write = self.kernel("write_kv", "write_kv", include_str!("shaders/kv.wgsl"));
         let attend = self.kernel("attend", "attend", include_str!("shaders/attention.wgsl"));
+        let sinks = heads.sinks.as_ref().map(|s| self.sinks(s));
         for (s, cache) in rows.seqs.iter().zip(kv.iter_mut()) {
             let count = s.rows.len();
             if s.start + count > cache.capacity {
@@ -636,12 +666,15 @@ impl Backend for Gpu {
                     heads.scale.to_bits(),
                     s.rows.start as u32,
                     s.start as u32,
+                    sinks.is_some() as u32,
                 ],
                 &[
                     Bind::Whole(q.buf()),
                     Bind::Whole(kc),
                     Bind::Whole(vc),
                     Bind::Whole(out.buf()),
+                    // without sinks, any buffer (never read)
+                    Bind::Whole(sinks.as_ref().unwrap_or(q.buf())),
                 ],
                 [count as u32, heads.n_head as u32, 1],
             );
@@ -681,9 +714,10 @@ impl Backend for Gpu {
             m.1.push(w);
         }
         let (mut xs, mut h, mut y) = (self.scratch(), self.scratch(), self.scratch());
+        let (mut g, mut u) = (self.scratch(), self.scratch());
         let result = (|| {
             for (e, (which, weights)) in members.iter().enumerate() {
-                let Some((gate_up, down)) = experts.held.get(e).and_then(|s| s.as_ref()) else {
+                let Some(expert) = experts.held.get(e).and_then(|s| s.as_ref()) else {
                     continue;
                 };
                 if which.is_empty() {
@@ -709,8 +743,21 @@ impl Backend for Gpu {
                     ],
                     [(d as u32).div_ceil(64), which.len() as u32, 1],
                 );
-                self.gated(gate_up, act, &xs, &mut h)?;
-                down.matmul(&self.ctx, &h, &mut y)?;
+                match &expert.bias {
+                    None => self.gated(&expert.gate_up, act, &xs, &mut h)?,
+                    Some(bias) => {
+                        // the biases join the gate and up products before the activation
+                        expert.gate_up.gate.matmul(&self.ctx, &xs, &mut g)?;
+                        expert.gate_up.up.matmul(&self.ctx, &xs, &mut u)?;
+                        self.add_bias(&mut g, &bias.gate);
+                        self.add_bias(&mut u, &bias.up);
+                        self.gated_from(&g, &u, act, &mut h);
+                    }
+                }
+                expert.down.matmul(&self.ctx, &h, &mut y)?;
+                if let Some(down) = expert.bias.as_ref().and_then(|b| b.down.as_ref()) {
+                    self.add_bias(&mut y, down);
+                }
                 let scatter = self.kernel(
                     "scatter_add",
                     "scatter_add",
@@ -730,7 +777,7 @@ impl Backend for Gpu {
             }
             Ok(())
         })();
-        self.give_back([xs, h, y]);
+        self.give_back([xs, h, y, g, u]);
         result
     }
 

@@ -94,6 +94,8 @@ fn random_blocks(ty: GgmlType, rows: usize, blocks: usize, rng: &mut StdRng) -> 
             GgmlType::F32 => b.copy_from_slice(&v.to_le_bytes()),
             GgmlType::F16 => b.copy_from_slice(&half::f16::from_f32(v).to_le_bytes()),
             GgmlType::BF16 => b.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+            // an E8M0 scale of 2^-9 .. 2^3
+            GgmlType::MXFP4 => b[0] = rng.random_range(118..=130),
             _ => {
                 for &at in halves {
                     put_f16(b, at, rng.random_range(-1f32..1.0) * 0.05);
@@ -104,8 +106,13 @@ fn random_blocks(ty: GgmlType, rows: usize, blocks: usize, rng: &mut StdRng) -> 
     data
 }
 
-/// candle's dequantization of `rows` rows of `cols` values of `ty` in `bytes`.
+/// candle's dequantization of `rows` rows of `cols` values of `ty` in `bytes` (the test
+/// kit's, written from the format, for MXFP4, which candle does not read).
 fn reference(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<f32> {
+    if ty == GgmlType::MXFP4 {
+        use shoal_testkit::quants::{dequantize, GgmlType as Kit};
+        return dequantize(Kit::MXFP4, bytes, rows * cols).expect("test kit dequantize");
+    }
     let storage = QStorage::from_data(Cow::Borrowed(bytes), &Device::Cpu, candle_type(ty))
         .expect("candle storage");
     QTensor::new(storage, (rows, cols))
@@ -223,6 +230,7 @@ type_tests! {
     decodes_q4_k: Q4_K,
     decodes_q5_k: Q5_K,
     decodes_q6_k: Q6_K,
+    decodes_mxfp4: MXFP4,
 }
 
 /// A matrix whose rows do not fit one binding (the device's limit lowered to a few rows'

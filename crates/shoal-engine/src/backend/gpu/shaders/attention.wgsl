@@ -1,17 +1,19 @@
 // Attention of one sequence's rows over its cache (layout as in kv.wgsl): one workgroup per
 // (row, query head). Keys are read in tiles of 64, one per thread; the softmax runs online
 // (a running maximum and sum), and each thread accumulates up to four of the head's
-// dimensions of the weighted values.
+// dimensions of the weighted values. With `sinks` set, each head's sink logit (gpt-oss)
+// joins the softmax without a value: the running maximum and sum start from it.
 struct Params {
     n_head: u32, first_head: u32, first_kv: u32, group: u32,
     head_dim: u32, cap: u32, window: u32, scale: f32,
-    row0: u32, start: u32,
+    row0: u32, start: u32, sinks: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(2) var<storage, read> kc: array<u32>;
 @group(0) @binding(3) var<storage, read> vc: array<u32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
+@group(0) @binding(5) var<storage, read> sink: array<f32>;
 
 const NEG: f32 = -3.0e38;
 var<workgroup> qs: array<f32, 256>;
@@ -37,6 +39,10 @@ fn attend(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) 
     workgroupBarrier();
     var m = NEG;
     var total = 0.0;
+    if (p.sinks != 0u) {
+        m = sink[h];
+        total = 1.0;
+    }
     var acc = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
     let kbase = kvh * p.cap;
     for (var t0 = first; t0 <= pos; t0 += 64u) {
