@@ -8,7 +8,7 @@
 # complete.
 #
 #   bench/synth.sh SHAPE      # e.g. qwen3-30b-a3b(-24l), deepseek-v2-lite, mixtral-8x7b(-8l),
-#                             # gpt-oss-120b(-4l), mistral-7b-8l-iq2_xxs (-iq3_s, -iq4_xs)
+#                             # gpt-oss-120b(-4l), mistral-7b-8l-iq1_s (-iq2_xxs, -iq3_s, -iq4_xs)
 #   bench/synth.sh --list     # the shapes, their sizes and weight bytes per token
 #
 # The file: ${SHOAL_MODELS_DIR:-$SHOAL_HOME/models (default ~/.cache/shoal/models)}/synth/

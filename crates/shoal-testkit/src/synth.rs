@@ -21,7 +21,7 @@
 //! | `deepseek-v2-lite` | `deepseek2` | 27 of 27 | DeepSeek-V2-Lite |
 //! | `mixtral-8x7b-8l` (alias `mixtral-8x7b`) | `llama` + experts | 8 of 32 | Mixtral-8x7B |
 //! | `gpt-oss-120b-4l` (alias `gpt-oss-120b`) | `gpt-oss` | 4 of 36 | gpt-oss-120b |
-//! | `mistral-7b-8l-iq2_xxs`, `-iq3_s`, `-iq4_xs` | `llama` (dense) | 8 of 32 | Mistral-7B |
+//! | `mistral-7b-8l-iq1_s`, `-iq2_xxs`, `-iq3_s`, `-iq4_xs` | `llama` (dense) | 8 of 32 | Mistral-7B |
 //!
 //! A shape with fewer layers than its model is simply shallower: `block_count` says so, and
 //! `general.name` names the depth. Each layer has the full model's sizes.
@@ -147,6 +147,8 @@ pub enum SynthType {
     Q6_K,
     /// 4-bit E2M1 values with one E8M0 scale per 32 (gpt-oss's experts), id 39.
     MXFP4,
+    /// 1.56-bit grid i-quant (eight-value points of -1, 0, 1 with a shift), id 19.
+    IQ1_S,
     /// 2.06-bit grid i-quant (eight-value lattice points, sign codes), id 16.
     IQ2_XXS,
     /// 3.44-bit grid i-quant (four-value lattice points, sign bytes), id 21.
@@ -168,6 +170,7 @@ impl SynthType {
             SynthType::Q5_K => 13,
             SynthType::Q6_K => 14,
             SynthType::MXFP4 => 39,
+            SynthType::IQ1_S => 19,
             SynthType::IQ2_XXS => 16,
             SynthType::IQ3_S => 21,
             SynthType::IQ4_XS => 23,
@@ -182,6 +185,7 @@ impl SynthType {
             SynthType::Q4_K
             | SynthType::Q5_K
             | SynthType::Q6_K
+            | SynthType::IQ1_S
             | SynthType::IQ2_XXS
             | SynthType::IQ3_S
             | SynthType::IQ4_XS => 256,
@@ -200,6 +204,7 @@ impl SynthType {
             SynthType::Q5_K => 176,
             SynthType::Q6_K => 210,
             SynthType::MXFP4 => 17,
+            SynthType::IQ1_S => 50,
             SynthType::IQ2_XXS => 66,
             SynthType::IQ3_S => 110,
             SynthType::IQ4_XS => 136,
@@ -218,6 +223,7 @@ impl SynthType {
             SynthType::Q5_K => "q5_K",
             SynthType::Q6_K => "q6_K",
             SynthType::MXFP4 => "mxfp4",
+            SynthType::IQ1_S => "iq1_s",
             SynthType::IQ2_XXS => "iq2_xxs",
             SynthType::IQ3_S => "iq3_s",
             SynthType::IQ4_XS => "iq4_xs",
@@ -296,6 +302,7 @@ impl Mix {
                 SynthType::Q4_K => 14,
                 SynthType::Q5_K => 16,
                 SynthType::Q6_K => 18,
+                SynthType::IQ1_S => 24,
                 SynthType::IQ2_XXS => 19,
                 SynthType::IQ3_S => 26,
                 SynthType::IQ4_XS => 30,
@@ -701,6 +708,7 @@ pub fn shapes() -> Vec<Shape> {
             mix: Mix::Mxfp4Moe,
             seed: 0x4f53_5331,
         },
+        mistral_7b("mistral-7b-8l-iq1_s", SynthType::IQ1_S, 0x4d37_4931),
         mistral_7b("mistral-7b-8l-iq2_xxs", SynthType::IQ2_XXS, 0x4d37_4932),
         mistral_7b("mistral-7b-8l-iq3_s", SynthType::IQ3_S, 0x4d37_4933),
         mistral_7b("mistral-7b-8l-iq4_xs", SynthType::IQ4_XS, 0x4d37_4934),
@@ -1502,6 +1510,7 @@ fn fill_blocks(ty: SynthType, fill: Fill, rng: &mut SplitMix64, buf: &mut [u8]) 
                 block[0] = MXFP4_SCALE_EXPONENT;
             }
         }
+        SynthType::IQ1_S => GridIquant::Iq1S.fill_random(rng, buf),
         SynthType::IQ2_XXS => GridIquant::Iq2Xxs.fill_random(rng, buf),
         SynthType::IQ3_S => GridIquant::Iq3S.fill_random(rng, buf),
         SynthType::IQ4_XS => {
@@ -2013,7 +2022,7 @@ mod tests {
             SynthType::Q6_K => dequantize(GgmlType::Q6_K, data, n(210, 256)).unwrap(),
             SynthType::MXFP4 => dequantize(GgmlType::MXFP4, data, n(17, 32)).unwrap(),
             SynthType::IQ4_XS => dequantize(GgmlType::IQ4_XS, data, n(136, 256)).unwrap(),
-            SynthType::IQ2_XXS | SynthType::IQ3_S => {
+            SynthType::IQ1_S | SynthType::IQ2_XXS | SynthType::IQ3_S => {
                 panic!("the kit has no decoder for {ty:?}; the engine's tests read these blocks")
             }
             SynthType::Q5_0 | SynthType::Q5_1 => {

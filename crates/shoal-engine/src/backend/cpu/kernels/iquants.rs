@@ -3,9 +3,10 @@
 //! ([`super::iq_grids`]), with signs and small per-16 or per-32 scales. [`decode`] turns one
 //! block into 256 small integers and 16 scales (value `i` is `scales[i / 16] * vals[i]`), the
 //! form both the reference dequantization and the portable dot product read, so the integer
-//! part of a dot product is exact. Every type but IQ1's is also read group by group
-//! ([`Lattice`]: magnitudes, sign masks and integer scales of 32 values), which is what the
-//! x86 and NEON kernels multiply with and what [`decode`] builds on for those types.
+//! part of a dot product is exact. Every type is also read group by group ([`Lattice`]:
+//! magnitudes, sign masks and integer scales of 32 values; IQ1's values in eighths), which is
+//! what the batched x86 path unpacks, what the x86 and NEON row kernels of the types but IQ1's
+//! multiply with, and what [`decode`] builds on for those types.
 //!
 //! Layouts, as ggml stores them (`d` an f16; every multi-byte field little-endian):
 //! - IQ2_XXS (66 bytes): `d`, then per 32 values two u32: four grid indices (bytes) and
@@ -91,7 +92,7 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
-/// One 32-value group of a lattice i-quant block (every grid type but IQ1's): four grid
+/// One 32-value group of a grid i-quant block (IQ1's values in eighths): four grid
 /// points of eight magnitudes (1 to 127, as the bytes of a u64, value 0 lowest), a mask per
 /// point with byte `j` all ones where value `j` is negative, and the odd integer scales
 /// (at most 31) of the group's two halves of 16 values: value `i` is
@@ -115,10 +116,19 @@ pub trait Lattice {
     const FACTOR: f32;
     /// Whether both halves of every group share one scale (a scale per 32 values).
     const PER_32: bool;
+    /// Block `b`'s `d`.
+    #[inline(always)]
+    fn d(b: &[u8]) -> f32 {
+        f16_at(b, 0)
+    }
     /// Group `g` (0..8) of block `b`.
     fn group(b: &[u8], g: usize) -> Group;
 }
 
+/// IQ1_S, its values in eighths (the shift of ±1/8 added), so its unit is `d / 8`.
+pub struct Iq1S;
+/// IQ1_M, as IQ1_S.
+pub struct Iq1M;
 /// IQ2_XXS.
 pub struct Iq2Xxs;
 /// IQ2_XS.
@@ -297,7 +307,7 @@ pub fn unpack<L: Lattice>(blocks: &[&[u8]], out: &mut [u8]) {
     out[..QS].fill(0);
     out[QS..unpacked::BYTES].fill(0x80);
     for (r, &b) in blocks.iter().enumerate() {
-        let unit = L::FACTOR * f16_at(b, 0);
+        let unit = L::FACTOR * L::d(b);
         out[D + 4 * r..D + 4 * r + 4].copy_from_slice(&unit.to_le_bytes());
         let (mut values, mut scales) = ([0u64; QK_K / 8], [0i8; 16]);
         unpack_row::<L>(b, &mut values, &mut scales);
@@ -307,6 +317,66 @@ pub fn unpack<L: Lattice>(blocks: &[&[u8]], out: &mut [u8]) {
         let bytes: Vec<u8> = values.iter().flat_map(|w| w.to_le_bytes()).collect();
         for (v, four) in bytes.chunks_exact(4).enumerate() {
             out[QS + 64 * v + 4 * r..QS + 64 * v + 4 * r + 4].copy_from_slice(four);
+        }
+    }
+}
+
+/// Eight values (bytes of `v`, none of them 0) as their magnitudes and sign mask.
+#[inline(always)]
+fn split_signs(v: u64) -> (u64, u64) {
+    const LOW: u64 = 0x0101_0101_0101_0101;
+    let minus = ((v >> 7) & LOW) * 0xFF;
+    ((v ^ minus).wrapping_add(minus & LOW), minus)
+}
+
+impl Lattice for Iq1S {
+    const TYPE: WeightType = WeightType::Iq1S;
+    const PER_32: bool = true;
+    // d (2 s + 1) with the values in eighths
+    const FACTOR: f32 = 0.125;
+    #[inline(always)]
+    fn group(b: &[u8], g: usize) -> Group {
+        let qh = u16_at(b, 34 + 2 * g);
+        let s = 2 * ((qh >> 12) & 7) as i32 + 1;
+        let table = &IQ1_EIGHTHS[usize::from(qh & 0x8000 != 0)];
+        let points: [(u64, u64); 4] = std::array::from_fn(|l| {
+            split_signs(table[b[2 + 4 * g + l] as usize | (((qh >> (3 * l)) & 7) as usize) << 8])
+        });
+        Group {
+            mags: points.map(|p| p.0),
+            minus: points.map(|p| p.1),
+            scales: [s, s],
+        }
+    }
+}
+
+impl Lattice for Iq1M {
+    const TYPE: WeightType = WeightType::Iq1M;
+    const PER_32: bool = false;
+    const FACTOR: f32 = 0.125;
+    #[inline(always)]
+    fn d(b: &[u8]) -> f32 {
+        let sc = [u16_at(b, 48), u16_at(b, 50), u16_at(b, 52), u16_at(b, 54)];
+        let bits =
+            (sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000);
+        half::f16::from_bits(bits as u16).to_f32()
+    }
+    #[inline(always)]
+    fn group(b: &[u8], g: usize) -> Group {
+        let s = u16_at(b, 48 + 2 * (g / 2)) >> (6 * (g % 2));
+        let (h0, h1) = (b[32 + 2 * g] as usize, b[33 + 2 * g] as usize);
+        let q = 4 * g;
+        let points = [
+            (b[q] as usize | ((h0 << 8) & 0x700), h0 & 0x08),
+            (b[q + 1] as usize | ((h0 << 4) & 0x700), h0 & 0x80),
+            (b[q + 2] as usize | ((h1 << 8) & 0x700), h1 & 0x08),
+            (b[q + 3] as usize | ((h1 << 4) & 0x700), h1 & 0x80),
+        ]
+        .map(|(index, negative)| split_signs(IQ1_EIGHTHS[usize::from(negative != 0)][index]));
+        Group {
+            mags: points.map(|p| p.0),
+            minus: points.map(|p| p.1),
+            scales: [2 * (s & 7) as i32 + 1, 2 * ((s >> 3) & 7) as i32 + 1],
         }
     }
 }
@@ -384,7 +454,7 @@ pub fn decode(ty: WeightType, b: &[u8], vals: &mut [i8; QK_K], scales: &mut [f32
 
 /// IQ1's grid points in eighths with the shift added: `[+1/8, -1/8]` tables, each point's
 /// eight values `8 g ± 1` as bytes of one u64 (derived from [`IQ1S_GRID`]).
-static IQ1_EIGHTHS: [[u64; 2048]; 2] = [eighths_table(1), eighths_table(-1)];
+pub(super) static IQ1_EIGHTHS: [[u64; 2048]; 2] = [eighths_table(1), eighths_table(-1)];
 
 const fn eighths_table(shift: i8) -> [u64; 2048] {
     let mut t = [0u64; 2048];

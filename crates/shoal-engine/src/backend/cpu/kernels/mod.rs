@@ -2,9 +2,9 @@
 //! ([`QuantMatrix`]) times a batch of f32 activation rows. Activations are quantized once per
 //! call to 8 bits ([`formats`]), then every weight row meets every activation row through an
 //! integer dot product: one activation row at a time for decode, four at a time for prefill
-//! (each weight block decoded once per four tokens; the lattice i-quants, whose blocks cost
-//! more to decode than to multiply, unpack sixteen rows' blocks to bytes once per batch on
-//! AVX-512 VNNI, `x86_unpacked`). For SIMD the quantized types are repacked at load into
+//! (each weight block decoded once per four tokens; the grid i-quants, whose blocks cost
+//! more to decode than to multiply, unpack sixteen (AVX-512 VNNI) or eight (AVX2) rows' blocks
+//! to bytes once per batch, `x86_unpacked`). For SIMD the quantized types are repacked at load into
 //! tiles of eight interleaved rows (`tiled`), so one instruction serves eight rows. Rows
 //! (tiles) are split across the compute pool.
 //!
@@ -805,7 +805,8 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
 thread_local! {
     static SCRATCH_Q8: RefCell<Vec<BlockQ8>> = const { RefCell::new(Vec::new()) };
     static SCRATCH_Q8K: RefCell<Vec<BlockQ8K>> = const { RefCell::new(Vec::new()) };
-    /// An unpacked super-block column and the sums of a row group (see [`Unpacked`]).
+    /// An unpacked super-block column and the sums of a row group (see [`Unpacked`]; the
+    /// AVX2 form uses the first eight of each row's sixteen).
     #[cfg(target_arch = "x86_64")]
     static SCRATCH_UNPACKED: RefCell<(Vec<u8>, Vec<[f32; iquants::UNPACKED_ROWS]>)> =
         const { RefCell::new((Vec::new(), Vec::new())) };
@@ -1398,7 +1399,7 @@ impl QuantMatrix {
     }
 }
 
-/// Activation rows from which a lattice i-quant's product unpacks its weights once per batch
+/// Activation rows from which a grid i-quant's product unpacks its weights once per batch
 /// ([`Unpacked`]); fewer rows read the blocks directly.
 #[cfg(target_arch = "x86_64")]
 const UNPACK_FROM_ROWS: usize = 16;
@@ -1407,12 +1408,16 @@ const UNPACK_FROM_ROWS: usize = 16;
 type UnpackedKern<const N: usize> =
     unsafe fn(&[u8], [&BlockQ8K; N], &mut [[f32; iquants::UNPACKED_ROWS]; N]);
 
-/// The batched path of a lattice i-quant (x86-64 with AVX-512 VNNI): its unpacker
-/// (`x86_unpacked::unpack`) and the kernels over eight, four and one activation rows
-/// (`x86_unpacked`). For each group of sixteen weight rows, each super-block column is
-/// unpacked once and every activation row of the batch meets it there.
+/// The batched path of a grid i-quant (x86-64): its unpacker and the kernels over eight,
+/// four and one activation rows (`x86_unpacked`), sixteen weight rows at a time with AVX-512
+/// VNNI, eight with AVX2. For each group of weight rows, each super-block column is unpacked
+/// once and every activation row of the batch meets it there.
 #[cfg(target_arch = "x86_64")]
 struct Unpacked {
+    /// Weight rows per group.
+    rows: usize,
+    /// Bytes of one unpacked super-block column.
+    bytes: usize,
     unpack: unsafe fn(&[&[u8]], &mut [u8]),
     eight: UnpackedKern<8>,
     four: UnpackedKern<4>,
@@ -1426,18 +1431,32 @@ impl Unpacked {
         use iquants::Lattice;
         macro_rules! of {
             ($l:ty) => {
-                Unpacked {
-                    unpack: x86_unpacked::unpack::<$l>,
-                    eight: x86_unpacked::block_dot::<8, { <$l as Lattice>::PER_32 }>,
-                    four: x86_unpacked::block_dot::<4, { <$l as Lattice>::PER_32 }>,
-                    one: x86_unpacked::block_dot::<1, { <$l as Lattice>::PER_32 }>,
+                match isa {
+                    Isa::Avx512Vnni => Unpacked {
+                        rows: iquants::UNPACKED_ROWS,
+                        bytes: iquants::unpacked::BYTES,
+                        unpack: x86_unpacked::unpack::<$l>,
+                        eight: x86_unpacked::block_dot::<8, { <$l as Lattice>::PER_32 }>,
+                        four: x86_unpacked::block_dot::<4, { <$l as Lattice>::PER_32 }>,
+                        one: x86_unpacked::block_dot::<1, { <$l as Lattice>::PER_32 }>,
+                    },
+                    _ => Unpacked {
+                        rows: x86_unpacked::narrow::ROWS,
+                        bytes: x86_unpacked::narrow::BYTES,
+                        unpack: x86_unpacked::unpack_narrow::<$l>,
+                        eight: x86_unpacked::block_dot_narrow::<8>,
+                        four: x86_unpacked::block_dot_narrow::<4>,
+                        one: x86_unpacked::block_dot_narrow::<1>,
+                    },
                 }
             };
         }
-        if isa != Isa::Avx512Vnni {
+        if !matches!(isa, Isa::Avx512Vnni | Isa::Avx2) {
             return None;
         }
         Some(match ty {
+            WeightType::Iq1S => of!(iquants::Iq1S),
+            WeightType::Iq1M => of!(iquants::Iq1M),
             WeightType::Iq2Xxs => of!(iquants::Iq2Xxs),
             WeightType::Iq2Xs => of!(iquants::Iq2Xs),
             WeightType::Iq2S => of!(iquants::Iq2S),
@@ -1450,7 +1469,7 @@ impl Unpacked {
 
 impl QuantMatrix {
     /// Runs `y = x W^T` (`acts`: `t` rows of quantized activations) through the batched path
-    /// of a lattice i-quant where this matrix and batch have one ([`Unpacked`]); false where
+    /// of a grid i-quant where this matrix and batch have one ([`Unpacked`]); false where
     /// not, and nothing was written.
     fn batched_lattice(&self, acts: &[BlockQ8K], t: usize, y: &mut [f32]) -> bool {
         #[cfg(target_arch = "x86_64")]
@@ -1465,12 +1484,12 @@ impl QuantMatrix {
     }
 
     /// `y = x W^T` through the batched path `k` (`acts`: `t` rows of quantized activations):
-    /// groups of sixteen rows split across the compute pool.
+    /// groups of weight rows split across the compute pool.
     #[cfg(target_arch = "x86_64")]
     fn drive_unpacked(&self, acts: &[BlockQ8K], t: usize, y: &mut [f32], k: &Unpacked) {
         debug_assert_eq!(y.len(), t * self.rows);
         let out = OutPtr(y.as_mut_ptr());
-        let groups = self.rows.div_ceil(iquants::UNPACKED_ROWS);
+        let groups = self.rows.div_ceil(k.rows);
         let threads = rayon::current_num_threads();
         if threads <= 1 || groups < 2 {
             for g in 0..groups {
@@ -1487,19 +1506,19 @@ impl QuantMatrix {
         });
     }
 
-    /// Rows `16 g ..` (sixteen, or what is left) against all `t` activation rows: per
+    /// Row group `g` (`k.rows` rows, or what is left) against all `t` activation rows: per
     /// super-block column, one unpacking and then every activation row, eight at a time.
     #[cfg(target_arch = "x86_64")]
     fn unpacked_group(&self, g: usize, acts: &[BlockQ8K], t: usize, out: OutPtr, k: &Unpacked) {
         const ROWS: usize = iquants::UNPACKED_ROWS;
         let per_row = self.cols / QK_K;
         let bb = self.ty.block_bytes();
-        let r0 = g * ROWS;
-        let live = ROWS.min(self.rows - r0);
+        let r0 = g * k.rows;
+        let live = k.rows.min(self.rows - r0);
         SCRATCH_UNPACKED.with(|s| {
             let mut s = s.borrow_mut();
             let (block, sums) = &mut *s;
-            block.resize(iquants::unpacked::BYTES, 0);
+            block.resize(k.bytes, 0);
             sums.clear();
             sums.resize(t, [0.0; ROWS]);
             for b in 0..per_row {
@@ -1514,7 +1533,8 @@ impl QuantMatrix {
                     let at = (r0 + i.min(live - 1)) * self.row_bytes + b * bb;
                     &self.data[at..at + bb]
                 });
-                // SAFETY: as for the kernels below.
+                // SAFETY: `kernels` offers the unpacker and kernels of a level `with_isa`
+                // checked this CPU runs; `block` is `k.bytes` long, their unpacked size.
                 unsafe { (k.unpack)(&blocks[..live], block) };
                 let act = |tok: usize| &acts[tok * per_row + b];
                 let mut tok = 0;
@@ -1524,8 +1544,7 @@ impl QuantMatrix {
                             let rows: [&BlockQ8K; $n] = std::array::from_fn(|j| act(tok + j));
                             let sums: &mut [[f32; ROWS]; $n] =
                                 (&mut sums[tok..tok + $n]).try_into().expect("n rows");
-                            // SAFETY: `kernels` offers these only at the AVX-512 VNNI level,
-                            // which `with_isa` checked this CPU runs; `block` is whole.
+                            // SAFETY: as for the unpacker above.
                             unsafe { $kern(block, rows, sums) };
                             tok += $n;
                         }

@@ -454,14 +454,15 @@ fn grid_iquants_read_as_gguf_py_reads_them() {
     }
 }
 
-/// The batched path of the lattice i-quants (each super-block column unpacked once per batch;
-/// x86-64 with AVX-512 VNNI): whole and ragged groups of sixteen rows through the eight-,
-/// four- and one-row kernels, at every level (the others read the blocks directly).
+/// The batched path of the grid i-quants (each super-block column unpacked once per batch;
+/// x86-64, sixteen rows a group with AVX-512 VNNI, eight with AVX2): whole and ragged groups
+/// of rows through the eight-, four- and one-row kernels, at every level (the others read the
+/// blocks directly).
 #[test]
 fn batched_lattice_products_match_the_reference() {
-    use WeightType::{Iq2S, Iq2Xs, Iq2Xxs, Iq3S, Iq3Xxs};
+    use WeightType::{Iq1M, Iq1S, Iq2S, Iq2Xs, Iq2Xxs, Iq3S, Iq3Xxs};
     for isa in Isa::available() {
-        for ty in [Iq2Xxs, Iq2Xs, Iq2S, Iq3Xxs, Iq3S] {
+        for ty in [Iq1S, Iq1M, Iq2Xxs, Iq2Xs, Iq2S, Iq3Xxs, Iq3S] {
             // 37 rows: two groups of sixteen and five more; t = 31: 8 + 8 + 8 + 4 + 1 + 1 + 1
             check(ty, isa, 37, 2, 31, 21);
             check(ty, isa, 16, 1, 16, 22);
@@ -470,8 +471,9 @@ fn batched_lattice_products_match_the_reference() {
     }
 }
 
-/// The x86 unpacking (vectors and a transpose in registers) writes every byte of the
-/// portable definition's, for whole and ragged groups of rows of every lattice type.
+/// The x86 unpackings (vectors and a transpose in registers; sixteen rows for AVX-512 and,
+/// with the values signed, eight for AVX2) write every byte of the portable definition's,
+/// for whole and ragged groups of rows of every grid type.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn simd_unpacking_equals_the_definition() {
@@ -493,9 +495,66 @@ fn simd_unpacking_equals_the_definition() {
             }
         }
     }
+    /// The AVX2 form: the same values, signed, eight rows.
+    fn same_narrow<L: iquants::Lattice>() {
+        use x86_unpacked::narrow::{BYTES, D, QS, ROWS, SC};
+        let data = synthetic_matrix(L::TYPE, 8, 2, 37);
+        let bb = L::TYPE.block_bytes();
+        let row = data.len() / 8;
+        for live in [8, 3] {
+            let blocks: Vec<&[u8]> = (0..live)
+                .map(|r| &data[r * row + bb..r * row + 2 * bb])
+                .collect();
+            let mut want = vec![0xAAu8; iquants::unpacked::BYTES];
+            iquants::unpack::<L>(&blocks, &mut want);
+            let mut got = vec![0x55u8; BYTES];
+            // SAFETY: `same_narrow` runs only once the CPU is known to have AVX2 (below).
+            unsafe { x86_unpacked::unpack_narrow::<L>(&blocks, &mut got) };
+            let wide = iquants::unpacked::QS;
+            for r in 0..ROWS {
+                assert_eq!(
+                    got[D + 4 * r..D + 4 * r + 4],
+                    want[4 * r..4 * r + 4],
+                    "{:?} unit {r}",
+                    L::TYPE
+                );
+                for h in 0..16 {
+                    assert_eq!(
+                        got[SC + ROWS * h + r],
+                        want[iquants::unpacked::SC + 16 * h + r],
+                        "{:?} scale {h} of row {r}",
+                        L::TYPE
+                    );
+                }
+                for v in 0..QK_K / 4 {
+                    for j in 0..4 {
+                        let w = want[wide + 64 * v + 4 * r + j] ^ 0x80;
+                        assert_eq!(
+                            got[QS + 32 * v + 4 * r + j],
+                            w,
+                            "{:?} value {} of row {r} ({live} rows)",
+                            L::TYPE,
+                            4 * v + j
+                        );
+                    }
+                }
+            }
+        }
+    }
+    if Isa::detected() >= Isa::Avx2 {
+        same_narrow::<iquants::Iq1S>();
+        same_narrow::<iquants::Iq1M>();
+        same_narrow::<iquants::Iq2Xxs>();
+        same_narrow::<iquants::Iq2Xs>();
+        same_narrow::<iquants::Iq2S>();
+        same_narrow::<iquants::Iq3Xxs>();
+        same_narrow::<iquants::Iq3S>();
+    }
     if Isa::detected() < Isa::Avx512Vnni {
         return;
     }
+    same::<iquants::Iq1S>();
+    same::<iquants::Iq1M>();
     same::<iquants::Iq2Xxs>();
     same::<iquants::Iq2Xs>();
     same::<iquants::Iq2S>();

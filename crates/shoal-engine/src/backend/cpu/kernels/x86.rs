@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::formats::{round_f16, BlockQ8, BlockQ8K, WeightType, QK, QK_K};
+use super::formats::{round_f16, BlockQ8, BlockQ8K, QK, QK_K};
 use super::iquants;
 use super::prefetch::Prefetch;
 use super::x86_tiled::prefetch_block;
@@ -136,51 +136,9 @@ macro_rules! x86_kernels {
                 )
             }
 
-            /// IQ1_S or IQ1_M ([`iquants`]) · Q8K: each block decoded once (scalar table
-            /// lookups) to 256 small integers and 16 scales, then for each activation row
-            /// 32 products at a time: `|v|` times `q` carrying `v`'s sign, pairs summed to
-            /// 16 bits (at most 2 x 127 x 127, which fits) and fours to 32, each four
-            /// inside one 16-value scale group, scaled in f32 by the group's scale and the
-            /// row's `d`.
-            ///
-            /// # Safety
-            /// The CPU has the features; each activation row holds a block per block of `w`.
-            #[target_feature(enable = $features)]
-            unsafe fn iq1<const N: usize>(
-                ty: WeightType,
-                w: &[u8],
-                a: [&[BlockQ8K]; N],
-            ) -> [f32; N] {
-                let mut vals = [0i8; QK_K];
-                let mut scales = [0f32; 16];
-                let ones = _mm256_set1_epi16(1);
-                let mut acc = [_mm256_setzero_ps(); N];
-                for (i, b) in w.chunks_exact(ty.block_bytes()).enumerate() {
-                    iquants::decode(ty, b, &mut vals, &mut scales);
-                    let rows: [&BlockQ8K; N] = core::array::from_fn(|j| a[j].get_unchecked(i));
-                    let d: [__m256; N] = core::array::from_fn(|j| _mm256_set1_ps(rows[j].d));
-                    for g in 0..QK_K / 32 {
-                        let v = _mm256_loadu_si256(vals.as_ptr().add(32 * g) as *const __m256i);
-                        let magnitude = _mm256_sign_epi8(v, v);
-                        let s = _mm256_set_m128(
-                            _mm_set1_ps(scales[2 * g + 1]),
-                            _mm_set1_ps(scales[2 * g]),
-                        );
-                        for j in 0..N {
-                            let q = _mm256_loadu_si256(
-                                rows[j].qs.as_ptr().add(32 * g) as *const __m256i
-                            );
-                            let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(q, v));
-                            let fours = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                            acc[j] = _mm256_fmadd_ps(fours, _mm256_mul_ps(s, d[j]), acc[j]);
-                        }
-                    }
-                }
-                core::array::from_fn(|j| hsum_ps(acc[j]))
-            }
-
-            /// A lattice i-quant ([`iquants::Lattice`]) · Q8K, straight from the blocks: per
-            /// 32 values, the four grid points' magnitudes (table lookups) in one vector and
+            /// A grid i-quant ([`iquants::Lattice`]; IQ1's values in eighths) · Q8K, straight
+            /// from the blocks: per 32 values, the four grid points' magnitudes (table
+            /// lookups) in one vector and
             /// their sign masks negating the activations (`(q ^ m) - m`; `q` is never -128),
             /// then unsigned-by-signed 8-bit products, pairs summed to 16 bits (at most
             /// 2 x 62 x 127) and, times the halves' integer scales (at most 31), to 32 bits;
@@ -223,7 +181,7 @@ macro_rules! x86_kernels {
                             sums[j] = _mm256_add_epi32(sums[j], _mm256_madd_epi16(pairs, scales));
                         }
                     }
-                    let unit = L::FACTOR * f16_at(b.as_ptr());
+                    let unit = L::FACTOR * L::d(b);
                     for j in 0..N {
                         let d = _mm256_set1_ps(unit * rows[j].d);
                         acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j]), d, acc[j]);
@@ -234,29 +192,29 @@ macro_rules! x86_kernels {
 
             grid_iquants! {
                 $features;
-                iq1s: iq1(WeightType::Iq1S), "IQ1_S";
-                iq1m: iq1(WeightType::Iq1M), "IQ1_M";
-                iq2xxs: lattice::<iquants::Iq2Xxs>(), "IQ2_XXS";
-                iq2xs: lattice::<iquants::Iq2Xs>(), "IQ2_XS";
-                iq2s: lattice::<iquants::Iq2S>(), "IQ2_S";
-                iq3xxs: lattice::<iquants::Iq3Xxs>(), "IQ3_XXS";
-                iq3s: lattice::<iquants::Iq3S>(), "IQ3_S";
+                iq1s: iquants::Iq1S, "IQ1_S";
+                iq1m: iquants::Iq1M, "IQ1_M";
+                iq2xxs: iquants::Iq2Xxs, "IQ2_XXS";
+                iq2xs: iquants::Iq2Xs, "IQ2_XS";
+                iq2s: iquants::Iq2S, "IQ2_S";
+                iq3xxs: iquants::Iq3Xxs, "IQ3_XXS";
+                iq3s: iquants::Iq3S, "IQ3_S";
             }
         }
     };
 }
 
 /// One kernel per grid i-quant (inside `x86_kernels!`, so each has the level's features):
-/// IQ1's through `iq1` with its type, the lattice types' through `lattice` with theirs.
+/// `lattice` with the type's reader.
 macro_rules! grid_iquants {
-    ($features:literal; $($f:ident: $kernel:ident $(::<$l:ty>)? ($($ty:expr)?), $name:literal;)*) => {$(
+    ($features:literal; $($f:ident: $l:ty, $name:literal;)*) => {$(
         #[doc = concat!($name, " · Q8K.")]
         ///
         /// # Safety
         /// The CPU has the features; each activation row holds a block per block of `w`.
         #[target_feature(enable = $features)]
         pub unsafe fn $f<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
-            $kernel::<$($l,)? N>($($ty,)? w, a)
+            lattice::<$l, N>(w, a)
         }
     )*};
 }
