@@ -141,19 +141,24 @@ pub unsafe fn unpack<L: Lattice>(blocks: &[&[u8]], out: &mut [u8]) {
     }
     _mm512_storeu_ps(o.add(D) as *mut f32, _mm512_loadu_ps(units.as_ptr()));
     for g in 0..8 {
-        let rows: [__m256i; UNPACKED_ROWS] = core::array::from_fn(|r| match blocks.get(r) {
-            Some(b) if vectors => {
-                let (v, s) = match L::TYPE {
-                    WeightType::Iq3S => iq3s_group(b.as_ptr(), g),
-                    WeightType::Iq2Xxs => iq2xxs_group(b.as_ptr(), g),
-                    _ => iq1_group(L::TYPE, b.as_ptr(), g),
-                };
-                scales[r][2 * g] = s[0];
-                scales[r][2 * g + 1] = s[1];
-                _mm256_xor_si256(v, top)
-            }
-            _ => _mm256_loadu_si256(values[r].as_ptr().add(4 * g) as *const __m256i),
-        });
+        // a loop, not `array::from_fn`: a closure does not take this function's target
+        // features, so the decoders would not be inlined into it
+        let mut rows = [top; UNPACKED_ROWS];
+        for (r, row) in rows.iter_mut().enumerate() {
+            *row = match blocks.get(r) {
+                Some(b) if vectors => {
+                    let (v, s) = match L::TYPE {
+                        WeightType::Iq3S => iq3s_group(b.as_ptr(), g),
+                        WeightType::Iq2Xxs => iq2xxs_group(b.as_ptr(), g),
+                        _ => iq1_group(L::TYPE, b.as_ptr(), g),
+                    };
+                    scales[r][2 * g] = s[0];
+                    scales[r][2 * g + 1] = s[1];
+                    _mm256_xor_si256(v, top)
+                }
+                _ => _mm256_loadu_si256(values[r].as_ptr().add(4 * g) as *const __m256i),
+            };
+        }
         for (k, v) in transpose(&rows).into_iter().enumerate() {
             _mm512_storeu_si512(o.add(QS + 64 * (8 * g + k)) as *mut __m512i, v);
         }
