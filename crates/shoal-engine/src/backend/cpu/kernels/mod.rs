@@ -628,6 +628,8 @@ struct TilePair<A: 'static> {
     pair_four: Option<PairKern<A, 4>>,
     /// The same over eight activation rows (each weight block decoded once per eight).
     pair_eight: Option<PairKern<A, 8>>,
+    /// The same over sixteen (IQ4_XS, whose codes cost a table lookup to decode).
+    pair_sixteen: Option<PairKern<A, 16>>,
 }
 
 impl<A: 'static> TilePair<A> {
@@ -639,6 +641,7 @@ impl<A: 'static> TilePair<A> {
             run,
             pair_four: None,
             pair_eight: None,
+            pair_sixteen: None,
         }
     }
 }
@@ -736,6 +739,7 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
         Isa::Avx512Vnni if ty == WeightType::Iq4Xs => TilePair {
             pair_four: Some(x86_wide::tile2_iq4xs::<4>),
             pair_eight: Some(x86_wide::tile2_iq4xs::<8>),
+            pair_sixteen: Some(x86_wide::tile2_iq4xs::<16>),
             ..TilePair::new(
                 x86_tiled::avx512vnni::tile_iq4xs::<1>,
                 x86_tiled::avx512vnni::tile_iq4xs::<4>,
@@ -1651,6 +1655,9 @@ impl QuantMatrix {
                     n,
                     out,
                 };
+                if let Some(pair16) = k.pair_sixteen {
+                    tok = pair_at.run(pair16, tok, t, &act);
+                }
                 if let Some(pair8) = k.pair_eight {
                     tok = pair_at.run(pair8, tok, t, &act);
                 }
