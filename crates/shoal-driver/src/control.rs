@@ -159,7 +159,8 @@ impl Driver {
     /// Right after a node joins or dies, this node and the one it takes for the coordinator
     /// may disagree on who is alive, and so on who coordinates. The other node then declines;
     /// the request goes again (nothing was applied) once the views had time to converge, for
-    /// up to [`COORDINATOR_AGREEMENT`].
+    /// up to [`COORDINATOR_AGREEMENT`]. So it does while the node taken for the coordinator
+    /// refuses connections (it died, and the failure detector has not said so yet).
     pub(crate) async fn to_coordinator(
         &self,
         request: ControlRequest,
@@ -174,11 +175,23 @@ impl Driver {
             if coord == self.node.id() {
                 return self.apply(&request).await;
             }
-            let answer = self
+            let answer = match self
                 .node
                 .ask(&coord, body.clone(), Duration::from_secs(30))
                 .await
-                .map_err(|e| err(503, format!("the coordinator could not be asked: {e}")))?;
+            {
+                Ok(answer) => answer,
+                // a coordinator that died a moment ago stays live in this node's view until
+                // the failure detector says otherwise: wait for the view to move on
+                Err(e)
+                    if Instant::now() < deadline && self.node.refuses_connections(&coord).await =>
+                {
+                    tracing::debug!(%coord, "the coordinator refuses connections ({e}); waiting");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+                Err(e) => return Err(err(503, format!("the coordinator could not be asked: {e}"))),
+            };
             match ControlAnswer::from_value(answer).map_err(|e| err(502, e))? {
                 ControlAnswer::Ok(outcome) => return Ok(outcome),
                 ControlAnswer::Refused { status, message } => return Err(err(status, message)),

@@ -31,8 +31,8 @@ use shoal_testkit::{require_oracle, Comparison, GgmlType, OracleRun, TinyModelSp
 /// Prompt ids of the tiny tokenizer's vocabulary.
 const PROMPT: [u32; 10] = [294, 267, 266, 278, 7, 300, 296, 12, 99, 42];
 
-/// A prompt long enough for the batched prefill of the lattice i-quants (sixteen rows or more
-/// per product: their blocks unpacked once per batch on AVX-512 VNNI).
+/// A prompt long enough for the batched prefill of the grid i-quants (sixteen rows or more
+/// per product: their blocks unpacked once per batch on x86-64).
 const LONG_PROMPT: [u32; 27] = [
     294, 267, 266, 278, 7, 300, 296, 12, 99, 42, 5, 61, 250, 17, 133, 208, 77, 3, 191, 240, 9, 160,
     31, 284, 120, 56, 1,

@@ -141,6 +141,8 @@ impl Gpu {
         if let Some((_, b)) = cache.iter().find(|(h, _)| Arc::ptr_eq(h, host)) {
             return b.clone();
         }
+        // entries whose model is gone (the cache holds their last reference) go first
+        cache.retain(|(h, _)| Arc::strong_count(h) > 1);
         let b = self.ctx.buffer_with(bytemuck::cast_slice(host), "sinks");
         cache.push((host.clone(), b.clone()));
         b

@@ -1127,7 +1127,7 @@ impl QuantMatrix {
                 if self.tiled {
                     #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                     self.drive_tiles(&acts, self.cols / QK_K, t, y, &tile_kernels_k(ty, isa));
-                } else if !self.batched_lattice(&acts, t, y) {
+                } else if !self.batched_iquant(&acts, t, y) {
                     let k = match ty {
                         WeightType::Q4K => KernPair {
                             one: portable::q45k::<1, false>,
@@ -1475,7 +1475,7 @@ impl QuantMatrix {
     /// Runs `y = x W^T` (`acts`: `t` rows of quantized activations) through the batched path
     /// of a grid i-quant where this matrix and batch have one ([`Unpacked`]); false where
     /// not, and nothing was written.
-    fn batched_lattice(&self, acts: &[BlockQ8K], t: usize, y: &mut [f32]) -> bool {
+    fn batched_iquant(&self, acts: &[BlockQ8K], t: usize, y: &mut [f32]) -> bool {
         #[cfg(target_arch = "x86_64")]
         if t >= UNPACK_FROM_ROWS {
             if let Some(k) = Unpacked::kernels(self.ty, self.isa) {
