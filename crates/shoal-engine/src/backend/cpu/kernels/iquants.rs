@@ -115,8 +115,10 @@ pub trait Lattice {
     /// A block's unit, as a fraction of its `d`.
     const FACTOR: f32;
     /// Whether both halves of every group share one scale (a scale per 32 values).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     const PER_32: bool;
     /// Block `b`'s `d`.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     #[inline(always)]
     fn d(b: &[u8]) -> f32 {
         f16_at(b, 0)
@@ -257,6 +259,7 @@ impl Lattice for Iq3S {
 ///   value `4 v + j` of row `r`, so one 64-byte vector holds four values of every row.
 ///
 /// Rows past the live ones are zero (units, scales and values).
+#[cfg(target_arch = "x86_64")]
 pub mod unpacked {
     /// The rows' units.
     pub const D: usize = 0;
@@ -269,15 +272,13 @@ pub mod unpacked {
 }
 
 /// Rows of an unpacked super-block column ([`unpacked`]).
+#[cfg(target_arch = "x86_64")]
 pub const UNPACKED_ROWS: usize = 16;
 
-/// Unpacks one super-block of each of `blocks` (at most [`UNPACKED_ROWS`], each a whole block
-/// of `L`) into `out` ([`unpacked::BYTES`] long) as [`unpacked`] lays it out; rows past
-/// `blocks.len()` are zeroed.
-///
 /// One row's part of an unpacked super-block column: block `b`'s values plus 128 in order
 /// (as the bytes of 32 words) and its scales per 16 values. Kept out of line: inlined into
 /// the AVX-512 unpacking, LLVM turns the grid lookups into slower gathers.
+#[cfg(target_arch = "x86_64")]
 #[inline(never)]
 pub fn unpack_row<L: Lattice>(b: &[u8], values: &mut [u64; QK_K / 8], scales: &mut [i8; 16]) {
     const TOP: u64 = 0x8080_8080_8080_8080;
@@ -300,7 +301,7 @@ pub fn unpack_row<L: Lattice>(b: &[u8], values: &mut [u64; QK_K / 8], scales: &m
 ///
 /// # Panics
 /// When there are more blocks than rows, a block is short, or `out` is.
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 pub fn unpack<L: Lattice>(blocks: &[&[u8]], out: &mut [u8]) {
     use unpacked::{D, QS, SC};
     assert!(blocks.len() <= UNPACKED_ROWS && out.len() >= unpacked::BYTES);
@@ -322,6 +323,7 @@ pub fn unpack<L: Lattice>(blocks: &[&[u8]], out: &mut [u8]) {
 }
 
 /// Eight values (bytes of `v`, none of them 0) as their magnitudes and sign mask.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
 fn split_signs(v: u64) -> (u64, u64) {
     const LOW: u64 = 0x0101_0101_0101_0101;
