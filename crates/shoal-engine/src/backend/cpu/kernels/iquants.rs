@@ -128,8 +128,10 @@ pub trait Lattice {
 }
 
 /// IQ1_S, its values in eighths (the shift of ±1/8 added), so its unit is `d / 8`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub struct Iq1S;
 /// IQ1_M, as IQ1_S.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub struct Iq1M;
 /// IQ2_XXS.
 pub struct Iq2Xxs;
