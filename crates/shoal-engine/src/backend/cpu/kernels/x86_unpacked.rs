@@ -22,13 +22,7 @@ use super::formats::{BlockQ8K, WeightType, QK_K};
 use super::iq_grids::{IQ2XXS_GRID, IQ3S_GRID};
 use super::iquants::unpacked::{BYTES, D, QS, SC};
 use super::iquants::{signs_of, unpack_row, Lattice, IQ1_EIGHTHS, UNPACKED_ROWS};
-
-/// Four activations at `p + at` broadcast to every 32-bit lane.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn bcast(p: *const i8, at: usize) -> __m512i {
-    _mm512_set1_epi32((p.add(at) as *const i32).read_unaligned())
-}
+use super::x86_wide::bcast;
 
 /// The 64-byte value vector `v` of the unpacked block at `u`.
 #[inline]

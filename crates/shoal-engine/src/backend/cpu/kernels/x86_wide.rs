@@ -103,9 +103,10 @@ unsafe fn pairs16x2(t0: *const u8, t1: *const u8, off: usize) -> __m512i {
     _mm512_cvtepu8_epi16(_mm256_set_m128i(pair(t1), pair(t0)))
 }
 
+/// Four activations at `p + at` broadcast to every 32-bit lane.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn bcast(p: *const i8, at: usize) -> __m512i {
+pub(super) unsafe fn bcast(p: *const i8, at: usize) -> __m512i {
     _mm512_set1_epi32((p.add(at) as *const i32).read_unaligned())
 }
 
