@@ -91,6 +91,10 @@ pub struct SequenceRequest {
     /// strings and the constraint, and their text is not sent again, so the sequence goes
     /// on from the next token as if it had never stopped.
     pub resume: Vec<u32>,
+    /// Report each resumed token as an [`Event::Token`] (with the text it released then, and
+    /// no log-probabilities) before the first new one, for a caller that must rebuild its own
+    /// output state from them (a node taking over a stream another node was serving).
+    pub report_resumed: bool,
 }
 
 impl std::fmt::Debug for SequenceRequest {
@@ -101,6 +105,7 @@ impl std::fmt::Debug for SequenceRequest {
             .field("sampler", &self.sampler)
             .field("constrained", &self.constraint.is_some())
             .field("resumed_tokens", &self.resume.len())
+            .field("report_resumed", &self.report_resumed)
             .finish()
     }
 }
@@ -907,21 +912,37 @@ impl<'m> Worker<'m> {
             draft_cache: None,
             draft_failed: false,
         };
-        if let Err(e) = self.replay_resumed(&mut seq) {
-            (seq.job.sink)(Event::Failed(e));
-            return None;
+        match self.replay_resumed(&mut seq) {
+            Ok(None) => Some(seq),
+            // it had reached its end when it stopped: it ends as it would have
+            Ok(Some(reason)) => {
+                finish(&mut seq, reason);
+                None
+            }
+            Err(e) => {
+                (seq.job.sink)(Event::Failed(e));
+                None
+            }
         }
-        Some(seq)
     }
 
     /// Brings a resumed sequence's output state to where it stopped: its resumed tokens
     /// (already in its prompt, see [`Scheduler::submit`]) are counted as generated and
-    /// pass through the text decoder, the stop matcher and the constraint without being
-    /// reported again. Text the stop matcher held back stays held, as it was.
-    fn replay_resumed(&self, seq: &mut Sequence) -> Result<(), String> {
+    /// pass through the text decoder, the stop matcher and the constraint, reported again
+    /// only when the request asks ([`SequenceRequest::report_resumed`]). Text the stop
+    /// matcher held back stays held, as it was. Returns how it ends when the last resumed
+    /// token already ended it (a stop string, or its last allowed token).
+    fn replay_resumed(&self, seq: &mut Sequence) -> Result<Option<FinishReason>, String> {
         let tok = &self.model.tokenizer;
         let request = &mut seq.job.request;
-        for &id in &request.resume {
+        let vocab = tok.vocab_size();
+        let last = request.resume.len().saturating_sub(1);
+        for (i, &id) in request.resume.iter().enumerate() {
+            if id as usize >= vocab {
+                return Err(format!(
+                    "a resumed token id, {id}, is outside the vocabulary ({vocab} tokens)"
+                ));
+            }
             if let Some(c) = request.constraint.as_mut() {
                 c.commit(id)
                     .map_err(|e| format!("constrained decoding: {e}"))?;
@@ -929,18 +950,35 @@ impl<'m> Worker<'m> {
             seq.generated += 1;
             *seq.counts.entry(id).or_insert(0) += 1;
             let piece = seq.decoder.push(tok, id);
-            let (_, matched) = seq.stops.push(&piece);
+            let (released, matched) = seq.stops.push(&piece);
+            if matched && i < last {
+                return Err(format!(
+                    "the resumed tokens match a stop string at token {} of {}",
+                    i + 1,
+                    last + 1
+                ));
+            }
+            if request.report_resumed {
+                let token = Event::Token {
+                    id,
+                    text: released,
+                    logprob: None,
+                };
+                if !(seq.job.sink)(token) {
+                    return Err("nobody listens to the resumed sequence".into());
+                }
+            }
             if matched {
-                return Err("the resumed tokens already end in a stop string".into());
+                return Ok(Some(FinishReason::Stop));
             }
         }
-        if seq.generated >= request.max_tokens {
+        if seq.generated > request.max_tokens {
             return Err(format!(
-                "the request already generated {} of its {} tokens",
+                "the request resumes after {} tokens, more than its {}",
                 seq.generated, request.max_tokens
             ));
         }
-        Ok(())
+        Ok((seq.generated == request.max_tokens).then_some(FinishReason::Length))
     }
 
     /// The cache that shares the longest start with `prompt` (all but its last token at

@@ -240,6 +240,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> SequenceRequest {
         ignore_eos: true,
         special_text: false,
         resume: Vec::new(),
+        report_resumed: false,
     }
 }
 
@@ -310,7 +311,9 @@ fn stream(rx: &mpsc::Receiver<Event>) -> Stream {
 /// A request resumed after `k` of its tokens (what a client was sent before its instance
 /// was lost) goes on exactly as the uninterrupted request did: the same later tokens, the
 /// same text after what was sent, the same end, also when a stop string spans the point
-/// where it stopped, and with the resumed tokens counted towards `max_tokens`.
+/// where it stopped, and with the resumed tokens counted towards `max_tokens`. Asked to
+/// report the resumed tokens, it gives each with the text it gave the first time, then goes
+/// on the same.
 #[test]
 fn a_resumed_request_goes_on_where_it_stopped() {
     let dir = tempfile::tempdir().unwrap();
@@ -331,16 +334,18 @@ fn a_resumed_request_goes_on_where_it_stopped() {
     )
     .unwrap();
     let prompt = prompts(320).swap_remove(2);
-    let run = |stop: Vec<String>, resume: Vec<u32>| {
+    let run_reporting = |stop: Vec<String>, resume: Vec<u32>, report: bool| {
         let (tx, rx) = mpsc::channel();
         let mut r = request(prompt.clone(), 24);
         r.stop = stop;
         r.resume = resume;
+        r.report_resumed = report;
         let _t = sched
             .submit(r, Box::new(move |e| tx.send(e).is_ok()))
             .unwrap();
         stream(&rx)
     };
+    let run = |stop: Vec<String>, resume: Vec<u32>| run_reporting(stop, resume, false);
     let (whole, _, reason, n) = run(Vec::new(), Vec::new());
     assert_eq!((reason, n), (FinishReason::Length, 24));
     let ids: Vec<u32> = whole.iter().map(|t| t.0).collect();
@@ -364,6 +369,10 @@ fn a_resumed_request_goes_on_where_it_stopped() {
             );
             assert_eq!(tail, want_tail, "stops {stops:?}, resumed after {k}");
             assert_eq!((reason, n), (want_reason, want_n), "resumed after {k}");
+            let (all, tail, reason, n) =
+                run_reporting(stops.clone(), want[..k].iter().map(|t| t.0).collect(), true);
+            assert_eq!(all, want, "stops {stops:?}, resumed after {k}, reported");
+            assert_eq!((tail, reason, n), (want_tail.clone(), want_reason, want_n));
         }
     }
 }

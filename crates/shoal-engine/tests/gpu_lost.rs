@@ -44,6 +44,7 @@ fn request(max_tokens: usize) -> SequenceRequest {
         ignore_eos: true,
         special_text: false,
         resume: Vec::new(),
+        report_resumed: false,
     }
 }
 

@@ -135,6 +135,7 @@ impl SamplingArgs {
             ignore_eos: self.ignore_eos,
             special_text: false,
             resume: Vec::new(),
+            report_resumed: false,
         })
     }
 
