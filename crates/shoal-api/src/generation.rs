@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 
 use crate::error::{ApiError, ErrorKind};
 use crate::reasoning::{OutputSplitter, ReasoningFormat, Segment, Thinking};
+use crate::relay::Relayed;
 use crate::state::{AppState, InstanceView, ServedModel};
 use crate::tools::{StreamEvent, ToolCall, ToolStream};
 
@@ -339,6 +340,24 @@ pub struct Running {
     /// chat turn ends, see [`crate::turns`]).
     shown: String,
     shown_calls: Vec<ToolCall>,
+    /// Whether an entry node relays the stream: each token's output is followed by its mark
+    /// ([`crate::relay`]).
+    marks: bool,
+    /// Tokens still to come that another lead already sent (a request taken over): their
+    /// output updates every state but is not shown again.
+    replaying: usize,
+    /// How many of the first `pending` outputs are such replayed output.
+    replayed_pending: usize,
+    /// The token whose mark follows once `pending` is empty.
+    mark_after: Option<u32>,
+}
+
+/// What [`Running::next_item`] yields: an output, one already shown by a lead that died, or
+/// a token's mark.
+enum Item {
+    Out(Out),
+    Replayed(Out),
+    Mark(u32),
 }
 
 impl std::fmt::Debug for Running {
@@ -395,9 +414,10 @@ pub async fn start(state: &Arc<AppState>, req: GenRequest) -> Result<Running, Ap
     // still being prepared
     let slot = state.prompts.enter().await?;
     let st = state.clone();
+    let relayed = crate::relay::Relayed::current();
     tokio::task::spawn_blocking(move || {
         let _slot = slot;
-        prepare(&st, req, arrived)
+        prepare(&st, req, arrived, relayed)
     })
     .await
     .map_err(|e| ApiError::internal(format!("preparing the prompt stopped: {e}")))?
@@ -469,8 +489,21 @@ fn prepare(
     state: &Arc<AppState>,
     mut req: GenRequest,
     arrived: Instant,
+    relayed: Option<Relayed>,
 ) -> Result<Running, ApiError> {
     let served = state.model(&req.model)?;
+    let resume = relayed
+        .as_ref()
+        .map(|r| r.resume.clone())
+        .unwrap_or_default();
+    let vocab = served.scheduler.model().tokenizer.vocab_size();
+    if let Some(bad) = resume.iter().find(|&&id| id as usize >= vocab) {
+        return Err(ApiError::invalid(format!(
+            "the {} header names token {bad}, outside {}'s vocabulary of {vocab} tokens",
+            crate::relay::RESUME,
+            served.id
+        )));
+    }
     fits_by_length(&served, &req.input).inspect_err(|_| state.metrics.too_long(&served.id))?;
     if req.stop.len() > MAX_STOPS || req.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
         return Err(ApiError::invalid_param(
@@ -569,7 +602,10 @@ fn prepare(
         // channels, Kimi K2's call sections): their parsers must see them
         special_text: splitter.is_some() || parser.is_some(),
     };
-    let (rx, ticket) = submitted.submit(&served, Vec::new())?;
+    // a request another lead was serving goes on after the tokens its client was sent, their
+    // text reported again so that the parsers and the API's stream state catch up
+    let replaying = resume.len();
+    let (rx, ticket) = submitted.submit(&served, resume, true)?;
     state.metrics.prompt(&served.id, prompt_tokens);
     Ok(Running {
         splitter,
@@ -591,9 +627,13 @@ fn prepare(
         done: false,
         submitted,
         generated: Vec::new(),
-        resumed: 0,
+        resumed: usize::from(replaying > 0),
         shown: String::new(),
         shown_calls: Vec::new(),
+        marks: relayed.is_some(),
+        replaying,
+        replayed_pending: 0,
+        mark_after: None,
     })
 }
 
@@ -762,6 +802,7 @@ impl Submitted {
         &self,
         served: &ServedModel,
         resume: Vec<u32>,
+        report_resumed: bool,
     ) -> Result<(mpsc::UnboundedReceiver<Event>, Ticket), ApiError> {
         let mut sampler = self.sampling.clone();
         if !resume.is_empty() {
@@ -787,6 +828,7 @@ impl Submitted {
                     ignore_eos: self.req.ignore_eos,
                     special_text: self.special_text,
                     resume,
+                    report_resumed,
                 },
                 sink,
             )
@@ -1050,20 +1092,51 @@ impl Running {
         }
     }
 
-    /// The next piece of output; `None` after [`Out::Finished`] or [`Out::Failed`].
+    /// The next piece of output; `None` after [`Out::Finished`] or [`Out::Failed`]. Output
+    /// another lead already sent (a request taken over) is included: this is the whole
+    /// answer.
     pub async fn next(&mut self) -> Option<Out> {
         loop {
+            match self.next_item().await? {
+                Item::Out(o) | Item::Replayed(o) => return Some(o),
+                Item::Mark(_) => {}
+            }
+        }
+    }
+
+    /// The next output, replayed output or mark; `None` after [`Out::Finished`] or
+    /// [`Out::Failed`].
+    async fn next_item(&mut self) -> Option<Item> {
+        loop {
             if let Some(o) = self.pending.pop_front() {
-                return Some(o);
+                if self.replayed_pending > 0 {
+                    self.replayed_pending -= 1;
+                    return Some(Item::Replayed(o));
+                }
+                return Some(Item::Out(o));
+            }
+            if let Some(id) = self.mark_after.take() {
+                return Some(Item::Mark(id));
             }
             if self.done {
                 return None;
             }
             let Some(ev) = self.rx.recv().await else {
                 self.done = true;
-                return Some(Out::Failed("the model stopped serving this request".into()));
+                return Some(Item::Out(Out::Failed(
+                    "the model stopped serving this request".into(),
+                )));
             };
             match ev {
+                Event::Token { id, text, .. } if self.replaying > 0 => {
+                    self.replaying -= 1;
+                    self.generated.push(id);
+                    if self.splitter.as_ref().is_some_and(|s| s.in_reasoning()) {
+                        self.reasoning_tokens += 1;
+                    }
+                    self.push_text(text, Vec::new());
+                    self.replayed_pending = self.pending.len();
+                }
                 Event::Token { id, text, logprob } => {
                     let now = Instant::now();
                     let first = self.first_token.is_none();
@@ -1085,6 +1158,9 @@ impl Running {
                         Vec::new()
                     };
                     self.push_text(text, lps);
+                    if self.marks {
+                        self.mark_after = Some(id);
+                    }
                 }
                 Event::Text(text) => self.push_text(text, Vec::new()),
                 Event::Done(f) => {
@@ -1217,7 +1293,7 @@ impl Running {
                     let served = now_here.expect("decided on a model served here");
                     let (rx, ticket) = self
                         .submitted
-                        .submit(&served, self.generated.clone())
+                        .submit(&served, self.generated.clone(), false)
                         .map_err(|e| fail(e.message))?;
                     tracing::info!(
                         model = %id,
@@ -1290,9 +1366,14 @@ impl Running {
     /// `map(out)` for each output until the final one ([`Out::Finished`] or
     /// [`Out::Failed`]) has been mapped. Each adapter supplies its wire format as `map`;
     /// dropping the stream (the client went away) cancels the request.
+    ///
+    /// Relayed by an entry node, each token's items are followed by its mark. Taken over
+    /// from a lead that died, `first` and the items of the output that lead sent are left
+    /// out: `map` still sees that output (its state goes on as if it had been sent), and
+    /// the stream continues where the client's stopped.
     pub fn stream_with<T, F>(self, first: Vec<T>, map: F) -> impl futures_util::Stream<Item = T>
     where
-        T: Send + 'static,
+        T: crate::relay::TokenMark + Send + 'static,
         F: FnMut(Out) -> Vec<T> + Send + 'static,
     {
         struct State<T, F> {
@@ -1301,6 +1382,11 @@ impl Running {
             map: F,
             ended: bool,
         }
+        let first = if self.replaying > 0 {
+            Vec::new()
+        } else {
+            first
+        };
         let state = State {
             running: self,
             queue: first.into(),
@@ -1315,7 +1401,17 @@ impl Running {
                 if st.ended {
                     return None;
                 }
-                let out = st.running.next().await?;
+                let out = match st.running.next_item().await? {
+                    Item::Out(out) => out,
+                    Item::Replayed(out) => {
+                        (st.map)(out);
+                        continue;
+                    }
+                    Item::Mark(id) => {
+                        st.queue.push_back(T::token_mark(id));
+                        continue;
+                    }
+                };
                 st.ended = matches!(out, Out::Finished { .. } | Out::Failed(_));
                 let items = (st.map)(out);
                 st.queue.extend(items);

@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod ollama;
 pub mod openai;
 pub mod reasoning;
+pub mod relay;
 pub mod replay;
 pub mod responses;
 pub mod responses_tools;

@@ -34,6 +34,10 @@ pub struct NodeFacts {
     /// as `u32::MAX`); absent: what the GPU's memory holds.
     #[serde(default)]
     pub gpu_layers: Option<u32>,
+    /// The node holds no shares (`shoal serve --no-compute`): it answers the APIs and
+    /// forwards every request to the node leading its instance.
+    #[serde(default)]
+    pub entry_only: bool,
 }
 
 /// One GPU adapter of a node.
@@ -67,8 +71,9 @@ impl NodeFacts {
             id: id.to_string(),
             name: self.name.clone(),
             memory_total_bytes: self.memory_total_bytes,
-            // a node whose GPU failed computes nothing more until it restarts
-            memory_free_bytes: if self.compute_gpu_failed() {
+            // a node whose GPU failed computes nothing more until it restarts; an entry
+            // node never does
+            memory_free_bytes: if self.compute_gpu_failed() || self.entry_only {
                 0
             } else {
                 self.memory_free_bytes
@@ -158,6 +163,7 @@ mod tests {
             version: "0".into(),
             gpus: vec![gpu(0, None), gpu(1, None)],
             gpu_layers: None,
+            entry_only: false,
         };
         assert_eq!(f.to_spec("x").memory_free_bytes, 12 << 30);
         // another GPU than the one it computes on: no matter
@@ -166,6 +172,13 @@ mod tests {
         f.gpus[1].failed = Some("lost".into());
         assert!(f.compute_gpu_failed());
         assert_eq!(f.to_spec("x").memory_free_bytes, 0);
+        f.gpus[1].failed = None;
+        f.entry_only = true;
+        assert_eq!(
+            f.to_spec("x").memory_free_bytes,
+            0,
+            "an entry node holds nothing"
+        );
         // facts from a node older than these fields still read
         let old = r#"{"name":"b","api":"","listen":"","memory_total_bytes":1,"memory_free_bytes":1,
             "backend":"gpu:0","threads":1,"mem_bandwidth_gbs":1.0,"compute_gflops":1.0,

@@ -428,8 +428,9 @@ impl Node {
         out
     }
 
-    /// The live cluster as the planner sees it: live nodes with facts, and each pair's
-    /// link (the mean of both directions where both were measured).
+    /// The live cluster as the planner sees it: live nodes with facts that compute (not
+    /// entry nodes), and each pair's link (the mean of both directions where both were
+    /// measured).
     pub async fn planner_view(
         &self,
     ) -> (Vec<shoal_planner::NodeSpec>, Vec<shoal_planner::LinkSpec>) {
@@ -438,7 +439,7 @@ impl Node {
             .await
             .into_iter()
             .filter(|n| n.alive)
-            .filter_map(|n| n.facts.map(|f| f.to_spec(&n.id)))
+            .filter_map(|n| n.facts.filter(|f| !f.entry_only).map(|f| f.to_spec(&n.id)))
             .collect();
         let mut pairs: BTreeMap<(String, String), Vec<LinkFacts>> = BTreeMap::new();
         for l in self.links() {

@@ -927,6 +927,7 @@ mod tests {
                 version: "0".into(),
                 gpus: Vec::new(),
                 gpu_layers: None,
+                entry_only: false,
             }),
         }
     }

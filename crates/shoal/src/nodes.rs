@@ -57,6 +57,12 @@ pub fn nodes(args: LookArgs) -> anyhow::Result<()> {
             (_, Some(true)) => "self",
             _ => "",
         };
+        // an entry node (`serve --no-compute`) holds no shares
+        let role = match (f["entry_only"].as_bool() == Some(true), role) {
+            (true, "") => "entry".to_string(),
+            (true, r) => format!("{r}, entry"),
+            (false, r) => r.to_string(),
+        };
         println!(
             "{:<17} {:<14} {:<6} {:<12} {:>14} {:>8} {:>8}  {:<21} {}",
             n["id"].as_str().unwrap_or("?"),

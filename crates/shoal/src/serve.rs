@@ -105,6 +105,13 @@ pub struct ServeArgs {
     /// what is free).
     #[arg(long, value_parser = parse_bytes)]
     pub max_memory: Option<u64>,
+    /// Hold no model shares: answer the APIs and forward every request to the node leading
+    /// its instance. Put such entry nodes in front of a cluster: when a node that computes
+    /// dies, requests that entered at an entry node go on at the instance's next lead, while
+    /// a client connected to the dying node itself loses its connection. It offers no
+    /// memory, whatever --max-memory says.
+    #[arg(long, conflicts_with = "models")]
+    pub no_compute: bool,
     /// Seconds running requests may take to finish after Ctrl-C or SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub grace_s: u64,
@@ -211,9 +218,22 @@ async fn join_cluster(
             args.listen
         )
     })?;
-    let test = tokio::task::spawn_blocking(move || crate::selftest::run(threads))
-        .await
-        .context("the self-test stopped")??;
+    // an entry node computes nothing: nothing to measure
+    let test = if args.no_compute {
+        crate::selftest::SelfTest {
+            mem_bandwidth_gbs: 0.0,
+            compute_gflops: 0.0,
+        }
+    } else {
+        tokio::task::spawn_blocking(move || crate::selftest::run(threads))
+            .await
+            .context("the self-test stopped")??
+    };
+    let memory_limit = if args.no_compute {
+        Some(0)
+    } else {
+        args.max_memory
+    };
     let (total, free) = shoal_cluster::facts::memory().unwrap_or((0, 0));
     let (backend, gpus) = tokio::task::spawn_blocking(gpu_facts)
         .await
@@ -223,7 +243,7 @@ async fn join_cluster(
         api: api.to_string(),
         listen: String::new(),
         memory_total_bytes: total,
-        memory_free_bytes: free.min(args.max_memory.unwrap_or(u64::MAX)) >> 26 << 26,
+        memory_free_bytes: free.min(memory_limit.unwrap_or(u64::MAX)) >> 26 << 26,
         backend,
         threads: threads as u32,
         // the CPU's; the GPU's bandwidth is its own fact, for the layers it takes
@@ -236,6 +256,7 @@ async fn join_cluster(
             shoal_engine::device::GpuLayers::All => Some(u32::MAX),
             shoal_engine::device::GpuLayers::First(n) => Some(n.min(u32::MAX as usize) as u32),
         },
+        entry_only: args.no_compute,
     };
     let node = Node::start(NodeConfig {
         identity,
@@ -253,7 +274,7 @@ async fn join_cluster(
         facts,
         probe_interval: std::time::Duration::from_secs(15),
         io_timeout: std::time::Duration::from_secs(5),
-        memory_limit: args.max_memory,
+        memory_limit,
     })
     .await?;
     Ok(Arc::new(node))

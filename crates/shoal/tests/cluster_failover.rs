@@ -5,11 +5,13 @@
 //! queues each request again with its prompt and the tokens already sent, and every stream
 //! goes on to the end: its text equals the uninterrupted run's, with one gap.
 //!
-//! When the node that dies is the lead, a stream that entered at another node cannot go on
-//! (the lead held its state), but it never stops silently: each API's stream ends with an
-//! error event in that API's shape.
+//! When the node that dies is the lead, a stream that entered at another node goes on too:
+//! the entry node asks the instance's next lead to go on after the tokens the client was sent
+//! (`shoal_api::relay`), in every API, and the text equals the uninterrupted run's. A stream
+//! connected to the dying node itself loses its connection: its client sees an error at
+//! once, not a hang.
 //!
-//! `SHOAL_FAILOVER_ROUNDS` (default 1) repeats the kill on a fresh cluster; `bench/failover.sh`
+//! `SHOAL_FAILOVER_ROUNDS` (default 1) repeats each kill on a fresh cluster; `bench/failover.sh`
 //! runs 20 rounds with gaps held to 5 s and reports them. Each round prints one `failover
 //! round` line with each stream's longest gap.
 
@@ -145,10 +147,11 @@ fn run_streams(url: &str, kill: Option<&mut dyn FnMut()>) -> Vec<Streamed> {
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
-/// A fresh cluster of nodes a, b, c with qwen05 tensor-parallel on a and b. Every node
-/// holds the model, as a cluster that has run it before would: the survivor loads its new
-/// share without fetching it.
-fn cluster(dir: &Path, model: &Path) -> (Vec<Node>, Value) {
+/// A fresh cluster of nodes a, b, c with qwen05 tensor-parallel on a and b, and with
+/// `entry`, a fourth node `e` that computes nothing (`serve --no-compute`). Every node holds
+/// the model, as a cluster that has run it before would: the survivor loads its new share
+/// without fetching it.
+fn cluster(dir: &Path, model: &Path, entry: bool) -> (Vec<Node>, Value) {
     let secret = common::secret(dir);
     let home = model.parent().unwrap().parent().unwrap().to_path_buf();
     let extra = ["--parallel", "4"];
@@ -157,6 +160,17 @@ fn cluster(dir: &Path, model: &Path) -> (Vec<Node>, Value) {
     let mut nodes = vec![a];
     for n in ["b", "c"] {
         nodes.push(node(dir, n, &secret, &home, Some(&seed), &extra));
+    }
+    if entry {
+        let no_compute = ["--no-mdns", "--no-compute"];
+        nodes.push(common::node_with(
+            dir,
+            "e",
+            &secret,
+            &home,
+            Some(&seed),
+            &no_compute,
+        ));
     }
     common::agree(&nodes);
     let (ok, out, err) = run(&[
@@ -178,15 +192,20 @@ fn cluster(dir: &Path, model: &Path) -> (Vec<Node>, Value) {
     (nodes, inst)
 }
 
+/// Rounds each test runs (`SHOAL_FAILOVER_ROUNDS`, default 1).
+fn rounds() -> usize {
+    std::env::var("SHOAL_FAILOVER_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(1)
+}
+
 #[test]
 fn streams_survive_the_death_of_a_non_lead_node() {
     let Some(model) = cached_model("qwen05") else {
         return;
     };
-    let rounds: usize = std::env::var("SHOAL_FAILOVER_ROUNDS")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(1);
+    let rounds = rounds();
     let mut reference: Option<Vec<String>> = None;
     let mut gaps: Vec<Duration> = Vec::new();
     for round in 1..=rounds {
@@ -194,7 +213,7 @@ fn streams_survive_the_death_of_a_non_lead_node() {
         if std::env::var_os("SHOAL_KEEP_LOGS").is_some() {
             eprintln!("logs in {}", dir.path().display());
         }
-        let (mut nodes, inst) = cluster(dir.path(), &model);
+        let (mut nodes, inst) = cluster(dir.path(), &model, false);
         let lead = format!("http://{}", inst["api"].as_str().unwrap());
         eprintln!("round {round}: {}", inst["placement"]);
         let want = reference.get_or_insert_with(|| {
@@ -269,158 +288,268 @@ fn streams_survive_the_death_of_a_non_lead_node() {
     );
 }
 
-/// What a raw stream of one API delivered: its text, and how it ended.
+/// What a raw stream of one API delivered.
 #[derive(Debug, Default)]
 struct Ended {
-    lines: usize,
-    /// The error event's message, if one came.
+    /// The answer's text.
+    text: String,
+    /// The longest time between two pieces of text.
+    longest_gap: Duration,
+    /// The error event's message, or the transport's error, if one came.
     error: Option<String>,
     /// Whether it ended as its API ends a finished answer.
     finished: bool,
 }
 
-/// Streams `body` to `route` at `url`, reading SSE `data:` lines or Ollama's JSON lines, and
-/// counting each in `progress`; `is_end` says whether a line finishes the answer, `error`
-/// whether it is an error (and its message).
-fn raw_stream(
-    url: &str,
-    route: &str,
-    body: &Value,
-    progress: &AtomicUsize,
+/// How one API streams: its route, the request body for `prompt`, the text a line carries,
+/// whether a line finishes the answer, and the error it carries.
+struct Api {
+    route: &'static str,
+    body: fn(&str) -> Value,
+    text: fn(&Value) -> Option<String>,
     is_end: fn(&str) -> bool,
     error: fn(&Value) -> Option<String>,
-) -> Ended {
+}
+
+const APIS: [Api; 3] = [
+    Api {
+        route: "/v1/chat/completions",
+        body: |p| {
+            json!({"model": "qwen05", "messages": [{"role": "user", "content": p}],
+                   "temperature": 0, "max_tokens": TOKENS, "ignore_eos": true, "stream": true})
+        },
+        text: |v| Some(v["choices"][0]["delta"]["content"].as_str()?.to_string()),
+        // a finish reason ends an answer ([DONE] follows an error too)
+        is_end: |d| d.contains("\"finish_reason\":\""),
+        error: |v| Some(v.get("error")?["message"].as_str()?.to_string()),
+    },
+    Api {
+        route: "/v1/messages",
+        body: |p| {
+            json!({"model": "qwen05", "messages": [{"role": "user", "content": p}],
+                   "temperature": 0, "max_tokens": TOKENS, "stream": true})
+        },
+        text: |v| Some(v["delta"]["text"].as_str()?.to_string()),
+        is_end: |d| d.contains("\"message_stop\""),
+        error: |v| {
+            (v["type"] == "error").then(|| v["error"]["message"].as_str().map(str::to_string))?
+        },
+    },
+    Api {
+        route: "/api/chat",
+        body: |p| {
+            json!({"model": "qwen05", "messages": [{"role": "user", "content": p}],
+                   "stream": true, "options": {"temperature": 0, "num_predict": TOKENS}})
+        },
+        text: |v| Some(v["message"]["content"].as_str()?.to_string()),
+        is_end: |d| d.contains("\"done\":true"),
+        error: |v| Some(v.get("error")?.as_str()?.to_string()),
+    },
+];
+
+/// Streams `prompt` through `api` at `url`, reading SSE `data:` lines or Ollama's JSON
+/// lines, and counting the pieces of text in `progress`.
+fn raw_stream(url: &str, api: &Api, prompt: &str, progress: &AtomicUsize) -> Ended {
     let mut out = Ended::default();
-    let resp = match ureq::post(&format!("{url}{route}")).send_json(body) {
+    let resp = match ureq::post(&format!("{url}{}", api.route)).send_json((api.body)(prompt)) {
         Ok(r) => r,
         Err(e) => {
             out.error = Some(format!("the request failed: {e}"));
             return out;
         }
     };
+    let mut last: Option<Instant> = None;
     for line in BufReader::new(resp.into_body().into_reader()).lines() {
-        let Ok(line) = line else { break };
+        let line = match line {
+            Ok(l) => l,
+            Err(e) => {
+                out.error = Some(format!("the connection broke: {e}"));
+                break;
+            }
+        };
         let data = line.strip_prefix("data: ").unwrap_or(&line);
-        if data.trim().is_empty() || data.starts_with("event: ") {
+        if data.trim().is_empty() || data.starts_with("event: ") || data.starts_with(':') {
             continue;
         }
-        out.lines += 1;
-        progress.fetch_add(1, Ordering::Relaxed);
-        if is_end(data) {
+        assert!(
+            !data.contains("shoal_token") && !data.contains("shoal-token"),
+            "a relay mark reached the client: {data}"
+        );
+        if (api.is_end)(data) {
             out.finished = true;
         }
-        if let Some(e) = serde_json::from_str::<Value>(data)
-            .ok()
-            .as_ref()
-            .and_then(error)
-        {
+        let Ok(v) = serde_json::from_str::<Value>(data) else {
+            continue;
+        };
+        if let Some(e) = (api.error)(&v) {
             out.error = Some(e);
+        }
+        if let Some(t) = (api.text)(&v).filter(|t| !t.is_empty()) {
+            let now = Instant::now();
+            if let Some(l) = last {
+                out.longest_gap = out.longest_gap.max(now - l);
+            }
+            last = Some(now);
+            out.text.push_str(&t);
+            progress.fetch_add(1, Ordering::Relaxed);
         }
     }
     out
 }
 
+/// The streams of one lead-death round: (entry URL, index in [`APIS`], prompt).
+type Plan = Vec<(String, usize, &'static str)>;
+
+/// Runs every stream of `plan` at once; with `kill`, calls it once every stream entering
+/// elsewhere than `lead` has 20 pieces of text.
+fn run_raw(plan: &Plan, lead: &str, kill: Option<&mut dyn FnMut()>) -> Vec<Ended> {
+    let progress: Vec<Arc<AtomicUsize>> = plan.iter().map(|_| Arc::default()).collect();
+    let handles: Vec<_> = plan
+        .iter()
+        .zip(&progress)
+        .map(|(&(ref url, api, prompt), n)| {
+            let (url, n) = (url.clone(), n.clone());
+            std::thread::spawn(move || raw_stream(&url, &APIS[api], prompt, &n))
+        })
+        .collect();
+    if let Some(kill) = kill {
+        let t0 = Instant::now();
+        while plan
+            .iter()
+            .zip(&progress)
+            .any(|((url, ..), n)| url != lead && n.load(Ordering::Relaxed) < 20)
+            && !handles.iter().any(|h| h.is_finished())
+            && t0.elapsed() < Duration::from_secs(300)
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        kill();
+    }
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 #[test]
-fn a_stream_whose_lead_dies_ends_with_an_error_in_its_apis_shape() {
+fn streams_entering_elsewhere_survive_the_death_of_their_lead() {
     let Some(model) = cached_model("qwen05") else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let (mut nodes, inst) = cluster(dir.path(), &model);
-    let lead = format!("http://{}", inst["api"].as_str().unwrap());
-    let entry = nodes
-        .iter()
-        .find(|n| {
-            !inst["nodes"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|x| x == &n.name)
-        })
-        .expect("a node outside the instance")
-        .url
-        .clone();
-    // the entry node forwards once the instance table it replicates names the lead; until
-    // then it answers 503 with a retry time, as a client would see it
-    let t0 = Instant::now();
-    let probe = json!({"model": "qwen05", "max_tokens": 1,
-                       "messages": [{"role": "user", "content": "hi"}]});
-    loop {
-        match ureq::post(&format!("{entry}/v1/chat/completions")).send_json(&probe) {
-            Ok(_) => break,
-            Err(ureq::Error::StatusCode(503)) => {}
-            Err(e) => panic!("the entry node refused a request for the instance: {e}"),
+    let mut reference: Option<Vec<String>> = None;
+    let mut gaps: Vec<Duration> = Vec::new();
+    let mut resumed = 0;
+    for round in 1..=rounds() {
+        let dir = tempfile::tempdir().unwrap();
+        if std::env::var_os("SHOAL_KEEP_LOGS").is_some() {
+            eprintln!("logs in {}", dir.path().display());
         }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the entry node never forwarded to the instance"
+        let (mut nodes, inst) = cluster(dir.path(), &model, true);
+        let lead = format!("http://{}", inst["api"].as_str().unwrap());
+        let entry = nodes.iter().find(|n| n.name == "e").unwrap().url.clone();
+        // the entry node offers no memory, so no placement ever uses it
+        let listed = json_of(&["nodes", "--json", "--url", &entry]);
+        let e = listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["facts"]["name"] == "e")
+            .unwrap_or_else(|| panic!("e is not listed: {listed}"));
+        assert_eq!(e["facts"]["entry_only"], true, "{e}");
+        assert_eq!(e["facts"]["memory_free_bytes"], 0, "{e}");
+        // the entry node forwards once the instance table it replicates names the lead;
+        // until then it answers 503 with a retry time, as a client would see it
+        let t0 = Instant::now();
+        let probe = json!({"model": "qwen05", "max_tokens": 1,
+                           "messages": [{"role": "user", "content": "hi"}]});
+        loop {
+            match ureq::post(&format!("{entry}/v1/chat/completions")).send_json(&probe) {
+                Ok(_) => break,
+                Err(ureq::Error::StatusCode(503)) => {}
+                Err(e) => panic!("the entry node refused a request for the instance: {e}"),
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "the entry node never forwarded to the instance"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        // three streams enter at the entry node (one for each API), one at the lead itself
+        let plan: Plan = vec![
+            (entry.clone(), 0, PROMPTS[0]),
+            (entry.clone(), 1, PROMPTS[1]),
+            (entry.clone(), 2, PROMPTS[2]),
+            (lead.clone(), 0, PROMPTS[3]),
+        ];
+        let want = reference.get_or_insert_with(|| {
+            let plain = run_raw(&plan, &lead, None);
+            for (s, (_, api, _)) in plain.iter().zip(&plan) {
+                assert!(
+                    s.error.is_none() && s.finished,
+                    "{}: uninterrupted: {s:?}",
+                    APIS[*api].route
+                );
+            }
+            plain.into_iter().map(|s| s.text).collect()
+        });
+        let gen = inst["generation"].as_u64().unwrap();
+        let mut kill = || {
+            let victim = nodes.iter().position(|n| n.url == lead).unwrap();
+            eprintln!("killing the lead, {}", nodes[victim].name);
+            nodes.remove(victim);
+        };
+        let got = run_raw(&plan, &lead, Some(&mut kill));
+        let after = json_of(&["ps", "--json", "--url", &entry]);
+        let after = after
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|i| i["id"] == "qwen05")
+            .cloned()
+            .unwrap_or_default();
+        drop(nodes);
+        if std::env::var_os("SHOAL_KEEP_LOGS").is_some() {
+            let _ = dir.keep();
+        }
+        let round_gaps: Vec<Duration> = got.iter().map(|s| s.longest_gap).collect();
+        eprintln!(
+            "failover round {round} (lead killed): gaps_ms {:?} placement {} generation {}",
+            round_gaps.iter().map(|g| g.as_millis()).collect::<Vec<_>>(),
+            after["placement"],
+            after["generation"]
         );
-        std::thread::sleep(Duration::from_millis(200));
+        assert!(after["generation"].as_u64().unwrap_or(0) > gen, "{after}");
+        assert!(
+            !after["nodes"].as_array().unwrap().iter().any(|n| n == "e"),
+            "the entry node was given a share: {after}"
+        );
+        for (i, (s, (url, api, _))) in got.iter().zip(&plan).enumerate() {
+            let route = APIS[*api].route;
+            if *url == lead {
+                // connected to the node that died: an error at once, never a finished answer
+                eprintln!("{route} at the killed lead: {:?}", s.error);
+                assert!(!s.finished, "{route}: finished as if whole: {s:?}");
+                assert!(s.error.is_some(), "{route}: ended silently: {s:?}");
+                continue;
+            }
+            assert!(s.error.is_none(), "round {round}, {route}: {s:?}");
+            assert!(s.finished, "round {round}, {route}: not finished: {s:?}");
+            assert_eq!(
+                s.text, want[i],
+                "round {round}, {route}: the text differs from the uninterrupted run's"
+            );
+            assert!(
+                s.longest_gap <= max_gap(),
+                "round {round}, {route}: a gap of {:?}",
+                s.longest_gap
+            );
+            gaps.push(s.longest_gap);
+            resumed += 1;
+        }
     }
-    let messages = json!([{"role": "user", "content": PROMPTS[0]}]);
-    type Check = (
-        &'static str,
-        Value,
-        fn(&str) -> bool,
-        fn(&Value) -> Option<String>,
+    gaps.sort();
+    eprintln!(
+        "failover (lead killed): {} rounds, {resumed} streams entering elsewhere, 0 lost; gap \
+         median {} ms, max {} ms",
+        rounds(),
+        gaps[gaps.len() / 2].as_millis(),
+        gaps.last().unwrap().as_millis()
     );
-    let apis: [Check; 3] = [
-        (
-            "/v1/chat/completions",
-            json!({"model": "qwen05", "messages": messages, "temperature": 0,
-                   "max_tokens": TOKENS, "ignore_eos": true, "stream": true}),
-            // a finish reason ends an answer ([DONE] follows an error too)
-            |d| d.contains("\"finish_reason\":\""),
-            |v| Some(v.get("error")?["message"].as_str()?.to_string()),
-        ),
-        (
-            "/v1/messages",
-            json!({"model": "qwen05", "messages": messages, "temperature": 0,
-                   "max_tokens": TOKENS, "stream": true}),
-            |d| d.contains("\"message_stop\""),
-            |v| {
-                (v["type"] == "error")
-                    .then(|| v["error"]["message"].as_str().map(str::to_string))?
-            },
-        ),
-        (
-            "/api/chat",
-            json!({"model": "qwen05", "messages": messages, "stream": true,
-                   "options": {"temperature": 0, "num_predict": TOKENS}}),
-            |d| d.contains("\"done\":true"),
-            |v| Some(v.get("error")?.as_str()?.to_string()),
-        ),
-    ];
-    let progress: Vec<Arc<AtomicUsize>> = apis.iter().map(|_| Arc::default()).collect();
-    let handles: Vec<_> = apis
-        .into_iter()
-        .zip(&progress)
-        .map(|((route, body, end, err), n)| {
-            let (url, n) = (entry.clone(), n.clone());
-            std::thread::spawn(move || (route, raw_stream(&url, route, &body, &n, end, err)))
-        })
-        .collect();
-    let t0 = Instant::now();
-    while progress.iter().any(|n| n.load(Ordering::Relaxed) < 20)
-        && !handles.iter().any(|h| h.is_finished())
-        && t0.elapsed() < Duration::from_secs(300)
-    {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let victim = nodes.iter().position(|n| n.url == lead).unwrap();
-    eprintln!("killing the lead, {}", nodes[victim].name);
-    nodes.remove(victim);
-    for h in handles {
-        let (route, got) = h.join().unwrap();
-        eprintln!("{route}: {} lines, then {:?}", got.lines, got.error);
-        assert!(
-            !got.finished,
-            "{route}: the stream finished as if whole: {got:?}"
-        );
-        let e = got
-            .error
-            .unwrap_or_else(|| panic!("{route}: the stream ended silently"));
-        assert!(e.contains("stopped answering"), "{route}: {e}");
-    }
-    drop(nodes);
 }
