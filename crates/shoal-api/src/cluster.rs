@@ -135,7 +135,7 @@ pub async fn planner(State(state): State<Arc<AppState>>, req: Request) -> Respon
 }
 
 /// `GET /cluster/status`: this node, the coordinator, counts of live and dead nodes and of
-/// refused strangers.
+/// refused strangers, this node's protocol versions and the nodes refused for theirs.
 pub async fn status(State(state): State<Arc<AppState>>, req: Request) -> Response {
     match node(&state, &req) {
         Ok(n) => {
@@ -161,6 +161,8 @@ pub async fn status(State(state): State<Arc<AppState>>, req: Request) -> Respons
                 "links": n.links().len(),
                 "refused_sessions": n.refused_sessions(),
                 "refused_datagrams": n.refused_datagrams(),
+                "protocol": shoal_cluster::protocol::ours().ok(),
+                "incompatible_nodes": n.incompatible_peers(),
                 "models": state.served().iter().map(|m| m.id.clone()).collect::<Vec<_>>(),
                 "uptime_s": state.started.elapsed().as_secs(),
             }))

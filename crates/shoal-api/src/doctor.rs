@@ -3,6 +3,8 @@
 //!
 //! - **secret**: the secret file is readable by this user only;
 //! - **strangers**: no node with another secret (or cluster name) was refused;
+//! - **versions**: no node whose cluster protocol version does not work with this node's was
+//!   refused;
 //! - **mdns**: multicast passes here (its own announcement came back), unless it is off;
 //! - **reachable**: the cluster port and the API listen where the other nodes can reach
 //!   them, and every live node has measured a link with this one;
@@ -117,6 +119,10 @@ pub struct Inputs {
     pub secret: Option<(PathBuf, Option<u32>)>,
     /// Sessions and gossip datagrams refused.
     pub refused: (u64, u64),
+    /// Nodes refused for a protocol version this node does not work with: (node, address,
+    /// their versions), and this node's versions.
+    pub incompatible: Vec<(String, String, String)>,
+    pub protocol: String,
     /// mDNS discovery.
     pub mdns: Option<MdnsStatus>,
     /// This node's cluster address and API address.
@@ -204,6 +210,35 @@ fn cluster_findings(i: &Inputs, out: &mut Vec<Finding>) {
         out.push(Finding::ok(
             "strangers",
             "no node with another secret knocked",
+        ));
+    }
+    // versions
+    if i.incompatible.is_empty() {
+        if i.in_cluster {
+            out.push(Finding::ok(
+                "versions",
+                format!(
+                    "no node of a protocol version this node does not work with was met (this \
+                     node: {})",
+                    i.protocol
+                ),
+            ));
+        }
+    } else {
+        let list: Vec<String> = i
+            .incompatible
+            .iter()
+            .map(|(node, addr, v)| format!("node {node} at {addr}: {v}"))
+            .collect();
+        out.push(Finding::problem(
+            "versions",
+            format!(
+                "refused for their cluster protocol version (this node: {}): {}",
+                i.protocol,
+                list.join("; ")
+            ),
+            "run shoal releases that work together on every node: upgrade one node at a time \
+             (README, \"Upgrading a cluster\")",
         ));
     }
     // mdns
@@ -439,6 +474,14 @@ async fn gather(state: &AppState) -> Inputs {
         i.in_cluster = true;
         let me = node.id().to_string();
         i.refused = (node.refused_sessions(), node.refused_datagrams());
+        i.protocol = shoal_cluster::protocol::ours()
+            .map(|v| v.to_string())
+            .unwrap_or_else(|e| e);
+        i.incompatible = node
+            .incompatible_peers()
+            .into_iter()
+            .map(|p| (p.node, p.address, p.versions.to_string()))
+            .collect();
         i.mdns = Some(node.mdns_status().await);
         i.listen = Some(node.listen_addr());
         let links = node.links();
@@ -495,6 +538,8 @@ mod tests {
             in_cluster: true,
             secret: Some(("/etc/shoal/secret".into(), Some(0o100600))),
             refused: (0, 0),
+            incompatible: Vec::new(),
+            protocol: "version 2 (works with 1 to 2)".into(),
             mdns: Some(MdnsStatus::Passes),
             listen: a("10.0.0.1:7338"),
             api: a("10.0.0.1:7337"),
@@ -538,6 +583,7 @@ mod tests {
         for check in [
             "secret",
             "strangers",
+            "versions",
             "mdns",
             "reachable",
             "memory",
@@ -572,6 +618,17 @@ mod tests {
                 "strangers",
                 Level::Problem,
                 Box::new(|i| i.refused = (0, 12)),
+            ),
+            (
+                "versions",
+                Level::Problem,
+                Box::new(|i| {
+                    i.incompatible = vec![(
+                        "n3".into(),
+                        "10.0.0.3:7338".into(),
+                        "version 3 (works with 3 only)".into(),
+                    )]
+                }),
             ),
             (
                 "mdns",

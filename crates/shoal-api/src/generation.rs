@@ -1215,8 +1215,15 @@ impl Running {
                 }
                 Event::Interrupted(why) => {
                     if let Err(msg) = self.go_on(&why).await {
-                        self.pending.push_back(Out::Failed(msg));
                         self.done = true;
+                        if self.marks {
+                            // relayed: the stream ends cut, and the entry node takes the
+                            // request to the instance's next lead (or ends it with the
+                            // reason it cannot go on)
+                            tracing::info!(model = %self.model.id, "a relayed request is left to its entry node: {msg}");
+                            return None;
+                        }
+                        self.pending.push_back(Out::Failed(msg));
                     }
                 }
             }
@@ -1334,6 +1341,7 @@ impl Running {
             usage: Usage::default(),
             logprobs: Vec::new(),
         };
+        let mut finished = false;
         while let Some(o) = self.next().await {
             match o {
                 Out::Text { text, logprobs } => {
@@ -1350,9 +1358,21 @@ impl Running {
                     out.reason = reason;
                     out.stop = stop;
                     out.usage = usage;
+                    finished = true;
                 }
                 Out::Failed(msg) => return Err(ApiError::internal(msg)),
             }
+        }
+        if !finished {
+            // a relayed request its lead could not go on with (see `next_item`)
+            return Err(ApiError::new(
+                ErrorKind::Overloaded,
+                format!(
+                    "{} lost a node and was placed again with its lead elsewhere; send the \
+                     request again",
+                    self.model.id
+                ),
+            ));
         }
         if !out.calls.is_empty() {
             out.text = out.text.trim().to_string();

@@ -38,6 +38,16 @@ pub struct NodeFacts {
     /// forwards every request to the node leading its instance.
     #[serde(default)]
     pub entry_only: bool,
+    /// The cluster protocol version it speaks (1 for nodes older than this field).
+    #[serde(default = "first_protocol")]
+    pub protocol: u32,
+    /// The oldest cluster protocol version it works with.
+    #[serde(default = "first_protocol")]
+    pub oldest_protocol: u32,
+}
+
+fn first_protocol() -> u32 {
+    1
 }
 
 /// One GPU adapter of a node.
@@ -65,6 +75,14 @@ pub struct GpuFacts {
 }
 
 impl NodeFacts {
+    /// The cluster protocol versions it speaks.
+    pub fn versions(&self) -> crate::protocol::Versions {
+        crate::protocol::Versions {
+            version: self.protocol,
+            oldest: self.oldest_protocol.min(self.protocol),
+        }
+    }
+
     /// The planner's view of this node.
     pub fn to_spec(&self, id: &str) -> shoal_planner::NodeSpec {
         shoal_planner::NodeSpec {
@@ -164,6 +182,8 @@ mod tests {
             gpus: vec![gpu(0, None), gpu(1, None)],
             gpu_layers: None,
             entry_only: false,
+            protocol: 1,
+            oldest_protocol: 1,
         };
         assert_eq!(f.to_spec("x").memory_free_bytes, 12 << 30);
         // another GPU than the one it computes on: no matter
@@ -184,6 +204,8 @@ mod tests {
             "backend":"gpu:0","threads":1,"mem_bandwidth_gbs":1.0,"compute_gflops":1.0,
             "version":"0","gpus":[{"index":0,"name":"c","api":"Vulkan","software":false,"read_gb_s":null}]}"#;
         let old: NodeFacts = serde_json::from_str(old).unwrap();
+        assert_eq!(old.versions().version, 1);
+        assert_eq!(old.versions().oldest, 1);
         assert_eq!(
             (old.gpus[0].memory_bytes, old.gpus[0].failed.clone()),
             (None, None)

@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -28,7 +28,7 @@ use crate::facts::NodeFacts;
 use crate::identity::Identity;
 use crate::membership::{Membership, MembershipConfig};
 use crate::mesh::SessionTransport;
-use crate::protocol::{self, Hello, Request, Response, MAX_PROBE_BYTES, PROTOCOL_VERSION};
+use crate::protocol::{self, Hello, Request, Response, Versions, MAX_PROBE_BYTES};
 use crate::seal::Sealer;
 use crate::secret::{cluster_tag, ClusterSecret};
 use crate::session::{self, Encryption, NodeKey, Session, SessionConfig};
@@ -86,6 +86,30 @@ pub enum NodeError {
     },
     #[error("membership: {0}")]
     Membership(String),
+    #[error("{0}")]
+    Version(String),
+}
+
+/// Why a peer's hello was refused.
+struct HelloRefused {
+    message: String,
+    /// Refused for its protocol version (kept in [`Node::incompatible_peers`]).
+    incompatible: bool,
+}
+
+/// A node refused because its protocol version does not work with this node's.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct IncompatiblePeer {
+    /// Its node id.
+    pub node: String,
+    /// The cluster address it was met at.
+    pub address: String,
+    /// Its versions.
+    pub versions: Versions,
+    /// Sessions with it refused.
+    pub refused: u64,
+    /// When the last one was, milliseconds since the Unix epoch.
+    pub last_ms: u64,
 }
 
 /// One measured link, from the node that measured it.
@@ -162,6 +186,8 @@ struct Inner {
     last_facts: Mutex<HashMap<String, (String, NodeFacts)>>,
     own_facts: Mutex<NodeFacts>,
     refused_sessions: AtomicU64,
+    /// Nodes refused for their protocol version, by node id.
+    incompatible: Mutex<BTreeMap<String, IncompatiblePeer>>,
     io_timeout: Duration,
     memory_limit: Option<u64>,
     /// Memory the node's instances hold, bytes (counted against `memory_limit`).
@@ -259,6 +285,9 @@ impl Node {
     /// # Errors
     /// The cluster port cannot be bound, or membership cannot start.
     pub async fn start(mut cfg: NodeConfig) -> Result<Node, NodeError> {
+        let versions = protocol::ours().map_err(NodeError::Version)?;
+        cfg.facts.protocol = versions.version;
+        cfg.facts.oldest_protocol = versions.oldest;
         let (listener, bound) = bind_pair(cfg.listen).await?;
         let advertise_ip = match (bound.ip().is_unspecified(), cfg.advertise) {
             (_, Some(ip)) => ip,
@@ -298,6 +327,7 @@ impl Node {
             last_facts: Mutex::new(HashMap::new()),
             own_facts: Mutex::new(cfg.facts.clone()),
             refused_sessions: AtomicU64::new(0),
+            incompatible: Mutex::new(BTreeMap::new()),
             io_timeout: cfg.io_timeout,
             memory_limit: cfg.memory_limit,
             memory_held: AtomicU64::new(0),
@@ -386,6 +416,18 @@ impl Node {
         self.inner.refused_sessions.load(Ordering::Relaxed)
     }
 
+    /// Nodes refused for a protocol version that does not work with this node's, with how
+    /// often and when last.
+    pub fn incompatible_peers(&self) -> Vec<IncompatiblePeer> {
+        self.inner
+            .incompatible
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect()
+    }
+
     /// Gossip datagrams refused since start (they failed to open with the cluster key).
     pub fn refused_datagrams(&self) -> u64 {
         self.inner.membership.stats().refused
@@ -429,17 +471,22 @@ impl Node {
     }
 
     /// The live cluster as the planner sees it: live nodes with facts that compute (not
-    /// entry nodes), and each pair's link (the mean of both directions where both were
-    /// measured).
+    /// entry nodes) and speak a protocol version this node works with, and each pair's link
+    /// (the mean of both directions where both were measured).
     pub async fn planner_view(
         &self,
     ) -> (Vec<shoal_planner::NodeSpec>, Vec<shoal_planner::LinkSpec>) {
+        let ours = protocol::ours_checked();
         let nodes: Vec<_> = self
             .nodes()
             .await
             .into_iter()
             .filter(|n| n.alive)
-            .filter_map(|n| n.facts.filter(|f| !f.entry_only).map(|f| f.to_spec(&n.id)))
+            .filter_map(|n| {
+                n.facts
+                    .filter(|f| !f.entry_only && ours.works_with(f.versions()))
+                    .map(|f| f.to_spec(&n.id))
+            })
             .collect();
         let mut pairs: BTreeMap<(String, String), Vec<LinkFacts>> = BTreeMap::new();
         for l in self.links() {
@@ -734,9 +781,10 @@ impl Inner {
         }
     }
 
-    /// Publishes the node's total and free memory (to the nearest 64 MiB, so noise does not
-    /// gossip): what `/proc/meminfo` says is available, and under `--max-memory` at most the
-    /// limit less what its instances hold.
+    /// Publishes the node's total and free memory: what `/proc/meminfo` says is available
+    /// (rounded down to 64 MiB, so noise does not gossip), and under `--max-memory` at most
+    /// the limit less what its instances hold (exactly: the coordinator adds back what a
+    /// re-placed instance held, and a rounded figure would come up short of the limit).
     async fn publish_memory(&self) {
         let Some((total, free)) = crate::facts::memory() else {
             return;
@@ -747,7 +795,7 @@ impl Inner {
             .unwrap_or(u64::MAX);
         self.update_facts(|f| {
             f.memory_total_bytes = total;
-            f.memory_free_bytes = free.min(cap) >> 26 << 26;
+            f.memory_free_bytes = (free >> 26 << 26).min(cap);
         })
         .await;
     }
@@ -824,26 +872,60 @@ impl Inner {
         protocol::encode(&Hello {
             node: self.id.clone(),
             cluster: self.tag.clone(),
-            version: PROTOCOL_VERSION,
+            version: protocol::ours_checked().version,
+            oldest: protocol::ours_checked().oldest,
             clock_ms: now_ms(),
         })
     }
 
     /// The peer's hello, checked.
-    fn check_hello(&self, addr: SocketAddr, s: &Session) -> Result<Hello, String> {
+    fn check_hello(&self, addr: SocketAddr, s: &Session) -> Result<Hello, HelloRefused> {
+        let other = |message: String| HelloRefused {
+            message,
+            incompatible: false,
+        };
         let h: Hello = protocol::decode(&addr.to_string(), "hello", s.peer_hello())
-            .map_err(|e| e.to_string())?;
-        if h.version != PROTOCOL_VERSION {
-            return Err(format!(
-                "node {} at {addr} speaks cluster protocol {}, this node {PROTOCOL_VERSION}; run the same shoal version on every node",
-                h.node, h.version
-            ));
+            .map_err(|e| other(e.to_string()))?;
+        let ours = protocol::ours_checked();
+        if !ours.works_with(h.versions()) {
+            self.incompatible
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(h.node.clone())
+                .and_modify(|p| {
+                    p.refused += 1;
+                    p.last_ms = now_ms();
+                    p.address = addr.to_string();
+                    p.versions = h.versions();
+                })
+                .or_insert(IncompatiblePeer {
+                    node: h.node.clone(),
+                    address: addr.to_string(),
+                    versions: h.versions(),
+                    refused: 1,
+                    last_ms: now_ms(),
+                });
+            let older = if h.version < ours.version {
+                format!("node {}", h.node)
+            } else {
+                "this node".to_string()
+            };
+            return Err(HelloRefused {
+                message: format!(
+                    "node {} at {addr} speaks cluster protocol {}, this node speaks {ours}: they \
+                     do not work together; upgrade {older} to a shoal release that works with \
+                     the other",
+                    h.node,
+                    h.versions()
+                ),
+                incompatible: true,
+            });
         }
         if h.cluster != self.tag {
-            return Err(format!(
+            return Err(other(format!(
                 "node {} at {addr} belongs to another cluster name (same secret); give both the same --cluster",
                 h.node
-            ));
+            )));
         }
         Ok(h)
     }
@@ -858,7 +940,7 @@ impl Inner {
         let s = session::connect(stream, &self.session, &self.hello())
             .await
             .map_err(|e| e.to_string())?;
-        let h = self.check_hello(addr, &s)?;
+        let h = self.check_hello(addr, &s).map_err(|e| e.message)?;
         Ok((s, h))
     }
 
@@ -942,8 +1024,11 @@ impl Inner {
         let hello = match self.check_hello(addr, &s) {
             Ok(h) => h,
             Err(e) => {
-                self.refused_sessions.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(peer = %addr, "session refused: {e}");
+                // a node of another version is one of ours, counted apart from strangers
+                if !e.incompatible {
+                    self.refused_sessions.fetch_add(1, Ordering::Relaxed);
+                }
+                tracing::warn!(peer = %addr, "session refused: {}", e.message);
                 return;
             }
         };

@@ -928,6 +928,8 @@ mod tests {
                 gpus: Vec::new(),
                 gpu_layers: None,
                 entry_only: false,
+                protocol: 1,
+                oldest_protocol: 1,
             }),
         }
     }

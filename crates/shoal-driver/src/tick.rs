@@ -35,7 +35,7 @@ impl Driver {
             self.remember_profiles();
             self.adopt_newest();
             let live = self.node.live_ids();
-            if is_coordinator(self.node.id(), &live) {
+            if is_coordinator(self.node.id(), &self.coordinating(&live).await) {
                 self.coordinate(live != members).await;
             }
             members = live;
@@ -85,6 +85,26 @@ impl Driver {
         }
     }
 
+    /// The live nodes that may coordinate: `live`, less the coordinator when a rank that
+    /// lost its session to it names it and its address refuses connections (its process is
+    /// gone), so the next takes over seconds before the failure detector would let it.
+    async fn coordinating(&self, live: &[String]) -> Vec<String> {
+        let mut out = live.to_vec();
+        let Some(coordinator) = live.iter().min().cloned() else {
+            return out;
+        };
+        if coordinator == self.node.id() {
+            return out;
+        }
+        let table = self.table.lock().unwrap().clone();
+        if decisions::suspects(&table, &self.all_reports(), live).contains(&coordinator)
+            && self.node.refuses_connections(&coordinator).await
+        {
+            out.retain(|n| n != &coordinator);
+        }
+        out
+    }
+
     /// Every rank report of live nodes: node -> instance -> report.
     pub(crate) fn all_reports(&self) -> NodeReports {
         self.node
@@ -127,6 +147,16 @@ impl Driver {
             next = next.on_nodes_lost(&me, &lost, &|m| self.profile(m), &cluster, now_ms());
             for i in decisions::replaced(&table, &next) {
                 tracing::warn!(instance = %i.id, lost = ?lost, state = %i.state, placement = %i.placement.describe(), "re-placed after losing nodes");
+            }
+            for id in decisions::failed(&next) {
+                if decisions::failed(&table).contains(&id) {
+                    continue;
+                }
+                let why = next
+                    .get(&id)
+                    .map(|i| i.state.to_string())
+                    .unwrap_or_default();
+                tracing::warn!(instance = %id, lost = ?lost, "could not re-place after losing nodes: {why}");
             }
         }
         if changed {

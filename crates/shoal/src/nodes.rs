@@ -196,6 +196,19 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
                         .join(", "))
                     .unwrap_or_else(|| "none".into()),
             );
+            for p in v["incompatible_nodes"].as_array().into_iter().flatten() {
+                println!(
+                    "  refused node {} at {}: cluster protocol {} (works with {}..), this node {} \
+                     (works with {}..); {} sessions refused",
+                    p["node"].as_str().unwrap_or("?"),
+                    p["address"].as_str().unwrap_or("?"),
+                    p["versions"]["version"],
+                    p["versions"]["oldest"],
+                    v["protocol"]["version"],
+                    v["protocol"]["oldest"],
+                    p["refused"],
+                );
+            }
         }
         if !args.watch {
             return Ok(());

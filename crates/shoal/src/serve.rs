@@ -243,7 +243,7 @@ async fn join_cluster(
         api: api.to_string(),
         listen: String::new(),
         memory_total_bytes: total,
-        memory_free_bytes: free.min(memory_limit.unwrap_or(u64::MAX)) >> 26 << 26,
+        memory_free_bytes: (free >> 26 << 26).min(memory_limit.unwrap_or(u64::MAX)),
         backend,
         threads: threads as u32,
         // the CPU's; the GPU's bandwidth is its own fact, for the layers it takes
@@ -257,6 +257,9 @@ async fn join_cluster(
             shoal_engine::device::GpuLayers::First(n) => Some(n.min(u32::MAX as usize) as u32),
         },
         entry_only: args.no_compute,
+        // the node writes its own versions at start
+        protocol: 0,
+        oldest_protocol: 0,
     };
     let node = Node::start(NodeConfig {
         identity,

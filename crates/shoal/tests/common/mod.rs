@@ -73,7 +73,21 @@ pub fn node_with(
     peer: Option<&str>,
     extra: &[&str],
 ) -> Node {
+    node_with_env(dir, name, secret, home, peer, extra, &[])
+}
+
+/// [`node_with`], with `env` set for the node's process.
+pub fn node_with_env(
+    dir: &Path,
+    name: &str,
+    secret: &Path,
+    home: &Path,
+    peer: Option<&str>,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Node {
     let mut cmd = shoal();
+    cmd.envs(env.iter().copied());
     cmd.arg("serve")
         .args(["--api", "127.0.0.1:0", "--listen", "127.0.0.1:0", "-t", "1"])
         .args(["--name", name, "--max-memory", "800M"])
@@ -87,7 +101,11 @@ pub fn node_with(
         .env("SHOAL_LOG", "info")
         .stdout(Stdio::piped())
         .stderr(
-            std::fs::File::create(dir.join(format!("{name}.log")))
+            // appended: a node restarted under its name keeps one log
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(dir.join(format!("{name}.log")))
                 .map(Stdio::from)
                 .unwrap_or(Stdio::null()),
         );
