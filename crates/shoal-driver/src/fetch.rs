@@ -7,6 +7,12 @@
 //! or `SHA-0000i-of-0000n.gguf` for a set), checking each against the manifest. The
 //! verified chunks are listed beside them (`SHA.chunks`), so an interrupted fetch resumes; a
 //! node that ends up with every chunk checks the whole model and offers it like any other.
+//!
+//! Before the slice's chunks are fetched, the disk must have room for the ones not yet here
+//! (and a margin): a fetch that would not fit fails before it starts, naming what it needs
+//! and what is free. A chunk is written only once it passed its check, and listed as done
+//! only once written and synced, so a fetch cut by a full disk leaves nothing half-written
+//! taken as whole.
 
 use std::collections::BTreeSet;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -113,7 +119,16 @@ impl SparseFiles {
             }
             let take = ((*start + *size - at) as usize).min(bytes.len());
             f.seek(SeekFrom::Start(at - *start))?;
-            f.write_all(&bytes[..take])?;
+            f.write_all(&bytes[..take])
+                .map_err(|e| match e.raw_os_error() {
+                    Some(code) if code == rustix::io::Errno::NOSPC.raw_os_error() => {
+                        anyhow::anyhow!(
+                    "the disk of the data directory filled up while fetching the model ({e}); \
+                     free space there or start the node with --data-dir on a disk with room"
+                )
+                    }
+                    _ => anyhow::anyhow!("writing the fetched model: {e}"),
+                })?;
             bytes = &bytes[take..];
             at += take as u64;
         }
@@ -127,6 +142,33 @@ impl SparseFiles {
         }
         Ok(())
     }
+}
+
+/// Room kept free beyond a fetch's chunks (the chunk list, the filesystem's own needs).
+const DISK_MARGIN: u64 = 64 << 20;
+
+/// Bytes this process may still write on the filesystem holding `dir`.
+fn free_bytes(dir: &Path) -> anyhow::Result<u64> {
+    let s = rustix::fs::statvfs(dir)
+        .with_context(|| format!("reading the free space of {}", dir.display()))?;
+    Ok(s.f_bavail.saturating_mul(s.f_frsize))
+}
+
+/// Whether `needed` more bytes (and [`DISK_MARGIN`]) fit in the `free` bytes of `dir`'s disk;
+/// the error says what is needed, what is free and what to do.
+fn room_for(needed: u64, free: u64, dir: &Path) -> anyhow::Result<()> {
+    if needed.saturating_add(DISK_MARGIN) > free {
+        bail!(
+            "fetching this rank's slice of the model needs {:.2} GB more on the disk of {} (and \
+             a margin of {} MiB), but only {:.2} GB is free there; free space on that disk or \
+             start the node with --data-dir on a disk with room",
+            needed as f64 / 1e9,
+            dir.display(),
+            DISK_MARGIN >> 20,
+            free as f64 / 1e9
+        );
+    }
+    Ok(())
 }
 
 /// Where the sparse copy of model `sha` of `parts` files goes in `dir`.
@@ -262,6 +304,12 @@ impl Driver {
             }
         };
         let total_bytes: u64 = needed.iter().map(|&c| CHUNK.min(m.size - c * CHUNK)).sum();
+        let missing: u64 = needed
+            .iter()
+            .filter(|c| !fetch.done.contains(c))
+            .map(|&c| CHUNK.min(m.size - c * CHUNK))
+            .sum();
+        room_for(missing, free_bytes(&dir)?, &dir)?;
         tracing::info!(
             instance = %inst.id, source = %src, chunks = needed.len(),
             mb = total_bytes as f64 / 1e6, file_mb = m.size as f64 / 1e6,
@@ -460,6 +508,21 @@ mod tests {
         chunks_of(std::slice::from_ref(&r), SIZE)
             .into_iter()
             .collect()
+    }
+
+    #[test]
+    fn a_fetch_that_would_not_fit_is_refused_with_both_sizes() {
+        let dir = Path::new("/data/shoal/models");
+        assert!(room_for(100 << 20, 1 << 30, dir).is_ok());
+        let e = room_for(1000 << 20, 1 << 30, dir).unwrap_err().to_string();
+        assert!(
+            e.contains("1.05 GB more") && e.contains("1.07 GB is free") && e.contains("--data-dir"),
+            "{e}"
+        );
+        // the margin counts
+        assert!(room_for((1 << 30) - (32 << 20), 1 << 30, dir).is_err());
+        // the real figure of a real directory
+        assert!(free_bytes(&std::env::temp_dir()).unwrap() > 0);
     }
 
     #[test]
