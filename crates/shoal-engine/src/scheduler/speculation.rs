@@ -1,0 +1,199 @@
+//! Speculative decoding on one rank: each ready sequence drafts a few tokens (by prompt
+//! lookup in its own context, or with a draft model), and one step runs its next token and
+//! its draft together; the sequence keeps the drafted tokens the model samples itself.
+
+use std::sync::atomic::Ordering;
+
+use rayon::prelude::*;
+
+use super::step::{accept, ready_local_caches};
+use super::worker::{Sequence, Store, Worker};
+use crate::model::LoadedModel;
+use crate::{EngineError, KvCache};
+
+impl Worker<'_> {
+    /// The draft of each ready sequence on one rank (empty where the output is
+    /// constrained or nothing was drafted): at most
+    /// `config.draft_max` tokens, within the cache's room and the tokens still to
+    /// generate; from the draft model when there is one, else by prompt lookup.
+    pub(super) fn drafts(&mut self, ready: &[usize]) -> Vec<Vec<u32>> {
+        let draft_model = self.draft.clone();
+        ready
+            .iter()
+            .map(|&i| {
+                let s = &mut self.active[i];
+                if s.job.request.constraint.is_some() {
+                    return Vec::new();
+                }
+                let room = s.cache.capacity().saturating_sub(s.cache.len() + 1);
+                let left = s.job.request.max_tokens.saturating_sub(s.generated + 1);
+                let max = self.config.draft_max.min(room).min(left);
+                if max == 0 {
+                    return Vec::new();
+                }
+                // the context: the prompt and every generated token (the last one, `next`,
+                // not yet run)
+                let mut context = s.job.request.prompt.clone();
+                context.extend_from_slice(&s.generated_ids);
+                match &draft_model {
+                    Some(d) => draft_from_model(d, s, &context, max).unwrap_or_default(),
+                    None => crate::lookup::draft(&context, max),
+                }
+            })
+            .collect()
+    }
+
+    /// One decode step of the ready sequences (one rank) in which each runs its next token
+    /// and its draft: every row's logits come back, each sequence samples row by row as
+    /// plain decoding would and goes on while the sampled token is the drafted one, and its
+    /// cache keeps the positions of the tokens it accepted. With a draft token taken only
+    /// when the model samples it, the output is what decoding one token at a time gives
+    /// (up to the last bits in which a step of several rows rounds differently).
+    pub(super) fn speculative_step(&mut self, ready: &[usize], drafts: &[Vec<u32>]) {
+        let mut tokens = Vec::new();
+        let mut counts = Vec::new();
+        for (&i, d) in ready.iter().zip(drafts) {
+            tokens.extend(self.active[i].next);
+            tokens.extend_from_slice(d);
+            counts.push(1 + d.len());
+        }
+        let last = counts.iter().copied().max().unwrap_or(1);
+        let model = self.model.clone();
+        let vocab = model.transformer.config().vocab;
+        let before: Vec<usize> = ready.iter().map(|&i| self.active[i].cache.len()).collect();
+        let result = {
+            let mut caches = ready_local_caches(&mut self.active);
+            model.transformer.step(&tokens, &counts, &mut caches, last)
+        };
+        let mut logits = match result {
+            Ok(l) if l.len() == tokens.len() * vocab => l,
+            other => {
+                let msg = match other {
+                    Err(e) => format!("decoding failed: {e}"),
+                    Ok(l) => format!(
+                        "decoding failed: {} logits for {} rows of {vocab}",
+                        l.len(),
+                        tokens.len()
+                    ),
+                };
+                self.fail_batch(ready, &msg);
+                return;
+            }
+        };
+        let mut work: Vec<Option<Checked>> = Vec::new();
+        work.resize_with(self.active.len(), || None);
+        let mut rest: &mut [f32] = &mut logits;
+        for (k, &i) in ready.iter().enumerate() {
+            let (rows, tail) = rest.split_at_mut(counts[k] * vocab);
+            rest = tail;
+            work[i] = Some(Checked {
+                rows,
+                draft: &drafts[k],
+                before: before[k],
+            });
+        }
+        let results: Vec<(bool, usize)> = self
+            .active
+            .par_iter_mut()
+            .zip(work.par_iter_mut())
+            .map(|(seq, w)| match w.take() {
+                Some(Checked {
+                    rows,
+                    draft,
+                    before,
+                }) => {
+                    seq.next = None;
+                    let mut taken = 0;
+                    let mut goes_on = true;
+                    for (j, row) in rows.chunks_mut(vocab).enumerate() {
+                        goes_on = accept(&model, seq, row);
+                        if !goes_on || j >= draft.len() || seq.next != Some(draft[j]) {
+                            break;
+                        }
+                        taken += 1;
+                    }
+                    // the cache keeps the token that ran first and the drafts taken
+                    if let Store::Local(c) = &mut seq.cache {
+                        c.truncate(before + 1 + taken);
+                    }
+                    if let Some(dc) = &mut seq.draft_cache {
+                        dc.truncate(dc.len().min(before + 1 + taken));
+                    }
+                    (goes_on, taken)
+                }
+                None => (true, 0),
+            })
+            .collect();
+        let taken: usize = results.iter().map(|r| r.1).sum();
+        self.count_step(ready.len(), ready.len() + taken);
+        let stats = &self.shared.stats;
+        stats.drafted.fetch_add(
+            drafts.iter().map(Vec::len).sum::<usize>() as u64,
+            Ordering::Relaxed,
+        );
+        stats
+            .accepted_drafts
+            .fetch_add(taken as u64, Ordering::Relaxed);
+        for i in (0..results.len()).rev() {
+            if !results[i].0 {
+                let seq = self.active.remove(i);
+                self.retire(seq, true);
+            }
+        }
+    }
+}
+
+/// A sequence's part of a speculative step: the logits of its rows (its next token's, then
+/// one per drafted token), its draft, and its cache length before the step.
+struct Checked<'a> {
+    rows: &'a mut [f32],
+    draft: &'a [u32],
+    before: usize,
+}
+
+/// Up to `max` tokens the draft model `d` picks greedily after `context` (whose last token
+/// is `seq`'s next): its cache first catches up with the context before that token, then
+/// each drafted token is fed back. After a failure the sequence decodes without drafts.
+fn draft_from_model(
+    d: &LoadedModel,
+    seq: &mut Sequence,
+    context: &[u32],
+    max: usize,
+) -> Option<Vec<u32>> {
+    if seq.draft_failed {
+        return None;
+    }
+    let capacity = seq.cache.capacity();
+    let dc = seq
+        .draft_cache
+        .get_or_insert_with(|| d.transformer.new_cache(capacity));
+    let known = context.len() - 1;
+    if dc.len() > known {
+        dc.truncate(known);
+    }
+    let run = |dc: &mut KvCache| -> Result<Vec<u32>, EngineError> {
+        if dc.len() < known {
+            d.transformer.prefill(&context[dc.len()..known], dc)?;
+        }
+        let mut out = Vec::with_capacity(max);
+        let mut t = context[known];
+        for _ in 0..max {
+            if dc.len() + 1 > dc.capacity() {
+                break;
+            }
+            let logits = d.transformer.forward_last(&[t], dc)?;
+            t = crate::transformer::argmax(&logits) as u32;
+            out.push(t);
+        }
+        Ok(out)
+    };
+    match run(dc) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            tracing::warn!("the draft model failed, decoding on without it: {e}");
+            seq.draft_cache = None;
+            seq.draft_failed = true;
+            None
+        }
+    }
+}

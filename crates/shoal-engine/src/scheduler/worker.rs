@@ -1,0 +1,210 @@
+//! The scheduler thread's state: the [`Worker`] that owns the model (and the split it
+//! leads, if any), the [`Sequence`]s holding slots and where each one's KV cache lives
+//! ([`Store`]), and the thread's loop, which waits for work and then steps (drop the
+//! cancelled, one prompt chunk, one decode step, admit the queued) until no sequence is
+//! left. The worker's other methods are in the files of their concerns.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shoal_model::tokenizer::StreamDecoder;
+
+use super::prefix_cache::Parked;
+use super::queue::{Admit, Job, Shared};
+use super::{Event, SchedulerConfig};
+use crate::model::LoadedModel;
+use crate::parallel::Lead;
+use crate::sampler::Sampler;
+use crate::stop::StopMatcher;
+use crate::KvCache;
+
+/// Where a sequence's KV cache lives.
+pub(super) enum Store {
+    /// Here (one rank).
+    Local(KvCache),
+    /// On every rank of a split, as the lead's sequence `slot`.
+    Slot {
+        slot: usize,
+        len: usize,
+        capacity: usize,
+    },
+}
+
+impl Store {
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Store::Local(c) => c.len(),
+            Store::Slot { len, .. } => *len,
+        }
+    }
+
+    pub(super) fn capacity(&self) -> usize {
+        match self {
+            Store::Local(c) => c.capacity(),
+            Store::Slot { capacity, .. } => *capacity,
+        }
+    }
+
+    pub(super) fn slot(&self) -> Option<usize> {
+        match self {
+            Store::Local(_) => None,
+            Store::Slot { slot, .. } => Some(*slot),
+        }
+    }
+}
+
+/// One sequence holding a slot.
+pub(super) struct Sequence {
+    pub(super) job: Job,
+    pub(super) cache: Store,
+    pub(super) sampler: Sampler,
+    /// Prompt tokens run so far.
+    pub(super) prefilled: usize,
+    pub(super) decoder: StreamDecoder,
+    pub(super) stops: StopMatcher,
+    pub(super) generated: usize,
+    /// The generated tokens, in order.
+    pub(super) generated_ids: Vec<u32>,
+    /// Prompt tokens its cache held from a finished sequence.
+    pub(super) cached: usize,
+    pub(super) counts: HashMap<u32, u32>,
+    /// The last sampled token, to run in the next decode step.
+    pub(super) next: Option<u32>,
+    pub(super) first_token: Option<Duration>,
+    /// The draft model's cache of this sequence (with a draft model, on one rank).
+    pub(super) draft_cache: Option<KvCache>,
+    /// The draft model failed on this sequence, which decodes on without it.
+    pub(super) draft_failed: bool,
+}
+
+impl Sequence {
+    /// The tokens its cache holds, in order: the prompt and the generated tokens run so far.
+    pub(super) fn history(&self) -> Vec<u32> {
+        let mut h = self.job.request.prompt.clone();
+        h.extend_from_slice(&self.generated_ids);
+        h.truncate(self.cache.len());
+        h
+    }
+
+    /// How many of the positions its cache holds `prompt` starts with (its history's
+    /// common prefix with `prompt`, without building the history).
+    pub(super) fn shared_start(&self, prompt: &[u32]) -> usize {
+        let held = self
+            .job
+            .request
+            .prompt
+            .iter()
+            .chain(&self.generated_ids)
+            .take(self.cache.len());
+        held.zip(prompt).take_while(|(a, b)| a == b).count()
+    }
+}
+
+pub(super) struct Worker<'m> {
+    pub(super) model: Arc<LoadedModel>,
+    pub(super) config: SchedulerConfig,
+    pub(super) shared: Arc<Shared>,
+    pub(super) active: Vec<Sequence>,
+    /// Caches of ended sequences, oldest first; with the active sequences' caches, at most
+    /// one per slot.
+    pub(super) parked: Vec<Parked>,
+    /// The split this scheduler leads, if the model is split.
+    pub(super) lead: Option<Lead<'m>>,
+    /// The split is unusable (its failure is in `shared.failure`).
+    pub(super) broken: bool,
+    /// The model that drafts tokens for speculative decoding, if any.
+    pub(super) draft: Option<Arc<LoadedModel>>,
+}
+
+impl<'m> Worker<'m> {
+    pub(super) fn new(
+        model: Arc<LoadedModel>,
+        config: SchedulerConfig,
+        shared: Arc<Shared>,
+        lead: Option<Lead<'m>>,
+        broken: bool,
+    ) -> Self {
+        Worker {
+            model,
+            config,
+            shared,
+            active: Vec::new(),
+            parked: Vec::new(),
+            lead,
+            broken,
+            draft: None,
+        }
+    }
+
+    /// Records that the split failed; every later sequence is refused with `why`.
+    pub(super) fn break_split(&mut self, why: &str) {
+        self.broken = true;
+        let mut f = self
+            .shared
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        f.get_or_insert_with(|| why.to_string());
+    }
+
+    pub(super) fn failure(&self) -> String {
+        self.shared
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_default()
+    }
+
+    pub(super) fn run(mut self) {
+        // Wait for work here; run each busy period of a local model on a compute-pool
+        // thread, so the many parallel loops of a step start without a cross-thread
+        // hand-off each. A split's lead stays on its own thread, as the other ranks' loops
+        // do: its steps wait on the other ranks, and a pool thread held through those waits
+        // is one a rank in this process may need to finish the step (two leads here on a
+        // pool of two would wait on each other's ranks for ever).
+        while self.admit(true) != Admit::Shutdown {
+            let me = &mut self;
+            let shutdown = if me.lead.is_some() {
+                me.run_busy()
+            } else {
+                rayon::scope(move |_| me.run_busy())
+            };
+            if shutdown {
+                break;
+            }
+        }
+        for seq in self.active.drain(..) {
+            let mut sink = seq.job.sink;
+            sink(Event::Failed("the server is shutting down".into()));
+        }
+    }
+
+    /// Steps until no sequence is left; returns whether the scheduler is shutting down.
+    fn run_busy(&mut self) -> bool {
+        loop {
+            self.drop_cancelled();
+            self.prefill_one_chunk();
+            self.decode_step();
+            self.shared
+                .stats
+                .active
+                .store(self.active.len(), Ordering::Relaxed);
+            match self.admit(false) {
+                Admit::Shutdown => return true,
+                Admit::Idle => return false,
+                Admit::Busy => {}
+            }
+        }
+    }
+}
+
+pub(super) fn split_failed(shared: &Shared) -> bool {
+    shared
+        .failure
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .is_some()
+}
