@@ -17,5 +17,5 @@ cd "$root"
 set +e
 SHOAL_CHAOS_SECONDS=$((minutes * 60)) SHOAL_REQUIRE_MODELS=1 \
   cargo test --release -p shoal --test cluster_chaos -- --nocapture 2>&1 |
-  grep --line-buffered -E "^ *[0-9]+ s: |^chaos|^memory|panicked|lost|test result"
+  grep --line-buffered -E "^ *[0-9]+ s: |^chaos|^memory|panicked|lost|via |test result"
 exit "${PIPESTATUS[0]}"

@@ -108,6 +108,16 @@ fn route_of(state: &AppState, body: &[u8]) -> Route {
     }
     match control.0.instance(base) {
         Some(view) => Route::NotReady(base.to_string(), view),
+        None if !control.0.table_merged() => Route::NotReady(
+            base.to_string(),
+            crate::state::InstanceView {
+                state: "unknown here".into(),
+                generation: 0,
+                lead_here: false,
+                lead_api: None,
+                reason: None,
+            },
+        ),
         None => Route::Here,
     }
 }
@@ -123,6 +133,10 @@ fn not_ready(name: &str, view: &crate::state::InstanceView, path: &str) -> Respo
         ("ready", _) => format!(
             "the instance `{name}` is ready but its lead node is not yet known to this node; \
              retry shortly"
+        ),
+        ("unknown here", _) => format!(
+            "this node joined the cluster moments ago and does not know the instances yet \
+             (`{name}` may be one); retry shortly"
         ),
         (state, _) => format!("the instance `{name}` is {state} on the cluster; retry shortly"),
     };

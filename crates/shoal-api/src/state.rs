@@ -183,6 +183,11 @@ pub trait InstanceControl: Send + Sync {
     fn ready_ids(&self) -> Vec<String>;
     /// Where instance `id` stands in the instance table (`None`: no such instance).
     fn instance(&self, id: &str) -> Option<InstanceView>;
+    /// Whether this node holds the cluster's instance table yet: a node that just joined
+    /// has seen no peer's table, and an instance it does not know of may well exist.
+    fn table_merged(&self) -> bool {
+        true
+    }
     /// The planner's ranked placements for a load request (same fields as [`Self::load`]),
     /// without placing anything: `{"model", "candidates": [...]}`.
     fn plan(&self, request: serde_json::Value) -> ControlFuture;

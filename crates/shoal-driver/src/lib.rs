@@ -100,6 +100,9 @@ pub struct Driver {
     profiles: Mutex<HashMap<String, ModelProfile>>,
     /// The API address of each ready instance's lead node, by instance id.
     leads: Mutex<HashMap<String, String>>,
+    /// Whether the table of every live peer has been seen (see
+    /// [`InstanceControl::table_merged`]).
+    table_merged: std::sync::atomic::AtomicBool,
     /// Manifests computed for files this node shares, by SHA-256.
     manifests: Mutex<HashMap<String, Arc<Manifest>>>,
 }
@@ -140,6 +143,7 @@ impl Driver {
             profiles: Mutex::new(HashMap::new()),
             manifests: Mutex::new(HashMap::new()),
             leads: Mutex::new(HashMap::new()),
+            table_merged: std::sync::atomic::AtomicBool::new(false),
         });
         for m in models {
             d.add_file(m);
@@ -270,6 +274,10 @@ impl InstanceControl for Driver {
     fn models(&self) -> ControlFuture {
         let me = self.self_arc();
         Box::pin(async move { Ok(me.offered_models().await) })
+    }
+
+    fn table_merged(&self) -> bool {
+        self.table_merged.load(std::sync::atomic::Ordering::Acquire)
     }
 
     fn instance(&self, id: &str) -> Option<InstanceView> {

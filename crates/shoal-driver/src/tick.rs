@@ -29,16 +29,21 @@ impl Driver {
         let mut published_table = String::new();
         let mut published_reports = String::new();
         let mut members = Vec::new();
+        let mut measured = 0;
         let mut held_for = u64::MAX;
         loop {
             tokio::time::sleep(TICK).await;
             self.remember_profiles();
             self.adopt_newest();
             let live = self.node.live_ids();
+            // a placement may wait for a link: a node that just joined is measured within
+            // seconds, and an instance that failed for want of its links is tried again then
+            let links = self.node.links().len();
             if is_coordinator(self.node.id(), &self.coordinating(&live).await) {
-                self.coordinate(live != members).await;
+                self.coordinate(live != members || links != measured).await;
             }
             members = live;
+            measured = links;
             let table = self.table.lock().unwrap().clone();
             let json = serde_json::to_string(&table).expect("table serializes");
             if json != published_table {
@@ -66,11 +71,24 @@ impl Driver {
         }
     }
 
-    /// Adopts the newest table a live node publishes.
+    /// Adopts the newest table a live node publishes; once every live peer's table was seen,
+    /// this node holds the cluster's (see `InstanceControl::table_merged`).
     fn adopt_newest(&self) {
-        let seen: Vec<InstanceTable> = self
-            .node
-            .published(TABLE_KEY)
+        let published = self.node.published(TABLE_KEY);
+        if !self.table_merged.load(std::sync::atomic::Ordering::Relaxed) {
+            let me = self.node.id();
+            let all_seen = self
+                .node
+                .live_ids()
+                .iter()
+                .filter(|n| n.as_str() != me)
+                .all(|n| published.iter().any(|(p, _)| p == n));
+            if all_seen {
+                self.table_merged
+                    .store(true, std::sync::atomic::Ordering::Release);
+            }
+        }
+        let seen: Vec<InstanceTable> = published
             .into_iter()
             .filter_map(|(_, j)| serde_json::from_str(&j).ok())
             .collect();
@@ -125,7 +143,8 @@ impl Driver {
     }
 
     /// The coordinator's work: re-place after deaths, follow reports, forget unloaded, and
-    /// when the membership changed (`changed`), try again to place failed instances.
+    /// when the membership or the measured links changed (`changed`), try again to place
+    /// failed instances.
     async fn coordinate(&self, changed: bool) {
         let me = self.node.id().to_string();
         let live = self.node.live_ids();
@@ -169,7 +188,7 @@ impl Driver {
                     };
                     match next.replace(&me, &id, &profile, &cluster, now_ms()) {
                         Ok(t) => {
-                            tracing::info!(instance = %id, "re-placed a failed instance after the membership changed");
+                            tracing::info!(instance = %id, "re-placed a failed instance after the membership or the links changed");
                             next = t;
                         }
                         Err(e) => tracing::debug!(instance = %id, "still cannot place: {e}"),
