@@ -100,7 +100,7 @@ pub struct Driver {
     profiles: Mutex<HashMap<String, ModelProfile>>,
     /// The API address of each ready instance's lead node, by instance id.
     leads: Mutex<HashMap<String, String>>,
-    /// Whether the table of every live peer has been seen (see
+    /// Whether this node holds the cluster's instance table (see
     /// [`InstanceControl::table_merged`]).
     table_merged: std::sync::atomic::AtomicBool,
     /// Manifests computed for files this node shares, by SHA-256.

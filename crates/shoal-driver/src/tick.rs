@@ -71,19 +71,20 @@ impl Driver {
         }
     }
 
-    /// Adopts the newest table a live node publishes; once every live peer's table was seen,
-    /// this node holds the cluster's (see `InstanceControl::table_merged`).
+    /// Adopts the newest table a live node publishes; once a peer's table was seen (or the
+    /// node settled that it is alone), this node holds the cluster's (see
+    /// `InstanceControl::table_merged`).
     fn adopt_newest(&self) {
         let published = self.node.published(TABLE_KEY);
         if !self.table_merged.load(std::sync::atomic::Ordering::Relaxed) {
+            // every node publishes the newest table it adopted, so one peer's is the
+            // cluster's; a node with no peer holds it once it has settled that it is alone
+            // (its API keys' merge decides that, see `shoal_api::keys::replicate`)
             let me = self.node.id();
-            let all_seen = self
-                .node
-                .live_ids()
-                .iter()
-                .filter(|n| n.as_str() != me)
-                .all(|n| published.iter().any(|(p, _)| p == n));
-            if all_seen {
+            let peer_seen = published.iter().any(|(p, _)| p != me);
+            let alone = self.node.live_ids().iter().all(|n| n == me)
+                && self.state.upgrade().is_some_and(|s| s.keys.merged());
+            if peer_seen || alone {
                 self.table_merged
                     .store(true, std::sync::atomic::Ordering::Release);
             }
