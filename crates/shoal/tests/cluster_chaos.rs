@@ -13,14 +13,12 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{cached_model, node_with, run, Node};
 use rand::Rng;
-use serde_json::{json, Value};
 
 const CLIENTS: usize = 8;
 /// Tokens each stream generates.
@@ -45,52 +43,9 @@ enum Outcome {
     Lost(String, bool),
 }
 
-/// A greedy chat stream of `prompt` on `model` through `url`: its text and longest gap, or
-/// what went wrong.
+/// A greedy stream of `prompt` on `model` through `url`, [`TOKENS`] long.
 fn stream(url: &str, model: &str, prompt: &str) -> Result<(String, Duration), String> {
-    let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}],
-                      "temperature": 0, "max_tokens": TOKENS, "ignore_eos": true,
-                      "stream": true});
-    let resp = ureq::post(&format!("{url}/v1/chat/completions"))
-        .send_json(&body)
-        .map_err(|e| match e {
-            ureq::Error::StatusCode(s @ (502 | 503)) => format!("retry: status {s}"),
-            e => format!("the request failed: {e}"),
-        })?;
-    let (mut text, mut gap, mut last, mut finished) = (String::new(), Duration::ZERO, None, false);
-    for line in BufReader::new(resp.into_body().into_reader()).lines() {
-        let line = line.map_err(|e| format!("the stream broke: {e}"))?;
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if data == "[DONE]" {
-            break;
-        }
-        let v: Value = serde_json::from_str(data).map_err(|e| format!("{e}: {data}"))?;
-        if let Some(e) = v.get("error") {
-            return Err(format!("error event: {e}"));
-        }
-        if let Some(t) = v["choices"][0]["delta"]["content"]
-            .as_str()
-            .filter(|t| !t.is_empty())
-        {
-            let now = Instant::now();
-            if let Some(l) = last {
-                gap = gap.max(now - l);
-            }
-            last = Some(now);
-            text.push_str(t);
-        }
-        finished |= v["choices"][0]["finish_reason"] == "length";
-    }
-    if finished {
-        Ok((text, gap))
-    } else {
-        Err(format!(
-            "ended without a finish reason after {} bytes",
-            text.len()
-        ))
-    }
+    common::greedy_stream(url, model, prompt, TOKENS)
 }
 
 /// Resident memory of process `pid`, MB.

@@ -141,37 +141,9 @@ const PROMPTS: [&str; 4] = [
     "Write a long letter to a friend about the mountains.",
 ];
 
-/// A greedy chat stream of `prompt` through `url`: its text, or what went wrong.
+/// A greedy stream of `prompt` on qwen05 through `url`: its text, or what went wrong.
 fn stream(url: &str, prompt: &str) -> Result<String, String> {
-    use std::io::{BufRead, BufReader};
-    let body = json!({"model": "qwen05", "messages": [{"role": "user", "content": prompt}],
-                      "temperature": 0, "max_tokens": TOKENS, "ignore_eos": true,
-                      "stream": true});
-    let resp = ureq::post(&format!("{url}/v1/chat/completions"))
-        .send_json(&body)
-        .map_err(|e| format!("the request failed: {e}"))?;
-    let mut text = String::new();
-    let mut finished = false;
-    for line in BufReader::new(resp.into_body().into_reader()).lines() {
-        let line = line.map_err(|e| format!("the stream broke: {e}"))?;
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if data == "[DONE]" {
-            break;
-        }
-        let v: Value = serde_json::from_str(data).map_err(|e| format!("{e}: {data}"))?;
-        if let Some(e) = v.get("error") {
-            return Err(format!("error event: {e}"));
-        }
-        text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
-        finished |= v["choices"][0]["finish_reason"] == "length";
-    }
-    if finished {
-        Ok(text)
-    } else {
-        Err(format!("ended without a finish reason after {text:?}"))
-    }
+    common::greedy_stream(url, "qwen05", prompt, TOKENS).map(|(text, _)| text)
 }
 
 #[test]

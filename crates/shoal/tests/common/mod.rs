@@ -184,3 +184,55 @@ pub fn agree(nodes: &[Node]) {
         });
     }
 }
+
+/// A greedy chat stream (OpenAI chat, `ignore_eos`) of `prompt` on `model` through `url`,
+/// `tokens` long: its text and the longest time between two pieces of it, or what went
+/// wrong. A refusal that asks to retry (502 or 503) is `Err("retry: status N")`; an error
+/// event, a broken stream or one that ends without a finish reason is an error too.
+pub fn greedy_stream(
+    url: &str,
+    model: &str,
+    prompt: &str,
+    tokens: usize,
+) -> Result<(String, Duration), String> {
+    let body = serde_json::json!({"model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0, "max_tokens": tokens, "ignore_eos": true, "stream": true});
+    let resp = ureq::post(&format!("{url}/v1/chat/completions"))
+        .send_json(&body)
+        .map_err(|e| match e {
+            ureq::Error::StatusCode(s @ (502 | 503)) => format!("retry: status {s}"),
+            e => format!("the request failed: {e}"),
+        })?;
+    let (mut text, mut gap, mut last, mut finished) = (String::new(), Duration::ZERO, None, false);
+    for line in BufReader::new(resp.into_body().into_reader()).lines() {
+        let line = line.map_err(|e| format!("the stream broke: {e}"))?;
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data).map_err(|e| format!("{e}: {data}"))?;
+        if let Some(e) = v.get("error") {
+            return Err(format!("error event: {e}"));
+        }
+        if let Some(t) = v["choices"][0]["delta"]["content"]
+            .as_str()
+            .filter(|t| !t.is_empty())
+        {
+            let now = Instant::now();
+            if let Some(l) = last {
+                gap = gap.max(now - l);
+            }
+            last = Some(now);
+            text.push_str(t);
+        }
+        finished |= v["choices"][0]["finish_reason"] == "length";
+    }
+    if finished {
+        Ok((text, gap))
+    } else {
+        Err(format!("ended without a finish reason after {text:?}"))
+    }
+}
