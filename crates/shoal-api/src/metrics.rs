@@ -1,7 +1,7 @@
 //! Prometheus metrics of one server, in its own registry (no process-global recorder, so
 //! several servers in one test process do not mix): requests by route and status, prompt and
-//! generated tokens, requests resumed after a lost node, time to first token, inter-token
-//! latency, and, read from each model's
+//! generated tokens, requests resumed after a lost node, cluster shards loaded or kept from
+//! a previous placement, time to first token, inter-token latency, and, read from each model's
 //! scheduler at scrape time, queue depth, active sequences and the last decode batch size.
 
 use std::sync::atomic::AtomicU64;
@@ -64,6 +64,8 @@ pub struct Metrics {
     prompt_tokens: Family<ModelLabels, Counter>,
     generated_tokens: Family<ModelLabels, Counter>,
     resumed: Family<ModelLabels, Counter>,
+    shards_loaded: Family<ModelLabels, Counter>,
+    shards_kept: Family<ModelLabels, Counter>,
     too_long: Family<ModelLabels, Counter>,
     ttft: Family<ModelLabels, Histogram, fn() -> Histogram>,
     itl: Family<ModelLabels, Histogram, fn() -> Histogram>,
@@ -119,6 +121,18 @@ impl Metrics {
             "requests_resumed",
             "Requests that went on where their instance was placed again after it lost a node",
             resumed.clone(),
+        );
+        let shards_loaded = Family::<ModelLabels, Counter>::default();
+        r.register(
+            "shards_loaded",
+            "Shards of cluster instances this node loaded from their file",
+            shards_loaded.clone(),
+        );
+        let shards_kept = Family::<ModelLabels, Counter>::default();
+        r.register(
+            "shards_kept",
+            "Shards of cluster instances this node kept loaded from the instance's previous placement",
+            shards_kept.clone(),
         );
         let too_long = Family::<ModelLabels, Counter>::default();
         r.register(
@@ -219,6 +233,8 @@ impl Metrics {
             prompt_tokens,
             generated_tokens,
             resumed,
+            shards_loaded,
+            shards_kept,
             too_long,
             ttft,
             itl,
@@ -289,6 +305,17 @@ impl Metrics {
     /// Counts a request that went on after its instance lost a node.
     pub fn resumed(&self, model: &str) {
         self.resumed.get_or_create(&Self::model(model)).inc();
+    }
+
+    /// Counts a shard of instance `model` this node's rank loaded from its file, or (with
+    /// `kept`) took over loaded from the rank it held in the previous placement.
+    pub fn shard(&self, model: &str, kept: bool) {
+        let family = if kept {
+            &self.shards_kept
+        } else {
+            &self.shards_loaded
+        };
+        family.get_or_create(&Self::model(model)).inc();
     }
 
     /// Sets the scheduler gauges of `model`.

@@ -55,7 +55,7 @@ impl ServedModel {
         model: LoadedModel,
         config: SchedulerConfig,
     ) -> Result<Self, shoal_engine::EngineError> {
-        Self::build(id.into(), model, config, None, None)
+        Self::build(id.into(), Arc::new(model), config, None, None)
     }
 
     /// Starts serving `model` as `id` with speculative decoding by `draft` (a smaller model
@@ -69,14 +69,15 @@ impl ServedModel {
         draft: Arc<LoadedModel>,
         config: SchedulerConfig,
     ) -> Result<Self, shoal_engine::EngineError> {
-        Self::build(id.into(), model, config, None, Some(draft))
+        Self::build(id.into(), Arc::new(model), config, None, Some(draft))
     }
 
     /// Serves a split model: `model` is rank 0's shard and `ctx` rank 0's place in the
-    /// split (see [`Scheduler::start_split`]).
+    /// split (see [`Scheduler::start_split`]). The shard may have served an earlier
+    /// placement (see [`Scheduler::retire`]).
     pub fn start_split(
         id: impl Into<String>,
-        model: LoadedModel,
+        model: Arc<LoadedModel>,
         ctx: shoal_engine::parallel::RankContext,
         config: SchedulerConfig,
     ) -> Result<Self, shoal_engine::EngineError> {
@@ -85,7 +86,7 @@ impl ServedModel {
 
     fn build(
         id: String,
-        model: LoadedModel,
+        model: Arc<LoadedModel>,
         config: SchedulerConfig,
         split: Option<shoal_engine::parallel::RankContext>,
         draft: Option<Arc<LoadedModel>>,
@@ -105,9 +106,9 @@ impl ServedModel {
             .max(2);
         let config = SchedulerConfig { ctx, ..config };
         let scheduler = match (split, draft) {
-            (None, None) => Scheduler::start(Arc::new(model), config)?,
-            (None, Some(d)) => Scheduler::start_with_draft(Arc::new(model), d, config)?,
-            (Some(rc), _) => Scheduler::start_split(Arc::new(model), rc, config)?,
+            (None, None) => Scheduler::start(model, config)?,
+            (None, Some(d)) => Scheduler::start_with_draft(model, d, config)?,
+            (Some(rc), _) => Scheduler::start_split(model, rc, config)?,
         };
         Ok(ServedModel {
             id,

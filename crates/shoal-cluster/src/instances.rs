@@ -704,7 +704,33 @@ fn place_again(
     };
     let mut placement = plan(cluster, profile, &request)?.placement;
     keep_lead(&mut placement, inst.lead());
+    keep_ranks(&mut placement, &inst.placement);
     Ok(placement)
+}
+
+/// When `placement` cuts the model as `before` did (the same tensor split, stage layers and
+/// expert cut), puts every node that keeps a stage back at its rank index there: its share
+/// is then the one it holds loaded, and it need not load it again. Ranks of one stage hold
+/// equal shares, so the swaps keep the placement's fit; a lead kept as rank 0 stays there.
+fn keep_ranks(placement: &mut Placement, before: &Placement) {
+    let same_cut = placement.tp == before.tp
+        && placement.experts == before.experts
+        && placement.stages.len() == before.stages.len()
+        && placement
+            .stages
+            .iter()
+            .zip(&before.stages)
+            .all(|(s, b)| s.layers == b.layers && s.nodes.len() == b.nodes.len());
+    if !same_cut {
+        return;
+    }
+    for (stage, old) in placement.stages.iter_mut().zip(&before.stages) {
+        for (j, node) in old.nodes.iter().enumerate() {
+            if let Some(k) = stage.nodes.iter().position(|n| n == node) {
+                stage.nodes.swap(j, k);
+            }
+        }
+    }
 }
 
 /// Makes `lead` rank 0 again when the new placement puts it among the first stage's ranks:
@@ -1012,6 +1038,58 @@ mod tests {
         let after = t2.get("big").unwrap();
         if after.placement.stages[0].nodes.contains(&lead) {
             assert_eq!(after.lead(), Some(lead.as_str()));
+        }
+    }
+
+    #[test]
+    fn survivors_keep_their_rank_index_when_the_cut_is_the_same() {
+        let stage =
+            |layers: std::ops::Range<usize>, nodes: &[&str]| shoal_planner::StagePlacement {
+                layers,
+                nodes: strs(nodes),
+            };
+        let placed = |stages: Vec<shoal_planner::StagePlacement>| Placement {
+            strategy: shoal_planner::SplitKind::Hybrid,
+            tp: stages[0].nodes.len(),
+            stages,
+            experts: ExpertSplit::default(),
+        };
+        let before = placed(vec![
+            stage(0..8, &["a", "b", "c"]),
+            stage(8..16, &["d", "e", "f"]),
+        ]);
+        // a and e died: the planner's order is put back where b, c, d and f were
+        let mut p = placed(vec![
+            stage(0..8, &["c", "x", "b"]),
+            stage(8..16, &["f", "d", "y"]),
+        ]);
+        keep_ranks(&mut p, &before);
+        assert_eq!(p.stages[0].nodes, strs(&["x", "b", "c"]));
+        assert_eq!(p.stages[1].nodes, strs(&["d", "y", "f"]));
+        // another cut (other stage layers, another tensor split) is left as planned
+        for other in [
+            placed(vec![
+                stage(0..6, &["c", "x", "b"]),
+                stage(6..16, &["f", "d", "y"]),
+            ]),
+            placed(vec![stage(0..8, &["c", "b"]), stage(8..16, &["f", "d"])]),
+            placed(vec![stage(0..16, &["c", "x", "b"])]),
+        ] {
+            let mut q = other.clone();
+            keep_ranks(&mut q, &before);
+            assert_eq!(q, other);
+        }
+        // on a node loss the survivor of a two-rank split keeps its index
+        let (cluster, t) = two_instances();
+        let before = t.get("big").unwrap().clone();
+        if before.placement.tp == 2 && before.placement.stages.len() == 1 {
+            let victim = before.placement.stages[0].nodes[0].clone();
+            let survivor = before.placement.stages[0].nodes[1].clone();
+            let t2 = t.on_nodes_lost("a", &[victim], &profiles, &cluster, 99);
+            let after = t2.get("big").unwrap();
+            if after.placement.tp == 2 && after.placement.stages.len() == 1 {
+                assert_eq!(after.placement.stages[0].nodes[1], survivor);
+            }
         }
     }
 

@@ -12,6 +12,8 @@
 //! [`MemTransport`] (threads of one process, for tests) and [`EmulatedLink`] (wraps another
 //! transport and adds latency and a bandwidth cap). [`Group`] implements the collectives of
 //! [`Communicator`] over any transport, for the whole world or a subset of its ranks.
+//! [`Rebindable`] forwards to a communicator that can be swapped for another of the same
+//! shape, so layers built once can run over a later placement's mesh.
 
 mod clock;
 mod emulated;
@@ -20,6 +22,7 @@ mod group;
 mod mem;
 #[cfg(feature = "rdma")]
 mod rdma;
+mod rebind;
 mod shm;
 mod stream;
 mod tcp;
@@ -30,6 +33,7 @@ pub use group::{Group, DEFAULT_ONE_SHOT_LIMIT, DEFAULT_TIMEOUT};
 pub use mem::{mem_mesh, MemTransport};
 #[cfg(feature = "rdma")]
 pub use rdma::{RdmaConfig, RdmaTransport, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES};
+pub use rebind::Rebindable;
 pub use shm::{shm_mesh_local, ShmTransport, DEFAULT_RING_BYTES};
 pub use tcp::{connect_mesh, tcp_mesh_local, TcpTransport};
 pub use transport::Transport;

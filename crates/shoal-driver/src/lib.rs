@@ -19,6 +19,8 @@
 //!    checked against the source's SHA-256 list and resumable), joins the instance's mesh of
 //!    authenticated sessions, loads its shard and serves: rank 0 behind this node's HTTP APIs
 //!    (a split [`Scheduler`](shoal_engine::scheduler::Scheduler)), the others serving steps.
+//!    A rank that stops leaves its loaded shard behind (`kept.rs`); the next placement's
+//!    rank here that holds the same share takes it instead of loading the file again.
 //!
 //! Each node publishes what it holds (key `models`, [`models`]: name, SHA-256, size and
 //! planner profile of every complete model file) so that any node can place a model and any
@@ -32,6 +34,7 @@
 mod control;
 pub mod decisions;
 mod fetch;
+mod kept;
 pub mod models;
 pub mod protocol;
 mod rank;
@@ -105,6 +108,8 @@ pub struct Driver {
     table_merged: std::sync::atomic::AtomicBool,
     /// Manifests computed for files this node shares, by SHA-256.
     manifests: Mutex<HashMap<String, Arc<Manifest>>>,
+    /// Shards stopped ranks left for the next placement's ranks here.
+    kept: kept::Kept,
 }
 
 fn now_ms() -> u64 {
@@ -144,6 +149,7 @@ impl Driver {
             manifests: Mutex::new(HashMap::new()),
             leads: Mutex::new(HashMap::new()),
             table_merged: std::sync::atomic::AtomicBool::new(false),
+            kept: kept::Kept::default(),
         });
         for m in models {
             d.add_file(m);

@@ -1,7 +1,8 @@
 //! The ranks this node runs, one thread each. A rank thread finds the model file (here by
 //! SHA-256 or name, else the parts it reads fetched from a node that offers it, see
-//! `fetch.rs`), joins the instance's mesh of authenticated sessions, loads its shard
-//! and serves until it is stopped or fails: rank 0 registers a split [`ServedModel`] with
+//! `fetch.rs`), joins the instance's mesh of authenticated sessions, loads its shard (or
+//! takes the one its predecessor here left for the same share, see `kept.rs`) and serves
+//! until it is stopped or fails, then leaves its shard for the next placement: rank 0 registers a split [`ServedModel`] with
 //! this node's HTTP APIs and watches its scheduler, the others serve steps. What it is doing
 //! goes into this node's rank reports, which the coordinator follows.
 
@@ -14,12 +15,14 @@ use anyhow::{bail, Context};
 use shoal_api::ServedModel;
 use shoal_cluster::instances::Instance;
 use shoal_cluster::mesh::SessionTransport;
+use shoal_comm::Rebindable;
 use shoal_engine::model::LoadedModel;
 use shoal_engine::parallel::{serve, RankContext};
 use shoal_engine::scheduler::SchedulerConfig;
 use shoal_engine::shard::Layout;
 use shoal_model::source::ModelSource;
 
+use crate::kept::{KeptShard, ShareKey};
 use crate::report::RankState;
 use crate::Driver;
 
@@ -28,6 +31,12 @@ use crate::Driver;
 const OFFER_WAIT: Duration = Duration::from_secs(15);
 /// How long ranks wait for each other to join an instance's mesh.
 const MESH_WAIT: Duration = Duration::from_secs(600);
+/// How long a rank of a new placement waits for the rank it replaces here to leave its
+/// shard behind (it was told to stop in the same pass that started this one).
+const OLDER_RANK_WAIT: Duration = Duration::from_secs(10);
+/// How long a stopped lead waits for its scheduler's thread to end before it lets the shard
+/// go instead of keeping it.
+const RETIRE_WAIT: Duration = Duration::from_secs(5);
 /// How long a collective may wait: ranks idle between requests, and a dead peer is found by
 /// membership (which closes the mesh), not by this timeout.
 const COLLECTIVE_WAIT: Duration = Duration::from_secs(24 * 3600);
@@ -146,19 +155,55 @@ impl Driver {
             pp: inst.placement.pp(),
         };
         let mut ctx = RankContext::over(transport, layout, COLLECTIVE_WAIT)?;
-        self.report(inst, RankState::Loading, Some("loading its shard".into()));
-        let source = ModelSource::Gguf(path.clone());
-        let sizes = inst.placement.stage_sizes();
-        let (model, plans) = LoadedModel::load_split(
-            &source,
-            layout,
-            Some(&sizes),
-            inst.placement.experts,
-            rank,
-            ctx.tp.clone(),
-        )
-        .with_context(|| format!("loading rank {rank}'s shard of {}", path.display()))?;
-        ctx.plans = plans;
+        // the rank this one replaces here may still be leaving its shard behind
+        self.kept
+            .wait_for_older(&inst.id, inst.generation, OLDER_RANK_WAIT);
+        let key = ShareKey::of(inst, rank, &path);
+        let taken = self.kept.take(&inst.id, &key);
+        let reused = taken.is_some();
+        let (model, tp) = match taken {
+            Some(k) => {
+                k.tp.bind(ctx.tp.clone())
+                    .map_err(|e| anyhow::anyhow!("rebinding the kept shard: {e}"))?;
+                ctx.plans = k.plans;
+                tracing::info!(instance = %inst.id, rank, from = k.generation, "kept the shard loaded for the previous placement");
+                (k.model, k.tp)
+            }
+            None => {
+                self.report(inst, RankState::Loading, Some("loading its shard".into()));
+                let tp = Arc::new(Rebindable::new(ctx.tp.clone()));
+                let source = ModelSource::Gguf(path.clone());
+                let sizes = inst.placement.stage_sizes();
+                let (model, plans) = LoadedModel::load_split(
+                    &source,
+                    layout,
+                    Some(&sizes),
+                    inst.placement.experts,
+                    rank,
+                    tp.clone(),
+                )
+                .with_context(|| format!("loading rank {rank}'s shard of {}", path.display()))?;
+                ctx.plans = plans;
+                (Arc::new(model), tp)
+            }
+        };
+        if let Some(state) = self.state.upgrade() {
+            state.metrics.shard(&inst.id, reused);
+        }
+        ctx.tp = tp.clone();
+        let _holding = self.kept.hold(&inst.id, inst.generation);
+        let plans = ctx.plans.clone();
+        let keep = |model: Arc<LoadedModel>| {
+            self.kept.keep(KeptShard {
+                instance: inst.id.clone(),
+                generation: inst.generation,
+                key: key.clone(),
+                model,
+                tp: tp.clone(),
+                plans: plans.clone(),
+                since: Instant::now(),
+            })
+        };
         let capacity = (inst.ctx as usize)
             .min(model.transformer.config().context_len)
             .max(2);
@@ -192,10 +237,20 @@ impl Driver {
             if let Some(state) = self.state.upgrade() {
                 state.remove_served(&served);
             }
+            // the requests it runs go on where the instance is served next; once its thread
+            // has ended nothing steps the shard, and the next placement may take it
+            if served
+                .scheduler
+                .retire("the instance is being placed again", RETIRE_WAIT)
+            {
+                keep(served.scheduler.model().clone());
+            }
             return result;
         }
         self.report(inst, RankState::Ready, None);
-        serve(&ctx, &model.transformer, capacity)?;
+        let result = serve(&ctx, &model.transformer, capacity);
+        keep(model);
+        result?;
         Ok(())
     }
 

@@ -54,6 +54,8 @@ impl Driver {
                 }
             }
             self.reconcile(&table);
+            self.kept
+                .prune(&table, self.node.id(), std::time::Instant::now());
             if table.version != held_for {
                 self.publish_held(&table).await;
                 held_for = table.version;

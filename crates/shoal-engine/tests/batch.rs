@@ -686,6 +686,133 @@ fn broken_split_interrupts_requests_and_says_why() {
     assert!(sched.failure().is_some());
 }
 
+/// A split retired by its lead leaves every rank's weights usable: over a new mesh (its
+/// communicators bound where the layers' collectives go) the same weights give the tokens of
+/// one rank, and a request running at the retirement is interrupted with the reason.
+#[test]
+fn retired_split_weights_serve_again_over_a_new_mesh() {
+    use shoal_comm::{mem_mesh, Communicator, Rebindable, Transport};
+    use shoal_engine::parallel::{serve, RankContext};
+    use shoal_engine::shard::Layout;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny(TinyModelSpec::qwen2(9), GgmlType::Q8_0, dir.path());
+    let config = SchedulerConfig {
+        max_batch: 2,
+        max_queue: 8,
+        ctx: 256,
+        prefix_cache: true,
+        draft_max: 0,
+    };
+    let ps = prompts(320);
+    let lens = [12usize, 9];
+    let local = Scheduler::start(Arc::new(load(&path)), config).unwrap();
+    let want = schedule(&local, &ps[..2], &lens);
+    drop(local);
+    let layout = Layout { tp: 2, pp: 1 };
+    let source = ModelSource::Gguf(path);
+    let contexts = |binds: Option<&[Arc<Rebindable>]>| -> Vec<RankContext> {
+        mem_mesh(2)
+            .into_iter()
+            .enumerate()
+            .map(|(r, t)| {
+                let t: Arc<dyn Transport> = Arc::new(t);
+                let mut ctx = RankContext::over(t, layout, Duration::from_secs(60)).unwrap();
+                if let Some(b) = binds {
+                    b[r].bind(ctx.tp.clone()).unwrap();
+                    ctx.tp = b[r].clone();
+                }
+                ctx
+            })
+            .collect()
+    };
+    let mut first = contexts(None);
+    let old_tp: Vec<std::sync::Weak<dyn Communicator>> =
+        first.iter().map(|ctx| Arc::downgrade(&ctx.tp)).collect();
+    let binds: Vec<Arc<Rebindable>> = first
+        .iter_mut()
+        .map(|ctx| {
+            let b = Arc::new(Rebindable::new(ctx.tp.clone()));
+            ctx.tp = b.clone() as Arc<dyn Communicator>;
+            b
+        })
+        .collect();
+    let models: Vec<Arc<LoadedModel>> = std::thread::scope(|s| {
+        let loads: Vec<_> = first
+            .iter_mut()
+            .enumerate()
+            .map(|(r, ctx)| {
+                let source = &source;
+                s.spawn(move || {
+                    let (m, plans) = LoadedModel::load_split(
+                        source,
+                        layout,
+                        None,
+                        Default::default(),
+                        r,
+                        ctx.tp.clone(),
+                    )
+                    .unwrap();
+                    ctx.plans = plans;
+                    Arc::new(m)
+                })
+            })
+            .collect();
+        loads.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // runs one placement: rank 1 serves on a thread, rank 0's scheduler leads
+    let place = |mut ctxs: Vec<RankContext>| {
+        let plans = ctxs[0].plans.clone();
+        let ctx1 = ctxs.pop().unwrap();
+        let mut ctx0 = ctxs.pop().unwrap();
+        ctx0.plans = plans;
+        let m1 = models[1].clone();
+        let worker = std::thread::spawn(move || serve(&ctx1, &m1.transformer, 256));
+        let sched = Scheduler::start_split(models[0].clone(), ctx0, config).unwrap();
+        (sched, worker)
+    };
+    let plans = first[0].plans.clone();
+    let (sched, worker) = place(first);
+    assert_eq!(schedule(&sched, &ps[..2], &lens), want, "first placement");
+    // a long request is running when the lead retires the split
+    let (_t, rx) = submit(&sched, &ps[2], 200);
+    assert!(matches!(
+        rx.recv_timeout(Duration::from_secs(60)).unwrap(),
+        Event::Token { .. }
+    ));
+    assert!(sched.retire("placed again", Duration::from_secs(30)));
+    let interrupted = loop {
+        match rx.recv_timeout(Duration::from_secs(30)).unwrap() {
+            Event::Token { .. } | Event::Text(_) => {}
+            Event::Interrupted(why) => break why,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(interrupted, "placed again");
+    // later requests are interrupted the same way, not run
+    let (_t, rx) = submit(&sched, &ps[0], 4);
+    assert!(matches!(
+        rx.recv_timeout(Duration::from_secs(30)).unwrap(),
+        Event::Interrupted(_)
+    ));
+    drop(sched);
+    worker.join().unwrap().unwrap();
+    // the same weights over a new mesh
+    let mut second = contexts(Some(&binds));
+    second[0].plans = plans;
+    // nothing runs over the first mesh any more (its ends would still talk to each other)
+    assert!(old_tp.iter().all(|w| w.upgrade().is_none()));
+    let (sched, worker) = place(second);
+    assert_eq!(
+        schedule(&sched, &ps[..2], &lens),
+        want,
+        "the kept weights over a new mesh"
+    );
+    assert!(sched.failure().is_none());
+    drop(sched);
+    worker.join().unwrap().unwrap();
+}
+
 /// Submits `prompt` for `n` tokens; the receiver gets its events.
 fn submit(
     sched: &Scheduler,

@@ -203,6 +203,71 @@ fn cluster(dir: &Path, model: &Path, entry: bool) -> (Vec<Node>, Value) {
     (nodes, inst)
 }
 
+/// The shards of qwen05 node `url` loaded from the file and kept from a previous placement
+/// (its `shoal_shards_loaded_total` and `shoal_shards_kept_total`).
+fn shards(url: &str) -> (u64, u64) {
+    let text = ureq::get(&format!("{url}/metrics"))
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap();
+    let count = |name: &str| {
+        let series = format!("{name}{{model=\"qwen05\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0) as u64
+    };
+    (
+        count("shoal_shards_loaded_total"),
+        count("shoal_shards_kept_total"),
+    )
+}
+
+/// Checks that each survivor of `nodes` (still running) placed at the same rank index
+/// `after` a kill as `before` it kept its shard instead of loading it again, and that the
+/// others loaded theirs; returns how many kept theirs.
+fn check_kept_shards(nodes: &[Node], before: &Value, after: &Value) -> usize {
+    let names = |v: &Value| -> Vec<String> {
+        v["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(
+        (before["tp"].as_u64(), before["pp"].as_u64()),
+        (Some(2), Some(1))
+    );
+    let (old, new) = (names(before), names(after));
+    let same_cut = after["tp"] == before["tp"] && after["pp"] == before["pp"];
+    let mut kept = 0;
+    for (rank, name) in new.iter().enumerate() {
+        let Some(n) = nodes.iter().find(|n| n.name == *name) else {
+            continue;
+        };
+        let was = old.iter().position(|o| o == name);
+        let (loaded, reused) = shards(&n.url);
+        eprintln!("{name} (rank {rank}, was {was:?}): {loaded} shards loaded, {reused} kept");
+        if common::other_build() {
+            continue;
+        }
+        if same_cut && was == Some(rank) {
+            assert_eq!(
+                (loaded, reused),
+                (1, 1),
+                "{name} should have kept its shard"
+            );
+            kept += 1;
+        } else {
+            assert_eq!(reused, 0, "{name} cannot have kept a shard");
+        }
+    }
+    kept
+}
+
 /// Rounds each test runs (`SHOAL_FAILOVER_ROUNDS`, default 1).
 fn rounds() -> usize {
     std::env::var("SHOAL_FAILOVER_ROUNDS")
@@ -259,6 +324,10 @@ fn streams_survive_the_death_of_a_non_lead_node() {
             .find(|i| i["id"] == "qwen05")
             .cloned()
             .unwrap_or_default();
+        // the lead is placed again as rank 0 of the same cut: it keeps its weights
+        assert_eq!(after["lead"], inst["lead"], "{after}");
+        let kept = check_kept_shards(&nodes, &inst, &after);
+        assert!(kept == 1 || common::other_build(), "{after}");
         drop(nodes);
         if std::env::var_os("SHOAL_KEEP_LOGS").is_some() {
             let _ = dir.keep();
@@ -515,6 +584,9 @@ fn streams_entering_elsewhere_survive_the_death_of_their_lead() {
             .find(|i| i["id"] == "qwen05")
             .cloned()
             .unwrap_or_default();
+        // the other rank's node keeps its index, and its weights
+        let kept = check_kept_shards(&nodes, &inst, &after);
+        assert!(kept == 1 || common::other_build(), "{after}");
         drop(nodes);
         if std::env::var_os("SHOAL_KEEP_LOGS").is_some() {
             let _ = dir.keep();

@@ -364,6 +364,7 @@ impl Scheduler {
             std::thread::Builder::new()
                 .name(format!("shoal-sched-{}", model.name))
                 .spawn(move || {
+                    let _exit = ExitMark(shared.clone());
                     let held = model.clone();
                     let lead = match split {
                         None => None,
@@ -398,6 +399,28 @@ impl Scheduler {
         })
     }
 
+    /// Interrupts every sequence, queued or running, with `why` (they may go on where the
+    /// model is served next, see [`Event::Interrupted`]), refuses later ones the same way,
+    /// and ends the thread; waits at most `wait` for it to end. Returns whether it has: only
+    /// then is nothing stepping the model any more, and its weights may serve another
+    /// scheduler (a split model's next placement, with its communicator bound anew).
+    pub fn retire(&self, why: &str, wait: Duration) -> bool {
+        {
+            let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            if !q.shutdown {
+                q.retire.get_or_insert_with(|| why.to_string());
+            }
+        }
+        self.shared.wake.notify_all();
+        let exited = self.shared.exited.lock().unwrap_or_else(|e| e.into_inner());
+        let (exited, _) = self
+            .shared
+            .exited_wake
+            .wait_timeout_while(exited, wait, |done| !*done)
+            .unwrap_or_else(|e| e.into_inner());
+        *exited
+    }
+
     /// The model served.
     pub fn model(&self) -> &Arc<LoadedModel> {
         &self.model
@@ -423,7 +446,8 @@ impl Scheduler {
             .clone()
     }
 
-    /// Queues a sequence; its events go to `sink` from the scheduler thread.
+    /// Queues a sequence; its events go to `sink` from the scheduler thread (or at once, from
+    /// this one, when the scheduler was retired).
     ///
     /// # Errors
     /// [`Busy`] when the queue is full.
@@ -432,6 +456,15 @@ impl Scheduler {
         request.prompt.extend_from_slice(&request.resume);
         let cancelled = Arc::new(AtomicBool::new(false));
         let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(why) = q.retire.clone() {
+            drop(q);
+            let mut sink = sink;
+            sink(Event::Interrupted(why));
+            return Ok(Ticket {
+                cancelled,
+                shared: self.shared.clone(),
+            });
+        }
         let active = self.shared.stats.active.load(Ordering::Relaxed);
         let free_slots = self.config.max_batch.saturating_sub(active);
         if q.waiting.len() >= self.config.max_queue + free_slots {
@@ -537,6 +570,17 @@ impl Scheduler {
         Err(EngineError::Generation(
             "the scheduler stopped before the sequence ended".into(),
         ))
+    }
+}
+
+/// Marks the scheduler thread ended when dropped: at the end of the thread, or while a
+/// panic unwinds it.
+struct ExitMark(Arc<Shared>);
+
+impl Drop for ExitMark {
+    fn drop(&mut self) {
+        *self.0.exited.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.0.exited_wake.notify_all();
     }
 }
 

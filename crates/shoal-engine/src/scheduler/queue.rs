@@ -28,6 +28,9 @@ pub(super) struct Job {
 pub(super) struct Queue {
     pub(super) waiting: VecDeque<Job>,
     pub(super) shutdown: bool,
+    /// Set by [`Scheduler::retire`](super::Scheduler::retire): interrupt every sequence with
+    /// this reason and end the thread; later ones are interrupted as they are submitted.
+    pub(super) retire: Option<String>,
 }
 
 #[derive(Default)]
@@ -37,6 +40,9 @@ pub(super) struct Shared {
     pub(super) stats: SchedulerStats,
     /// Why a split model stopped working, once it has.
     pub(super) failure: Mutex<Option<String>>,
+    /// Whether the thread has ended (set as its last act, also when it panicked).
+    pub(super) exited: Mutex<bool>,
+    pub(super) exited_wake: Condvar,
 }
 
 impl std::fmt::Debug for Shared {
@@ -65,6 +71,15 @@ impl Worker<'_> {
         let shared = self.shared.clone();
         let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
         loop {
+            if let Some(why) = q.retire.clone() {
+                for job in q.waiting.drain(..) {
+                    let mut sink = job.sink;
+                    sink(Event::Interrupted(why.clone()));
+                }
+                drop(q);
+                self.fail_all(&why);
+                return Admit::Shutdown;
+            }
             if q.shutdown {
                 for job in q.waiting.drain(..) {
                     let mut sink = job.sink;

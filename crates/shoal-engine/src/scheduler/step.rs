@@ -193,7 +193,7 @@ impl Worker<'_> {
 
     /// Interrupts every sequence and breaks the split (a failed split step leaves every
     /// rank's state unknown; the sequences may go on where the model is placed next).
-    fn fail_all(&mut self, why: &str) {
+    pub(super) fn fail_all(&mut self, why: &str) {
         self.break_split(why);
         self.parked.clear();
         for seq in self.active.drain(..) {

@@ -10,11 +10,21 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-/// The `shoal` binary, without the caller's key or URL.
+/// The `shoal` binary, without the caller's key or URL: this build's, or the one
+/// `SHOAL_TEST_BIN` names (a benchmark comparing two builds runs a test with each).
 pub fn shoal() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_shoal"));
+    let bin = std::env::var_os("SHOAL_TEST_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_shoal")));
+    let mut c = Command::new(bin);
     c.env_remove("SHOAL_API_KEY").env_remove("SHOAL_URL");
     c
+}
+
+/// Whether the tests run another build than this one (`SHOAL_TEST_BIN`): checks of what
+/// this build does are then reported, not asserted.
+pub fn other_build() -> bool {
+    std::env::var_os("SHOAL_TEST_BIN").is_some()
 }
 
 /// The cached file of catalog model `key`; `None` (the test skips) when it is not fetched,
