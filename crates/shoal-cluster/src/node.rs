@@ -584,6 +584,15 @@ impl Node {
             .insert(sha256.to_ascii_lowercase(), paths);
     }
 
+    /// Stops serving the file `sha256` to other nodes.
+    pub fn unshare_file(&self, sha256: &str) {
+        self.inner
+            .shared_files
+            .lock()
+            .unwrap()
+            .remove(&sha256.to_ascii_lowercase());
+    }
+
     /// `len` bytes (at most [`MAX_FETCH_BYTES`]) at `offset` of the file `sha256` from node
     /// `node`.
     ///

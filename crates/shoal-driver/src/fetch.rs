@@ -1,12 +1,16 @@
-//! Fetching the part of a model file a rank reads from a node that holds it. A model is one
-//! file or a split set's parts, read as if laid end to end. The source sends a [`Manifest`]
-//! (the SHA-256 of every 4 MiB chunk, each file's size and header, each tensor's byte
-//! range); the rank fetches the chunks holding the headers first, computes from them the
-//! byte ranges its share reads exactly as the executor will cut the model, and fetches the
-//! chunks of those ranges into sparse files of the full sizes (`DATA_DIR/models/SHA.gguf`,
-//! or `SHA-0000i-of-0000n.gguf` for a set), checking each against the manifest. The
-//! verified chunks are listed beside them (`SHA.chunks`), so an interrupted fetch resumes; a
-//! node that ends up with every chunk checks the whole model and offers it like any other.
+//! Fetching the part of a model file a rank reads from the nodes that hold it. A model is
+//! one file or a split set's parts, read as if laid end to end. Each source sends a
+//! [`Manifest`] (the SHA-256 of every 4 MiB chunk, each file's size and header, each
+//! tensor's byte range), computed in the same pass as the whole file's SHA-256, so a source
+//! whose copy no longer matches the model's SHA-256 sends none and stops offering it. The
+//! rank fetches the chunks holding the headers first, computes from them the byte ranges
+//! its share reads exactly as the executor will cut the model, and fetches the chunks of
+//! those ranges into sparse files of the full sizes (`DATA_DIR/models/SHA.gguf`, or
+//! `SHA-0000i-of-0000n.gguf` for a set), from the sources in turn, checking each against the
+//! manifest: a chunk that fails its check (or does not arrive) is fetched from the next
+//! source, and the source that failed is asked for no more. The verified chunks are listed
+//! beside them (`SHA.chunks`), so an interrupted fetch resumes; a node that ends up with
+//! every chunk checks the whole model and offers it like any other.
 //!
 //! Before the slice's chunks are fetched, the disk must have room for the ones not yet here
 //! (and a margin): a fetch that would not fit fails before it starts, naming what it needs
@@ -38,7 +42,7 @@ use crate::Driver;
 pub(crate) const CHUNK: u64 = 4 << 20;
 
 /// The chunk list a source sends before a fetch.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
     size: u64,
     chunk: u64,
@@ -58,6 +62,23 @@ pub struct Manifest {
 }
 
 impl Manifest {
+    /// Whether it describes a file at all (what node `src` sent is untrusted).
+    fn check(&self, src: &str) -> anyhow::Result<()> {
+        let sizes = self.part_sizes();
+        if self.chunk != CHUNK
+            || self.hashes.len() as u64 != self.size.div_ceil(CHUNK)
+            || sizes.iter().sum::<u64>() != self.size
+            || sizes.len() > 99_999
+            || self
+                .header_ranges()
+                .iter()
+                .any(|r| r.start > r.end || r.end > self.size)
+        {
+            bail!("node {src} sent a manifest that does not describe its file");
+        }
+        Ok(())
+    }
+
     /// The sizes of the model's files, in order.
     fn part_sizes(&self) -> Vec<u64> {
         if self.parts.is_empty() {
@@ -189,8 +210,10 @@ struct ChunkFetch {
     files: SparseFiles,
     /// Where `done` is kept between attempts.
     done_path: PathBuf,
-    /// The node fetched from.
-    src: String,
+    /// The nodes fetched from, in turn (one that failed is left out).
+    sources: Vec<String>,
+    /// The source of the next chunk.
+    turn: usize,
     /// The file's SHA-256.
     sha: String,
 }
@@ -207,54 +230,97 @@ fn chunks_of(ranges: &[std::ops::Range<u64>], size: u64) -> BTreeSet<u64> {
     chunks
 }
 
+/// How long a source may take to send its manifest (the first one reads its whole file).
+const MANIFEST_WAIT: Duration = Duration::from_secs(120);
+
+/// `node a`, or `nodes a, b`.
+fn nodes_named(nodes: &[String]) -> String {
+    match nodes {
+        [one] => format!("node {one}"),
+        many => format!("nodes {}", many.join(", ")),
+    }
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl Driver {
-    /// Fetches, from node `src`, the chunks of file `sha` that rank `rank` of `inst` reads
-    /// into a sparse file of the full size: first the header, from which the rank's share is
-    /// computed as the executor cuts it, then the byte ranges of that share
+    /// Asks every node of `sources` for its manifest of file `sha` at once; returns the
+    /// first valid one and the sources that sent it (a source that failed, or sent another,
+    /// is left out with a warning).
+    fn manifests(&self, sources: &[String], sha: &str) -> anyhow::Result<(Manifest, Vec<String>)> {
+        let answers: Vec<(String, Result<serde_json::Value, String>)> = self.rt.block_on(async {
+            let mut asked = tokio::task::JoinSet::new();
+            for (i, src) in sources.iter().enumerate() {
+                let (node, src, sha) = (self.node.clone(), src.clone(), sha.to_string());
+                asked.spawn(async move {
+                    let req = ControlRequest::Manifest { sha256: sha }.to_value();
+                    (i, src.clone(), node.ask(&src, req, MANIFEST_WAIT).await)
+                });
+            }
+            let mut got = Vec::new();
+            while let Some(r) = asked.join_next().await {
+                if let Ok(answer) = r {
+                    got.push(answer);
+                }
+            }
+            // in the order the sources were given
+            got.sort_by_key(|(i, _, _)| *i);
+            got.into_iter().map(|(_, s, a)| (s, a)).collect()
+        });
+        let mut chosen: Option<Manifest> = None;
+        let mut agreeing = Vec::new();
+        let mut last = None;
+        for (src, answer) in answers {
+            let m = answer.map_err(anyhow::Error::msg).and_then(|a| {
+                let m: Manifest = serde_json::from_value(a).context("reading the manifest")?;
+                m.check(&src)?;
+                Ok(m)
+            });
+            match (m, &chosen) {
+                (Ok(m), None) => {
+                    chosen = Some(m);
+                    agreeing.push(src);
+                }
+                (Ok(m), Some(c)) if m == *c => agreeing.push(src),
+                (Ok(_), Some(_)) => {
+                    tracing::warn!(source = %src, "left out: its manifest of {sha} differs from another node's")
+                }
+                (Err(e), _) => {
+                    tracing::warn!(source = %src, "left out: asking for its manifest of {sha} failed: {e:#}");
+                    last = Some(e);
+                }
+            }
+        }
+        match chosen {
+            Some(m) => Ok((m, agreeing)),
+            None => Err(last.unwrap_or_else(|| anyhow::anyhow!("no node to fetch {sha} from"))),
+        }
+    }
+
+    /// Fetches, from the nodes `sources` that hold file `sha`, the chunks rank `rank` of
+    /// `inst` reads into a sparse file of the full size: first the header, from which the
+    /// rank's share is computed as the executor cuts it, then the byte ranges of that share
     /// (`shard::file_ranges`: every tensor outside the blocks, the blocks of its stage, and
-    /// of the routed experts only its own). Chunks already verified by an earlier attempt
-    /// are kept.
+    /// of the routed experts only its own). The chunks are spread over the sources in turn;
+    /// a chunk a source fails to send, or sends failing its checksum, is fetched from the
+    /// next source, and that source is asked for no more. Chunks already verified by an
+    /// earlier attempt are kept.
     pub(crate) fn fetch_slice(
         &self,
         inst: &Instance,
-        src: &str,
+        sources: &[String],
         sha: &str,
         rank: usize,
         stop: &AtomicBool,
     ) -> anyhow::Result<PathBuf> {
-        let answer = self
-            .rt
-            .block_on(
-                self.node.ask(
-                    src,
-                    ControlRequest::Manifest {
-                        sha256: sha.to_string(),
-                    }
-                    .to_value(),
-                    Duration::from_secs(120),
-                ),
-            )
-            .map_err(anyhow::Error::msg)?;
-        let m: Manifest = serde_json::from_value(answer).context("reading the manifest")?;
-        let sizes = m.part_sizes();
-        if m.chunk != CHUNK
-            || m.hashes.len() as u64 != m.size.div_ceil(CHUNK)
-            || sizes.iter().sum::<u64>() != m.size
-            || sizes.len() > 99_999
-            || m.header_ranges()
-                .iter()
-                .any(|r| r.start > r.end || r.end > m.size)
-        {
-            bail!("node {src} sent a manifest that does not describe its file");
-        }
         // `sha` names files here: only the hex of a digest
         if sha.len() != 64 || !sha.bytes().all(|b| b.is_ascii_hexdigit()) {
             bail!("{sha:?} is not a sha256");
         }
+        let (m, sources) = self.manifests(sources, sha)?;
+        let sizes = m.part_sizes();
         let dir = self.cfg.data_dir.join("models");
         std::fs::create_dir_all(&dir)?;
         let paths = local_paths(&dir, sha, sizes.len());
@@ -268,7 +334,8 @@ impl Driver {
                 .unwrap_or_default(),
             files,
             done_path,
-            src: src.to_string(),
+            sources,
+            turn: 0,
             sha: sha.to_string(),
         };
         if resized {
@@ -311,7 +378,7 @@ impl Driver {
             .sum();
         room_for(missing, free_bytes(&dir)?, &dir)?;
         tracing::info!(
-            instance = %inst.id, source = %src, chunks = needed.len(),
+            instance = %inst.id, sources = ?fetch.sources, chunks = needed.len(),
             mb = total_bytes as f64 / 1e6, file_mb = m.size as f64 / 1e6,
             "fetching this rank's slice of the model"
         );
@@ -387,17 +454,38 @@ impl Driver {
             let off = c * CHUNK;
             let len = CHUNK.min(m.size - off);
             debug_assert!(len <= MAX_FETCH_BYTES);
-            let bytes = self
-                .rt
-                .block_on(self.node.fetch(&fetch.src, &fetch.sha, off, len))
-                .map_err(anyhow::Error::msg)?;
-            let got = hex(&Sha256::digest(&bytes));
-            if got != m.hashes[c as usize] {
-                bail!(
-                    "chunk {c} from node {} failed its sha256 check (got {got})",
-                    fetch.src
-                );
-            }
+            let bytes = loop {
+                let Some(src) = fetch
+                    .sources
+                    .get(fetch.turn % fetch.sources.len().max(1))
+                    .cloned()
+                else {
+                    bail!("no node is left to fetch chunk {c} of the model from");
+                };
+                let got = self
+                    .rt
+                    .block_on(self.node.fetch(&src, &fetch.sha, off, len))
+                    .map_err(anyhow::Error::msg)
+                    .and_then(|bytes| {
+                        let got = hex(&Sha256::digest(&bytes));
+                        anyhow::ensure!(
+                            got == m.hashes[c as usize],
+                            "chunk {c} from node {src} failed its sha256 check (got {got})"
+                        );
+                        Ok(bytes)
+                    });
+                match got {
+                    Ok(bytes) => {
+                        fetch.turn += 1;
+                        break bytes;
+                    }
+                    Err(e) if fetch.sources.len() > 1 => {
+                        fetch.sources.retain(|s| *s != src);
+                        tracing::warn!(instance = %inst.id, "{e:#}; fetching it and the rest from {:?}", fetch.sources);
+                    }
+                    Err(e) => return Err(e),
+                }
+            };
             fetch.files.write_at(off, &bytes)?;
             fetch.done.insert(c);
             if k % 8 == 7 || k + 1 == todo.len() {
@@ -408,9 +496,9 @@ impl Driver {
                     inst,
                     RankState::Loading,
                     Some(format!(
-                        "fetched {have}/{} chunks of its slice from node {}",
+                        "fetched {have}/{} chunks of its slice from {}",
                         chunks.len(),
-                        fetch.src
+                        nodes_named(&fetch.sources)
                     )),
                 );
             }
@@ -418,7 +506,9 @@ impl Driver {
         Ok(())
     }
 
-    /// The chunk list of a file this node shares (computed once).
+    /// The chunk list of a file this node shares (computed once, in the same pass as the
+    /// file's SHA-256: a file that no longer matches the SHA-256 it is offered under is
+    /// offered no more, and the asker is told why).
     pub(crate) async fn manifest(&self, sha: &str) -> anyhow::Result<Arc<Manifest>> {
         if let Some(m) = self.manifests.lock().unwrap().get(sha) {
             return Ok(m.clone());
@@ -430,65 +520,87 @@ impl Driver {
             .get(sha)
             .cloned()
             .with_context(|| format!("this node does not offer a file with sha256 {sha}"))?;
-        let m = tokio::task::spawn_blocking(move || -> anyhow::Result<Manifest> {
-            let g = GgufFile::open(&file.path)?;
-            let tensors = g
-                .tensors()
-                .iter()
-                .filter_map(|t| {
-                    let r = g.tensor_range(&t.name).ok()?;
-                    Some((t.name.clone(), r.start, r.end - r.start))
-                })
-                .collect();
-            let headers: Vec<(u64, u64)> =
-                g.header_ranges().iter().map(|r| (r.start, r.end)).collect();
-            let sizes = g.part_sizes();
-            let size: u64 = sizes.iter().sum();
-            // chunks of the files laid end to end: a chunk may end in one and go on in the
-            // next
-            let mut hashes = Vec::new();
-            let mut chunk = Sha256::new();
-            let mut in_chunk = 0u64;
-            let mut buf = vec![0u8; 1 << 20];
-            for p in g.part_paths() {
-                let mut f = std::fs::File::open(p)?;
-                loop {
-                    let want = ((CHUNK - in_chunk) as usize).min(buf.len());
-                    let n = f.read(&mut buf[..want])?;
-                    if n == 0 {
-                        break;
-                    }
-                    chunk.update(&buf[..n]);
-                    in_chunk += n as u64;
-                    if in_chunk == CHUNK {
-                        hashes.push(hex(&std::mem::take(&mut chunk).finalize()));
-                        in_chunk = 0;
+        let m =
+            tokio::task::spawn_blocking(move || -> anyhow::Result<Result<Manifest, ModelFile>> {
+                let g = GgufFile::open(&file.path)?;
+                let tensors = g
+                    .tensors()
+                    .iter()
+                    .filter_map(|t| {
+                        let r = g.tensor_range(&t.name).ok()?;
+                        Some((t.name.clone(), r.start, r.end - r.start))
+                    })
+                    .collect();
+                let headers: Vec<(u64, u64)> =
+                    g.header_ranges().iter().map(|r| (r.start, r.end)).collect();
+                let sizes = g.part_sizes();
+                let size: u64 = sizes.iter().sum();
+                // chunks of the files laid end to end: a chunk may end in one and go on in the
+                // next
+                let mut hashes = Vec::new();
+                let mut whole = Sha256::new();
+                let mut chunk = Sha256::new();
+                let mut in_chunk = 0u64;
+                let mut buf = vec![0u8; 1 << 20];
+                for p in g.part_paths() {
+                    let mut f = std::fs::File::open(p)?;
+                    loop {
+                        let want = ((CHUNK - in_chunk) as usize).min(buf.len());
+                        let n = f.read(&mut buf[..want])?;
+                        if n == 0 {
+                            break;
+                        }
+                        chunk.update(&buf[..n]);
+                        whole.update(&buf[..n]);
+                        in_chunk += n as u64;
+                        if in_chunk == CHUNK {
+                            hashes.push(hex(&std::mem::take(&mut chunk).finalize()));
+                            in_chunk = 0;
+                        }
                     }
                 }
-            }
-            if in_chunk > 0 {
-                hashes.push(hex(&chunk.finalize()));
-            }
-            anyhow::ensure!(
-                size == file.size,
-                "the model's files changed since they were offered"
-            );
-            Ok(Manifest {
-                size,
-                chunk: CHUNK,
-                hashes,
-                data_offset: headers[0].1,
-                tensors,
-                parts: if sizes.len() > 1 { sizes } else { Vec::new() },
-                headers: if headers.len() > 1 {
-                    headers
-                } else {
-                    Vec::new()
-                },
+                if in_chunk > 0 {
+                    hashes.push(hex(&chunk.finalize()));
+                }
+                anyhow::ensure!(
+                    size == file.size,
+                    "the model's files changed since they were offered"
+                );
+                // the chunks' sums vouch for what is sent only if the file is the one offered
+                if hex(&whole.finalize()) != file.sha256 {
+                    return Ok(Err(file));
+                }
+                Ok(Ok(Manifest {
+                    size,
+                    chunk: CHUNK,
+                    hashes,
+                    data_offset: headers[0].1,
+                    tensors,
+                    parts: if sizes.len() > 1 { sizes } else { Vec::new() },
+                    headers: if headers.len() > 1 {
+                        headers
+                    } else {
+                        Vec::new()
+                    },
+                }))
             })
-        })
-        .await??;
-        let m = Arc::new(m);
+            .await??;
+        let m = match m {
+            Ok(m) => Arc::new(m),
+            Err(file) => {
+                // changed on disk, or corrupted by it: no longer the model it was offered as
+                self.files.lock().unwrap().remove(sha);
+                self.node.unshare_file(sha);
+                self.publish_files().await;
+                tracing::error!(model = %file.name, path = %file.path.display(), "this node's copy of the model no longer matches its sha256; it stops offering it");
+                bail!(
+                    "this node's copy of {} ({}) no longer matches its sha256 {sha} (the file \
+                     changed, or the disk corrupted it); it stops offering it",
+                    file.name,
+                    file.path.display()
+                );
+            }
+        };
         self.manifests
             .lock()
             .unwrap()

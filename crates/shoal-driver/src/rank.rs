@@ -296,16 +296,6 @@ impl Driver {
             }
             std::thread::sleep(Duration::from_millis(100));
         };
-        let mut last = None;
-        for src in &sources {
-            match self.fetch_slice(inst, src, &sha, rank, stop) {
-                Ok(p) => return Ok(p),
-                Err(e) => {
-                    tracing::warn!(source = %src, "fetching from this node failed: {e:#}");
-                    last = Some(e);
-                }
-            }
-        }
-        Err(last.expect("a source was tried"))
+        self.fetch_slice(inst, &sources, &sha, rank, stop)
     }
 }
