@@ -28,7 +28,7 @@ rounds=${1:-20}
 before=${2:-}
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg) (run on an idle machine)"
 cd "$root"
-filter='^(round|failover|killing|stream error|test result|/v1|/api)|panicked|gap of'
+filter='^(round|failover|killing|stream error|test result|/v1|/api)|panicked|gap of|shards loaded'
 if [ -z "$before" ]; then
   set +e
   SHOAL_FAILOVER_ROUNDS=$rounds SHOAL_FAILOVER_MAX_GAP_MS=5000 SHOAL_FAILOVER_LEAD_MAX_GAP_MS=10000 \
@@ -39,25 +39,30 @@ if [ -z "$before" ]; then
   exit "${PIPESTATUS[0]}"
 fi
 before=$(readlink -f "$before")
-cargo build --release -p shoal --tests -q
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-run() { # LABEL [BIN]
-  local label=$1 bin=${2:-}
+# this build's binary and test, copied once: the tree may change while the rounds run
+cargo build --release -p shoal -q
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cp target/release/shoal "$work/shoal-after"
+test_exe=$(cargo test --release -p shoal --test cluster_failover --no-run 2>&1 |
+  sed -n 's/.*Executable .*(\(.*\))$/\1/p' | tail -1)
+cp "$test_exe" "$work/cluster_failover"
+log=$work/log
+run() { # LABEL BIN
   SHOAL_FAILOVER_ROUNDS=1 SHOAL_FAILOVER_MAX_GAP_MS=10000 SHOAL_FAILOVER_LEAD_MAX_GAP_MS=15000 \
-    SHOAL_REQUIRE_MODELS=1 ${bin:+SHOAL_TEST_BIN=$bin} \
-    cargo test --release -p shoal --test cluster_failover -- --nocapture --test-threads 1 2>&1 |
-    grep --line-buffered -E "$filter" | sed -u "s/^/$label: /" | tee -a "$log"
+    SHOAL_REQUIRE_MODELS=1 SHOAL_TEST_BIN=$2 \
+    "$work/cluster_failover" --nocapture --test-threads 1 2>&1 |
+    grep --line-buffered -E "$filter" | sed -u "s/^/$1: /" | tee -a "$log"
   return "${PIPESTATUS[0]}"
 }
 status=0
 for round in $(seq 1 "$rounds"); do
   if [ $((round % 2)) = 1 ]; then
-    run after || status=1
+    run after "$work/shoal-after" || status=1
     run before "$before" || status=1
   else
     run before "$before" || status=1
-    run after || status=1
+    run after "$work/shoal-after" || status=1
   fi
 done
 python3 - "$log" <<'PY'

@@ -557,6 +557,58 @@ impl InstanceTable {
         Ok(out)
     }
 
+    /// Places instance `id` again on `cluster` without the nodes of `unusable` (alive, but
+    /// unable to run its share: their disks have no room for it, say), with the same ctx and
+    /// strategy hint: generation + 1, state `Placing`, a history line naming why; when the
+    /// planner finds no placement that fits, the instance becomes `Failed` with why and the
+    /// planner's shortfall. An unknown or unloading instance leaves the table unchanged.
+    pub fn place_without(
+        &self,
+        me: &str,
+        id: &str,
+        unusable: &Unusable<'_>,
+        profile: &ModelProfile,
+        cluster: &Cluster,
+        now_ms: u64,
+    ) -> Self {
+        let (avoid, why) = (unusable.nodes, unusable.why);
+        let Some(inst) = self.get(id) else {
+            return self.clone();
+        };
+        if inst.state == InstanceState::Unloading {
+            return self.clone();
+        }
+        let placed = place_again(inst, profile, &without(&self.placeable(cluster), avoid));
+        let mut out = self.next(me);
+        let Some(i) = out.instances.get_mut(id) else {
+            return out;
+        };
+        i.updated_ms = now_ms;
+        match placed {
+            Ok(placement) => {
+                let from = list(&i.nodes());
+                i.placement = placement;
+                i.generation = i.generation.saturating_add(1);
+                i.state = InstanceState::Placing;
+                let to = list(&i.nodes());
+                i.note(format!(
+                    "re-placed from {from} to {to} without {} ({why}) (generation {})",
+                    avoid.join(", "),
+                    i.generation
+                ));
+            }
+            Err(e) => {
+                let reason = format!(
+                    "{why}; it cannot be placed without {}: {e}",
+                    avoid.join(", ")
+                );
+                i.note(format!("failed: {reason}"));
+                i.state = InstanceState::Failed { reason };
+            }
+        }
+        out
+    }
+
     /// After the nodes `lost` died: every instance using one of them (unless unloading) is
     /// re-placed on `survivors` (lost nodes are left out of it even if listed) with the same
     /// ctx and strategy hint — generation + 1, state `Placing`, a history line — when the
@@ -688,6 +740,15 @@ impl InstanceTable {
         }
         out
     }
+}
+
+/// Nodes an instance cannot use, and why (see [`InstanceTable::place_without`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Unusable<'a> {
+    /// The nodes' ids.
+    pub nodes: &'a [String],
+    /// Why, for the instance's history and its failure reason.
+    pub why: &'a str,
 }
 
 /// The best placement for `inst` on `cluster` with its ctx and strategy hint.
@@ -1039,6 +1100,49 @@ mod tests {
         if after.placement.stages[0].nodes.contains(&lead) {
             assert_eq!(after.lead(), Some(lead.as_str()));
         }
+    }
+
+    #[test]
+    fn an_instance_is_placed_without_the_nodes_it_cannot_use() {
+        let (cluster, t) = two_instances();
+        let before = t.get("big").unwrap().clone();
+        let avoid = vec![before.nodes()[1].to_string()];
+        let unusable = |nodes| Unusable {
+            nodes,
+            why: "node x: disk full",
+        };
+        let t2 = t.place_without("a", "big", &unusable(&avoid), &big(), &cluster, 50);
+        assert_eq!(t2.version, t.version + 1);
+        let after = t2.get("big").unwrap();
+        assert_eq!(after.state, InstanceState::Placing);
+        assert_eq!(after.generation, before.generation + 1);
+        assert!(
+            !after.nodes().contains(&avoid[0].as_str()),
+            "{:?}",
+            after.nodes()
+        );
+        assert!(after
+            .history
+            .last()
+            .unwrap()
+            .contains("(node x: disk full)"));
+        // the other instance is untouched
+        assert_eq!(t2.get("small"), t.get("small"));
+        // nowhere left: failed, saying why and what the planner lacked
+        let all: Vec<String> = ["a", "b", "c", "d"].iter().map(|s| s.to_string()).collect();
+        let t3 = t.place_without("a", "big", &unusable(&all), &big(), &cluster, 60);
+        match &t3.get("big").unwrap().state {
+            InstanceState::Failed { reason } => assert!(
+                reason.starts_with("node x: disk full; it cannot be placed without a, b, c, d: "),
+                "{reason}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // unknown: unchanged
+        assert_eq!(
+            t.place_without("a", "nope", &unusable(&all), &big(), &cluster, 70),
+            t
+        );
     }
 
     #[test]

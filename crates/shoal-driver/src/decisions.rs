@@ -171,6 +171,36 @@ pub fn target_state(inst: &Instance, reports: &NodeReports) -> Option<InstanceSt
     }
 }
 
+/// The instances (placing, loading or ready) a rank of which failed for want of disk room
+/// on its node, by id, with each such node and its report's detail.
+pub fn out_of_room(
+    table: &InstanceTable,
+    reports: &NodeReports,
+) -> Vec<(String, Vec<(String, String)>)> {
+    table
+        .instances
+        .values()
+        .filter(|i| {
+            matches!(
+                i.state,
+                InstanceState::Placing | InstanceState::Loading | InstanceState::Ready
+            )
+        })
+        .filter_map(|i| {
+            let nodes: Vec<(String, String)> = i
+                .nodes()
+                .into_iter()
+                .filter_map(|n| {
+                    current_report(reports, i, n)
+                        .filter(|r| r.state == RankState::Failed && r.no_room)
+                        .map(|r| (n.to_string(), r.detail.clone().unwrap_or_default()))
+                })
+                .collect();
+            (!nodes.is_empty()).then(|| (i.id.clone(), nodes))
+        })
+        .collect()
+}
+
 /// The states to report, in order, to move an instance from `from` to `to`: a placing
 /// instance whose nodes are all ready already passes through `Loading` first.
 pub fn steps(from: &InstanceState, to: InstanceState) -> Vec<InstanceState> {
@@ -560,6 +590,37 @@ mod tests {
         assert_eq!(target_state(&i, &r), Some(Ready));
         let r = reports(&[("z", "x", 1, RReady, None)]);
         assert_eq!(target_state(&i, &r), None);
+    }
+
+    #[test]
+    fn instances_out_of_room_are_those_a_current_rank_failed_for_want_of_disk() {
+        let mut r = reports(&[
+            ("b", "x", 2, RankState::Failed, Some("disk full")),
+            ("a", "x", 2, RankState::Ready, None),
+            ("c", "y", 1, RankState::Failed, Some("disk full")),
+            ("d", "z", 1, RankState::Failed, Some("out of memory")),
+        ]);
+        for (node, id) in [("b", "x"), ("c", "y")] {
+            let report = r.get_mut(node).unwrap().get_mut(id).unwrap();
+            *report = report.clone().for_want_of_room(true);
+        }
+        let t = table(vec![
+            inst("x", 2, InstanceState::Loading, &[&["a", "b"]]),
+            // an older generation's report does not count
+            inst("y", 2, InstanceState::Placing, &[&["c"]]),
+            // a failure for another reason does not count
+            inst("z", 1, InstanceState::Loading, &[&["d"]]),
+        ]);
+        assert_eq!(
+            out_of_room(&t, &r),
+            vec![(
+                "x".to_string(),
+                vec![("b".to_string(), "disk full".to_string())]
+            )]
+        );
+        // a failed instance is left as it is
+        let failed = table(vec![inst("x", 2, fails("disk full"), &[&["a", "b"]])]);
+        assert!(out_of_room(&failed, &r).is_empty());
     }
 
     #[test]

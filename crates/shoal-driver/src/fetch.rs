@@ -143,10 +143,11 @@ impl SparseFiles {
             f.write_all(&bytes[..take])
                 .map_err(|e| match e.raw_os_error() {
                     Some(code) if code == rustix::io::Errno::NOSPC.raw_os_error() => {
-                        anyhow::anyhow!(
-                    "the disk of the data directory filled up while fetching the model ({e}); \
-                     free space there or start the node with --data-dir on a disk with room"
-                )
+                        anyhow::Error::new(NoRoom(format!(
+                            "the disk of the data directory filled up while fetching the model \
+                             ({e}); free space there or start the node with --data-dir on a \
+                             disk with room"
+                        )))
                     }
                     _ => anyhow::anyhow!("writing the fetched model: {e}"),
                 })?;
@@ -179,7 +180,7 @@ fn free_bytes(dir: &Path) -> anyhow::Result<u64> {
 /// the error says what is needed, what is free and what to do.
 fn room_for(needed: u64, free: u64, dir: &Path) -> anyhow::Result<()> {
     if needed.saturating_add(DISK_MARGIN) > free {
-        bail!(
+        return Err(anyhow::Error::new(NoRoom(format!(
             "fetching this rank's slice of the model needs {:.2} GB more on the disk of {} (and \
              a margin of {} MiB), but only {:.2} GB is free there; free space on that disk or \
              start the node with --data-dir on a disk with room",
@@ -187,10 +188,23 @@ fn room_for(needed: u64, free: u64, dir: &Path) -> anyhow::Result<()> {
             dir.display(),
             DISK_MARGIN >> 20,
             free as f64 / 1e9
-        );
+        ))));
     }
     Ok(())
 }
+
+/// A fetch that failed for want of room on this node's disk (before it started, or when the
+/// disk filled up during it): the coordinator places the instance without this node.
+#[derive(Debug)]
+pub(crate) struct NoRoom(String);
+
+impl std::fmt::Display for NoRoom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NoRoom {}
 
 /// Where the sparse copy of model `sha` of `parts` files goes in `dir`.
 fn local_paths(dir: &Path, sha: &str, parts: usize) -> Vec<PathBuf> {

@@ -6,7 +6,9 @@
 //! 1. **Replicate.** Adopt the newest table any live node publishes (key `instances`) and
 //!    publish it again, so every survivor holds the last one a dead coordinator wrote.
 //! 2. **Coordinate** (only the coordinator, the lowest live id): re-place the instances of
-//!    nodes membership has declared dead ([`InstanceTable::on_nodes_lost`]); move each
+//!    nodes membership has declared dead ([`InstanceTable::on_nodes_lost`]), and those a
+//!    rank of which found no disk room for its share without that node
+//!    ([`InstanceTable::place_without`]); move each
 //!    instance to `loading`, `ready` or `failed` from what its nodes report (key `ranks`,
 //!    [`report`]); forget unloaded instances once no node runs them. The rules are pure
 //!    functions in [`decisions`]. Loads, unloads and drains arrive as application requests
@@ -110,6 +112,9 @@ pub struct Driver {
     manifests: Mutex<HashMap<String, Arc<Manifest>>>,
     /// Shards stopped ranks left for the next placement's ranks here.
     kept: kept::Kept,
+    /// Coordinating: the nodes each instance's ranks found without disk room for their
+    /// share (it is placed without them).
+    no_room: Mutex<HashMap<String, std::collections::BTreeSet<String>>>,
 }
 
 fn now_ms() -> u64 {
@@ -150,6 +155,7 @@ impl Driver {
             leads: Mutex::new(HashMap::new()),
             table_merged: std::sync::atomic::AtomicBool::new(false),
             kept: kept::Kept::default(),
+            no_room: Mutex::new(HashMap::new()),
         });
         for m in models {
             d.add_file(m);

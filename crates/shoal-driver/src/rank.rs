@@ -22,6 +22,7 @@ use shoal_engine::scheduler::SchedulerConfig;
 use shoal_engine::shard::Layout;
 use shoal_model::source::ModelSource;
 
+use crate::fetch::NoRoom;
 use crate::kept::{KeptShard, ShareKey};
 use crate::report::RankState;
 use crate::Driver;
@@ -112,7 +113,8 @@ impl Driver {
             }
             Err(e) => {
                 tracing::warn!(instance = %inst.id, rank, suspect = ?suspect, "rank failed: {e:#}");
-                self.report_failure(&inst, format!("{e:#}"), suspect);
+                let no_room = e.chain().any(|c| c.is::<NoRoom>());
+                self.report_failure(&inst, format!("{e:#}"), suspect, no_room);
             }
         }
     }

@@ -35,6 +35,10 @@ pub struct RankReport {
     /// at once instead of waiting for the failure detector.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub suspect: Option<String>,
+    /// For a failed rank: it failed because this node's disk has no room for the share it
+    /// had to fetch, so the coordinator places the instance without this node.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_room: bool,
 }
 
 impl RankReport {
@@ -45,12 +49,18 @@ impl RankReport {
             state,
             detail,
             suspect: None,
+            no_room: false,
         }
     }
 
     /// The same report, naming `suspect` as the node it lost.
     pub fn suspecting(self, suspect: Option<String>) -> Self {
         RankReport { suspect, ..self }
+    }
+
+    /// The same report, saying whether the rank failed for want of disk room.
+    pub fn for_want_of_room(self, no_room: bool) -> Self {
+        RankReport { no_room, ..self }
     }
 }
 
@@ -78,6 +88,11 @@ mod tests {
                 RankReport::new(4, RankState::Failed, Some("link broke".into()))
                     .suspecting(Some("b".into())),
                 json!({"generation": 4, "state": "failed", "detail": "link broke", "suspect": "b"}),
+            ),
+            (
+                RankReport::new(5, RankState::Failed, Some("disk full".into()))
+                    .for_want_of_room(true),
+                json!({"generation": 5, "state": "failed", "detail": "disk full", "no_room": true}),
             ),
         ];
         for (report, wire) in cases {

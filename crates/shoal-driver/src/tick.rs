@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use shoal_cluster::instances::{is_coordinator, Instance, InstanceTable};
+use shoal_cluster::instances::{is_coordinator, Instance, InstanceTable, Unusable};
 
 use crate::decisions::{self, NodeReports};
 use crate::rank::LocalRank;
@@ -199,6 +199,44 @@ impl Driver {
                 }
             }
         }
+        // a rank whose node has no disk room for its share: placed again without that node
+        // (nor any other this coordinator saw out of room for it)
+        let out_of_room = decisions::out_of_room(&next, &self.all_reports());
+        if !out_of_room.is_empty() {
+            let cluster = self.cluster().await;
+            for (id, nodes) in out_of_room {
+                let Some(profile) = next.get(&id).and_then(|i| self.profile(&i.model)) else {
+                    continue;
+                };
+                let avoid: Vec<String> = {
+                    let mut seen = self.no_room.lock().unwrap();
+                    let avoid = seen.entry(id.clone()).or_default();
+                    avoid.extend(nodes.iter().map(|(n, _)| n.clone()));
+                    avoid.iter().cloned().collect()
+                };
+                let why = nodes
+                    .iter()
+                    .map(|(n, detail)| format!("node {n}: {detail}"))
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                let freed =
+                    decisions::releasing(&next, &[id.as_str()], &cluster, |m| self.profile(m));
+                let unusable = Unusable {
+                    nodes: &avoid,
+                    why: &why,
+                };
+                next = next.place_without(&me, &id, &unusable, &profile, &freed, now_ms());
+                let state = next
+                    .get(&id)
+                    .map(|i| i.state.to_string())
+                    .unwrap_or_default();
+                tracing::warn!(instance = %id, avoid = ?avoid, "placed again without nodes out of disk room: {state}");
+            }
+        }
+        self.no_room
+            .lock()
+            .unwrap()
+            .retain(|id, _| next.get(id).is_some());
         // a drained node that left may come back as a fresh member
         next = next.undrain(&me, &decisions::departed_drained(&next, &live));
         next = decisions::follow_reports(&me, &next, &self.all_reports(), now_ms());
@@ -257,10 +295,16 @@ impl Driver {
     }
 
     /// Reports that this node's rank of `inst` failed with `detail`, naming the node whose
-    /// session to it broke, if one did.
-    pub(crate) fn report_failure(&self, inst: &Instance, detail: String, suspect: Option<String>) {
+    /// session to it broke, if one did, and whether it failed for want of disk room.
+    pub(crate) fn report_failure(
+        &self,
+        inst: &Instance,
+        detail: String,
+        suspect: Option<String>,
+        no_room: bool,
+    ) {
         let r = RankReport::new(inst.generation, RankState::Failed, Some(detail));
-        self.set_report(inst, r.suspecting(suspect));
+        self.set_report(inst, r.suspecting(suspect).for_want_of_room(no_room));
     }
 
     fn set_report(&self, inst: &Instance, report: RankReport) {
