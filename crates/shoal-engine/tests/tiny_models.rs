@@ -335,6 +335,7 @@ fn check_gguf_equals_safetensors(spec: TinyModelSpec) {
     let ctx = ResolveContext {
         hf_cache: Some(cache_root.clone()),
         catalog: None,
+        ..ResolveContext::default()
     };
     let by_id = source::resolve_with("tiny-org/tiny-model", &ctx).unwrap();
     assert_eq!(by_id.path(), snap);

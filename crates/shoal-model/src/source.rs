@@ -4,9 +4,12 @@
 //! single or sharded with `model.safetensors.index.json`, and `tokenizer.json`), a path to a
 //! Hugging Face cache repo folder (`models--org--name`, resolved to the snapshot its
 //! `refs/main` names), a Hugging Face repo id `org/name` (optionally `org/name@revision`)
-//! found in the local Hugging Face cache, or a catalog key fetched with
-//! `shoal models fetch KEY`. Nothing here downloads; a model that is not on disk yet is an
-//! error saying how to get it.
+//! found in the local Hugging Face cache, a GGUF model of a cached repo by its quant tag
+//! (`hf:org/name[@revision][:QUANT]`, as `shoal models pull` names it; see [`crate::hub`]),
+//! a model in Ollama's store (`ollama:NAME[:TAG]`) or LM Studio's folder
+//! (`lmstudio:PUBLISHER/REPO/FILE.gguf` or a name; see [`crate::stores`]), or a catalog key
+//! fetched with `shoal models fetch KEY`. Nothing here downloads; a model that is not on
+//! disk yet is an error saying how to get it.
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -14,6 +17,8 @@ use std::io::{self, Read};
 use std::path::{Component, Path, PathBuf};
 
 use crate::catalog::{self, Catalog, CatalogError};
+use crate::hub::{self, BadRef, HfRef, PickError};
+use crate::stores::{self, LMSTUDIO_PREFIX, OLLAMA_PREFIX};
 
 /// The first four bytes of every GGUF file.
 pub const GGUF_MAGIC: &[u8; 4] = b"GGUF";
@@ -108,11 +113,67 @@ pub enum ResolveError {
 
     #[error(transparent)]
     Catalog(#[from] CatalogError),
+
+    #[error("`{arg}` is not a store model name: {problem}")]
+    BadStoreName { arg: String, problem: String },
+
+    #[error("no {store} models folder at {dir}; {hint}")]
+    NoStore {
+        store: &'static str,
+        dir: PathBuf,
+        hint: String,
+    },
+
+    #[error("the {store} models in {dir} include no `{name}` ({hint}); it holds: {held}")]
+    NotInStore {
+        store: &'static str,
+        name: String,
+        dir: PathBuf,
+        held: String,
+        hint: String,
+    },
+
+    #[error("`{name}` names several models: {matches}; give one of these")]
+    AmbiguousInStore { name: String, matches: String },
+
+    #[error("{path}: {problem}")]
+    BadStoreEntry { path: PathBuf, problem: String },
+
+    #[error("{manifest} names blob {blob}, which is missing; {hint}")]
+    MissingBlob {
+        blob: PathBuf,
+        manifest: PathBuf,
+        hint: String,
+    },
+
+    #[error(transparent)]
+    BadHfRef(#[from] BadRef),
+
+    #[error(
+        "`{arg}` is not in the Hugging Face cache {cache} (no {repo_dir}); run: shoal models \
+         pull {arg}"
+    )]
+    HfNotPulled {
+        arg: String,
+        cache: PathBuf,
+        repo_dir: String,
+    },
+
+    #[error("`{arg}`: the cached snapshot {snapshot} does not give one model: {source}; run: shoal models pull {arg}")]
+    HfPick {
+        arg: String,
+        snapshot: PathBuf,
+        #[source]
+        source: PickError,
+    },
 }
 
 const ACCEPTED: &str = "MODEL may be a GGUF file, a Hugging Face model folder (config.json + \
      *.safetensors + tokenizer.json), a Hugging Face cache repo folder (models--org--name), \
-     a repo id org/name present in the local Hugging Face cache, or a catalog key";
+     a repo id org/name present in the local Hugging Face cache, hf:org/name:QUANT (pulled \
+     with `shoal models pull`), ollama:NAME[:TAG] (Ollama's store), \
+     lmstudio:PUBLISHER/REPO/FILE.gguf or lmstudio:NAME (LM Studio's models folder), or a \
+     catalog key";
 
 /// Short alias for results of this module.
 pub type Result<T> = std::result::Result<T, ResolveError>;
@@ -248,21 +309,28 @@ fn shards_from_index(dir: &Path, index: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// Where to look besides the file system.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct ResolveContext {
     /// The Hugging Face hub cache (the folder holding `models--org--name`), if known.
     pub hf_cache: Option<PathBuf>,
     /// The model catalog, if a models folder is known.
     pub catalog: Option<Catalog>,
+    /// Ollama's store (holding `manifests/` and `blobs/`), if known.
+    pub ollama: Option<PathBuf>,
+    /// LM Studio's models folders, searched in order.
+    pub lmstudio: Vec<PathBuf>,
 }
 
 impl ResolveContext {
     /// From the environment: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
-    /// `~/.cache/huggingface/hub`; the catalog in [`catalog::models_dir`].
+    /// `~/.cache/huggingface/hub`; the catalog in [`catalog::models_dir`]; the stores of
+    /// [`stores::ollama_dir`] and [`stores::lmstudio_dirs`].
     pub fn from_env() -> ResolveContext {
         ResolveContext {
             hf_cache: hf_cache_dir(),
             catalog: Catalog::open_default().ok(),
+            ollama: stores::ollama_dir(),
+            lmstudio: stores::lmstudio_dirs(),
         }
     }
 }
@@ -292,6 +360,21 @@ pub fn resolve_with(arg: &str, ctx: &ResolveContext) -> Result<ModelSource> {
     let path = Path::new(arg);
     if fs::symlink_metadata(path).is_ok() {
         return resolve_path(path);
+    }
+
+    if let Some(name) = arg.strip_prefix(OLLAMA_PREFIX) {
+        let root = ctx.ollama.as_ref().ok_or_else(|| ResolveError::NoStore {
+            store: "Ollama",
+            dir: PathBuf::from("~/.ollama/models"),
+            hint: format!("set {} to Ollama's models folder", stores::OLLAMA_ENV),
+        })?;
+        return stores::ollama_resolve(root, name).map(ModelSource::Gguf);
+    }
+    if let Some(name) = arg.strip_prefix(LMSTUDIO_PREFIX) {
+        return stores::lmstudio_resolve(&ctx.lmstudio, name).map(ModelSource::Gguf);
+    }
+    if arg.starts_with(hub::HF_PREFIX) {
+        return resolve_hf_ref(arg, ctx);
     }
 
     let keys = catalog::keys().join(", ");
@@ -329,6 +412,40 @@ pub fn resolve_with(arg: &str, ctx: &ResolveContext) -> Result<ModelSource> {
         arg: arg.to_string(),
         keys,
     })
+}
+
+/// `hf:org/name[@revision][:QUANT]` in the Hugging Face cache: the GGUF model the quant tag
+/// names in the snapshot (with no tag, its only GGUF model, else the snapshot as a folder).
+fn resolve_hf_ref(arg: &str, ctx: &ResolveContext) -> Result<ModelSource> {
+    let r = HfRef::parse(arg)?;
+    let cache = ctx.hf_cache.clone().unwrap_or_default();
+    let repo_dir = cache.join(r.cache_dir_name());
+    if !repo_dir.is_dir() {
+        return Err(ResolveError::HfNotPulled {
+            arg: arg.to_string(),
+            cache,
+            repo_dir: r.cache_dir_name(),
+        });
+    }
+    let snap = snapshot_dir(&repo_dir, Some(&r.revision))?;
+    let files = hub::relative_files(&snap);
+    let models = hub::gguf_models(&files);
+    if models.is_empty() && r.quant.is_none() {
+        return resolve_folder(&snap);
+    }
+    match hub::pick(&models, r.quant.as_deref()) {
+        Ok(m) => Ok(ModelSource::Gguf(snap.join(m.first()))),
+        Err(source) => Err(ResolveError::HfPick {
+            arg: arg.to_string(),
+            snapshot: snap,
+            source,
+        }),
+    }
+}
+
+/// The snapshot folder of a Hugging Face cache repo (see [`snapshot_dir`]), for listings.
+pub(crate) fn snapshot_of(repo: &Path, revision: Option<&str>) -> Result<PathBuf> {
+    snapshot_dir(repo, revision)
 }
 
 /// `org/name` or `org/name@revision` with plain name characters.
@@ -515,6 +632,7 @@ mod tests {
         ResolveContext {
             hf_cache: Some(hf.to_path_buf()),
             catalog: Some(Catalog::new(models)),
+            ..ResolveContext::default()
         }
     }
 

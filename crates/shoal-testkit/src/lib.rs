@@ -12,6 +12,8 @@
 //! [`quants`] holds reference quantizers and dequantizers for the block formats.
 //! [`TinyModel::reference_logits`] is a plain `f64` forward pass to test engines against.
 //! [`synth`] streams GGUF files of real models' shapes with random weights, for benchmarks.
+//! [`stores`] lays models out as Ollama and LM Studio keep them, and [`hub`] serves a
+//! Hugging Face-style hub on loopback for download tests.
 //!
 //! `scripts/` holds two independent checkers: `hf_reference.py` (a numpy forward pass of the
 //! HF folder) and `llama_logits.cpp`, llama.cpp as a teacher-forced oracle for a GGUF file
@@ -20,12 +22,14 @@
 //! under CI (`CI=true`), where they fail instead ([`skip_or_fail`]).
 
 pub mod gguf_writer;
+pub mod hub;
 pub mod iquants;
 pub mod moe;
 pub mod oracle;
 pub mod quants;
 pub mod reference;
 pub mod rng;
+pub mod stores;
 pub mod synth;
 pub mod tiny_model;
 pub mod tokenizer;
