@@ -159,6 +159,9 @@ pub enum ResolveError {
         repo_dir: String,
     },
 
+    #[error("`{arg}` has no usable snapshot in the Hugging Face cache ({problem}); run: shoal models pull {arg}")]
+    HfNoSnapshot { arg: String, problem: String },
+
     #[error("`{arg}`: the cached snapshot {snapshot} does not give one model: {source}; run: shoal models pull {arg}")]
     HfPick {
         arg: String,
@@ -427,7 +430,11 @@ fn resolve_hf_ref(arg: &str, ctx: &ResolveContext) -> Result<ModelSource> {
             repo_dir: r.cache_dir_name(),
         });
     }
-    let snap = snapshot_dir(&repo_dir, Some(&r.revision))?;
+    let snap =
+        snapshot_dir(&repo_dir, Some(&r.revision)).map_err(|e| ResolveError::HfNoSnapshot {
+            arg: arg.to_string(),
+            problem: e.to_string(),
+        })?;
     let files = hub::relative_files(&snap);
     let models = hub::gguf_models(&files);
     if models.is_empty() && r.quant.is_none() {

@@ -582,8 +582,9 @@ pub fn lmstudio_list(roots: &[PathBuf]) -> Vec<StoredModel> {
 }
 
 /// Every model in the Hugging Face cache `cache`: a repo's snapshot (its `refs/main`, else
-/// its only one) as a Hugging Face folder, or each GGUF model in it, keyed `org/name` when it
-/// holds one model and `hf:org/name:QUANT` (or the file's path) when it holds several.
+/// its only one) as a Hugging Face folder, or each GGUF model in it, keyed
+/// `hf:org/name:QUANT` when its name carries a quant tag that names it alone, else `org/name`
+/// when it is the only one, else by the file's path.
 pub fn hf_list(cache: &Path) -> Vec<StoredModel> {
     let mut out = Vec::new();
     for dir in sorted_dirs(cache) {
@@ -610,13 +611,10 @@ pub fn hf_list(cache: &Path) -> Vec<StoredModel> {
         let files = hub::relative_files(&snap);
         let models = hub::gguf_models(&files);
         for m in &models {
-            let key = if models.len() == 1 {
-                repo.clone()
-            } else {
-                match m.quant().filter(|q| hub::pick(&models, Some(q)).is_ok()) {
-                    Some(q) => format!("hf:{repo}:{q}"),
-                    None => snap.join(m.first()).display().to_string(),
-                }
+            let key = match m.quant().filter(|q| hub::pick(&models, Some(q)).is_ok()) {
+                Some(q) => format!("hf:{repo}:{q}"),
+                None if models.len() == 1 => repo.clone(),
+                None => snap.join(m.first()).display().to_string(),
             };
             let size = m
                 .files()

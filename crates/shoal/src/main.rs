@@ -15,6 +15,7 @@ mod keys;
 mod models;
 mod nodes;
 mod plan;
+mod pull;
 mod ranks;
 mod remote;
 mod run;
@@ -36,7 +37,7 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Fetch, list and remove the demo models.
+    /// Fetch the demo models, pull models from a hub, list every store's models.
     #[command(subcommand)]
     Models(models::ModelsCommand),
     /// Answer one prompt: the answer on stdout, statistics on stderr.

@@ -1,5 +1,7 @@
-//! `shoal models`: fetch the demo models of the catalog, list what is cached, remove them —
-//! and `open`, which every command taking a MODEL uses to resolve and load it.
+//! `shoal models`: fetch the demo models of the catalog, pull a GGUF model from a Hugging
+//! Face-style hub ([`crate::pull`]), list what the catalog and every store on this machine
+//! hold, remove catalog models — and `open`, which every command taking a MODEL uses to
+//! resolve and load it.
 
 use std::io::Write;
 use std::time::Instant;
@@ -18,7 +20,19 @@ pub enum ModelsCommand {
         #[arg(required = true)]
         keys: Vec<String>,
     },
-    /// Show the catalog and what is cached where.
+    /// Download a GGUF model from a Hugging Face-style hub into the Hugging Face cache:
+    /// hf:ORG/REPO[@REVISION][:QUANT] (the quant tag picks the file or split set; with none,
+    /// the repository's only GGUF model). Resumes an interrupted download; verifies each file
+    /// against the hub's sha256.
+    Pull {
+        /// hf:ORG/REPO[@REVISION][:QUANT], e.g. hf:org/Model-GGUF:Q4_K_M.
+        model: String,
+        /// The hub's base URL (default: $HF_ENDPOINT; there is no built-in hub).
+        #[arg(long, value_name = "URL")]
+        hub: Option<String>,
+    },
+    /// Show the catalog and the models of every store on this machine (the Hugging Face
+    /// cache, Ollama's store, LM Studio's folder), each with the MODEL argument that loads it.
     List {
         /// One JSON array on stdout.
         #[arg(long)]
@@ -41,26 +55,14 @@ pub fn main(cmd: ModelsCommand) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        ModelsCommand::List { json } => {
-            let list = catalog::list()?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&list)?);
-                return Ok(());
-            }
-            println!("KEY      CACHED         SIZE  PATH / DESCRIPTION");
-            for m in list {
-                let state = if m.cached { "yes" } else { "no" };
-                println!(
-                    "{:<8} {:<8} {:>9.1}M  {}",
-                    m.key,
-                    state,
-                    m.size as f64 / 1e6,
-                    m.path.display()
-                );
-                println!("{:<8} {:<8} {:>10}  {}", "", "", "", m.description);
-            }
+        ModelsCommand::Pull { model, hub } => {
+            let pulled = crate::pull::pull(&model, hub.as_deref())
+                .with_context(|| format!("pulling `{model}`"))?;
+            eprintln!("ready: shoal run {} PROMPT", pulled.name);
+            println!("{}", pulled.path.display());
             Ok(())
         }
+        ModelsCommand::List { json } => list(json),
         ModelsCommand::Remove { key } => {
             if catalog::remove(&key)? {
                 eprintln!("removed `{key}`");
@@ -70,6 +72,68 @@ pub fn main(cmd: ModelsCommand) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `shoal models list`: the catalog, then every store's models. With `--json`, one array:
+/// the catalog's entries (`"store": "catalog"`) and the stores' (`store`, `key`, `path`,
+/// `size`, `cached`, `problem`), each `key` the MODEL argument that loads it.
+fn list(json: bool) -> anyhow::Result<()> {
+    let catalog = catalog::list()?;
+    let stored = shoal_model::stores::list();
+    if json {
+        let mut all = Vec::new();
+        for m in &catalog {
+            let mut v = serde_json::to_value(m)?;
+            v["store"] = "catalog".into();
+            all.push(v);
+        }
+        for m in &stored {
+            let mut v = serde_json::to_value(m)?;
+            v["cached"] = m.problem.is_none().into();
+            all.push(v);
+        }
+        println!("{}", serde_json::to_string_pretty(&all)?);
+        return Ok(());
+    }
+    let rows: Vec<[String; 4]> = catalog
+        .iter()
+        .map(|m| {
+            [
+                "catalog".to_string(),
+                m.key.clone(),
+                format!("{:.1}M", m.size as f64 / 1e6),
+                if m.cached {
+                    m.path.display().to_string()
+                } else {
+                    format!("not fetched: {}", m.description)
+                },
+            ]
+        })
+        .chain(stored.iter().map(|m| {
+            [
+                m.store.name().to_string(),
+                m.key.clone(),
+                format!("{:.1}M", m.size as f64 / 1e6),
+                match &m.problem {
+                    Some(p) => format!("cannot load: {p}"),
+                    None => m.path.display().to_string(),
+                },
+            ]
+        }))
+        .collect();
+    let width = |i: usize, head: &str| {
+        rows.iter()
+            .map(|r| r[i].chars().count())
+            .chain([head.len()])
+            .max()
+            .unwrap_or(0)
+    };
+    let (w0, w1, w2) = (width(0, "STORE"), width(1, "MODEL"), width(2, "SIZE"));
+    println!("{:<w0$}  {:<w1$}  {:>w2$}  PATH", "STORE", "MODEL", "SIZE");
+    for r in &rows {
+        println!("{:<w0$}  {:<w1$}  {:>w2$}  {}", r[0], r[1], r[2], r[3]);
+    }
+    Ok(())
 }
 
 fn progress(ev: FetchEvent) {
@@ -121,8 +185,8 @@ fn progress(ev: FetchEvent) {
     };
 }
 
-/// Resolves a MODEL argument (path, Hugging Face folder or cache id, or catalog key) and
-/// loads it, saying on stderr what it loaded and how long it took.
+/// Resolves a MODEL argument (path, Hugging Face folder or cache id, store name, or catalog
+/// key) and loads it, saying on stderr what it loaded and how long it took.
 pub fn open(arg: &str) -> anyhow::Result<LoadedModel> {
     let source = shoal_model::source::resolve(arg)?;
     let t0 = Instant::now();
