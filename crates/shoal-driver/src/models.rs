@@ -77,12 +77,16 @@ pub fn describe_model(arg: &str) -> anyhow::Result<ModelFile> {
     })
 }
 
-/// The id clients use for a MODEL argument: the catalog key, or the file or folder name
-/// without `.gguf` (a split set's name without its part number: `NAME` for any of
-/// `NAME-0000i-of-0000n.gguf`).
+/// The id clients use for a MODEL argument: the catalog key; an Ollama model's `NAME:TAG`;
+/// for a path (or a `.gguf` name), or a store name that resolves to a file (`lmstudio:`,
+/// `hf:`), the file or
+/// folder name without `.gguf` (a split set's name without its part number: `NAME` for any of
+/// `NAME-0000i-of-0000n.gguf`); else the argument's last `/`-separated piece.
 pub fn model_id(arg: &str) -> String {
-    let p = std::path::Path::new(arg);
-    if p.exists() {
+    if let Some(id) = shoal_model::stores::ollama_id(arg) {
+        return id;
+    }
+    let file_id = |p: &Path| {
         let name = p
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -90,7 +94,16 @@ pub fn model_id(arg: &str) -> String {
         if let Some((prefix, _, _)) = shoal_model::gguf::set::parse_name(&name) {
             return prefix.to_string();
         }
-        return name.strip_suffix(".gguf").unwrap_or(&name).to_string();
+        name.strip_suffix(".gguf").unwrap_or(&name).to_string()
+    };
+    let p = std::path::Path::new(arg);
+    if p.exists() || arg.to_ascii_lowercase().ends_with(".gguf") {
+        return file_id(p);
+    }
+    if shoal_model::stores::has_store_prefix(arg) {
+        if let Ok(source) = shoal_model::source::resolve(arg) {
+            return file_id(source.path());
+        }
     }
     arg.rsplit('/').next().unwrap_or(arg).to_string()
 }

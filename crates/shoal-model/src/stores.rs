@@ -189,9 +189,15 @@ impl OllamaName {
         }
     }
 
-    /// The id a server names it by: `MODEL:TAG` (no slash, so it fits in a URL path).
+    /// The id a server names it by: `MODEL:TAG`, or `MODEL` for the tag `latest` (which
+    /// the APIs take off a requested name, as Ollama's clients add it); no slash, so it fits
+    /// in a URL path.
     pub fn id(&self) -> String {
-        format!("{}:{}", self.model, self.tag)
+        if self.tag == "latest" {
+            self.model.clone()
+        } else {
+            format!("{}:{}", self.model, self.tag)
+        }
     }
 }
 
@@ -658,7 +664,8 @@ pub fn list() -> Vec<StoredModel> {
     out
 }
 
-/// The id a server names the model of a store argument by (`ollama:NAME:TAG`: `NAME:TAG`),
+/// The id a server names the model of a store argument by (`ollama:NAME:TAG`: `NAME:TAG`,
+/// or `NAME` for the tag `latest`),
 /// `None` for an argument that names no Ollama model.
 pub fn ollama_id(arg: &str) -> Option<String> {
     let name = arg.strip_prefix(OLLAMA_PREFIX)?;

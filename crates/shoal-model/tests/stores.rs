@@ -80,9 +80,11 @@ fn ollama_names_resolve_to_the_model_blob() {
             (Store::Ollama, "ollama:someone/other:7b".to_string()),
         ]
     );
+    // the tag `latest` is left off the id, as the APIs leave it off requested names
+    assert_eq!(stores::ollama_id("ollama:tiny").as_deref(), Some("tiny"));
     assert_eq!(
-        stores::ollama_id("ollama:tiny").as_deref(),
-        Some("tiny:latest")
+        stores::ollama_id("ollama:tiny:q8").as_deref(),
+        Some("tiny:q8")
     );
     assert_eq!(
         stores::ollama_id("ollama:someone/other:7b").as_deref(),

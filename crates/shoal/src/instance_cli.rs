@@ -258,24 +258,105 @@ pub fn ps(args: LookArgs) -> anyhow::Result<()> {
             drained.join(", ")
         );
     }
-    println!(
-        "{:<16} {:<10} {:<10} {:>4} {:>6}  {:<40} API",
-        "ID", "MODEL", "STATE", "GEN", "CTX", "PLACEMENT"
-    );
-    for i in v["instances"].as_array().cloned().unwrap_or_default() {
-        println!(
-            "{:<16} {:<10} {:<10} {:>4} {:>6}  {:<40} {}",
-            i["id"].as_str().unwrap_or("?"),
-            i["model"].as_str().unwrap_or("?"),
-            i["state"].as_str().unwrap_or("?"),
-            i["generation"],
-            i["ctx"],
-            i["placement"].as_str().unwrap_or("?"),
-            i["api"].as_str().unwrap_or("-"),
-        );
-        if let Some(r) = i["reason"].as_str() {
-            println!("    reason: {r}");
+    print!("{}", ps_table(&v["instances"]));
+    Ok(())
+}
+
+/// `shoal ps`'s table of `instances` (the listing's array): each column as wide as its
+/// longest cell, so long ids, models or placements do not shift the columns after them; an
+/// instance's failure reason on its own line below it.
+fn ps_table(instances: &Value) -> String {
+    let list = instances.as_array().cloned().unwrap_or_default();
+    let text = |v: &Value, or: &str| v.as_str().unwrap_or(or).to_string();
+    let head = ["ID", "MODEL", "STATE", "GEN", "CTX", "PLACEMENT", "API"];
+    let rows: Vec<[String; 7]> = list
+        .iter()
+        .map(|i| {
+            [
+                text(&i["id"], "?"),
+                text(&i["model"], "?"),
+                text(&i["state"], "?"),
+                i["generation"].to_string(),
+                i["ctx"].to_string(),
+                text(&i["placement"], "?"),
+                text(&i["api"], "-"),
+            ]
+        })
+        .collect();
+    let mut w = head.map(str::len);
+    for r in &rows {
+        for (k, cell) in r.iter().enumerate() {
+            w[k] = w[k].max(cell.chars().count());
         }
     }
-    Ok(())
+    let line = |c: [&str; 7]| {
+        format!(
+            "{:<w0$}  {:<w1$}  {:<w2$}  {:>w3$}  {:>w4$}  {:<w5$}  {}",
+            c[0],
+            c[1],
+            c[2],
+            c[3],
+            c[4],
+            c[5],
+            c[6],
+            w0 = w[0],
+            w1 = w[1],
+            w2 = w[2],
+            w3 = w[3],
+            w4 = w[4],
+            w5 = w[5],
+        )
+        .trim_end()
+        .to_string()
+    };
+    let mut out = line(head) + "\n";
+    for (r, i) in rows.iter().zip(&list) {
+        out += &(line(std::array::from_fn(|k| r[k].as_str())) + "\n");
+        if let Some(reason) = i["reason"].as_str() {
+            out += &format!("    reason: {reason}\n");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ps_columns_line_up_whatever_the_ids() {
+        let long = "a-very-long-instance-id-that-is-longer-than-any-column";
+        let v = json!([
+            {"id": "qwen05", "model": "qwen05", "state": "ready", "generation": 1, "ctx": 4096,
+             "placement": "a[0..24]", "api": "127.0.0.1:7337"},
+            {"id": long, "model": "Qwen2.5-Coder-7B-Instruct-Q4_K_M", "state": "loading",
+             "generation": 12, "ctx": 32768, "placement": "a[0..14] -> b[14..28]",
+             "api": null, "reason": "waiting"},
+        ]);
+        let t = ps_table(&v);
+        let lines: Vec<&str> = t.lines().filter(|l| !l.starts_with("    reason")).collect();
+        assert_eq!(lines.len(), 3, "{t}");
+        // text columns start where their header does, number columns end where theirs does
+        for head in ["MODEL", "STATE", "PLACEMENT", "API"] {
+            let at = lines[0].find(head).unwrap();
+            for l in &lines[1..] {
+                assert!(
+                    l[..at].ends_with("  ") && !l[at..].starts_with(' '),
+                    "{head} in {l:?}\n{t}"
+                );
+            }
+        }
+        for head in ["GEN", "CTX"] {
+            let end = lines[0].find(head).unwrap() + head.len();
+            for l in &lines[1..] {
+                assert!(
+                    !l[..end].ends_with(' ') && l[end..].starts_with("  "),
+                    "{head} in {l:?}\n{t}"
+                );
+            }
+        }
+        assert!(lines[2].starts_with(long), "{t}");
+        assert!(lines[2].contains(" -> b[14..28]  -"), "{t}");
+        assert!(t.contains("    reason: waiting"), "{t}");
+    }
 }

@@ -123,6 +123,35 @@ fn report(a: &Answer, url: &str) {
     );
 }
 
+/// The model id to ask the node at `c` for, given MODEL as the user typed it: MODEL itself,
+/// unless it is a path (here, or a `.gguf` name) or a store name (`ollama:`, `lmstudio:`,
+/// `hf:`), as `shoal load` takes them; then the id of the node's one instance of that model
+/// (so an instance loaded with `--id` is found), else the name a node serves it by
+/// ([`shoal_driver::model_id`]).
+fn model_on_node(c: &Client, model: &str) -> String {
+    let path_like =
+        std::path::Path::new(model).exists() || model.to_ascii_lowercase().ends_with(".gguf");
+    if !path_like && !shoal_model::stores::has_store_prefix(model) {
+        return model.to_string();
+    }
+    let name = shoal_driver::model_id(model);
+    if let Ok(table) = c.get("/cluster/instances") {
+        let ids: Vec<&str> = table["instances"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|i| i["model"] == name.as_str())
+                    .filter_map(|i| i["id"].as_str())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if let [one] = ids[..] {
+            return one.to_string();
+        }
+    }
+    name
+}
+
 /// `shoal run MODEL PROMPT --url URL`.
 pub fn run(
     client: &ClientArgs,
@@ -134,6 +163,7 @@ pub fn run(
     sampling: &SamplingArgs,
 ) -> anyhow::Result<()> {
     let c = Client::new(client);
+    let model = &model_on_node(&c, model);
     let (path, mut body) = if raw {
         ("/v1/completions", json!({"model": model, "prompt": prompt}))
     } else {
@@ -168,6 +198,7 @@ pub fn chat(
     sampling: &SamplingArgs,
 ) -> anyhow::Result<()> {
     let c = Client::new(client);
+    let model = &model_on_node(&c, model);
     let mut messages: Vec<Value> = Vec::new();
     if let Some(s) = system {
         messages.push(json!({"role": "system", "content": s}));

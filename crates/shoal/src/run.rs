@@ -146,7 +146,9 @@ impl SamplingArgs {
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// A GGUF file, a Hugging Face folder or cache id, or a fetched catalog key.
+    /// A GGUF file, a Hugging Face folder or cache id, hf:ORG/REPO:QUANT (pulled),
+    /// ollama:NAME[:TAG], lmstudio:NAME, or a fetched catalog key. With --url: the node's
+    /// model id, or the path or store name it was loaded by.
     pub model: String,
     /// The prompt (a user message, or with --raw the text to continue).
     pub prompt: String,
