@@ -248,7 +248,7 @@ fn lmstudio_files_resolve_by_path_and_by_name() {
         .to_string();
     assert!(e.contains("SHOAL_LMSTUDIO_MODELS"), "{e}");
 
-    let listed: Vec<String> = stores::lmstudio_list(&[lm.clone()])
+    let listed: Vec<String> = stores::lmstudio_list(std::slice::from_ref(&lm))
         .into_iter()
         .map(|m| m.key)
         .collect();
@@ -263,14 +263,14 @@ fn lmstudio_files_resolve_by_path_and_by_name() {
     );
     // a part gone: listed with the problem, refused on load naming it
     fs::remove_file(&parts[1]).unwrap();
-    let big = &stores::lmstudio_list(&[lm.clone()])[0];
+    let big = &stores::lmstudio_list(std::slice::from_ref(&lm))[0];
     assert!(
         big.problem
             .as_deref()
             .is_some_and(|p| p.contains("00002-of-00003")),
         "{big:?}"
     );
-    let e = GgufFile::open(&ok("lmstudio:Big-Q8_0"))
+    let e = GgufFile::open(ok("lmstudio:Big-Q8_0"))
         .unwrap_err()
         .to_string();
     assert!(e.contains("00002-of-00003"), "{e}");
