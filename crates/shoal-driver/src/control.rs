@@ -268,6 +268,14 @@ impl Driver {
                         self.publish_files().await;
                         f
                     }
+                    // a path or a store name that this node cannot read: say why (a store
+                    // missing here, a broken manifest) rather than only what is offered
+                    Ok(Err(e))
+                        if shoal_model::stores::has_store_prefix(&model)
+                            || std::path::Path::new(&model).exists() =>
+                    {
+                        return Err(err(404, format!("{model} on this node: {e:#}")))
+                    }
                     _ => return Err(self.no_such_model(&model)),
                 }
             }

@@ -197,6 +197,14 @@ fn an_ollama_model_loads_on_a_cluster_and_is_asked_by_any_of_its_names() {
     assert!(fetched > 0, "node b fetched nothing of the model");
 
     let remote = |model: &str, url: &str| answer(&mut common::shoal(), model, &["--url", url]);
+    // a store name the node asked cannot read: refused saying why, not only what is offered
+    let (placed, _, err) = common::run(&["load", "ollama:absent", "--url", &url_a]);
+    assert!(!placed);
+    assert!(
+        err.contains("404") && err.contains("ollama pull absent:latest"),
+        "{err}"
+    );
+
     // by its id, as an Ollama client names it, and by the store name, through either node
     assert_eq!(remote("tiny", &url_b), want);
     assert_eq!(remote("tiny:latest", &url_a), want);
