@@ -141,3 +141,23 @@ pub fn profile_from_model(arg: &str) -> anyhow::Result<ModelProfile> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::model_id;
+
+    #[test]
+    fn ids_of_paths_store_names_and_keys() {
+        assert_eq!(model_id("ollama:tiny"), "tiny");
+        assert_eq!(model_id("ollama:tiny:latest"), "tiny");
+        assert_eq!(
+            model_id("ollama:someone/qwen2.5-coder:7b"),
+            "qwen2.5-coder:7b"
+        );
+        // a path on another node: named as the node names the file
+        assert_eq!(model_id("/elsewhere/Model-Q4_K_M.gguf"), "Model-Q4_K_M");
+        assert_eq!(model_id("/elsewhere/Big-00002-of-00003.gguf"), "Big");
+        assert_eq!(model_id("org/name"), "name");
+        assert_eq!(model_id("qwen05"), "qwen05");
+    }
+}
