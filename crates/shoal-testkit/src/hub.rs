@@ -11,7 +11,8 @@
 //!   `Content-Range`, 416 past the end).
 //!
 //! A file may be listed with a wrong sha256 or listed but not served, and a one-shot
-//! [`Fault`] cuts or stalls the next download of a file part way. Every request is recorded
+//! [`Fault`] cuts or stalls the next download of a file part way, or answers its range
+//! from the wrong offset. Every request is recorded
 //! (path and `Range`) for the test to check what the client asked.
 
 use std::io::{BufRead, BufReader, Write};
@@ -66,6 +67,9 @@ pub enum Fault {
     /// The body stops after this many bytes and the connection is held open until
     /// [`HubServer::release`].
     StallAfter(usize),
+    /// A ranged download is answered 206 with the whole file (`Content-Range` from 0), as a
+    /// broken proxy might.
+    WrongRange,
 }
 
 /// A request the server received.
@@ -296,6 +300,11 @@ fn download(
             );
             return;
         }
+        Some(_) if fault == Some(Fault::WrongRange) => (
+            "206 Partial Content",
+            0,
+            vec![("Content-Range", format!("bytes 0-{}/{len}", len - 1))],
+        ),
         Some(n) => (
             "206 Partial Content",
             n,
@@ -314,7 +323,7 @@ fn download(
         return;
     }
     match fault {
-        None => {
+        None | Some(Fault::WrongRange) => {
             let _ = conn.write_all(body);
         }
         Some(Fault::CutAfter(n)) => {

@@ -9,11 +9,12 @@
 //! The repository's listing (`/api/models/ORG/REPO/revision/REV?blobs=true`) gives the
 //! commit and every file with its LFS sha256 and size; the quant tag picks one GGUF file or
 //! a whole split set ([`shoal_model::hub::pick`]). Each file downloads from
-//! `/ORG/REPO/resolve/COMMIT/FILE` (following redirects) into `blobs/SHA256.incomplete`,
-//! hashed as it arrives; a download cut part way resumes from what is on disk with a `Range`
-//! request, a few times in the same run and again when the command is run again (after a
-//! Ctrl-C too). A finished file whose sha256 is not the listing's is deleted and refused;
-//! only a verified file is renamed to its blob and linked. Connecting, waiting for an
+//! `/ORG/REPO/resolve/COMMIT/FILE` (following redirects) into `blobs/SHA256.incomplete`; a
+//! download cut part way resumes from what is on disk with a `Range` request (an answer whose
+//! `Content-Range` starts elsewhere starts the file over), a few times in the same run and
+//! again when the command is run again (after a Ctrl-C too). A complete file is hashed whole;
+//! one whose sha256 is not the listing's is deleted and refused, and only a verified file is
+//! renamed to its blob and linked. Connecting, waiting for an
 //! answer and every read time out, so a dead hub is an error, never a hang.
 
 use std::fs::{self, File, OpenOptions};
@@ -360,8 +361,25 @@ fn attempt(hub: &Hub, url: &str, w: &Wanted, part: &Path) -> anyhow::Result<Atte
         Err(e) => return Ok(Attempt::Cut(format!("request failed: {e}"))),
     };
     let status = resp.status().as_u16();
+    // a partial answer must start where asked, or its bytes would land in the wrong place
+    let range_start = resp
+        .headers()
+        .get("content-range")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("bytes "))
+        .and_then(|v| v.split_once('-'))
+        .and_then(|(a, _)| a.trim().parse::<u64>().ok());
     let start = match status {
-        206 => have,
+        206 if range_start == Some(have) => have,
+        206 => {
+            f.set_len(0)?;
+            let got = range_start.map_or("no usable Content-Range".to_string(), |b| {
+                format!("bytes from {b}")
+            });
+            return Ok(Attempt::Cut(format!(
+                "asked for the bytes from {have}, the hub answered {got}; starting over"
+            )));
+        }
         200 => 0,
         416 => {
             // past the end: what is here is too long or the hub's file changed; start over

@@ -187,6 +187,28 @@ fn a_cut_download_resumes_within_the_run_from_where_it_stopped() {
 }
 
 #[test]
+fn a_range_answered_from_the_wrong_offset_starts_over() {
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path();
+    let (repo, q8, _) = two_quants(home);
+    let hub = HubServer::start(vec![repo]);
+    let cut = q8.len() / 4;
+    hub.fault("Tiny-Q8_0.gguf", Fault::CutAfter(cut));
+    hub.fault("Tiny-Q8_0.gguf", Fault::WrongRange);
+
+    let o = pull(home, &hub, "hf:org/Tiny-GGUF:Q8_0");
+    ok(&o);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("starting over"), "{err}");
+    assert_eq!(
+        hub.downloads("Tiny-Q8_0.gguf"),
+        [None, Some(format!("bytes={cut}-")), None]
+    );
+    let blob = repo_dir(home, "org/Tiny-GGUF").join("blobs").join(sha(&q8));
+    assert_eq!(fs::read(blob).unwrap(), q8);
+}
+
+#[test]
 fn a_pull_killed_part_way_resumes_when_run_again() {
     let tmp = tempfile::tempdir().unwrap();
     let home = tmp.path();
