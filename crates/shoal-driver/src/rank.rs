@@ -1,10 +1,11 @@
 //! The ranks this node runs, one thread each. A rank thread finds the model file (here by
-//! SHA-256 or name, else the parts it reads fetched from a node that offers it, see
+//! SHA-256 or name, else the parts it reads fetched from the nodes that offer it, see
 //! `fetch.rs`), joins the instance's mesh of authenticated sessions, loads its shard (or
 //! takes the one its predecessor here left for the same share, see `kept.rs`) and serves
-//! until it is stopped or fails, then leaves its shard for the next placement: rank 0 registers a split [`ServedModel`] with
-//! this node's HTTP APIs and watches its scheduler, the others serve steps. What it is doing
-//! goes into this node's rank reports, which the coordinator follows.
+//! until it is stopped or fails, then leaves its shard for the next placement: rank 0
+//! registers a split [`ServedModel`] with this node's HTTP APIs and watches its scheduler,
+//! the others serve steps. What it is doing goes into this node's rank reports, which the
+//! coordinator follows.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
