@@ -41,8 +41,8 @@ pub(crate) fn sha256_parts(paths: &[PathBuf]) -> anyhow::Result<String> {
 }
 
 /// A model this node can offer: `arg` resolved to a GGUF file (or split set), its SHA-256
-/// (the catalog's for a fetched catalog model, computed otherwise, over a set's parts in
-/// order) and profile.
+/// (the catalog's for a fetched catalog model, the digest a store names a one-file blob by,
+/// computed otherwise, over a set's parts in order) and profile.
 pub fn describe_model(arg: &str) -> anyhow::Result<ModelFile> {
     let source = shoal_model::source::resolve(arg)?;
     let ModelSource::Gguf(path) = &source else {
@@ -59,7 +59,17 @@ pub fn describe_model(arg: &str) -> anyhow::Result<ModelFile> {
         .collect();
     let sha256 = match shoal_model::catalog::entry(arg) {
         Some(e) => e.sha256.to_string(),
-        None => sha256_parts(&parts)?,
+        // a store's blob is named by its digest (a wrong one is found when a node asks for
+        // its manifest, which is computed with the whole file's SHA-256)
+        None => match (
+            &parts[..],
+            parts
+                .first()
+                .and_then(|p| shoal_model::stores::blob_sha256(p)),
+        ) {
+            ([_], Some(sha)) => sha,
+            _ => sha256_parts(&parts)?,
+        },
     };
     let mut size = 0;
     for p in &parts {

@@ -664,6 +664,24 @@ pub fn list() -> Vec<StoredModel> {
     out
 }
 
+/// The SHA-256 a content-addressed store names the file at `path` by, when it is one: an
+/// Ollama blob (`blobs/sha256-HEX` or `blobs/sha256:HEX`) or a Hugging Face cache blob
+/// (`blobs/HEX`, the target of a snapshot's link), lowercase hex. The stores write a blob
+/// under its digest, so a model read from one need not be hashed again to be named.
+pub fn blob_sha256(path: &Path) -> Option<String> {
+    let path = fs::canonicalize(path).ok()?;
+    if path.parent()?.file_name()? != "blobs" {
+        return None;
+    }
+    let name = path.file_name()?.to_str()?;
+    let hex = name
+        .strip_prefix("sha256-")
+        .or_else(|| name.strip_prefix("sha256:"))
+        .unwrap_or(name);
+    (hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+        .then(|| hex.to_ascii_lowercase())
+}
+
 /// The id a server names the model of a store argument by (`ollama:NAME:TAG`: `NAME:TAG`,
 /// or `NAME` for the tag `latest`),
 /// `None` for an argument that names no Ollama model.

@@ -315,3 +315,38 @@ fn hf_quant_names_resolve_in_the_cache_and_are_listed() {
     let keys: Vec<String> = stores::hf_list(&cache).into_iter().map(|m| m.key).collect();
     assert_eq!(keys, ["hf:org/Tiny-GGUF:F16", "hf:org/Tiny-GGUF:Q8_0"]);
 }
+
+/// A store's blob is named by its SHA-256: an Ollama blob, a Hugging Face blob through its
+/// snapshot's link; anything else is not.
+#[test]
+fn blobs_name_their_digest() {
+    use shoal_model::stores::blob_sha256;
+    let dir = tempfile::tempdir().unwrap();
+    let blobs = dir.path().join("blobs");
+    std::fs::create_dir_all(&blobs).unwrap();
+    let hex = "ab".repeat(32);
+    let write = |p: &std::path::Path| std::fs::write(p, b"GGUF").unwrap();
+    let ollama = blobs.join(format!("sha256-{hex}"));
+    write(&ollama);
+    assert_eq!(blob_sha256(&ollama), Some(hex.clone()));
+    let colon = blobs.join(format!("sha256:{}", "CD".repeat(32)));
+    write(&colon);
+    assert_eq!(blob_sha256(&colon), Some("cd".repeat(32)));
+    let hf = blobs.join("ef".repeat(32));
+    write(&hf);
+    let snap = dir.path().join("snapshots").join("rev");
+    std::fs::create_dir_all(&snap).unwrap();
+    let link = snap.join("model.gguf");
+    std::os::unix::fs::symlink(format!("../../blobs/{}", "ef".repeat(32)), &link).unwrap();
+    assert_eq!(blob_sha256(&link), Some("ef".repeat(32)));
+    // not a blob: another folder, another length, not hex, missing
+    let plain = dir.path().join(format!("sha256-{hex}"));
+    write(&plain);
+    assert_eq!(blob_sha256(&plain), None);
+    for name in ["sha256-abc", &"zz".repeat(32), &"ab".repeat(20)] {
+        let p = blobs.join(name);
+        write(&p);
+        assert_eq!(blob_sha256(&p), None, "{name}");
+    }
+    assert_eq!(blob_sha256(&blobs.join("ab".repeat(32) + "x")), None);
+}
