@@ -115,6 +115,7 @@ fn route_of(state: &AppState, body: &[u8]) -> Route {
                 generation: 0,
                 lead_here: false,
                 lead_api: None,
+                placed_lead_api: None,
                 reason: None,
             },
         ),

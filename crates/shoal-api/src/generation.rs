@@ -1450,6 +1450,7 @@ mod tests {
             generation: 2,
             lead_here,
             lead_api: Some("10.0.0.3:8080".into()),
+            placed_lead_api: None,
             reason: (state == "failed").then(|| "no node has room".into()),
         }
     }

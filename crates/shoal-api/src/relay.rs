@@ -325,6 +325,10 @@ impl StreamEnd {
 enum NextLead {
     /// Send it to the node at this API address.
     Go(String),
+    /// Send it to the node at this API address, the lead of a placement still loading: until
+    /// it serves the model it answers 503 (or 404, or 502 while it has not yet heard that it
+    /// leads), and the request is sent again shortly.
+    Early(String),
     /// Not placed again yet (or placing, or loading): look again shortly.
     Wait,
     /// It cannot go on; the message says why.
@@ -353,6 +357,12 @@ fn next_lead(id: &str, view: Option<&InstanceView>, broke: u64, waited: Duration
             v.reason.as_deref().unwrap_or("no reason given")
         )),
         ("unloading", _) => NextLead::Fail(format!("instance {id} is being unloaded")),
+        // placed again: its new lead serves the request as soon as it has loaded (503 until
+        // then), before the table's `ready` reaches this node
+        ("placing" | "loading", _) if v.generation > broke => match &v.placed_lead_api {
+            Some(api) => NextLead::Early(api.clone()),
+            None => NextLead::Wait,
+        },
         _ => NextLead::Wait,
     }
 }
@@ -534,25 +544,39 @@ impl Relay {
                 .instances
                 .get()
                 .and_then(|c| c.0.instance(&self.model));
-            match next_lead(&self.model, view.as_ref(), generation, since.elapsed()) {
-                NextLead::Go(api) => match self.send(&api, resume).await {
-                    Ok(r) if r.status().is_success() => return Ok((r, api)),
-                    // not serving it yet (still loading, or not yet told its keys)
-                    Ok(r) if r.status() == StatusCode::SERVICE_UNAVAILABLE => {
-                        last = format!("{api} answered 503");
+            let decision = next_lead(&self.model, view.as_ref(), generation, since.elapsed());
+            match decision.clone() {
+                NextLead::Go(api) | NextLead::Early(api) => {
+                    let early = matches!(decision, NextLead::Early(_));
+                    match self.send(&api, resume).await {
+                        Ok(r) if r.status().is_success() => return Ok((r, api)),
+                        // not serving it yet (still loading, or not yet told its keys)
+                        Ok(r) if r.status() == StatusCode::SERVICE_UNAVAILABLE => {
+                            last = format!("{api} answered 503");
+                        }
+                        // a placement's lead that has not yet loaded, or heard that it leads
+                        Ok(r)
+                            if early
+                                && matches!(
+                                    r.status(),
+                                    StatusCode::NOT_FOUND | StatusCode::BAD_GATEWAY
+                                ) =>
+                        {
+                            last = format!("{api} answered {}", r.status().as_u16());
+                        }
+                        Ok(r) => {
+                            let status = r.status();
+                            let body = axum::body::to_bytes(r.into_body(), 64 << 10)
+                                .await
+                                .unwrap_or_default();
+                            return Err(format!(
+                                "the instance's lead ({api}) refused to go on ({status}): {}",
+                                String::from_utf8_lossy(&body)
+                            ));
+                        }
+                        Err(e) => last = e,
                     }
-                    Ok(r) => {
-                        let status = r.status();
-                        let body = axum::body::to_bytes(r.into_body(), 64 << 10)
-                            .await
-                            .unwrap_or_default();
-                        return Err(format!(
-                            "the instance's lead ({api}) refused to go on ({status}): {}",
-                            String::from_utf8_lossy(&body)
-                        ));
-                    }
-                    Err(e) => last = e,
-                },
+                }
                 NextLead::Wait => {}
                 NextLead::Fail(reason) if last.is_empty() => return Err(reason),
                 NextLead::Fail(reason) => return Err(format!("{reason} (last try: {last})")),
@@ -686,6 +710,7 @@ mod tests {
             generation,
             lead_here: false,
             lead_api: lead.map(str::to_string),
+            placed_lead_api: None,
             reason: (state == "failed").then(|| "no node has room".into()),
         }
     }
@@ -705,6 +730,23 @@ mod tests {
             view("failed", 3, None),
         ] {
             assert_eq!(next_lead("m", Some(&v), 3, soon), NextLead::Wait, "{v:?}");
+        }
+        // placed again with its new lead known: sent there at once (it answers 503 until it
+        // serves); not to the placement that broke
+        for state in ["placing", "loading"] {
+            let placed = InstanceView {
+                placed_lead_api: Some("10.0.0.4:8080".into()),
+                ..view(state, 4, None)
+            };
+            assert_eq!(
+                next_lead("m", Some(&placed), 3, soon),
+                NextLead::Early("10.0.0.4:8080".into())
+            );
+            let same = InstanceView {
+                generation: 3,
+                ..placed
+            };
+            assert_eq!(next_lead("m", Some(&same), 3, soon), NextLead::Wait);
         }
         let fail = |v: Option<&InstanceView>, waited| match next_lead("m", v, 3, waited) {
             NextLead::Fail(why) => why,

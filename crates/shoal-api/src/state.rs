@@ -208,6 +208,9 @@ pub struct InstanceView {
     pub lead_here: bool,
     /// The HTTP API address of the node that leads it, when known.
     pub lead_api: Option<String>,
+    /// While it is placed or loading: the HTTP API address of its new placement's rank-0
+    /// node, when known (it answers 503 until it serves the model).
+    pub placed_lead_api: Option<String>,
     /// Why it failed, when it did.
     pub reason: Option<String>,
 }

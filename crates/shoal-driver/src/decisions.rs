@@ -347,6 +347,21 @@ pub fn leads(table: &InstanceTable, nodes: &[NodeInfo]) -> HashMap<String, Strin
         .collect()
 }
 
+/// The HTTP API address of the rank-0 node of each placing or loading instance, by id, among
+/// `nodes` (alive, with published facts): where its requests go once it serves.
+pub fn placed_leads(table: &InstanceTable, nodes: &[NodeInfo]) -> HashMap<String, String> {
+    table
+        .instances
+        .values()
+        .filter(|i| matches!(i.state, InstanceState::Placing | InstanceState::Loading))
+        .filter_map(|i| {
+            let lead = i.lead()?;
+            let n = nodes.iter().find(|n| n.id == lead && n.alive)?;
+            Some((i.id.clone(), n.facts.as_ref()?.api.clone()))
+        })
+        .collect()
+}
+
 // ------------------------------------------------------------------ memory
 
 /// The memory `inst` of a model of `profile` holds on each of its nodes in `cluster`, as
@@ -1011,6 +1026,10 @@ mod tests {
         let l = leads(&t, &nodes);
         assert_eq!(l.len(), 1, "{l:?}");
         assert_eq!(l["x"], "10.0.0.1:8080");
+        // while placed or loading, the rank-0 node it will be served from
+        let p = placed_leads(&t, &nodes);
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert_eq!(p["y"], "10.0.0.1:8080");
     }
 
     // ---------------------------------------------------------------- memory

@@ -105,6 +105,8 @@ pub struct Driver {
     profiles: Mutex<HashMap<String, ModelProfile>>,
     /// The API address of each ready instance's lead node, by instance id.
     leads: Mutex<HashMap<String, String>>,
+    /// The API address of each placing or loading instance's rank-0 node, by instance id.
+    placed_leads: Mutex<HashMap<String, String>>,
     /// Whether this node holds the cluster's instance table (see
     /// [`InstanceControl::table_merged`]).
     table_merged: std::sync::atomic::AtomicBool,
@@ -153,6 +155,7 @@ impl Driver {
             profiles: Mutex::new(HashMap::new()),
             manifests: Mutex::new(HashMap::new()),
             leads: Mutex::new(HashMap::new()),
+            placed_leads: Mutex::new(HashMap::new()),
             table_merged: std::sync::atomic::AtomicBool::new(false),
             kept: kept::Kept::default(),
             no_room: Mutex::new(HashMap::new()),
@@ -304,6 +307,7 @@ impl InstanceControl for Driver {
             generation: inst.generation,
             lead_here: inst.lead() == Some(self.node.id()),
             lead_api: self.leads.lock().unwrap().get(id).cloned(),
+            placed_lead_api: self.placed_leads.lock().unwrap().get(id).cloned(),
             reason,
         })
     }

@@ -62,6 +62,7 @@ impl Driver {
             }
             let nodes = self.node.nodes().await;
             *self.leads.lock().unwrap() = decisions::leads(&table, &nodes);
+            *self.placed_leads.lock().unwrap() = decisions::placed_leads(&table, &nodes);
             let reports = serde_json::to_string(&*self.reports.lock().unwrap()).expect("reports");
             if reports != published_reports {
                 if let Err(e) = self.node.publish(RANKS_KEY, &reports).await {
