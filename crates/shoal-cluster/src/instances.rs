@@ -765,8 +765,44 @@ fn place_again(
     };
     let mut placement = plan(cluster, profile, &request)?.placement;
     keep_lead(&mut placement, inst.lead());
+    if let Some(lead) = inst.lead() {
+        lead_first(&mut placement, lead, |p| {
+            shoal_planner::evaluate(cluster, profile, &request, p).is_ok_and(|c| c.fits())
+        });
+    }
     keep_ranks(&mut placement, &inst.placement);
     Ok(placement)
+}
+
+/// When `lead` is in `placement` but not its rank 0 (the planner put it in a later stage),
+/// swaps it with rank 0's node if the placement still `fits` so: the requests a lead runs
+/// go on only where it leads again, and one that entered at the lead itself has nowhere
+/// else to go.
+fn lead_first(placement: &mut Placement, lead: &str, fits: impl Fn(&Placement) -> bool) {
+    let Some(first) = placement
+        .stages
+        .first()
+        .and_then(|s| s.nodes.first())
+        .cloned()
+    else {
+        return;
+    };
+    if first == lead {
+        return;
+    }
+    let mut swapped = placement.clone();
+    let mut found = false;
+    for node in swapped.stages.iter_mut().flat_map(|s| s.nodes.iter_mut()) {
+        if *node == lead {
+            *node = first.clone();
+            found = true;
+        } else if *node == first {
+            *node = lead.to_string();
+        }
+    }
+    if found && fits(&swapped) {
+        *placement = swapped;
+    }
 }
 
 /// When `placement` cuts the model as `before` did (the same tensor split, stage layers and
@@ -1143,6 +1179,32 @@ mod tests {
             t.place_without("a", "nope", &unusable(&all), &big(), &cluster, 70),
             t
         );
+    }
+
+    #[test]
+    fn a_surviving_lead_in_a_later_stage_leads_again_where_that_fits() {
+        let stage =
+            |layers: std::ops::Range<usize>, nodes: &[&str]| shoal_planner::StagePlacement {
+                layers,
+                nodes: strs(nodes),
+            };
+        let planned = Placement {
+            strategy: shoal_planner::SplitKind::Pipeline,
+            tp: 1,
+            stages: vec![stage(0..10, &["c"]), stage(10..24, &["a"])],
+            experts: ExpertSplit::default(),
+        };
+        let mut p = planned.clone();
+        lead_first(&mut p, "a", |_| true);
+        assert_eq!(p.stages[0].nodes, strs(&["a"]));
+        assert_eq!(p.stages[1].nodes, strs(&["c"]));
+        assert_eq!(p.stages[0].layers, 0..10, "the stages' layers stay");
+        // not when the swap would not fit, or the lead is gone, or leads already
+        for (lead, fits) in [("a", false), ("z", true), ("c", true)] {
+            let mut q = planned.clone();
+            lead_first(&mut q, lead, |_| fits);
+            assert_eq!(q, planned, "{lead} {fits}");
+        }
     }
 
     #[test]
