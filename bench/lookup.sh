@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
-# Speculative decoding on a code edit: the 60-line function in
-# bench/data/edit-function.py, then the instruction to write it again with one parameter
-# renamed, continued greedily as raw text (no chat template, so llama.cpp reads the same
+# Speculative decoding on a code edit: a function (the 60-line one in
+# bench/data/edit-function.py, or with -e another, such as bench/data/edit-numbered.py whose
+# 40 lines differ by a counter, so that prompt lookup's drafts keep missing), then the
+# instruction to write it again with its parameter tax_rate renamed, continued greedily as
+# raw text (no chat template, so llama.cpp reads the same
 # tokens). `shoal run --raw --temp 0` plain, with `--lookup` and with `--draft DRAFT`,
 # alternating, R rounds: decode tokens/s, the acceptance rate, and whether the texts are
-# the same. Beside it, llama.cpp built from the PyPI sdist on the same files:
+# the same. Speculation chooses each step's draft length from what it measured (pass
+# -x --fixed-drafts to check every drafted token, as before). Beside it, llama.cpp built from the PyPI sdist on the same files:
 # `llama-simple` (plain greedy), `llama-lookup` (its prompt lookup) and
 # `llama-speculative` (its draft model), where bench/llamacpp-build.sh built them.
 #
-#   bench/lookup.sh [-t THREADS] [-n TOKENS] [-r ROUNDS] [-D DRAFT] [MODEL]
-#   (default: -t 2 -n 600 -r 3 -D qwen05 qwen15; -D none skips the draft model)
+#   bench/lookup.sh [-t THREADS] [-n TOKENS] [-r ROUNDS] [-D DRAFT] [-e EDIT] [-x FLAG] [MODEL]
+#   (default: -t 2 -n 600 -r 3 -D qwen05 -e bench/data/edit-function.py qwen15; -D none
+#   skips the draft model; -x adds FLAG to the speculative runs)
 #
 # Not in CI. Run it on an idle machine.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
-t=2 n=600 r=3 draft=qwen05
-while getopts "t:n:r:D:" o; do
-  case $o in t) t=$OPTARG ;; n) n=$OPTARG ;; r) r=$OPTARG ;; D) draft=$OPTARG ;; *) exit 2 ;; esac
+t=2 n=600 r=3 draft=qwen05 edit=$here/data/edit-function.py extra=()
+while getopts "t:n:r:D:e:x:" o; do
+  case $o in
+    t) t=$OPTARG ;; n) n=$OPTARG ;; r) r=$OPTARG ;; D) draft=$OPTARG ;; e) edit=$OPTARG ;;
+    x) extra+=("$OPTARG") ;; *) exit 2 ;;
+  esac
 done
 shift $((OPTIND - 1))
 model=${1:-qwen15}
@@ -36,19 +43,19 @@ trap 'rm -rf "$work"' EXIT
 prompt="Here is a Python function:
 
 \`\`\`python
-$(cat "$here/data/edit-function.py")
+$(cat "$edit")
 \`\`\`
 
 The same function with the parameter tax_rate renamed to vat_rate everywhere, and nothing else changed:
 
 \`\`\`python
 "
-echo "load: $(cut -d' ' -f1-3 /proc/loadavg) (benchmark an idle machine); $(basename "$path"), $t threads, $n tokens"
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg) (benchmark an idle machine); $(basename "$path"), $t threads, $n tokens, $(basename "$edit")${extra[*]:+, ${extra[*]}}"
 rate() { sed -n 's/.*generation: \([0-9]*\) tokens, \([0-9.]*\) tok\/s.*/\2/p' "$1"; }
 same=same
 for i in $(seq "$r"); do
   "$shoal" run "$path" "$prompt" --raw --temp 0 -n "$n" -t "$t" >"$work/plain.txt" 2>"$work/plain.err"
-  "$shoal" run "$path" "$prompt" --raw --temp 0 -n "$n" -t "$t" --lookup >"$work/lookup.txt" 2>"$work/lookup.err"
+  "$shoal" run "$path" "$prompt" --raw --temp 0 -n "$n" -t "$t" --lookup ${extra[@]+"${extra[@]}"} >"$work/lookup.txt" 2>"$work/lookup.err"
   cmp -s "$work/plain.txt" "$work/lookup.txt" || same=different
   printf "round %d: shoal %6.1f tok/s plain, %6.1f with --lookup (%.2fx), text %s; %s\n" "$i" \
     "$(rate "$work/plain.err")" "$(rate "$work/lookup.err")" \
@@ -56,7 +63,7 @@ for i in $(seq "$r"); do
     "$(cmp -s "$work/plain.txt" "$work/lookup.txt" && echo same || echo different)" \
     "$(grep '^speculation:' "$work/lookup.err" | sed 's/^speculation: //')"
   if [ -n "$dpath" ]; then
-    "$shoal" run "$path" "$prompt" --raw --temp 0 -n "$n" -t "$t" --draft "$dpath" >"$work/draft.txt" 2>"$work/draft.err"
+    "$shoal" run "$path" "$prompt" --raw --temp 0 -n "$n" -t "$t" --draft "$dpath" ${extra[@]+"${extra[@]}"} >"$work/draft.txt" 2>"$work/draft.err"
     cmp -s "$work/plain.txt" "$work/draft.txt" || same=different
     printf "         shoal %6.1f tok/s with --draft %s (%.2fx), text %s; %s\n" \
       "$(rate "$work/draft.err")" "$draft" \

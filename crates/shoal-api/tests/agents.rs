@@ -28,6 +28,7 @@ fn app() -> (tempfile::TempDir, axum::Router) {
             ctx: 8192,
             prefix_cache: true,
             draft_max: 0,
+            adaptive_drafts: false,
         },
     );
     (dir, shoal_api::router(state, &HttpOptions::default()))

@@ -177,6 +177,7 @@ fn a_stream_taken_over_after_any_token_continues_exactly() {
         ctx: 128,
         prefix_cache: false,
         draft_max: 0,
+        adaptive_drafts: false,
     };
     let state = state_with(tiny_model(dir.path()), "tiny", config);
     let app = shoal_api::router(state, &HttpOptions::default());
@@ -248,6 +249,7 @@ fn reasoning_and_a_tool_call_taken_over_after_any_token_continue_exactly() {
         ctx: 4096,
         prefix_cache: false,
         draft_max: 0,
+        adaptive_drafts: false,
     };
     let replay = format!(
         "{}/tests/data/thinking-qwen3.json",

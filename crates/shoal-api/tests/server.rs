@@ -214,6 +214,7 @@ fn full_queue_answers_503_in_each_shape() {
             ctx: 256,
             prefix_cache: true,
             draft_max: 0,
+            adaptive_drafts: false,
         },
     );
     let app = shoal_api::router(state.clone(), &HttpOptions::default());
@@ -286,6 +287,7 @@ fn disconnecting_client_frees_its_slot() {
             ctx: 4096,
             prefix_cache: true,
             draft_max: 0,
+            adaptive_drafts: false,
         },
     );
     let app = shoal_api::router(state.clone(), &HttpOptions::default());
@@ -368,6 +370,7 @@ fn usage_reports_the_prompt_tokens_taken_from_the_cache() {
                 ctx: 128,
                 prefix_cache: on,
                 draft_max: 0,
+                adaptive_drafts: false,
             },
         );
         let app = shoal_api::router(state.clone(), &HttpOptions::default());
@@ -509,6 +512,7 @@ fn removing_a_served_model_leaves_a_newer_one_under_the_same_id() {
         ctx: 64,
         prefix_cache: false,
         draft_max: 0,
+        adaptive_drafts: false,
     };
     let state = state_with(tiny_model(dir.path()), "other", cfg);
     let old = std::sync::Arc::new(

@@ -56,6 +56,7 @@ fn app_with(template_name: &str, replay: Option<Replay>) -> (tempfile::TempDir, 
             ctx: 4096,
             prefix_cache: true,
             draft_max: 0,
+            adaptive_drafts: false,
         },
     )
     .unwrap();

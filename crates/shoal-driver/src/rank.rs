@@ -221,6 +221,7 @@ impl Driver {
                     ctx: capacity,
                     prefix_cache: self.cfg.prefix_cache,
                     draft_max: 0,
+                    adaptive_drafts: false,
                 },
             )?);
             let state = self

@@ -264,6 +264,7 @@ fn scheduler_gives_each_request_its_own_tokens() {
             ctx: 256,
             prefix_cache: true,
             draft_max: 0,
+            adaptive_drafts: false,
         },
     )
     .unwrap();
@@ -330,6 +331,7 @@ fn a_resumed_request_goes_on_where_it_stopped() {
             ctx: 256,
             prefix_cache: false,
             draft_max: 0,
+            adaptive_drafts: false,
         },
     )
     .unwrap();
@@ -411,6 +413,7 @@ fn scheduler_reuses_the_cache_of_an_ended_sequence() {
             ctx: 256,
             prefix_cache: true,
             draft_max: 0,
+            adaptive_drafts: false,
         },
     )
     .unwrap();
@@ -462,6 +465,7 @@ fn scheduler_cancels_dropped_tickets_and_refuses_when_full() {
             ctx: 4096,
             prefix_cache: true,
             draft_max: 0,
+            adaptive_drafts: false,
         },
     )
     .unwrap();
@@ -514,6 +518,7 @@ fn presence_and_frequency_penalties_push_away_repeats() {
             ctx: 256,
             prefix_cache: true,
             draft_max: 0,
+            adaptive_drafts: false,
         },
     )
     .unwrap();
@@ -618,6 +623,7 @@ fn split_scheduler_matches_one_rank() {
         ctx: 256,
         prefix_cache: true,
         draft_max: 0,
+        adaptive_drafts: false,
     };
     let ps = prompts(320);
     let lens = [20usize, 7, 13, 30];
@@ -665,6 +671,7 @@ fn broken_split_interrupts_requests_and_says_why() {
             ctx: 64,
             prefix_cache: true,
             draft_max: 0,
+            adaptive_drafts: false,
         },
     )
     .unwrap();
@@ -703,6 +710,7 @@ fn retired_split_weights_serve_again_over_a_new_mesh() {
         ctx: 256,
         prefix_cache: true,
         draft_max: 0,
+        adaptive_drafts: false,
     };
     let ps = prompts(320);
     let lens = [12usize, 9];
@@ -920,6 +928,7 @@ fn sequences_share_a_prompts_start_across_slots() {
                 ctx: 256,
                 prefix_cache: on,
                 draft_max: 0,
+                adaptive_drafts: false,
             },
         )
         .unwrap();
@@ -944,6 +953,7 @@ fn split_sequences_share_a_prompts_start_on_every_rank() {
             ctx: 256,
             prefix_cache: true,
             draft_max: 0,
+            adaptive_drafts: false,
         };
         let sched = Scheduler::start_split(Arc::new(m), ctx, config).unwrap();
         check_arrivals_at_once(&sched, true, &|p, n| alone(&one, p, n));
@@ -983,7 +993,7 @@ fn lookup_decoding_gives_the_same_tokens_in_fewer_steps() {
         },
     ];
     for sampler in configs {
-        let run = |lookup: usize| {
+        let run = |lookup: usize, adaptive_drafts: bool| {
             let sched = Scheduler::start(
                 m.clone(),
                 SchedulerConfig {
@@ -992,6 +1002,7 @@ fn lookup_decoding_gives_the_same_tokens_in_fewer_steps() {
                     ctx: 256,
                     prefix_cache: false,
                     draft_max: lookup,
+                    adaptive_drafts,
                 },
             )
             .unwrap();
@@ -1014,16 +1025,66 @@ fn lookup_decoding_gives_the_same_tokens_in_fewer_steps() {
             let taken = s.accepted_drafts.load(Ordering::Relaxed);
             (tokens, steps, drafted, taken)
         };
-        let (want, plain_steps, d0, _) = run(0);
-        let (got, steps, drafted, taken) = run(6);
+        let (want, plain_steps, d0, _) = run(0, false);
+        let (got, steps, drafted, taken) = run(6, false);
         assert_eq!(d0, 0);
         assert_eq!(got, want, "{sampler:?}");
+        // drafts checked as the measured costs and acceptance choose: the same tokens
+        let (adapted, _, _, _) = run(6, true);
+        assert_eq!(adapted, want, "{sampler:?}, adaptive drafts");
         assert!(drafted > 0 && taken > 0, "{drafted} drafted, {taken} taken");
         assert!(steps < plain_steps, "{steps} steps against {plain_steps}");
         eprintln!(
             "{sampler:?}: {taken} of {drafted} drafts taken; {steps} decode steps against {plain_steps}"
         );
     }
+}
+
+/// A draft model that is the model itself drafts what the model then chooses: with greedy
+/// decoding every drafted token is taken, and a step checks the whole draft.
+#[test]
+fn a_draft_model_identical_to_the_model_has_every_draft_taken() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Arc::new(load(&tiny(
+        TinyModelSpec::qwen2(27),
+        GgmlType::F32,
+        dir.path(),
+    )));
+    let config = SchedulerConfig {
+        max_batch: 1,
+        max_queue: 1,
+        ctx: 128,
+        prefix_cache: false,
+        draft_max: 4,
+        adaptive_drafts: false,
+    };
+    let prompt: Vec<u32> = (0..20).map(|i| (i * 13 + 5) % 320).collect();
+    let plain = Scheduler::start(
+        m.clone(),
+        SchedulerConfig {
+            draft_max: 0,
+            ..config
+        },
+    )
+    .unwrap();
+    let itself = Scheduler::start_with_draft(m.clone(), m.clone(), config).unwrap();
+    let run = |sched: &Scheduler| {
+        let (tx, rx) = mpsc::channel();
+        let _t = sched
+            .submit(
+                request(prompt.clone(), 41),
+                Box::new(move |e| tx.send(e).is_ok()),
+            )
+            .unwrap();
+        collect(&rx).0
+    };
+    assert_eq!(run(&itself), run(&plain));
+    let s = itself.stats();
+    let drafted = s.drafted.load(Ordering::Relaxed);
+    let taken = s.accepted_drafts.load(Ordering::Relaxed);
+    let steps = s.decode_steps.load(Ordering::Relaxed);
+    // 40 tokens after the first: 8 steps of 1 + 4
+    assert_eq!((drafted, taken, steps), (32, 32, 8));
 }
 
 /// A draft model (here another tiny model with the same tokenizer) changes nothing but the
@@ -1058,6 +1119,7 @@ fn draft_model_decoding_gives_the_same_tokens() {
             ctx: 256,
             prefix_cache: false,
             draft_max: 5,
+            adaptive_drafts: false,
         };
         let run = |sched: &Scheduler| {
             let mut r = request(prompt.clone(), 40);
@@ -1072,12 +1134,24 @@ fn draft_model_decoding_gives_the_same_tokens() {
             m.clone(),
             SchedulerConfig {
                 draft_max: 0,
+                adaptive_drafts: false,
                 ..config
             },
         )
         .unwrap();
         let with = Scheduler::start_with_draft(m.clone(), draft.clone(), config).unwrap();
-        assert_eq!(run(&with), run(&plain), "{sampler:?}");
+        let adaptive = Scheduler::start_with_draft(
+            m.clone(),
+            draft.clone(),
+            SchedulerConfig {
+                adaptive_drafts: true,
+                ..config
+            },
+        )
+        .unwrap();
+        let want = run(&plain);
+        assert_eq!(run(&with), want, "{sampler:?}");
+        assert_eq!(run(&adaptive), want, "{sampler:?}, adaptive drafts");
         let drafted = with.stats().drafted.load(Ordering::Relaxed);
         assert!(drafted > 0, "nothing drafted");
     }
@@ -1097,6 +1171,7 @@ fn draft_model_decoding_gives_the_same_tokens() {
             ctx: 64,
             prefix_cache: false,
             draft_max: 4,
+            adaptive_drafts: false,
         },
     )
     .unwrap_err();
@@ -1145,6 +1220,7 @@ fn control_tokens_give_their_text_only_when_asked() {
             ctx: 64,
             prefix_cache: false,
             draft_max: 0,
+            adaptive_drafts: false,
         },
     )
     .unwrap();

@@ -27,6 +27,7 @@ fn start(model: Arc<LoadedModel>) -> Scheduler {
         ctx: 128,
         prefix_cache: false,
         draft_max: 0,
+        adaptive_drafts: false,
     };
     Scheduler::start(model, config).unwrap()
 }

@@ -73,6 +73,7 @@ pub fn main(args: ChatArgs) -> anyhow::Result<()> {
             ctx,
             prefix_cache: true,
             draft_max: 0,
+            adaptive_drafts: false,
         },
     )?;
     let mut messages = Vec::new();

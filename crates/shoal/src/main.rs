@@ -88,9 +88,14 @@ pub struct SpeculationArgs {
     /// unchanged.
     #[arg(long, value_name = "MODEL", conflicts_with = "lookup")]
     pub draft: Option<String>,
-    /// Tokens the draft model drafts per step.
+    /// Tokens the draft model drafts per step at most.
     #[arg(long, default_value_t = 8, value_name = "N")]
     pub draft_max: usize,
+    /// Check every drafted token each step. By default a step checks only as many as pay
+    /// for their rows, judged by the measured cost of a step's rows and the share of drafts
+    /// taken so far, so speculation whose drafts miss costs little time.
+    #[arg(long)]
+    pub fixed_drafts: bool,
 }
 
 impl SpeculationArgs {

@@ -421,6 +421,7 @@ fn main_split(args: RunArgs) -> anyhow::Result<()> {
             ctx: capacity,
             prefix_cache: true,
             draft_max: 0,
+            adaptive_drafts: false,
         },
     )?;
     let result = answer(&scheduler, request, splitter, args.raw, threads, world);
@@ -473,6 +474,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<()> {
         ctx,
         prefix_cache: true,
         draft_max: args.speculation.tokens(),
+        adaptive_drafts: !args.speculation.fixed_drafts,
     };
     let scheduler = match &args.speculation.draft {
         Some(d) => {

@@ -343,6 +343,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
             ctx,
             prefix_cache: !args.no_prefix_cache,
             draft_max: args.speculation.tokens(),
+            adaptive_drafts: !args.speculation.fixed_drafts,
         };
         let m = match &draft {
             Some(d) => ServedModel::start_with_draft(id, model, d.clone(), config)?,

@@ -82,6 +82,7 @@ pub fn tiny_state(max_batch: usize, max_queue: usize) -> (tempfile::TempDir, Arc
             ctx: 128,
             prefix_cache: true,
             draft_max: 0,
+            adaptive_drafts: false,
         },
     );
     (dir, state)

@@ -27,8 +27,10 @@
 //! alike; `resume.rs` the replay of a resumed request's tokens; `step.rs` an iteration's
 //! prompt chunk and batched decode step, and the sampling of each sequence's next token;
 //! `speculation.rs` speculative decoding (tokens drafted by prompt lookup or a draft model,
-//! checked in one step).
+//! checked in one step); `draft_policy.rs` how many drafted tokens a step checks, from the
+//! measured cost of a step's rows and the acceptance each sequence has seen.
 
+mod draft_policy;
 mod prefix_cache;
 mod queue;
 mod resume;
@@ -229,6 +231,11 @@ pub struct SchedulerConfig {
     /// prompt lookup from the sequence's own context. One rank only; a split model ignores
     /// it.
     pub draft_max: usize,
+    /// Whether each step checks only the drafted tokens that promise more tokens per second
+    /// than a plain step, by the measured cost of a step's rows and the share of drafts each
+    /// sequence has seen taken (so speculation that keeps missing stops costing time); else
+    /// every step checks all `draft_max`.
+    pub adaptive_drafts: bool,
 }
 
 /// Counters the scheduler keeps for metrics.

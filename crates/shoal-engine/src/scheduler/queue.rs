@@ -193,6 +193,9 @@ impl Worker<'_> {
             first_token: None,
             draft_cache: None,
             draft_failed: false,
+            acceptance: Default::default(),
+            shadows: Default::default(),
+            probe: Default::default(),
         };
         match self.replay_resumed(&mut seq) {
             Ok(None) => Some(seq),

@@ -3,9 +3,11 @@
 //! its draft together; the sequence keeps the drafted tokens the model samples itself.
 
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
+use super::draft_policy::{choose, Candidate};
 use super::step::{accept, ready_local_caches};
 use super::worker::{Sequence, Store, Worker};
 use crate::model::LoadedModel;
@@ -13,34 +15,85 @@ use crate::{EngineError, KvCache};
 
 impl Worker<'_> {
     /// The draft of each ready sequence on one rank (empty where the output is
-    /// constrained or nothing was drafted): at most
-    /// `config.draft_max` tokens, within the cache's room and the tokens still to
-    /// generate; from the draft model when there is one, else by prompt lookup.
+    /// constrained or nothing was drafted): at most `config.draft_max` tokens, within the
+    /// cache's room and the tokens still to generate; from the draft model when there is
+    /// one, else by prompt lookup. With `config.adaptive_drafts`, only as many as
+    /// [`choose`] finds worth a step's rows (a sequence's lookup drafts are all scored
+    /// against what follows, checked or not).
     pub(super) fn drafts(&mut self, ready: &[usize]) -> Vec<Vec<u32>> {
         let draft_model = self.draft.clone();
-        ready
-            .iter()
-            .map(|&i| {
-                let s = &mut self.active[i];
-                if s.job.request.constraint.is_some() {
-                    return Vec::new();
+        let adaptive = self.config.adaptive_drafts;
+        // what each may check at most, and its lookup draft
+        let mut available = Vec::with_capacity(ready.len());
+        let mut lookups = Vec::with_capacity(ready.len());
+        for &i in ready {
+            let s = &mut self.active[i];
+            if adaptive {
+                s.shadows.score(&s.generated_ids, &mut s.acceptance);
+            }
+            let room = s.cache.capacity().saturating_sub(s.cache.len() + 1);
+            let left = s.job.request.max_tokens.saturating_sub(s.generated + 1);
+            let max = if s.job.request.constraint.is_some() {
+                0
+            } else {
+                self.config.draft_max.min(room).min(left)
+            };
+            if draft_model.is_some() {
+                available.push(if s.draft_failed { 0 } else { max });
+                lookups.push(Vec::new());
+            } else {
+                let d = crate::lookup::draft(&context_of(s), max);
+                if adaptive {
+                    s.shadows.push(s.generated_ids.len(), d.clone());
                 }
-                let room = s.cache.capacity().saturating_sub(s.cache.len() + 1);
-                let left = s.job.request.max_tokens.saturating_sub(s.generated + 1);
-                let max = self.config.draft_max.min(room).min(left);
-                if max == 0 {
-                    return Vec::new();
+                available.push(d.len());
+                lookups.push(d);
+            }
+        }
+        let lengths = if adaptive {
+            let candidates: Vec<Candidate> = ready
+                .iter()
+                .zip(&available)
+                .map(|(&i, &available)| Candidate {
+                    available,
+                    acceptance: &self.active[i].acceptance,
+                })
+                .collect();
+            let mut k = choose(&self.step_costs, &candidates, self.draft_token_seconds);
+            if draft_model.is_some() {
+                for ((&i, k), &a) in ready.iter().zip(&mut k).zip(&available) {
+                    *k = self.active[i].probe.length(*k, a);
                 }
-                // the context: the prompt and every generated token (the last one, `next`,
-                // not yet run)
-                let mut context = s.job.request.prompt.clone();
-                context.extend_from_slice(&s.generated_ids);
-                match &draft_model {
-                    Some(d) => draft_from_model(d, s, &context, max).unwrap_or_default(),
-                    None => crate::lookup::draft(&context, max),
+            }
+            k
+        } else {
+            available
+        };
+        let mut drafts = Vec::with_capacity(ready.len());
+        for ((&i, k), mut lookup) in ready.iter().zip(lengths).zip(lookups) {
+            let s = &mut self.active[i];
+            match &draft_model {
+                _ if k == 0 => drafts.push(Vec::new()),
+                Some(d) => {
+                    let (draft, spent) =
+                        draft_from_model(d, s, &context_of(s), k).unwrap_or_default();
+                    if !draft.is_empty() {
+                        let per_token = spent.as_secs_f64() / draft.len() as f64;
+                        self.draft_token_seconds = if self.draft_token_seconds > 0.0 {
+                            0.7 * self.draft_token_seconds + 0.3 * per_token
+                        } else {
+                            per_token
+                        };
+                    }
+                    drafts.push(draft);
                 }
-            })
-            .collect()
+                None => {
+                    lookup.truncate(k);
+                    drafts.push(lookup);
+                }
+            }
+        }
+        drafts
     }
 
     /// One decode step of the ready sequences (one rank) in which each runs its next token
@@ -58,6 +111,8 @@ impl Worker<'_> {
             counts.push(1 + d.len());
         }
         let last = counts.iter().copied().max().unwrap_or(1);
+        let started = Instant::now();
+        let by_model = self.draft.is_some() && self.config.adaptive_drafts;
         let model = self.model.clone();
         let vocab = model.transformer.config().vocab;
         let before: Vec<usize> = ready.iter().map(|&i| self.active[i].cache.len()).collect();
@@ -119,12 +174,20 @@ impl Worker<'_> {
                     if let Some(dc) = &mut seq.draft_cache {
                         dc.truncate(dc.len().min(before + 1 + taken));
                     }
+                    if by_model && !draft.is_empty() {
+                        seq.acceptance.record((taken + 1).min(draft.len()), taken);
+                        seq.probe.checked(taken);
+                    }
                     (goes_on, taken)
                 }
                 None => (true, 0),
             })
             .collect();
         let taken: usize = results.iter().map(|r| r.1).sum();
+        if self.config.adaptive_drafts {
+            self.step_costs
+                .record(tokens.len(), started.elapsed().as_secs_f64());
+        }
         self.count_step(ready.len(), ready.len() + taken);
         let stats = &self.shared.stats;
         stats.drafted.fetch_add(
@@ -143,6 +206,14 @@ impl Worker<'_> {
     }
 }
 
+/// A sequence's context: its prompt and every generated token (the last one, its `next`,
+/// not yet run).
+fn context_of(s: &Sequence) -> Vec<u32> {
+    let mut context = s.job.request.prompt.clone();
+    context.extend_from_slice(&s.generated_ids);
+    context
+}
+
 /// A sequence's part of a speculative step: the logits of its rows (its next token's, then
 /// one per drafted token), its draft, and its cache length before the step.
 struct Checked<'a> {
@@ -152,14 +223,15 @@ struct Checked<'a> {
 }
 
 /// Up to `max` tokens the draft model `d` picks greedily after `context` (whose last token
-/// is `seq`'s next): its cache first catches up with the context before that token, then
-/// each drafted token is fed back. After a failure the sequence decodes without drafts.
+/// is `seq`'s next), and the time their steps took: its cache first catches up with the
+/// context before that token (not counted), then each drafted token is fed back. After a
+/// failure the sequence decodes without drafts.
 fn draft_from_model(
     d: &LoadedModel,
     seq: &mut Sequence,
     context: &[u32],
     max: usize,
-) -> Option<Vec<u32>> {
+) -> Option<(Vec<u32>, Duration)> {
     if seq.draft_failed {
         return None;
     }
@@ -171,10 +243,11 @@ fn draft_from_model(
     if dc.len() > known {
         dc.truncate(known);
     }
-    let run = |dc: &mut KvCache| -> Result<Vec<u32>, EngineError> {
+    let run = |dc: &mut KvCache| -> Result<(Vec<u32>, Duration), EngineError> {
         if dc.len() < known {
             d.transformer.prefill(&context[dc.len()..known], dc)?;
         }
+        let started = Instant::now();
         let mut out = Vec::with_capacity(max);
         let mut t = context[known];
         for _ in 0..max {
@@ -185,7 +258,7 @@ fn draft_from_model(
             t = crate::transformer::argmax(&logits) as u32;
             out.push(t);
         }
-        Ok(out)
+        Ok((out, started.elapsed()))
     };
     match run(dc) {
         Ok(v) => Some(v),

@@ -5,6 +5,7 @@
 //! A failed step fails its sequences, or interrupts every sequence of a split.
 
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use rayon::prelude::*;
 
@@ -116,6 +117,7 @@ impl Worker<'_> {
         }
         let tokens: Vec<u32> = ready.iter().filter_map(|&i| self.active[i].next).collect();
         self.count_step(ready.len(), ready.len());
+        let started = Instant::now();
         let model = self.model.clone();
         let result = if self.lead.is_some() {
             self.split_decode(&ready, &tokens).map(StepLogits::Rows)
@@ -156,6 +158,10 @@ impl Worker<'_> {
                 None => true,
             })
             .collect();
+        if self.config.adaptive_drafts && self.lead.is_none() {
+            self.step_costs
+                .record(tokens.len(), started.elapsed().as_secs_f64());
+        }
         for i in (0..keep.len()).rev() {
             if !keep[i] {
                 let seq = self.active.remove(i);

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use shoal_model::tokenizer::StreamDecoder;
 
+use super::draft_policy::{Acceptance, Probe, Shadows, StepCosts};
 use super::prefix_cache::Parked;
 use super::queue::{Admit, Job, Shared};
 use super::{Event, SchedulerConfig};
@@ -77,6 +78,12 @@ pub(super) struct Sequence {
     pub(super) draft_cache: Option<KvCache>,
     /// The draft model failed on this sequence, which decodes on without it.
     pub(super) draft_failed: bool,
+    /// How often its drafted tokens were taken, by position in the draft.
+    pub(super) acceptance: Acceptance,
+    /// Its prompt-lookup drafts not yet scored against the tokens that followed.
+    pub(super) shadows: Shadows,
+    /// When it tries its draft model's draft again after steps that checked none.
+    pub(super) probe: Probe,
 }
 
 impl Sequence {
@@ -116,6 +123,10 @@ pub(super) struct Worker<'m> {
     pub(super) broken: bool,
     /// The model that drafts tokens for speculative decoding, if any.
     pub(super) draft: Option<Arc<LoadedModel>>,
+    /// Measured cost of a decode step by its rows (for the draft lengths).
+    pub(super) step_costs: StepCosts,
+    /// Seconds the draft model takes per drafted token, averaged (0 until measured).
+    pub(super) draft_token_seconds: f64,
 }
 
 impl<'m> Worker<'m> {
@@ -135,6 +146,8 @@ impl<'m> Worker<'m> {
             lead,
             broken,
             draft: None,
+            step_costs: StepCosts::default(),
+            draft_token_seconds: 0.0,
         }
     }
 
