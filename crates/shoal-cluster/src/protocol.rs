@@ -17,8 +17,14 @@ use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
 
-/// The version of this protocol that this build speaks.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The version of this protocol that this build speaks. Version 2 added split steps of
+/// several tokens per sequence (drafted tokens checked on a split instance), which a
+/// version-1 rank cannot run: a lead speculates on a split only when every node of its
+/// placement speaks [`SPLIT_SPECULATION`] or later.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The first version whose ranks run a split step of several tokens per sequence.
+pub const SPLIT_SPECULATION: u32 = 2;
 
 /// The oldest version of this protocol that this build works with.
 pub const OLDEST_COMPATIBLE: u32 = 1;

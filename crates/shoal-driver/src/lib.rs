@@ -85,6 +85,13 @@ pub struct DriverConfig {
     pub queue: usize,
     /// Whether instances this node leads reuse the KV cache of requests sharing a prefix.
     pub prefix_cache: bool,
+    /// Prompt-lookup speculative decoding on the instances this node leads: tokens drafted
+    /// per step at most (0: off). On a split instance only when every node of its placement
+    /// runs such steps ([`shoal_cluster::protocol::SPLIT_SPECULATION`]).
+    pub lookup: usize,
+    /// Whether each step checks only the drafted tokens that pay for their rows
+    /// ([`shoal_engine::scheduler::SchedulerConfig::adaptive_drafts`]).
+    pub adaptive_drafts: bool,
 }
 
 /// The driver of one node.

@@ -16,6 +16,7 @@ use anyhow::{bail, Context};
 use shoal_api::ServedModel;
 use shoal_cluster::instances::Instance;
 use shoal_cluster::mesh::SessionTransport;
+use shoal_cluster::protocol::SPLIT_SPECULATION;
 use shoal_comm::Rebindable;
 use shoal_engine::model::LoadedModel;
 use shoal_engine::parallel::{serve, RankContext};
@@ -120,6 +121,21 @@ impl Driver {
         }
     }
 
+    /// Whether every node of `inst`'s placement runs split steps of several tokens per
+    /// sequence (so that its lead may check drafted tokens); a node whose facts are unknown
+    /// counts as one that does not.
+    fn placement_speculates(&self, inst: &Instance) -> bool {
+        let nodes = self.rt.block_on(self.node.nodes());
+        inst.nodes().iter().all(|id| {
+            nodes.iter().any(|n| {
+                n.id == *id
+                    && n.facts
+                        .as_ref()
+                        .is_some_and(|f| f.protocol >= SPLIT_SPECULATION)
+            })
+        })
+    }
+
     fn run_rank(&self, inst: &Instance, rank: usize, handle: &RankHandle) -> anyhow::Result<()> {
         let stop = &handle.stop;
         let path = self.model_path(inst, rank, stop)?;
@@ -211,6 +227,11 @@ impl Driver {
             .min(model.transformer.config().context_len)
             .max(2);
         if rank == 0 {
+            let draft_max = if self.cfg.lookup > 0 && self.placement_speculates(inst) {
+                self.cfg.lookup
+            } else {
+                0
+            };
             let served = Arc::new(ServedModel::start_split(
                 inst.id.clone(),
                 model,
@@ -220,8 +241,8 @@ impl Driver {
                     max_queue: self.cfg.queue,
                     ctx: capacity,
                     prefix_cache: self.cfg.prefix_cache,
-                    draft_max: 0,
-                    adaptive_drafts: false,
+                    draft_max,
+                    adaptive_drafts: self.cfg.adaptive_drafts,
                 },
             )?);
             let state = self

@@ -203,6 +203,12 @@ const BATCH_ROW_BYTES: usize = 12;
 /// Copies the first `cache_len` positions of sequence `n_tokens`'s cache into sequence
 /// `seq`'s (a prefix shared with an earlier or running sequence); no body, no reply.
 const OP_COPY: u32 = 4;
+/// A step of several tokens per sequence (drafted tokens checked): `n_tokens` sequences and
+/// `cache_len` tokens in all; the body lists (sequence, cache length, token count) per
+/// sequence, by ascending sequence, then the tokens; the last stage replies for every row.
+const OP_ROWS: u32 = 5;
+/// Most tokens one sequence runs in an [`OP_ROWS`] step.
+pub const MAX_ROWS_PER_SEQUENCE: usize = 64;
 const HEADER_BYTES: usize = 24;
 /// Most sequences a split model keeps caches for at once.
 pub const MAX_SEQUENCES: usize = 256;
@@ -239,7 +245,7 @@ impl Header {
             what: format!("step header from the lead rank: {what}"),
         };
         let op = word(0);
-        if ![OP_STEP, OP_STOP, OP_BATCH, OP_COPY].contains(&op) {
+        if ![OP_STEP, OP_STOP, OP_BATCH, OP_COPY, OP_ROWS].contains(&op) {
             return Err(bad(format!("unknown operation {op}")));
         }
         let want = Want::from_code(word(3), word(4))
@@ -301,6 +307,7 @@ fn run_step(
     caches: &mut [&mut KvCache],
     tokens: &[u32],
     counts: &[usize],
+    last: usize,
     want: Want,
 ) -> Result<Vec<u8>, EngineError> {
     let x = stage_input(ctx, model, tokens)?;
@@ -308,7 +315,7 @@ fn run_step(
     if pass_on(ctx, &x)? || want == Want::Nothing {
         return Ok(Vec::new());
     }
-    let logits = model.logits(&x, counts, 1)?;
+    let logits = model.logits(&x, counts, last)?;
     let first = model.plan().vocab.start as u32;
     let width = model.plan().vocab.len();
     Ok(logits
@@ -546,6 +553,7 @@ impl<'a> Lead<'a> {
             &mut [cache],
             tokens,
             &[tokens.len()],
+            1,
             want,
         )?;
         let pending = if self.ctx.layout.pp == 1 {
@@ -612,15 +620,49 @@ impl<'a> Lead<'a> {
         tokens: &[u32],
         want: Want,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
+        if seqs.len() != tokens.len() {
+            return Err(EngineError::InvalidInput {
+                what: format!(
+                    "a batch of {} tokens for {} sequences",
+                    tokens.len(),
+                    seqs.len()
+                ),
+            });
+        }
+        self.step_rows(seqs, tokens, &vec![1; seqs.len()], want)
+    }
+
+    /// One batched step of one or more tokens per sequence (a sequence's next token and the
+    /// tokens drafted after it): sequence `seqs[i]` runs the next `counts[i]` of `tokens`
+    /// (each sequence's tokens one after another, in the order given) after what it holds,
+    /// on every rank at once. Returns the merged logits of every token's row, in the same
+    /// order. With one token per sequence it is the batched decode step of older versions
+    /// ([`OP_BATCH`]).
+    ///
+    /// # Errors
+    /// As [`Lead::step_batch`], and when a count is 0, above [`MAX_ROWS_PER_SEQUENCE`], or
+    /// the counts do not add up to the tokens.
+    pub fn step_rows(
+        &mut self,
+        seqs: &[usize],
+        tokens: &[u32],
+        counts: &[usize],
+        want: Want,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
         let bad = |what: String| EngineError::InvalidInput { what };
         if !self.pending.is_empty() {
             return Err(bad(
                 "a batched step while submitted steps are uncollected".into()
             ));
         }
-        if seqs.len() != tokens.len() || seqs.is_empty() {
+        if seqs.len() != counts.len()
+            || seqs.is_empty()
+            || counts.iter().sum::<usize>() != tokens.len()
+            || counts.iter().any(|&c| c == 0 || c > MAX_ROWS_PER_SEQUENCE)
+        {
             return Err(bad(format!(
-                "a batch of {} tokens for {} sequences",
+                "a batch of {} tokens for {} sequences of {counts:?} tokens (1 to \
+                 {MAX_ROWS_PER_SEQUENCE} each)",
                 tokens.len(),
                 seqs.len()
             )));
@@ -630,7 +672,19 @@ impl<'a> Lead<'a> {
             Want::TopK(k) => Want::TopK(k.clamp(1, cfg.vocab)),
             w => w,
         };
-        // rows go out by ascending sequence
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
+            return Err(bad(format!(
+                "token id {t} is outside the vocabulary of {}",
+                cfg.vocab
+            )));
+        }
+        // sequences go out by ascending sequence, each with its tokens
+        let mut starts = Vec::with_capacity(seqs.len());
+        let mut at = 0;
+        for &c in counts {
+            starts.push(at);
+            at += c;
+        }
         let mut order: Vec<usize> = (0..seqs.len()).collect();
         order.sort_by_key(|&i| seqs[i]);
         let sorted: Vec<usize> = order.iter().map(|&i| seqs[i]).collect();
@@ -640,43 +694,59 @@ impl<'a> Lead<'a> {
         if let Some(&s) = sorted.last().filter(|&&s| s >= self.caches.len()) {
             return Err(bad(format!("sequence {s} of a lead with fewer")));
         }
-        let toks: Vec<u32> = order.iter().map(|&i| tokens[i]).collect();
-        if let Some(&t) = toks.iter().find(|&&t| t as usize >= cfg.vocab) {
-            return Err(bad(format!(
-                "token id {t} is outside the vocabulary of {}",
-                cfg.vocab
-            )));
-        }
-        let mut body = Vec::with_capacity(sorted.len() * BATCH_ROW_BYTES);
-        for (&s, &t) in sorted.iter().zip(&toks) {
+        let toks: Vec<u32> = order
+            .iter()
+            .flat_map(|&i| &tokens[starts[i]..starts[i] + counts[i]])
+            .copied()
+            .collect();
+        let sorted_counts: Vec<usize> = order.iter().map(|&i| counts[i]).collect();
+        let single = counts.iter().all(|&c| c == 1);
+        let mut body = Vec::with_capacity(sorted.len() * BATCH_ROW_BYTES + 4 * toks.len());
+        for (k, &s) in sorted.iter().enumerate() {
             let c = &self.caches[s];
-            if c.len() + 1 > c.capacity() {
+            let n = sorted_counts[k];
+            if c.len() + n > c.capacity() {
                 return Err(EngineError::ContextFull {
-                    prompt: c.len() + 1,
+                    prompt: c.len() + n,
                     ctx: c.capacity(),
                 });
             }
-            for v in [s as u32, c.len() as u32, t] {
+            let third = if single { toks[k] } else { n as u32 };
+            for v in [s as u32, c.len() as u32, third] {
                 body.extend_from_slice(&v.to_le_bytes());
             }
         }
+        if !single {
+            body.extend(toks.iter().flat_map(|t| t.to_le_bytes()));
+        }
         let header = Header {
-            op: OP_BATCH,
+            op: if single { OP_BATCH } else { OP_ROWS },
             seq: 0,
             n_tokens: sorted.len() as u32,
-            cache_len: 0,
+            cache_len: if single { 0 } else { toks.len() as u32 },
             want,
         };
         self.ctx.world.broadcast(&mut header.encode(), 0)?;
         self.ctx.world.broadcast(&mut body, 0)?;
         let mut caches = caches_of(&mut self.caches, &sorted);
-        let counts = vec![1; toks.len()];
-        let mine = run_step(&self.ctx, self.model, &mut caches, &toks, &counts, want)?;
+        let last = sorted_counts.iter().copied().max().unwrap_or(1);
+        let mine = run_step(
+            &self.ctx,
+            self.model,
+            &mut caches,
+            &toks,
+            &sorted_counts,
+            last,
+            want,
+        )?;
         drop(caches);
-        let rows = self.gather_rows(want, &mine, sorted.len())?;
-        let mut out = vec![Vec::new(); rows.len()];
-        for (row, &i) in rows.into_iter().zip(&order) {
-            out[i] = row;
+        let mut rows = self.gather_rows(want, &mine, toks.len())?.into_iter();
+        // back to the order given: sequence by sequence as sorted, each to its place
+        let mut out = vec![Vec::new(); toks.len()];
+        for &i in &order {
+            for slot in &mut out[starts[i]..starts[i] + counts[i]] {
+                *slot = rows.next().unwrap_or_default();
+            }
         }
         Ok(out)
     }
@@ -774,7 +844,8 @@ fn merge(
     Ok(())
 }
 
-/// A batched decode step on a rank other than the lead.
+/// Serves a batched step ([`OP_BATCH`]: one token per sequence, or [`OP_ROWS`]: several)
+/// on a rank other than the lead.
 fn serve_batch(
     ctx: &RankContext,
     model: &Transformer,
@@ -783,24 +854,48 @@ fn serve_batch(
     header: Header,
 ) -> Result<(), EngineError> {
     let b = header.n_tokens as usize;
+    let rows = header.op == OP_ROWS;
+    let total = if rows { header.cache_len as usize } else { b };
     let bad = |what: String| EngineError::InvalidInput {
         what: format!("batched step from the lead rank: {what}"),
     };
     if b == 0 || b > MAX_SEQUENCES {
-        return Err(bad(format!("{b} rows (1 to {MAX_SEQUENCES})")));
+        return Err(bad(format!("{b} sequences (1 to {MAX_SEQUENCES})")));
     }
-    let mut body = vec![0u8; b * BATCH_ROW_BYTES];
+    if total < b || total > b * MAX_ROWS_PER_SEQUENCE {
+        return Err(bad(format!(
+            "{total} tokens for {b} sequences (1 to {MAX_ROWS_PER_SEQUENCE} each)"
+        )));
+    }
+    let mut body = vec![0u8; b * BATCH_ROW_BYTES + if rows { 4 * total } else { 0 }];
     ctx.world.broadcast(&mut body, 0)?;
-    let word = |r: usize, k: usize| {
-        let i = r * BATCH_ROW_BYTES + k * 4;
-        u32::from_le_bytes([body[i], body[i + 1], body[i + 2], body[i + 3]]) as usize
+    let word = |at: usize| {
+        u32::from_le_bytes([body[at], body[at + 1], body[at + 2], body[at + 3]]) as usize
     };
-    let seqs: Vec<usize> = (0..b).map(|r| word(r, 0)).collect();
+    let field = |r: usize, k: usize| word(r * BATCH_ROW_BYTES + k * 4);
+    let seqs: Vec<usize> = (0..b).map(|r| field(r, 0)).collect();
     if seqs.windows(2).any(|w| w[0] >= w[1]) || seqs[b - 1] >= MAX_SEQUENCES {
         return Err(bad(format!(
             "sequences {seqs:?} are not ascending and below {MAX_SEQUENCES}"
         )));
     }
+    let (counts, tokens): (Vec<usize>, Vec<u32>) = if rows {
+        let counts: Vec<usize> = (0..b).map(|r| field(r, 2)).collect();
+        if counts.iter().sum::<usize>() != total
+            || counts.iter().any(|&c| c == 0 || c > MAX_ROWS_PER_SEQUENCE)
+        {
+            return Err(bad(format!(
+                "token counts {counts:?} for {total} tokens (1 to {MAX_ROWS_PER_SEQUENCE} each)"
+            )));
+        }
+        let from = b * BATCH_ROW_BYTES;
+        (
+            counts,
+            (0..total).map(|t| word(from + 4 * t) as u32).collect(),
+        )
+    } else {
+        (vec![1; b], (0..b).map(|r| field(r, 2) as u32).collect())
+    };
     if let Want::TopK(k) = header.want {
         if k > model.config().vocab {
             return Err(bad(format!(
@@ -813,20 +908,21 @@ fn serve_batch(
         caches.push(model.new_cache(capacity));
     }
     for (r, &s) in seqs.iter().enumerate() {
-        let len = word(r, 1);
+        let len = field(r, 1);
         let c = &mut caches[s];
         c.truncate(len);
-        if c.len() != len || len + 1 > capacity {
+        if c.len() != len || len + counts[r] > capacity {
             return Err(bad(format!(
-                "sequence {s} at {len} positions; this rank holds {} of a capacity of {capacity}",
+                "sequence {s} at {len} positions and {} more; this rank holds {} of a \
+                 capacity of {capacity}",
+                counts[r],
                 c.len()
             )));
         }
     }
-    let tokens: Vec<u32> = (0..b).map(|r| word(r, 2) as u32).collect();
     let mut refs = caches_of(caches, &seqs);
-    let counts = vec![1; tokens.len()];
-    let reply = run_step(ctx, model, &mut refs, &tokens, &counts, header.want)?;
+    let last = counts.iter().copied().max().unwrap_or(1);
+    let reply = run_step(ctx, model, &mut refs, &tokens, &counts, last, header.want)?;
     if !reply.is_empty() {
         ctx.world.send(0, &reply)?;
     }
@@ -864,7 +960,7 @@ pub fn serve(ctx: &RankContext, model: &Transformer, capacity: usize) -> Result<
         if header.op == OP_STOP {
             return Ok(());
         }
-        if header.op == OP_BATCH {
+        if header.op == OP_BATCH || header.op == OP_ROWS {
             serve_batch(ctx, model, capacity, &mut caches, header)?;
             continue;
         }
@@ -926,7 +1022,7 @@ pub fn serve(ctx: &RankContext, model: &Transformer, capacity: usize) -> Result<
                 ),
             });
         }
-        let reply = run_step(ctx, model, &mut [cache], &tokens, &[t], header.want)?;
+        let reply = run_step(ctx, model, &mut [cache], &tokens, &[t], 1, header.want)?;
         if !reply.is_empty() {
             ctx.world.send(0, &reply)?;
         }

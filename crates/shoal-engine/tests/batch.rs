@@ -644,6 +644,146 @@ fn split_scheduler_matches_one_rank() {
     }
 }
 
+/// Prompt lookup on a split model (tensor, pipeline and both): drafted tokens are checked in
+/// one split step of several rows per sequence, and greedy and seeded sampling (with a
+/// repetition penalty, so every logit of every row comes back) give the tokens one rank
+/// gives without speculation; drafts were checked and some taken.
+#[test]
+fn split_lookup_decoding_gives_one_ranks_tokens() {
+    use shoal_engine::shard::Layout;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny(TinyModelSpec::qwen2(23), GgmlType::Q8_0, dir.path());
+    let cycle: Vec<u32> = (0..12).map(|i| (i * 29 + 7) % 320).collect();
+    let ps: Vec<Vec<u32>> = vec![
+        cycle.iter().cycle().take(40).copied().collect(),
+        cycle.iter().rev().cycle().take(30).copied().collect(),
+        (0..9).map(|i| (i * 7 + 3) % 320).collect(),
+    ];
+    let lens = [40usize, 33, 25];
+    let config = |draft_max: usize| SchedulerConfig {
+        max_batch: 3,
+        max_queue: 4,
+        ctx: 256,
+        prefix_cache: false,
+        draft_max,
+        adaptive_drafts: false,
+    };
+    let samplers = [
+        SamplerConfig::default(),
+        SamplerConfig {
+            temperature: 0.8,
+            seed: 3,
+            repeat_penalty: 1.1,
+            ..SamplerConfig::default()
+        },
+    ];
+    let run = |sched: &Scheduler, sampler: &SamplerConfig| -> Vec<Vec<u32>> {
+        let subs: Vec<_> = ps
+            .iter()
+            .zip(lens)
+            .map(|(p, n)| {
+                let (tx, rx) = mpsc::channel();
+                let mut r = request(p.clone(), n);
+                r.sampler = sampler.clone();
+                let t = sched
+                    .submit(r, Box::new(move |e| tx.send(e).is_ok()))
+                    .unwrap();
+                (t, rx)
+            })
+            .collect();
+        subs.iter().map(|(_, rx)| collect(rx).0).collect()
+    };
+    let local = Scheduler::start(Arc::new(load(&path)), config(0)).unwrap();
+    let want: Vec<_> = samplers.iter().map(|s| run(&local, s)).collect();
+    drop(local);
+    let source = ModelSource::Gguf(path.clone());
+    for (tp, pp) in [(2, 1), (1, 2), (2, 2)] {
+        let (ctx, m, workers) = split_ranks(&source, Layout { tp, pp });
+        let sched = Scheduler::start_split(Arc::new(m), ctx, config(5)).unwrap();
+        for (sampler, want) in samplers.iter().zip(&want) {
+            assert_eq!(&run(&sched, sampler), want, "tp {tp} pp {pp} {sampler:?}");
+        }
+        let s = sched.stats();
+        let drafted = s.drafted.load(Ordering::Relaxed);
+        let taken = s.accepted_drafts.load(Ordering::Relaxed);
+        eprintln!("tp {tp} pp {pp}: {taken} of {drafted} drafted tokens taken");
+        assert!(
+            drafted > 0 && taken > 0,
+            "tp {tp} pp {pp}: {taken} of {drafted}"
+        );
+        assert!(sched.failure().is_none());
+        drop(sched);
+        for w in workers {
+            w.join().unwrap().unwrap();
+        }
+    }
+}
+
+/// A split step of several rows per sequence returns each row's logits in the order given:
+/// against one rank's step of the same rows, sequences given out of order and with
+/// different row counts. A planted fault (two rows swapped) is caught by the same check.
+#[test]
+fn split_rows_come_back_in_order() {
+    use shoal_engine::parallel::{Lead, Want};
+    use shoal_engine::shard::Layout;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny(TinyModelSpec::llama(31), GgmlType::F32, dir.path());
+    let m = load(&path);
+    let prompts: [Vec<u32>; 2] = [vec![5, 9, 11, 2, 7], vec![40, 41, 3]];
+    // what each row gives on one rank
+    let rows_of = |tokens: &[u32], cache: &mut KvCache| {
+        m.transformer.forward(tokens, cache, tokens.len()).unwrap()
+    };
+    let mut c0 = m.transformer.new_cache(64);
+    let mut c1 = m.transformer.new_cache(64);
+    m.transformer.prefill(&prompts[0], &mut c0).unwrap();
+    m.transformer.prefill(&prompts[1], &mut c1).unwrap();
+    let vocab = m.transformer.config().vocab;
+    let (more0, more1): (Vec<u32>, Vec<u32>) = (vec![8, 1, 30, 4], vec![17, 6]);
+    let want0 = rows_of(&more0, &mut c0);
+    let want1 = rows_of(&more1, &mut c1);
+    let best = |row: &[f32]| argmax(row) as u32;
+    let want: Vec<u32> = want1
+        .chunks(vocab)
+        .chain(want0.chunks(vocab))
+        .map(best)
+        .collect();
+    let source = ModelSource::Gguf(path.clone());
+    for (tp, pp) in [(2, 1), (1, 2)] {
+        let (ctx, m, workers) = split_ranks(&source, Layout { tp, pp });
+        {
+            let mut lead = Lead::with_sequences(ctx, &m.transformer, 64, 2).unwrap();
+            for (s, p) in prompts.iter().enumerate() {
+                lead.select(s).unwrap();
+                lead.step_with(p, Want::Nothing).unwrap();
+            }
+            // sequence 1 first, with 2 rows; then sequence 0 with 4
+            let tokens: Vec<u32> = more1.iter().chain(&more0).copied().collect();
+            let rows = lead
+                .step_rows(&[1, 0], &tokens, &[2, 4], Want::All)
+                .unwrap();
+            let got: Vec<u32> = rows.iter().map(|r| best(r)).collect();
+            assert_eq!(got, want, "tp {tp} pp {pp}");
+            let mut planted = got.clone();
+            planted.swap(1, 2);
+            assert_ne!(planted, want, "a swapped row must be caught");
+            // bad counts are refused before anything is sent
+            assert!(lead
+                .step_rows(&[1, 0], &tokens, &[3, 4], Want::Best)
+                .is_err());
+            assert!(lead
+                .step_rows(&[1, 0], &tokens, &[0, 6], Want::Best)
+                .is_err());
+            lead.stop().unwrap();
+        }
+        for w in workers {
+            w.join().unwrap().unwrap();
+        }
+    }
+}
+
 #[test]
 fn broken_split_interrupts_requests_and_says_why() {
     use shoal_comm::{mem_mesh, Transport};

@@ -392,8 +392,10 @@ fn report(done: &Completion, threads: usize, ranks: usize) {
 
 /// `run` split over ranks: rank 0 here, the others started locally or waited for.
 fn main_split(args: RunArgs) -> anyhow::Result<()> {
-    if args.speculation.any() {
-        anyhow::bail!("--lookup and --draft run on one rank; drop --tp/--pp or them");
+    if args.speculation.draft.is_some() {
+        anyhow::bail!(
+            "--draft runs on one rank; drop --tp/--pp, or draft by prompt lookup (--lookup)"
+        );
     }
     let threads = args.compute.apply()?;
     let ctx_len = args.sampling.ctx() + args.sampling.max_tokens;
@@ -420,8 +422,8 @@ fn main_split(args: RunArgs) -> anyhow::Result<()> {
             max_queue: 0,
             ctx: capacity,
             prefix_cache: true,
-            draft_max: 0,
-            adaptive_drafts: false,
+            draft_max: args.speculation.tokens(),
+            adaptive_drafts: !args.speculation.fixed_drafts,
         },
     )?;
     let result = answer(&scheduler, request, splitter, args.raw, threads, world);

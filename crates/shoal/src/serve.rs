@@ -427,6 +427,8 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
                         parallel: args.parallel.min(shoal_engine::parallel::MAX_SEQUENCES),
                         queue: args.queue,
                         prefix_cache: !args.no_prefix_cache,
+                        lookup: args.speculation.lookup.unwrap_or(0),
+                        adaptive_drafts: !args.speculation.fixed_drafts,
                     },
                     offered,
                 );

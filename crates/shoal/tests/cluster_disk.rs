@@ -207,7 +207,15 @@ fn a_node_whose_disk_fills_mid_fetch_is_left_out_and_the_instance_placed_elsewhe
     });
     let history = inst["history"].to_string();
     eprintln!("placed on {}: {history}", inst["placement"]);
-    assert_eq!(inst["nodes"], serde_json::json!(["a", "c"]), "{inst}");
+    // b's place goes to c (which rank leads follows the planner's order of the node ids)
+    let mut placed: Vec<&str> = inst["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|n| n.as_str())
+        .collect();
+    placed.sort_unstable();
+    assert_eq!(placed, ["a", "c"], "{inst}");
     assert!(
         history.contains("filled up while fetching the model") && history.contains("without"),
         "{history}"

@@ -58,6 +58,8 @@ fn split_runs_answer_like_one_process() {
         &["--tp", "2", "--pp", "2"],
         &["--tp", "3", "--transport", "shm"],
         &["--tp", "2", "--link-latency-us", "200", "--link-gbps", "1"],
+        &["--tp", "2", "--lookup", "4", "--fixed-drafts"],
+        &["--pp", "2", "--lookup"],
     ] {
         assert_eq!(answer(&model, extra), one, "shoal run {extra:?}");
     }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use super::draft_policy::{choose, Candidate};
-use super::step::{accept, ready_local_caches};
+use super::step::{accept, ready_local_caches, StepLogits};
 use super::worker::{Sequence, Store, Worker};
 use crate::model::LoadedModel;
 use crate::{EngineError, KvCache};
@@ -116,33 +116,47 @@ impl Worker<'_> {
         let model = self.model.clone();
         let vocab = model.transformer.config().vocab;
         let before: Vec<usize> = ready.iter().map(|&i| self.active[i].cache.len()).collect();
-        let result = {
+        let result = if self.lead.is_some() {
+            self.split_rows(ready, &tokens, &counts)
+                .map(StepLogits::Rows)
+        } else {
             let mut caches = ready_local_caches(&mut self.active);
-            model.transformer.step(&tokens, &counts, &mut caches, last)
+            model
+                .transformer
+                .step(&tokens, &counts, &mut caches, last)
+                .and_then(|l| StepLogits::flat(l, tokens.len()))
         };
         let mut logits = match result {
-            Ok(l) if l.len() == tokens.len() * vocab => l,
-            other => {
-                let msg = match other {
-                    Err(e) => format!("decoding failed: {e}"),
-                    Ok(l) => format!(
-                        "decoding failed: {} logits for {} rows of {vocab}",
-                        l.len(),
-                        tokens.len()
-                    ),
-                };
-                self.fail_batch(ready, &msg);
+            Ok(l) => l,
+            Err(e) if self.lead.is_some() => {
+                self.fail_all(&format!("decoding failed: {e}"));
+                return;
+            }
+            Err(e) => {
+                self.fail_batch(ready, &format!("decoding failed: {e}"));
                 return;
             }
         };
+        let mut rows = logits.rows();
+        if rows.len() != tokens.len() || rows.iter().any(|r| r.len() != vocab) {
+            let msg = format!(
+                "decoding failed: {} rows of logits for {} tokens",
+                rows.len(),
+                tokens.len()
+            );
+            drop(rows);
+            if self.lead.is_some() {
+                self.fail_all(&msg);
+            } else {
+                self.fail_batch(ready, &msg);
+            }
+            return;
+        }
         let mut work: Vec<Option<Checked>> = Vec::new();
         work.resize_with(self.active.len(), || None);
-        let mut rest: &mut [f32] = &mut logits;
-        for (k, &i) in ready.iter().enumerate() {
-            let (rows, tail) = rest.split_at_mut(counts[k] * vocab);
-            rest = tail;
+        for (k, &i) in ready.iter().enumerate().rev() {
             work[i] = Some(Checked {
-                rows,
+                rows: rows.split_off(rows.len() - counts[k]),
                 draft: &drafts[k],
                 before: before[k],
             });
@@ -160,16 +174,19 @@ impl Worker<'_> {
                     seq.next = None;
                     let mut taken = 0;
                     let mut goes_on = true;
-                    for (j, row) in rows.chunks_mut(vocab).enumerate() {
+                    for (j, row) in rows.into_iter().enumerate() {
                         goes_on = accept(&model, seq, row);
                         if !goes_on || j >= draft.len() || seq.next != Some(draft[j]) {
                             break;
                         }
                         taken += 1;
                     }
-                    // the cache keeps the token that ran first and the drafts taken
-                    if let Store::Local(c) = &mut seq.cache {
-                        c.truncate(before + 1 + taken);
+                    // the cache keeps the token that ran first and the drafts taken (a split
+                    // sequence's slot on the lead is cut below, on the other ranks at their
+                    // next step)
+                    match &mut seq.cache {
+                        Store::Local(c) => c.truncate(before + 1 + taken),
+                        Store::Slot { len, .. } => *len = before + 1 + taken,
                     }
                     if let Some(dc) = &mut seq.draft_cache {
                         dc.truncate(dc.len().min(before + 1 + taken));
@@ -184,6 +201,15 @@ impl Worker<'_> {
             })
             .collect();
         let taken: usize = results.iter().map(|r| r.1).sum();
+        if let Some(lead) = self.lead.as_mut() {
+            for &i in ready {
+                if let Store::Slot { slot, len, .. } = &self.active[i].cache {
+                    if lead.select(*slot).is_ok() {
+                        lead.truncate(*len);
+                    }
+                }
+            }
+        }
         if self.config.adaptive_drafts {
             self.step_costs
                 .record(tokens.len(), started.elapsed().as_secs_f64());
@@ -217,7 +243,7 @@ fn context_of(s: &Sequence) -> Vec<u32> {
 /// A sequence's part of a speculative step: the logits of its rows (its next token's, then
 /// one per drafted token), its draft, and its cache length before the step.
 struct Checked<'a> {
-    rows: &'a mut [f32],
+    rows: Vec<&'a mut [f32]>,
     draft: &'a [u32],
     before: usize,
 }

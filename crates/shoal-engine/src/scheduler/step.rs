@@ -109,7 +109,7 @@ impl Worker<'_> {
         if ready.is_empty() {
             return;
         }
-        if self.config.draft_max > 0 && self.lead.is_none() {
+        if self.config.draft_max > 0 {
             let drafts = self.drafts(&ready);
             if drafts.iter().any(|d| !d.is_empty()) {
                 return self.speculative_step(&ready, &drafts);
@@ -197,6 +197,33 @@ impl Worker<'_> {
         lead.step_batch(&slots, tokens, want)
     }
 
+    /// One split step of several tokens per ready sequence (its next token and its draft,
+    /// `counts` each): the logits of every row, sequence by sequence.
+    pub(super) fn split_rows(
+        &mut self,
+        ready: &[usize],
+        tokens: &[u32],
+        counts: &[usize],
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let lead = self.lead.as_mut().ok_or_else(|| EngineError::Internal {
+            what: "a split sequence without a lead".into(),
+        })?;
+        let mut slots = Vec::with_capacity(ready.len());
+        let mut want = Want::Best;
+        for (&i, &n) in ready.iter().zip(counts) {
+            let seq = &mut self.active[i];
+            let Store::Slot { slot, len, .. } = &mut seq.cache else {
+                return Err(EngineError::Internal {
+                    what: "a local sequence in a split scheduler".into(),
+                });
+            };
+            slots.push(*slot);
+            *len += n;
+            want = widest(want, want_for(&seq.job.request));
+        }
+        lead.step_rows(&slots, tokens, counts, want)
+    }
+
     /// Interrupts every sequence and breaks the split (a failed split step leaves every
     /// rank's state unknown; the sequences may go on where the model is placed next).
     pub(super) fn fail_all(&mut self, why: &str) {
@@ -234,7 +261,7 @@ impl Worker<'_> {
 }
 
 /// A decode step's logits, one row per sequence in the step.
-enum StepLogits {
+pub(super) enum StepLogits {
     /// A row each.
     Rows(Vec<Vec<f32>>),
     /// The rows one after another (the output head's own values), and how many.
@@ -243,7 +270,7 @@ enum StepLogits {
 
 impl StepLogits {
     /// `n` rows laid one after another in `values`.
-    fn flat(values: Vec<f32>, n: usize) -> Result<Self, EngineError> {
+    pub(super) fn flat(values: Vec<f32>, n: usize) -> Result<Self, EngineError> {
         if n == 0 || values.is_empty() || !values.len().is_multiple_of(n) {
             return Err(EngineError::Internal {
                 what: format!("{} logits for a step of {n} sequences", values.len()),
@@ -253,7 +280,7 @@ impl StepLogits {
     }
 
     /// Each row, in order.
-    fn rows(&mut self) -> Vec<&mut [f32]> {
+    pub(super) fn rows(&mut self) -> Vec<&mut [f32]> {
         match self {
             StepLogits::Rows(rows) => rows.iter_mut().map(|r| &mut r[..]).collect(),
             StepLogits::Flat(values, n) => {
