@@ -263,6 +263,40 @@ pub fn coordinator<S: AsRef<str>>(live_ids: &[S]) -> Option<&str> {
     live_ids.iter().map(AsRef::as_ref).min()
 }
 
+/// A line for the history when `request` forces a strategy or nodes and the planner, left
+/// to choose, predicts a faster decode (by more than 5%) than `forced`'s: both placements and
+/// both predictions.
+fn forced_below_first_choice(
+    cluster: &Cluster,
+    profile: &ModelProfile,
+    request: &PlanRequest,
+    forced: &shoal_planner::Candidate,
+) -> Option<String> {
+    if request.strategy == Strategy::Auto && request.nodes.is_none() {
+        return None;
+    }
+    let free = PlanRequest {
+        strategy: Strategy::Auto,
+        nodes: None,
+        ..request.clone()
+    };
+    let first = plan(cluster, profile, &free).ok()?;
+    let (f, b) = (
+        forced.prediction.decode_tok_s,
+        first.prediction.decode_tok_s,
+    );
+    (b > f * 1.05).then(|| {
+        format!(
+            "forced {} {}: predicted {f:.1} tok/s decode; the planner's first choice, {} {}, \
+             is predicted at {b:.1} tok/s",
+            forced.placement.strategy,
+            forced.placement.describe(),
+            first.placement.strategy,
+            first.placement.describe()
+        )
+    })
+}
+
 fn list(nodes: &[&str]) -> String {
     format!("[{}]", nodes.join(","))
 }
@@ -368,6 +402,8 @@ impl InstanceTable {
                 error,
             }
         })?;
+        let forced_note =
+            forced_below_first_choice(&self.placeable(cluster), profile, request, &best);
         let mut inst = Instance {
             id: new.id,
             model: new.model,
@@ -388,6 +424,9 @@ impl InstanceTable {
             inst.placement.describe()
         );
         inst.note(line);
+        if let Some(line) = forced_note {
+            inst.note(line);
+        }
         let mut out = self.next(me);
         out.instances.insert(inst.id.clone(), inst);
         Ok(out)
@@ -1011,6 +1050,45 @@ mod tests {
         assert_eq!(i.history.len(), 1);
         assert!(i.history[0].starts_with("placed on ["), "{:?}", i.history);
         assert!(t0.instances.is_empty(), "the old table is untouched");
+    }
+
+    /// A load that forces two nodes over a slow link, where a third node holds the model
+    /// alone and decodes faster, says so in its history with both predictions; the
+    /// planner's own choice, or a forced one as fast, says nothing.
+    #[test]
+    fn a_forced_placement_ranked_below_the_first_choice_is_noted() {
+        let mut cluster = mesh(&["a", "b", "c"], 2 * GB);
+        for l in &mut cluster.links {
+            l.rtt_us = 10_000.0;
+        }
+        cluster.nodes[2].memory_free_bytes = 8 * GB;
+        cluster.nodes[2].memory_total_bytes = 9 * GB;
+        let forced = PlanRequest {
+            strategy: Strategy::Tensor,
+            ..req(Some(&["a", "b"]))
+        };
+        let t = InstanceTable::new()
+            .load("a", new("m", "big"), &big(), &cluster, &forced, 1)
+            .unwrap();
+        let i = t.get("m").unwrap();
+        assert_eq!(i.nodes().len(), 2, "{:?}", i.placement);
+        let note = i
+            .history
+            .iter()
+            .find(|l| l.starts_with("forced tensor"))
+            .unwrap_or_else(|| panic!("no note: {:?}", i.history));
+        assert!(
+            note.contains("tok/s decode; the planner's first choice, single c[0..16], is")
+                && note.matches(" tok/s").count() == 2,
+            "{note}"
+        );
+        for request in [req(None), req(Some(&["c"]))] {
+            let t = InstanceTable::new()
+                .load("a", new("m", "big"), &big(), &cluster, &request, 1)
+                .unwrap();
+            let h = &t.get("m").unwrap().history;
+            assert!(!h.iter().any(|l| l.starts_with("forced")), "{h:?}");
+        }
     }
 
     #[test]

@@ -96,6 +96,12 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
             inst["placement"]["tp"],
             inst["placement"]["stages"].as_array().map_or(0, Vec::len)
         );
+        // the planner's word on a forced strategy or node list it ranks below its own choice
+        for line in inst["history"].as_array().into_iter().flatten() {
+            if let Some(l) = line.as_str().filter(|l| l.starts_with("forced ")) {
+                eprintln!("note: {l}");
+            }
+        }
     }
     if args.no_wait {
         if args.json_mode() {

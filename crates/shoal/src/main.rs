@@ -74,8 +74,8 @@ enum Command {
     Worker(worker::WorkerArgs),
 }
 
-/// Speculative decoding, for `run` and `serve` (on one rank; split models decode without
-/// it).
+/// Speculative decoding, for `run` and `serve` (prompt lookup on one rank or a split; a
+/// draft model on one rank).
 #[derive(Args, Debug, Clone)]
 pub struct SpeculationArgs {
     /// Prompt-lookup speculative decoding: draft up to N tokens per step from the text so

@@ -228,8 +228,8 @@ pub struct SchedulerConfig {
     pub prefix_cache: bool,
     /// Speculative decoding: at most this many tokens drafted per step (0: off), by the
     /// draft model when the scheduler has one ([`Scheduler::start_with_draft`]), else by
-    /// prompt lookup from the sequence's own context. One rank only; a split model ignores
-    /// it.
+    /// prompt lookup from the sequence's own context (on a split model too, whose ranks
+    /// then run steps of several tokens per sequence, [`Lead::step_rows`]).
     pub draft_max: usize,
     /// Whether each step checks only the drafted tokens that promise more tokens per second
     /// than a plain step, by the measured cost of a step's rows and the share of drafts each

@@ -1,6 +1,7 @@
-//! Speculative decoding on one rank: each ready sequence drafts a few tokens (by prompt
-//! lookup in its own context, or with a draft model), and one step runs its next token and
-//! its draft together; the sequence keeps the drafted tokens the model samples itself.
+//! Speculative decoding: each ready sequence drafts a few tokens (by prompt lookup in its
+//! own context, or with a draft model on one rank), and one step runs its next token and its
+//! draft together (on one rank, or as one split step of every rank); the sequence keeps the
+//! drafted tokens the model samples itself.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -14,8 +15,8 @@ use crate::model::LoadedModel;
 use crate::{EngineError, KvCache};
 
 impl Worker<'_> {
-    /// The draft of each ready sequence on one rank (empty where the output is
-    /// constrained or nothing was drafted): at most `config.draft_max` tokens, within the
+    /// The draft of each ready sequence (empty where the output is constrained or nothing
+    /// was drafted): at most `config.draft_max` tokens, within the
     /// cache's room and the tokens still to generate; from the draft model when there is
     /// one, else by prompt lookup. With `config.adaptive_drafts`, only as many as
     /// [`choose`] finds worth a step's rows (a sequence's lookup drafts are all scored
@@ -23,6 +24,12 @@ impl Worker<'_> {
     pub(super) fn drafts(&mut self, ready: &[usize]) -> Vec<Vec<u32>> {
         let draft_model = self.draft.clone();
         let adaptive = self.config.adaptive_drafts;
+        // a split step carries at most so many tokens of a sequence
+        let step_max = if self.lead.is_some() {
+            crate::parallel::MAX_ROWS_PER_SEQUENCE - 1
+        } else {
+            usize::MAX
+        };
         // what each may check at most, and its lookup draft
         let mut available = Vec::with_capacity(ready.len());
         let mut lookups = Vec::with_capacity(ready.len());
@@ -36,7 +43,7 @@ impl Worker<'_> {
             let max = if s.job.request.constraint.is_some() {
                 0
             } else {
-                self.config.draft_max.min(room).min(left)
+                self.config.draft_max.min(room).min(left).min(step_max)
             };
             if draft_model.is_some() {
                 available.push(if s.draft_failed { 0 } else { max });
@@ -96,7 +103,8 @@ impl Worker<'_> {
         drafts
     }
 
-    /// One decode step of the ready sequences (one rank) in which each runs its next token
+    /// One decode step of the ready sequences (on one rank, or one split step of every
+    /// rank) in which each runs its next token
     /// and its draft: every row's logits come back, each sequence samples row by row as
     /// plain decoding would and goes on while the sampled token is the drafted one, and its
     /// cache keeps the positions of the tokens it accepted. With a draft token taken only
