@@ -349,13 +349,24 @@ impl AppState {
             return Ok(m.clone());
         }
         let known: Vec<&str> = models.iter().map(|m| m.id.as_str()).collect();
-        if let Some(api) = self.instances.get().and_then(|c| c.0.lead_api(base)) {
-            return Err(ApiError::new(
-                ErrorKind::NotFound,
-                format!(
-                    "model '{name}' is a cluster instance led by another node: send the request to http://{api}"
-                ),
-            ));
+        // A cluster instance not served here now: this node's view or the sender's is a
+        // moment old (a request forwarded to a lead that just lost its split, or to a node
+        // that has not started serving), so the answer says to retry, not that it is missing.
+        if let Some(control) = self.instances.get() {
+            if let Some(view) = control.0.instance(base) {
+                let message = match control.0.lead_api(base) {
+                    Some(api) => format!(
+                        "model '{name}' is a cluster instance led by another node: send the \
+                         request to http://{api}, or retry here shortly"
+                    ),
+                    None => format!(
+                        "model '{name}' is a cluster instance {} on the cluster and not served \
+                         by this node now; retry shortly",
+                        view.state
+                    ),
+                };
+                return Err(ApiError::new(ErrorKind::Overloaded, message));
+            }
         }
         Err(ApiError::new(
             ErrorKind::NotFound,
