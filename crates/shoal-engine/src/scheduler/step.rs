@@ -178,23 +178,7 @@ impl Worker<'_> {
         ready: &[usize],
         tokens: &[u32],
     ) -> Result<Vec<Vec<f32>>, EngineError> {
-        let lead = self.lead.as_mut().ok_or_else(|| EngineError::Internal {
-            what: "a split sequence without a lead".into(),
-        })?;
-        let mut slots = Vec::with_capacity(ready.len());
-        let mut want = Want::Best;
-        for &i in ready {
-            let seq = &mut self.active[i];
-            let Store::Slot { slot, len, .. } = &mut seq.cache else {
-                return Err(EngineError::Internal {
-                    what: "a local sequence in a split scheduler".into(),
-                });
-            };
-            slots.push(*slot);
-            *len += 1;
-            want = widest(want, want_for(&seq.job.request));
-        }
-        lead.step_batch(&slots, tokens, want)
+        self.split_rows(ready, tokens, &vec![1; ready.len()])
     }
 
     /// One split step of several tokens per ready sequence (its next token and its draft,
