@@ -11,9 +11,11 @@
 
 /// Weight an older observation keeps against a new one (about the last 20 drafts count).
 const DECAY: f32 = 0.95;
-/// A position's prior: taken half the time, worth a fifth of an observation (so that a
-/// position always taken is soon counted as nearly sure).
-const PRIOR_WEIGHT: f32 = 0.2;
+/// A position's prior is the estimate of the position before it (the first one's: taken
+/// half the time), worth a fifth of an observation: a position always taken is soon counted
+/// as nearly sure, and one never reached (a draft model's drafts are checked only as far as
+/// they were made) is taken to go as the one before it, so longer drafts get tried.
+const PRIOR_WEIGHT: f64 = 0.2;
 /// A step cost's weight against a new measurement of it.
 const COST_KEEP: f64 = 0.7;
 /// What a row adds to a step, as a fraction of a one-row step, before any step of more
@@ -98,9 +100,20 @@ impl Acceptance {
 
     /// The chance that the drafted token at position `j` (from 0) is taken when the ones
     /// before it were.
-    pub(crate) fn p(&self, j: usize) -> f64 {
-        let (r, t) = self.seen.get(j).copied().unwrap_or((0.0, 0.0));
-        f64::from((t + 0.5 * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT))
+    #[cfg(test)]
+    fn p(&self, j: usize) -> f64 {
+        self.chances().nth(j).unwrap_or(0.5)
+    }
+
+    /// Each position's chance, from the first on (without end: past the last position
+    /// seen, each goes as the one before it).
+    fn chances(&self) -> impl Iterator<Item = f64> + '_ {
+        let mut prior = 0.5;
+        (0..).map(move |j| {
+            let (r, t) = self.seen.get(j).copied().unwrap_or((0.0, 0.0));
+            prior = (f64::from(t) + PRIOR_WEIGHT * prior) / (f64::from(r) + PRIOR_WEIGHT);
+            prior
+        })
     }
 
     /// Tokens a step gives the sequence, expected, when it checks `k` drafted tokens: its
@@ -108,8 +121,8 @@ impl Acceptance {
     pub(crate) fn expected_tokens(&self, k: usize) -> f64 {
         let mut total = 1.0;
         let mut all_taken = 1.0;
-        for j in 0..k {
-            all_taken *= self.p(j);
+        for p in self.chances().take(k) {
+            all_taken *= p;
             total += all_taken;
         }
         total
@@ -315,6 +328,13 @@ mod tests {
             a.record(1, 0);
         }
         assert!(a.p(0) < 0.06, "it forgets: {}", a.p(0));
+        // positions never reached go as the last one reached: a draft always taken whole
+        // at length 1 promises more at length 4
+        let mut one = Acceptance::default();
+        for _ in 0..20 {
+            one.record(1, 1);
+        }
+        assert!(one.p(3) > 0.95 && one.expected_tokens(4) > 4.5, "{one:?}");
     }
 
     #[test]
