@@ -40,16 +40,9 @@ fi
 bin=${SHOAL_HOME:-$HOME/.cache/shoal}/llama.cpp-build/bin
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-prompt="Here is a Python function:
-
-\`\`\`python
-$(cat "$edit")
-\`\`\`
-
-The same function with the parameter tax_rate renamed to vat_rate everywhere, and nothing else changed:
-
-\`\`\`python
-"
+. "$here/edit-prompt.sh"
+prompt=$(edit_prompt "$edit")
+prompt+=$'\n'
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg) (benchmark an idle machine); $(basename "$path"), $t threads, $n tokens, $(basename "$edit")${extra[*]:+, ${extra[*]}}"
 rate() { sed -n 's/.*generation: \([0-9]*\) tokens, \([0-9.]*\) tok\/s.*/\2/p' "$1"; }
 same=same

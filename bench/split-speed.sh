@@ -32,16 +32,9 @@ path=$model
 [ -f "$path" ] || path=$("$shoal" models fetch "$model" 2>/dev/null | tail -n1)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-prompt="Here is a Python function:
-
-\`\`\`python
-$(cat "$edit")
-\`\`\`
-
-The same function with the parameter tax_rate renamed to vat_rate everywhere, and nothing else changed:
-
-\`\`\`python
-"
+. "$here/edit-prompt.sh"
+prompt=$(edit_prompt "$edit")
+prompt+=$'\n'
 rate() { sed -n 's/.*generation: \([0-9]*\) tokens, \([0-9.]*\) tok\/s.*/\2/p' "$1"; }
 accepted() { grep '^speculation:' "$1" | sed 's/^speculation: \([0-9]* of [0-9]*\).*/\1/' || true; }
 # one layout, plain then with lookup: "plain lookup ratio same accepted"

@@ -611,6 +611,53 @@ fn split_ranks(
     (ctx, m, workers)
 }
 
+/// Runs `f` on a scheduler leading `layout`'s ranks of `source` (see [`split_ranks`]), then
+/// checks that the split did not fail and that every rank stopped cleanly.
+fn on_split<T>(
+    source: &ModelSource,
+    layout: shoal_engine::shard::Layout,
+    config: SchedulerConfig,
+    f: impl FnOnce(&Scheduler) -> T,
+) -> T {
+    let (ctx, m, workers) = split_ranks(source, layout);
+    let sched = Scheduler::start_split(Arc::new(m), ctx, config).unwrap();
+    let out = f(&sched);
+    assert!(
+        sched.failure().is_none(),
+        "{layout:?}: {:?}",
+        sched.failure()
+    );
+    drop(sched);
+    for w in workers {
+        w.join().unwrap().unwrap();
+    }
+    out
+}
+
+/// The tokens of `prompts[i]` continued by `lens[i]` tokens with `sampler`, all submitted at
+/// once to `sched`.
+fn generate_all(
+    sched: &Scheduler,
+    prompts: &[Vec<u32>],
+    lens: &[usize],
+    sampler: &SamplerConfig,
+) -> Vec<Vec<u32>> {
+    let subs: Vec<_> = prompts
+        .iter()
+        .zip(lens)
+        .map(|(p, &n)| {
+            let (tx, rx) = mpsc::channel();
+            let mut r = request(p.clone(), n);
+            r.sampler = sampler.clone();
+            let t = sched
+                .submit(r, Box::new(move |e| tx.send(e).is_ok()))
+                .unwrap();
+            (t, rx)
+        })
+        .collect();
+    subs.iter().map(|(_, rx)| collect(rx).0).collect()
+}
+
 #[test]
 fn split_scheduler_matches_one_rank() {
     use shoal_engine::shard::Layout;
@@ -632,15 +679,10 @@ fn split_scheduler_matches_one_rank() {
     drop(local);
     let source = ModelSource::Gguf(path.clone());
     for (tp, pp) in [(2, 1), (1, 2), (2, 2)] {
-        let (ctx, m, workers) = split_ranks(&source, Layout { tp, pp });
-        let sched = Scheduler::start_split(Arc::new(m), ctx, config).unwrap();
-        let got = schedule(&sched, &ps, &lens);
+        let got = on_split(&source, Layout { tp, pp }, config, |sched| {
+            schedule(sched, &ps, &lens)
+        });
         assert_eq!(got, want, "tp {tp} pp {pp}");
-        assert!(sched.failure().is_none());
-        drop(sched);
-        for w in workers {
-            w.join().unwrap().unwrap();
-        }
     }
 }
 
@@ -678,45 +720,28 @@ fn split_lookup_decoding_gives_one_ranks_tokens() {
             ..SamplerConfig::default()
         },
     ];
-    let run = |sched: &Scheduler, sampler: &SamplerConfig| -> Vec<Vec<u32>> {
-        let subs: Vec<_> = ps
-            .iter()
-            .zip(lens)
-            .map(|(p, n)| {
-                let (tx, rx) = mpsc::channel();
-                let mut r = request(p.clone(), n);
-                r.sampler = sampler.clone();
-                let t = sched
-                    .submit(r, Box::new(move |e| tx.send(e).is_ok()))
-                    .unwrap();
-                (t, rx)
-            })
-            .collect();
-        subs.iter().map(|(_, rx)| collect(rx).0).collect()
-    };
     let local = Scheduler::start(Arc::new(load(&path)), config(0)).unwrap();
-    let want: Vec<_> = samplers.iter().map(|s| run(&local, s)).collect();
+    let want: Vec<_> = samplers
+        .iter()
+        .map(|s| generate_all(&local, &ps, &lens, s))
+        .collect();
     drop(local);
     let source = ModelSource::Gguf(path.clone());
     for (tp, pp) in [(2, 1), (1, 2), (2, 2)] {
-        let (ctx, m, workers) = split_ranks(&source, Layout { tp, pp });
-        let sched = Scheduler::start_split(Arc::new(m), ctx, config(5)).unwrap();
-        for (sampler, want) in samplers.iter().zip(&want) {
-            assert_eq!(&run(&sched, sampler), want, "tp {tp} pp {pp} {sampler:?}");
-        }
-        let s = sched.stats();
-        let drafted = s.drafted.load(Ordering::Relaxed);
-        let taken = s.accepted_drafts.load(Ordering::Relaxed);
-        eprintln!("tp {tp} pp {pp}: {taken} of {drafted} drafted tokens taken");
-        assert!(
-            drafted > 0 && taken > 0,
-            "tp {tp} pp {pp}: {taken} of {drafted}"
-        );
-        assert!(sched.failure().is_none());
-        drop(sched);
-        for w in workers {
-            w.join().unwrap().unwrap();
-        }
+        on_split(&source, Layout { tp, pp }, config(5), |sched| {
+            for (sampler, want) in samplers.iter().zip(&want) {
+                let got = generate_all(sched, &ps, &lens, sampler);
+                assert_eq!(&got, want, "tp {tp} pp {pp} {sampler:?}");
+            }
+            let s = sched.stats();
+            let drafted = s.drafted.load(Ordering::Relaxed);
+            let taken = s.accepted_drafts.load(Ordering::Relaxed);
+            eprintln!("tp {tp} pp {pp}: {taken} of {drafted} drafted tokens taken");
+            assert!(
+                drafted > 0 && taken > 0,
+                "tp {tp} pp {pp}: {taken} of {drafted}"
+            );
+        });
     }
 }
 
@@ -1146,19 +1171,7 @@ fn lookup_decoding_gives_the_same_tokens_in_fewer_steps() {
                 },
             )
             .unwrap();
-            let subs: Vec<_> = prompts
-                .iter()
-                .map(|p| {
-                    let (tx, rx) = mpsc::channel();
-                    let mut r = request(p.clone(), 60);
-                    r.sampler = sampler.clone();
-                    let t = sched
-                        .submit(r, Box::new(move |e| tx.send(e).is_ok()))
-                        .unwrap();
-                    (t, rx)
-                })
-                .collect();
-            let tokens: Vec<Vec<u32>> = subs.iter().map(|(_, rx)| collect(rx).0).collect();
+            let tokens = generate_all(&sched, &prompts, &[60, 60], &sampler);
             let s = sched.stats();
             let steps = s.decode_steps.load(Ordering::Relaxed);
             let drafted = s.drafted.load(Ordering::Relaxed);
