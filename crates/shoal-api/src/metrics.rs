@@ -66,6 +66,7 @@ pub struct Metrics {
     resumed: Family<ModelLabels, Counter>,
     shards_loaded: Family<ModelLabels, Counter>,
     shards_kept: Family<ModelLabels, Counter>,
+    shard_layers_kept: Family<ModelLabels, Counter>,
     too_long: Family<ModelLabels, Counter>,
     ttft: Family<ModelLabels, Histogram, fn() -> Histogram>,
     itl: Family<ModelLabels, Histogram, fn() -> Histogram>,
@@ -133,6 +134,13 @@ impl Metrics {
             "shards_kept",
             "Shards of cluster instances this node kept loaded from the instance's previous placement",
             shards_kept.clone(),
+        );
+        let shard_layers_kept = Family::<ModelLabels, Counter>::default();
+        r.register(
+            "shard_layers_kept",
+            "Layers of cluster instances' shards this node kept loaded from the instance's \
+             previous placement, in shards taken whole and in shards that grew or moved",
+            shard_layers_kept.clone(),
         );
         let too_long = Family::<ModelLabels, Counter>::default();
         r.register(
@@ -235,6 +243,7 @@ impl Metrics {
             resumed,
             shards_loaded,
             shards_kept,
+            shard_layers_kept,
             too_long,
             ttft,
             itl,
@@ -307,15 +316,20 @@ impl Metrics {
         self.resumed.get_or_create(&Self::model(model)).inc();
     }
 
-    /// Counts a shard of instance `model` this node's rank loaded from its file, or (with
-    /// `kept`) took over loaded from the rank it held in the previous placement.
-    pub fn shard(&self, model: &str, kept: bool) {
-        let family = if kept {
+    /// Counts a shard of instance `model` this node's rank took: one that read
+    /// `layers_loaded` layers from its file (counted as loaded), or none (taken whole from
+    /// the rank it held in the previous placement), keeping `layers_kept` loaded layers.
+    pub fn shard(&self, model: &str, layers_kept: usize, layers_loaded: usize) {
+        let m = Self::model(model);
+        let family = if layers_loaded == 0 {
             &self.shards_kept
         } else {
             &self.shards_loaded
         };
-        family.get_or_create(&Self::model(model)).inc();
+        family.get_or_create(&m).inc();
+        self.shard_layers_kept
+            .get_or_create(&m)
+            .inc_by(layers_kept as u64);
     }
 
     /// Sets the scheduler gauges of `model`.

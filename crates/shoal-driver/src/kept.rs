@@ -2,10 +2,14 @@
 //! instance placed again after a node died, its peers gone), its loaded weights wait here;
 //! a rank of the next placement that holds the same share (the same file, tensor split,
 //! stage sizes, expert cut and rank index) takes them and points their collectives at its
-//! new mesh ([`Rebindable`]) instead of loading the file again. A kept shard is dropped as
-//! soon as the instance table shows that no rank here will take it, and after [`KEEP_FOR`]
-//! in any case, so weights nobody will use do not hold memory the planner counts as free.
+//! new mesh ([`Rebindable`]) instead of loading the file again. A rank whose share changed
+//! but still holds some of the same layers, cut the same way (a pipeline stage that grew
+//! or moved when a stage's node died), takes the shard too and reads only what its share
+//! adds (`LoadedModel::regrow_split`). A kept shard is dropped as soon as the instance
+//! table shows that no rank here will take it, and after [`KEEP_FOR`] in any case, so
+//! weights nobody will use do not hold memory the planner counts as free.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -43,11 +47,44 @@ impl ShareKey {
 
     /// Whether some rank of `inst` on node `me` holds this share.
     fn placed_on(&self, inst: &Instance, me: &str) -> bool {
+        self.shares_on(inst, me).any(|k| k == *self)
+    }
+
+    /// The shares of the ranks of `inst` on node `me`.
+    fn shares_on<'a>(
+        &'a self,
+        inst: &'a Instance,
+        me: &'a str,
+    ) -> impl Iterator<Item = ShareKey> + 'a {
         inst.placement
             .rank_nodes()
-            .iter()
+            .into_iter()
             .enumerate()
-            .any(|(r, n)| *n == me && ShareKey::of(inst, r, &self.path) == *self)
+            .filter(move |(_, n)| *n == me)
+            .map(|(r, _)| ShareKey::of(inst, r, &self.path))
+    }
+
+    /// The layers of this share's pipeline stage.
+    pub(crate) fn layers(&self) -> Range<usize> {
+        let stage = self.rank / self.tp.max(1);
+        let start: usize = self.stage_sizes.iter().take(stage).sum();
+        start..start + self.stage_sizes.get(stage).copied().unwrap_or(0)
+    }
+
+    /// How many layers a rank loading `other` may keep of this share: those both stages
+    /// hold, when both come from the same file, are cut the same way across a stage (the
+    /// tensor split, the rank's place in its stage, the expert cut). The engine checks the
+    /// cut of each layer again as it takes them.
+    fn common_layers(&self, other: &ShareKey) -> usize {
+        let same_cut = self.path == other.path
+            && self.tp == other.tp
+            && self.experts == other.experts
+            && self.rank % self.tp.max(1) == other.rank % other.tp.max(1);
+        if !same_cut {
+            return 0;
+        }
+        let (a, b) = (self.layers(), other.layers());
+        b.end.min(a.end).saturating_sub(a.start.max(b.start))
     }
 }
 
@@ -139,6 +176,25 @@ impl Kept {
         Some(kept.swap_remove(i))
     }
 
+    /// Takes the shard of `inst` kept here with the most layers in common with `key` (a
+    /// share of a rank of `inst` on node `me`), leaving those another rank here takes whole.
+    pub(crate) fn take_overlapping(
+        &self,
+        inst: &Instance,
+        me: &str,
+        key: &ShareKey,
+    ) -> Option<KeptShard> {
+        let mut kept = self.shards.lock().unwrap();
+        let (i, _) = kept
+            .iter()
+            .enumerate()
+            .filter(|(_, k)| k.instance == inst.id && !k.key.placed_on(inst, me))
+            .map(|(i, k)| (i, k.key.common_layers(key)))
+            .filter(|&(_, n)| n > 0)
+            .max_by_key(|&(_, n)| n)?;
+        Some(kept.swap_remove(i))
+    }
+
     /// Drops the shards no rank of node `me` will take: their instance is gone from
     /// `table` or unloading, its placement holds their share nowhere on `me`, or they were
     /// kept longer than [`KEEP_FOR`]. Returns how many were dropped.
@@ -158,11 +214,15 @@ impl Kept {
 }
 
 /// Whether a rank of node `me` may still take the share `key` of `instance`: the instance
-/// is in `table`, not unloading, and its placement has a rank of that share on `me`.
+/// is in `table`, not unloading, and its placement has a rank on `me` of that share or of
+/// one with layers in common with it.
 fn wanted(instance: &str, key: &ShareKey, table: &InstanceTable, me: &str) -> bool {
-    table
-        .get(instance)
-        .is_some_and(|inst| inst.state != InstanceState::Unloading && key.placed_on(inst, me))
+    table.get(instance).is_some_and(|inst| {
+        inst.state != InstanceState::Unloading
+            && key
+                .shares_on(inst, me)
+                .any(|k| k == *key || key.common_layers(&k) > 0)
+    })
 }
 
 #[cfg(test)]
@@ -266,5 +326,42 @@ mod tests {
         assert!(!wanted("x", &b, &table(Some(piped)), "b"));
         // a rank taking a kept shard asks by the file it found too
         assert_ne!(ShareKey::of(&old, 1, Path::new("/n.gguf")), b);
+    }
+
+    #[test]
+    fn a_stage_that_grew_or_moved_wants_the_layers_it_held() {
+        let file = Path::new("/m.gguf");
+        let old = inst(1, InstanceState::Ready, &[&["a"], &["b"], &["c"]]);
+        let [a, b, c] = [0, 1, 2].map(|r| ShareKey::of(&old, r, file));
+        assert_eq!(c.layers(), 16..24);
+        // b died: a takes layers 0..12, c 12..24
+        let mut new = inst(2, InstanceState::Placing, &[&["a"], &["c"]]);
+        new.placement.stages[0].layers = 0..12;
+        new.placement.stages[1].layers = 12..24;
+        let [a2, c2] = [0, 1].map(|r| ShareKey::of(&new, r, file));
+        assert_eq!(a.common_layers(&a2), 8);
+        assert_eq!(c.common_layers(&c2), 8);
+        assert_eq!(b.common_layers(&c2), 4);
+        assert_eq!(a.common_layers(&c2), 0);
+        let t = table(Some(new));
+        assert!(wanted("x", &a, &t, "a"));
+        assert!(wanted("x", &c, &t, "c"));
+        // b's old share is wanted only where a rank of the new placement runs
+        assert!(!wanted("x", &b, &t, "b"));
+        // another file, another tensor cut, or another place in the stage keeps nothing
+        assert_eq!(
+            ShareKey::of(&old, 2, Path::new("/n.gguf")).common_layers(&c2),
+            0
+        );
+        let tp2 = inst(3, InstanceState::Placing, &[&["a", "c"]]);
+        let [a3, c3] = [0, 1].map(|r| ShareKey::of(&tp2, r, file));
+        assert_eq!(a.common_layers(&a3), 0);
+        assert_eq!(c.common_layers(&c3), 0);
+        let wide = inst(3, InstanceState::Placing, &[&["a", "b"], &["c", "d"]]);
+        let [w0, w1, w2, w3] = [0, 1, 2, 3].map(|r| ShareKey::of(&wide, r, file));
+        assert_eq!(w2.layers(), 8..16);
+        assert_eq!(w0.common_layers(&w2), 0, "stages apart");
+        assert_eq!(w1.common_layers(&w3), 0, "stages apart");
+        assert_eq!(w1.common_layers(&w2), 0, "another place in the stage");
     }
 }

@@ -7,7 +7,7 @@
 //! the others serve steps. What it is doing goes into this node's rank reports, which the
 //! coordinator follows.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -21,7 +21,8 @@ use shoal_comm::Rebindable;
 use shoal_engine::model::LoadedModel;
 use shoal_engine::parallel::{serve, RankContext};
 use shoal_engine::scheduler::SchedulerConfig;
-use shoal_engine::shard::Layout;
+use shoal_engine::shard::{Layout, ShardPlan};
+use shoal_engine::transformer::Reuse;
 use shoal_model::source::ModelSource;
 
 use crate::fetch::NoRoom;
@@ -178,36 +179,30 @@ impl Driver {
         self.kept
             .wait_for_older(&inst.id, inst.generation, OLDER_RANK_WAIT);
         let key = ShareKey::of(inst, rank, &path);
-        let taken = self.kept.take(&inst.id, &key);
-        let reused = taken.is_some();
-        let (model, tp) = match taken {
+        let (model, tp, reuse) = match self.kept.take(&inst.id, &key) {
             Some(k) => {
                 k.tp.bind(ctx.tp.clone())
                     .map_err(|e| anyhow::anyhow!("rebinding the kept shard: {e}"))?;
                 ctx.plans = k.plans;
                 tracing::info!(instance = %inst.id, rank, from = k.generation, "kept the shard loaded for the previous placement");
-                (k.model, k.tp)
+                let reuse = Reuse {
+                    layers_kept: key.layers().len(),
+                    layers_loaded: 0,
+                };
+                (k.model, k.tp, reuse)
             }
             None => {
-                self.report(inst, RankState::Loading, Some("loading its shard".into()));
                 let tp = Arc::new(Rebindable::new(ctx.tp.clone()));
-                let source = ModelSource::Gguf(path.clone());
-                let sizes = inst.placement.stage_sizes();
-                let (model, plans) = LoadedModel::load_split(
-                    &source,
-                    layout,
-                    Some(&sizes),
-                    inst.placement.experts,
-                    rank,
-                    tp.clone(),
-                )
-                .with_context(|| format!("loading rank {rank}'s shard of {}", path.display()))?;
+                let (model, plans, reuse) =
+                    self.load_share(inst, rank, &path, &key, layout, tp.clone())?;
                 ctx.plans = plans;
-                (Arc::new(model), tp)
+                (Arc::new(model), tp, reuse)
             }
         };
         if let Some(state) = self.state.upgrade() {
-            state.metrics.shard(&inst.id, reused);
+            state
+                .metrics
+                .shard(&inst.id, reuse.layers_kept, reuse.layers_loaded);
         }
         ctx.tp = tp.clone();
         let _holding = self.kept.hold(&inst.id, inst.generation);
@@ -277,6 +272,47 @@ impl Driver {
         keep(model);
         result?;
         Ok(())
+    }
+
+    /// Loads rank `rank`'s share `key` of `inst` from `path`, its layers summing over `tp`:
+    /// from the shard kept here with the most layers in common with it, reading only what
+    /// that lacks, or else from the file alone.
+    fn load_share(
+        &self,
+        inst: &Instance,
+        rank: usize,
+        path: &Path,
+        key: &ShareKey,
+        layout: Layout,
+        tp: Arc<Rebindable>,
+    ) -> anyhow::Result<(LoadedModel, Vec<ShardPlan>, Reuse)> {
+        let source = ModelSource::Gguf(path.to_path_buf());
+        let sizes = inst.placement.stage_sizes();
+        let experts = inst.placement.experts;
+        let context = || format!("loading rank {rank}'s shard of {}", path.display());
+        let Some(old) = self.kept.take_overlapping(inst, self.node.id(), key) else {
+            self.report(inst, RankState::Loading, Some("loading its shard".into()));
+            let (model, plans) =
+                LoadedModel::load_split(&source, layout, Some(&sizes), experts, rank, tp)
+                    .with_context(context)?;
+            let reuse = Reuse {
+                layers_kept: 0,
+                layers_loaded: key.layers().len(),
+            };
+            return Ok((model, plans, reuse));
+        };
+        self.report(
+            inst,
+            RankState::Loading,
+            Some("loading what its shard adds".into()),
+        );
+        let (model, plans, reuse) =
+            LoadedModel::regrow_split(&old.model, &source, layout, Some(&sizes), experts, rank, tp)
+                .with_context(context)?;
+        tracing::info!(instance = %inst.id, rank, from = old.generation, kept = reuse.layers_kept, loaded = reuse.layers_loaded, "kept the layers of the previous placement's shard that this one holds");
+        // the old share's other layers go here
+        drop(old);
+        Ok((model, plans, reuse))
     }
 
     /// The model file of `inst` here: one this node has (by SHA-256, else by name), or the

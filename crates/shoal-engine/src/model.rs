@@ -14,7 +14,7 @@ use shoal_model::tokenizer::Tokenizer;
 use crate::arch::{ArchSpec, Role};
 use crate::profile::Op;
 use crate::shard::{self, ExpertSplit, Layout, ShardPlan};
-use crate::transformer::Transformer;
+use crate::transformer::{Reuse, Transformer};
 use crate::weights::{GgufWeights, HfNaming, SafetensorsWeights, WeightSource};
 use crate::{arch, EngineError, KvCache, ModelConfig};
 
@@ -110,6 +110,39 @@ impl LoadedModel {
             Transformer::load_shard(src, cfg, plan, tp.clone())
         })?;
         Ok((model, plans))
+    }
+
+    /// [`LoadedModel::load_split`] of the same file as `old`, sharing the loaded weights of
+    /// `old`'s share that rank `rank`'s new share holds too and reading only what it adds
+    /// ([`Transformer::regrow`]); the rest of `old` goes when `old` is dropped.
+    ///
+    /// # Errors
+    /// As [`LoadedModel::load_split`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn regrow_split(
+        old: &LoadedModel,
+        source: &ModelSource,
+        layout: Layout,
+        stage_sizes: Option<&[usize]>,
+        experts: ExpertSplit,
+        rank: usize,
+        tp: Arc<dyn Communicator>,
+    ) -> Result<(Self, Vec<ShardPlan>, Reuse), EngineError> {
+        let mut plans = Vec::new();
+        let mut reuse = Reuse::default();
+        let model = Self::load_built(source, &mut |src, cfg| {
+            plans = shard::plan(&cfg, src, layout, stage_sizes, experts)?;
+            let plan = plans
+                .get(rank)
+                .cloned()
+                .ok_or_else(|| EngineError::InvalidInput {
+                    what: format!("rank {rank} in a split of {} ranks", layout.world()),
+                })?;
+            let (t, r) = old.transformer.regrow(src, cfg, plan, tp.clone())?;
+            reuse = r;
+            Ok(t)
+        })?;
+        Ok((model, plans, reuse))
     }
 
     fn load_built(source: &ModelSource, build: &mut Builder<'_>) -> Result<Self, EngineError> {

@@ -16,6 +16,7 @@ use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::kv_cache::KvCache;
 use crate::network::Network;
+pub use crate::network::Reuse;
 pub use crate::shard::{LayerShard, ShardPlan};
 use crate::weights::WeightSource;
 use crate::EngineError;
@@ -46,6 +47,14 @@ pub(crate) trait Forward: Send + Sync {
     ) -> Result<Vec<f32>, EngineError>;
     fn logits(&self, x: &[f32], counts: &[usize], last: usize) -> Result<Vec<f32>, EngineError>;
     fn device_counters(&self) -> Option<crate::device::GpuCounters>;
+    /// This share made into the share `plan` of the same file, sharing what both hold
+    /// ([`Network::regrow`]); `Unsupported` where the share cannot be remade in part.
+    fn regrow(
+        &self,
+        src: &dyn WeightSource,
+        plan: ShardPlan,
+        tp: Arc<dyn Communicator>,
+    ) -> Result<(Box<dyn Forward>, Reuse), EngineError>;
 }
 
 impl<B: Backend> Forward for Network<B> {
@@ -98,6 +107,16 @@ impl<B: Backend> Forward for Network<B> {
 
     fn device_counters(&self) -> Option<crate::device::GpuCounters> {
         self.backend_counters()
+    }
+
+    fn regrow(
+        &self,
+        src: &dyn WeightSource,
+        plan: ShardPlan,
+        tp: Arc<dyn Communicator>,
+    ) -> Result<(Box<dyn Forward>, Reuse), EngineError> {
+        let (net, reuse) = Network::regrow(self, src, plan, tp)?;
+        Ok((Box::new(net), reuse))
     }
 }
 
@@ -267,6 +286,37 @@ impl Transformer {
         Ok(Transformer {
             net: Box::new(Network::load(be, src, cfg, plan, tp)?),
         })
+    }
+
+    /// The share `plan` of the same model (`src`, `cfg`), sharing with this one the layers
+    /// both hold, cut the same way, and the embedding, head and norm of the same rows, and
+    /// reading what `plan` adds; what only this share holds goes when it is dropped. A share
+    /// cut across a GPU and the CPU is loaded whole again.
+    ///
+    /// # Errors
+    /// As [`Transformer::load_shard`].
+    pub fn regrow(
+        &self,
+        src: &dyn WeightSource,
+        cfg: ModelConfig,
+        plan: ShardPlan,
+        tp: Arc<dyn Communicator>,
+    ) -> Result<(Self, Reuse), EngineError> {
+        match self.net.regrow(src, plan.clone(), tp.clone()) {
+            Ok((net, reuse)) => Ok((Transformer { net }, reuse)),
+            Err(EngineError::Unsupported { .. }) => {
+                let layers_loaded = plan.layers.len();
+                let t = Self::load_shard(src, cfg, plan, tp)?;
+                Ok((
+                    t,
+                    Reuse {
+                        layers_kept: 0,
+                        layers_loaded,
+                    },
+                ))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// What the device has done so far (queue submissions, dispatches, bytes read back),

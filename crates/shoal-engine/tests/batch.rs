@@ -986,6 +986,136 @@ fn retired_split_weights_serve_again_over_a_new_mesh() {
     worker.join().unwrap().unwrap();
 }
 
+/// A share made into another share of the same file keeps the layers both hold: three
+/// pipeline stages of two layers regrown into two of three keep two layers on each new
+/// stage and read one, a tensor-parallel share regrown into the whole model keeps none
+/// (its layers are cut another way), and the regrown ranks give one rank's tokens.
+#[test]
+fn a_regrown_share_keeps_the_layers_it_held() {
+    use shoal_comm::{mem_mesh, Transport};
+    use shoal_engine::parallel::{serve, RankContext};
+    use shoal_engine::shard::Layout;
+    use shoal_engine::transformer::Reuse;
+
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinyModelSpec {
+        n_layers: 6,
+        ..TinyModelSpec::qwen2(9)
+    };
+    let path = tiny(spec, GgmlType::Q8_0, dir.path());
+    let source = ModelSource::Gguf(path.clone());
+    let config = SchedulerConfig {
+        max_batch: 2,
+        max_queue: 8,
+        ctx: 256,
+        prefix_cache: true,
+        draft_max: 0,
+        adaptive_drafts: false,
+    };
+    let ps = prompts(320);
+    let lens = [12usize, 9];
+    let local = Scheduler::start(Arc::new(load(&path)), config).unwrap();
+    let want = schedule(&local, &ps[..2], &lens);
+    drop(local);
+    // loads `layout` cut by `sizes`: each rank's context and share
+    let contexts = |layout: Layout| -> Vec<RankContext> {
+        mem_mesh(layout.world())
+            .into_iter()
+            .map(|t| {
+                let t: Arc<dyn Transport> = Arc::new(t);
+                RankContext::over(t, layout, Duration::from_secs(60)).unwrap()
+            })
+            .collect()
+    };
+    let old_layout = Layout { tp: 1, pp: 3 };
+    let old: Vec<LoadedModel> = contexts(old_layout)
+        .into_iter()
+        .enumerate()
+        .map(|(r, ctx)| {
+            LoadedModel::load_split(
+                &source,
+                old_layout,
+                Some(&[2, 2, 2]),
+                Default::default(),
+                r,
+                ctx.tp.clone(),
+            )
+            .unwrap()
+            .0
+        })
+        .collect();
+    let mut old: Vec<Option<LoadedModel>> = old.into_iter().map(Some).collect();
+    let layout = Layout { tp: 1, pp: 2 };
+    let mut ctxs = contexts(layout);
+    // the new first stage (layers 0..3) from the old first (0..2), the new last (3..6) from
+    // the old last (4..6); the old middle stage is let go
+    let mut models = Vec::new();
+    for (r, from) in [(0, 0), (1, 2)] {
+        let (m, plans, reuse) = LoadedModel::regrow_split(
+            &old[from].take().unwrap(),
+            &source,
+            layout,
+            Some(&[3, 3]),
+            Default::default(),
+            r,
+            ctxs[r].tp.clone(),
+        )
+        .unwrap();
+        assert_eq!(
+            reuse,
+            Reuse {
+                layers_kept: 2,
+                layers_loaded: 1
+            },
+            "rank {r}"
+        );
+        assert_eq!(m.transformer.plan().layers, [0..3, 3..6][r]);
+        ctxs[r].plans = plans;
+        models.push(Arc::new(m));
+    }
+    let ctx1 = ctxs.pop().unwrap();
+    let ctx0 = ctxs.pop().unwrap();
+    let m1 = models[1].clone();
+    let worker = std::thread::spawn(move || serve(&ctx1, &m1.transformer, 256));
+    let sched = Scheduler::start_split(models[0].clone(), ctx0, config).unwrap();
+    assert_eq!(schedule(&sched, &ps[..2], &lens), want, "regrown stages");
+    assert!(sched.failure().is_none());
+    drop(sched);
+    worker.join().unwrap().unwrap();
+    // a tensor-parallel share holds other cuts of its layers than the whole model does
+    let tp2 = Layout { tp: 2, pp: 1 };
+    let half = LoadedModel::load_split(
+        &source,
+        tp2,
+        None,
+        Default::default(),
+        0,
+        contexts(tp2)[0].tp.clone(),
+    )
+    .unwrap()
+    .0;
+    let one = Layout { tp: 1, pp: 1 };
+    let (whole, _, reuse) = LoadedModel::regrow_split(
+        &half,
+        &source,
+        one,
+        None,
+        Default::default(),
+        0,
+        contexts(one)[0].tp.clone(),
+    )
+    .unwrap();
+    assert_eq!(
+        reuse,
+        Reuse {
+            layers_kept: 0,
+            layers_loaded: 6
+        }
+    );
+    let sched = Scheduler::start(Arc::new(whole), config).unwrap();
+    assert_eq!(schedule(&sched, &ps[..2], &lens), want, "regrown whole");
+}
+
 /// Submits `prompt` for `n` tokens; the receiver gets its events.
 fn submit(
     sched: &Scheduler,

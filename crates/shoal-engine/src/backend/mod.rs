@@ -25,7 +25,7 @@ use crate::weights::{Slice, WeightSource};
 use crate::EngineError;
 
 /// What a block's operations run on. See the module.
-pub trait Backend: Send + Sync + Sized + 'static {
+pub trait Backend: Clone + Send + Sync + Sized + 'static {
     /// Activations: rows of `f32` values in this backend's memory, sized by the operation
     /// that writes them.
     type Act: Send + Default;

@@ -81,6 +81,37 @@ impl<B: Backend> Default for Workspace<B> {
     }
 }
 
+/// How much of a share [`Network::regrow`] kept from the share before it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reuse {
+    /// Layers taken from the earlier share.
+    pub layers_kept: usize,
+    /// Layers read from the file.
+    pub layers_loaded: usize,
+}
+
+/// Loaded pieces of an earlier share that a load takes instead of reading them again.
+struct Parts<B: Backend> {
+    /// The embedding's rows of the new share's vocabulary (a tied head's too).
+    table: Option<Arc<B::Matrix>>,
+    /// Blocks by layer, cut across the stage's ranks as the new share cuts them.
+    blocks: Vec<(usize, Arc<Block<B>>)>,
+    norm: Option<Arc<Norm<B>>>,
+    /// An untied output head of the new share's vocabulary rows.
+    head: Option<Arc<Linear<B>>>,
+}
+
+impl<B: Backend> Parts<B> {
+    fn none() -> Self {
+        Parts {
+            table: None,
+            blocks: Vec::new(),
+            norm: None,
+            head: None,
+        }
+    }
+}
+
 /// One rank's share of a model on backend `B`.
 pub(crate) struct Network<B: Backend> {
     be: B,
@@ -91,9 +122,10 @@ pub(crate) struct Network<B: Backend> {
     tp: Arc<dyn Communicator>,
     /// The embedding table's rows this rank holds (first stage).
     embed: Option<Arc<B::Matrix>>,
-    blocks: Vec<Block<B>>,
-    norm: Option<Norm<B>>,
-    head: Option<Linear<B>>,
+    /// Its layers (shared with the share it was regrown from, or into).
+    blocks: Vec<Arc<Block<B>>>,
+    norm: Option<Arc<Norm<B>>>,
+    head: Option<Arc<Linear<B>>>,
     /// Workspaces of finished steps, for the next ones.
     spare: Mutex<Vec<Workspace<B>>>,
 }
@@ -111,6 +143,65 @@ impl<B: Backend> Network<B> {
         plan: ShardPlan,
         tp: Arc<dyn Communicator>,
     ) -> Result<Self, EngineError> {
+        Ok(Self::load_with(be, src, cfg, plan, tp, Parts::none())?.0)
+    }
+
+    /// This share made into the share `plan` of the same file: the layers both hold (cut
+    /// the same way across the stage's ranks), the embedding and the output head of the
+    /// same vocabulary rows and the final norm are shared with this one, and what `plan`
+    /// adds is read from `src`; `tp` is the new stage's communicator. What only this share
+    /// holds goes when it is dropped.
+    ///
+    /// # Errors
+    /// As [`Network::load`].
+    pub fn regrow(
+        &self,
+        src: &dyn WeightSource,
+        plan: ShardPlan,
+        tp: Arc<dyn Communicator>,
+    ) -> Result<(Self, Reuse), EngineError> {
+        let old = &self.plan;
+        let blocks = if old.shard == plan.shard {
+            old.layers
+                .clone()
+                .zip(&self.blocks)
+                .filter(|(layer, _)| plan.layers.contains(layer))
+                .map(|(layer, b)| (layer, b.clone()))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let same_rows = old.vocab == plan.vocab;
+        let spec = arch::spec(self.cfg.arch);
+        let be = self.be.clone();
+        let tied = Tensors { be: &be, src, spec }
+            .model(Role::Output)?
+            .is_none();
+        let table = match (&self.embed, &self.head) {
+            _ if !same_rows => None,
+            (Some(e), _) => Some(e.clone()),
+            (None, Some(h)) if tied => Some(h.w.clone()),
+            _ => None,
+        };
+        let parts = Parts {
+            table,
+            blocks,
+            norm: self.norm.clone(),
+            head: self.head.clone().filter(|_| same_rows && !tied),
+        };
+        Self::load_with(be, src, self.cfg.clone(), plan, tp, parts)
+    }
+
+    /// Loads what `plan` says this rank holds on `be`, taking what `have` holds instead of
+    /// reading it from `src`.
+    fn load_with(
+        be: B,
+        src: &dyn WeightSource,
+        cfg: ModelConfig,
+        plan: ShardPlan,
+        tp: Arc<dyn Communicator>,
+        mut have: Parts<B>,
+    ) -> Result<(Self, Reuse), EngineError> {
         be.supports(&cfg)?;
         let spec = arch::spec(cfg.arch);
         let t = Tensors { be: &be, src, spec };
@@ -128,7 +219,10 @@ impl<B: Backend> Network<B> {
             Slice::Rows(plan.vocab.clone())
         };
         let embed = if plan.first_stage || (plan.last_stage && tied) {
-            Some(Arc::new(be.matrix(src, &embed_name, &vocab_slice)?))
+            match have.table.take() {
+                Some(e) => Some(e),
+                None => Some(Arc::new(be.matrix(src, &embed_name, &vocab_slice)?)),
+            }
         } else {
             None
         };
@@ -140,32 +234,52 @@ impl<B: Backend> Network<B> {
             }
             (None, None) => None,
         };
+        let mut reuse = Reuse::default();
         let mut blocks = Vec::with_capacity(plan.layers.len());
         for layer in plan.layers.clone() {
-            blocks.push(Block::load(
-                &t,
-                &cfg,
-                layer,
-                &plan.shard,
-                freq_factors.as_ref(),
-            )?);
+            match have.blocks.iter().position(|(l, _)| *l == layer) {
+                Some(i) => {
+                    blocks.push(have.blocks.swap_remove(i).1);
+                    reuse.layers_kept += 1;
+                }
+                None => {
+                    blocks.push(Arc::new(Block::load(
+                        &t,
+                        &cfg,
+                        layer,
+                        &plan.shard,
+                        freq_factors.as_ref(),
+                    )?));
+                    reuse.layers_loaded += 1;
+                }
+            }
         }
         let (norm, head) = if plan.last_stage {
-            let norm_name = t
-                .model(Role::OutputNorm)?
-                .ok_or_else(|| EngineError::Internal {
-                    what: format!("the {} table has no output norm", spec.gguf_name),
-                })?;
-            let norm = Norm::load(&t, &norm_name, cfg.hidden, cfg.rms_eps)?;
-            let head = match (&embed, &head_name) {
-                (Some(e), None) => Linear {
+            let norm = match have.norm.take() {
+                Some(n) => n,
+                None => {
+                    let norm_name =
+                        t.model(Role::OutputNorm)?
+                            .ok_or_else(|| EngineError::Internal {
+                                what: format!("the {} table has no output norm", spec.gguf_name),
+                            })?;
+                    Arc::new(Norm::load(&t, &norm_name, cfg.hidden, cfg.rms_eps)?)
+                }
+            };
+            let head = match (&embed, &head_name, have.head.take()) {
+                (Some(e), None, _) => Arc::new(Linear {
                     w: e.clone(),
                     bias: None,
-                },
-                (_, Some(name)) => {
-                    Linear::rows(&t, name, None, [cfg.vocab, cfg.hidden], plan.vocab.clone())?
-                }
-                (None, None) => {
+                }),
+                (_, Some(_), Some(h)) => h,
+                (_, Some(name), None) => Arc::new(Linear::rows(
+                    &t,
+                    name,
+                    None,
+                    [cfg.vocab, cfg.hidden],
+                    plan.vocab.clone(),
+                )?),
+                (None, None, _) => {
                     return Err(EngineError::Internal {
                         what: "a tied output head without the embedding".into(),
                     })
@@ -177,7 +291,7 @@ impl<B: Backend> Network<B> {
         };
         let embed = if plan.first_stage { embed } else { None };
         be.loaded()?;
-        Ok(Network {
+        let net = Network {
             be,
             cfg,
             plan,
@@ -187,7 +301,8 @@ impl<B: Backend> Network<B> {
             norm,
             head,
             spare: Mutex::new(Vec::new()),
-        })
+        };
+        Ok((net, reuse))
     }
 
     /// The model's hyperparameters.
