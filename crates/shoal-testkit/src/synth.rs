@@ -18,6 +18,7 @@
 //! | name | architecture | layers | model |
 //! | --- | --- | --- | --- |
 //! | `qwen3-30b-a3b-24l` (alias `qwen3-30b-a3b`) | `qwen3moe` | 24 of 48 | Qwen3-30B-A3B |
+//! | `qwen3-30b-a3b-12l` | `qwen3moe` | 12 of 48 | Qwen3-30B-A3B |
 //! | `deepseek-v2-lite` | `deepseek2` | 27 of 27 | DeepSeek-V2-Lite |
 //! | `mixtral-8x7b-8l` (alias `mixtral-8x7b`) | `llama` + experts | 8 of 32 | Mixtral-8x7B |
 //! | `gpt-oss-120b-4l` (alias `gpt-oss-120b`) | `gpt-oss` | 4 of 36 | gpt-oss-120b |
@@ -42,7 +43,8 @@
 //! - `qwen3-30b-a3b-24l`: F32 norms (incl. per-head q/k norms) and routers; `Q4_K`
 //!   `token_embd`, `attn_q`, `attn_k`, `attn_output`, `ffn_gate_exps`, `ffn_up_exps`; `attn_v`
 //!   and `ffn_down_exps` `Q6_K` in layers 0-2, 5, 8, 11, 14, 17, 20-23 and `Q4_K` elsewhere;
-//!   `output` `Q6_K`.
+//!   `output` `Q6_K`. `qwen3-30b-a3b-12l` (about 5 GB, for moving a large model around a
+//!   cluster) is its first twelve layers, its "more bits" layers 0, 3, 6, 9, 10 and 11.
 //! - `deepseek-v2-lite`: F32 norms and routers; `Q4_K` `token_embd`, `attn_q`,
 //!   `attn_kv_a_mqa`, `attn_v_b` (rows of 512), `attn_output`, `ffn_gate`/`ffn_up` (dense layer
 //!   0), `ffn_{gate,up}_exps`, `ffn_{gate,up}_shexp`; `attn_k_b` (rows of 128) `Q5_0`;
@@ -564,40 +566,46 @@ fn pure_types(ty: SynthType, tensors: &[(String, Vec<u64>)]) -> Vec<SynthType> {
         .collect()
 }
 
+/// Qwen3-30B-A3B's first `n_layer` layers.
+fn qwen3_30b_a3b(name: &'static str, aliases: &'static [&'static str], n_layer: usize) -> Shape {
+    Shape {
+        name,
+        aliases,
+        model: "Qwen3-30B-A3B",
+        arch: SynthArch::Qwen3Moe,
+        n_layer,
+        model_layers: 48,
+        hidden: 2048,
+        n_head: 32,
+        n_kv_head: 4,
+        head_dim: 128,
+        ffn: 6144,
+        vocab: 151_936,
+        context_length: 40_960,
+        rope_theta: 1e6,
+        rms_eps: 1e-6,
+        experts: Experts {
+            count: 128,
+            used: 8,
+            ffn: Some(768),
+            shared: 0,
+            leading_dense: 0,
+            gating_func: None,
+            weights_scale: None,
+            weights_norm: None,
+        },
+        mla: None,
+        yarn: None,
+        mix: Mix::Q4KM,
+        seed: 0x5157_3330,
+    }
+}
+
 /// The shapes this module writes (see the module docs).
 pub fn shapes() -> Vec<Shape> {
     vec![
-        Shape {
-            name: "qwen3-30b-a3b-24l",
-            aliases: &["qwen3-30b-a3b"],
-            model: "Qwen3-30B-A3B",
-            arch: SynthArch::Qwen3Moe,
-            n_layer: 24,
-            model_layers: 48,
-            hidden: 2048,
-            n_head: 32,
-            n_kv_head: 4,
-            head_dim: 128,
-            ffn: 6144,
-            vocab: 151_936,
-            context_length: 40_960,
-            rope_theta: 1e6,
-            rms_eps: 1e-6,
-            experts: Experts {
-                count: 128,
-                used: 8,
-                ffn: Some(768),
-                shared: 0,
-                leading_dense: 0,
-                gating_func: None,
-                weights_scale: None,
-                weights_norm: None,
-            },
-            mla: None,
-            yarn: None,
-            mix: Mix::Q4KM,
-            seed: 0x5157_3330,
-        },
+        qwen3_30b_a3b("qwen3-30b-a3b-24l", &["qwen3-30b-a3b"], 24),
+        qwen3_30b_a3b("qwen3-30b-a3b-12l", &[], 12),
         Shape {
             name: "deepseek-v2-lite",
             aliases: &[],
@@ -2121,10 +2129,10 @@ mod tests {
             let plan = SynthPlan::new(&s).unwrap();
             assert_eq!(shape(s.name).unwrap().name, s.name);
             let dense_model = s.experts.count == 0;
-            // mixtures of experts: files of 6-11 GB, read per token well below that; the
+            // mixtures of experts: files of 4.5-11 GB, read per token well below that; the
             // dense files are under 2 GB, read whole but for the embedding
             let gb = plan.total_len as f64 / 1e9;
-            let sizes = if dense_model { 0.3..2.0 } else { 5.0..12.0 };
+            let sizes = if dense_model { 0.3..2.0 } else { 4.5..12.0 };
             assert!(sizes.contains(&gb), "{} {gb}", s.name);
             let active = plan.active_bytes_per_token();
             if !dense_model {
