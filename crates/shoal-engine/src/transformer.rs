@@ -291,7 +291,8 @@ impl Transformer {
     /// The share `plan` of the same model (`src`, `cfg`), sharing with this one the layers
     /// both hold, cut the same way, and the embedding, head and norm of the same rows, and
     /// reading what `plan` adds; what only this share holds goes when it is dropped. A share
-    /// cut across a GPU and the CPU is loaded whole again.
+    /// on a GPU is loaded whole again, where this process places shares (how many of its
+    /// layers the GPU's memory holds is decided anew).
     ///
     /// # Errors
     /// As [`Transformer::load_shard`].
@@ -302,7 +303,15 @@ impl Transformer {
         plan: ShardPlan,
         tp: Arc<dyn Communicator>,
     ) -> Result<(Self, Reuse), EngineError> {
-        match self.net.regrow(src, plan.clone(), tp.clone()) {
+        let on_cpu = self.net.backend() == Cpu.name();
+        let regrown = if on_cpu {
+            self.net.regrow(src, plan.clone(), tp.clone())
+        } else {
+            Err(EngineError::Unsupported {
+                what: "keeping part of a share on a GPU".into(),
+            })
+        };
+        match regrown {
             Ok((net, reuse)) => Ok((Transformer { net }, reuse)),
             Err(EngineError::Unsupported { .. }) => {
                 let layers_loaded = plan.layers.len();
