@@ -51,6 +51,16 @@ impl std::fmt::Debug for LoadedModel {
 type Builder<'a> =
     dyn FnMut(&dyn WeightSource, ModelConfig) -> Result<Transformer, EngineError> + 'a;
 
+/// Rank `rank`'s plan of `plans`, the split `layout`'s.
+fn rank_plan(plans: &[ShardPlan], rank: usize, layout: Layout) -> Result<ShardPlan, EngineError> {
+    plans
+        .get(rank)
+        .cloned()
+        .ok_or_else(|| EngineError::InvalidInput {
+            what: format!("rank {rank} in a split of {} ranks", layout.world()),
+        })
+}
+
 fn tok_err(e: impl std::fmt::Display) -> EngineError {
     EngineError::Tokenizer(e.to_string())
 }
@@ -101,12 +111,7 @@ impl LoadedModel {
         let mut plans = Vec::new();
         let model = Self::load_built(source, &mut |src, cfg| {
             plans = shard::plan(&cfg, src, layout, stage_sizes, experts)?;
-            let plan = plans
-                .get(rank)
-                .cloned()
-                .ok_or_else(|| EngineError::InvalidInput {
-                    what: format!("rank {rank} in a split of {} ranks", layout.world()),
-                })?;
+            let plan = rank_plan(&plans, rank, layout)?;
             Transformer::load_shard(src, cfg, plan, tp.clone())
         })?;
         Ok((model, plans))
@@ -132,12 +137,7 @@ impl LoadedModel {
         let mut reuse = Reuse::default();
         let model = Self::load_built(source, &mut |src, cfg| {
             plans = shard::plan(&cfg, src, layout, stage_sizes, experts)?;
-            let plan = plans
-                .get(rank)
-                .cloned()
-                .ok_or_else(|| EngineError::InvalidInput {
-                    what: format!("rank {rank} in a split of {} ranks", layout.world()),
-                })?;
+            let plan = rank_plan(&plans, rank, layout)?;
             let (t, r) = old.transformer.regrow(src, cfg, plan, tp.clone())?;
             reuse = r;
             Ok(t)
