@@ -51,16 +51,6 @@ impl std::fmt::Debug for LoadedModel {
 type Builder<'a> =
     dyn FnMut(&dyn WeightSource, ModelConfig) -> Result<Transformer, EngineError> + 'a;
 
-/// Rank `rank`'s plan of `plans`, the split `layout`'s.
-fn rank_plan(plans: &[ShardPlan], rank: usize, layout: Layout) -> Result<ShardPlan, EngineError> {
-    plans
-        .get(rank)
-        .cloned()
-        .ok_or_else(|| EngineError::InvalidInput {
-            what: format!("rank {rank} in a split of {} ranks", layout.world()),
-        })
-}
-
 fn tok_err(e: impl std::fmt::Display) -> EngineError {
     EngineError::Tokenizer(e.to_string())
 }
@@ -108,12 +98,8 @@ impl LoadedModel {
         rank: usize,
         tp: Arc<dyn Communicator>,
     ) -> Result<(Self, Vec<ShardPlan>), EngineError> {
-        let mut plans = Vec::new();
-        let model = Self::load_built(source, &mut |src, cfg| {
-            plans = shard::plan(&cfg, src, layout, stage_sizes, experts)?;
-            let plan = rank_plan(&plans, rank, layout)?;
-            Transformer::load_shard(src, cfg, plan, tp.clone())
-        })?;
+        let (model, plans, _) =
+            Self::split_from(None, source, layout, stage_sizes, experts, rank, tp)?;
         Ok((model, plans))
     }
 
@@ -133,14 +119,42 @@ impl LoadedModel {
         rank: usize,
         tp: Arc<dyn Communicator>,
     ) -> Result<(Self, Vec<ShardPlan>, Reuse), EngineError> {
+        Self::split_from(Some(old), source, layout, stage_sizes, experts, rank, tp)
+    }
+
+    /// Rank `rank`'s share of `source` split as `layout`, regrown from `old`'s share when
+    /// given, else read whole; the model, every rank's plan and what was kept.
+    #[allow(clippy::too_many_arguments)]
+    fn split_from(
+        old: Option<&LoadedModel>,
+        source: &ModelSource,
+        layout: Layout,
+        stage_sizes: Option<&[usize]>,
+        experts: ExpertSplit,
+        rank: usize,
+        tp: Arc<dyn Communicator>,
+    ) -> Result<(Self, Vec<ShardPlan>, Reuse), EngineError> {
         let mut plans = Vec::new();
         let mut reuse = Reuse::default();
         let model = Self::load_built(source, &mut |src, cfg| {
             plans = shard::plan(&cfg, src, layout, stage_sizes, experts)?;
-            let plan = rank_plan(&plans, rank, layout)?;
-            let (t, r) = old.transformer.regrow(src, cfg, plan, tp.clone())?;
-            reuse = r;
-            Ok(t)
+            let plan = plans
+                .get(rank)
+                .cloned()
+                .ok_or_else(|| EngineError::InvalidInput {
+                    what: format!("rank {rank} in a split of {} ranks", layout.world()),
+                })?;
+            match old {
+                Some(old) => {
+                    let (t, r) = old.transformer.regrow(src, cfg, plan, tp.clone())?;
+                    reuse = r;
+                    Ok(t)
+                }
+                None => {
+                    reuse.layers_loaded = plan.layers.len();
+                    Transformer::load_shard(src, cfg, plan, tp.clone())
+                }
+            }
         })?;
         Ok((model, plans, reuse))
     }

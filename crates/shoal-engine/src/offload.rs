@@ -177,17 +177,6 @@ fn foreign(made_by: &str) -> EngineError {
 }
 
 impl Forward for Offloaded {
-    fn regrow(
-        &self,
-        _src: &dyn WeightSource,
-        _plan: ShardPlan,
-        _tp: Arc<dyn Communicator>,
-    ) -> Result<(Box<dyn Forward>, crate::network::Reuse), EngineError> {
-        Err(EngineError::Unsupported {
-            what: "keeping part of a share cut across a GPU and the CPU".into(),
-        })
-    }
-
     fn config(&self) -> &ModelConfig {
         self.gpu.config()
     }

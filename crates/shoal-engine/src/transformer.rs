@@ -51,10 +51,14 @@ pub(crate) trait Forward: Send + Sync {
     /// ([`Network::regrow`]); `Unsupported` where the share cannot be remade in part.
     fn regrow(
         &self,
-        src: &dyn WeightSource,
-        plan: ShardPlan,
-        tp: Arc<dyn Communicator>,
-    ) -> Result<(Box<dyn Forward>, Reuse), EngineError>;
+        _src: &dyn WeightSource,
+        _plan: ShardPlan,
+        _tp: Arc<dyn Communicator>,
+    ) -> Result<(Box<dyn Forward>, Reuse), EngineError> {
+        Err(EngineError::Unsupported {
+            what: format!("keeping part of a share on the {} backend", self.backend()),
+        })
+    }
 }
 
 impl<B: Backend> Forward for Network<B> {
@@ -303,29 +307,17 @@ impl Transformer {
         plan: ShardPlan,
         tp: Arc<dyn Communicator>,
     ) -> Result<(Self, Reuse), EngineError> {
-        let on_cpu = self.net.backend() == Cpu.name();
-        let regrown = if on_cpu {
-            self.net.regrow(src, plan.clone(), tp.clone())
-        } else {
-            Err(EngineError::Unsupported {
-                what: "keeping part of a share on a GPU".into(),
-            })
-        };
-        match regrown {
-            Ok((net, reuse)) => Ok((Transformer { net }, reuse)),
-            Err(EngineError::Unsupported { .. }) => {
-                let layers_loaded = plan.layers.len();
-                let t = Self::load_shard(src, cfg, plan, tp)?;
-                Ok((
-                    t,
-                    Reuse {
-                        layers_kept: 0,
-                        layers_loaded,
-                    },
-                ))
-            }
-            Err(e) => Err(e),
+        if self.net.backend() == Cpu.name() {
+            let (net, reuse) = self.net.regrow(src, plan, tp)?;
+            return Ok((Transformer { net }, reuse));
         }
+        let layers_loaded = plan.layers.len();
+        let t = Self::load_shard(src, cfg, plan, tp)?;
+        let reuse = Reuse {
+            layers_kept: 0,
+            layers_loaded,
+        };
+        Ok((t, reuse))
     }
 
     /// What the device has done so far (queue submissions, dispatches, bytes read back),
