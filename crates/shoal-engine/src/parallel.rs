@@ -375,14 +375,29 @@ enum Pending {
     Merged(Vec<f32>),
 }
 
+/// A submitted step not yet collected.
+enum Submitted {
+    /// One sequence's step ([`Lead::submit`]): the sequence, what was asked, the reply.
+    One(usize, Want, Pending),
+    /// A batched step ([`Lead::submit_rows`]): what was asked, rank 0's own reply (or every
+    /// row merged already), and where each row sent goes in the order the caller gave.
+    Rows {
+        want: Want,
+        mine: Vec<u8>,
+        merged: Option<Vec<Vec<f32>>>,
+        places: Vec<usize>,
+    },
+}
+
 /// The lead rank's view of a split model: steps that run on every rank.
 /// Dropping it tells the other ranks to stop.
 ///
 /// Several sequences (each with its own KV cache on every rank) can be in flight at once:
 /// [`Lead::submit`] starts a step and returns once rank 0's own part is done, and
-/// [`Lead::collect`] waits for the oldest submitted step's logits. With pipeline stages that
-/// keeps every stage busy: stage 0 computes one sequence's next token while stage 1 still
-/// works on another's.
+/// [`Lead::collect`] waits for the oldest submitted step's logits ([`Lead::submit_rows`] and
+/// [`Lead::collect_rows`] do the same for a batched step of several sequences). With
+/// pipeline stages that keeps every stage busy: stage 0 computes one group's next tokens
+/// while stage 1 still works on another's.
 pub struct Lead<'a> {
     ctx: RankContext,
     model: &'a Transformer,
@@ -391,7 +406,7 @@ pub struct Lead<'a> {
     current: usize,
     /// Submitted steps not yet collected: sequence, what was asked, rank 0's own reply
     /// (or, when rank 0 is in the last stage, the merged logits already).
-    pending: VecDeque<(usize, Want, Pending)>,
+    pending: VecDeque<Submitted>,
     stopped: bool,
 }
 
@@ -563,7 +578,7 @@ impl<'a> Lead<'a> {
         } else {
             Pending::Mine(mine)
         };
-        self.pending.push_back((seq, want, pending));
+        self.pending.push_back(Submitted::One(seq, want, pending));
         Ok(())
     }
 
@@ -594,17 +609,34 @@ impl<'a> Lead<'a> {
     /// # Errors
     /// When nothing is pending, or a rank fails or misses the deadline.
     pub fn collect(&mut self) -> Result<(usize, Vec<f32>), EngineError> {
-        let (seq, want, pending) =
-            self.pending
-                .pop_front()
-                .ok_or_else(|| EngineError::InvalidInput {
-                    what: "collecting with no step submitted".into(),
-                })?;
-        let logits = match pending {
-            Pending::Merged(l) => l,
-            Pending::Mine(mine) => self.gather(want, mine)?,
-        };
-        Ok((seq, logits))
+        match self.pending.pop_front() {
+            Some(Submitted::One(seq, want, pending)) => {
+                let logits = match pending {
+                    Pending::Merged(l) => l,
+                    Pending::Mine(mine) => self.gather(want, mine)?,
+                };
+                Ok((seq, logits))
+            }
+            Some(rows @ Submitted::Rows { .. }) => {
+                self.pending.push_front(rows);
+                Err(EngineError::InvalidInput {
+                    what: "collecting one sequence's step where a batched step is next".into(),
+                })
+            }
+            None => Err(EngineError::InvalidInput {
+                what: "collecting with no step submitted".into(),
+            }),
+        }
+    }
+
+    /// How many submitted steps are not yet collected.
+    pub fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// How many pipeline stages a step goes through.
+    pub fn stages(&self) -> usize {
+        self.ctx.layout.pp
     }
 
     /// One batched decode step: `tokens[i]` goes after what sequence `seqs[i]` holds, on
@@ -649,12 +681,29 @@ impl<'a> Lead<'a> {
         counts: &[usize],
         want: Want,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
-        let bad = |what: String| EngineError::InvalidInput { what };
         if !self.pending.is_empty() {
-            return Err(bad(
-                "a batched step while submitted steps are uncollected".into()
-            ));
+            return Err(EngineError::InvalidInput {
+                what: "a batched step while submitted steps are uncollected".into(),
+            });
         }
+        self.submit_rows(seqs, tokens, counts, want)?;
+        self.collect_rows()
+    }
+
+    /// Starts the batched step [`Lead::step_rows`] describes and runs rank 0's part of it;
+    /// [`Lead::collect_rows`] returns its rows. A sequence may be in several uncollected
+    /// steps: every rank runs them in the order submitted.
+    ///
+    /// # Errors
+    /// As [`Lead::step_rows`] (steps may be uncollected).
+    pub fn submit_rows(
+        &mut self,
+        seqs: &[usize],
+        tokens: &[u32],
+        counts: &[usize],
+        want: Want,
+    ) -> Result<(), EngineError> {
+        let bad = |what: String| EngineError::InvalidInput { what };
         if seqs.len() != counts.len()
             || seqs.is_empty()
             || counts.iter().sum::<usize>() != tokens.len()
@@ -740,13 +789,60 @@ impl<'a> Lead<'a> {
             want,
         )?;
         drop(caches);
-        let mut rows = self.gather_rows(want, &mine, toks.len())?.into_iter();
         // back to the order given: sequence by sequence as sorted, each to its place
-        let mut out = vec![Vec::new(); toks.len()];
-        for &i in &order {
-            for slot in &mut out[starts[i]..starts[i] + counts[i]] {
-                *slot = rows.next().unwrap_or_default();
+        let places: Vec<usize> = order
+            .iter()
+            .flat_map(|&i| starts[i]..starts[i] + counts[i])
+            .collect();
+        // With one stage, the last stage's replies share links with the next step's
+        // collectives: take them now.
+        let merged = if self.ctx.layout.pp == 1 {
+            Some(self.gather_rows(want, &mine, toks.len())?)
+        } else {
+            None
+        };
+        self.pending.push_back(Submitted::Rows {
+            want,
+            mine,
+            merged,
+            places,
+        });
+        Ok(())
+    }
+
+    /// Waits for the oldest submitted step, a batched one, and returns the merged logits of
+    /// every row in the order its submission gave.
+    ///
+    /// # Errors
+    /// When nothing is pending, the oldest step is one sequence's, or a rank fails or misses
+    /// the deadline.
+    pub fn collect_rows(&mut self) -> Result<Vec<Vec<f32>>, EngineError> {
+        let (want, mine, merged, places) = match self.pending.pop_front() {
+            Some(Submitted::Rows {
+                want,
+                mine,
+                merged,
+                places,
+            }) => (want, mine, merged, places),
+            Some(one) => {
+                self.pending.push_front(one);
+                return Err(EngineError::InvalidInput {
+                    what: "collecting a batched step where one sequence's step is next".into(),
+                });
             }
+            None => {
+                return Err(EngineError::InvalidInput {
+                    what: "collecting with no step submitted".into(),
+                })
+            }
+        };
+        let rows = match merged {
+            Some(rows) => rows,
+            None => self.gather_rows(want, &mine, places.len())?,
+        };
+        let mut out = vec![Vec::new(); places.len()];
+        for (row, &place) in rows.into_iter().zip(&places) {
+            out[place] = row;
         }
         Ok(out)
     }

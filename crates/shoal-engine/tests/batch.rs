@@ -679,10 +679,17 @@ fn split_scheduler_matches_one_rank() {
     drop(local);
     let source = ModelSource::Gguf(path.clone());
     for (tp, pp) in [(2, 1), (1, 2), (2, 2)] {
-        let got = on_split(&source, Layout { tp, pp }, config, |sched| {
-            schedule(sched, &ps, &lens)
+        let (got, overlapped) = on_split(&source, Layout { tp, pp }, config, |sched| {
+            let got = schedule(sched, &ps, &lens);
+            (got, sched.stats().overlapped_steps.load(Ordering::Relaxed))
         });
         assert_eq!(got, want, "tp {tp} pp {pp}");
+        // on a pipeline, decode steps went out while others were in it
+        assert_eq!(
+            overlapped > 0,
+            pp > 1,
+            "tp {tp} pp {pp}: {overlapped} overlapped"
+        );
     }
 }
 

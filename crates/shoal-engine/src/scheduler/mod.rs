@@ -16,8 +16,12 @@
 //! scheduler thread then leads the split ([`Lead`]), each slot is one of the lead's
 //! sequences (its KV cache lives on every rank), a prefill chunk is one step on every rank
 //! and a decode step is one batched step of every ready sequence on every rank (each rank
-//! reads its weights once for the batch). A failed step breaks the split: every sequence in it fails, later ones are
-//! refused at once, and [`Scheduler::failure`] says why (the cluster then re-places it).
+//! reads its weights once for the batch). On a split of several pipeline stages the ready
+//! sequences go out instead in one group per stage, each submitted while the others are in
+//! the pipeline, so that every stage computes at once (without speculation, whose drafts
+//! are checked in one step of every ready sequence). A failed step breaks the split: every
+//! sequence in it fails, later ones are refused at once, and [`Scheduler::failure`] says
+//! why (the cluster then re-places it).
 //!
 //! The module is laid out by concern: this file holds the public types and [`Scheduler`],
 //! the handle that starts the scheduler thread and queues sequences; `worker.rs` the
@@ -26,11 +30,13 @@
 //! `prefix_cache.rs` the caches kept and shared between sequences whose prompts start
 //! alike; `resume.rs` the replay of a resumed request's tokens; `step.rs` an iteration's
 //! prompt chunk and batched decode step, and the sampling of each sequence's next token;
+//! `pipeline.rs` the decode steps that overlap on a pipeline's stages;
 //! `speculation.rs` speculative decoding (tokens drafted by prompt lookup or a draft model,
 //! checked in one step); `draft_policy.rs` how many drafted tokens a step checks, from the
 //! measured cost of a step's rows and the acceptance each sequence has seen.
 
 mod draft_policy;
+mod pipeline;
 mod prefix_cache;
 mod queue;
 mod resume;
@@ -249,6 +255,8 @@ pub struct SchedulerStats {
     pub last_batch: AtomicUsize,
     /// Decode steps run.
     pub decode_steps: AtomicU64,
+    /// Of those, the ones submitted to a pipeline while another was still in it.
+    pub overlapped_steps: AtomicU64,
     /// Tokens decoded in those steps (their sum of batch sizes).
     pub decoded_tokens: AtomicU64,
     /// Prompt tokens run.

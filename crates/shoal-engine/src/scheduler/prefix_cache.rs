@@ -81,6 +81,8 @@ impl Worker<'_> {
         prompt: &[u32],
         capacity: usize,
     ) -> Result<(Store, usize), String> {
+        // a copy between slots waits for the groups in flight (which may end sequences)
+        self.settle();
         let mut best = self.best_prefix(prompt);
         if let Some((Source::Kept(i), n)) = best {
             if self.slots_full() {

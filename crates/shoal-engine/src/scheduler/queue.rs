@@ -241,7 +241,10 @@ impl Worker<'_> {
     pub(super) fn drop_cancelled(&mut self) {
         let mut i = 0;
         while i < self.active.len() {
-            if self.active[i].job.cancelled.load(Ordering::Acquire) {
+            let seq = &self.active[i];
+            // a sequence in flight leaves when its group is back (its slot is busy till then)
+            let in_flight = seq.cache.slot().is_some_and(|s| self.in_flight.holds(s));
+            if seq.job.cancelled.load(Ordering::Acquire) && !in_flight {
                 let seq = self.active.remove(i);
                 self.retire(seq, true);
             } else {

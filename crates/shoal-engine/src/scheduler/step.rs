@@ -20,6 +20,10 @@ impl Worker<'_> {
     /// Runs the next chunk of the oldest sequence still reading its prompt; when its prompt is
     /// done, samples its first token.
     pub(super) fn prefill_one_chunk(&mut self) {
+        let prefilling = |s: &Sequence| s.prefilled < s.job.request.prompt.len();
+        if !self.in_flight.is_empty() && self.active.iter().any(prefilling) {
+            self.settle();
+        }
         let Some(i) = self
             .active
             .iter()
@@ -103,9 +107,16 @@ impl Worker<'_> {
 
     /// One token for every sequence that has a sampled token to run.
     pub(super) fn decode_step(&mut self) {
+        if self.config.draft_max > 0 {
+            // drafts are checked in one step of every ready sequence
+            self.settle();
+        }
         let ready: Vec<usize> = (0..self.active.len())
             .filter(|&i| self.active[i].next.is_some())
             .collect();
+        if self.pipelined() && self.config.draft_max == 0 {
+            return self.pipelined_decode(&ready);
+        }
         if ready.is_empty() {
             return;
         }
@@ -128,7 +139,7 @@ impl Worker<'_> {
                 .forward_batch(&tokens, &mut caches)
                 .and_then(|l| StepLogits::flat(l, tokens.len()))
         };
-        let mut rows = match result {
+        let rows = match result {
             Ok(rows) => rows,
             Err(e) if self.lead.is_some() => {
                 self.fail_all(&format!("decoding failed: {e}"));
@@ -139,6 +150,17 @@ impl Worker<'_> {
                 return;
             }
         };
+        self.take_rows(&ready, rows);
+        if self.config.adaptive_drafts && self.lead.is_none() {
+            self.step_costs
+                .record(tokens.len(), started.elapsed().as_secs_f64());
+        }
+    }
+
+    /// Samples the next token of each of the `ready` sequences (indices into `active`, in
+    /// order) from its row of a decode step's `rows`, and retires those that ended.
+    pub(super) fn take_rows(&mut self, ready: &[usize], mut rows: StepLogits) {
+        let model = self.model.clone();
         // Sampling (a pass over the vocabulary, a mask for constrained sequences) runs for
         // every sequence at once.
         let mut by_seq: Vec<Option<&mut [f32]>> = Vec::new();
@@ -158,10 +180,6 @@ impl Worker<'_> {
                 None => true,
             })
             .collect();
-        if self.config.adaptive_drafts && self.lead.is_none() {
-            self.step_costs
-                .record(tokens.len(), started.elapsed().as_secs_f64());
-        }
         for i in (0..keep.len()).rev() {
             if !keep[i] {
                 let seq = self.active.remove(i);
@@ -212,6 +230,7 @@ impl Worker<'_> {
     /// rank's state unknown; the sequences may go on where the model is placed next).
     pub(super) fn fail_all(&mut self, why: &str) {
         self.break_split(why);
+        self.in_flight.clear();
         self.parked.clear();
         for seq in self.active.drain(..) {
             let mut sink = seq.job.sink;
@@ -277,7 +296,7 @@ impl StepLogits {
 
 /// The reply that serves both `a` and `b` (every logit, else the larger top-k, else the
 /// best token).
-fn widest(a: Want, b: Want) -> Want {
+pub(super) fn widest(a: Want, b: Want) -> Want {
     match (a, b) {
         (Want::All, _) | (_, Want::All) => Want::All,
         (Want::TopK(x), Want::TopK(y)) => Want::TopK(x.max(y)),
@@ -288,7 +307,7 @@ fn widest(a: Want, b: Want) -> Want {
 }
 
 /// What a split step must return for `r` to be sampled exactly as from the full logits.
-fn want_for(r: &SequenceRequest) -> Want {
+pub(super) fn want_for(r: &SequenceRequest) -> Want {
     if r.constraint.is_some()
         || r.logprobs.is_some()
         || r.presence_penalty != 0.0

@@ -12,6 +12,7 @@ use std::time::Duration;
 use shoal_model::tokenizer::StreamDecoder;
 
 use super::draft_policy::{Acceptance, Probe, Shadows, StepCosts};
+use super::pipeline::InFlight;
 use super::prefix_cache::Parked;
 use super::queue::{Admit, Job, Shared};
 use super::{Event, SchedulerConfig};
@@ -119,6 +120,8 @@ pub(super) struct Worker<'m> {
     pub(super) parked: Vec<Parked>,
     /// The split this scheduler leads, if the model is split.
     pub(super) lead: Option<Lead<'m>>,
+    /// The decode steps submitted to the lead's pipeline and not yet collected.
+    pub(super) in_flight: InFlight,
     /// The split is unusable (its failure is in `shared.failure`).
     pub(super) broken: bool,
     /// The model that drafts tokens for speculative decoding, if any.
@@ -144,6 +147,7 @@ impl<'m> Worker<'m> {
             active: Vec::new(),
             parked: Vec::new(),
             lead,
+            in_flight: InFlight::default(),
             broken,
             draft: None,
             step_costs: StepCosts::default(),
