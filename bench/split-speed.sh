@@ -9,7 +9,8 @@
 # within a layout). A draft model runs on one rank only, so it is not in this table.
 #
 #   bench/split-speed.sh [-t THREADS] [-n TOKENS] [-e EDIT] [-x FLAG] [MODEL] [LATENCY_US...]
-#   (default: -t 1 -n 300 qwen15 50 300 1000 5000; -x adds FLAG to the --lookup runs)
+#   (default: -t 1 -n 300 qwen15 50 300 1000 5000; -x adds FLAG to the --lookup runs;
+#   SHOAL=BINARY runs another build)
 #
 # Not in CI. Run it on an idle machine.
 set -euo pipefail
@@ -26,7 +27,7 @@ model=${1:-qwen15}
 [ $# -gt 0 ] && shift
 lats=("$@")
 [ ${#lats[@]} -eq 0 ] && lats=(50 300 1000 5000)
-shoal=$root/target/release/shoal
+shoal=${SHOAL:-$root/target/release/shoal}
 [ -x "$shoal" ] || (cd "$root" && cargo build --release -p shoal >&2)
 path=$model
 [ -f "$path" ] || path=$("$shoal" models fetch "$model" 2>/dev/null | tail -n1)

@@ -151,7 +151,7 @@ impl Worker<'_> {
             }
         };
         self.take_rows(&ready, rows);
-        if self.config.adaptive_drafts && self.lead.is_none() {
+        if self.config.adaptive_drafts {
             self.step_costs
                 .record(tokens.len(), started.elapsed().as_secs_f64());
         }
