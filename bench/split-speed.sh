@@ -1,25 +1,27 @@
 #!/usr/bin/env bash
-# Decode speed across a split with and without prompt-lookup speculation: the code edit of
+# Decode speed across a split with and without speculation: the code edit of
 # bench/lookup.sh (bench/data/edit-function.py, or -e another) continued greedily as raw text
 # by one rank, by two ranks tensor-parallel (tp2) and by two pipeline stages (pp2), each
-# plain and with --lookup, over an emulated link of each one-way latency given (the
-# transport holds every message for it; every rank on this host, 1 thread each unless -t).
-# Prints decode tokens/s, lookup's ratio to plain in the same layout, and whether the two
-# texts are the same (tensor splits round differently from one rank, so texts are compared
-# within a layout). A draft model runs on one rank only, so it is not in this table.
+# plain, with --lookup and, with -D, with --draft DRAFT (the draft model runs beside rank 0),
+# over an emulated link of each one-way latency given (the transport holds every message for
+# it; every rank on this host, 1 thread each unless -t). Prints decode tokens/s, each
+# speculation's ratio to plain in the same layout, and whether its text is plain's (tensor
+# splits round differently from one rank, so texts are compared within a layout).
 #
-#   bench/split-speed.sh [-t THREADS] [-n TOKENS] [-e EDIT] [-x FLAG] [MODEL] [LATENCY_US...]
-#   (default: -t 1 -n 300 qwen15 50 300 1000 5000; -x adds FLAG to the --lookup runs;
-#   SHOAL=BINARY runs another build)
+#   bench/split-speed.sh [-t THREADS] [-n TOKENS] [-e EDIT] [-x FLAG] [-D DRAFT] [MODEL]
+#                        [LATENCY_US...]
+#   (default: -t 1 -n 300 qwen15 50 300 1000 5000, no draft model; -x adds FLAG to the
+#   speculative runs; SHOAL=BINARY runs another build)
 #
 # Not in CI. Run it on an idle machine.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
-t=1 n=300 edit=$here/data/edit-function.py extra=()
-while getopts "t:n:e:x:" o; do
+t=1 n=300 edit=$here/data/edit-function.py extra=() draft=
+while getopts "t:n:e:x:D:" o; do
   case $o in
-    t) t=$OPTARG ;; n) n=$OPTARG ;; e) edit=$OPTARG ;; x) extra+=("$OPTARG") ;; *) exit 2 ;;
+    t) t=$OPTARG ;; n) n=$OPTARG ;; e) edit=$OPTARG ;; x) extra+=("$OPTARG") ;;
+    D) draft=$OPTARG ;; *) exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
@@ -31,6 +33,8 @@ shoal=${SHOAL:-$root/target/release/shoal}
 [ -x "$shoal" ] || (cd "$root" && cargo build --release -p shoal >&2)
 path=$model
 [ -f "$path" ] || path=$("$shoal" models fetch "$model" 2>/dev/null | tail -n1)
+dpath=$draft
+[ -z "$draft" ] || [ -f "$dpath" ] || dpath=$("$shoal" models fetch "$draft" 2>/dev/null | tail -n1)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 . "$here/edit-prompt.sh"
@@ -38,25 +42,39 @@ prompt=$(edit_prompt "$edit")
 prompt+=$'\n'
 rate() { sed -n 's/.*generation: \([0-9]*\) tokens, \([0-9.]*\) tok\/s.*/\2/p' "$1"; }
 accepted() { grep '^speculation:' "$1" | sed 's/^speculation: \([0-9]* of [0-9]*\).*/\1/' || true; }
-# one layout, plain then with lookup: "plain lookup ratio same accepted"
+# one run of a layout: NAME KIND [FLAGS...]; its output in $work/NAME.KIND.{txt,err}
+one() {
+  local name=$1 kind=$2
+  shift 2
+  "$shoal" run "$path" "$prompt" --raw --temp 0 -n "$n" -t "$t" "$@" \
+    >"$work/$name.$kind.txt" 2>"$work/$name.$kind.err" ||
+    { cat "$work/$name.$kind.err" >&2; exit 1; }
+}
+# a speculative run against plain: "tok/s ratio same accepted"
+against_plain() {
+  local name=$1 kind=$2 p s
+  p=$(rate "$work/$name.plain.err")
+  s=$(rate "$work/$name.$kind.err")
+  printf "%8s %6.2f %4s %-12s" "$s" "$(python3 -c "print($s / $p)")" \
+    "$(cmp -s "$work/$name.plain.txt" "$work/$name.$kind.txt" && echo same || echo DIFF)" \
+    "$(accepted "$work/$name.$kind.err")"
+}
+# one layout: plain, with lookup, and with the draft model if there is one
 pair() {
   local name=$1
   shift
-  "$shoal" run "$path" "$prompt" --raw --temp 0 -n "$n" -t "$t" "$@" \
-    >"$work/$name.plain.txt" 2>"$work/$name.plain.err" ||
-    { cat "$work/$name.plain.err" >&2; exit 1; }
-  "$shoal" run "$path" "$prompt" --raw --temp 0 -n "$n" -t "$t" "$@" --lookup \
-    ${extra[@]+"${extra[@]}"} >"$work/$name.lookup.txt" 2>"$work/$name.lookup.err" ||
-    { cat "$work/$name.lookup.err" >&2; exit 1; }
-  local p l
-  p=$(rate "$work/$name.plain.err")
-  l=$(rate "$work/$name.lookup.err")
-  printf "%8s %8s %7.2f %6s %s" "$p" "$l" "$(python3 -c "print($l / $p)")" \
-    "$(cmp -s "$work/$name.plain.txt" "$work/$name.lookup.txt" && echo same || echo DIFF)" \
-    "$(accepted "$work/$name.lookup.err")"
+  one "$name" plain "$@"
+  one "$name" lookup "$@" --lookup ${extra[@]+"${extra[@]}"}
+  printf "%8s %s" "$(rate "$work/$name.plain.err")" "$(against_plain "$name" lookup)"
+  if [ -n "$draft" ]; then
+    one "$name" draft "$@" --draft "$dpath" ${extra[@]+"${extra[@]}"}
+    printf " %s" "$(against_plain "$name" draft)"
+  fi
 }
-echo "load: $(cut -d' ' -f1-3 /proc/loadavg) (benchmark an idle machine); $(basename "$path"), $t thread(s) per rank, $n tokens, $(basename "$edit")${extra[*]:+, ${extra[*]}}"
-printf "%-16s %8s %8s %7s %6s %s\n" "layout" "plain" "lookup" "ratio" "text" "drafts taken"
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg) (benchmark an idle machine); $(basename "$path"), $t thread(s) per rank, $n tokens, $(basename "$edit")${extra[*]:+, ${extra[*]}}${draft:+, draft $(basename "$dpath")}"
+printf "%-16s %8s %8s %6s %4s %-12s" "layout" "plain" "lookup" "ratio" "text" "drafts taken"
+[ -z "$draft" ] || printf " %8s %6s %4s %-12s" "draft" "ratio" "text" "drafts taken"
+echo
 printf "%-16s %s\n" "one rank" "$(pair one)"
 for l in "${lats[@]}"; do
   printf "%-16s %s\n" "tp2 ${l}us" "$(pair "tp$l" --tp 2 --link-latency-us "$l")"

@@ -619,8 +619,22 @@ fn on_split<T>(
     config: SchedulerConfig,
     f: impl FnOnce(&Scheduler) -> T,
 ) -> T {
+    on_split_with(source, layout, config, None, f)
+}
+
+/// [`on_split`] with a draft model on the lead, if `draft` is one.
+fn on_split_with<T>(
+    source: &ModelSource,
+    layout: shoal_engine::shard::Layout,
+    config: SchedulerConfig,
+    draft: Option<Arc<LoadedModel>>,
+    f: impl FnOnce(&Scheduler) -> T,
+) -> T {
     let (ctx, m, workers) = split_ranks(source, layout);
-    let sched = Scheduler::start_split(Arc::new(m), ctx, config).unwrap();
+    let sched = match draft {
+        Some(d) => Scheduler::start_split_with_draft(Arc::new(m), ctx, d, config).unwrap(),
+        None => Scheduler::start_split(Arc::new(m), ctx, config).unwrap(),
+    };
     let out = f(&sched);
     assert!(
         sched.failure().is_none(),
@@ -1466,6 +1480,117 @@ fn draft_model_decoding_gives_the_same_tokens() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("vocabulary"), "{e}");
+}
+
+/// A draft model on a split's lead: its drafts are checked in one split step of every rank
+/// (tensor, pipeline and both), and greedy and seeded sampling give one rank's plain tokens,
+/// with every draft checked or as many as pay. The model itself as its own draft has every
+/// draft taken on a pipeline (whose stages compute as one rank does).
+#[test]
+fn a_split_checks_a_draft_models_drafts() {
+    use shoal_engine::shard::Layout;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny(TinyModelSpec::qwen2(24), GgmlType::Q8_0, dir.path());
+    let m = Arc::new(load(&path));
+    let sub = dir.path().join("draft");
+    std::fs::create_dir_all(&sub).unwrap();
+    let spec = TinyModelSpec {
+        n_layers: 1,
+        ..TinyModelSpec::qwen2(25)
+    };
+    let draft = Arc::new(load(&tiny(spec, GgmlType::F32, &sub)));
+    let prompts: Vec<Vec<u32>> = vec![
+        (0..30).map(|i| (i * 17 + 3) % 320).collect(),
+        (0..12).map(|i| (i * 5 + 1) % 320).collect(),
+    ];
+    let lens = [40, 25];
+    let config = SchedulerConfig {
+        max_batch: 2,
+        max_queue: 2,
+        ctx: 256,
+        prefix_cache: false,
+        draft_max: 5,
+        adaptive_drafts: false,
+    };
+    let source = ModelSource::Gguf(path.clone());
+    for sampler in [
+        SamplerConfig::default(),
+        SamplerConfig {
+            temperature: 0.9,
+            seed: 5,
+            ..SamplerConfig::default()
+        },
+    ] {
+        let plain = Scheduler::start(
+            m.clone(),
+            SchedulerConfig {
+                draft_max: 0,
+                ..config
+            },
+        )
+        .unwrap();
+        let want = generate_all(&plain, &prompts, &lens, &sampler);
+        drop(plain);
+        for (tp, pp) in [(2, 1), (1, 2), (2, 2)] {
+            for adaptive_drafts in [false, true] {
+                let config = SchedulerConfig {
+                    adaptive_drafts,
+                    ..config
+                };
+                let (got, drafted) = on_split_with(
+                    &source,
+                    Layout { tp, pp },
+                    config,
+                    Some(draft.clone()),
+                    |s| {
+                        let got = generate_all(s, &prompts, &lens, &sampler);
+                        (got, s.stats().drafted.load(Ordering::Relaxed))
+                    },
+                );
+                let case = format!("tp {tp} pp {pp}, {sampler:?}, adaptive {adaptive_drafts}");
+                assert_eq!(got, want, "{case}");
+                assert!(adaptive_drafts || drafted > 0, "{case}: nothing drafted");
+            }
+        }
+    }
+    // the model as its own draft
+    let f32_dir = dir.path().join("f32");
+    std::fs::create_dir_all(&f32_dir).unwrap();
+    let path = tiny(TinyModelSpec::qwen2(27), GgmlType::F32, &f32_dir);
+    let itself = Arc::new(load(&path));
+    let config = SchedulerConfig {
+        max_batch: 1,
+        max_queue: 1,
+        ctx: 128,
+        prefix_cache: false,
+        draft_max: 4,
+        adaptive_drafts: false,
+    };
+    let prompt: Vec<u32> = (0..20).map(|i| (i * 13 + 5) % 320).collect();
+    let source = ModelSource::Gguf(path);
+    let (drafted, taken, steps) = on_split_with(
+        &source,
+        Layout { tp: 1, pp: 2 },
+        config,
+        Some(itself),
+        |s| {
+            generate_all(
+                s,
+                std::slice::from_ref(&prompt),
+                &[41],
+                &SamplerConfig::default(),
+            );
+            let st = s.stats();
+            (
+                st.drafted.load(Ordering::Relaxed),
+                st.accepted_drafts.load(Ordering::Relaxed),
+                st.decode_steps.load(Ordering::Relaxed),
+            )
+        },
+    );
+    // 40 tokens after the first: 8 steps of 1 + 4
+    assert_eq!((drafted, taken, steps), (32, 32, 8));
 }
 
 /// Allows exactly the given tokens, in order.

@@ -392,11 +392,6 @@ fn report(done: &Completion, threads: usize, ranks: usize) {
 
 /// `run` split over ranks: rank 0 here, the others started locally or waited for.
 fn main_split(args: RunArgs) -> anyhow::Result<()> {
-    if args.speculation.draft.is_some() {
-        anyhow::bail!(
-            "--draft runs on one rank; drop --tp/--pp, or draft by prompt lookup (--lookup)"
-        );
-    }
     let threads = args.compute.apply()?;
     let ctx_len = args.sampling.ctx() + args.sampling.max_tokens;
     let lead_rank = LeadRank::start(&args.split, &args.model, ctx_len, threads, None)?;
@@ -414,18 +409,22 @@ fn main_split(args: RunArgs) -> anyhow::Result<()> {
     let (prompt, splitter) = args.prompt(&model)?;
     let mut request = args.sampling.request(&model, prompt, 0.7)?;
     request.special_text = splitter.is_some();
-    let scheduler = Scheduler::start_split(
-        model.clone(),
-        ctx,
-        SchedulerConfig {
-            max_batch: 1,
-            max_queue: 0,
-            ctx: capacity,
-            prefix_cache: true,
-            draft_max: args.speculation.tokens(),
-            adaptive_drafts: !args.speculation.fixed_drafts,
-        },
-    )?;
+    let config = SchedulerConfig {
+        max_batch: 1,
+        max_queue: 0,
+        ctx: capacity,
+        prefix_cache: true,
+        draft_max: args.speculation.tokens(),
+        adaptive_drafts: !args.speculation.fixed_drafts,
+    };
+    // a draft model runs here, beside rank 0
+    let scheduler = match &args.speculation.draft {
+        Some(d) => {
+            let draft = Arc::new(crate::models::open(d)?);
+            Scheduler::start_split_with_draft(model.clone(), ctx, draft, config)?
+        }
+        None => Scheduler::start_split(model.clone(), ctx, config)?,
+    };
     let result = answer(&scheduler, request, splitter, args.raw, threads, world);
     // the scheduler tells the other ranks to stop when it goes
     drop(scheduler);

@@ -1,6 +1,6 @@
 //! `shoal run --tp/--pp` end to end: real processes over loopback TCP and shared memory,
 //! on a tiny model the test kit writes as GGUF. A split answers exactly what one process
-//! answers, and when a rank dies or hangs the others stop with an error naming it within
+//! answers (plain, and speculating with prompt lookup or a draft model), and when a rank dies or hangs the others stop with an error naming it within
 //! the communication deadline instead of hanging.
 
 use std::io::Read;
@@ -60,6 +60,14 @@ fn split_runs_answer_like_one_process() {
         &["--tp", "2", "--link-latency-us", "200", "--link-gbps", "1"],
         &["--tp", "2", "--lookup", "4", "--fixed-drafts"],
         &["--pp", "2", "--lookup"],
+    ] {
+        assert_eq!(answer(&model, extra), one, "shoal run {extra:?}");
+    }
+    // a draft model (here the model itself) runs beside rank 0
+    let m = model.to_str().unwrap();
+    for extra in [
+        &["--pp", "2", "--draft", m][..],
+        &["--tp", "2", "--draft", m, "--draft-max", "3", "--fixed-drafts"],
     ] {
         assert_eq!(answer(&model, extra), one, "shoal run {extra:?}");
     }

@@ -277,6 +277,44 @@ pub struct SchedulerStats {
     pub accepted_drafts: AtomicU64,
 }
 
+/// Refuses a split context that cannot lead, or more slots than a lead holds.
+fn check_split(ctx: &RankContext, config: &SchedulerConfig) -> Result<(), EngineError> {
+    if ctx.rank != 0 {
+        return Err(EngineError::InvalidInput {
+            what: format!(
+                "rank {} cannot schedule a split model; rank 0 does",
+                ctx.rank
+            ),
+        });
+    }
+    if config.max_batch > crate::parallel::MAX_SEQUENCES {
+        return Err(EngineError::InvalidInput {
+            what: format!(
+                "{} slots for a split model (at most {})",
+                config.max_batch,
+                crate::parallel::MAX_SEQUENCES
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Refuses a draft model whose vocabulary is not `model`'s.
+fn check_draft(model: &LoadedModel, draft: &LoadedModel) -> Result<(), EngineError> {
+    let (a, b) = (&model.tokenizer, &draft.tokenizer);
+    let same = a.vocab_size() == b.vocab_size()
+        && (0..a.vocab_size() as u32).all(|t| a.token_bytes(t) == b.token_bytes(t));
+    if !same || model.transformer.config().vocab != draft.transformer.config().vocab {
+        return Err(EngineError::InvalidInput {
+            what: format!(
+                "draft model {} does not share {}'s vocabulary; a draft model must use the same tokenizer",
+                draft.name, model.name
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// A model served to many sequences at once from one thread.
 #[derive(Debug)]
 pub struct Scheduler {
@@ -307,24 +345,26 @@ impl Scheduler {
         ctx: RankContext,
         config: SchedulerConfig,
     ) -> Result<Self, EngineError> {
-        if ctx.rank != 0 {
-            return Err(EngineError::InvalidInput {
-                what: format!(
-                    "rank {} cannot schedule a split model; rank 0 does",
-                    ctx.rank
-                ),
-            });
-        }
-        if config.max_batch > crate::parallel::MAX_SEQUENCES {
-            return Err(EngineError::InvalidInput {
-                what: format!(
-                    "{} slots for a split model (at most {})",
-                    config.max_batch,
-                    crate::parallel::MAX_SEQUENCES
-                ),
-            });
-        }
+        check_split(&ctx, &config)?;
         Self::spawn(model, config, Some(ctx))
+    }
+
+    /// Starts the scheduler thread for a split model ([`Scheduler::start_split`]) with
+    /// `draft`, a smaller model with the same vocabulary that runs here, on the lead alone,
+    /// and drafts tokens that one split step checks (as [`Scheduler::start_with_draft`]
+    /// does on one rank).
+    ///
+    /// # Errors
+    /// As [`Scheduler::start_split`], and when the vocabularies differ.
+    pub fn start_split_with_draft(
+        model: Arc<LoadedModel>,
+        ctx: RankContext,
+        draft: Arc<LoadedModel>,
+        config: SchedulerConfig,
+    ) -> Result<Self, EngineError> {
+        check_split(&ctx, &config)?;
+        check_draft(&model, &draft)?;
+        Self::spawn_with(model, config, Some(ctx), Some(draft))
     }
 
     /// Starts the scheduler thread for `model` with `draft`, a smaller model with the same
@@ -337,17 +377,7 @@ impl Scheduler {
         draft: Arc<LoadedModel>,
         config: SchedulerConfig,
     ) -> Result<Self, EngineError> {
-        let (a, b) = (&model.tokenizer, &draft.tokenizer);
-        let same = a.vocab_size() == b.vocab_size()
-            && (0..a.vocab_size() as u32).all(|t| a.token_bytes(t) == b.token_bytes(t));
-        if !same || model.transformer.config().vocab != draft.transformer.config().vocab {
-            return Err(EngineError::InvalidInput {
-                what: format!(
-                    "draft model {} does not share {}'s vocabulary; a draft model must use the same tokenizer",
-                    draft.name, model.name
-                ),
-            });
-        }
+        check_draft(&model, &draft)?;
         Self::spawn_with(model, config, None, Some(draft))
     }
 

@@ -233,7 +233,6 @@ impl Worker<'_> {
         let Some(slots) = self.in_flight.groups.pop_front() else {
             return;
         };
-        self.in_flight.choice.collected(slots.len(), decoding);
         let rows = match self.lead.as_mut().map(|l| l.collect_rows()) {
             Some(Ok(rows)) if rows.len() == slots.len() => rows,
             Some(Ok(rows)) => {
@@ -247,6 +246,7 @@ impl Worker<'_> {
             Some(Err(e)) => return self.fail_all(&format!("decoding failed: {e}")),
             None => return self.fail_all("a split sequence without a lead"),
         };
+        self.in_flight.choice.collected(slots.len(), decoding);
         // The sequences of a group in flight stay in `active` until it is collected (their
         // cancellation waits), so each slot is found.
         let mut members = Vec::with_capacity(slots.len());

@@ -1,7 +1,7 @@
 //! Speculative decoding: each ready sequence drafts a few tokens (by prompt lookup in its
-//! own context, or with a draft model on one rank), and one step runs its next token and its
-//! draft together (on one rank, or as one split step of every rank); the sequence keeps the
-//! drafted tokens the model samples itself.
+//! own context, or with a draft model on this rank, the lead's on a split), and one step
+//! runs its next token and its draft together (on one rank, or as one split step of every
+//! rank); the sequence keeps the drafted tokens the model samples itself.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

@@ -64,10 +64,8 @@ impl Worker<'_> {
             .fetch_add(chunk.len() as u64, Ordering::Relaxed);
         seq.prefilled = end;
         // the draft model reads the prompt beside the model (its part of prompt processing)
-        if let (Some(d), Ok(_), Store::Local(c), false) =
-            (&self.draft, &result, &seq.cache, seq.draft_failed)
-        {
-            let capacity = c.capacity();
+        if let (Some(d), Ok(_), false) = (&self.draft, &result, seq.draft_failed) {
+            let capacity = seq.cache.capacity();
             let dc = seq
                 .draft_cache
                 .get_or_insert_with(|| d.transformer.new_cache(capacity));
