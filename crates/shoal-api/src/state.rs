@@ -108,7 +108,8 @@ impl ServedModel {
         let scheduler = match (split, draft) {
             (None, None) => Scheduler::start(model, config)?,
             (None, Some(d)) => Scheduler::start_with_draft(model, d, config)?,
-            (Some(rc), _) => Scheduler::start_split(model, rc, config)?,
+            (Some(rc), None) => Scheduler::start_split(model, rc, config)?,
+            (Some(rc), Some(d)) => Scheduler::start_split_with_draft(model, rc, d, config)?,
         };
         Ok(ServedModel {
             id,

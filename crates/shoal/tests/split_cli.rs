@@ -67,7 +67,15 @@ fn split_runs_answer_like_one_process() {
     let m = model.to_str().unwrap();
     for extra in [
         &["--pp", "2", "--draft", m][..],
-        &["--tp", "2", "--draft", m, "--draft-max", "3", "--fixed-drafts"],
+        &[
+            "--tp",
+            "2",
+            "--draft",
+            m,
+            "--draft-max",
+            "3",
+            "--fixed-drafts",
+        ],
     ] {
         assert_eq!(answer(&model, extra), one, "shoal run {extra:?}");
     }
