@@ -84,6 +84,21 @@ impl ServedModel {
         Self::build(id.into(), model, config, Some(ctx), None)
     }
 
+    /// Serves a split model ([`ServedModel::start_split`]) with speculative decoding by
+    /// `draft`, which runs here beside rank 0 (see [`Scheduler::start_split_with_draft`]).
+    ///
+    /// # Errors
+    /// When the draft model's vocabulary differs, or the scheduler cannot start.
+    pub fn start_split_with_draft(
+        id: impl Into<String>,
+        model: Arc<LoadedModel>,
+        ctx: shoal_engine::parallel::RankContext,
+        draft: Arc<LoadedModel>,
+        config: SchedulerConfig,
+    ) -> Result<Self, shoal_engine::EngineError> {
+        Self::build(id.into(), model, config, Some(ctx), Some(draft))
+    }
+
     fn build(
         id: String,
         model: Arc<LoadedModel>,

@@ -52,6 +52,7 @@ use serde_json::Value;
 use shoal_api::{AppState, ControlError, ControlFuture, InstanceControl, InstanceView};
 use shoal_cluster::instances::{InstanceState, InstanceTable};
 use shoal_cluster::node::Node;
+use shoal_engine::model::LoadedModel;
 use shoal_planner::{Cluster, ModelProfile};
 
 pub use models::{describe_model, model_id, profile_from_model, ModelFile};
@@ -92,6 +93,12 @@ pub struct DriverConfig {
     /// Whether each step checks only the drafted tokens that pay for their rows
     /// ([`shoal_engine::scheduler::SchedulerConfig::adaptive_drafts`]).
     pub adaptive_drafts: bool,
+    /// A draft model (loaded here) for the instances this node leads whose vocabulary it
+    /// shares, drafting up to `draft_max` tokens per step beside rank 0; on a split instance
+    /// only when every node of its placement runs steps of several rows, as for `lookup`.
+    pub draft: Option<Arc<LoadedModel>>,
+    /// Tokens the draft model drafts per step at most.
+    pub draft_max: usize,
 }
 
 /// The driver of one node.

@@ -20,7 +20,7 @@ use shoal_cluster::protocol::SPLIT_SPECULATION;
 use shoal_comm::Rebindable;
 use shoal_engine::model::LoadedModel;
 use shoal_engine::parallel::{serve, RankContext};
-use shoal_engine::scheduler::SchedulerConfig;
+use shoal_engine::scheduler::{check_draft, SchedulerConfig};
 use shoal_engine::shard::{Layout, ShardPlan};
 use shoal_engine::transformer::Reuse;
 use shoal_model::source::ModelSource;
@@ -222,24 +222,33 @@ impl Driver {
             .min(model.transformer.config().context_len)
             .max(2);
         if rank == 0 {
-            let draft_max = if self.cfg.lookup > 0 && self.placement_speculates(inst) {
-                self.cfg.lookup
-            } else {
-                0
+            let speculates = self.placement_speculates(inst);
+            // the node's draft model drafts for the instances whose vocabulary it shares
+            let draft = self.cfg.draft.clone().filter(|d| {
+                let fits = check_draft(&model, d);
+                if let Err(e) = &fits {
+                    tracing::info!(instance = %inst.id, "no draft model: {e}");
+                }
+                speculates && fits.is_ok()
+            });
+            let draft_max = match &draft {
+                Some(_) => self.cfg.draft_max,
+                None if self.cfg.lookup > 0 && speculates => self.cfg.lookup,
+                None => 0,
             };
-            let served = Arc::new(ServedModel::start_split(
-                inst.id.clone(),
-                model,
-                ctx,
-                SchedulerConfig {
-                    max_batch: self.cfg.parallel,
-                    max_queue: self.cfg.queue,
-                    ctx: capacity,
-                    prefix_cache: self.cfg.prefix_cache,
-                    draft_max,
-                    adaptive_drafts: self.cfg.adaptive_drafts,
-                },
-            )?);
+            let config = SchedulerConfig {
+                max_batch: self.cfg.parallel,
+                max_queue: self.cfg.queue,
+                ctx: capacity,
+                prefix_cache: self.cfg.prefix_cache,
+                draft_max,
+                adaptive_drafts: self.cfg.adaptive_drafts,
+            };
+            let id = inst.id.clone();
+            let served = Arc::new(match draft {
+                Some(d) => ServedModel::start_split_with_draft(id, model, ctx, d, config)?,
+                None => ServedModel::start_split(id, model, ctx, config)?,
+            });
             let state = self
                 .state
                 .upgrade()

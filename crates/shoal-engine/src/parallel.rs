@@ -375,16 +375,22 @@ enum Pending {
     Merged(Vec<f32>),
 }
 
+/// A batched step's replies: rank 0's own, or every rank's merged row by row.
+enum RowsReply {
+    Mine(Vec<u8>),
+    Merged(Vec<Vec<f32>>),
+}
+
 /// A submitted step not yet collected.
 enum Submitted {
     /// One sequence's step ([`Lead::submit`]): the sequence, what was asked, the reply.
     One(usize, Want, Pending),
-    /// A batched step ([`Lead::submit_rows`]): what was asked, rank 0's own reply (or every
-    /// row merged already), and where each row sent goes in the order the caller gave.
+    /// A batched step ([`Lead::submit_rows`]): what was asked, rank 0's own reply (or
+    /// every row merged already, when the lead's stage is the last), and where each row
+    /// sent goes in the order the caller gave.
     Rows {
         want: Want,
-        mine: Vec<u8>,
-        merged: Option<Vec<Vec<f32>>>,
+        reply: RowsReply,
         places: Vec<usize>,
     },
 }
@@ -404,8 +410,7 @@ pub struct Lead<'a> {
     caches: Vec<KvCache>,
     /// The sequence [`Lead::step_with`] runs.
     current: usize,
-    /// Submitted steps not yet collected: sequence, what was asked, rank 0's own reply
-    /// (or, when rank 0 is in the last stage, the merged logits already).
+    /// Submitted steps not yet collected, oldest first.
     pending: VecDeque<Submitted>,
     stopped: bool,
 }
@@ -629,11 +634,6 @@ impl<'a> Lead<'a> {
         }
     }
 
-    /// How many submitted steps are not yet collected.
-    pub fn in_flight(&self) -> usize {
-        self.pending.len()
-    }
-
     /// How many pipeline stages a step goes through.
     pub fn stages(&self) -> usize {
         self.ctx.layout.pp
@@ -796,15 +796,14 @@ impl<'a> Lead<'a> {
             .collect();
         // With one stage, the last stage's replies share links with the next step's
         // collectives: take them now.
-        let merged = if self.ctx.layout.pp == 1 {
-            Some(self.gather_rows(want, &mine, toks.len())?)
+        let reply = if self.ctx.layout.pp == 1 {
+            RowsReply::Merged(self.gather_rows(want, &mine, toks.len())?)
         } else {
-            None
+            RowsReply::Mine(mine)
         };
         self.pending.push_back(Submitted::Rows {
             want,
-            mine,
-            merged,
+            reply,
             places,
         });
         Ok(())
@@ -817,13 +816,12 @@ impl<'a> Lead<'a> {
     /// When nothing is pending, the oldest step is one sequence's, or a rank fails or misses
     /// the deadline.
     pub fn collect_rows(&mut self) -> Result<Vec<Vec<f32>>, EngineError> {
-        let (want, mine, merged, places) = match self.pending.pop_front() {
+        let (want, reply, places) = match self.pending.pop_front() {
             Some(Submitted::Rows {
                 want,
-                mine,
-                merged,
+                reply,
                 places,
-            }) => (want, mine, merged, places),
+            }) => (want, reply, places),
             Some(one) => {
                 self.pending.push_front(one);
                 return Err(EngineError::InvalidInput {
@@ -836,9 +834,9 @@ impl<'a> Lead<'a> {
                 })
             }
         };
-        let rows = match merged {
-            Some(rows) => rows,
-            None => self.gather_rows(want, &mine, places.len())?,
+        let rows = match reply {
+            RowsReply::Merged(rows) => rows,
+            RowsReply::Mine(mine) => self.gather_rows(want, &mine, places.len())?,
         };
         let mut out = vec![Vec::new(); places.len()];
         for (row, &place) in rows.into_iter().zip(&places) {

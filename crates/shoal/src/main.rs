@@ -85,7 +85,8 @@ pub struct SpeculationArgs {
     pub lookup: Option<usize>,
     /// Speculative decoding with a draft model (same tokenizer, smaller: e.g. qwen05 for
     /// qwen15): it drafts --draft-max tokens per step, checked in one step; the output is
-    /// unchanged.
+    /// unchanged. A split runs it beside rank 0; `serve` uses it for its --model models and
+    /// for the cluster instances the node leads whose tokenizer it shares.
     #[arg(long, value_name = "MODEL", conflicts_with = "lookup")]
     pub draft: Option<String>,
     /// Tokens the draft model drafts per step at most.

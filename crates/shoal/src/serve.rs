@@ -289,9 +289,10 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     if args.parallel == 0 || args.parallel > 256 {
         anyhow::bail!("--parallel {} is out of range (1..=256)", args.parallel);
     }
-    if let (Some(d), true) = (&args.speculation.draft, args.models.is_empty()) {
+    let clustered = args.secret_file.is_some() || std::env::var_os("SHOAL_SECRET").is_some();
+    if let (Some(d), true, false) = (&args.speculation.draft, args.models.is_empty(), clustered) {
         anyhow::bail!(
-            "--draft {d} drafts for the models given with --model (not for split instances); give --model"
+            "--draft {d} drafts for the models given with --model and for the cluster instances this node leads; give --model, or a cluster secret"
         );
     }
     let threads = rayon::current_num_threads();
@@ -429,6 +430,8 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
                         prefix_cache: !args.no_prefix_cache,
                         lookup: args.speculation.lookup.unwrap_or(0),
                         adaptive_drafts: !args.speculation.fixed_drafts,
+                        draft: draft.clone(),
+                        draft_max: args.speculation.draft_max,
                     },
                     offered,
                 );

@@ -17,9 +17,10 @@
 //! sequences (its KV cache lives on every rank), a prefill chunk is one step on every rank
 //! and a decode step is one batched step of every ready sequence on every rank (each rank
 //! reads its weights once for the batch). On a split of several pipeline stages the ready
-//! sequences go out instead in one group per stage, each submitted while the others are in
-//! the pipeline, so that every stage computes at once (without speculation, whose drafts
-//! are checked in one step of every ready sequence). A failed step breaks the split: every
+//! sequences may go out instead in one group per stage, each submitted while the others are
+//! in the pipeline, so that every stage computes at once, where that measured more tokens
+//! per second (not with speculation, whose drafts are checked in one step of every ready
+//! sequence). A failed step breaks the split: every
 //! sequence in it fails, later ones are refused at once, and [`Scheduler::failure`] says
 //! why (the cluster then re-places it).
 //!
@@ -299,8 +300,11 @@ fn check_split(ctx: &RankContext, config: &SchedulerConfig) -> Result<(), Engine
     Ok(())
 }
 
-/// Refuses a draft model whose vocabulary is not `model`'s.
-fn check_draft(model: &LoadedModel, draft: &LoadedModel) -> Result<(), EngineError> {
+/// Refuses a draft model whose vocabulary is not `model`'s (token by token).
+///
+/// # Errors
+/// When the vocabularies differ, naming both models.
+pub fn check_draft(model: &LoadedModel, draft: &LoadedModel) -> Result<(), EngineError> {
     let (a, b) = (&model.tokenizer, &draft.tokenizer);
     let same = a.vocab_size() == b.vocab_size()
         && (0..a.vocab_size() as u32).all(|t| a.token_bytes(t) == b.token_bytes(t));

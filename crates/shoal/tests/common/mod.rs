@@ -246,3 +246,12 @@ pub fn greedy_stream(
         Err(format!("ended without a finish reason after {text:?}"))
     }
 }
+
+/// The value of the metric `name` (its first labelled line) in a `/metrics` body.
+pub fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in the metrics"))
+}
