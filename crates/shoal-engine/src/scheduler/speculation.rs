@@ -222,7 +222,6 @@ impl Worker<'_> {
             self.step_costs
                 .record(tokens.len(), started.elapsed().as_secs_f64());
         }
-        self.count_step(ready.len(), ready.len() + taken);
         let stats = &self.shared.stats;
         stats.drafted.fetch_add(
             drafts.iter().map(Vec::len).sum::<usize>() as u64,
@@ -231,6 +230,8 @@ impl Worker<'_> {
         stats
             .accepted_drafts
             .fetch_add(taken as u64, Ordering::Relaxed);
+        // the step's count goes last: who sees it sees the step's drafts counted
+        self.count_step(ready.len(), ready.len() + taken);
         for i in (0..results.len()).rev() {
             if !results[i].0 {
                 let seq = self.active.remove(i);

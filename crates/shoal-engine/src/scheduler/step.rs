@@ -240,7 +240,7 @@ impl Worker<'_> {
     pub(super) fn count_step(&self, batch: usize, tokens: usize) {
         let stats = &self.shared.stats;
         stats.last_batch.store(batch, Ordering::Relaxed);
-        stats.decode_steps.fetch_add(1, Ordering::Relaxed);
+        stats.decode_steps.fetch_add(1, Ordering::Release);
         stats
             .decoded_tokens
             .fetch_add(tokens as u64, Ordering::Relaxed);
