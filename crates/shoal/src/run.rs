@@ -390,6 +390,18 @@ fn report(done: &Completion, threads: usize, ranks: usize) {
     );
 }
 
+/// The scheduler of a `run`: one request of up to `ctx` tokens, speculating as asked.
+fn one_request(args: &RunArgs, ctx: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_batch: 1,
+        max_queue: 0,
+        ctx,
+        prefix_cache: true,
+        draft_max: args.speculation.tokens(),
+        adaptive_drafts: !args.speculation.fixed_drafts,
+    }
+}
+
 /// `run` split over ranks: rank 0 here, the others started locally or waited for.
 fn main_split(args: RunArgs) -> anyhow::Result<()> {
     let threads = args.compute.apply()?;
@@ -409,14 +421,7 @@ fn main_split(args: RunArgs) -> anyhow::Result<()> {
     let (prompt, splitter) = args.prompt(&model)?;
     let mut request = args.sampling.request(&model, prompt, 0.7)?;
     request.special_text = splitter.is_some();
-    let config = SchedulerConfig {
-        max_batch: 1,
-        max_queue: 0,
-        ctx: capacity,
-        prefix_cache: true,
-        draft_max: args.speculation.tokens(),
-        adaptive_drafts: !args.speculation.fixed_drafts,
-    };
+    let config = one_request(&args, capacity);
     // a draft model runs here, beside rank 0
     let scheduler = match &args.speculation.draft {
         Some(d) => {
@@ -469,14 +474,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<()> {
         .max(prompt.len() + args.sampling.max_tokens);
     let mut request = args.sampling.request(&model, prompt, 0.7)?;
     request.special_text = splitter.is_some();
-    let config = SchedulerConfig {
-        max_batch: 1,
-        max_queue: 0,
-        ctx,
-        prefix_cache: true,
-        draft_max: args.speculation.tokens(),
-        adaptive_drafts: !args.speculation.fixed_drafts,
-    };
+    let config = one_request(&args, ctx);
     let scheduler = match &args.speculation.draft {
         Some(d) => {
             let draft = Arc::new(crate::models::open(d)?);
