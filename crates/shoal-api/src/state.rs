@@ -45,6 +45,16 @@ impl std::fmt::Debug for ServedModel {
     }
 }
 
+/// What drafts tokens for a served model when its speculation is on.
+enum Drafts {
+    /// Prompt lookup (or nothing, with speculation off).
+    Lookup,
+    /// A draft model.
+    Model(Arc<LoadedModel>),
+    /// The model's own prediction layer.
+    Mtp,
+}
+
 impl ServedModel {
     /// Starts serving `model` as `id` with `config`'s limits.
     ///
@@ -55,7 +65,20 @@ impl ServedModel {
         model: LoadedModel,
         config: SchedulerConfig,
     ) -> Result<Self, shoal_engine::EngineError> {
-        Self::build(id.into(), Arc::new(model), config, None, None)
+        Self::build(id.into(), Arc::new(model), config, None, Drafts::Lookup)
+    }
+
+    /// Starts serving `model` as `id` with speculative decoding by its own
+    /// multi-token-prediction layer (see [`Scheduler::start_with_mtp`]).
+    ///
+    /// # Errors
+    /// When the model has no such layer, speculation is off, or the scheduler cannot start.
+    pub fn start_with_mtp(
+        id: impl Into<String>,
+        model: LoadedModel,
+        config: SchedulerConfig,
+    ) -> Result<Self, shoal_engine::EngineError> {
+        Self::build(id.into(), Arc::new(model), config, None, Drafts::Mtp)
     }
 
     /// Starts serving `model` as `id` with speculative decoding by `draft` (a smaller model
@@ -69,7 +92,13 @@ impl ServedModel {
         draft: Arc<LoadedModel>,
         config: SchedulerConfig,
     ) -> Result<Self, shoal_engine::EngineError> {
-        Self::build(id.into(), Arc::new(model), config, None, Some(draft))
+        Self::build(
+            id.into(),
+            Arc::new(model),
+            config,
+            None,
+            Drafts::Model(draft),
+        )
     }
 
     /// Serves a split model: `model` is rank 0's shard and `ctx` rank 0's place in the
@@ -81,7 +110,7 @@ impl ServedModel {
         ctx: shoal_engine::parallel::RankContext,
         config: SchedulerConfig,
     ) -> Result<Self, shoal_engine::EngineError> {
-        Self::build(id.into(), model, config, Some(ctx), None)
+        Self::build(id.into(), model, config, Some(ctx), Drafts::Lookup)
     }
 
     /// Serves a split model ([`ServedModel::start_split`]) with speculative decoding by
@@ -96,7 +125,7 @@ impl ServedModel {
         draft: Arc<LoadedModel>,
         config: SchedulerConfig,
     ) -> Result<Self, shoal_engine::EngineError> {
-        Self::build(id.into(), model, config, Some(ctx), Some(draft))
+        Self::build(id.into(), model, config, Some(ctx), Drafts::Model(draft))
     }
 
     fn build(
@@ -104,7 +133,7 @@ impl ServedModel {
         model: Arc<LoadedModel>,
         config: SchedulerConfig,
         split: Option<shoal_engine::parallel::RankContext>,
-        draft: Option<Arc<LoadedModel>>,
+        drafts: Drafts,
     ) -> Result<Self, shoal_engine::EngineError> {
         let template = model
             .chat_template
@@ -120,11 +149,19 @@ impl ServedModel {
             .min(model.transformer.config().context_len)
             .max(2);
         let config = SchedulerConfig { ctx, ..config };
-        let scheduler = match (split, draft) {
-            (None, None) => Scheduler::start(model, config)?,
-            (None, Some(d)) => Scheduler::start_with_draft(model, d, config)?,
-            (Some(rc), None) => Scheduler::start_split(model, rc, config)?,
-            (Some(rc), Some(d)) => Scheduler::start_split_with_draft(model, rc, d, config)?,
+        let scheduler = match (split, drafts) {
+            (None, Drafts::Lookup) => Scheduler::start(model, config)?,
+            (None, Drafts::Model(d)) => Scheduler::start_with_draft(model, d, config)?,
+            (None, Drafts::Mtp) => Scheduler::start_with_mtp(model, config)?,
+            (Some(rc), Drafts::Lookup) => Scheduler::start_split(model, rc, config)?,
+            (Some(rc), Drafts::Model(d)) => {
+                Scheduler::start_split_with_draft(model, rc, d, config)?
+            }
+            (Some(_), Drafts::Mtp) => {
+                return Err(shoal_engine::EngineError::Unsupported {
+                    what: "drafting with the prediction layer on a split model".into(),
+                })
+            }
         };
         Ok(ServedModel {
             id,

@@ -142,6 +142,10 @@ pub struct ModelConfig {
     pub arch: Arch,
     /// Number of transformer blocks.
     pub n_layer: usize,
+    /// Multi-token-prediction layers the file holds after the `n_layer` blocks (GLM-4.5+'s
+    /// `nextn` layers), which draft tokens for speculative decoding and are not part of the
+    /// model's own forward pass.
+    pub mtp_layers: usize,
     /// Width of the residual stream.
     pub hidden: usize,
     /// Query heads.

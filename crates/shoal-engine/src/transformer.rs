@@ -46,6 +46,31 @@ pub(crate) trait Forward: Send + Sync {
         caches: &mut [&mut KvCache],
     ) -> Result<Vec<f32>, EngineError>;
     fn logits(&self, x: &[f32], counts: &[usize], last: usize) -> Result<Vec<f32>, EngineError>;
+    /// [`Network::step_hidden`]; `Unsupported` where the share cannot give them.
+    fn step_hidden(
+        &self,
+        _tokens: &[u32],
+        _counts: &[usize],
+        _caches: &mut [&mut KvCache],
+        _last: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        Err(no_mtp(self.backend()))
+    }
+    /// [`Network::new_mtp_cache`].
+    fn new_mtp_cache(&self, _capacity: usize) -> Option<KvCache> {
+        None
+    }
+    /// [`Network::mtp_step`].
+    fn mtp_step(
+        &self,
+        _hidden: Vec<f32>,
+        _tokens: &[u32],
+        _counts: &[usize],
+        _caches: &mut [&mut KvCache],
+        _last: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        Err(no_mtp(self.backend()))
+    }
     fn device_counters(&self) -> Option<crate::device::GpuCounters>;
     /// This share made into the share `plan` of the same file, sharing what both hold
     /// ([`Network::regrow`]); `Unsupported` where the share cannot be remade in part.
@@ -113,6 +138,31 @@ impl<B: Backend> Forward for Network<B> {
         self.backend_counters()
     }
 
+    fn step_hidden(
+        &self,
+        tokens: &[u32],
+        counts: &[usize],
+        caches: &mut [&mut KvCache],
+        last: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        Network::step_hidden(self, tokens, counts, caches, last)
+    }
+
+    fn new_mtp_cache(&self, capacity: usize) -> Option<KvCache> {
+        Network::new_mtp_cache(self, capacity)
+    }
+
+    fn mtp_step(
+        &self,
+        hidden: Vec<f32>,
+        tokens: &[u32],
+        counts: &[usize],
+        caches: &mut [&mut KvCache],
+        last: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        Network::mtp_step(self, hidden, tokens, counts, caches, last)
+    }
+
     fn regrow(
         &self,
         src: &dyn WeightSource,
@@ -121,6 +171,15 @@ impl<B: Backend> Forward for Network<B> {
     ) -> Result<(Box<dyn Forward>, Reuse), EngineError> {
         let (net, reuse) = Network::regrow(self, src, plan, tp)?;
         Ok((Box::new(net), reuse))
+    }
+}
+
+/// Why a share cannot draft with multi-token prediction.
+fn no_mtp(backend: &str) -> EngineError {
+    EngineError::Unsupported {
+        what: format!(
+            "drafting with multi-token prediction on a model split between a GPU and the CPU (the {backend} backend's part)"
+        ),
     }
 }
 
@@ -429,6 +488,54 @@ impl Transformer {
         cache: &mut KvCache,
     ) -> Result<Vec<f32>, EngineError> {
         self.forward(tokens, cache, 1)
+    }
+
+    /// [`Transformer::step`] that also returns every row's output hidden state after the
+    /// final norm, `hidden` values a row (what [`Transformer::mtp_step`] reads).
+    ///
+    /// # Errors
+    /// As [`Transformer::step`]; `Unsupported` on a share split between devices.
+    pub fn step_hidden(
+        &self,
+        tokens: &[u32],
+        counts: &[usize],
+        caches: &mut [&mut KvCache],
+        last: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        self.net.step_hidden(tokens, counts, caches, last)
+    }
+
+    /// Whether the model drafts its own tokens with a multi-token-prediction layer
+    /// (GLM-4.5+'s `nextn` layer, loaded where this rank holds the whole model).
+    pub fn has_mtp(&self) -> bool {
+        self.net.new_mtp_cache(1).is_some()
+    }
+
+    /// An empty cache of the multi-token-prediction layer for one sequence of up to
+    /// `capacity` positions; `None` without the layer.
+    pub fn new_mtp_cache(&self, capacity: usize) -> Option<KvCache> {
+        self.net.new_mtp_cache(capacity)
+    }
+
+    /// The multi-token-prediction layer over `counts[i]` rows of each sequence after what
+    /// its layer cache `caches[i]` holds: row `r` joins `hidden[r]` (the model's output
+    /// hidden state at a position, from [`Transformer::step_hidden`], or this layer's output
+    /// for a further draft) with `tokens[r]`, the token after that position. Returns the
+    /// logits of the last `last` rows of each sequence (for the token two after each
+    /// position) and every row's output hidden state.
+    ///
+    /// # Errors
+    /// Without the layer, when the lengths disagree, an id is out of range, or a cache is
+    /// full.
+    pub fn mtp_step(
+        &self,
+        hidden: Vec<f32>,
+        tokens: &[u32],
+        counts: &[usize],
+        caches: &mut [&mut KvCache],
+        last: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        self.net.mtp_step(hidden, tokens, counts, caches, last)
     }
 
     /// One decode step of several sequences: `tokens[i]` after what `caches[i]` holds.

@@ -16,7 +16,7 @@
 //! q/k RMSNorm per head before RoPE (plain `w` scaling). GLM-4.5 (`glm4moe`) is Qwen2's
 //! biased attention with Qwen3's q/k norms, its rotate-half RoPE on the first `rope_dims`
 //! dimensions of each head only (`inv_freq[i] = theta^(-2i/rope_dims)`), and DeepSeek V3's
-//! routing below; its prediction layers are not run. gpt-oss is Qwen2's biased attention plus
+//! routing below; its prediction layer runs only in [`TinyModel::reference_mtp_logits`]. gpt-oss is Qwen2's biased attention plus
 //! an output bias, a sink logit per head in each softmax, its even layers attending only
 //! within the sliding window, rotate-half RoPE with YaRN ([`crate::YarnRope::angle`], both
 //! q and k scaled by `1 + 0.1 ln(factor)` as ggml scales the cosine and sine) on every layer,
@@ -266,6 +266,85 @@ impl TinyModel {
         probe.routes
     }
 
+    /// Logits of the model's first multi-token-prediction layer (`nextn`, GLM-4.5) over
+    /// `ids` with the KV cache in f16 (as [`TinyModel::reference_logits_f16_kv`]): row `i`
+    /// (for `i` below `ids.len() - 1`) predicts the token at `i + 2` from the model's output
+    /// hidden state at `i` (after its final norm) and the token at `i + 1`. Then `chained`
+    /// further rows go on past `ids`: each takes the row before it's greedy choice as its
+    /// token and that row's output (before the head's norm) as its hidden state, and row `i`
+    /// still predicts the token at `i + 2`. The layer: the embedding of the token (zeroed at
+    /// position 0) RMS-normed by `enorm` and the hidden state by `hnorm`, concatenated
+    /// (embedding first) and projected by `eh_proj`, the block of layer `n_layers` over
+    /// those rows (attention over its own earlier rows), `shared_head.norm` and the output
+    /// head. Panics without the layer.
+    pub fn reference_mtp_logits(&self, ids: &[u32], chained: usize) -> Vec<Vec<f32>> {
+        let s = self.spec();
+        assert!(s.nextn_layers > 0, "the model has no prediction layer");
+        assert!(ids.len() >= 2, "prediction needs two tokens");
+        let (h, l) = (s.hidden_size, s.n_layers);
+        let eps = s.rms_eps as f64;
+        let p = format!("model.layers.{l}");
+        let emb = self.w("model.embed_tokens.weight");
+        let head = self.weight("lm_head.weight").unwrap_or(emb);
+        let embed = |t: u32| -> Vec<f64> {
+            emb.data[t as usize * h..(t as usize + 1) * h]
+                .iter()
+                .map(|&v| f64::from(v))
+                .collect()
+        };
+        // the model's hidden states, after its final norm
+        let mut xs: Vec<Vec<f64>> = ids.iter().map(|&t| embed(t)).collect();
+        for layer in 0..l {
+            self.layer(layer, &mut xs, true, None);
+        }
+        let mut hidden: Vec<Vec<f64>> = xs
+            .iter()
+            .map(|x| rms_norm(x, self.w("model.norm.weight"), eps, 0.0))
+            .collect();
+        hidden.pop();
+        let mut next: Vec<u32> = ids[1..].to_vec();
+        let join = |pos: usize, t: u32, hid: &[f64]| -> Vec<f64> {
+            let e = if pos == 0 { vec![0.0; h] } else { embed(t) };
+            let mut cat = rms_norm(&e, self.w(&format!("{p}.enorm.weight")), eps, 0.0);
+            cat.extend(rms_norm(
+                hid,
+                self.w(&format!("{p}.hnorm.weight")),
+                eps,
+                0.0,
+            ));
+            linear(&cat, self.w(&format!("{p}.eh_proj.weight")), None)
+        };
+        let logits_of = |x: &[f64]| -> Vec<f32> {
+            let hn = rms_norm(x, self.w(&format!("{p}.shared_head.norm.weight")), eps, 0.0);
+            linear(&hn, head, None)
+                .into_iter()
+                .map(|v| v as f32)
+                .collect()
+        };
+        // each chained row reruns the layer over every row so far (its attention is causal,
+        // so the earlier rows' outputs do not change)
+        loop {
+            let mut rows: Vec<Vec<f64>> = next
+                .iter()
+                .zip(&hidden)
+                .enumerate()
+                .map(|(pos, (&t, hid))| join(pos, t, hid))
+                .collect();
+            self.layer(l, &mut rows, true, None);
+            let logits: Vec<Vec<f32>> = rows.iter().map(|x| logits_of(x)).collect();
+            if next.len() == ids.len() - 1 + chained {
+                return logits;
+            }
+            let last = logits.last().expect("a row");
+            let choice = last
+                .iter()
+                .enumerate()
+                .fold(0, |best, (i, &v)| if v > last[best] { i } else { best });
+            next.push(choice as u32);
+            hidden.push(rows.last().expect("a row").clone());
+        }
+    }
+
     fn forward(&self, ids: &[u32], f16_kv: bool) -> Vec<Vec<f32>> {
         self.forward_with(ids, f16_kv, None)
     }
@@ -306,49 +385,7 @@ impl TinyModel {
             })
             .collect();
         for l in 0..s.n_layers {
-            let p = format!("model.layers.{l}");
-            let attn = match &s.mla {
-                Some(mla) => self.mla_attention(l, &xs, mla, f16_kv),
-                None => self.attention(l, &xs, f16_kv),
-            };
-            for (t, o) in attn.into_iter().enumerate() {
-                for (x, o) in xs[t].iter_mut().zip(o) {
-                    *x += o;
-                }
-                let ffn_norm = if gemma {
-                    "pre_feedforward_layernorm"
-                } else {
-                    "post_attention_layernorm"
-                };
-                let hn = norm(&xs[t], &format!("{p}.{ffn_norm}.weight"));
-                let d = match &s.moe {
-                    Some(moe) if s.is_moe_layer(l) => {
-                        let (d, margin, chosen) = self.moe_ffn(&p, &hn, moe, probe.is_some());
-                        if let Some(probe) = probe.as_deref_mut() {
-                            probe.routes[t].push(chosen);
-                            let m = &mut probe.margins;
-                            m[t] = [m[t][0].min(margin[0]), m[t][1].min(margin[1])];
-                        }
-                        d
-                    }
-                    _ => {
-                        let mut d = swiglu(
-                            &hn,
-                            w(&format!("{p}.mlp.gate_proj.weight")),
-                            w(&format!("{p}.mlp.up_proj.weight")),
-                            w(&format!("{p}.mlp.down_proj.weight")),
-                            gemma,
-                        );
-                        if gemma {
-                            d = norm(&d, &format!("{p}.post_feedforward_layernorm.weight"));
-                        }
-                        d
-                    }
-                };
-                for (x, d) in xs[t].iter_mut().zip(d) {
-                    *x += d;
-                }
-            }
+            self.layer(l, &mut xs, f16_kv, probe.as_deref_mut());
         }
         let head = self
             .weight("lm_head.weight")
@@ -362,6 +399,63 @@ impl TinyModel {
                     .collect()
             })
             .collect()
+    }
+
+    /// Layer `l` over the residual stream `xs` (a row per position), in place; with
+    /// `probe`, as [`TinyModel::forward_with`] says.
+    fn layer(&self, l: usize, xs: &mut [Vec<f64>], f16_kv: bool, mut probe: Option<&mut Probe>) {
+        let s = self.spec();
+        let w = |n: &str| {
+            self.weight(n)
+                .unwrap_or_else(|| panic!("missing weight {n}"))
+        };
+        let eps = s.rms_eps as f64;
+        let gemma = s.arch == Arch::Gemma3;
+        let off = if gemma { 1.0 } else { 0.0 };
+        let norm = |x: &[f64], name: &str| rms_norm(x, w(name), eps, off);
+        let p = format!("model.layers.{l}");
+        let attn = match &s.mla {
+            Some(mla) => self.mla_attention(l, xs, mla, f16_kv),
+            None => self.attention(l, xs, f16_kv),
+        };
+        for (t, o) in attn.into_iter().enumerate() {
+            for (x, o) in xs[t].iter_mut().zip(o) {
+                *x += o;
+            }
+            let ffn_norm = if gemma {
+                "pre_feedforward_layernorm"
+            } else {
+                "post_attention_layernorm"
+            };
+            let hn = norm(&xs[t], &format!("{p}.{ffn_norm}.weight"));
+            let d = match &s.moe {
+                Some(moe) if s.is_moe_layer(l) => {
+                    let (d, margin, chosen) = self.moe_ffn(&p, &hn, moe, probe.is_some());
+                    if let Some(probe) = probe.as_deref_mut() {
+                        probe.routes[t].push(chosen);
+                        let m = &mut probe.margins;
+                        m[t] = [m[t][0].min(margin[0]), m[t][1].min(margin[1])];
+                    }
+                    d
+                }
+                _ => {
+                    let mut d = swiglu(
+                        &hn,
+                        w(&format!("{p}.mlp.gate_proj.weight")),
+                        w(&format!("{p}.mlp.up_proj.weight")),
+                        w(&format!("{p}.mlp.down_proj.weight")),
+                        gemma,
+                    );
+                    if gemma {
+                        d = norm(&d, &format!("{p}.post_feedforward_layernorm.weight"));
+                    }
+                    d
+                }
+            };
+            for (x, d) in xs[t].iter_mut().zip(d) {
+                *x += d;
+            }
+        }
     }
 
     /// The weight named `n`; panics when the model lacks it.

@@ -74,8 +74,8 @@ enum Command {
     Worker(worker::WorkerArgs),
 }
 
-/// Speculative decoding, for `run` and `serve` (prompt lookup on one rank or a split; a
-/// draft model on one rank).
+/// Speculative decoding, for `run` and `serve` (prompt lookup or a draft model, on one rank
+/// or a split; the model's own prediction layer, on one rank).
 #[derive(Args, Debug, Clone)]
 pub struct SpeculationArgs {
     /// Prompt-lookup speculative decoding: draft up to N tokens per step from the text so
@@ -89,7 +89,14 @@ pub struct SpeculationArgs {
     /// for the cluster instances the node leads whose tokenizer it shares.
     #[arg(long, value_name = "MODEL", conflicts_with = "lookup")]
     pub draft: Option<String>,
-    /// Tokens the draft model drafts per step at most.
+    /// Speculative decoding with the model's own multi-token-prediction layer (GLM-4.5 and
+    /// later ship one, as `nextn` tensors): no second model, one more layer's cost per
+    /// drafted token; it drafts --draft-max tokens per step, checked in one step; the output
+    /// is unchanged. For a model that one process holds whole (`run` without --tp/--pp,
+    /// `serve --model`).
+    #[arg(long, conflicts_with_all = ["lookup", "draft"])]
+    pub mtp: bool,
+    /// Tokens the draft model (or the prediction layer) drafts per step at most.
     #[arg(long, default_value_t = 8, value_name = "N")]
     pub draft_max: usize,
     /// Check every drafted token each step. By default a step checks only as many as pay
@@ -102,13 +109,14 @@ pub struct SpeculationArgs {
 impl SpeculationArgs {
     /// Whether either kind was asked for.
     pub fn any(&self) -> bool {
-        self.lookup.is_some() || self.draft.is_some()
+        self.lookup.is_some() || self.draft.is_some() || self.mtp
     }
 
     /// Tokens drafted per step at most (the scheduler's `draft_max`; 0: off).
     pub fn tokens(&self) -> usize {
         match (&self.draft, self.lookup) {
             (Some(_), _) => self.draft_max,
+            _ if self.mtp => self.draft_max,
             (None, n) => n.unwrap_or(0),
         }
     }

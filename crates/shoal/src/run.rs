@@ -404,6 +404,11 @@ fn one_request(args: &RunArgs, ctx: usize) -> SchedulerConfig {
 
 /// `run` split over ranks: rank 0 here, the others started locally or waited for.
 fn main_split(args: RunArgs) -> anyhow::Result<()> {
+    if args.speculation.mtp {
+        anyhow::bail!(
+            "--mtp drafts only where one process holds the whole model; on a split (--tp/--pp) draft with --lookup or --draft"
+        );
+    }
     let threads = args.compute.apply()?;
     let ctx_len = args.sampling.ctx() + args.sampling.max_tokens;
     let lead_rank = LeadRank::start(&args.split, &args.model, ctx_len, threads, None)?;
@@ -480,6 +485,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<()> {
             let draft = Arc::new(crate::models::open(d)?);
             Scheduler::start_with_draft(model, draft, config)?
         }
+        None if args.speculation.mtp => Scheduler::start_with_mtp(model, config)?,
         None => Scheduler::start(model, config)?,
     };
     answer(&scheduler, request, splitter, args.raw, threads, 1)

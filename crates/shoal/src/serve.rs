@@ -295,6 +295,11 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
             "--draft {d} drafts for the models given with --model and for the cluster instances this node leads; give --model, or a cluster secret"
         );
     }
+    if args.speculation.mtp && args.models.is_empty() {
+        anyhow::bail!(
+            "--mtp drafts for the models given with --model; cluster instances run as splits, where the prediction layer does not draft: draft for them with --lookup or --draft"
+        );
+    }
     let threads = rayon::current_num_threads();
     let dir = data_dir(args.data_dir.clone())?;
     let identity = Identity::load_or_create(&dir)?;
@@ -348,6 +353,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         };
         let m = match &draft {
             Some(d) => ServedModel::start_with_draft(id, model, d.clone(), config)?,
+            None if args.speculation.mtp => ServedModel::start_with_mtp(id, model, config)?,
             None => ServedModel::start(id, model, config)?,
         };
         served.push(match &replay {

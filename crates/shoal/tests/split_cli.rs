@@ -1,6 +1,7 @@
 //! `shoal run --tp/--pp` end to end: real processes over loopback TCP and shared memory,
 //! on a tiny model the test kit writes as GGUF. A split answers exactly what one process
-//! answers (plain, and speculating with prompt lookup or a draft model), and when a rank dies or hangs the others stop with an error naming it within
+//! answers (plain, and speculating with prompt lookup or a draft model; one process drafting
+//! with a GLM's prediction layer answers as without it), and when a rank dies or hangs the others stop with an error naming it within
 //! the communication deadline instead of hanging.
 
 use std::io::Read;
@@ -78,6 +79,59 @@ fn split_runs_answer_like_one_process() {
         ],
     ] {
         assert_eq!(answer(&model, extra), one, "shoal run {extra:?}");
+    }
+}
+
+/// `--mtp`: a GLM's own prediction layer drafts for `shoal run` on one process and the
+/// answer is unchanged; a split, and a model without the layer, are refused saying what to
+/// use instead.
+#[test]
+fn the_prediction_layer_drafts_without_changing_the_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let glm = dir.path().join("tiny-glm.gguf");
+    TinyModelSpec::glm4moe(5)
+        .build()
+        .unwrap()
+        .write_gguf(&glm, GgmlType::Q8_0)
+        .unwrap();
+    let one = answer(&glm, &[]);
+    assert!(!one.is_empty());
+    assert_eq!(answer(&glm, &["--mtp"]), one, "shoal run --mtp");
+    let out = shoal()
+        .arg("run")
+        .arg(&glm)
+        .args(["hello world", "--raw", "--temp", "0", "-n", "40", "-t", "1"])
+        .args(["--mtp", "--draft-max", "3", "--fixed-drafts"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), one);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("drafted tokens accepted"), "{log}");
+    for (model, extra, want) in [
+        (
+            &glm,
+            &["--tp", "2", "--mtp"][..],
+            "on a split (--tp/--pp) draft with",
+        ),
+        (
+            &tiny_model(dir.path()),
+            &["--mtp"],
+            "no multi-token-prediction layer",
+        ),
+    ] {
+        let out = shoal()
+            .arg("run")
+            .arg(model)
+            .args(["hello", "-n", "4", "-t", "1"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(want),
+            "{extra:?}: {err}"
+        );
     }
 }
 

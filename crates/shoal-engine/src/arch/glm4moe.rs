@@ -8,8 +8,9 @@
 //!
 //! `block_count` counts the multi-token-prediction layers (`nextn_predict_layers`, the last
 //! ones, with `nextn.*` tensors of their own): they are not part of the model that decodes
-//! one token at a time, so the config leaves them out and nothing reads them; a slice fetch
-//! skips them with every other layer a rank does not hold.
+//! one token at a time, so `n_layer` leaves them out and `mtp_layers` counts them; a rank
+//! that holds the whole model loads the first of them to draft tokens (`crate::network::mtp`),
+//! and a slice fetch skips them with every other layer a rank does not hold.
 
 use shoal_model::gguf::Metadata;
 
@@ -95,6 +96,7 @@ pub fn from_gguf(md: &Metadata, vocab: usize) -> Result<ModelConfig, EngineError
         )));
     }
     c.n_layer -= nextn;
+    c.mtp_layers = nextn;
     let mut moe = moe_gguf(md, Arch::Glm4Moe, c.ffn)?
         .ok_or_else(|| bad("glm4moe.expert_count is missing or 0".into()))?;
     if matches!(

@@ -475,6 +475,7 @@ pub(crate) fn common_gguf(
     Ok(ModelConfig {
         arch,
         n_layer: md.usize_max(&k("block_count"), DIM_MAX)?,
+        mtp_layers: 0,
         hidden,
         n_head,
         n_kv_head,
@@ -626,6 +627,7 @@ pub(crate) fn common_hf(
     Ok(ModelConfig {
         arch,
         n_layer: num("num_hidden_layers")?,
+        mtp_layers: 0,
         hidden,
         n_head,
         n_kv_head,

@@ -16,6 +16,7 @@ pub(crate) mod feed_forward;
 pub(crate) mod latent;
 pub(crate) mod linear;
 pub(crate) mod moe;
+pub(crate) mod mtp;
 pub(crate) mod routing;
 
 use std::sync::{Arc, Mutex};
@@ -24,6 +25,7 @@ use shoal_comm::Communicator;
 
 use self::block::Block;
 use self::linear::{Linear, Norm, Tensors};
+use self::mtp::Mtp;
 use crate::arch::{self, Role};
 use crate::backend::{Backend, KvLayout, Routes, StepRows};
 use crate::config::ModelConfig;
@@ -126,6 +128,8 @@ pub(crate) struct Network<B: Backend> {
     blocks: Vec<Arc<Block<B>>>,
     norm: Option<Arc<Norm<B>>>,
     head: Option<Arc<Linear<B>>>,
+    /// The file's first multi-token-prediction layer, on a rank holding the whole model.
+    mtp: Option<Arc<Mtp<B>>>,
     /// Workspaces of finished steps, for the next ones.
     spare: Mutex<Vec<Workspace<B>>>,
 }
@@ -290,6 +294,11 @@ impl<B: Backend> Network<B> {
             (None, None)
         };
         let embed = if plan.first_stage { embed } else { None };
+        let mtp = if plan.is_full(&cfg) {
+            Mtp::load(&t, &cfg, &plan.shard, freq_factors.as_ref())?.map(Arc::new)
+        } else {
+            None
+        };
         be.loaded()?;
         let net = Network {
             be,
@@ -300,6 +309,7 @@ impl<B: Backend> Network<B> {
             blocks,
             norm,
             head,
+            mtp,
             spare: Mutex::new(Vec::new()),
         };
         Ok((net, reuse))
@@ -474,6 +484,17 @@ impl<B: Backend> Network<B> {
                 what: "logits on a rank that is not in the last pipeline stage".into(),
             });
         };
+        self.head_with(ws, last, norm, head)
+    }
+
+    /// [`Network::head`] with the final norm `norm` and the output head `head`.
+    fn head_with(
+        &self,
+        ws: &mut Workspace<B>,
+        last: usize,
+        norm: &Norm<B>,
+        head: &Linear<B>,
+    ) -> Result<Vec<f32>, EngineError> {
         let _p = profile::scope(Op::Head);
         let which: Vec<usize> = ws
             .rows
@@ -518,6 +539,105 @@ impl<B: Backend> Network<B> {
                 self.embed_into(tokens, ws)?;
                 self.layers(ws, kv)?;
                 self.head(ws, last)
+            })
+        })
+    }
+
+    /// [`Network::step`] that also returns every row's output hidden state after the final
+    /// norm (what a multi-token-prediction layer reads), a row of `hidden` values each.
+    ///
+    /// # Errors
+    /// As [`Network::step`].
+    pub fn step_hidden(
+        &self,
+        tokens: &[u32],
+        counts: &[usize],
+        caches: &mut [&mut KvCache],
+        last: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        let Some(norm) = self.norm.as_ref().filter(|_| self.plan.is_full(&self.cfg)) else {
+            return Err(EngineError::Internal {
+                what: "hidden states of a whole step on a rank holding part of the model".into(),
+            });
+        };
+        check_tokens(tokens, counts)?;
+        self.check_ids(tokens)?;
+        let decode = counts.iter().all(|&n| n == 1);
+        self.be.run_step(decode, || {
+            self.with_step(counts, caches, |ws, kv| {
+                self.embed_into(tokens, ws)?;
+                self.layers(ws, kv)?;
+                self.be.rms_norm(&ws.x, &norm.w, norm.eps, &mut ws.aux);
+                let hidden = self.be.download(std::mem::take(&mut ws.aux))?;
+                Ok((self.head(ws, last)?, hidden))
+            })
+        })
+    }
+
+    /// An empty cache of the multi-token-prediction layer for one sequence of up to
+    /// `capacity` positions; `None` without the layer.
+    pub fn new_mtp_cache(&self, capacity: usize) -> Option<KvCache> {
+        self.mtp.as_ref()?;
+        let layout = match &self.cfg.mla {
+            Some(m) => KvLayout::Latent {
+                dims: m.kv_lora_rank + m.rope_dims,
+            },
+            None => KvLayout::Heads {
+                kv_heads: self.plan.shard.kv_heads.len(),
+                head_dim: self.cfg.head_dim,
+            },
+        };
+        let kv = self.be.kv(1, layout, capacity);
+        Some(KvCache::new(Box::new(kv), capacity, self.be.name()))
+    }
+
+    /// The multi-token-prediction layer over `counts[i]` rows of each sequence after what
+    /// its layer cache `caches[i]` holds: row `r` joins `hidden[r]` (the model's normed
+    /// output at a position, or the layer's own output for a further draft) with
+    /// `tokens[r]`, the token after that position. Returns the logits of the last `last`
+    /// rows of each sequence (of the token two after each position) and every row's output
+    /// hidden state (before the head's norm).
+    ///
+    /// # Errors
+    /// Without the layer, when the rows disagree, an id is out of range, or a cache has no
+    /// room.
+    pub fn mtp_step(
+        &self,
+        hidden: Vec<f32>,
+        tokens: &[u32],
+        counts: &[usize],
+        caches: &mut [&mut KvCache],
+        last: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        let (Some(mtp), Some(table), Some(norm), Some(head)) =
+            (&self.mtp, &self.embed, &self.norm, &self.head)
+        else {
+            return Err(EngineError::Unsupported {
+                what: "drafting with multi-token prediction: this model (or this rank's share of it) has no prediction layer".into(),
+            });
+        };
+        check_tokens(tokens, counts)?;
+        self.check_ids(tokens)?;
+        if hidden.len() != tokens.len() * self.cfg.hidden {
+            return Err(EngineError::InvalidInput {
+                what: format!(
+                    "{} hidden values for {} rows of {}",
+                    hidden.len(),
+                    tokens.len(),
+                    self.cfg.hidden
+                ),
+            });
+        }
+        let norm = mtp.head_norm().unwrap_or(norm);
+        let head = mtp.head().unwrap_or(head);
+        let decode = counts.iter().all(|&n| n == 1);
+        self.be.run_step(decode, || {
+            self.with_step(counts, caches, |ws, kv| {
+                mtp.forward(
+                    &self.be, &self.cfg, table, tokens, hidden, ws, kv, &*self.tp,
+                )?;
+                let out = self.be.host(&ws.x)?.into_owned();
+                Ok((self.head_with(ws, last, norm, head)?, out))
             })
         })
     }

@@ -37,6 +37,7 @@
 //! measured cost of a step's rows and the acceptance each sequence has seen.
 
 mod draft_policy;
+mod mtp;
 mod pipeline;
 mod prefix_cache;
 mod queue;
@@ -300,6 +301,48 @@ fn check_split(ctx: &RankContext, config: &SchedulerConfig) -> Result<(), Engine
     Ok(())
 }
 
+/// What drafts tokens when speculation is on.
+enum Drafter {
+    /// Prompt lookup in the sequence's own context.
+    Lookup,
+    /// A smaller model with the same vocabulary.
+    Model(Arc<LoadedModel>),
+    /// The model's own multi-token-prediction layer.
+    Mtp,
+}
+
+/// Refuses drafting with `model`'s prediction layer where it has none here, or where
+/// `config` turns speculation off.
+///
+/// # Errors
+/// Saying which, and what to use instead.
+pub fn check_mtp(model: &LoadedModel, config: &SchedulerConfig) -> Result<(), EngineError> {
+    if !model.transformer.has_mtp() {
+        let layers = model.transformer.config().mtp_layers;
+        return Err(EngineError::InvalidInput {
+            what: if layers == 0 {
+                format!(
+                    "{} has no multi-token-prediction layer to draft with (GLM-4.5 and later ship one as `nextn` tensors; DeepSeek GGUF files leave theirs out); draft by prompt lookup or with a draft model instead",
+                    model.name
+                )
+            } else {
+                format!(
+                    "{}'s multi-token-prediction layer drafts only where one process holds the whole model on one device; draft by prompt lookup or with a draft model instead",
+                    model.name
+                )
+            },
+        });
+    }
+    if config.draft_max == 0 {
+        return Err(EngineError::InvalidInput {
+            what:
+                "drafting with the prediction layer needs speculation on (at least one draft token)"
+                    .into(),
+        });
+    }
+    Ok(())
+}
+
 /// Refuses a draft model whose vocabulary is not `model`'s (token by token).
 ///
 /// # Errors
@@ -385,6 +428,20 @@ impl Scheduler {
         Self::spawn_with(model, config, None, Some(draft))
     }
 
+    /// Starts the scheduler thread for `model` drafting `config.draft_max` tokens per step
+    /// with its own multi-token-prediction layer (GLM-4.5+'s `nextn` layer).
+    ///
+    /// # Errors
+    /// As [`Scheduler::start`], and when the model has no such layer here or speculation
+    /// is off (`draft_max` 0).
+    pub fn start_with_mtp(
+        model: Arc<LoadedModel>,
+        config: SchedulerConfig,
+    ) -> Result<Self, EngineError> {
+        check_mtp(&model, &config)?;
+        Self::spawn_drafting(model, config, None, Drafter::Mtp)
+    }
+
     fn spawn(
         model: Arc<LoadedModel>,
         config: SchedulerConfig,
@@ -398,6 +455,19 @@ impl Scheduler {
         config: SchedulerConfig,
         split: Option<RankContext>,
         draft: Option<Arc<LoadedModel>>,
+    ) -> Result<Self, EngineError> {
+        let drafter = match draft {
+            Some(d) => Drafter::Model(d),
+            None => Drafter::Lookup,
+        };
+        Self::spawn_drafting(model, config, split, drafter)
+    }
+
+    fn spawn_drafting(
+        model: Arc<LoadedModel>,
+        config: SchedulerConfig,
+        split: Option<RankContext>,
+        drafter: Drafter,
     ) -> Result<Self, EngineError> {
         if config.max_batch == 0 || config.ctx < 2 {
             return Err(EngineError::InvalidInput {
@@ -433,7 +503,11 @@ impl Scheduler {
                     };
                     let broken = split_failed(&shared);
                     let mut w = Worker::new(model, config, shared, lead, broken);
-                    w.draft = draft;
+                    match drafter {
+                        Drafter::Lookup => {}
+                        Drafter::Model(d) => w.draft = Some(d),
+                        Drafter::Mtp => w.mtp = true,
+                    }
                     w.run()
                 })
                 .map_err(|e| {

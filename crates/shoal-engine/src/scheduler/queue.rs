@@ -192,6 +192,7 @@ impl Worker<'_> {
             next: None,
             first_token: None,
             draft_cache: None,
+            mtp: None,
             draft_failed: false,
             acceptance: Default::default(),
             shadows: Default::default(),

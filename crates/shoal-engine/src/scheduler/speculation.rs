@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use super::draft_policy::{choose, Candidate};
+use super::mtp;
 use super::step::{accept, ready_local_caches, StepLogits};
 use super::worker::{Sequence, Store, Worker};
 use crate::model::LoadedModel;
@@ -23,6 +24,9 @@ impl Worker<'_> {
     /// against what follows, checked or not).
     pub(super) fn drafts(&mut self, ready: &[usize]) -> Vec<Vec<u32>> {
         let draft_model = self.draft.clone();
+        let model = self.model.clone();
+        // a draft model or the prediction layer: drafts cost a step each
+        let by_model = draft_model.is_some() || self.mtp;
         let adaptive = self.config.adaptive_drafts;
         // a split step carries at most so many tokens of a sequence
         let step_max = if self.lead.is_some() {
@@ -45,7 +49,7 @@ impl Worker<'_> {
             } else {
                 self.config.draft_max.min(room).min(left).min(step_max)
             };
-            if draft_model.is_some() {
+            if by_model {
                 available.push(if s.draft_failed { 0 } else { max });
                 lookups.push(Vec::new());
             } else {
@@ -67,7 +71,7 @@ impl Worker<'_> {
                 })
                 .collect();
             let mut k = choose(&self.step_costs, &candidates, self.draft_token_seconds);
-            if draft_model.is_some() {
+            if by_model {
                 for ((&i, k), &a) in ready.iter().zip(&mut k).zip(&available) {
                     *k = self.active[i].probe.length(*k, a);
                 }
@@ -81,9 +85,12 @@ impl Worker<'_> {
             let s = &mut self.active[i];
             match &draft_model {
                 _ if k == 0 => drafts.push(Vec::new()),
-                Some(d) => {
-                    let (draft, spent) =
-                        draft_from_model(d, s, &context_of(s), k).unwrap_or_default();
+                Some(_) | None if by_model => {
+                    let drafted = match &draft_model {
+                        Some(d) => draft_from_model(d, s, &context_of(s), k),
+                        None => mtp::draft(&model, s, k),
+                    };
+                    let (draft, spent) = drafted.unwrap_or_default();
                     if !draft.is_empty() {
                         let per_token = spent.as_secs_f64() / draft.len() as f64;
                         self.draft_token_seconds = if self.draft_token_seconds > 0.0 {
@@ -94,7 +101,7 @@ impl Worker<'_> {
                     }
                     drafts.push(draft);
                 }
-                None => {
+                _ => {
                     lookup.truncate(k);
                     drafts.push(lookup);
                 }
@@ -120,19 +127,31 @@ impl Worker<'_> {
         }
         let last = counts.iter().copied().max().unwrap_or(1);
         let started = Instant::now();
-        let by_model = self.draft.is_some() && self.config.adaptive_drafts;
+        let by_model = (self.draft.is_some() || self.mtp) && self.config.adaptive_drafts;
         let model = self.model.clone();
         let vocab = model.transformer.config().vocab;
         let before: Vec<usize> = ready.iter().map(|&i| self.active[i].cache.len()).collect();
+        // the model's output hidden states of every row, for the prediction layer
+        let mut hidden = Vec::new();
         let result = if self.lead.is_some() {
             self.split_rows(ready, &tokens, &counts)
                 .map(StepLogits::Rows)
         } else {
             let mut caches = ready_local_caches(&mut self.active);
-            model
-                .transformer
-                .step(&tokens, &counts, &mut caches, last)
-                .and_then(|l| StepLogits::flat(l, tokens.len()))
+            if self.mtp {
+                model
+                    .transformer
+                    .step_hidden(&tokens, &counts, &mut caches, last)
+                    .and_then(|(l, h)| {
+                        hidden = h;
+                        StepLogits::flat(l, tokens.len())
+                    })
+            } else {
+                model
+                    .transformer
+                    .step(&tokens, &counts, &mut caches, last)
+                    .and_then(|l| StepLogits::flat(l, tokens.len()))
+            }
         };
         let mut logits = match result {
             Ok(l) => l,
@@ -160,11 +179,15 @@ impl Worker<'_> {
             }
             return;
         }
+        let width = hidden.len() / tokens.len();
         let mut work: Vec<Option<Checked>> = Vec::new();
         work.resize_with(self.active.len(), || None);
+        let mut row = tokens.len();
         for (k, &i) in ready.iter().enumerate().rev() {
+            row -= counts[k];
             work[i] = Some(Checked {
                 rows: rows.split_off(rows.len() - counts[k]),
+                hidden: &hidden[row * width..(row + counts[k]) * width],
                 draft: &drafts[k],
                 before: before[k],
             });
@@ -176,6 +199,7 @@ impl Worker<'_> {
             .map(|(seq, w)| match w.take() {
                 Some(Checked {
                     rows,
+                    hidden,
                     draft,
                     before,
                 }) => {
@@ -198,6 +222,11 @@ impl Worker<'_> {
                     }
                     if let Some(dc) = &mut seq.draft_cache {
                         dc.truncate(dc.len().min(before + 1 + taken));
+                    }
+                    if !hidden.is_empty() {
+                        let width = hidden.len() / (1 + draft.len());
+                        let kept = &hidden[..(1 + taken) * width];
+                        mtp::record_hidden(&model, seq, before, kept);
                     }
                     if by_model && !draft.is_empty() {
                         seq.acceptance.record((taken + 1).min(draft.len()), taken);
@@ -253,6 +282,9 @@ fn context_of(s: &Sequence) -> Vec<u32> {
 /// one per drafted token), its draft, and its cache length before the step.
 struct Checked<'a> {
     rows: Vec<&'a mut [f32]>,
+    /// The model's output hidden states of its rows (drafting with the prediction layer;
+    /// else empty).
+    hidden: &'a [f32],
     draft: &'a [u32],
     before: usize,
 }

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
+use super::mtp;
 use super::worker::{Sequence, Store, Worker};
 use super::{Event, Finished, SequenceRequest, TokenLogprob, PROMPT_CHUNK};
 use crate::model::LoadedModel;
@@ -36,7 +37,16 @@ impl Worker<'_> {
         let prompt_len = seq.job.request.prompt.len();
         let end = (seq.prefilled + PROMPT_CHUNK).min(prompt_len);
         let chunk = &seq.job.request.prompt[seq.prefilled..end];
+        let start = seq.prefilled;
+        let mut hidden = None;
         let result = match (&mut seq.cache, self.lead.as_mut()) {
+            (Store::Local(cache), _) if self.mtp => model
+                .transformer
+                .step_hidden(chunk, &[chunk.len()], &mut [cache], 1)
+                .map(|(logits, rows)| {
+                    hidden = Some(rows);
+                    logits
+                }),
             (Store::Local(cache), _) => model.transformer.forward_last(chunk, cache),
             (Store::Slot { slot, len, .. }, Some(lead)) => {
                 let want = if end == prompt_len {
@@ -80,6 +90,9 @@ impl Worker<'_> {
                 }
             }
         }
+        if let Some(rows) = hidden {
+            mtp::record_hidden(&model, seq, start, &rows);
+        }
         let seq_ok = result.is_ok();
         let keep = match result {
             // a split that failed interrupts the sequence like the others (below)
@@ -94,6 +107,9 @@ impl Worker<'_> {
             Ok(mut logits) if end == prompt_len => accept(&model, seq, &mut logits),
             Ok(_) => true,
         };
+        if keep && self.mtp {
+            mtp::catch_up(&model, seq);
+        }
         if !keep {
             let seq = self.active.remove(i);
             self.retire(seq, split_error.is_none() && seq_ok);
@@ -132,10 +148,28 @@ impl Worker<'_> {
             self.split_decode(&ready, &tokens).map(StepLogits::Rows)
         } else {
             let mut caches = ready_local_caches(&mut self.active);
-            model
-                .transformer
-                .forward_batch(&tokens, &mut caches)
-                .and_then(|l| StepLogits::flat(l, tokens.len()))
+            if self.mtp {
+                let starts: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+                let counts = vec![1; tokens.len()];
+                let stepped = model
+                    .transformer
+                    .step_hidden(&tokens, &counts, &mut caches, 1);
+                drop(caches);
+                stepped.and_then(|(logits, hidden)| {
+                    let width = hidden.len() / tokens.len().max(1);
+                    for ((&i, start), row) in
+                        ready.iter().zip(starts).zip(hidden.chunks_exact(width))
+                    {
+                        mtp::record_hidden(&model, &mut self.active[i], start, row);
+                    }
+                    StepLogits::flat(logits, tokens.len())
+                })
+            } else {
+                model
+                    .transformer
+                    .forward_batch(&tokens, &mut caches)
+                    .and_then(|l| StepLogits::flat(l, tokens.len()))
+            }
         };
         let rows = match result {
             Ok(rows) => rows,

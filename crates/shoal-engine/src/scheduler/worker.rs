@@ -12,6 +12,7 @@ use std::time::Duration;
 use shoal_model::tokenizer::StreamDecoder;
 
 use super::draft_policy::{Acceptance, Probe, Shadows, StepCosts};
+use super::mtp::MtpState;
 use super::pipeline::InFlight;
 use super::prefix_cache::Parked;
 use super::queue::{Admit, Job, Shared};
@@ -77,7 +78,10 @@ pub(super) struct Sequence {
     pub(super) first_token: Option<Duration>,
     /// The draft model's cache of this sequence (with a draft model, on one rank).
     pub(super) draft_cache: Option<KvCache>,
-    /// The draft model failed on this sequence, which decodes on without it.
+    /// The state of the model's prediction layer for this sequence (drafting with it).
+    pub(super) mtp: Option<MtpState>,
+    /// The draft model (or prediction layer) failed on this sequence, or cannot draft for
+    /// it, and it decodes on without drafts.
     pub(super) draft_failed: bool,
     /// How often its drafted tokens were taken, by position in the draft.
     pub(super) acceptance: Acceptance,
@@ -126,6 +130,8 @@ pub(super) struct Worker<'m> {
     pub(super) broken: bool,
     /// The model that drafts tokens for speculative decoding, if any.
     pub(super) draft: Option<Arc<LoadedModel>>,
+    /// Whether the model's own prediction layer drafts them.
+    pub(super) mtp: bool,
     /// Measured cost of a decode step by its rows (for the draft lengths).
     pub(super) step_costs: StepCosts,
     /// Seconds the draft model takes per drafted token, averaged (0 until measured).
@@ -150,6 +156,7 @@ impl<'m> Worker<'m> {
             in_flight: InFlight::default(),
             broken,
             draft: None,
+            mtp: false,
             step_costs: StepCosts::default(),
             draft_token_seconds: 0.0,
         }

@@ -1,0 +1,152 @@
+//! Drafting with the model's own multi-token-prediction layer ([`Scheduler::start_with_mtp`],
+//! GLM-4.5+'s `nextn` layer): each step of the model also gives its output hidden states,
+//! which a sequence keeps ([`MtpState::pending`]) until the layer has read each one with the
+//! token that followed it; to draft, the layer reads the last ones (the newest paired with
+//! the sequence's next token) and predicts the token after it, then feeds its own output
+//! and that prediction back for each further draft token. The layer's cache holds only the
+//! positions whose hidden state came from the model: the drafted positions are cut off as
+//! soon as the draft is made.
+//!
+//! [`Scheduler::start_with_mtp`]: super::Scheduler::start_with_mtp
+
+use std::time::{Duration, Instant};
+
+use super::worker::Sequence;
+use super::PROMPT_CHUNK;
+use crate::model::LoadedModel;
+use crate::{EngineError, KvCache};
+
+/// A sequence's state of the prediction layer.
+pub(super) struct MtpState {
+    /// The layer's cache: one position for each of the sequence's first positions, each
+    /// read with the token after it.
+    cache: KvCache,
+    /// The model's output hidden states (after its final norm) at the sequence's positions
+    /// from `cache.len()` on, a row each, that the layer has not read yet.
+    pending: Vec<f32>,
+}
+
+impl MtpState {
+    fn pending_rows(&self, hidden: usize) -> usize {
+        self.pending.len() / hidden
+    }
+}
+
+/// Keeps `rows` (the model's output hidden states at `seq`'s positions `start..`, a row of
+/// `hidden` values each) for its prediction layer. A sequence whose earlier positions the
+/// layer never saw (it started from another sequence's cache) keeps none and drafts
+/// nothing.
+pub(super) fn record_hidden(model: &LoadedModel, seq: &mut Sequence, start: usize, rows: &[f32]) {
+    if seq.draft_failed {
+        return;
+    }
+    let hidden = model.transformer.config().hidden;
+    if seq.mtp.is_none() && start == 0 {
+        seq.mtp = model
+            .transformer
+            .new_mtp_cache(seq.cache.capacity())
+            .map(|cache| MtpState {
+                cache,
+                pending: Vec::new(),
+            });
+    }
+    match &mut seq.mtp {
+        Some(m) if m.cache.len() + m.pending_rows(hidden) == start => {
+            m.pending.extend_from_slice(rows);
+        }
+        _ => {
+            seq.mtp = None;
+            seq.draft_failed = true;
+        }
+    }
+}
+
+/// Lets the layer read what `seq` holds of the prompt whose following token is known,
+/// all but its newest row (which the first draft reads), once more than a prompt chunk
+/// waits: a long prompt is read chunk by chunk beside the model instead of held.
+pub(super) fn catch_up(model: &LoadedModel, seq: &mut Sequence) {
+    let hidden = model.transformer.config().hidden;
+    let Some(m) = &seq.mtp else { return };
+    if m.pending_rows(hidden) <= PROMPT_CHUNK {
+        return;
+    }
+    let context = context_of(seq);
+    let Some(m) = &mut seq.mtp else { return };
+    let at = m.cache.len();
+    // positions whose next token is known, but not the newest
+    let rows = m
+        .pending_rows(hidden)
+        .saturating_sub(1)
+        .min(context.len().saturating_sub(at + 1));
+    if rows == 0 {
+        return;
+    }
+    let head: Vec<f32> = m.pending.drain(..rows * hidden).collect();
+    let tokens = &context[at + 1..at + 1 + rows];
+    if let Err(e) = model
+        .transformer
+        .mtp_step(head, tokens, &[rows], &mut [&mut m.cache], 1)
+    {
+        give_up(seq, &e);
+    }
+}
+
+/// Up to `max` tokens `seq`'s prediction layer drafts after its next token, and the time
+/// that took; `None` when it has nothing to draft from. The layer first reads the hidden
+/// states it has not (the newest one with the next token), then each drafted token with
+/// its own output before it.
+pub(super) fn draft(
+    model: &LoadedModel,
+    seq: &mut Sequence,
+    max: usize,
+) -> Option<(Vec<u32>, Duration)> {
+    let hidden = model.transformer.config().hidden;
+    let context = context_of(seq);
+    let m = seq.mtp.as_mut()?;
+    let at = m.cache.len();
+    let rows = m.pending_rows(hidden);
+    // in step with the sequence: the newest pending position is the one before its next
+    if rows == 0 || at + rows + 1 != context.len() || max == 0 {
+        return None;
+    }
+    let started = Instant::now();
+    let run = |m: &mut MtpState| -> Result<Vec<u32>, EngineError> {
+        let t = &model.transformer;
+        let pending = std::mem::take(&mut m.pending);
+        let (logits, out) =
+            t.mtp_step(pending, &context[at + 1..], &[rows], &mut [&mut m.cache], 1)?;
+        let mut token = crate::transformer::argmax(&logits) as u32;
+        let mut state = out[(rows - 1) * hidden..].to_vec();
+        let mut drafted = vec![token];
+        while drafted.len() < max && m.cache.len() < m.cache.capacity() {
+            let (logits, out) = t.mtp_step(state, &[token], &[1], &mut [&mut m.cache], 1)?;
+            token = crate::transformer::argmax(&logits) as u32;
+            state = out;
+            drafted.push(token);
+        }
+        // only positions whose hidden state came from the model stay
+        m.cache.truncate(at + rows);
+        Ok(drafted)
+    };
+    match run(m) {
+        Ok(d) => Some((d, started.elapsed())),
+        Err(e) => {
+            give_up(seq, &e);
+            None
+        }
+    }
+}
+
+/// After a failure of its prediction layer, `seq` decodes on without drafts.
+fn give_up(seq: &mut Sequence, e: &EngineError) {
+    tracing::warn!("the prediction layer failed, decoding on without drafts: {e}");
+    seq.mtp = None;
+    seq.draft_failed = true;
+}
+
+/// A sequence's context: its prompt and every generated token (the last one its next).
+fn context_of(s: &Sequence) -> Vec<u32> {
+    let mut context = s.job.request.prompt.clone();
+    context.extend_from_slice(&s.generated_ids);
+    context
+}

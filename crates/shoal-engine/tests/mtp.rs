@@ -1,0 +1,437 @@
+//! Drafting with a model's own multi-token-prediction layer (GLM-4.5's `nextn` layer), on the
+//! test kit's tiny GLM written as GGUF (its fourth block and `nextn.*` tensors):
+//! - the layer's logits equal the test kit's f64 reference of it (`reference_mtp_logits`),
+//!   over a whole prompt, in chunks, and for drafts chained past the prompt; the same
+//!   comparison fails when the hidden states are paired with the wrong tokens;
+//! - decoding with its drafts gives plain decoding's tokens, greedy and seeded, with every
+//!   draft checked or as many as pay, and from a prompt that starts another's cache;
+//! - a layer built to predict exactly what the model will say (every block's output
+//!   projections zero, so the model maps each token to the next on its own, and the layer
+//!   reading only the token) has every draft taken; one that reads only the hidden state
+//!   drafts the next token again, and has exactly the drafts taken that the output says
+//!   (which checks that each hidden state goes with its own position);
+//! - a model without the layer is refused, naming what to use instead.
+//!
+//! The llama.cpp built from the PyPI sdist loads GLM's prediction layer but does not draft
+//! with it, so it is no oracle here.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use shoal_engine::model::LoadedModel;
+use shoal_engine::scheduler::{Event, Scheduler, SchedulerConfig, SequenceRequest};
+use shoal_engine::transformer::argmax;
+use shoal_engine::SamplerConfig;
+use shoal_model::source::ModelSource;
+use shoal_testkit::{GgmlType, TinyModel, TinyModelSpec};
+
+/// f32 engine against the f64 reference on F32 files (as `moe.rs` bounds the model).
+const F32_TOL: f32 = 1e-3;
+
+/// A 12-token prompt (every id below the tiny vocabulary of 320).
+const PROMPT: [u32; 12] = [1, 17, 250, 42, 99, 3, 311, 7, 128, 64, 200, 5];
+
+fn write(m: &TinyModel, dir: &Path, ty: GgmlType) -> PathBuf {
+    let p = dir.join(format!("{}-{}-{ty:?}.gguf", m.spec().name, m.spec().seed));
+    m.write_gguf(&p, ty).unwrap();
+    p
+}
+
+fn load(path: &Path) -> LoadedModel {
+    LoadedModel::load(&ModelSource::Gguf(path.to_path_buf())).unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.iter().map(Vec::len).sum::<usize>());
+    a.iter()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| {
+            assert!(x.is_finite(), "a non-finite logit");
+            (x - y).abs()
+        })
+        .fold(0.0, f32::max)
+}
+
+/// The layer's logits over `PROMPT` fed `chunks` rows at a time, then `chained` drafts past
+/// it, each from the row before: the rows `reference_mtp_logits(&PROMPT, chained)` gives.
+/// With `misaligned`, each hidden state goes with the token one further on.
+fn engine_mtp(m: &LoadedModel, chunks: &[usize], chained: usize, misaligned: bool) -> Vec<f32> {
+    let t = &m.transformer;
+    let h = t.config().hidden;
+    let mut cache = t.new_cache(64);
+    let n = PROMPT.len();
+    let (_, hidden) = t.step_hidden(&PROMPT, &[n], &mut [&mut cache], 1).unwrap();
+    assert_eq!(hidden.len(), n * h);
+    let mut mtp = t
+        .new_mtp_cache(64)
+        .expect("the tiny GLM has a prediction layer");
+    let mut out = Vec::new();
+    let mut at = 0;
+    let mut last = (Vec::new(), Vec::new());
+    for &c in chunks {
+        let tokens: Vec<u32> = if misaligned {
+            (at..at + c).map(|i| PROMPT[(i + 2).min(n - 1)]).collect()
+        } else {
+            PROMPT[at + 1..at + 1 + c].to_vec()
+        };
+        let rows = hidden[at * h..(at + c) * h].to_vec();
+        last = t.mtp_step(rows, &tokens, &[c], &mut [&mut mtp], c).unwrap();
+        out.extend_from_slice(&last.0);
+        at += c;
+    }
+    assert_eq!(at, n - 1);
+    let vocab = t.config().vocab;
+    for _ in 0..chained {
+        let (logits, state) = &last;
+        let token = argmax(&logits[logits.len() - vocab..]) as u32;
+        let state = state[state.len() - h..].to_vec();
+        last = t
+            .mtp_step(state, &[token], &[1], &mut [&mut mtp], 1)
+            .unwrap();
+        out.extend_from_slice(&last.0);
+    }
+    out
+}
+
+#[test]
+fn the_prediction_layer_matches_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let tm = TinyModel::new(TinyModelSpec::glm4moe(7)).unwrap();
+    let m = load(&write(&tm, dir.path(), GgmlType::F32));
+    assert!(m.transformer.has_mtp());
+    let want = tm.reference_mtp_logits(&PROMPT, 3);
+    assert_eq!(want.len(), PROMPT.len() - 1 + 3);
+    let plain = &want[..PROMPT.len() - 1];
+    for chunks in [vec![11], vec![5, 6], vec![1; 11]] {
+        let d = max_abs_diff(&engine_mtp(&m, &chunks, 0, false), plain);
+        eprintln!("chunks {chunks:?}: max |shoal - reference| {d:.2e}");
+        assert!(d <= F32_TOL, "chunks {chunks:?}: {d} > {F32_TOL}");
+    }
+    let d = max_abs_diff(&engine_mtp(&m, &[11], 3, false), &want);
+    eprintln!("3 chained drafts: max |shoal - reference| {d:.2e}");
+    assert!(d <= F32_TOL, "chained: {d} > {F32_TOL}");
+    // the comparison sees a hidden state paired with the wrong token
+    let d = max_abs_diff(&engine_mtp(&m, &[11], 0, true), plain);
+    eprintln!("misaligned (planted fault): max |shoal - reference| {d:.2e}");
+    assert!(d > 100.0 * F32_TOL, "a misaligned layer passed: {d}");
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize, sampler: SamplerConfig) -> SequenceRequest {
+    SequenceRequest {
+        prompt,
+        max_tokens,
+        sampler,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        stop: Vec::new(),
+        logprobs: None,
+        constraint: None,
+        ignore_eos: true,
+        special_text: false,
+        resume: Vec::new(),
+        report_resumed: false,
+    }
+}
+
+fn run(sched: &Scheduler, r: SequenceRequest) -> Vec<u32> {
+    let (tx, rx) = mpsc::channel();
+    let _t = sched
+        .submit(r, Box::new(move |e| tx.send(e).is_ok()))
+        .unwrap();
+    let mut toks = Vec::new();
+    loop {
+        match rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("events within 60 s")
+        {
+            Event::Token { id, .. } => toks.push(id),
+            Event::Text(_) => {}
+            Event::Done(_) => return toks,
+            Event::Failed(e) | Event::Interrupted(e) => panic!("failed: {e}"),
+        }
+    }
+}
+
+/// The scheduler's (drafted, taken, decode steps), once it counted `steps` steps or a second
+/// passed (a step is counted after its events went out).
+fn draft_counts(sched: &Scheduler, steps: u64) -> (u64, u64, u64) {
+    let s = sched.stats();
+    let t0 = Instant::now();
+    while s.decode_steps.load(Ordering::Acquire) < steps && t0.elapsed() < Duration::from_secs(1) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    (
+        s.drafted.load(Ordering::Relaxed),
+        s.accepted_drafts.load(Ordering::Relaxed),
+        s.decode_steps.load(Ordering::Relaxed),
+    )
+}
+
+const CONFIG: SchedulerConfig = SchedulerConfig {
+    max_batch: 2,
+    max_queue: 4,
+    ctx: 1024,
+    prefix_cache: false,
+    draft_max: 3,
+    adaptive_drafts: false,
+};
+
+#[test]
+fn drafting_with_the_prediction_layer_gives_the_same_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinyModelSpec {
+        context_length: 1024,
+        ..TinyModelSpec::glm4moe(9)
+    };
+    let tm = TinyModel::new(spec).unwrap();
+    let m = Arc::new(load(&write(&tm, dir.path(), GgmlType::Q8_0)));
+    // a long prompt: the layer reads it chunk by chunk beside the model
+    let prompt: Vec<u32> = (0..700).map(|i| (i * 17 + 3) % 320).collect();
+    for sampler in [
+        SamplerConfig::default(),
+        SamplerConfig {
+            temperature: 0.9,
+            seed: 5,
+            ..SamplerConfig::default()
+        },
+    ] {
+        let plain = Scheduler::start(
+            m.clone(),
+            SchedulerConfig {
+                draft_max: 0,
+                ..CONFIG
+            },
+        )
+        .unwrap();
+        let want = run(&plain, request(prompt.clone(), 40, sampler.clone()));
+        let fixed = Scheduler::start_with_mtp(m.clone(), CONFIG).unwrap();
+        assert_eq!(
+            run(&fixed, request(prompt.clone(), 40, sampler.clone())),
+            want,
+            "{sampler:?}"
+        );
+        let (drafted, taken, steps) = draft_counts(&fixed, 1);
+        eprintln!("{sampler:?}: {drafted} drafted, {taken} taken in {steps} steps");
+        // every step drafts 3 but the last three, which have fewer tokens left to make
+        assert!(
+            drafted >= 3 * (steps - 3),
+            "{drafted} drafted in {steps} steps"
+        );
+        let adaptive = Scheduler::start_with_mtp(
+            m.clone(),
+            SchedulerConfig {
+                adaptive_drafts: true,
+                ..CONFIG
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            run(&adaptive, request(prompt.clone(), 40, sampler.clone())),
+            want,
+            "{sampler:?}, adaptive drafts"
+        );
+    }
+    // two sequences at once, the second starting from the first's cache
+    let shared = SchedulerConfig {
+        prefix_cache: true,
+        ..CONFIG
+    };
+    let plain = Scheduler::start(
+        m.clone(),
+        SchedulerConfig {
+            draft_max: 0,
+            ..shared
+        },
+    )
+    .unwrap();
+    let with = Scheduler::start_with_mtp(m.clone(), shared).unwrap();
+    let mut other = prompt.clone();
+    other.extend([5, 6, 7]);
+    for p in [&prompt, &other] {
+        let want = run(&plain, request(p.clone(), 24, SamplerConfig::default()));
+        assert_eq!(
+            run(&with, request(p.clone(), 24, SamplerConfig::default())),
+            want
+        );
+    }
+}
+
+/// Every block's output projections zeroed make each block pass its input on, so the model
+/// maps a token to the next by its embedding alone; a prediction layer whose block passes
+/// its input on too and whose projection keeps only the token's normed embedding then
+/// predicts exactly that.
+fn foresighted(seed: u64) -> TinyModel {
+    let mut tm = TinyModel::new(TinyModelSpec::glm4moe(seed)).unwrap();
+    let h = tm.spec().hidden_size;
+    let l = tm.spec().n_layers;
+    let norm = tm.weight("model.norm.weight").unwrap().clone();
+    for (name, w) in tm.weights_mut().iter_mut() {
+        if name.ends_with("o_proj.weight") || name.contains("down_proj") {
+            w.data.fill(0.0);
+        }
+        if name == &format!("model.layers.{l}.eh_proj.weight") {
+            for r in 0..h {
+                for c in 0..2 * h {
+                    w.data[r * 2 * h + c] = if c == r { 1.0 } else { 0.0 };
+                }
+            }
+        }
+        if name == &format!("model.layers.{l}.enorm.weight") {
+            w.data.fill(1.0);
+        }
+        if name == &format!("model.layers.{l}.shared_head.norm.weight") {
+            w.data.clone_from(&norm.data);
+        }
+    }
+    tm
+}
+
+#[test]
+fn a_layer_that_foresees_the_model_has_every_draft_taken() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Arc::new(load(&write(&foresighted(11), dir.path(), GgmlType::F32)));
+    let config = SchedulerConfig {
+        max_batch: 1,
+        draft_max: 4,
+        ..CONFIG
+    };
+    let prompt: Vec<u32> = (0..20).map(|i| (i * 13 + 5) % 320).collect();
+    let plain = Scheduler::start(
+        m.clone(),
+        SchedulerConfig {
+            draft_max: 0,
+            ..config
+        },
+    )
+    .unwrap();
+    let with = Scheduler::start_with_mtp(m.clone(), config).unwrap();
+    let want = run(
+        &plain,
+        request(prompt.clone(), 41, SamplerConfig::default()),
+    );
+    assert_eq!(
+        run(&with, request(prompt, 41, SamplerConfig::default())),
+        want
+    );
+    // 40 tokens after the first: 8 steps of 1 + 4
+    assert_eq!(draft_counts(&with, 8), (32, 32, 8));
+}
+
+/// [`foresighted`]'s model with a prediction layer that reads only the hidden state: from
+/// the model's output at a position it predicts what the model predicted there (the
+/// token at the next position, not the one after), so it drafts the sequence's next token
+/// again and again. Which of those drafts are taken follows from the output alone, and
+/// pairing a hidden state with the wrong position would draft the token after instead.
+fn hindsighted(seed: u64) -> TinyModel {
+    let mut tm = foresighted(seed);
+    let h = tm.spec().hidden_size;
+    let l = tm.spec().n_layers;
+    for (name, w) in tm.weights_mut().iter_mut() {
+        if name == &format!("model.layers.{l}.eh_proj.weight") {
+            for r in 0..h {
+                for c in 0..2 * h {
+                    w.data[r * 2 * h + c] = if c == h + r { 1.0 } else { 0.0 };
+                }
+            }
+        }
+        // a norm of weight 1 scales the model's normed output; the head's choice stays
+        if name == &format!("model.layers.{l}.hnorm.weight")
+            || name == &format!("model.layers.{l}.shared_head.norm.weight")
+        {
+            w.data.fill(1.0);
+        }
+    }
+    tm
+}
+
+#[test]
+fn the_layer_reads_each_positions_own_hidden_state() {
+    let dir = tempfile::tempdir().unwrap();
+    // a model and a last prompt token whose continuation changes a few times, then repeats
+    // one token (the model maps a token to the next whatever came before it)
+    let (m, start) = (13..40)
+        .find_map(|seed| {
+            let m = load(&write(&hindsighted(seed), dir.path(), GgmlType::F32));
+            let t = &m.transformer;
+            let next: Vec<u32> = (0..t.config().vocab as u32)
+                .map(|x| argmax(&t.forward_last(&[x], &mut t.new_cache(4)).unwrap()) as u32)
+                .collect();
+            let settles = |x: u32| {
+                let mut y = x;
+                (0..20).position(|_| {
+                    y = next[y as usize];
+                    next[y as usize] == y
+                })
+            };
+            let start = (0..next.len() as u32).find(|&x| settles(x).is_some_and(|s| s >= 3))?;
+            Some((Arc::new(m), start))
+        })
+        .expect("a seed whose model settles on a token");
+    let (k, n) = (3, 41);
+    let config = SchedulerConfig {
+        max_batch: 1,
+        draft_max: k,
+        ..CONFIG
+    };
+    let mut prompt: Vec<u32> = (0..20).map(|i| (i * 7 + 2) % 320).collect();
+    prompt.push(start);
+    let with = Scheduler::start_with_mtp(m.clone(), config).unwrap();
+    let out = run(&with, request(prompt.clone(), n, SamplerConfig::default()));
+    let plain = Scheduler::start(
+        m.clone(),
+        SchedulerConfig {
+            draft_max: 0,
+            ..config
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        run(&plain, request(prompt, n, SamplerConfig::default())),
+        out
+    );
+    // each step runs the next token and drafts it again as often as tokens are left
+    let (mut drafted, mut taken, mut steps, mut at) = (0, 0, 0, 0);
+    while at < n - 1 {
+        let d = k.min(n - at - 2);
+        let t = (1..=d).take_while(|&j| out[at + j] == out[at]).count();
+        drafted += d;
+        taken += t;
+        steps += 1;
+        at += 1 + t;
+    }
+    eprintln!("output {out:?}: {drafted} drafted, {taken} taken in {steps} steps");
+    assert_ne!(
+        taken, 0,
+        "the output never repeats a token: pick another seed"
+    );
+    assert_ne!(drafted, taken, "the output is one token: pick another seed");
+    let got = draft_counts(&with, steps as u64);
+    assert_eq!(got, (drafted as u64, taken as u64, steps as u64));
+}
+
+#[test]
+fn a_model_without_the_layer_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let tm = TinyModel::new(TinyModelSpec::qwen3moe(3)).unwrap();
+    let m = Arc::new(load(&write(&tm, dir.path(), GgmlType::F32)));
+    assert!(!m.transformer.has_mtp());
+    let e = Scheduler::start_with_mtp(m.clone(), CONFIG).unwrap_err();
+    assert!(
+        e.to_string().contains("no multi-token-prediction layer"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("prompt lookup"), "{e}");
+    let glm = TinyModel::new(TinyModelSpec::glm4moe(3)).unwrap();
+    let glm = Arc::new(load(&write(&glm, dir.path(), GgmlType::F32)));
+    let e = Scheduler::start_with_mtp(
+        glm,
+        SchedulerConfig {
+            draft_max: 0,
+            ..CONFIG
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("speculation on"), "{e}");
+}
