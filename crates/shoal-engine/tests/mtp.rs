@@ -373,12 +373,10 @@ fn the_layer_reads_each_positions_own_hidden_state() {
     let config = SchedulerConfig {
         max_batch: 1,
         draft_max: k,
+        prefix_cache: true,
         ..CONFIG
     };
-    let mut prompt: Vec<u32> = (0..20).map(|i| (i * 7 + 2) % 320).collect();
-    prompt.push(start);
     let with = Scheduler::start_with_mtp(m.clone(), config).unwrap();
-    let out = run(&with, request(prompt.clone(), n, SamplerConfig::default()));
     let plain = Scheduler::start(
         m.clone(),
         SchedulerConfig {
@@ -387,28 +385,44 @@ fn the_layer_reads_each_positions_own_hidden_state() {
         },
     )
     .unwrap();
-    assert_eq!(
-        run(&plain, request(prompt, n, SamplerConfig::default())),
-        out
-    );
-    // each step runs the next token and drafts it again as often as tokens are left
-    let (mut drafted, mut taken, mut steps, mut at) = (0, 0, 0, 0);
-    while at < n - 1 {
-        let d = k.min(n - at - 2);
-        let t = (1..=d).take_while(|&j| out[at + j] == out[at]).count();
-        drafted += d;
-        taken += t;
-        steps += 1;
-        at += 1 + t;
+    let mut prompt: Vec<u32> = (0..20).map(|i| (i * 7 + 2) % 320).collect();
+    prompt.push(start);
+    let mut seen = (0, 0, 0);
+    // the second request starts from the first one's kept cache, which the prediction
+    // layer had read to one position short of its end: it takes one position less and
+    // runs it again
+    for turn in 0..2 {
+        let out = run(&with, request(prompt.clone(), n, SamplerConfig::default()));
+        assert_eq!(
+            run(&plain, request(prompt.clone(), n, SamplerConfig::default())),
+            out
+        );
+        // each step runs the next token and drafts it again as often as tokens are left
+        let (mut drafted, mut taken, mut steps, mut at) = (0, 0, 0, 0);
+        while at < n - 1 {
+            let d = k.min(n - at - 2);
+            let t = (1..=d).take_while(|&j| out[at + j] == out[at]).count();
+            drafted += d as u64;
+            taken += t as u64;
+            steps += 1;
+            at += 1 + t;
+        }
+        eprintln!("turn {turn}, output {out:?}: {drafted} drafted, {taken} taken in {steps} steps");
+        assert_ne!(
+            taken, 0,
+            "the output never repeats a token: pick another seed"
+        );
+        assert_ne!(drafted, taken, "the output is one token: pick another seed");
+        let now = draft_counts(&with, seen.2 + steps);
+        let got = (now.0 - seen.0, now.1 - seen.1, now.2 - seen.2);
+        assert_eq!(got, (drafted, taken, steps), "turn {turn}");
+        seen = now;
+        let hits = with.stats().prefix_hits.load(Ordering::Relaxed);
+        assert_eq!(hits, turn, "turn {turn} starts from the kept cache");
+        // the next turn: this one's prompt and the first tokens of its answer, then more
+        prompt.extend_from_slice(&out[..3]);
+        prompt.push(start);
     }
-    eprintln!("output {out:?}: {drafted} drafted, {taken} taken in {steps} steps");
-    assert_ne!(
-        taken, 0,
-        "the output never repeats a token: pick another seed"
-    );
-    assert_ne!(drafted, taken, "the output is one token: pick another seed");
-    let got = draft_counts(&with, steps as u64);
-    assert_eq!(got, (drafted as u64, taken as u64, steps as u64));
 }
 
 #[test]

@@ -137,6 +137,69 @@ pub(super) fn draft(
     }
 }
 
+/// What a sequence that starts from the first `n` positions of another's cache takes of
+/// the other's layer state `src`: how many of the positions it takes, and its own state.
+/// The layer's position `i` paired the hidden state at `i` with the token at `i + 1`, which
+/// the two share below `n - 1`; where the layer already read position `n - 1` with the
+/// other's next token, the new sequence takes one position less and runs that one again
+/// (its hidden state is gone).
+///
+/// # Errors
+/// When the layer's cache cannot be copied.
+pub(super) fn share(
+    model: &LoadedModel,
+    src: &MtpState,
+    n: usize,
+    capacity: usize,
+) -> Result<(usize, MtpState), EngineError> {
+    let t = &model.transformer;
+    let (n, read, pending) = split_at(src, n, t.config().hidden);
+    let mut cache = t
+        .new_mtp_cache(capacity)
+        .ok_or_else(|| EngineError::Internal {
+            what: "a prediction layer's state without the layer".into(),
+        })?;
+    t.copy_prefix(&src.cache, &mut cache, read)?;
+    let pending = src.pending[..pending].to_vec();
+    Ok((n, MtpState { cache, pending }))
+}
+
+/// [`share`] taking `state` over in place (into a cache of room for `capacity` positions
+/// where it has less).
+///
+/// # Errors
+/// When the layer's cache cannot be copied.
+pub(super) fn take_over(
+    model: &LoadedModel,
+    state: &mut MtpState,
+    n: usize,
+    capacity: usize,
+) -> Result<usize, EngineError> {
+    let t = &model.transformer;
+    let (n, read, pending) = split_at(state, n, t.config().hidden);
+    state.cache.truncate(read);
+    state.pending.truncate(pending);
+    if state.cache.capacity() < capacity {
+        if let Some(mut bigger) = t.new_mtp_cache(capacity) {
+            t.copy_prefix(&state.cache, &mut bigger, read)?;
+            state.cache = bigger;
+        }
+    }
+    Ok(n)
+}
+
+/// For a sequence taking the first `n` positions of one whose layer state is `src`: the
+/// positions it takes, the layer positions it keeps, and the pending values it keeps.
+fn split_at(src: &MtpState, n: usize, hidden: usize) -> (usize, usize, usize) {
+    let read = src.cache.len();
+    if read + 1 >= n {
+        let n = n.saturating_sub(1);
+        (n, n, 0)
+    } else {
+        (n, read, (n - read) * hidden)
+    }
+}
+
 /// After a failure of its prediction layer, `seq` decodes on without drafts.
 fn give_up(seq: &mut Sequence, e: &EngineError) {
     tracing::warn!("the prediction layer failed, decoding on without drafts: {e}");

@@ -5,6 +5,7 @@
 
 use std::sync::atomic::Ordering;
 
+use super::mtp::{self, MtpState};
 use super::worker::{Store, Worker};
 
 /// Prompt positions a queued request must gain by waiting for a running prompt to finish
@@ -16,6 +17,8 @@ const WAIT_FOR_SHARE: usize = 64;
 pub(super) struct Parked {
     pub(super) cache: Store,
     pub(super) tokens: Vec<u32>,
+    /// The state of the model's prediction layer, when it drafted for the sequence.
+    pub(super) mtp: Option<MtpState>,
 }
 
 /// Where a new sequence's first positions come from.
@@ -75,19 +78,29 @@ impl Worker<'_> {
     /// many of the prompt's tokens it already holds ([`Worker::best_prefix`]). A kept cache
     /// is taken over when every slot is in use, else copied (and kept for the next request
     /// that starts the same way, e.g. with the same system prompt); a running sequence's
-    /// positions are copied. Kept caches go oldest first when a slot is needed.
+    /// positions are copied. Kept caches go oldest first when a slot is needed. When the
+    /// model's prediction layer drafts, the source's state of it comes along (see
+    /// [`mtp::share`]).
     pub(super) fn cache_for(
         &mut self,
         prompt: &[u32],
         capacity: usize,
-    ) -> Result<(Store, usize), String> {
+    ) -> Result<(Store, usize, Option<MtpState>), String> {
         // a copy between slots waits for the groups in flight (which may end sequences)
         self.settle();
         let mut best = self.best_prefix(prompt);
         if let Some((Source::Kept(i), n)) = best {
             if self.slots_full() {
                 let p = self.parked.remove(i);
-                return self.take_over(p.cache, n, capacity);
+                let mut state = p.mtp;
+                let n = match &mut state {
+                    Some(m) => {
+                        mtp::take_over(&self.model, m, n, capacity).map_err(|e| e.to_string())?
+                    }
+                    None => n,
+                };
+                let (store, n) = self.take_over(p.cache, n, capacity)?;
+                return Ok((store, n, state));
             }
         }
         // a slot for the new cache: the oldest kept caches go (a kept source is not among
@@ -102,12 +115,13 @@ impl Worker<'_> {
             }
         }
         let source = best.map(|(src, n)| {
-            let store = match src {
-                Source::Kept(i) => &self.parked[i].cache,
-                Source::Running(i) => &self.active[i].cache,
+            let (store, state) = match src {
+                Source::Kept(i) => (&self.parked[i].cache, &self.parked[i].mtp),
+                Source::Running(i) => (&self.active[i].cache, &self.active[i].mtp),
             };
-            (store, n)
+            (store, state.as_ref(), n)
         });
+        let mut state = None;
         let (store, n) = match self.lead.as_mut() {
             Some(lead) => {
                 let held: Vec<usize> = self
@@ -120,7 +134,7 @@ impl Worker<'_> {
                 let slot = (0..self.config.max_batch)
                     .find(|s| !held.contains(s))
                     .ok_or_else(|| "no free slot in the split model".to_string())?;
-                let from = source.and_then(|(store, n)| store.slot().map(|s| (s, n)));
+                let from = source.and_then(|(store, _, n)| store.slot().map(|s| (s, n)));
                 let n = match from {
                     Some((from, n)) => {
                         lead.copy_prefix(from, slot, n).map_err(|e| e.to_string())?;
@@ -141,12 +155,21 @@ impl Worker<'_> {
             }
             None => {
                 let mut cache = self.model.new_cache(capacity);
-                let src = source.and_then(|(store, n)| match store {
-                    Store::Local(c) => Some((c, n)),
+                let src = source.and_then(|(store, from_state, n)| match store {
+                    Store::Local(c) => Some((c, from_state, n)),
                     Store::Slot { .. } => None,
                 });
                 let n = match src {
-                    Some((from, n)) => {
+                    Some((from, from_state, n)) => {
+                        let n = match from_state {
+                            Some(s) if self.mtp => {
+                                let (n, mine) = mtp::share(&self.model, s, n, capacity)
+                                    .map_err(|e| e.to_string())?;
+                                state = Some(mine);
+                                n
+                            }
+                            _ => n,
+                        };
                         self.model
                             .transformer
                             .copy_prefix(from, &mut cache, n)
@@ -159,7 +182,7 @@ impl Worker<'_> {
             }
         };
         self.count_kept();
-        Ok((store, n))
+        Ok((store, n, state))
     }
 
     /// Continues from a kept cache's first `n` positions in place.

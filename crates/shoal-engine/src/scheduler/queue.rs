@@ -159,7 +159,7 @@ impl Worker<'_> {
         let capacity = (r.prompt.len() + r.max_tokens.max(1))
             .saturating_sub(r.resume.len())
             .min(ctx);
-        let (cache, cached) = match self.cache_for(&r.prompt, capacity) {
+        let (cache, cached, mtp) = match self.cache_for(&r.prompt, capacity) {
             Ok(c) => c,
             Err(msg) => {
                 fail(&mut job, msg);
@@ -192,7 +192,7 @@ impl Worker<'_> {
             next: None,
             first_token: None,
             draft_cache: None,
-            mtp: None,
+            mtp,
             draft_failed: false,
             acceptance: Default::default(),
             shadows: Default::default(),
@@ -232,6 +232,7 @@ impl Worker<'_> {
         self.parked.push(Parked {
             cache: seq.cache,
             tokens,
+            mtp: seq.mtp,
         });
         while self.parked.len() + self.active.len() > self.config.max_batch {
             self.parked.remove(0);
