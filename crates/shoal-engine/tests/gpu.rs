@@ -450,3 +450,38 @@ fn gpt_oss_models_match_the_oracle() {
         GgmlType::MXFP4,
     );
 }
+
+/// GLM's prediction layer on the GPU: its logits over the prompt (from the GPU model's own
+/// hidden states) and for chained drafts equal the f64 reference's.
+#[test]
+fn the_prediction_layer_matches_the_oracle() {
+    if !have_gpu("the_prediction_layer_matches_the_oracle") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let m = TinyModel::new(TinyModelSpec::glm4moe(7)).unwrap();
+    let t = load(&write(&m, dir.path(), GgmlType::F32), Device::Gpu(None));
+    let (h, vocab, n) = (t.config().hidden, t.config().vocab, PROMPT.len());
+    let mut cache = t.new_cache(64);
+    let (_, hidden) = t.step_hidden(&PROMPT, &[n], &mut [&mut cache], 1).unwrap();
+    let mut mtp = t.new_mtp_cache(64).expect("the layer loads on the GPU");
+    let (mut logits, mut state) = t
+        .mtp_step(
+            hidden[..(n - 1) * h].to_vec(),
+            &PROMPT[1..],
+            &[n - 1],
+            &mut [&mut mtp],
+            n - 1,
+        )
+        .unwrap();
+    let mut got = rows(logits.clone(), vocab);
+    for _ in 0..2 {
+        let token = argmax(&logits[logits.len() - vocab..]) as u32;
+        let last = state[state.len() - h..].to_vec();
+        (logits, state) = t.mtp_step(last, &[token], &[1], &mut [&mut mtp], 1).unwrap();
+        got.extend(rows(logits.clone(), vocab));
+    }
+    let d = max_abs_diff(&got, &m.reference_mtp_logits(&PROMPT, 2));
+    eprintln!("prediction layer on the GPU: max |gpu - reference| {d:.2e}");
+    assert!(d <= TOL, "{d} > {TOL}");
+}
