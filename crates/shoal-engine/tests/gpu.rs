@@ -478,7 +478,9 @@ fn the_prediction_layer_matches_the_oracle() {
     for _ in 0..2 {
         let token = argmax(&logits[logits.len() - vocab..]) as u32;
         let last = state[state.len() - h..].to_vec();
-        (logits, state) = t.mtp_step(last, &[token], &[1], &mut [&mut mtp], 1).unwrap();
+        (logits, state) = t
+            .mtp_step(last, &[token], &[1], &mut [&mut mtp], 1)
+            .unwrap();
         got.extend(rows(logits.clone(), vocab));
     }
     let d = max_abs_diff(&got, &m.reference_mtp_logits(&PROMPT, 2));

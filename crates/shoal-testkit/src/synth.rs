@@ -22,6 +22,7 @@
 //! | `deepseek-v2-lite` | `deepseek2` | 27 of 27 | DeepSeek-V2-Lite |
 //! | `mixtral-8x7b-8l` (alias `mixtral-8x7b`) | `llama` + experts | 8 of 32 | Mixtral-8x7B |
 //! | `gpt-oss-120b-4l` (alias `gpt-oss-120b`) | `gpt-oss` | 4 of 36 | gpt-oss-120b |
+//! | `glm-4.5-air-4l` (alias `glm-4.5-air`) | `glm4moe` | 4 of 46, and its prediction layer | GLM-4.5-Air |
 //! | `mistral-7b-8l-iq1_s`, `-iq2_xxs`, `-iq3_s`, `-iq4_xs` | `llama` (dense) | 8 of 32 | Mistral-7B |
 //!
 //! A shape with fewer layers than its model is simply shallower: `block_count` says so, and
@@ -254,6 +255,10 @@ pub enum SynthArch {
     GptOss,
     /// `llama` without experts: a dense model (Mistral 7B's shapes).
     Llama,
+    /// `glm4moe` (GLM-4.5): biased q/k/v, RoPE on half of each head, a leading dense layer,
+    /// sigmoid routing with a selection bias beside a shared expert, and one
+    /// multi-token-prediction layer after the others (`nextn.*` tensors).
+    Glm4Moe,
 }
 
 impl SynthArch {
@@ -264,13 +269,14 @@ impl SynthArch {
             SynthArch::Deepseek2 => "deepseek2",
             SynthArch::Mixtral | SynthArch::Llama => "llama",
             SynthArch::GptOss => "gpt-oss",
+            SynthArch::Glm4Moe => "glm4moe",
         }
     }
 
     /// The pre-tokenizer the test kit's tokenizer is written with (as [`crate::Arch`] does).
     pub fn pre_tokenizer(self) -> PreTokenizer {
         match self {
-            SynthArch::Qwen3Moe | SynthArch::GptOss => PreTokenizer::Qwen2,
+            SynthArch::Qwen3Moe | SynthArch::GptOss | SynthArch::Glm4Moe => PreTokenizer::Qwen2,
             SynthArch::Deepseek2 | SynthArch::Mixtral | SynthArch::Llama => PreTokenizer::Smollm,
         }
     }
@@ -424,6 +430,16 @@ impl Shape {
         self.experts.ffn.unwrap_or(self.ffn)
     }
 
+    /// Multi-token-prediction layers written after the model's (GLM ships one).
+    pub fn nextn_layers(&self) -> usize {
+        usize::from(self.arch == SynthArch::Glm4Moe)
+    }
+
+    /// Layers in the file (`block_count`): the model's and the prediction layers.
+    pub fn block_count(&self) -> usize {
+        self.n_layer + self.nextn_layers()
+    }
+
     /// Whether layer `l` routes through experts (else it has a dense FFN).
     pub fn is_moe_layer(&self, l: usize) -> bool {
         self.experts.count > 0 && l >= self.experts.leading_dense
@@ -444,11 +460,12 @@ impl Shape {
         let (e, eff) = (u(self.experts.count), u(self.expert_ffn()));
         let mut t: Vec<(String, Vec<u64>)> =
             vec![("token_embd.weight".into(), vec![h, u(self.vocab)])];
-        for l in 0..self.n_layer {
+        for l in 0..self.block_count() {
             if self.arch == SynthArch::GptOss {
                 self.gpt_oss_layer(l, &mut t);
                 continue;
             }
+            let glm = self.arch == SynthArch::Glm4Moe;
             let mut add = |part: &str, ne: Vec<u64>| t.push((format!("blk.{l}.{part}.weight"), ne));
             add("attn_norm", vec![h]);
             if let Some(m) = &self.mla {
@@ -474,10 +491,30 @@ impl Shape {
                     add("attn_k_norm", vec![u(self.head_dim)]);
                 }
                 add("attn_output", vec![q, h]);
+                if glm {
+                    let mut bias =
+                        |part: &str, n: u64| t.push((format!("blk.{l}.{part}.bias"), vec![n]));
+                    bias("attn_q", q);
+                    bias("attn_k", kv);
+                    bias("attn_v", kv);
+                }
             }
-            add("ffn_norm", vec![h]);
+            let mut add = |part: &str, ne: Vec<u64>| t.push((format!("blk.{l}.{part}.weight"), ne));
+            add(
+                if glm {
+                    "post_attention_norm"
+                } else {
+                    "ffn_norm"
+                },
+                vec![h],
+            );
             if self.is_moe_layer(l) {
                 add("ffn_gate_inp", vec![h, e]);
+                if glm {
+                    t.push((format!("blk.{l}.exp_probs_b.bias"), vec![e]));
+                }
+                let mut add =
+                    |part: &str, ne: Vec<u64>| t.push((format!("blk.{l}.{part}.weight"), ne));
                 add("ffn_gate_exps", vec![h, eff, e]);
                 add("ffn_up_exps", vec![h, eff, e]);
                 add("ffn_down_exps", vec![eff, h, e]);
@@ -492,6 +529,14 @@ impl Shape {
                 add("ffn_gate", vec![h, f]);
                 add("ffn_up", vec![h, f]);
                 add("ffn_down", vec![f, h]);
+            }
+            if l >= self.n_layer {
+                let mut add =
+                    |part: &str, ne: Vec<u64>| t.push((format!("blk.{l}.nextn.{part}.weight"), ne));
+                add("eh_proj", vec![2 * h, h]);
+                add("enorm", vec![h]);
+                add("hnorm", vec![h]);
+                add("shared_head_norm", vec![h]);
             }
         }
         t.push(("output_norm.weight".into(), vec![h]));
@@ -715,6 +760,37 @@ pub fn shapes() -> Vec<Shape> {
             }),
             mix: Mix::Mxfp4Moe,
             seed: 0x4f53_5331,
+        },
+        Shape {
+            name: "glm-4.5-air-4l",
+            aliases: &["glm-4.5-air"],
+            model: "GLM-4.5-Air",
+            arch: SynthArch::Glm4Moe,
+            n_layer: 4,
+            model_layers: 46,
+            hidden: 4096,
+            n_head: 96,
+            n_kv_head: 8,
+            head_dim: 128,
+            ffn: 10_944,
+            vocab: 151_552,
+            context_length: 131_072,
+            rope_theta: 1e6,
+            rms_eps: 1e-5,
+            experts: Experts {
+                count: 128,
+                used: 8,
+                ffn: Some(1408),
+                shared: 1,
+                leading_dense: 1,
+                gating_func: Some(2),
+                weights_scale: Some(1.0),
+                weights_norm: Some(true),
+            },
+            mla: None,
+            yarn: None,
+            mix: Mix::Q4KM,
+            seed: 0x474c_4d34,
         },
         mistral_7b("mistral-7b-8l-iq1_s", SynthType::IQ1_S, 0x4d37_4931),
         mistral_7b("mistral-7b-8l-iq2_xxs", SynthType::IQ2_XXS, 0x4d37_4932),
@@ -1019,7 +1095,7 @@ fn metadata(s: &Shape) -> GgufWriter {
         )
         .add_kv("general.file_type", s.mix.file_type())
         .add_kv("general.quantization_version", 2u32)
-        .add_kv(k("block_count"), u(s.n_layer))
+        .add_kv(k("block_count"), u(s.block_count()))
         .add_kv(k("context_length"), u(s.context_length))
         .add_kv(k("embedding_length"), u(s.hidden))
         .add_kv(k("feed_forward_length"), u(s.ffn))
@@ -1048,6 +1124,14 @@ fn metadata(s: &Shape) -> GgufWriter {
                 .add_kv(k("attention.key_length_mla"), u(m.nope_dim + m.rope_dim))
                 .add_kv(k("attention.value_length_mla"), u(m.v_dim))
                 .add_kv(k("expert_shared_count"), u(s.experts.shared));
+        }
+        None if s.arch == SynthArch::Glm4Moe => {
+            w.add_kv(k("rope.dimension_count"), u(s.head_dim / 2))
+                .add_kv(k("attention.key_length"), u(s.head_dim))
+                .add_kv(k("attention.value_length"), u(s.head_dim))
+                .add_kv(k("leading_dense_block_count"), u(s.experts.leading_dense))
+                .add_kv(k("expert_shared_count"), u(s.experts.shared))
+                .add_kv(k("nextn_predict_layers"), u(s.nextn_layers()));
         }
         None => {
             w.add_kv(k("rope.dimension_count"), u(s.head_dim));
@@ -1141,7 +1225,7 @@ impl SynthPlan {
         let list = s.tensors();
         let types = match s.mix {
             Mix::Mxfp4Moe => gpt_oss_types(&list),
-            Mix::Q4KM => q4_k_m_types(s.n_layer, s.experts.count, &list),
+            Mix::Q4KM => q4_k_m_types(s.block_count(), s.experts.count, &list),
             Mix::Pure(t) => pure_types(t, &list),
         };
         let alignment = u64::from(GGUF_DEFAULT_ALIGNMENT);
@@ -1209,10 +1293,11 @@ impl SynthPlan {
             self.shape.experts.used as u128,
             self.shape.experts.count as u128,
         );
+        // the prediction layers are not read to decode a token
         let blocks: u64 = self
             .tensors
             .iter()
-            .filter(|t| t.name.starts_with("blk."))
+            .filter(|t| layer_of(&t.name).is_some_and(|l| l < self.shape.n_layer))
             .map(|t| {
                 if t.is_routed_expert() {
                     (u128::from(t.size) * used / count) as u64
@@ -2138,17 +2223,19 @@ mod tests {
             if !dense_model {
                 assert!(active < plan.total_len / 2, "{}", s.name);
             }
-            // the bytes per token by hand: dense parts plus used/count of the experts
+            // the bytes per token by hand: dense parts plus used/count of the experts, of
+            // the model's layers (not the prediction layer after them)
+            let model_layer = |name: &str| layer_of(name).is_some_and(|l| l < s.n_layer);
             let dense: u64 = plan
                 .tensors
                 .iter()
-                .filter(|t| t.name.starts_with("blk.") && !t.is_routed_expert())
+                .filter(|t| model_layer(&t.name) && !t.is_routed_expert())
                 .map(|t| t.size)
                 .sum();
             let experts: u64 = plan
                 .tensors
                 .iter()
-                .filter(|t| t.is_routed_expert())
+                .filter(|t| model_layer(&t.name) && t.is_routed_expert())
                 .map(|t| t.size)
                 .sum();
             let head = plan.tensors.last().unwrap();

@@ -217,6 +217,8 @@ pub(crate) struct Probe {
     since: usize,
     wait: usize,
     trying: bool,
+    /// Tries not taken since a draft was last chosen or taken.
+    missed: usize,
 }
 
 impl Default for Probe {
@@ -225,6 +227,7 @@ impl Default for Probe {
             since: 0,
             wait: Self::FIRST,
             trying: false,
+            missed: 0,
         }
     }
 }
@@ -232,17 +235,33 @@ impl Default for Probe {
 impl Probe {
     const FIRST: usize = 8;
     const LAST: usize = 128;
+    /// The share of the decoding time tries may take at most, when their cost is known.
+    const SHARE: f64 = 0.02;
 
     /// The drafted tokens to check this step: `chosen`, or one (a try) when `chosen` is none,
-    /// one is `available` and the wait is over.
-    pub(crate) fn length(&mut self, chosen: usize, available: usize) -> usize {
+    /// one is `available` and the wait is over. A try that costs `try_seconds` (its draft
+    /// and the row it adds) waits for enough steps of `step_seconds` that tries take at most
+    /// [`Probe::SHARE`] of the time (0 where either is not measured yet).
+    pub(crate) fn length(
+        &mut self,
+        chosen: usize,
+        available: usize,
+        try_seconds: f64,
+        step_seconds: f64,
+    ) -> usize {
         if chosen > 0 {
             self.since = 0;
             self.wait = Self::FIRST;
+            self.missed = 0;
             return chosen;
         }
         self.since += 1;
-        if self.since >= self.wait && available > 0 {
+        let by_cost = if try_seconds > 0.0 && step_seconds > 0.0 {
+            (try_seconds / (Self::SHARE * step_seconds)).ceil().min(1e6) as usize
+        } else {
+            0
+        };
+        if self.since >= self.wait.max(by_cost) && available > 0 {
             self.since = 0;
             self.trying = true;
             1
@@ -260,7 +279,13 @@ impl Probe {
             } else {
                 (self.wait * 2).min(Self::LAST)
             };
+            self.missed = if taken > 0 { 0 } else { self.missed + 1 };
         }
+    }
+
+    /// Tries not taken in a row since drafts last paid.
+    pub(crate) fn missed(&self) -> usize {
+        self.missed
     }
 }
 
@@ -436,19 +461,39 @@ mod tests {
     #[test]
     fn probes_back_off_while_not_taken() {
         let mut p = Probe::default();
-        assert!((0..7).all(|_| p.length(0, 4) == 0));
-        assert_eq!(p.length(0, 4), 1, "the eighth step tries one");
+        assert!((0..7).all(|_| p.length(0, 4, 0.0, 1.0) == 0));
+        assert_eq!(p.length(0, 4, 0.0, 1.0), 1, "the eighth step tries one");
         p.checked(0);
         assert!(
-            (0..15).all(|_| p.length(0, 4) == 0),
+            (0..15).all(|_| p.length(0, 4, 0.0, 1.0) == 0),
             "then waits twice as long"
         );
-        assert_eq!(p.length(0, 0), 0, "nothing to try");
-        assert_eq!(p.length(0, 4), 1);
+        assert_eq!(p.length(0, 0, 0.0, 1.0), 0, "nothing to try");
+        assert_eq!(p.length(0, 4, 0.0, 1.0), 1);
         p.checked(1);
-        assert!((0..7).all(|_| p.length(0, 4) == 0));
-        assert_eq!(p.length(3, 4), 3, "a chosen length goes as chosen");
-        assert!((0..7).all(|_| p.length(0, 4) == 0));
-        assert_eq!(p.length(0, 4), 1);
+        assert!((0..7).all(|_| p.length(0, 4, 0.0, 1.0) == 0));
+        assert_eq!(
+            p.length(3, 4, 0.0, 1.0),
+            3,
+            "a chosen length goes as chosen"
+        );
+        assert!((0..7).all(|_| p.length(0, 4, 0.0, 1.0) == 0));
+        assert_eq!(p.length(0, 4, 0.0, 1.0), 1);
+    }
+
+    #[test]
+    fn a_costly_try_waits_until_tries_take_a_small_share() {
+        let mut p = Probe::default();
+        // a try costing 1.5 steps: at most 2% of the time goes to tries, one in 75 steps
+        assert!((0..74).all(|_| p.length(0, 4, 1.5, 1.0) == 0));
+        assert_eq!(p.length(0, 4, 1.5, 1.0), 1, "the 75th step tries one");
+        p.checked(0);
+        // the doubled wait (16) is shorter than what the cost asks
+        assert!((0..74).all(|_| p.length(0, 4, 1.5, 1.0) == 0));
+        assert_eq!(p.length(0, 4, 1.5, 1.0), 1);
+        // a cheap try keeps the doubling wait
+        p.checked(0);
+        assert!((0..31).all(|_| p.length(0, 4, 0.01, 1.0) == 0));
+        assert_eq!(p.length(0, 4, 0.01, 1.0), 1);
     }
 }

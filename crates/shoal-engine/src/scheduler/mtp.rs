@@ -200,6 +200,20 @@ fn split_at(src: &MtpState, n: usize, hidden: usize) -> (usize, usize, usize) {
     }
 }
 
+/// Tries of the layer's draft not taken in a row (after its drafts stopped paying) before a
+/// sequence stops drafting with it: the layer must read every position the sequence runs,
+/// a layer's work per token even while nothing is drafted, so a layer whose drafts do not
+/// pay for that stops.
+pub(super) const GIVE_UP: usize = 3;
+
+/// `seq` stops drafting with the layer (its drafts stopped paying): its state goes.
+pub(super) fn stop(seq: &mut Sequence) {
+    if seq.mtp.take().is_some() {
+        tracing::debug!("the prediction layer's drafts do not pay here: decoding on without them");
+    }
+    seq.draft_failed = true;
+}
+
 /// After a failure of its prediction layer, `seq` decodes on without drafts.
 fn give_up(seq: &mut Sequence, e: &EngineError) {
     tracing::warn!("the prediction layer failed, decoding on without drafts: {e}");

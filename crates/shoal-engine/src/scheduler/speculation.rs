@@ -72,8 +72,20 @@ impl Worker<'_> {
                 .collect();
             let mut k = choose(&self.step_costs, &candidates, self.draft_token_seconds);
             if by_model {
+                // a try costs a drafted token and the row it adds to the step
+                let step = self.step_costs.cost(ready.len());
+                let row = (self.step_costs.cost(ready.len() + 1) - step).max(0.0);
+                let try_seconds = if self.draft_token_seconds > 0.0 {
+                    self.draft_token_seconds + row
+                } else {
+                    0.0
+                };
                 for ((&i, k), &a) in ready.iter().zip(&mut k).zip(&available) {
-                    *k = self.active[i].probe.length(*k, a);
+                    let s = &mut self.active[i];
+                    *k = s.probe.length(*k, a, try_seconds, step);
+                    if self.mtp && s.probe.missed() >= mtp::GIVE_UP && *k == 0 {
+                        mtp::stop(s);
+                    }
                 }
             }
             k
