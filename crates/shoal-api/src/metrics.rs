@@ -220,7 +220,7 @@ impl Metrics {
         let drafted = count(
             &mut r,
             "draft_tokens",
-            "Tokens drafted by speculative decoding (prompt lookup or a draft model) and checked",
+            "Tokens drafted by speculative decoding (prompt lookup, a draft model or the prediction layer) and checked",
         );
         let accepted_drafts = count(
             &mut r,

@@ -32,9 +32,10 @@
 //! alike; `resume.rs` the replay of a resumed request's tokens; `step.rs` an iteration's
 //! prompt chunk and batched decode step, and the sampling of each sequence's next token;
 //! `pipeline.rs` the decode steps that overlap on a pipeline's stages;
-//! `speculation.rs` speculative decoding (tokens drafted by prompt lookup or a draft model,
-//! checked in one step); `draft_policy.rs` how many drafted tokens a step checks, from the
-//! measured cost of a step's rows and the acceptance each sequence has seen.
+//! `speculation.rs` speculative decoding (tokens drafted by prompt lookup, a draft model or
+//! the model's own prediction layer, checked in one step); `draft_policy.rs` how many
+//! drafted tokens a step checks, from the measured cost of a step's rows and the acceptance
+//! each sequence has seen; `mtp.rs` drafting with the prediction layer.
 
 mod draft_policy;
 mod mtp;
@@ -273,7 +274,7 @@ pub struct SchedulerStats {
     pub kept_tokens: AtomicU64,
     /// The model's KV bytes for those positions (over every rank of a split model).
     pub kept_bytes: AtomicU64,
-    /// Tokens drafted (by prompt lookup or the draft model) and checked.
+    /// Tokens drafted (by prompt lookup, the draft model or the prediction layer) and checked.
     pub drafted: AtomicU64,
     /// Of those, the ones the model agreed with (emitted without a step of their own).
     pub accepted_drafts: AtomicU64,

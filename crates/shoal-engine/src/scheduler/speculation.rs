@@ -1,5 +1,6 @@
 //! Speculative decoding: each ready sequence drafts a few tokens (by prompt lookup in its
-//! own context, or with a draft model on this rank, the lead's on a split), and one step
+//! own context, with a draft model on this rank, the lead's on a split, or with the model's
+//! own prediction layer, `mtp.rs`), and one step
 //! runs its next token and its draft together (on one rank, or as one split step of every
 //! rank); the sequence keeps the drafted tokens the model samples itself.
 
