@@ -146,6 +146,10 @@ pub struct ModelConfig {
     /// `nextn` layers), which draft tokens for speculative decoding and are not part of the
     /// model's own forward pass.
     pub mtp_layers: usize,
+    /// Whether a rank holding the whole model loads the first prediction layer, to draft
+    /// with it ([`crate::model::LoadedModel::load_with_mtp`]); off by default, so a model
+    /// that never drafts with it does not hold it.
+    pub load_mtp: bool,
     /// Width of the residual stream.
     pub hidden: usize,
     /// Query heads.

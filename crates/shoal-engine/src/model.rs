@@ -70,6 +70,22 @@ impl LoadedModel {
         Self::load_with(source, Arc::new(shoal_comm::Solo))
     }
 
+    /// Loads whatever `source` points at, on one rank, with its first multi-token-prediction
+    /// layer where it has one (GLM-4.5+), to draft with it
+    /// ([`crate::scheduler::Scheduler::start_with_mtp`]).
+    ///
+    /// # Errors
+    /// As [`LoadedModel::load`].
+    pub fn load_with_mtp(source: &ModelSource) -> Result<Self, EngineError> {
+        Self::load_built(source, &mut |src, cfg| {
+            let cfg = ModelConfig {
+                load_mtp: true,
+                ..cfg
+            };
+            Transformer::load(src, cfg, Arc::new(shoal_comm::Solo))
+        })
+    }
+
     /// Loads `source` as one rank of `comm`.
     ///
     /// # Errors

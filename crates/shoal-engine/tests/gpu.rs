@@ -460,7 +460,17 @@ fn the_prediction_layer_matches_the_oracle() {
     }
     let dir = tempfile::tempdir().unwrap();
     let m = TinyModel::new(TinyModelSpec::glm4moe(7)).unwrap();
-    let t = load(&write(&m, dir.path(), GgmlType::F32), Device::Gpu(None));
+    let path = write(&m, dir.path(), GgmlType::F32);
+    let file = GgufFile::open(&path).unwrap();
+    let vocab = file.tensor("token_embd.weight").unwrap().shape()[0];
+    let cfg = arch::config_from_gguf(file.metadata(), vocab, "gpu test").unwrap();
+    let cfg = shoal_engine::ModelConfig {
+        load_mtp: true,
+        ..cfg
+    };
+    let src = GgufWeights::new(file);
+    let t = Transformer::load_on_device(Device::Gpu(None), &src, cfg, Arc::new(shoal_comm::Solo))
+        .unwrap();
     let (h, vocab, n) = (t.config().hidden, t.config().vocab, PROMPT.len());
     let mut cache = t.new_cache(64);
     let (_, hidden) = t.step_hidden(&PROMPT, &[n], &mut [&mut cache], 1).unwrap();

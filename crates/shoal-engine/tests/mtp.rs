@@ -40,7 +40,7 @@ fn write(m: &TinyModel, dir: &Path, ty: GgmlType) -> PathBuf {
 }
 
 fn load(path: &Path) -> LoadedModel {
-    LoadedModel::load(&ModelSource::Gguf(path.to_path_buf())).unwrap()
+    LoadedModel::load_with_mtp(&ModelSource::Gguf(path.to_path_buf())).unwrap()
 }
 
 fn max_abs_diff(a: &[f32], b: &[Vec<f32>]) -> f32 {
@@ -448,4 +448,14 @@ fn a_model_without_the_layer_is_refused() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("speculation on"), "{e}");
+    // a model loaded the ordinary way leaves its layer out
+    let path = write(
+        &TinyModel::new(TinyModelSpec::glm4moe(3)).unwrap(),
+        dir.path(),
+        GgmlType::F32,
+    );
+    let plain = Arc::new(LoadedModel::load(&ModelSource::Gguf(path)).unwrap());
+    assert!(!plain.transformer.has_mtp());
+    let e = Scheduler::start_with_mtp(plain, CONFIG).unwrap_err();
+    assert!(e.to_string().contains("loaded without"), "{e}");
 }

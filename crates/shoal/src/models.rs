@@ -188,10 +188,20 @@ fn progress(ev: FetchEvent) {
 /// Resolves a MODEL argument (path, Hugging Face folder or cache id, store name, or catalog
 /// key) and loads it, saying on stderr what it loaded and how long it took.
 pub fn open(arg: &str) -> anyhow::Result<LoadedModel> {
+    open_as(arg, false)
+}
+
+/// [`open`], with the model's multi-token-prediction layer where `mtp` asks for it (to draft
+/// with it).
+pub fn open_as(arg: &str, mtp: bool) -> anyhow::Result<LoadedModel> {
     let source = shoal_model::source::resolve(arg)?;
     let t0 = Instant::now();
-    let model = LoadedModel::load(&source)
-        .with_context(|| format!("loading {}", source.path().display()))?;
+    let model = if mtp {
+        LoadedModel::load_with_mtp(&source)
+    } else {
+        LoadedModel::load(&source)
+    }
+    .with_context(|| format!("loading {}", source.path().display()))?;
     tracing::info!(model = %model.name, ms = t0.elapsed().as_millis() as u64, "loaded");
     Ok(model)
 }

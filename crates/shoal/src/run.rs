@@ -184,7 +184,7 @@ pub struct RunArgs {
 impl RunArgs {
     /// Opens the model, with --chat-template when given.
     fn open(&self) -> anyhow::Result<LoadedModel> {
-        let mut model = crate::models::open(&self.model)?;
+        let mut model = crate::models::open_as(&self.model, self.speculation.mtp)?;
         self.use_template(&mut model)?;
         Ok(model)
     }

@@ -336,7 +336,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         if served.iter().any(|m: &ServedModel| m.id == id) {
             anyhow::bail!("two --model arguments are both called '{id}'");
         }
-        let mut model = crate::models::open(arg)?;
+        let mut model = crate::models::open_as(arg, args.speculation.mtp)?;
         if let (Some(t), Some(p)) = (&template, &args.chat_template) {
             model
                 .set_chat_template(t)

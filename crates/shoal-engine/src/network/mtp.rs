@@ -38,7 +38,7 @@ pub(crate) struct Mtp<B: Backend> {
 
 impl<B: Backend> Mtp<B> {
     /// The first prediction layer of the file (`blk.{n_layer}`), when `cfg` says it has
-    /// one.
+    /// one and asks for it (`load_mtp`).
     ///
     /// # Errors
     /// When one of its tensors is missing or misshapen.
@@ -48,7 +48,7 @@ impl<B: Backend> Mtp<B> {
         shard: &LayerShard,
         freq_factors: Option<&Arc<[f32]>>,
     ) -> Result<Option<Self>, EngineError> {
-        if cfg.mtp_layers == 0 {
+        if cfg.mtp_layers == 0 || !cfg.load_mtp {
             return Ok(None);
         }
         let layer = cfg.n_layer;

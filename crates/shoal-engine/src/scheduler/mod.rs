@@ -326,6 +326,11 @@ pub fn check_mtp(model: &LoadedModel, config: &SchedulerConfig) -> Result<(), En
                     "{} has no multi-token-prediction layer to draft with (GLM-4.5 and later ship one as `nextn` tensors; DeepSeek GGUF files leave theirs out); draft by prompt lookup or with a draft model instead",
                     model.name
                 )
+            } else if !model.transformer.config().load_mtp {
+                format!(
+                    "{} was loaded without its multi-token-prediction layer (LoadedModel::load_with_mtp loads it)",
+                    model.name
+                )
             } else {
                 format!(
                     "{}'s multi-token-prediction layer drafts only where one process holds the whole model on one device; draft by prompt lookup or with a draft model instead",
