@@ -24,6 +24,9 @@ pub(super) struct MtpState {
     /// The model's output hidden states (after its final norm) at the sequence's positions
     /// from `cache.len()` on, a row each, that the layer has not read yet.
     pending: Vec<f32>,
+    /// Tokens it drafted that were checked, and of those the ones taken.
+    drafted: usize,
+    taken: usize,
 }
 
 impl MtpState {
@@ -33,8 +36,9 @@ impl MtpState {
 }
 
 /// Keeps `rows` (the model's output hidden states at `seq`'s positions `start..`, a row of
-/// `hidden` values each) for its prediction layer. A sequence whose earlier positions the
-/// layer never saw (it started from another sequence's cache) keeps none and drafts
+/// `hidden` values each) for its prediction layer, which reads them once more than a prompt
+/// chunk waits ([`catch_up`]). A sequence whose state does not reach `start` (it started
+/// from a cache whose sequence had none, or it stopped drafting) keeps none and drafts
 /// nothing.
 pub(super) fn record_hidden(model: &LoadedModel, seq: &mut Sequence, start: usize, rows: &[f32]) {
     if seq.draft_failed {
@@ -48,6 +52,8 @@ pub(super) fn record_hidden(model: &LoadedModel, seq: &mut Sequence, start: usiz
             .map(|cache| MtpState {
                 cache,
                 pending: Vec::new(),
+                drafted: 0,
+                taken: 0,
             });
     }
     match &mut seq.mtp {
@@ -57,14 +63,16 @@ pub(super) fn record_hidden(model: &LoadedModel, seq: &mut Sequence, start: usiz
         _ => {
             seq.mtp = None;
             seq.draft_failed = true;
+            return;
         }
     }
+    catch_up(model, seq);
 }
 
-/// Lets the layer read what `seq` holds of the prompt whose following token is known,
-/// all but its newest row (which the first draft reads), once more than a prompt chunk
-/// waits: a long prompt is read chunk by chunk beside the model instead of held.
-pub(super) fn catch_up(model: &LoadedModel, seq: &mut Sequence) {
+/// Lets the layer read the hidden states `seq` holds whose following token is known, all
+/// but the newest (which the next draft reads), once more than a prompt chunk waits: a long
+/// prompt, or a long stretch without drafts, is read a chunk at a time instead of held.
+fn catch_up(model: &LoadedModel, seq: &mut Sequence) {
     let hidden = model.transformer.config().hidden;
     let Some(m) = &seq.mtp else { return };
     if m.pending_rows(hidden) <= PROMPT_CHUNK {
@@ -109,14 +117,28 @@ pub(super) fn draft(
     if rows == 0 || at + rows + 1 != context.len() || max == 0 {
         return None;
     }
-    let started = Instant::now();
-    let run = |m: &mut MtpState| -> Result<Vec<u32>, EngineError> {
+    let mut started = Instant::now();
+    let mut run = |m: &mut MtpState| -> Result<Vec<u32>, EngineError> {
         let t = &model.transformer;
-        let pending = std::mem::take(&mut m.pending);
+        let mut pending = std::mem::take(&mut m.pending);
+        // the rows before the newest: the layer reads every position, drafting or not, so
+        // this is not the draft's cost
+        if rows > 1 {
+            let newest = pending.split_off((rows - 1) * hidden);
+            t.mtp_step(
+                pending,
+                &context[at + 1..at + rows],
+                &[rows - 1],
+                &mut [&mut m.cache],
+                1,
+            )?;
+            pending = newest;
+            started = Instant::now();
+        }
         let (logits, out) =
-            t.mtp_step(pending, &context[at + 1..], &[rows], &mut [&mut m.cache], 1)?;
+            t.mtp_step(pending, &context[at + rows..], &[1], &mut [&mut m.cache], 1)?;
         let mut token = crate::transformer::argmax(&logits) as u32;
-        let mut state = out[(rows - 1) * hidden..].to_vec();
+        let mut state = out;
         let mut drafted = vec![token];
         while drafted.len() < max && m.cache.len() < m.cache.capacity() {
             let (logits, out) = t.mtp_step(state, &[token], &[1], &mut [&mut m.cache], 1)?;
@@ -161,7 +183,15 @@ pub(super) fn share(
         })?;
     t.copy_prefix(&src.cache, &mut cache, read)?;
     let pending = src.pending[..pending].to_vec();
-    Ok((n, MtpState { cache, pending }))
+    Ok((
+        n,
+        MtpState {
+            cache,
+            pending,
+            drafted: 0,
+            taken: 0,
+        },
+    ))
 }
 
 /// [`share`] taking `state` over in place (into a cache of room for `capacity` positions
@@ -204,7 +234,24 @@ fn split_at(src: &MtpState, n: usize, hidden: usize) -> (usize, usize, usize) {
 /// sequence stops drafting with it: the layer must read every position the sequence runs,
 /// a layer's work per token even while nothing is drafted, so a layer whose drafts do not
 /// pay for that stops.
-pub(super) const GIVE_UP: usize = 3;
+pub(super) const GIVE_UP: usize = 2;
+
+/// Drafted tokens checked, none of them taken, after which a sequence stops drafting with
+/// the layer at once (for the same reason).
+const NONE_TAKEN: usize = 8;
+
+/// Counts `seq`'s checked draft (`drafted` tokens, `taken` of them), and stops drafting with
+/// the layer when none of at least [`NONE_TAKEN`] was taken (with draft lengths chosen by
+/// what pays; fixed drafts go on).
+pub(super) fn checked(seq: &mut Sequence, drafted: usize, taken: usize) {
+    if let Some(m) = &mut seq.mtp {
+        m.drafted += drafted;
+        m.taken += taken;
+        if m.taken == 0 && m.drafted >= NONE_TAKEN {
+            stop(seq);
+        }
+    }
+}
 
 /// `seq` stops drafting with the layer (its drafts stopped paying): its state goes.
 pub(super) fn stop(seq: &mut Sequence) {

@@ -240,6 +240,10 @@ impl Worker<'_> {
                         let width = hidden.len() / (1 + draft.len());
                         let kept = &hidden[..(1 + taken) * width];
                         mtp::record_hidden(&model, seq, before, kept);
+                        // fixed drafts are checked whatever is taken
+                        if by_model {
+                            mtp::checked(seq, draft.len(), taken);
+                        }
                     }
                     if by_model && !draft.is_empty() {
                         seq.acceptance.record((taken + 1).min(draft.len()), taken);

@@ -107,9 +107,6 @@ impl Worker<'_> {
             Ok(mut logits) if end == prompt_len => accept(&model, seq, &mut logits),
             Ok(_) => true,
         };
-        if keep && self.mtp {
-            mtp::catch_up(&model, seq);
-        }
         if !keep {
             let seq = self.active.remove(i);
             self.retire(seq, split_error.is_none() && seq_ok);
