@@ -337,6 +337,11 @@ impl<B: Backend> Network<B> {
 
     /// An empty cache for one sequence of up to `capacity` positions of this rank's layers.
     pub fn new_cache(&self, capacity: usize) -> KvCache {
+        self.cache_of(self.plan.layers.len(), capacity)
+    }
+
+    /// An empty cache of `layers` layers of this rank's heads, `capacity` positions each.
+    fn cache_of(&self, layers: usize, capacity: usize) -> KvCache {
         let layout = match &self.cfg.mla {
             Some(m) => KvLayout::Latent {
                 dims: m.kv_lora_rank + m.rope_dims,
@@ -346,7 +351,7 @@ impl<B: Backend> Network<B> {
                 head_dim: self.cfg.head_dim,
             },
         };
-        let kv = self.be.kv(self.plan.layers.len(), layout, capacity);
+        let kv = self.be.kv(layers, layout, capacity);
         KvCache::new(Box::new(kv), capacity, self.be.name())
     }
 
@@ -523,14 +528,27 @@ impl<B: Backend> Network<B> {
         caches: &mut [&mut KvCache],
         last: usize,
     ) -> Result<Vec<f32>, EngineError> {
-        if !self.plan.is_full(&self.cfg) {
+        Ok(self.whole_step(tokens, counts, caches, last, false)?.0)
+    }
+
+    /// [`Network::step`], and with `hidden` every row's output hidden state after the final
+    /// norm (else an empty vector).
+    fn whole_step(
+        &self,
+        tokens: &[u32],
+        counts: &[usize],
+        caches: &mut [&mut KvCache],
+        last: usize,
+        hidden: bool,
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        let (true, Some(norm)) = (self.plan.is_full(&self.cfg), &self.norm) else {
             return Err(EngineError::Internal {
                 what: format!(
                     "a whole forward pass on a rank holding only part of the model ({:?})",
                     self.plan
                 ),
             });
-        }
+        };
         check_tokens(tokens, counts)?;
         self.check_ids(tokens)?;
         let decode = counts.iter().all(|&n| n == 1);
@@ -538,7 +556,13 @@ impl<B: Backend> Network<B> {
             self.with_step(counts, caches, |ws, kv| {
                 self.embed_into(tokens, ws)?;
                 self.layers(ws, kv)?;
-                self.head(ws, last)
+                let rows = if hidden {
+                    self.be.rms_norm(&ws.x, &norm.w, norm.eps, &mut ws.aux);
+                    self.be.download(std::mem::take(&mut ws.aux))?
+                } else {
+                    Vec::new()
+                };
+                Ok((self.head(ws, last)?, rows))
             })
         })
     }
@@ -555,40 +579,14 @@ impl<B: Backend> Network<B> {
         caches: &mut [&mut KvCache],
         last: usize,
     ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
-        let Some(norm) = self.norm.as_ref().filter(|_| self.plan.is_full(&self.cfg)) else {
-            return Err(EngineError::Internal {
-                what: "hidden states of a whole step on a rank holding part of the model".into(),
-            });
-        };
-        check_tokens(tokens, counts)?;
-        self.check_ids(tokens)?;
-        let decode = counts.iter().all(|&n| n == 1);
-        self.be.run_step(decode, || {
-            self.with_step(counts, caches, |ws, kv| {
-                self.embed_into(tokens, ws)?;
-                self.layers(ws, kv)?;
-                self.be.rms_norm(&ws.x, &norm.w, norm.eps, &mut ws.aux);
-                let hidden = self.be.download(std::mem::take(&mut ws.aux))?;
-                Ok((self.head(ws, last)?, hidden))
-            })
-        })
+        self.whole_step(tokens, counts, caches, last, true)
     }
 
     /// An empty cache of the multi-token-prediction layer for one sequence of up to
     /// `capacity` positions; `None` without the layer.
     pub fn new_mtp_cache(&self, capacity: usize) -> Option<KvCache> {
         self.mtp.as_ref()?;
-        let layout = match &self.cfg.mla {
-            Some(m) => KvLayout::Latent {
-                dims: m.kv_lora_rank + m.rope_dims,
-            },
-            None => KvLayout::Heads {
-                kv_heads: self.plan.shard.kv_heads.len(),
-                head_dim: self.cfg.head_dim,
-            },
-        };
-        let kv = self.be.kv(1, layout, capacity);
-        Some(KvCache::new(Box::new(kv), capacity, self.be.name()))
+        Some(self.cache_of(1, capacity))
     }
 
     /// The multi-token-prediction layer over `counts[i]` rows of each sequence after what

@@ -78,22 +78,22 @@ fn catch_up(model: &LoadedModel, seq: &mut Sequence) {
     if m.pending_rows(hidden) <= PROMPT_CHUNK {
         return;
     }
-    let context = context_of(seq);
-    let Some(m) = &mut seq.mtp else { return };
+    let known = context_len(seq);
     let at = m.cache.len();
     // positions whose next token is known, but not the newest
     let rows = m
         .pending_rows(hidden)
         .saturating_sub(1)
-        .min(context.len().saturating_sub(at + 1));
+        .min(known.saturating_sub(at + 1));
     if rows == 0 {
         return;
     }
+    let tokens = context_range(seq, at + 1, rows);
+    let Some(m) = &mut seq.mtp else { return };
     let head: Vec<f32> = m.pending.drain(..rows * hidden).collect();
-    let tokens = &context[at + 1..at + 1 + rows];
     if let Err(e) = model
         .transformer
-        .mtp_step(head, tokens, &[rows], &mut [&mut m.cache], 1)
+        .mtp_step(head, &tokens, &[rows], &mut [&mut m.cache], 1)
     {
         give_up(seq, &e);
     }
@@ -109,14 +109,16 @@ pub(super) fn draft(
     max: usize,
 ) -> Option<(Vec<u32>, Duration)> {
     let hidden = model.transformer.config().hidden;
-    let context = context_of(seq);
-    let m = seq.mtp.as_mut()?;
+    let m = seq.mtp.as_ref()?;
     let at = m.cache.len();
     let rows = m.pending_rows(hidden);
     // in step with the sequence: the newest pending position is the one before its next
-    if rows == 0 || at + rows + 1 != context.len() || max == 0 {
+    if rows == 0 || at + rows + 1 != context_len(seq) || max == 0 {
         return None;
     }
+    // the token after each pending position, the last one the sequence's next
+    let context = context_range(seq, at + 1, rows);
+    let m = seq.mtp.as_mut()?;
     let mut started = Instant::now();
     let mut run = |m: &mut MtpState| -> Result<Vec<u32>, EngineError> {
         let t = &model.transformer;
@@ -127,7 +129,7 @@ pub(super) fn draft(
             let newest = pending.split_off((rows - 1) * hidden);
             t.mtp_step(
                 pending,
-                &context[at + 1..at + rows],
+                &context[..rows - 1],
                 &[rows - 1],
                 &mut [&mut m.cache],
                 1,
@@ -136,7 +138,7 @@ pub(super) fn draft(
             started = Instant::now();
         }
         let (logits, out) =
-            t.mtp_step(pending, &context[at + rows..], &[1], &mut [&mut m.cache], 1)?;
+            t.mtp_step(pending, &context[rows - 1..], &[1], &mut [&mut m.cache], 1)?;
         let mut token = crate::transformer::argmax(&logits) as u32;
         let mut state = out;
         let mut drafted = vec![token];
@@ -268,9 +270,20 @@ fn give_up(seq: &mut Sequence, e: &EngineError) {
     seq.draft_failed = true;
 }
 
-/// A sequence's context: its prompt and every generated token (the last one its next).
-fn context_of(s: &Sequence) -> Vec<u32> {
-    let mut context = s.job.request.prompt.clone();
-    context.extend_from_slice(&s.generated_ids);
-    context
+/// The length of a sequence's context: its prompt and every generated token (the last one
+/// its next).
+fn context_len(s: &Sequence) -> usize {
+    s.job.request.prompt.len() + s.generated_ids.len()
+}
+
+/// `n` tokens of a sequence's context from position `from`, without copying the rest.
+fn context_range(s: &Sequence, from: usize, n: usize) -> Vec<u32> {
+    let prompt = &s.job.request.prompt;
+    prompt
+        .iter()
+        .chain(&s.generated_ids)
+        .skip(from)
+        .take(n)
+        .copied()
+        .collect()
 }
