@@ -169,6 +169,18 @@ fn draft_counts(sched: &Scheduler, steps: u64) -> (u64, u64, u64) {
     )
 }
 
+/// A scheduler of `m` with `config`'s limits and no speculation: what drafting must equal.
+fn plain_scheduler(m: &Arc<LoadedModel>, config: SchedulerConfig) -> Scheduler {
+    Scheduler::start(
+        m.clone(),
+        SchedulerConfig {
+            draft_max: 0,
+            ..config
+        },
+    )
+    .unwrap()
+}
+
 const CONFIG: SchedulerConfig = SchedulerConfig {
     max_batch: 2,
     max_queue: 4,
@@ -197,14 +209,7 @@ fn drafting_with_the_prediction_layer_gives_the_same_tokens() {
             ..SamplerConfig::default()
         },
     ] {
-        let plain = Scheduler::start(
-            m.clone(),
-            SchedulerConfig {
-                draft_max: 0,
-                ..CONFIG
-            },
-        )
-        .unwrap();
+        let plain = plain_scheduler(&m, CONFIG);
         let want = run(&plain, request(prompt.clone(), 40, sampler.clone()));
         let fixed = Scheduler::start_with_mtp(m.clone(), CONFIG).unwrap();
         assert_eq!(
@@ -238,14 +243,7 @@ fn drafting_with_the_prediction_layer_gives_the_same_tokens() {
         prefix_cache: true,
         ..CONFIG
     };
-    let plain = Scheduler::start(
-        m.clone(),
-        SchedulerConfig {
-            draft_max: 0,
-            ..shared
-        },
-    )
-    .unwrap();
+    let plain = plain_scheduler(&m, shared);
     let with = Scheduler::start_with_mtp(m.clone(), shared).unwrap();
     let mut other = prompt.clone();
     other.extend([5, 6, 7]);
@@ -298,14 +296,7 @@ fn a_layer_that_foresees_the_model_has_every_draft_taken() {
         ..CONFIG
     };
     let prompt: Vec<u32> = (0..20).map(|i| (i * 13 + 5) % 320).collect();
-    let plain = Scheduler::start(
-        m.clone(),
-        SchedulerConfig {
-            draft_max: 0,
-            ..config
-        },
-    )
-    .unwrap();
+    let plain = plain_scheduler(&m, config);
     let with = Scheduler::start_with_mtp(m.clone(), config).unwrap();
     let want = run(
         &plain,
@@ -377,14 +368,7 @@ fn the_layer_reads_each_positions_own_hidden_state() {
         ..CONFIG
     };
     let with = Scheduler::start_with_mtp(m.clone(), config).unwrap();
-    let plain = Scheduler::start(
-        m.clone(),
-        SchedulerConfig {
-            draft_max: 0,
-            ..config
-        },
-    )
-    .unwrap();
+    let plain = plain_scheduler(&m, config);
     let mut prompt: Vec<u32> = (0..20).map(|i| (i * 7 + 2) % 320).collect();
     prompt.push(start);
     let mut seen = (0, 0, 0);
