@@ -44,6 +44,10 @@ pub struct NodeFacts {
     /// The oldest cluster protocol version it works with.
     #[serde(default = "first_protocol")]
     pub oldest_protocol: u32,
+    /// Its measured decode costs of the model shapes it calibrated (`shoal bench
+    /// --calibrate`), which the planner predicts its ranks from.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub calibrations: Vec<shoal_planner::Calibration>,
 }
 
 fn first_protocol() -> u32 {
@@ -108,6 +112,7 @@ impl NodeFacts {
                     max_layers: self.gpu_layers,
                 })
             }),
+            calibrations: self.calibrations.clone(),
         }
     }
 }
@@ -184,6 +189,7 @@ mod tests {
             entry_only: false,
             protocol: 1,
             oldest_protocol: 1,
+            calibrations: Vec::new(),
         };
         assert_eq!(f.to_spec("x").memory_free_bytes, 12 << 30);
         // another GPU than the one it computes on: no matter

@@ -920,6 +920,7 @@ mod tests {
             compute_gflops: 100.0,
             threads: 4,
             gpu: None,
+            calibrations: Vec::new(),
         }
     }
 

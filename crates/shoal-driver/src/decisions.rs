@@ -1006,6 +1006,7 @@ mod tests {
                 entry_only: false,
                 protocol: 1,
                 oldest_protocol: 1,
+                calibrations: Vec::new(),
             }),
         }
     }
@@ -1045,6 +1046,7 @@ mod tests {
             compute_gflops: 100.0,
             threads: 4,
             gpu: None,
+            calibrations: Vec::new(),
         }
     }
 

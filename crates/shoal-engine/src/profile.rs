@@ -1,9 +1,11 @@
 //! An opt-in per-operation time profile of the forward pass: each part of a step (matrix
 //! products by role, attention, norms, ...) adds its wall time to a global counter while
-//! profiling is on. Off, a scope costs one relaxed atomic load. `shoal bench --profile`
-//! prints the table.
+//! profiling is on, apart by where in the step it ran (outside the blocks, a dense block, a
+//! mixture-of-experts block). Off, a scope costs one relaxed atomic load. `shoal bench
+//! --profile` prints the table; `shoal bench --calibrate` turns the parts into the planner's
+//! measured costs.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 /// The parts of a step the profile tells apart.
@@ -77,8 +79,47 @@ impl Op {
     }
 }
 
+impl Op {
+    /// Whether the op's time is spent reading weights (a matrix product), as opposed to
+    /// work of a size that does not depend on the weights.
+    pub fn reads_weights(self) -> bool {
+        matches!(
+            self,
+            Op::Qkv | Op::AttnOut | Op::GateUp | Op::Down | Op::Router | Op::Head
+        )
+    }
+}
+
+/// Where in a step an op ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(usize)]
+pub enum Part {
+    /// Outside the blocks: embedding, final norm and head.
+    Outside,
+    /// A block with a dense feed-forward.
+    DenseLayer,
+    /// A block with a mixture of experts.
+    MoeLayer,
+}
+
+const PARTS: usize = 3;
+const OPS: usize = Op::ALL.len();
+
 static ENABLED: AtomicBool = AtomicBool::new(false);
-static NANOS: [AtomicU64; Op::ALL.len()] = [const { AtomicU64::new(0) }; Op::ALL.len()];
+static PART: AtomicUsize = AtomicUsize::new(Part::Outside as usize);
+static NANOS: [[AtomicU64; OPS]; PARTS] = [const { [const { AtomicU64::new(0) }; OPS] }; PARTS];
+
+/// Whether profiling is on.
+#[inline]
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// Counts the ops from here on under `part` (the forward pass calls it around each block).
+#[inline]
+pub fn enter(part: Part) {
+    PART.store(part as usize, Ordering::Relaxed);
+}
 
 /// Turns profiling on or off (counters keep their values).
 pub fn enable(on: bool) {
@@ -87,16 +128,33 @@ pub fn enable(on: bool) {
 
 /// Zeroes the counters.
 pub fn reset() {
-    for n in &NANOS {
+    for n in NANOS.iter().flatten() {
         n.store(0, Ordering::Relaxed);
     }
 }
 
-/// Seconds spent in each op since the last reset.
+/// Seconds spent in each op since the last reset, wherever it ran.
 pub fn snapshot() -> Vec<(Op, f64)> {
     Op::ALL
         .iter()
-        .map(|&op| (op, NANOS[op as usize].load(Ordering::Relaxed) as f64 * 1e-9))
+        .map(|&op| {
+            let nanos: u64 = NANOS
+                .iter()
+                .map(|part| part[op as usize].load(Ordering::Relaxed))
+                .sum();
+            (op, nanos as f64 * 1e-9)
+        })
+        .collect()
+}
+
+/// Seconds spent in each op in `part` since the last reset.
+pub fn snapshot_of(part: Part) -> Vec<(Op, f64)> {
+    Op::ALL
+        .iter()
+        .map(|&op| {
+            let nanos = NANOS[part as usize][op as usize].load(Ordering::Relaxed);
+            (op, nanos as f64 * 1e-9)
+        })
         .collect()
 }
 
@@ -116,7 +174,9 @@ pub fn scope(op: Op) -> Scope {
 impl Drop for Scope {
     fn drop(&mut self) {
         if let Some(s) = self.start {
-            NANOS[self.op as usize].fetch_add(s.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            let part = PART.load(Ordering::Relaxed);
+            NANOS[part][self.op as usize]
+                .fetch_add(s.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
     }
 }

@@ -248,7 +248,9 @@ impl<'a> Evaluator<'a> {
         let all = self.decode_read(t, i, st);
         let k = self.gpu_layers(t, i, node, st);
         if k == 0 {
-            return all / self.bw(node);
+            return self
+                .calibrated_decode_secs(t, i, node, st)
+                .unwrap_or(all / self.bw(node));
         }
         let a = st.layers.0;
         let gpu = if k == st.len() {
@@ -258,6 +260,41 @@ impl<'a> Evaluator<'a> {
                 + k as f64 * KV_READ_FRACTION * self.ctx() * t.kv[i] as f64
         };
         gpu / self.gpu_bw(node) + (all - gpu) / self.bw(node)
+    }
+
+    /// [`Evaluator::decode_secs`] from `node`'s measured costs of the model's shape
+    /// ([`crate::calibration`]), when it has them for every kind of layer of the stage.
+    fn calibrated_decode_secs(
+        &self,
+        t: &TpTable,
+        i: usize,
+        node: usize,
+        st: Stage<'_>,
+    ) -> Option<f64> {
+        let spec = &self.cluster.nodes[node];
+        let cal = spec.calibration(self.model)?;
+        // the bus as it is now against the bus beside the measurement
+        let scale = spec.mem_bandwidth_gbs / cal.mem_bandwidth_gbs * 1e9;
+        let (a, b) = st.layers;
+        let mut secs = cal.step_secs;
+        for l in a..b {
+            let cost = cal.layer(self.model, l)?;
+            let read = t.read[i][l + 1] - t.read[i][l];
+            secs += cost.fixed_secs + read / (cost.weights_gbs * scale);
+        }
+        let kv = st.len() as f64 * KV_READ_FRACTION * self.ctx() * t.kv[i] as f64;
+        secs += kv / self.bw(node);
+        if st.last {
+            secs += t.head[i] as f64 / (cal.head_gbs * scale);
+        }
+        Some(secs)
+    }
+
+    /// Whether every rank of `stage` is predicted from its node's measured costs.
+    pub fn stage_calibrated(&self, t: &TpTable, st: Stage<'_>) -> bool {
+        st.nodes.iter().enumerate().all(|(i, &n)| {
+            self.gpu_layers(t, i, n, st) == 0 && self.calibrated_decode_secs(t, i, n, st).is_some()
+        })
     }
 
     fn flops(&self, node: usize) -> f64 {
@@ -479,6 +516,7 @@ impl<'a> Evaluator<'a> {
         let mut comm = header(HEADER_BYTES + 4.0) + ret;
         let mut slowest = 0.0f64;
         let mut prefill = header(HEADER_BYTES + 4.0 * p) + ret;
+        let calibrated = (0..pp).all(|s| self.stage_calibrated(t, st(s)));
         for s in 0..pp {
             let (c, a) = self.stage_decode(t, st(s));
             let h = hop(s, hb);
@@ -510,6 +548,7 @@ impl<'a> Evaluator<'a> {
             prompt_tokens: self.req.prompt_tokens,
             decode_compute_ms: compute * 1e3,
             decode_comm_ms: comm * 1e3,
+            decode_calibrated: calibrated,
             memory,
         }
     }
@@ -541,6 +580,84 @@ mod tests {
         assert!((p.decode_tok_s - want).abs() < 1e-9 * want, "{p:?}");
         assert_eq!(p.decode_comm_ms, 0.0);
         assert_eq!(p.memory[0].weight_bytes, m.weight_bytes());
+    }
+
+    #[test]
+    fn a_calibrated_node_is_predicted_from_its_measured_costs() {
+        use crate::calibration::{Calibration, LayerCost};
+        let m = dense_model(10, 8, 8, 64, 2048, 100_000_000);
+        let cal = Calibration {
+            shape: m.shape_key(),
+            threads: 1,
+            mem_bandwidth_gbs: 10.0,
+            dense: Some(LayerCost {
+                fixed_secs: 1e-4,
+                weights_gbs: 5.0,
+            }),
+            moe: None,
+            head_gbs: 4.0,
+            step_secs: 2e-4,
+            measured_tok_s: 1.0,
+        };
+        let calibrated = |bw: f64, cal: Calibration| NodeSpec {
+            calibrations: vec![cal],
+            ..node("a", 64.0, bw)
+        };
+        let req = PlanRequest {
+            ctx: 1,
+            ..PlanRequest::default()
+        };
+        let predict = |nodes: Vec<NodeSpec>, tp: usize| {
+            let c = Cluster {
+                links: vec![link("a", "b", 100.0, 10.0)],
+                nodes,
+            };
+            let ev = Evaluator::new(&c, &m, &req, tp);
+            let t = ev.table(tp).unwrap();
+            let stage: Vec<usize> = (0..tp).collect();
+            ev.predict(t, &[stage], &crate::layers::ranges(&[10]))
+        };
+        let kv = 0.5 * m.kv_bytes_per_token_per_layer as f64 * 10.0 / (10e9 * MEM_EFFICIENCY);
+        let layers = 10.0 * (1e-4 + 1e8 / 5e9);
+        let one = predict(vec![calibrated(10.0, cal.clone())], 1);
+        let want = 2e-4 + layers + kv + m.head_bytes as f64 / 4e9;
+        assert!((1.0 / one.decode_tok_s - want).abs() < 1e-9, "{one:?}");
+        assert!(one.decode_calibrated);
+
+        // a bus half as fast reads the weights half as fast; the fixed parts stay
+        let slow = predict(vec![calibrated(5.0, cal.clone())], 1);
+        let want_slow = 2e-4 + 10.0 * (1e-4 + 1e8 / 2.5e9) + 2.0 * kv + m.head_bytes as f64 / 2e9;
+        assert!(
+            (1.0 / slow.decode_tok_s - want_slow).abs() < 1e-9,
+            "{slow:?}"
+        );
+
+        // two tensor-parallel ranks each pay every layer's fixed part and read their share
+        let b = NodeSpec {
+            id: "b".into(),
+            name: "b".into(),
+            ..calibrated(10.0, cal.clone())
+        };
+        let two = predict(vec![calibrated(10.0, cal.clone()), b], 2);
+        assert!(two.decode_calibrated);
+        let fixed = 2e-4 + 10.0 * 1e-4;
+        let weights = 10.0 * 1e8 / 5e9 + m.head_bytes as f64 / 4e9;
+        let rank = two.decode_compute_ms * 1e-3;
+        assert!(
+            rank > fixed + 0.45 * weights && rank < fixed + 0.55 * weights + kv,
+            "{two:?}"
+        );
+
+        // another shape's costs are not this model's
+        let other = Calibration {
+            shape: "l1-other".into(),
+            ..cal
+        };
+        let unc = predict(vec![calibrated(10.0, other)], 1);
+        assert!(!unc.decode_calibrated);
+        let bytes = 10e9 * MEM_EFFICIENCY
+            / (m.bytes_per_token() + 0.5 * m.kv_bytes_per_token_per_layer as f64 * 10.0);
+        assert!((unc.decode_tok_s - bytes).abs() < 1e-9 * bytes);
     }
 
     #[test]

@@ -21,6 +21,7 @@
 //!     compute_gflops: 200.0,
 //!     threads: 8,
 //!     gpu: None,
+//!     calibrations: Vec::new(),
 //! };
 //! let cluster = Cluster {
 //!     nodes: vec![node("a"), node("b")],
@@ -41,6 +42,7 @@
 //!          best.prediction.decode_tok_s);
 //! ```
 
+pub mod calibration;
 pub mod cost;
 mod enumerate;
 mod error;
@@ -55,6 +57,7 @@ mod scenarios;
 #[cfg(test)]
 mod testing;
 
+pub use calibration::{Calibration, DecodeTimes, LayerCost};
 pub use enumerate::{best, candidates, evaluate, plan, EXHAUSTIVE_NODES};
 pub use error::PlanError;
 pub use gpu::GpuSpec;

@@ -38,6 +38,18 @@ pub struct NodeSpec {
     /// ([`crate::gpu`]).
     #[serde(default)]
     pub gpu: Option<crate::gpu::GpuSpec>,
+    /// Its measured decode costs, one per model shape it measured ([`crate::calibration`]):
+    /// the cost model predicts its ranks of a model of one of these shapes from them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub calibrations: Vec<crate::Calibration>,
+}
+
+impl NodeSpec {
+    /// Its calibration for `model`'s shape, if it measured one.
+    pub fn calibration(&self, model: &ModelProfile) -> Option<&crate::Calibration> {
+        let shape = model.shape_key();
+        self.calibrations.iter().find(|c| c.shape == shape)
+    }
 }
 
 /// A measured (or described) link between two nodes. Links are symmetric; a pair without a
@@ -111,6 +123,9 @@ impl Cluster {
                         g.mem_bandwidth_gbs
                     )));
                 }
+            }
+            for c in &n.calibrations {
+                c.validate().map_err(bad)?;
             }
             if n.memory_free_bytes > n.memory_total_bytes {
                 return Err(bad(format!(
@@ -314,6 +329,35 @@ impl ModelProfile {
         self.experts
             .as_ref()
             .map_or(0, |m| m.expert_bytes_per_layer.iter().sum())
+    }
+
+    /// Whether layer `l` has routed experts.
+    pub fn is_moe_layer(&self, l: usize) -> bool {
+        self.experts
+            .as_ref()
+            .and_then(|m| m.expert_bytes_per_layer.get(l))
+            .is_some_and(|&b| b > 0)
+    }
+
+    /// What tells this model's shape and quantization apart for a node's measured costs
+    /// ([`crate::Calibration`]): its dimensions, its experts and its stored bytes. Two files
+    /// of the same model at the same quantization share it; a different quantization does
+    /// not.
+    pub fn shape_key(&self) -> String {
+        let experts = self.experts.as_ref().map_or(String::new(), |m| {
+            format!("-e{}a{}", m.n_experts, m.active_experts)
+        });
+        format!(
+            "l{}-h{}-q{}kv{}x{}-f{}-v{}{experts}-{}B",
+            self.n_layers,
+            self.hidden,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.ffn,
+            self.vocab,
+            self.weight_bytes()
+        )
     }
 
     /// Routed experts per layer (0 for a dense model).

@@ -16,6 +16,7 @@ pub fn node(id: &str, free_gb: f64, bw: f64) -> NodeSpec {
         compute_gflops: 100.0,
         threads: 4,
         gpu: None,
+        calibrations: Vec::new(),
     }
 }
 
@@ -87,6 +88,7 @@ pub fn mac_studios(rtt_us: f64, rdma: bool) -> Cluster {
             compute_gflops: 25_000.0,
             threads: 32,
             gpu: None,
+            calibrations: Vec::new(),
         })
         .collect();
     let mut c = mesh(nodes, rtt_us, 80.0);

@@ -46,6 +46,12 @@ pub struct BenchArgs {
     /// Also time each part of the decode step and print where a token's time goes.
     #[arg(long)]
     pub profile: bool,
+    /// Also measure this node's decode costs of the model's shape for the planner (one
+    /// sequence from an empty cache, -n tokens -r times, after the benchmark) and keep them
+    /// in the calibration store, where `shoal serve` publishes them to the cluster's
+    /// planner.
+    #[arg(long)]
+    pub calibrate: bool,
     #[command(flatten)]
     pub compute: ComputeArgs,
     #[command(flatten)]
@@ -161,6 +167,12 @@ struct Report {
     /// The shape of a decoded token's work on a GPU (with `--profile`).
     #[serde(skip_serializing_if = "Option::is_none")]
     device_step: Option<DeviceStep>,
+    /// This node's measured costs of the model's shape (with `--calibrate`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    calibration: Option<shoal_planner::Calibration>,
+    /// Where the calibration was stored.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    calibration_file: Option<String>,
 }
 
 /// What one decoded token asks of a GPU, averaged over the timed decode steps.
@@ -249,7 +261,7 @@ pub fn measure_read_bandwidth_with(threads: usize, bytes: usize, passes: usize) 
 /// Seconds `decode` takes on a compute-pool thread, where the server's scheduler runs its
 /// steps (`Scheduler::run`). From any other thread each step starts and ends with a hand-off
 /// to the pool and back, which the server never pays.
-fn timed_on_pool(decode: impl FnOnce() -> anyhow::Result<()> + Send) -> anyhow::Result<f64> {
+pub fn timed_on_pool(decode: impl FnOnce() -> anyhow::Result<()> + Send) -> anyhow::Result<f64> {
     rayon::scope(|_| {
         let t0 = Instant::now();
         decode()?;
@@ -302,15 +314,27 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         if args.depth > 0 {
             anyhow::bail!("-d/--depth is measured on one rank for now; use it without --tp/--pp");
         }
-        if args.profile {
-            anyhow::bail!("--profile times one rank's step; use it without --tp/--pp");
+        if args.profile || args.calibrate {
+            anyhow::bail!(
+                "--profile and --calibrate time one rank's step; use them without --tp/--pp"
+            );
         }
         return crate::bench_split::main(&args, &model_arg);
+    }
+    if args.calibrate && args.n_gen == 0 {
+        anyhow::bail!("--calibrate decodes -n tokens -r times; give -n > 0");
     }
     let threads = args.compute.apply()?;
     crate::rank_device(0, 1)?;
     let model = crate::models::open(&model_arg)?;
     let t = &model.transformer;
+    if args.calibrate && t.backend() != "cpu" {
+        anyhow::bail!(
+            "--calibrate measures the CPU's costs; the planner predicts a GPU from its \
+             bandwidth (run it with --device cpu)"
+        );
+    }
+
     let vocab = t.config().vocab;
     let deepest = args.depth.saturating_add(args.n_prompt.max(args.n_gen));
     if deepest > t.config().context_len {
@@ -465,6 +489,13 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         });
         ops
     });
+    let calibration = if args.calibrate {
+        let cal = crate::calibrate::measure(&model, &model_arg, threads, args.n_gen, args.reps)?;
+        let path = crate::calibrate::store(&cal)?;
+        Some((cal, path))
+    } else {
+        None
+    };
     let prefill = Spread::of(&pp);
     let decode = Spread::of(&tg);
     let bytes = model.weight_bytes_per_token.max(1) as f64;
@@ -500,6 +531,8 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         decode_profile: profile,
         backend: t.backend(),
         device_step,
+        calibration_file: calibration.as_ref().map(|(_, p)| p.display().to_string()),
+        calibration: calibration.map(|(c, _)| c),
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -591,6 +624,23 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
                 100.0 * o.share
             );
         }
+    }
+    if let (Some(c), Some(path)) = (&report.calibration, &report.calibration_file) {
+        println!(
+            "calibration of this shape at {} threads (stored in {path}):",
+            c.threads
+        );
+        for (kind, cost) in [("dense layer", c.dense), ("experts layer", c.moe)] {
+            if let Some(cost) = cost {
+                println!(
+                    "  {kind:<14} {:.3} ms without weights, weights read at {:.1} GB/s",
+                    cost.fixed_secs * 1e3,
+                    cost.weights_gbs
+                );
+            }
+        }
+        println!("  {:<14} read at {:.1} GB/s", "output head", c.head_gbs);
+        println!("  {:<14} {:.3} ms per step", "the rest", c.step_secs * 1e3);
     }
     Ok(())
 }

@@ -7,6 +7,7 @@ mod bench_comm;
 mod bench_kernels;
 mod bench_serve;
 mod bench_split;
+mod calibrate;
 mod chat;
 mod client;
 mod doctor;

@@ -42,6 +42,9 @@ CLUSTER FILE (TOML; GB = 1e9 bytes, Gbit/s = 1e9 bits/s):
   gpu_memory_gb = 24           #   with its own memory (omit when it shares the host's):
   gpu_layers = 20              #   a share's first layers that fit (or this many) go there,
                                #   the rest run on the CPU (mem_bandwidth_gbs) in memory_gb
+  calibrations = [\"a.json\"]    # optional: its measured costs of model shapes (`shoal bench
+                               #   MODEL --calibrate` prints where it kept them); decode of
+                               #   a model of such a shape is predicted from them
 
   [[link]]                     # one per pair of nodes; a pair without one is unreachable
   a = \"studio-1\"
@@ -159,6 +162,9 @@ struct NodeEntry {
     gpu_bandwidth_gbs: Option<f64>,
     gpu_compute_gflops: Option<f64>,
     gpu_layers: Option<u32>,
+    /// Files of its measured costs (`shoal bench --calibrate`).
+    #[serde(default)]
+    calibrations: Vec<PathBuf>,
 }
 
 fn cpu() -> String {
@@ -294,6 +300,12 @@ impl ClusterFile {
                     }
                     None => None,
                 },
+                calibrations: n
+                    .calibrations
+                    .iter()
+                    .map(|p| crate::calibrate::read(p))
+                    .collect::<anyhow::Result<_>>()
+                    .with_context(|| what("calibrations"))?,
             });
         }
         let mut links: Vec<LinkSpec> = self

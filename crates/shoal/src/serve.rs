@@ -76,6 +76,11 @@ pub struct ServeArgs {
     /// started with the same tokens.
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// Before serving, measure this node's decode costs of each --model whose shape it has
+    /// not measured at its thread count (`shoal bench --calibrate`, a few seconds each), so
+    /// the cluster's planner predicts this node from them.
+    #[arg(long)]
+    pub calibrate: bool,
     /// Speculative decoding for the models served here with --model.
     #[command(flatten)]
     pub speculation: crate::SpeculationArgs,
@@ -154,6 +159,27 @@ fn data_dir(flag: Option<PathBuf>) -> anyhow::Result<PathBuf> {
 }
 
 /// The host's name, for a node started without --name.
+/// Measures and stores this node's costs of `model`'s shape unless they are stored already.
+fn calibrate_once(
+    model: &shoal_engine::model::LoadedModel,
+    arg: &str,
+    threads: usize,
+) -> anyhow::Result<()> {
+    let shape = shoal_driver::profile_from_model(arg)?.shape_key();
+    if crate::calibrate::stored(threads)
+        .iter()
+        .any(|c| c.shape == shape)
+    {
+        tracing::info!(model = %model.name, "its shape's costs are measured already");
+        return Ok(());
+    }
+    let cal = crate::calibrate::measure(model, arg, threads, 32, 3)
+        .with_context(|| format!("calibrating {}", model.name))?;
+    let path = crate::calibrate::store(&cal)?;
+    tracing::info!(model = %model.name, path = %path.display(), "measured its shape's costs");
+    Ok(())
+}
+
 fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
@@ -260,6 +286,7 @@ async fn join_cluster(
         // the node writes its own versions at start
         protocol: 0,
         oldest_protocol: 0,
+        calibrations: crate::calibrate::stored(threads),
     };
     let node = Node::start(NodeConfig {
         identity,
@@ -337,6 +364,9 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
             anyhow::bail!("two --model arguments are both called '{id}'");
         }
         let mut model = crate::models::open_as(arg, args.speculation.mtp)?;
+        if args.calibrate {
+            calibrate_once(&model, arg, threads)?;
+        }
         if let (Some(t), Some(p)) = (&template, &args.chat_template) {
             model
                 .set_chat_template(t)

@@ -6,6 +6,7 @@
 //! matrix product's bandwidth times its time is that product's bytes in the file, and the
 //! profile's times add up to the decode time the decode rates give.
 
+use std::path::Path;
 use std::process::Command;
 
 use shoal_testkit::{GgmlType, TinyModelSpec};
@@ -212,6 +213,117 @@ fn depth_past_the_context_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("-d 1000000") && err.contains("context of"),
+        "{err}"
+    );
+}
+
+/// `--calibrate` stores this node's measured costs of the tiny model's shape, and a cluster
+/// file naming them makes `shoal plan` predict the one-node decode from them: at the
+/// bandwidth probed beside the measurement and a one-position context, the prediction is
+/// the rate the measurement ran at (the costs add up to its time; the KV cache of one
+/// position is all that is added). A missing calibration file is refused, naming it.
+#[test]
+fn a_calibration_is_stored_and_the_planner_predicts_from_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    TinyModelSpec::llama(5)
+        .build()
+        .unwrap()
+        .write_gguf(&model, GgmlType::Q8_0)
+        .unwrap();
+    let home = dir.path().join("home");
+    let shoal = || {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_shoal"));
+        c.env("SHOAL_HOME", &home);
+        c
+    };
+    let out = shoal()
+        .arg("bench")
+        .arg(&model)
+        .args([
+            "-p",
+            "0",
+            "-n",
+            "16",
+            "-r",
+            "2",
+            "-t",
+            "1",
+            "--calibrate",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let cal = &report["calibration"];
+    let file = report["calibration_file"].as_str().expect("a stored file");
+    assert!(
+        Path::new(file).starts_with(home.join("calibrations")),
+        "{file}"
+    );
+    let stored: serde_json::Value = serde_json::from_slice(&std::fs::read(file).unwrap()).unwrap();
+    assert_eq!(&stored, cal);
+    assert!(cal["dense"]["weights_gbs"].as_f64().unwrap() > 0.0, "{cal}");
+    assert!(
+        cal["moe"].is_null(),
+        "a dense model has no expert layers: {cal}"
+    );
+
+    let plan = |calibrations: &str| {
+        let cluster = dir.path().join("cluster.toml");
+        std::fs::write(
+            &cluster,
+            format!(
+                "[[node]]\nname = \"a\"\nmemory_gb = 8\nmem_bandwidth_gbs = {}\n\
+                 compute_gflops = 100\n{calibrations}\n",
+                cal["mem_bandwidth_gbs"]
+            ),
+        )
+        .unwrap();
+        shoal()
+            .arg("plan")
+            .arg(&model)
+            .arg("--cluster")
+            .arg(&cluster)
+            .args(["--ctx", "1", "--json", "--top", "0"])
+            .output()
+            .unwrap()
+    };
+    let out = plan(&format!("calibrations = [{:?}]", file));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let one = &rows[0];
+    assert_eq!(one["decode_calibrated"], true, "{one}");
+    let (predicted, measured) = (
+        one["decode_tok_s"].as_f64().unwrap(),
+        cal["measured_tok_s"].as_f64().unwrap(),
+    );
+    assert!(
+        (predicted / measured - 1.0).abs() < 0.02,
+        "predicted {predicted} tok/s from the costs of a run at {measured}"
+    );
+
+    let rows: serde_json::Value = serde_json::from_slice(&plan("").stdout).unwrap();
+    assert_eq!(rows[0]["decode_calibrated"], false, "{}", rows[0]);
+
+    let missing = dir.path().join("missing.json");
+    let out = plan(&format!(
+        "calibrations = [{:?}]",
+        missing.display().to_string()
+    ));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("missing.json") && err.contains("calibrations"),
         "{err}"
     );
 }

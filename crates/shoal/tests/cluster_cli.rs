@@ -247,3 +247,79 @@ fn a_node_without_a_secret_or_a_model_says_what_is_missing() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("at least 16"), "{err}");
 }
+
+/// A node started with `--calibrate` measures its costs of its model's shape before it
+/// serves and keeps them in its store; the node publishes them, and the cluster's planner
+/// (`shoal plan` against the live node) predicts that node from them. A second start finds
+/// them stored and does not measure again.
+#[test]
+fn a_calibrated_node_publishes_its_measured_costs_to_the_planner() {
+    use shoal_testkit::{GgmlType, TinyModelSpec};
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny.gguf");
+    TinyModelSpec::llama(3)
+        .build()
+        .unwrap()
+        .write_gguf(&model, GgmlType::Q8_0)
+        .unwrap();
+    let secret = secret_file(dir.path(), "secret");
+    let home = dir.path().join("home");
+    let start = |log: &Path| {
+        let mut child = shoal()
+            .arg("serve")
+            .args(["--api", "127.0.0.1:0", "--listen", "127.0.0.1:0", "-t", "1"])
+            .args(["--name", "calibrated", "--no-mdns", "--calibrate"])
+            .arg("--model")
+            .arg(&model)
+            .arg("--secret-file")
+            .arg(&secret)
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .env("SHOAL_HOME", &home)
+            .env("SHOAL_LOG", "shoal=info")
+            .env_remove("SHOAL_SECRET")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let ready: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+        let url = format!("http://{}", ready["api"].as_str().unwrap());
+        (child, url)
+    };
+    let first_log = dir.path().join("first.log");
+    let (mut child, url) = start(&first_log);
+    let stored: Vec<_> = std::fs::read_dir(home.join("calibrations"))
+        .unwrap()
+        .flatten()
+        .collect();
+    assert_eq!(stored.len(), 1, "one shape, one file: {stored:?}");
+    let out = shoal()
+        .arg("plan")
+        .arg(&model)
+        .args(["--url", &url, "--json", "--top", "0"])
+        .env_remove("SHOAL_API_KEY")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rows[0]["decode_calibrated"], true, "{}", rows[0]);
+    let _ = child.kill();
+    let _ = child.wait();
+    let log = std::fs::read_to_string(&first_log).unwrap();
+    assert!(log.contains("measured its shape's costs"), "{log}");
+
+    let second_log = dir.path().join("second.log");
+    let (mut child, _) = start(&second_log);
+    let _ = child.kill();
+    let _ = child.wait();
+    let log = std::fs::read_to_string(&second_log).unwrap();
+    assert!(log.contains("measured already"), "{log}");
+}

@@ -48,6 +48,14 @@ pub(crate) struct Block<B: Backend> {
 }
 
 impl<B: Backend> Block<B> {
+    /// Where the profile counts this block's ops.
+    pub fn profile_part(&self) -> profile::Part {
+        match self.ffn {
+            Ffn::Dense(_) => profile::Part::DenseLayer,
+            Ffn::Experts(_) => profile::Part::MoeLayer,
+        }
+    }
+
     /// Loads block `layer` as `shard` cuts it.
     ///
     /// # Errors

@@ -475,8 +475,16 @@ impl<B: Backend> Network<B> {
     /// This rank's layers over `ws.x`.
     fn layers(&self, ws: &mut Workspace<B>, kv: &mut [&mut B::Kv]) -> Result<(), EngineError> {
         self.be.begin_step(&ws.rows, &mut ws.tables);
+        let profiling = profile::enabled();
         for (layer, block) in self.blocks.iter().enumerate() {
-            block.forward(&self.be, ws, kv, layer, &*self.tp)?;
+            if profiling {
+                profile::enter(block.profile_part());
+            }
+            let done = block.forward(&self.be, ws, kv, layer, &*self.tp);
+            if profiling {
+                profile::enter(profile::Part::Outside);
+            }
+            done?;
         }
         Ok(())
     }
