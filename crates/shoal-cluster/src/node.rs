@@ -47,6 +47,10 @@ const MESH_PARK_MAX: usize = 1024;
 const PROBE_BYTES: u64 = 4 << 20;
 /// Round trips timed per link measurement (the median is kept).
 const PINGS: usize = 7;
+/// Message sizes whose round trips a link measurement times (median of [`PINGS`] each):
+/// the hidden states a tensor split all-reduces and a pipeline hands on per decoded token,
+/// from a 1k-wide model's (4 KiB) to a 16k-wide one's (64 KiB).
+pub const SIZED_PROBES: [u64; 3] = [4 << 10, 16 << 10, 64 << 10];
 
 /// How to run a node.
 #[derive(Clone, Debug)]
@@ -125,6 +129,10 @@ pub struct LinkFacts {
     /// in the far node's hello, against the middle of the handshake), when it told it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clock_offset_ms: Option<i64>,
+    /// Median round trips of messages of the sizes a split's hidden states take
+    /// ([`SIZED_PROBES`]), ascending (absent from nodes older than this field).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sized: Vec<shoal_planner::SizedRoundTrip>,
 }
 
 /// A node as `shoal nodes` shows it.
@@ -243,6 +251,29 @@ impl std::fmt::Debug for Node {
             .field("listen", &self.listen)
             .finish()
     }
+}
+
+/// The sized round trips of a pair's measurements (each way), averaged size by size over
+/// the measurements that timed that size.
+fn mean_sized(measured: &[LinkFacts]) -> Vec<shoal_planner::SizedRoundTrip> {
+    let Some(first) = measured.iter().find(|f| !f.sized.is_empty()) else {
+        return Vec::new();
+    };
+    first
+        .sized
+        .iter()
+        .map(|m| {
+            let same: Vec<f64> = measured
+                .iter()
+                .flat_map(|f| f.sized.iter().filter(|x| x.bytes == m.bytes))
+                .map(|x| x.rtt_us)
+                .collect();
+            shoal_planner::SizedRoundTrip {
+                bytes: m.bytes,
+                rtt_us: same.iter().sum::<f64>() / same.len() as f64,
+            }
+        })
+        .collect()
 }
 
 fn now_ms() -> u64 {
@@ -508,6 +539,7 @@ impl Node {
                 rtt_us: v.iter().map(|f| f.rtt_us).sum::<f64>() / v.len() as f64,
                 bandwidth_gbps: v.iter().map(|f| f.bandwidth_gbps).sum::<f64>() / v.len() as f64,
                 rdma: false,
+                sized: mean_sized(&v),
             })
             .collect();
         (nodes, links)
@@ -981,6 +1013,28 @@ impl Inner {
         )
         .await?;
         let secs = (t0.elapsed().as_secs_f64() - rtt_us / 2e6).max(1e-6);
+        let mut sized = Vec::with_capacity(SIZED_PROBES.len());
+        for bytes in SIZED_PROBES {
+            let payload = vec![0x5a; bytes as usize];
+            let mut rtts = Vec::with_capacity(PINGS);
+            for _ in 0..PINGS {
+                let t0 = Instant::now();
+                self.request(
+                    &mut s,
+                    &hello.node,
+                    &Request::Probe { bytes },
+                    Some(&payload),
+                    t,
+                )
+                .await?;
+                rtts.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+            rtts.sort_by(f64::total_cmp);
+            sized.push(shoal_planner::SizedRoundTrip {
+                bytes,
+                rtt_us: rtts[PINGS / 2],
+            });
+        }
         Ok((
             hello.node,
             LinkFacts {
@@ -988,6 +1042,7 @@ impl Inner {
                 bandwidth_gbps: PROBE_BYTES as f64 * 8.0 / secs / 1e9,
                 measured_at_ms: now_ms(),
                 clock_offset_ms,
+                sized,
             },
         ))
     }

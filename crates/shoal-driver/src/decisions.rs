@@ -1061,6 +1061,7 @@ mod tests {
                     rtt_us: 60.0,
                     bandwidth_gbps: 10.0,
                     rdma: false,
+                    sized: Vec::new(),
                 });
             }
         }

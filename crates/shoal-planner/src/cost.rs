@@ -74,9 +74,31 @@ pub const HEADER_BYTES: f64 = 20.0;
 /// Bytes a last-stage rank returns to the lead per decoded token (greedy: value and id).
 pub const TOKEN_RETURN_BYTES: f64 = 8.0;
 
-/// Seconds to send `bytes` over `link`: half a round trip plus serialization.
+/// Seconds to send `bytes` over `link`: half a small message's round trip plus what the
+/// size adds. With measured round trips of sized messages (`LinkSpec::sized`), the size adds
+/// what the measurements add over the small round trip, interpolated between the measured
+/// sizes (from nothing at 0 bytes) and extended past the largest at the link's bandwidth;
+/// without them, serialization at the bandwidth.
 pub fn message_secs(link: &LinkSpec, bytes: f64) -> f64 {
-    link.rtt_us * 0.5e-6 + bytes * 8.0 / (link.bandwidth_gbps * 1e9)
+    let serialization = |b: f64| b * 8.0 / (link.bandwidth_gbps * 1e9);
+    let added = |m: &crate::spec::SizedRoundTrip| ((m.rtt_us - link.rtt_us) * 1e-6).max(0.0);
+    let size = match link.sized.iter().position(|m| m.bytes as f64 >= bytes) {
+        _ if link.sized.is_empty() => serialization(bytes),
+        Some(i) => {
+            let (lo_bytes, lo) = match i {
+                0 => (0.0, 0.0),
+                _ => (link.sized[i - 1].bytes as f64, added(&link.sized[i - 1])),
+            };
+            let hi = &link.sized[i];
+            let f = (bytes - lo_bytes) / (hi.bytes as f64 - lo_bytes).max(1.0);
+            lo + f * (added(hi) - lo)
+        }
+        None => {
+            let last = &link.sized[link.sized.len() - 1];
+            added(last) + serialization(bytes - last.bytes as f64)
+        }
+    };
+    link.rtt_us * 0.5e-6 + size
 }
 
 /// What every tensor-parallel index of a `tp`-rank stage holds, with prefix sums over the
@@ -658,6 +680,38 @@ mod tests {
         let bytes = 10e9 * MEM_EFFICIENCY
             / (m.bytes_per_token() + 0.5 * m.kv_bytes_per_token_per_layer as f64 * 10.0);
         assert!((unc.decode_tok_s - bytes).abs() < 1e-9 * bytes);
+    }
+
+    #[test]
+    fn a_message_costs_what_measured_messages_of_its_size_added() {
+        use crate::spec::SizedRoundTrip;
+        let mut l = link("a", "b", 100.0, 10.0);
+        // without sized measurements: half the round trip plus serialization
+        assert!((message_secs(&l, 1250.0) - (50e-6 + 1e-6)).abs() < 1e-12);
+        l.sized = vec![
+            SizedRoundTrip {
+                bytes: 4096,
+                rtt_us: 140.0,
+            },
+            SizedRoundTrip {
+                bytes: 65536,
+                rtt_us: 400.0,
+            },
+        ];
+        let at = |b: f64| message_secs(&l, b) * 1e6;
+        assert!((at(0.0) - 50.0).abs() < 1e-9);
+        // halfway to the first size adds half of its 40 us
+        assert!((at(2048.0) - 70.0).abs() < 1e-9);
+        assert!((at(4096.0) - 90.0).abs() < 1e-9);
+        // between sizes: interpolated
+        let mid = (4096.0 + 65536.0) / 2.0;
+        assert!((at(mid) - (50.0 + 40.0 + 130.0)).abs() < 1e-9);
+        // past the largest: its cost plus serialization at the bandwidth
+        let beyond = 65536.0 + 1250.0;
+        assert!((at(beyond) - (50.0 + 300.0 + 1.0)).abs() < 1e-9);
+        // a measurement faster than the small round trip adds nothing
+        l.sized[0].rtt_us = 90.0;
+        assert!((message_secs(&l, 4096.0) * 1e6 - 50.0).abs() < 1e-9);
     }
 
     #[test]

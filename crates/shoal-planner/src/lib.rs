@@ -26,7 +26,7 @@
 //! let cluster = Cluster {
 //!     nodes: vec![node("a"), node("b")],
 //!     links: vec![LinkSpec { a: "a".into(), b: "b".into(), rtt_us: 60.0,
-//!                            bandwidth_gbps: 10.0, rdma: false }],
+//!                            bandwidth_gbps: 10.0, rdma: false, sized: vec![] }],
 //! };
 //! let model = ModelProfile {
 //!     name: "example-1b".into(),
@@ -63,5 +63,6 @@ pub use error::PlanError;
 pub use gpu::GpuSpec;
 pub use placement::{Candidate, NodeMemory, Placement, Prediction, SplitKind, StagePlacement};
 pub use spec::{
-    Cluster, LayerParts, LinkSpec, ModelProfile, MoeSpec, NodeSpec, PlanRequest, Strategy,
+    Cluster, LayerParts, LinkSpec, ModelProfile, MoeSpec, NodeSpec, PlanRequest, SizedRoundTrip,
+    Strategy,
 };

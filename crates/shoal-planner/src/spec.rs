@@ -66,6 +66,20 @@ pub struct LinkSpec {
     pub bandwidth_gbps: f64,
     /// Whether the link runs over RDMA (informational: `rtt_us` already says how fast it is).
     pub rdma: bool,
+    /// Measured round trips of messages of the sizes a split sends (its hidden states), by
+    /// ascending size: where given, a message's cost comes from these instead of `rtt_us`
+    /// and `bandwidth_gbps` alone ([`crate::cost::message_secs`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sized: Vec<SizedRoundTrip>,
+}
+
+/// The measured round trip of one message of a size (its answer is small).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SizedRoundTrip {
+    /// Bytes the message carried.
+    pub bytes: u64,
+    /// Median round trip, microseconds.
+    pub rtt_us: f64,
 }
 
 /// The nodes and links to plan over.
@@ -159,6 +173,17 @@ impl Cluster {
                     "bandwidth {} Gbit/s; give a bandwidth > 0",
                     l.bandwidth_gbps
                 )));
+            }
+            let mut last = 0;
+            for m in &l.sized {
+                if m.bytes <= last || !(m.rtt_us.is_finite() && m.rtt_us >= 0.0) {
+                    return Err(bad(format!(
+                        "sized round trip of {} bytes in {} us; give sizes > 0 in ascending \
+                         order and times >= 0",
+                        m.bytes, m.rtt_us
+                    )));
+                }
+                last = m.bytes;
             }
             let key = if l.a < l.b {
                 (l.a.as_str(), l.b.as_str())
@@ -619,6 +644,7 @@ mod tests {
                 rtt_us: 1.0,
                 bandwidth_gbps: 1.0,
                 rdma: false,
+                sized: Vec::new(),
             }],
         };
         assert!(c

@@ -28,6 +28,7 @@ pub fn link(a: &str, b: &str, rtt_us: f64, gbps: f64) -> LinkSpec {
         rtt_us,
         bandwidth_gbps: gbps,
         rdma: false,
+        sized: Vec::new(),
     }
 }
 

@@ -134,8 +134,8 @@ pub fn links(args: LookArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{:<17} {:<17} {:>10} {:>12} {:>8}",
-        "FROM", "TO", "RTT us", "Gbit/s", "AGE s"
+        "{:<17} {:<17} {:>10} {:>12} {:>20} {:>8}",
+        "FROM", "TO", "RTT us", "Gbit/s", "4K/16K/64K RTT us", "AGE s"
     );
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -146,12 +146,27 @@ pub fn links(args: LookArgs) -> anyhow::Result<()> {
             .as_u64()
             .map(|t| format!("{:.0}", now.saturating_sub(t) as f64 / 1e3))
             .unwrap_or_else(|| "-".into());
+        // the round trips of messages of a split's sizes
+        let sized: Vec<String> = l["sized"]
+            .as_array()
+            .map(|s| {
+                s.iter()
+                    .map(|m| format!("{:.0}", m["rtt_us"].as_f64().unwrap_or(f64::NAN)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let sized = if sized.is_empty() {
+            "-".to_string()
+        } else {
+            sized.join("/")
+        };
         println!(
-            "{:<17} {:<17} {:>10.0} {:>12.2} {:>8}",
+            "{:<17} {:<17} {:>10.0} {:>12.2} {:>20} {:>8}",
             l["from"].as_str().unwrap_or("?"),
             l["to"].as_str().unwrap_or("?"),
             l["rtt_us"].as_f64().unwrap_or(f64::NAN),
             l["bandwidth_gbps"].as_f64().unwrap_or(f64::NAN),
+            sized,
             age
         );
     }

@@ -52,6 +52,9 @@ CLUSTER FILE (TOML; GB = 1e9 bytes, Gbit/s = 1e9 bits/s):
   rtt_us = 50                  # round-trip time of a small message, microseconds
   bandwidth_gbps = 80          # Gbit/s
   rdma = true                  # default false
+  sized = [{ bytes = 16384, rtt_us = 90 }]  # optional: measured round trips of messages
+                               #   of a split's sizes (`shoal links --json` shows a live
+                               #   cluster's), ascending
 
   [default_link]               # optional: every pair without its own [[link]]
   rtt_us = 50
@@ -184,6 +187,8 @@ struct LinkEntry {
     bandwidth_gbps: f64,
     #[serde(default)]
     rdma: bool,
+    #[serde(default)]
+    sized: Vec<shoal_planner::SizedRoundTrip>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -317,6 +322,7 @@ impl ClusterFile {
                 rtt_us: l.rtt_us,
                 bandwidth_gbps: l.bandwidth_gbps,
                 rdma: l.rdma,
+                sized: l.sized.clone(),
             })
             .collect();
         if let Some(d) = &self.default_link {
@@ -353,6 +359,7 @@ impl ClusterFile {
                             rtt_us: d.rtt_us,
                             bandwidth_gbps: d.bandwidth_gbps,
                             rdma: d.rdma,
+                            sized: Vec::new(),
                         });
                     }
                 }

@@ -152,6 +152,17 @@ fn seeded_nodes_agree_measure_links_keep_strangers_out_and_survive_losses() {
     for l in look("links", &b.url).as_array().unwrap() {
         assert!(l["rtt_us"].as_f64().unwrap() > 0.0, "{l}");
         assert!(l["bandwidth_gbps"].as_f64().unwrap() > 0.0, "{l}");
+        // and the round trips of messages of a split's sizes, 4, 16 and 64 KiB
+        let sized: Vec<u64> = l["sized"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no sized round trips: {l}"))
+            .iter()
+            .map(|m| {
+                assert!(m["rtt_us"].as_f64().unwrap() > 0.0, "{l}");
+                m["bytes"].as_u64().unwrap()
+            })
+            .collect();
+        assert_eq!(sized, [4096, 16384, 65536], "{l}");
     }
 
     // a stranger with another secret is refused; membership does not change
