@@ -12,6 +12,7 @@
 
 use std::time::Instant;
 
+use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
 use shoal_engine::bench::ReadProbe;
@@ -328,13 +329,6 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
     crate::rank_device(0, 1)?;
     let model = crate::models::open(&model_arg)?;
     let t = &model.transformer;
-    if args.calibrate && t.backend() != "cpu" {
-        anyhow::bail!(
-            "--calibrate measures the CPU's costs; the planner predicts a GPU from its \
-             bandwidth (run it with --device cpu)"
-        );
-    }
-
     let vocab = t.config().vocab;
     let deepest = args.depth.saturating_add(args.n_prompt.max(args.n_gen));
     if deepest > t.config().context_len {
@@ -490,7 +484,9 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         ops
     });
     let calibration = if args.calibrate {
-        let cal = crate::calibrate::measure(&model, &model_arg, threads, args.n_gen, args.reps)?;
+        let profile = shoal_driver::profile_from_model(&model_arg)
+            .with_context(|| format!("reading the profile of model {model_arg}"))?;
+        let cal = crate::calibrate::measure(&model, &profile, threads, args.n_gen, args.reps)?;
         let path = crate::calibrate::store(&cal)?;
         Some((cal, path))
     } else {

@@ -42,16 +42,16 @@ fn part_secs(part: Part) -> (f64, f64) {
         })
 }
 
-/// Measures this node's decode costs of `model` (opened from `arg`) with `threads` threads:
-/// `tokens` one-token steps from an empty cache, `reps` times, with the profile on, then a
-/// read-bandwidth probe.
+/// Measures this node's decode costs of `model` (whose planner profile is `profile`) with
+/// `threads` threads: `tokens` one-token steps from an empty cache, `reps` times, with the
+/// profile on, then a read-bandwidth probe.
 ///
 /// # Errors
-/// When the model runs on a GPU (a GPU's layers are predicted from its bandwidth), its
-/// profile cannot be read, or a step fails.
+/// When the model runs on a GPU (a GPU's layers are predicted from its bandwidth) or a step
+/// fails.
 pub fn measure(
     model: &LoadedModel,
-    arg: &str,
+    profile: &ModelProfile,
     threads: usize,
     tokens: usize,
     reps: usize,
@@ -65,8 +65,6 @@ pub fn measure(
             t.backend()
         );
     }
-    let profile = shoal_driver::profile_from_model(arg)
-        .with_context(|| format!("reading the profile of model {arg}"))?;
     let (tokens, reps) = (tokens.max(1), reps.max(1));
     let ctx = (tokens + 1).min(t.config().context_len);
     let vocab = t.config().vocab;
@@ -93,7 +91,7 @@ pub fn measure(
         steps += n;
     }
     let bw = measure_read_bandwidth(threads);
-    from_profile(&profile, threads, bw, steps, secs)
+    from_profile(profile, threads, bw, steps, secs)
 }
 
 /// The calibration of `model`'s shape from the profile gathered over `tokens` one-token

@@ -158,14 +158,16 @@ fn data_dir(flag: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(home).join(".local/share/shoal"))
 }
 
-/// The host's name, for a node started without --name.
 /// Measures and stores this node's costs of `model`'s shape unless they are stored already.
+/// A model that cannot be measured (one on a GPU) is served all the same, with a warning.
 fn calibrate_once(
     model: &shoal_engine::model::LoadedModel,
     arg: &str,
     threads: usize,
 ) -> anyhow::Result<()> {
-    let shape = shoal_driver::profile_from_model(arg)?.shape_key();
+    let profile = shoal_driver::profile_from_model(arg)
+        .with_context(|| format!("reading the profile of model {arg}"))?;
+    let shape = profile.shape_key();
     if crate::calibrate::stored(threads)
         .iter()
         .any(|c| c.shape == shape)
@@ -173,13 +175,17 @@ fn calibrate_once(
         tracing::info!(model = %model.name, "its shape's costs are measured already");
         return Ok(());
     }
-    let cal = crate::calibrate::measure(model, arg, threads, 32, 3)
-        .with_context(|| format!("calibrating {}", model.name))?;
-    let path = crate::calibrate::store(&cal)?;
-    tracing::info!(model = %model.name, path = %path.display(), "measured its shape's costs");
+    match crate::calibrate::measure(model, &profile, threads, 32, 3) {
+        Ok(cal) => {
+            let path = crate::calibrate::store(&cal)?;
+            tracing::info!(model = %model.name, path = %path.display(), "measured its shape's costs");
+        }
+        Err(e) => tracing::warn!(model = %model.name, "not calibrated: {e:#}"),
+    }
     Ok(())
 }
 
+/// The host's name, for a node started without --name.
 fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
@@ -320,6 +326,12 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     if let (Some(d), true, false) = (&args.speculation.draft, args.models.is_empty(), clustered) {
         anyhow::bail!(
             "--draft {d} drafts for the models given with --model and for the cluster instances this node leads; give --model, or a cluster secret"
+        );
+    }
+    if args.calibrate && args.models.is_empty() {
+        anyhow::bail!(
+            "--calibrate measures the models given with --model; give --model, or measure a \
+             model with `shoal bench MODEL --calibrate`"
         );
     }
     if args.speculation.mtp && args.models.is_empty() {
