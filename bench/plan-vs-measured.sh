@@ -3,8 +3,10 @@
 # rank and for 2-rank tensor- and pipeline-parallel splits (loopback TCP, and emulated links),
 # `shoal bench MODEL -t 1` measures decode and prefill tokens/s, and `shoal plan` predicts
 # them for a two-node cluster file built from the bandwidth that bench measured and the
-# emulated link (one-way latency L gives a round trip of 2L plus the loopback's own). Prints
-# predicted, measured and the error of each.
+# emulated link (one-way latency L gives a round trip of 2L plus the loopback's own). Each
+# figure is predicted twice: from bytes over bandwidth and FLOPs over compute, and from this
+# node's measured costs of the model's shape (`shoal bench --calibrate`, run first, named in
+# the cluster file). Prints measured, predicted and the error of each.
 #
 #   bench/plan-vs-measured.sh [-p 128] [-n 64] [-r 2] [-s dense|moe] [-l "50 300 1000 5000"]
 #                             [MODEL]               (default MODEL: qwen05)
@@ -57,7 +59,7 @@ loopback_rtt_us=30 loopback_gbps=20
 "$shoal" bench "$model" -p 0 -n "$n" -r 3 -t 1 --calibrate --json 2>/dev/null | tail -n1 >"$out/calibration.json"
 cal=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["calibration_file"])' "$out/calibration.json")
 echo "calibration: $cal"
-printf "%-16s %8s | %9s %7s | %9s %7s | %8s %9s %7s\n" config decode "bytes" error "measured" error prefill predicted error
+printf "%-16s %8s | %9s %7s | %9s %7s | %8s | %9s %7s | %9s %7s\n" config decode "bytes" error "measured" error prefill "FLOPs" error "measured" error
 for c in "${configs[@]}"; do
   IFS='|' read -r name flags lat gbps <<<"$c"
   link=()
@@ -116,12 +118,13 @@ def candidate(path):
         sys.exit(f"{name}: the planner has no {tp}x{pp} candidate")
     return rows[0]
 b, c = candidate(bytes_plan), candidate(measured_plan)
-if not c["decode_calibrated"]:
+if not c["calibrated"]:
     sys.exit(f"{name}: the planner did not use the calibration")
 d, f = m["decode_tok_s"], m["prefill_tok_s"]
 err = lambda x, y: f"{100 * (x / y - 1):>+6.1f}%"
 print(f"{name:<16} {d:>8.2f} | {b['decode_tok_s']:>9.2f} {err(b['decode_tok_s'], d)} | "
-      f"{c['decode_tok_s']:>9.2f} {err(c['decode_tok_s'], d)} | {f:>8.1f} "
+      f"{c['decode_tok_s']:>9.2f} {err(c['decode_tok_s'], d)} | {f:>8.1f} | "
+      f"{b['prefill_tok_s']:>9.1f} {err(b['prefill_tok_s'], f)} | "
       f"{c['prefill_tok_s']:>9.1f} {err(c['prefill_tok_s'], f)}")
 with open(rows, "a") as out:
     print(name, lat, d, b["decode_tok_s"], c["decode_tok_s"], sep="\t", file=out)

@@ -31,6 +31,11 @@ pub struct LayerCost {
     pub fixed_secs: f64,
     /// The rate its products read the layer's weights at, GB/s.
     pub weights_gbs: f64,
+    /// Prefill: seconds per prompt row of everything but attention's scores and sums.
+    pub prefill_row_secs: f64,
+    /// Prefill: seconds per pair of prompt positions attention relates (a causal prompt of
+    /// `P` rows relates `P^2 / 2`).
+    pub prefill_pair_secs: f64,
 }
 
 /// One node's measured decode costs for one model shape.
@@ -51,8 +56,32 @@ pub struct Calibration {
     pub head_gbs: f64,
     /// Seconds per step outside the layers and the head: embedding, sampling, dispatch.
     pub step_secs: f64,
-    /// The decode rate the measurement ran at, tokens/s (what the costs above add up to).
+    /// Seconds of a prompt chunk outside the layers: embedding, the last row's head,
+    /// dispatch.
+    pub prefill_step_secs: f64,
+    /// The decode rate the measurement ran at, tokens/s (what the decode costs add up to).
     pub measured_tok_s: f64,
+    /// The prefill rate the measurement ran at, tokens/s, over prompts of
+    /// `measured_prefill_rows`.
+    pub measured_prefill_tok_s: f64,
+    /// Prompt rows of the prefill runs measured.
+    pub measured_prefill_rows: usize,
+}
+
+/// Seconds prefill runs of one prompt length spent in each part, summed over the runs
+/// (what the engine's profile measures).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PrefillTimes {
+    /// Prompt rows of each run (one chunk).
+    pub rows: usize,
+    /// Runs.
+    pub runs: usize,
+    /// Layers with a dense feed-forward: (attention's scores and sums, everything else).
+    pub dense: (f64, f64),
+    /// Layers with a mixture of experts: (attention's scores and sums, everything else).
+    pub moe: (f64, f64),
+    /// The runs' wall time.
+    pub total_secs: f64,
 }
 
 /// Seconds one decode run spent in each part, summed over its tokens (what the engine's
@@ -72,27 +101,34 @@ pub struct DecodeTimes {
 }
 
 impl Calibration {
-    /// The calibration of `model`'s shape from one decode run's `times`, with `threads`
-    /// threads and `mem_bandwidth_gbs` probed beside it. The weight bytes each part read
-    /// are the planner's own account of a one-rank placement, so what the planner counts
-    /// and what the node measured meet.
+    /// The calibration of `model`'s shape from one decode run's `times` and prefill runs'
+    /// `prefill`, with `threads` threads and `mem_bandwidth_gbs` probed beside them. The
+    /// weight bytes each part read are the planner's own account of a one-rank placement,
+    /// so what the planner counts and what the node measured meet.
     ///
     /// # Errors
-    /// When the run decoded nothing or a part the model has took no time.
+    /// When a run ran nothing or a part the model has took no time.
     pub fn from_times(
         model: &ModelProfile,
         threads: u32,
         mem_bandwidth_gbs: f64,
         times: &DecodeTimes,
+        prefill: &PrefillTimes,
     ) -> Result<Self, String> {
-        if times.tokens == 0 || times.total_secs.partial_cmp(&0.0) != Some(Ordering::Greater) {
+        let positive = |x: f64| x.partial_cmp(&0.0) == Some(Ordering::Greater);
+        if times.tokens == 0 || !positive(times.total_secs) {
             return Err("the calibration run decoded no tokens".into());
+        }
+        if prefill.rows == 0 || prefill.runs == 0 || !positive(prefill.total_secs) {
+            return Err("the calibration run prefilled no prompt".into());
+        }
+        if !positive(times.head_secs) {
+            return Err("the run timed no output head".into());
         }
         let rank = tensor_split(model, 1, ExpertSplit::Auto)?
             .into_iter()
             .next()
             .ok_or("a one-rank split has no rank")?;
-        let tokens = times.tokens as f64;
         let (mut dense_layers, mut dense_bytes, mut moe_layers, mut moe_bytes) = (0, 0.0, 0, 0.0);
         for l in 0..model.n_layers {
             let read = rank.layer_read(model, l);
@@ -104,26 +140,36 @@ impl Calibration {
                 dense_bytes += read;
             }
         }
-        let cost = |layers: usize, bytes: f64, (fixed, weights): (f64, f64), kind: &str| {
+        let tokens = times.tokens as f64;
+        let (rows, runs) = (prefill.rows as f64, prefill.runs as f64);
+        let cost = |layers: usize, bytes: f64, decode: (f64, f64), prompt: (f64, f64), kind| {
+            let ((fixed, weights), (pairs, rest)) = (decode, prompt);
             if layers == 0 {
                 return Ok(None);
             }
-            if weights.partial_cmp(&0.0) != Some(Ordering::Greater) {
+            if !positive(weights) || !positive(rest) {
                 return Err(format!(
                     "the run timed no weight reads in its {kind} layers"
                 ));
             }
+            let layers = layers as f64;
             Ok(Some(LayerCost {
-                fixed_secs: fixed / tokens / layers as f64,
+                fixed_secs: fixed / tokens / layers,
                 weights_gbs: bytes * tokens / weights / 1e9,
+                prefill_row_secs: rest / runs / rows / layers,
+                prefill_pair_secs: pairs / runs / (rows * rows / 2.0) / layers,
             }))
         };
-        let dense = cost(dense_layers, dense_bytes, times.dense, "dense")?;
-        let moe = cost(moe_layers, moe_bytes, times.moe, "mixture-of-experts")?;
-        if times.head_secs.partial_cmp(&0.0) != Some(Ordering::Greater) {
-            return Err("the run timed no output head".into());
-        }
+        let dense = cost(
+            dense_layers,
+            dense_bytes,
+            times.dense,
+            prefill.dense,
+            "dense",
+        )?;
+        let moe = cost(moe_layers, moe_bytes, times.moe, prefill.moe, "expert")?;
         let parts = times.dense.0 + times.dense.1 + times.moe.0 + times.moe.1 + times.head_secs;
+        let prompt_parts = prefill.dense.0 + prefill.dense.1 + prefill.moe.0 + prefill.moe.1;
         let cal = Calibration {
             shape: model.shape_key(),
             threads,
@@ -132,7 +178,10 @@ impl Calibration {
             moe,
             head_gbs: rank.head_bytes(model) as f64 * tokens / times.head_secs / 1e9,
             step_secs: (times.total_secs - parts).max(0.0) / tokens,
+            prefill_step_secs: (prefill.total_secs - prompt_parts).max(0.0) / runs,
             measured_tok_s: tokens / times.total_secs,
+            measured_prefill_tok_s: rows * runs / prefill.total_secs,
+            measured_prefill_rows: prefill.rows,
         };
         cal.validate()?;
         Ok(cal)
@@ -151,19 +200,31 @@ impl Calibration {
                 self.shape, self.mem_bandwidth_gbs
             ));
         }
-        if !positive(self.head_gbs) || !at_least_zero(self.step_secs) {
+        if !positive(self.head_gbs)
+            || !at_least_zero(self.step_secs)
+            || !at_least_zero(self.prefill_step_secs)
+        {
             return Err(format!(
-                "calibration of {}: head_gbs {} must be > 0 and step_secs {} >= 0",
-                self.shape, self.head_gbs, self.step_secs
+                "calibration of {}: head_gbs {} must be > 0, step_secs {} and \
+                 prefill_step_secs {} >= 0",
+                self.shape, self.head_gbs, self.step_secs, self.prefill_step_secs
             ));
         }
         for (kind, c) in [("dense", &self.dense), ("moe", &self.moe)] {
             if let Some(c) = c {
-                if !positive(c.weights_gbs) || !at_least_zero(c.fixed_secs) {
+                if !positive(c.weights_gbs)
+                    || !positive(c.prefill_row_secs)
+                    || !at_least_zero(c.fixed_secs)
+                    || !at_least_zero(c.prefill_pair_secs)
+                {
                     return Err(format!(
-                        "calibration of {}: {kind} layer weights_gbs {} must be > 0 and \
-                         fixed_secs {} >= 0",
-                        self.shape, c.weights_gbs, c.fixed_secs
+                        "calibration of {}: {kind} layer weights_gbs {} and prefill_row_secs \
+                         {} must be > 0, fixed_secs {} and prefill_pair_secs {} >= 0",
+                        self.shape,
+                        c.weights_gbs,
+                        c.prefill_row_secs,
+                        c.fixed_secs,
+                        c.prefill_pair_secs
                     ));
                 }
             }
@@ -192,6 +253,18 @@ mod tests {
     use super::*;
     use crate::testing::{deepseek_v3_q4, dense_model};
 
+    /// Prefill runs of 4 runs of 100 rows: the dense layers took 0.5 s in attention's
+    /// scores and sums and 2 s in the rest, the experts' layers `moe`; 3 s in all.
+    fn prefill(moe: (f64, f64)) -> PrefillTimes {
+        PrefillTimes {
+            rows: 100,
+            runs: 4,
+            dense: (0.5, 2.0),
+            moe,
+            total_secs: 3.0 + moe.0 + moe.1,
+        }
+    }
+
     #[test]
     fn per_token_costs_come_from_the_times_and_the_planners_bytes() {
         let model = dense_model(8, 16, 4, 64, 2816, 10_000_000);
@@ -202,7 +275,7 @@ mod tests {
             head_secs: 0.1,
             total_secs: 1.5,
         };
-        let cal = Calibration::from_times(&model, 2, 20.0, &times).unwrap();
+        let cal = Calibration::from_times(&model, 2, 20.0, &times, &prefill((0.0, 0.0))).unwrap();
         let d = cal.dense.unwrap();
         assert!(cal.moe.is_none());
         let layer_fixed = 0.2 / 10.0 / model.n_layers as f64;
@@ -211,6 +284,13 @@ mod tests {
         assert!((d.weights_gbs - read as f64 * 10.0 / 1.0 / 1e9).abs() < 1e-9);
         assert!((cal.head_gbs - model.head_bytes as f64 * 10.0 / 0.1 / 1e9).abs() < 1e-9);
         assert!((cal.step_secs - 0.2 / 10.0).abs() < 1e-12);
+        assert!((cal.measured_tok_s - 10.0 / 1.5).abs() < 1e-12);
+        // prefill: per row and per pair of rows, per layer; the rest per chunk
+        let layers = model.n_layers as f64;
+        assert!((d.prefill_row_secs - 2.0 / 4.0 / 100.0 / layers).abs() < 1e-15);
+        assert!((d.prefill_pair_secs - 0.5 / 4.0 / 5000.0 / layers).abs() < 1e-15);
+        assert!((cal.prefill_step_secs - 0.5 / 4.0).abs() < 1e-12);
+        assert!((cal.measured_prefill_tok_s - 400.0 / 3.0).abs() < 1e-9);
         assert_eq!(cal.shape, model.shape_key());
     }
 
@@ -224,7 +304,7 @@ mod tests {
             head_secs: 0.1,
             total_secs: 2.7,
         };
-        let cal = Calibration::from_times(&model, 1, 20.0, &times).unwrap();
+        let cal = Calibration::from_times(&model, 1, 20.0, &times, &prefill((1.0, 9.0))).unwrap();
         let moe = cal.moe.unwrap();
         let rank = &tensor_split(&model, 1, ExpertSplit::Auto).unwrap()[0];
         let bytes: f64 = (0..model.n_layers)
@@ -232,30 +312,43 @@ mod tests {
             .map(|l| rank.layer_read(&model, l))
             .sum();
         // the active experts only, not every expert held
-        assert!(
-            bytes
-                < (0..model.n_layers)
-                    .map(|l| model.layer_bytes[l])
-                    .sum::<u64>() as f64
-        );
+        let held: u64 = model.layer_bytes.iter().sum();
+        assert!(bytes < held as f64);
         assert!((moe.weights_gbs - bytes * 4.0 / 2.0 / 1e9).abs() < 1e-9);
+        // 58 expert layers of 61
+        assert!((moe.prefill_row_secs - 9.0 / 400.0 / 58.0).abs() < 1e-15);
+        assert!(
+            (cal.dense.unwrap().prefill_row_secs - 2.0 / 400.0 / 3.0).abs() < 1e-15,
+            "{cal:?}"
+        );
     }
 
     #[test]
     fn a_run_without_times_is_refused() {
         let model = dense_model(8, 16, 4, 64, 2816, 10_000_000);
+        let p = prefill((0.0, 0.0));
         let none = DecodeTimes::default();
-        assert!(Calibration::from_times(&model, 1, 20.0, &none)
+        assert!(Calibration::from_times(&model, 1, 20.0, &none, &p)
             .unwrap_err()
             .contains("no tokens"));
-        let no_head = DecodeTimes {
+        let decoded = DecodeTimes {
             tokens: 1,
             dense: (0.1, 0.1),
             total_secs: 0.3,
             ..DecodeTimes::default()
         };
-        assert!(Calibration::from_times(&model, 1, 20.0, &no_head)
+        assert!(Calibration::from_times(&model, 1, 20.0, &decoded, &p)
             .unwrap_err()
             .contains("head"));
+        let with_head = DecodeTimes {
+            head_secs: 0.05,
+            ..decoded
+        };
+        let no_prompt = PrefillTimes::default();
+        assert!(
+            Calibration::from_times(&model, 1, 20.0, &with_head, &no_prompt)
+                .unwrap_err()
+                .contains("no prompt")
+        );
     }
 }

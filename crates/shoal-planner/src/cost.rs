@@ -312,10 +312,38 @@ impl<'a> Evaluator<'a> {
         Some(secs)
     }
 
+    /// Prefill seconds of index `i` of `stage` on `node` from the node's measured costs of
+    /// the model's shape: per layer its kind's cost per prompt row for the rank's share of
+    /// the layer's weights, and per pair of positions for its share of the query heads,
+    /// plus the chunk's cost outside the layers.
+    fn calibrated_prefill_secs(
+        &self,
+        t: &TpTable,
+        i: usize,
+        node: usize,
+        st: Stage<'_>,
+    ) -> Option<f64> {
+        let cal = self.cluster.nodes[node].calibration(self.model)?;
+        let p = f64::from(self.req.prompt_tokens);
+        let heads = t.ranks[i].heads.len() as f64 / self.model.n_heads as f64;
+        let (a, b) = st.layers;
+        let mut secs = cal.prefill_step_secs;
+        for l in a..b {
+            let cost = cal.layer(self.model, l)?;
+            let whole = self.model.layer_bytes[l].max(1) as f64;
+            let share = (t.held[i][l + 1] - t.held[i][l]) as f64 / whole;
+            secs +=
+                share * cost.prefill_row_secs * p + heads * cost.prefill_pair_secs * p * p / 2.0;
+        }
+        Some(secs)
+    }
+
     /// Whether every rank of `stage` is predicted from its node's measured costs.
     pub fn stage_calibrated(&self, t: &TpTable, st: Stage<'_>) -> bool {
         st.nodes.iter().enumerate().all(|(i, &n)| {
-            self.gpu_layers(t, i, n, st) == 0 && self.calibrated_decode_secs(t, i, n, st).is_some()
+            self.gpu_layers(t, i, n, st) == 0
+                && self.calibrated_decode_secs(t, i, n, st).is_some()
+                && self.calibrated_prefill_secs(t, i, n, st).is_some()
         })
     }
 
@@ -379,6 +407,11 @@ impl<'a> Evaluator<'a> {
                 // the rest at the CPU's
                 let (a, b) = st.layers;
                 let k = self.gpu_layers(t, i, n, st);
+                if k == 0 {
+                    if let Some(secs) = self.calibrated_prefill_secs(t, i, n, st) {
+                        return secs;
+                    }
+                }
                 let all = k == st.len();
                 let on_gpu = self.prefill_part(t, i, (a, a + k), st.last && all);
                 let on_cpu = self.prefill_part(t, i, (a + k, b), st.last && !all);
@@ -570,7 +603,7 @@ impl<'a> Evaluator<'a> {
             prompt_tokens: self.req.prompt_tokens,
             decode_compute_ms: compute * 1e3,
             decode_comm_ms: comm * 1e3,
-            decode_calibrated: calibrated,
+            calibrated,
             memory,
         }
     }
@@ -615,11 +648,16 @@ mod tests {
             dense: Some(LayerCost {
                 fixed_secs: 1e-4,
                 weights_gbs: 5.0,
+                prefill_row_secs: 2e-5,
+                prefill_pair_secs: 1e-8,
             }),
             moe: None,
             head_gbs: 4.0,
             step_secs: 2e-4,
+            prefill_step_secs: 1e-3,
             measured_tok_s: 1.0,
+            measured_prefill_tok_s: 1.0,
+            measured_prefill_rows: 128,
         };
         let calibrated = |bw: f64, cal: Calibration| NodeSpec {
             calibrations: vec![cal],
@@ -644,7 +682,14 @@ mod tests {
         let one = predict(vec![calibrated(10.0, cal.clone())], 1);
         let want = 2e-4 + layers + kv + m.head_bytes as f64 / 4e9;
         assert!((1.0 / one.decode_tok_s - want).abs() < 1e-9, "{one:?}");
-        assert!(one.decode_calibrated);
+        assert!(one.calibrated);
+        // prefill of the request's prompt: rows and pairs of rows per layer, and the chunk
+        let p = f64::from(req.prompt_tokens);
+        let want_prefill = 1e-3 + 10.0 * (2e-5 * p + 1e-8 * p * p / 2.0);
+        assert!(
+            (p / one.prefill_tok_s - want_prefill).abs() < 1e-9,
+            "{one:?}"
+        );
 
         // a bus half as fast reads the weights half as fast; the fixed parts stay
         let slow = predict(vec![calibrated(5.0, cal.clone())], 1);
@@ -661,7 +706,7 @@ mod tests {
             ..calibrated(10.0, cal.clone())
         };
         let two = predict(vec![calibrated(10.0, cal.clone()), b], 2);
-        assert!(two.decode_calibrated);
+        assert!(two.calibrated);
         let fixed = 2e-4 + 10.0 * 1e-4;
         let weights = 10.0 * 1e8 / 5e9 + m.head_bytes as f64 / 4e9;
         let rank = two.decode_compute_ms * 1e-3;
@@ -676,7 +721,7 @@ mod tests {
             ..cal
         };
         let unc = predict(vec![calibrated(10.0, other)], 1);
-        assert!(!unc.decode_calibrated);
+        assert!(!unc.calibrated);
         let bytes = 10e9 * MEM_EFFICIENCY
             / (m.bytes_per_token() + 0.5 * m.kv_bytes_per_token_per_layer as f64 * 10.0);
         assert!((unc.decode_tok_s - bytes).abs() < 1e-9 * bytes);

@@ -400,7 +400,7 @@ fn evaluate_stages(
             prompt_tokens: ev.req.prompt_tokens,
             decode_compute_ms: 0.0,
             decode_comm_ms: 0.0,
-            decode_calibrated: false,
+            calibrated: false,
             memory: Vec::new(),
         },
         problem: Some(problem),

@@ -57,7 +57,7 @@ mod scenarios;
 #[cfg(test)]
 mod testing;
 
-pub use calibration::{Calibration, DecodeTimes, LayerCost};
+pub use calibration::{Calibration, DecodeTimes, LayerCost, PrefillTimes};
 pub use enumerate::{best, candidates, evaluate, plan, EXHAUSTIVE_NODES};
 pub use error::PlanError;
 pub use gpu::GpuSpec;

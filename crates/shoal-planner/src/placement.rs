@@ -164,10 +164,11 @@ pub struct Prediction {
     /// Per decoded token: time in messages (header, all-reduces, stage hops, the token's
     /// return), ms.
     pub decode_comm_ms: f64,
-    /// Whether every rank's decode time came from its node's measured costs of the model's
-    /// shape ([`crate::calibration`]) rather than from bytes over bandwidth.
+    /// Whether every rank's decode and prefill times came from its node's measured costs of
+    /// the model's shape ([`crate::calibration`]) rather than from bytes over bandwidth and
+    /// FLOPs over compute.
     #[serde(default)]
-    pub decode_calibrated: bool,
+    pub calibrated: bool,
     /// Memory per node, in rank order.
     pub memory: Vec<NodeMemory>,
 }

@@ -629,14 +629,26 @@ pub fn main(mut args: BenchArgs) -> anyhow::Result<()> {
         for (kind, cost) in [("dense layer", c.dense), ("experts layer", c.moe)] {
             if let Some(cost) = cost {
                 println!(
-                    "  {kind:<14} {:.3} ms without weights, weights read at {:.1} GB/s",
+                    "  {kind:<14} decode: {:.3} ms without weights, weights read at {:.1} GB/s; \
+                     prefill: {:.1} us per row, {:.2} ns per pair of rows",
                     cost.fixed_secs * 1e3,
-                    cost.weights_gbs
+                    cost.weights_gbs,
+                    cost.prefill_row_secs * 1e6,
+                    cost.prefill_pair_secs * 1e9
                 );
             }
         }
         println!("  {:<14} read at {:.1} GB/s", "output head", c.head_gbs);
-        println!("  {:<14} {:.3} ms per step", "the rest", c.step_secs * 1e3);
+        println!(
+            "  {:<14} {:.3} ms per decode step, {:.3} ms per prompt chunk",
+            "the rest",
+            c.step_secs * 1e3,
+            c.prefill_step_secs * 1e3
+        );
+        println!(
+            "  measured at {:.1} tok/s decode, {:.1} tok/s prefill of {} rows",
+            c.measured_tok_s, c.measured_prefill_tok_s, c.measured_prefill_rows
+        );
     }
     Ok(())
 }

@@ -13,7 +13,7 @@ use anyhow::Context;
 use shoal_engine::model::LoadedModel;
 use shoal_engine::profile::{self, Op, Part};
 use shoal_engine::transformer::argmax;
-use shoal_planner::{Calibration, DecodeTimes, ModelProfile};
+use shoal_planner::{Calibration, DecodeTimes, ModelProfile, PrefillTimes};
 
 use crate::bench::{measure_read_bandwidth, prompt_tokens, timed_on_pool};
 
@@ -42,9 +42,13 @@ fn part_secs(part: Part) -> (f64, f64) {
         })
 }
 
-/// Measures this node's decode costs of `model` (whose planner profile is `profile`) with
-/// `threads` threads: `tokens` one-token steps from an empty cache, `reps` times, with the
-/// profile on, then a read-bandwidth probe.
+/// Prompt rows of the prefill runs a calibration times (one chunk).
+const PREFILL_ROWS: usize = 128;
+
+/// Measures this node's decode and prefill costs of `model` (whose planner profile is
+/// `profile`) with `threads` threads: `tokens` one-token steps from an empty cache, `reps`
+/// times, and `reps` prefills of [`PREFILL_ROWS`] rows, each with the profile on, then a
+/// read-bandwidth probe.
 ///
 /// # Errors
 /// When the model runs on a GPU (a GPU's layers are predicted from its bandwidth) or a step
@@ -90,36 +94,62 @@ pub fn measure(
         secs += timed?;
         steps += n;
     }
+    let decode = decode_times(steps, secs);
+    let rows = PREFILL_ROWS.min(t.config().context_len);
+    let mut cache = t.new_cache(rows);
+    profile::reset();
+    let mut prefill_secs = 0.0;
+    for rep in 0..reps {
+        cache.clear();
+        let prompt = prompt_tokens(rows + rep, vocab)[rep..].to_vec();
+        profile::enable(true);
+        let timed = timed_on_pool(|| {
+            t.prefill(&prompt, &mut cache)?;
+            Ok(())
+        });
+        profile::enable(false);
+        prefill_secs += timed?;
+    }
+    let prefill = PrefillTimes {
+        rows,
+        runs: reps,
+        dense: attention_and_rest(Part::DenseLayer),
+        moe: attention_and_rest(Part::MoeLayer),
+        total_secs: prefill_secs,
+    };
     let bw = measure_read_bandwidth(threads);
-    from_profile(profile, threads, bw, steps, secs)
+    Calibration::from_times(profile, threads as u32, bw, &decode, &prefill)
+        .map_err(|e| anyhow::anyhow!("calibrating {}: {e}", profile.name))
 }
 
-/// The calibration of `model`'s shape from the profile gathered over `tokens` one-token
-/// decode steps that took `total_secs`, with `threads` threads and `mem_bandwidth_gbs`
-/// probed beside them.
-///
-/// # Errors
-/// When the profile timed nothing the model has (profiling was off, or nothing decoded).
-fn from_profile(
-    model: &ModelProfile,
-    threads: usize,
-    mem_bandwidth_gbs: f64,
-    tokens: usize,
-    total_secs: f64,
-) -> anyhow::Result<Calibration> {
+/// Seconds in `part`'s ops since the profile was reset: (attention's scores and sums,
+/// everything else).
+fn attention_and_rest(part: Part) -> (f64, f64) {
+    profile::snapshot_of(part)
+        .into_iter()
+        .fold((0.0, 0.0), |(attention, rest), (op, s)| {
+            if op == Op::Attention {
+                (attention + s, rest)
+            } else {
+                (attention, rest + s)
+            }
+        })
+}
+
+/// The decode times the profile gathered over `tokens` one-token steps that took
+/// `total_secs`.
+fn decode_times(tokens: usize, total_secs: f64) -> DecodeTimes {
     let head_secs = profile::snapshot_of(Part::Outside)
         .into_iter()
         .find(|(op, _)| *op == Op::Head)
         .map_or(0.0, |(_, s)| s);
-    let times = DecodeTimes {
+    DecodeTimes {
         tokens,
         dense: part_secs(Part::DenseLayer),
         moe: part_secs(Part::MoeLayer),
         head_secs,
         total_secs,
-    };
-    Calibration::from_times(model, threads as u32, mem_bandwidth_gbs, &times)
-        .map_err(|e| anyhow::anyhow!("calibrating {}: {e}", model.name))
+    }
 }
 
 /// Writes `cal` into the store (replacing an earlier one of the same shape and threads) and

@@ -218,10 +218,11 @@ fn depth_past_the_context_is_refused() {
 }
 
 /// `--calibrate` stores this node's measured costs of the tiny model's shape, and a cluster
-/// file naming them makes `shoal plan` predict the one-node decode from them: at the
-/// bandwidth probed beside the measurement and a one-position context, the prediction is
-/// the rate the measurement ran at (the costs add up to its time; the KV cache of one
-/// position is all that is added). A missing calibration file is refused, naming it.
+/// file naming them makes `shoal plan` predict the one-node decode and prefill from them:
+/// at the bandwidth probed beside the measurement, a one-position context and the measured
+/// prompt length, the predictions are the rates the measurement ran at (the costs add up to
+/// its times; the decode adds the KV cache of one position). A missing calibration file is
+/// refused, naming it.
 #[test]
 fn a_calibration_is_stored_and_the_planner_predicts_from_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -290,7 +291,8 @@ fn a_calibration_is_stored_and_the_planner_predicts_from_it() {
             .arg(&model)
             .arg("--cluster")
             .arg(&cluster)
-            .args(["--ctx", "1", "--json", "--top", "0"])
+            .args(["--ctx", "1", "--json", "--top", "0", "--prompt-tokens"])
+            .arg(cal["measured_prefill_rows"].to_string())
             .output()
             .unwrap()
     };
@@ -302,7 +304,7 @@ fn a_calibration_is_stored_and_the_planner_predicts_from_it() {
     );
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let one = &rows[0];
-    assert_eq!(one["decode_calibrated"], true, "{one}");
+    assert_eq!(one["calibrated"], true, "{one}");
     let (predicted, measured) = (
         one["decode_tok_s"].as_f64().unwrap(),
         cal["measured_tok_s"].as_f64().unwrap(),
@@ -311,9 +313,18 @@ fn a_calibration_is_stored_and_the_planner_predicts_from_it() {
         (predicted / measured - 1.0).abs() < 0.02,
         "predicted {predicted} tok/s from the costs of a run at {measured}"
     );
+    // and the prefill of the measured prompt length: what the measurement's prefill took
+    let (predicted, measured) = (
+        one["prefill_tok_s"].as_f64().unwrap(),
+        cal["measured_prefill_tok_s"].as_f64().unwrap(),
+    );
+    assert!(
+        (predicted / measured - 1.0).abs() < 1e-6,
+        "predicted {predicted} tok/s prefill from the costs of a run at {measured}"
+    );
 
     let rows: serde_json::Value = serde_json::from_slice(&plan("").stdout).unwrap();
-    assert_eq!(rows[0]["decode_calibrated"], false, "{}", rows[0]);
+    assert_eq!(rows[0]["calibrated"], false, "{}", rows[0]);
 
     let missing = dir.path().join("missing.json");
     let out = plan(&format!(

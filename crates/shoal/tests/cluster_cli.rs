@@ -321,7 +321,7 @@ fn a_calibrated_node_publishes_its_measured_costs_to_the_planner() {
         String::from_utf8_lossy(&out.stderr)
     );
     let rows: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(rows[0]["decode_calibrated"], true, "{}", rows[0]);
+    assert_eq!(rows[0]["calibrated"], true, "{}", rows[0]);
     let _ = child.kill();
     let _ = child.wait();
     let log = std::fs::read_to_string(&first_log).unwrap();
