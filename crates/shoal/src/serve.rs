@@ -185,6 +185,29 @@ fn calibrate_once(
     Ok(())
 }
 
+/// How often a node looks for calibrations stored since it last looked.
+const CALIBRATIONS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Publishes the calibrations stored at `threads` threads whenever they change (one measured
+/// by `shoal bench --calibrate` while the node runs), until the node is gone.
+async fn publish_calibrations(node: std::sync::Weak<Node>, threads: usize) {
+    let mut published = crate::calibrate::stored(threads);
+    loop {
+        tokio::time::sleep(CALIBRATIONS_EVERY).await;
+        let Some(node) = node.upgrade() else {
+            return;
+        };
+        let now = tokio::task::spawn_blocking(move || crate::calibrate::stored(threads))
+            .await
+            .unwrap_or_default();
+        if now != published {
+            let update = now.clone();
+            node.update_facts(move |f| f.calibrations = update).await;
+            published = now;
+        }
+    }
+}
+
 /// The host's name, for a node started without --name.
 fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -457,6 +480,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
                     node.clone(),
                 ));
                 tokio::spawn(shoal_api::cluster::publish_gpu_failures(Arc::downgrade(&node)));
+                tokio::spawn(publish_calibrations(Arc::downgrade(&node), threads));
                 let offered = {
                     let models = args.models.clone();
                     tokio::task::spawn_blocking(move || {

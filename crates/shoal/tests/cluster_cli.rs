@@ -261,8 +261,10 @@ fn a_node_without_a_secret_or_a_model_says_what_is_missing() {
 
 /// A node started with `--calibrate` measures its costs of its model's shape before it
 /// serves and keeps them in its store; the node publishes them, and the cluster's planner
-/// (`shoal plan` against the live node) predicts that node from them. A second start finds
-/// them stored and does not measure again.
+/// (`shoal plan` against the live node) predicts that node from them. A node started
+/// without them publishes a calibration `shoal bench --calibrate` stores while it runs,
+/// without a restart. A start with `--calibrate` that finds them stored does not measure
+/// again.
 #[test]
 fn a_calibrated_node_publishes_its_measured_costs_to_the_planner() {
     use shoal_testkit::{GgmlType, TinyModelSpec};
@@ -275,11 +277,11 @@ fn a_calibrated_node_publishes_its_measured_costs_to_the_planner() {
         .unwrap();
     let secret = secret_file(dir.path(), "secret");
     let home = dir.path().join("home");
-    let start = |log: &Path| {
-        let mut child = shoal()
-            .arg("serve")
+    let start = |log: &Path, calibrate: bool| {
+        let mut cmd = shoal();
+        cmd.arg("serve")
             .args(["--api", "127.0.0.1:0", "--listen", "127.0.0.1:0", "-t", "1"])
-            .args(["--name", "calibrated", "--no-mdns", "--calibrate"])
+            .args(["--name", "calibrated", "--no-mdns"])
             .arg("--model")
             .arg(&model)
             .arg("--secret-file")
@@ -290,9 +292,11 @@ fn a_calibrated_node_publishes_its_measured_costs_to_the_planner() {
             .env("SHOAL_LOG", "shoal=info")
             .env_remove("SHOAL_SECRET")
             .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(log).unwrap())
-            .spawn()
-            .unwrap();
+            .stderr(std::fs::File::create(log).unwrap());
+        if calibrate {
+            cmd.arg("--calibrate");
+        }
+        let mut child = cmd.spawn().unwrap();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap())
             .read_line(&mut line)
@@ -301,18 +305,56 @@ fn a_calibrated_node_publishes_its_measured_costs_to_the_planner() {
         let url = format!("http://{}", ready["api"].as_str().unwrap());
         (child, url)
     };
+    // whether the live node's planner predicts the one-node placement from measured costs
+    let calibrated = |url: &str| {
+        let out = shoal()
+            .arg("plan")
+            .arg(&model)
+            .args(["--url", url, "--json", "--top", "0"])
+            .env_remove("SHOAL_API_KEY")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let rows: Value = serde_json::from_slice(&out.stdout).unwrap();
+        rows[0]["calibrated"] == true
+    };
     let first_log = dir.path().join("first.log");
-    let (mut child, url) = start(&first_log);
+    let (mut child, url) = start(&first_log, true);
     let stored: Vec<_> = std::fs::read_dir(home.join("calibrations"))
         .unwrap()
         .flatten()
         .collect();
     assert_eq!(stored.len(), 1, "one shape, one file: {stored:?}");
+    assert!(calibrated(&url));
+    let _ = child.kill();
+    let _ = child.wait();
+    let log = std::fs::read_to_string(&first_log).unwrap();
+    assert!(log.contains("measured its shape's costs"), "{log}");
+
+    // measured while a node runs: published without a restart
+    std::fs::remove_dir_all(home.join("calibrations")).unwrap();
+    let (mut child, url) = start(&dir.path().join("second.log"), false);
+    assert!(!calibrated(&url));
     let out = shoal()
-        .arg("plan")
+        .arg("bench")
         .arg(&model)
-        .args(["--url", &url, "--json", "--top", "0"])
-        .env_remove("SHOAL_API_KEY")
+        .args([
+            "-p",
+            "0",
+            "-n",
+            "8",
+            "-r",
+            "1",
+            "-t",
+            "1",
+            "--calibrate",
+            "--json",
+        ])
+        .env("SHOAL_HOME", &home)
         .output()
         .unwrap();
     assert!(
@@ -320,17 +362,18 @@ fn a_calibrated_node_publishes_its_measured_costs_to_the_planner() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let rows: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(rows[0]["calibrated"], true, "{}", rows[0]);
+    wait_until(
+        Duration::from_secs(30),
+        "the new calibration published",
+        || calibrated(&url),
+    );
     let _ = child.kill();
     let _ = child.wait();
-    let log = std::fs::read_to_string(&first_log).unwrap();
-    assert!(log.contains("measured its shape's costs"), "{log}");
 
-    let second_log = dir.path().join("second.log");
-    let (mut child, _) = start(&second_log);
+    let third_log = dir.path().join("third.log");
+    let (mut child, _) = start(&third_log, true);
     let _ = child.kill();
     let _ = child.wait();
-    let log = std::fs::read_to_string(&second_log).unwrap();
+    let log = std::fs::read_to_string(&third_log).unwrap();
     assert!(log.contains("measured already"), "{log}");
 }
