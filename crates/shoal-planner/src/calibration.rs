@@ -238,6 +238,11 @@ impl Calibration {
         Ok(())
     }
 
+    /// Whether it measured every kind of layer `model` has.
+    pub fn covers(&self, model: &ModelProfile) -> bool {
+        (0..model.n_layers).all(|l| self.layer(model, l).is_some())
+    }
+
     /// The measured cost of `model`'s layer `l`, when this calibration has its kind.
     pub fn layer(&self, model: &ModelProfile, l: usize) -> Option<LayerCost> {
         if model.is_moe_layer(l) {

@@ -52,6 +52,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
+use crate::calibration::Calibration;
 use crate::placement::{NodeMemory, Prediction};
 use crate::spec::{Cluster, LinkSpec, ModelProfile, PlanRequest};
 use crate::split::{tensor_split, ExpertSplit, RankShare};
@@ -185,6 +186,9 @@ pub(crate) struct Evaluator<'a> {
     pub req: &'a PlanRequest,
     links: HashMap<(usize, usize), &'a LinkSpec>,
     tables: HashMap<usize, Result<TpTable, String>>,
+    /// Per node (cluster index): its calibration of the model's shape, when it has one
+    /// with every kind of layer the model has.
+    calibrations: Vec<Option<&'a Calibration>>,
 }
 
 impl<'a> Evaluator<'a> {
@@ -198,12 +202,23 @@ impl<'a> Evaluator<'a> {
         let tables = (1..=max_tp.max(1))
             .map(|tp| (tp, TpTable::new(model, tp, req.experts)))
             .collect();
+        let shape = model.shape_key();
+        let calibrations = cluster
+            .nodes
+            .iter()
+            .map(|n| {
+                n.calibrations
+                    .iter()
+                    .find(|c| c.shape == shape && c.covers(model))
+            })
+            .collect();
         Evaluator {
             cluster,
             model,
             req,
             links: cluster.link_table(),
             tables,
+            calibrations,
         }
     }
 
@@ -285,7 +300,7 @@ impl<'a> Evaluator<'a> {
     }
 
     /// [`Evaluator::decode_secs`] from `node`'s measured costs of the model's shape
-    /// ([`crate::calibration`]), when it has them for every kind of layer of the stage.
+    /// ([`crate::calibration`]), when it has them.
     fn calibrated_decode_secs(
         &self,
         t: &TpTable,
@@ -293,10 +308,9 @@ impl<'a> Evaluator<'a> {
         node: usize,
         st: Stage<'_>,
     ) -> Option<f64> {
-        let spec = &self.cluster.nodes[node];
-        let cal = spec.calibration(self.model)?;
+        let cal = self.calibrations[node]?;
         // the bus as it is now against the bus beside the measurement
-        let scale = spec.mem_bandwidth_gbs / cal.mem_bandwidth_gbs * 1e9;
+        let scale = self.cluster.nodes[node].mem_bandwidth_gbs / cal.mem_bandwidth_gbs * 1e9;
         let (a, b) = st.layers;
         let mut secs = cal.step_secs;
         for l in a..b {
@@ -323,7 +337,7 @@ impl<'a> Evaluator<'a> {
         node: usize,
         st: Stage<'_>,
     ) -> Option<f64> {
-        let cal = self.cluster.nodes[node].calibration(self.model)?;
+        let cal = self.calibrations[node]?;
         let p = f64::from(self.req.prompt_tokens);
         let heads = t.ranks[i].heads.len() as f64 / self.model.n_heads as f64;
         let (a, b) = st.layers;
@@ -340,11 +354,10 @@ impl<'a> Evaluator<'a> {
 
     /// Whether every rank of `stage` is predicted from its node's measured costs.
     pub fn stage_calibrated(&self, t: &TpTable, st: Stage<'_>) -> bool {
-        st.nodes.iter().enumerate().all(|(i, &n)| {
-            self.gpu_layers(t, i, n, st) == 0
-                && self.calibrated_decode_secs(t, i, n, st).is_some()
-                && self.calibrated_prefill_secs(t, i, n, st).is_some()
-        })
+        st.nodes
+            .iter()
+            .enumerate()
+            .all(|(i, &n)| self.gpu_layers(t, i, n, st) == 0 && self.calibrations[n].is_some())
     }
 
     fn flops(&self, node: usize) -> f64 {

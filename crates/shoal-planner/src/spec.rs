@@ -44,14 +44,6 @@ pub struct NodeSpec {
     pub calibrations: Vec<crate::Calibration>,
 }
 
-impl NodeSpec {
-    /// Its calibration for `model`'s shape, if it measured one.
-    pub fn calibration(&self, model: &ModelProfile) -> Option<&crate::Calibration> {
-        let shape = model.shape_key();
-        self.calibrations.iter().find(|c| c.shape == shape)
-    }
-}
-
 /// A measured (or described) link between two nodes. Links are symmetric; a pair without a
 /// link is unreachable, and placements that need it are infeasible.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -56,11 +56,7 @@ fn node(dir: &Path, name: &str, secret: &Path, peers: &[&str], mdns: bool) -> No
         cmd.arg("--no-mdns");
     }
     let mut child = cmd.spawn().unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let ready: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    let ready = ready_line(&mut child);
     Node {
         child,
         id: ready["node"].as_str().unwrap().to_string(),
@@ -70,6 +66,15 @@ fn node(dir: &Path, name: &str, secret: &Path, peers: &[&str], mdns: bool) -> No
             .unwrap_or_else(|| panic!("no cluster port: {ready}"))
             .to_string(),
     }
+}
+
+/// The JSON line a started `shoal serve` prints once it serves.
+fn ready_line(child: &mut Child) -> Value {
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
 }
 
 fn look(cmd: &str, url: &str) -> Value {
@@ -297,11 +302,7 @@ fn a_calibrated_node_publishes_its_measured_costs_to_the_planner() {
             cmd.arg("--calibrate");
         }
         let mut child = cmd.spawn().unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let ready: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+        let ready = ready_line(&mut child);
         let url = format!("http://{}", ready["api"].as_str().unwrap());
         (child, url)
     };
