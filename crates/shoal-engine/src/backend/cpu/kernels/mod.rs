@@ -13,7 +13,7 @@
 //! x86-64 or arm64 machine without `-C target-cpu=native`. `SHOAL_KERNELS` caps the choice
 //! (`portable|avx2|avx512vnni` on x86-64, `portable|neon|neondot` on arm64; for comparisons
 //! and tests). `unsafe` lives only in the intrinsics modules (`x86`, `x86_tiled`,
-//! `x86_wide`, `x86_unpacked`, `neon`, `neon_tiled`), in `buffer`'s chunks shared by several
+//! `x86_wide`, `x86_unpacked`, `x86_grid`, `neon`, `neon_tiled`), in `buffer`'s chunks shared by several
 //! buffers, and in this module's calls into them and its output pointer, each with a
 //! `SAFETY` line.
 
@@ -35,6 +35,8 @@ pub mod team;
 mod tiled;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_grid;
 #[cfg(target_arch = "x86_64")]
 mod x86_tiled;
 #[cfg(target_arch = "x86_64")]
@@ -560,6 +562,40 @@ macro_rules! pick {
                 one: x86::avx2::$f::<1>,
                 four: x86::avx2::$f::<4>,
                 sixteen: None,
+            },
+            _ => portable!($f),
+        }
+    };
+}
+
+/// [`pick_sixteen!`] for the grid i-quants but IQ1's, whose x86 kernels live in
+/// `x86_grid` (NEON's in `neon`, as the others').
+macro_rules! pick_grid {
+    ($isa:expr, $f:ident) => {
+        match $isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => KernPair {
+                one: x86_grid::avx512vnni::$f::<1>,
+                four: x86_grid::avx512vnni::$f::<4>,
+                sixteen: Some(x86_grid::avx512vnni::$f::<16>),
+            },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => KernPair {
+                one: x86_grid::avx2::$f::<1>,
+                four: x86_grid::avx2::$f::<4>,
+                sixteen: Some(x86_grid::avx2::$f::<16>),
+            },
+            #[cfg(target_arch = "aarch64")]
+            Isa::NeonDot => KernPair {
+                one: neon::neondot::$f::<1>,
+                four: neon::neondot::$f::<4>,
+                sixteen: Some(neon::neondot::$f::<16>),
+            },
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => KernPair {
+                one: neon::neon::$f::<1>,
+                four: neon::neon::$f::<4>,
+                sixteen: Some(neon::neon::$f::<16>),
             },
             _ => portable!($f),
         }
@@ -1143,11 +1179,11 @@ impl QuantMatrix {
                         WeightType::Q3K => portable!(q3k),
                         WeightType::Iq1S => pick_sixteen!(isa, iq1s),
                         WeightType::Iq1M => pick_sixteen!(isa, iq1m),
-                        WeightType::Iq2Xxs => pick_sixteen!(isa, iq2xxs),
-                        WeightType::Iq2Xs => pick_sixteen!(isa, iq2xs),
-                        WeightType::Iq2S => pick_sixteen!(isa, iq2s),
-                        WeightType::Iq3Xxs => pick_sixteen!(isa, iq3xxs),
-                        WeightType::Iq3S => pick_sixteen!(isa, iq3s),
+                        WeightType::Iq2Xxs => pick_grid!(isa, iq2xxs),
+                        WeightType::Iq2Xs => pick_grid!(isa, iq2xs),
+                        WeightType::Iq2S => pick_grid!(isa, iq2s),
+                        WeightType::Iq3Xxs => pick_grid!(isa, iq3xxs),
+                        WeightType::Iq3S => pick_grid!(isa, iq3s),
                         _ => portable!(q6k),
                     };
                     self.drive(&acts, self.cols / QK_K, t, y, &k);

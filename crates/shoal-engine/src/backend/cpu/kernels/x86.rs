@@ -19,7 +19,7 @@ use super::x86_tiled::prefetch_block;
 /// Horizontal sum of eight f32 lanes.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn hsum_ps(v: __m256) -> f32 {
+pub(super) unsafe fn hsum_ps(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -194,11 +194,6 @@ macro_rules! x86_kernels {
                 $features;
                 iq1s: iquants::Iq1S, "IQ1_S";
                 iq1m: iquants::Iq1M, "IQ1_M";
-                iq2xxs: iquants::Iq2Xxs, "IQ2_XXS";
-                iq2xs: iquants::Iq2Xs, "IQ2_XS";
-                iq2s: iquants::Iq2S, "IQ2_S";
-                iq3xxs: iquants::Iq3Xxs, "IQ3_XXS";
-                iq3s: iquants::Iq3S, "IQ3_S";
             }
         }
     };
