@@ -568,9 +568,9 @@ macro_rules! pick {
     };
 }
 
-/// [`pick_sixteen!`] for the grid i-quants but IQ1's, whose x86 kernels live in
-/// `x86_grid` (NEON's in `neon`, as the others').
-macro_rules! pick_grid {
+/// As [`pick!`] (on arm64 too), with the level's sixteen-row kernel: the grid i-quants, whose
+/// x86 kernels live in `x86_grid`.
+macro_rules! pick_sixteen {
     ($isa:expr, $f:ident) => {
         match $isa {
             #[cfg(target_arch = "x86_64")]
@@ -584,39 +584,6 @@ macro_rules! pick_grid {
                 one: x86_grid::avx2::$f::<1>,
                 four: x86_grid::avx2::$f::<4>,
                 sixteen: Some(x86_grid::avx2::$f::<16>),
-            },
-            #[cfg(target_arch = "aarch64")]
-            Isa::NeonDot => KernPair {
-                one: neon::neondot::$f::<1>,
-                four: neon::neondot::$f::<4>,
-                sixteen: Some(neon::neondot::$f::<16>),
-            },
-            #[cfg(target_arch = "aarch64")]
-            Isa::Neon => KernPair {
-                one: neon::neon::$f::<1>,
-                four: neon::neon::$f::<4>,
-                sixteen: Some(neon::neon::$f::<16>),
-            },
-            _ => portable!($f),
-        }
-    };
-}
-
-/// As [`pick!`] (on arm64 too), with the level's sixteen-row kernel.
-macro_rules! pick_sixteen {
-    ($isa:expr, $f:ident) => {
-        match $isa {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Vnni => KernPair {
-                one: x86::avx512vnni::$f::<1>,
-                four: x86::avx512vnni::$f::<4>,
-                sixteen: Some(x86::avx512vnni::$f::<16>),
-            },
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => KernPair {
-                one: x86::avx2::$f::<1>,
-                four: x86::avx2::$f::<4>,
-                sixteen: Some(x86::avx2::$f::<16>),
             },
             #[cfg(target_arch = "aarch64")]
             Isa::NeonDot => KernPair {
@@ -1179,11 +1146,11 @@ impl QuantMatrix {
                         WeightType::Q3K => portable!(q3k),
                         WeightType::Iq1S => pick_sixteen!(isa, iq1s),
                         WeightType::Iq1M => pick_sixteen!(isa, iq1m),
-                        WeightType::Iq2Xxs => pick_grid!(isa, iq2xxs),
-                        WeightType::Iq2Xs => pick_grid!(isa, iq2xs),
-                        WeightType::Iq2S => pick_grid!(isa, iq2s),
-                        WeightType::Iq3Xxs => pick_grid!(isa, iq3xxs),
-                        WeightType::Iq3S => pick_grid!(isa, iq3s),
+                        WeightType::Iq2Xxs => pick_sixteen!(isa, iq2xxs),
+                        WeightType::Iq2Xs => pick_sixteen!(isa, iq2xs),
+                        WeightType::Iq2S => pick_sixteen!(isa, iq2s),
+                        WeightType::Iq3Xxs => pick_sixteen!(isa, iq3xxs),
+                        WeightType::Iq3S => pick_sixteen!(isa, iq3s),
                         _ => portable!(q6k),
                     };
                     self.drive(&acts, self.cols / QK_K, t, y, &k);

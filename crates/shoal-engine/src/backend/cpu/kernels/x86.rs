@@ -1,8 +1,8 @@
 //! x86-64 kernels for the weights that stay in the row layout: float weights (F32, F16,
 //! BF16), one weight row against `N` activation rows with 8-wide FMA, F16 widened by F16C,
-//! BF16 by a shift; and the grid i-quants, read 32 values at a time (grid lookups and sign
-//! masks) and multiplied by 8-bit products. Written once and compiled for both x86 levels by
-//! [`x86_kernels!`]. The other quantized types use the tiled kernels of `x86_tiled`.
+//! BF16 by a shift. Written once and compiled for both x86 levels by [`x86_kernels!`]. The
+//! grid i-quants have their row kernels in `x86_grid`, the other quantized types the tiled
+//! kernels of `x86_tiled`. Also the activations' quantization and the attention helpers.
 //! Callers must have checked the CPU features.
 
 #![allow(unsafe_op_in_unsafe_fn)]
@@ -12,9 +12,6 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use super::formats::{round_f16, BlockQ8, BlockQ8K, QK, QK_K};
-use super::iquants;
-use super::prefetch::Prefetch;
-use super::x86_tiled::prefetch_block;
 
 /// Horizontal sum of eight f32 lanes.
 #[inline]
@@ -135,83 +132,8 @@ macro_rules! x86_kernels {
                     }
                 )
             }
-
-            /// A grid i-quant ([`iquants::Lattice`]; IQ1's values in eighths) · Q8K, straight
-            /// from the blocks: per 32 values, the four grid points' magnitudes (table
-            /// lookups) in one vector and
-            /// their sign masks negating the activations (`(q ^ m) - m`; `q` is never -128),
-            /// then unsigned-by-signed 8-bit products, pairs summed to 16 bits (at most
-            /// 2 x 62 x 127) and, times the halves' integer scales (at most 31), to 32 bits;
-            /// a block's eight groups add up in 32 bits (at most 8 x 2 x 31 x 15748 a lane)
-            /// before one f32 product with the block's unit and the row's `d`. One row
-            /// (decode) asks for the weights ahead, as the tiled kernels do.
-            ///
-            /// # Safety
-            /// The CPU has the features; each activation row holds a block per block of `w`.
-            #[target_feature(enable = $features)]
-            unsafe fn lattice<L: iquants::Lattice, const N: usize>(
-                w: &[u8],
-                a: [&[BlockQ8K]; N],
-            ) -> [f32; N] {
-                let mut acc = [_mm256_setzero_ps(); N];
-                let bb = L::TYPE.block_bytes();
-                let pf = Prefetch::for_rows(N);
-                for (i, b) in w.chunks_exact(bb).enumerate() {
-                    if N == 1 {
-                        prefetch_block(b.as_ptr(), bb, pf);
-                    }
-                    let rows: [&BlockQ8K; N] = core::array::from_fn(|j| a[j].get_unchecked(i));
-                    let mut sums = [_mm256_setzero_si256(); N];
-                    for g in 0..QK_K / 32 {
-                        let group = L::group(b, g);
-                        let [m0, m1, m2, m3] = group.mags.map(|m| m as i64);
-                        let mags = _mm256_set_epi64x(m3, m2, m1, m0);
-                        let [s0, s1, s2, s3] = group.minus.map(|m| m as i64);
-                        let minus = _mm256_set_epi64x(s3, s2, s1, s0);
-                        let scales = _mm256_set_m128i(
-                            _mm_set1_epi16(group.scales[1] as i16),
-                            _mm_set1_epi16(group.scales[0] as i16),
-                        );
-                        for j in 0..N {
-                            let q = _mm256_loadu_si256(
-                                rows[j].qs.as_ptr().add(32 * g) as *const __m256i
-                            );
-                            let q = _mm256_sub_epi8(_mm256_xor_si256(q, minus), minus);
-                            let pairs = _mm256_maddubs_epi16(mags, q);
-                            sums[j] = _mm256_add_epi32(sums[j], _mm256_madd_epi16(pairs, scales));
-                        }
-                    }
-                    let unit = L::FACTOR * L::d(b);
-                    for j in 0..N {
-                        let d = _mm256_set1_ps(unit * rows[j].d);
-                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j]), d, acc[j]);
-                    }
-                }
-                core::array::from_fn(|j| hsum_ps(acc[j]))
-            }
-
-            grid_iquants! {
-                $features;
-                iq1s: iquants::Iq1S, "IQ1_S";
-                iq1m: iquants::Iq1M, "IQ1_M";
-            }
         }
     };
-}
-
-/// One kernel per grid i-quant (inside `x86_kernels!`, so each has the level's features):
-/// `lattice` with the type's reader.
-macro_rules! grid_iquants {
-    ($features:literal; $($f:ident: $l:ty, $name:literal;)*) => {$(
-        #[doc = concat!($name, " · Q8K.")]
-        ///
-        /// # Safety
-        /// The CPU has the features; each activation row holds a block per block of `w`.
-        #[target_feature(enable = $features)]
-        pub unsafe fn $f<const N: usize>(w: &[u8], a: [&[BlockQ8K]; N]) -> [f32; N] {
-            lattice::<$l, N>(w, a)
-        }
-    )*};
 }
 
 x86_kernels!(avx2, "avx2,fma,f16c");

@@ -22,9 +22,9 @@
 
 use std::arch::x86_64::*;
 
-use super::formats::{f16_at, BlockQ8K};
+use super::formats::BlockQ8K;
 use super::iq_grids::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID};
-use super::iquants::{self, Lattice};
+use super::iquants::{self, Lattice, IQ1_EIGHTHS};
 use super::prefetch::Prefetch;
 use super::x86::hsum_ps;
 use super::x86_tiled::prefetch_block;
@@ -371,6 +371,60 @@ impl Grid for iquants::Iq3S {
     }
 }
 
+/// IQ1's points in eighths, signed (the shift's sign picks the table): their magnitudes
+/// and signs apart.
+#[inline(always)]
+unsafe fn eighths(idx: impl Fn(usize) -> usize) -> (__m256i, __m256i) {
+    let v = points8(IQ1_EIGHTHS.as_flattened(), idx);
+    (
+        _mm256_abs_epi8(v),
+        _mm256_cmpgt_epi8(_mm256_setzero_si256(), v),
+    )
+}
+
+impl Grid for iquants::Iq1S {
+    type Block = ();
+    #[inline(always)]
+    unsafe fn read_block(_: *const u8) {}
+    #[inline(always)]
+    unsafe fn read_group(b: *const u8, _: &(), g: usize) -> Group {
+        let qh = (b.add(34 + 2 * g) as *const u16).read_volatile() as usize;
+        // the shift's sign, then each point's three more index bits
+        let table = (qh >> 15) << 11;
+        let (mags, minus) =
+            eighths(|l| table | byte(b, 2 + 4 * g + l) | ((qh >> (3 * l)) & 7) << 8);
+        Group {
+            mags,
+            minus,
+            scales: _mm256_set1_epi16(2 * ((qh >> 12) & 7) as i16 + 1),
+        }
+    }
+}
+
+impl Grid for iquants::Iq1M {
+    type Block = ();
+    #[inline(always)]
+    unsafe fn read_block(_: *const u8) {}
+    #[inline(always)]
+    unsafe fn read_group(b: *const u8, _: &(), g: usize) -> Group {
+        let s = (b.add(48 + 2 * (g / 2)) as *const u16).read_volatile() as usize >> (6 * (g % 2));
+        let h = [byte(b, 32 + 2 * g), byte(b, 33 + 2 * g)];
+        // per point three more index bits and the shift's sign, from a nibble of `h`
+        let (mags, minus) = eighths(|l| {
+            let n = h[l / 2] >> (4 * (l % 2));
+            ((n & 8) << 8) | byte(b, 4 * g + l) | (n & 7) << 8
+        });
+        Group {
+            mags,
+            minus,
+            scales: _mm256_set_m128i(
+                _mm_set1_epi16(2 * ((s >> 3) & 7) as i16 + 1),
+                _mm_set1_epi16(2 * (s & 7) as i16 + 1),
+            ),
+        }
+    }
+}
+
 /// Group `g` of the block at `b` times each activation row, added to the row's sums.
 ///
 /// # Safety
@@ -441,7 +495,7 @@ macro_rules! grid_kernels {
                     add_group::<L, N>(b, &shared, 5, &rows, &mut sums);
                     add_group::<L, N>(b, &shared, 6, &rows, &mut sums);
                     add_group::<L, N>(b, &shared, 7, &rows, &mut sums);
-                    let unit = L::FACTOR * f16_at(block, 0);
+                    let unit = L::FACTOR * L::d(block);
                     for j in 0..N {
                         let d = _mm256_set1_ps(unit * rows[j].d);
                         acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j]), d, acc[j]);
@@ -452,6 +506,8 @@ macro_rules! grid_kernels {
 
             by_type! {
                 $features;
+                iq1s: iquants::Iq1S;
+                iq1m: iquants::Iq1M;
                 iq2xxs: iquants::Iq2Xxs;
                 iq2xs: iquants::Iq2Xs;
                 iq2s: iquants::Iq2S;
