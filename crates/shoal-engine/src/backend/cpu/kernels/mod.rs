@@ -749,11 +749,15 @@ fn tile_kernels(ty: WeightType, isa: Isa) -> TilePair<BlockQ8> {
                 x86_tiled::avx512vnni::run_iq4xs,
             )
         },
-        _ if ty == WeightType::Iq4Xs => TilePair::new(
-            x86_tiled::avx2::tile_iq4xs::<1>,
-            x86_tiled::avx2::tile_iq4xs::<4>,
-            x86_tiled::avx2::run_iq4xs,
-        ),
+        _ if ty == WeightType::Iq4Xs => TilePair {
+            pair_four: Some(x86_tiled::avx2::tiles2_iq4xs::<4>),
+            pair_eight: Some(x86_tiled::avx2::tiles2_iq4xs::<8>),
+            ..TilePair::new(
+                x86_tiled::avx2::tile_iq4xs::<1>,
+                x86_tiled::avx2::tile_iq4xs::<4>,
+                x86_tiled::avx2::run_iq4xs,
+            )
+        },
         Isa::Avx512Vnni => {
             let mut k = tiles_32!(ty, x86_tiled::avx512vnni);
             k.pair_four = Some(match ty {

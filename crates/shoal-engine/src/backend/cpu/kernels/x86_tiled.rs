@@ -753,16 +753,16 @@ macro_rules! tiled_kernels {
                         }
                         let q = grid_values::<IQ4_NL>(nibbles(t.add(QSX + 128 * ib)))
                             .map(|v| $q8prep(v));
-                        let sc = i8x8(t.add(SCX + 8 * ib));
+                        // the rows' `d` times the sub-block scales, once for every activation
+                        // row (each scale times `d` is exact in f32: a 6-bit integer times an
+                        // f16)
+                        let sd = _mm256_mul_ps(d, _mm256_cvtepi32_ps(i8x8(t.add(SCX + 8 * ib))));
                         for j in 0..N {
                             let y = a[j].get_unchecked(8 * b + ib);
                             let seed = _mm256_set1_epi32(offset_part(IQ4_NL, y.sum));
                             let p = block_dot::<IQ4_NL>(&q, y, seed);
-                            // the sub-block scale on the integer sum (exact), as the
-                            // reference applies it
-                            let p = _mm256_mullo_epi32(p, sc);
                             acc[j] = _mm256_fmadd_ps(
-                                _mm256_mul_ps(d, _mm256_set1_ps(y.d)),
+                                _mm256_mul_ps(sd, _mm256_set1_ps(y.d)),
                                 _mm256_cvtepi32_ps(p),
                                 acc[j],
                             );
@@ -774,6 +774,30 @@ macro_rules! tiled_kernels {
                     _mm256_storeu_ps(out[j].as_mut_ptr(), acc[j]);
                 }
                 out
+            }
+
+            /// [`tile_iq4xs`] on two tiles, one after the other: the pair form the batched
+            /// drive takes, so that AVX2 decodes each sub-block once per eight activation
+            /// rows (the 512-bit pair kernels of `x86_wide` need AVX-512).
+            ///
+            /// # Safety
+            /// As [`tile_iq4xs`], for both tiles.
+            #[allow(dead_code, reason = "the AVX-512 level takes x86_wide's pair kernels")]
+            #[target_feature(enable = $features)]
+            pub unsafe fn tiles2_iq4xs<const N: usize>(
+                w0: &[u8],
+                w1: &[u8],
+                a: [&[BlockQ8]; N],
+                _prefetch: bool,
+            ) -> [[f32; 2 * TILE_ROWS]; N] {
+                let r0 = iq4xs_with::<N>(w0, a, Prefetch::for_rows(N));
+                let r1 = iq4xs_with::<N>(w1, a, Prefetch::for_rows(N));
+                core::array::from_fn(|j| {
+                    let mut o = [0f32; 2 * TILE_ROWS];
+                    o[..TILE_ROWS].copy_from_slice(&r0[j]);
+                    o[TILE_ROWS..].copy_from_slice(&r1[j]);
+                    o
+                })
             }
 
             /// [`tile_iq4xs`] over whole tiles against one activation row (decode).
