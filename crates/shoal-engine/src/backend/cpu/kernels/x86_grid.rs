@@ -1,22 +1,26 @@
-//! The x86 row kernels of the grid i-quants but IQ1's (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+//! The x86 row kernels of the grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
 //! IQ3_S): one weight row against `N` activation rows, straight from the blocks. What costs
-//! in these types is rebuilding 32 values from grid indices, sign codes and scales, so each
-//! block is read with as few instructions as the layout allows:
+//! in these types is rebuilding 32 values from grid indices, sign codes and scales, not
+//! reading memory, so each block is read with as few instructions as its layout allows:
 //! - the 7-bit sign codes of a whole block (IQ2_XXS, IQ2_XS, IQ3_XXS) are cut out of their
 //!   words in vectors, completed with their parity bit by a nibble table, and spread to one
 //!   byte per value by a shuffle, an AND with each byte's bit and a compare; explicit sign
-//!   bytes (IQ2_S, IQ3_S) take the shuffle, AND and compare alone;
-//! - the odd integer scales of a block are computed once, in a vector, and each group's is
-//!   broadcast from it by a permute;
-//! - eight-value grid points (IQ2) are read with scalar loads from their tables, four-value
-//!   points (IQ3) with one gather of eight.
+//!   bytes (IQ2_S, IQ3_S) take the shuffle, AND and compare alone; IQ1's points are signed
+//!   (in eighths) and give their magnitudes and signs in two instructions;
+//! - the odd integer scales of a block are computed once, in a vector;
+//! - every grid point is a scalar load from its table (a gather of eight four-value points
+//!   runs slower on AMD's cores), the indices scalar loads from the block. These loads are
+//!   volatile and each group's sums pass through [`pin`], so that LLVM makes a group's
+//!   products before the next group's loads instead of loading all eight groups first and
+//!   keeping them on the stack.
 //!
-//! Per group and activation row the products are as in the scalar-fed kernel of `x86`:
-//! the activations carrying the values' signs (`(q ^ m) - m`; `q` is never -128),
-//! unsigned-by-signed 8-bit products with pairs summed to 16 bits (at most 2 x 62 x 127),
-//! times the group's scales to 32 bits, a block's groups added in 32 bits and one f32 product
-//! per block. Written once and compiled for both x86 levels by [`grid_kernels!`]. Callers
-//! must have checked the CPU features.
+//! Per group and activation row: the activations carrying the values' signs
+//! (`(q ^ m) - m`; `q` is never -128), unsigned-by-signed 8-bit products with pairs summed
+//! to 16 bits (at most 2 x 62 x 127), times the group's scales to 32 bits, a block's groups
+//! added in 32 bits (at most 8 x 2 x 31 x 15748 a lane) and one f32 product per block. One
+//! row (decode) asks for the weights ahead, as the tiled kernels do. Written once and
+//! compiled for both x86 levels by [`grid_kernels!`]. Callers must have checked the CPU
+//! features.
 
 #![allow(unsafe_op_in_unsafe_fn)]
 
@@ -90,6 +94,7 @@ static SPREAD_WORD: [[u8; 32]; 4] = [spread(0, 4), spread(1, 4), spread(2, 4), s
 /// [`spread`] of four consecutive sign bytes at `4 k`: `SPREAD_RUN[k]`.
 static SPREAD_RUN: [[u8; 32]; 4] = [spread(0, 1), spread(4, 1), spread(8, 1), spread(12, 1)];
 
+/// The 32 bytes of `t` as a vector.
 #[inline(always)]
 unsafe fn load32(t: &[u8; 32]) -> __m256i {
     _mm256_loadu_si256(t.as_ptr() as *const __m256i)
@@ -161,16 +166,25 @@ unsafe fn byte(b: *const u8, at: usize) -> usize {
     b.add(at).read_volatile() as usize
 }
 
-/// The sign codes and scales of the eight 32-bit words `aux` (group `g`'s in lane `pos(g)`),
-/// each a group's four 7-bit codes under a 4-bit scale on top (IQ2_XXS, IQ3_XXS): codes as
-/// sign bytes, lane `h`'s words' in both lanes of `signs[h]`, byte `4 l + i % 4` code `l` of
-/// word `i`.
+/// The little-endian 16-bit word at byte `at` of the block at `b`, read as [`byte`] reads
+/// (one volatile read of two bytes: it need not be aligned).
+#[inline(always)]
+unsafe fn word(b: *const u8, at: usize) -> usize {
+    u16::from_le_bytes((b.add(at) as *const [u8; 2]).read_volatile()) as usize
+}
+
+/// The sign codes and scales of a block's eight coded 32-bit words (IQ2_XXS, IQ3_XXS), each
+/// a group's four 7-bit codes under a 4-bit scale on top, as [`coded_words`] reads them:
+/// the codes as sign bytes, the words of lane `h` in both 128-bit lanes of `signs[h]`, byte
+/// `4 l + i % 4` the sign byte of code `l` of word `i`; word `i`'s odd scale in both 16-bit
+/// halves of `scales[i]`.
 #[derive(Clone, Copy)]
 pub struct CodedWords {
     signs: [__m256i; 2],
     scales: [i32; 8],
 }
 
+/// [`CodedWords`] of the eight words in the 32-bit lanes of `aux`.
 #[inline(always)]
 unsafe fn coded_words(aux: __m256i) -> CodedWords {
     let m7 = _mm256_set1_epi32(127);
@@ -303,10 +317,10 @@ impl Grid for iquants::Iq2Xs {
     unsafe fn read_group(b: *const u8, k: &XsBlock, g: usize) -> Group {
         let run = g % 2 + 2 * (g / 4);
         let spread = _mm256_shuffle_epi8(k.signs[g / 2 % 2], load32(&SPREAD_RUN[run]));
+        // the group's four words in one read
+        let q = (b.add(2 + 8 * g) as *const u64).read_unaligned() as usize;
         Group {
-            mags: points8(&IQ2XS_GRID, |l| {
-                (b.add(2 + 8 * g + 2 * l) as *const u16).read_volatile() as usize & 511
-            }),
+            mags: points8(&IQ2XS_GRID, |l| (q >> (16 * l)) & 511),
             minus: minus_of(spread),
             scales: halves(k.low, k.high, g),
         }
@@ -388,7 +402,7 @@ impl Grid for iquants::Iq1S {
     unsafe fn read_block(_: *const u8) {}
     #[inline(always)]
     unsafe fn read_group(b: *const u8, _: &(), g: usize) -> Group {
-        let qh = (b.add(34 + 2 * g) as *const u16).read_volatile() as usize;
+        let qh = word(b, 34 + 2 * g);
         // the shift's sign, then each point's three more index bits
         let table = (qh >> 15) << 11;
         let (mags, minus) =
@@ -407,7 +421,7 @@ impl Grid for iquants::Iq1M {
     unsafe fn read_block(_: *const u8) {}
     #[inline(always)]
     unsafe fn read_group(b: *const u8, _: &(), g: usize) -> Group {
-        let s = (b.add(48 + 2 * (g / 2)) as *const u16).read_volatile() as usize >> (6 * (g % 2));
+        let s = word(b, 48 + 2 * (g / 2)) >> (6 * (g % 2));
         let h = [byte(b, 32 + 2 * g), byte(b, 33 + 2 * g)];
         // per point three more index bits and the shift's sign, from a nibble of `h`
         let (mags, minus) = eighths(|l| {
