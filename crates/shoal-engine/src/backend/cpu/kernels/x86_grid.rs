@@ -116,11 +116,22 @@ unsafe fn with_parity(codes: __m256i) -> __m256i {
     _mm256_or_si256(codes, _mm256_xor_si256(lo, hi))
 }
 
-/// The 32-bit lanes `v` (odd scales below 2^15) as the same value in both 16-bit halves, the
-/// form a 16-bit multiply-add takes per pair.
+/// `2 s + 1` for the 4-bit scale fields `s` in the 32-bit lanes, in both 16-bit halves of
+/// each lane: the form a 16-bit multiply-add takes per pair.
 #[inline(always)]
-unsafe fn both_halves(v: __m256i) -> __m256i {
+unsafe fn odd_scales(s: __m256i) -> __m256i {
+    let v = _mm256_or_si256(_mm256_slli_epi32::<1>(s), _mm256_set1_epi32(1));
     _mm256_or_si256(v, _mm256_slli_epi32::<16>(v))
+}
+
+/// Both 128-bit lanes of `v`, each copied into both lanes of a vector (the in-lane shuffles
+/// that spread sign bytes then reach either).
+#[inline(always)]
+unsafe fn lanes_apart(v: __m256i) -> [__m256i; 2] {
+    [
+        _mm256_permute2x128_si256::<0x00>(v, v),
+        _mm256_permute2x128_si256::<0x11>(v, v),
+    ]
 }
 
 /// `2 s + 1` for the 4-bit fields `s` at bits `4 i` of each 32-bit lane `i` of `v`.
@@ -130,10 +141,7 @@ unsafe fn odd_nibbles(v: __m256i) -> __m256i {
         _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
         _mm256_set1_epi32(15),
     );
-    both_halves(_mm256_or_si256(
-        _mm256_slli_epi32::<1>(s),
-        _mm256_set1_epi32(1),
-    ))
+    odd_scales(s)
 }
 
 /// The 32-bit lane `i` of `v` in every lane.
@@ -196,17 +204,10 @@ unsafe fn coded_words(aux: __m256i) -> CodedWords {
     let signs = with_parity(codes);
     let s = _mm256_srli_epi32::<28>(aux);
     CodedWords {
-        signs: [
-            _mm256_permute2x128_si256::<0x00>(signs, signs),
-            _mm256_permute2x128_si256::<0x11>(signs, signs),
-        ],
+        signs: lanes_apart(signs),
         scales: {
             let mut t = [0i32; 8];
-            let v = both_halves(_mm256_or_si256(
-                _mm256_slli_epi32::<1>(s),
-                _mm256_set1_epi32(1),
-            ));
-            _mm256_storeu_si256(t.as_mut_ptr() as *mut __m256i, v);
+            _mm256_storeu_si256(t.as_mut_ptr() as *mut __m256i, odd_scales(s));
             t
         },
     }
@@ -275,15 +276,9 @@ pub struct XsBlock {
 #[inline(always)]
 unsafe fn half_scales(p: *const u8) -> (__m256i, __m256i) {
     let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
-    let odd = |s: __m256i| {
-        both_halves(_mm256_or_si256(
-            _mm256_slli_epi32::<1>(s),
-            _mm256_set1_epi32(1),
-        ))
-    };
     (
-        odd(_mm256_and_si256(v, _mm256_set1_epi32(15))),
-        odd(_mm256_srli_epi32::<4>(v)),
+        odd_scales(_mm256_and_si256(v, _mm256_set1_epi32(15))),
+        odd_scales(_mm256_srli_epi32::<4>(v)),
     )
 }
 
@@ -305,10 +300,7 @@ impl Grid for iquants::Iq2Xs {
         let signs = with_parity(codes);
         let (low, high) = half_scales(b.add(66));
         XsBlock {
-            signs: [
-                _mm256_permute2x128_si256::<0x00>(signs, signs),
-                _mm256_permute2x128_si256::<0x11>(signs, signs),
-            ],
+            signs: lanes_apart(signs),
             low,
             high,
         }
