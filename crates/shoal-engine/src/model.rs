@@ -86,6 +86,33 @@ impl LoadedModel {
         })
     }
 
+    /// Loads only what drafting with `source`'s multi-token-prediction layer needs, beside
+    /// a split of the model that runs its layers elsewhere: the layer, the embedding, the
+    /// final norm and the whole output head ([`ShardPlan::prediction_only`]). The lead of
+    /// the split drafts with it from the hidden states the split returns.
+    ///
+    /// # Errors
+    /// As [`LoadedModel::load`], and when the model has no such layer.
+    pub fn load_prediction_layer(source: &ModelSource) -> Result<Self, EngineError> {
+        let model = Self::load_built(source, &mut |src, cfg| {
+            let cfg = ModelConfig {
+                load_mtp: true,
+                ..cfg
+            };
+            let plan = ShardPlan::prediction_only(&cfg);
+            Transformer::load_shard(src, cfg, plan, Arc::new(shoal_comm::Solo))
+        })?;
+        if !model.transformer.has_mtp() {
+            return Err(EngineError::InvalidInput {
+                what: format!(
+                    "{} has no multi-token-prediction layer to draft with (GLM-4.5 and later ship one as `nextn` tensors; DeepSeek GGUF files leave theirs out); draft by prompt lookup or with a draft model instead",
+                    model.name
+                ),
+            });
+        }
+        Ok(model)
+    }
+
     /// Loads `source` as one rank of `comm`.
     ///
     /// # Errors

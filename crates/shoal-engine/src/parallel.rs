@@ -9,7 +9,10 @@
 //! slice of the logits and send the lead only what the sampler needs: their best token for
 //! greedy decoding, their top k for top-k sampling, the whole slice otherwise. The lead
 //! merges them into a vocabulary-length vector (tokens no rank sent are `-inf`), so the
-//! sampler and generation loop are those of one rank, and greedy tokens are exact.
+//! sampler and generation loop are those of one rank, and greedy tokens are exact. When the
+//! lead drafts with the model's multi-token-prediction layer ([`Lead::keep_hidden`]), the
+//! first rank of the last stage also sends every row's output hidden state after the final
+//! norm, which that layer reads.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -210,6 +213,8 @@ const OP_ROWS: u32 = 5;
 /// Most tokens one sequence runs in an [`OP_ROWS`] step.
 pub const MAX_ROWS_PER_SEQUENCE: usize = 64;
 const HEADER_BYTES: usize = 24;
+/// The bit of the header's reply-kind word that asks for the rows' hidden states.
+const HIDDEN_FLAG: u32 = 1 << 8;
 /// Most sequences a split model keeps caches for at once.
 pub const MAX_SEQUENCES: usize = 256;
 
@@ -223,11 +228,15 @@ struct Header {
     /// The cache length every rank truncates to before the step.
     cache_len: u32,
     want: Want,
+    /// Whether the first rank of the last stage sends the lead every row's output hidden
+    /// state after the final norm.
+    hidden: bool,
 }
 
 impl Header {
     fn encode(&self) -> [u8; HEADER_BYTES] {
         let (w, k) = self.want.code();
+        let w = w | if self.hidden { HIDDEN_FLAG } else { 0 };
         let mut b = [0u8; HEADER_BYTES];
         for (i, v) in [self.op, self.n_tokens, self.cache_len, w, k, self.seq]
             .into_iter()
@@ -248,7 +257,8 @@ impl Header {
         if ![OP_STEP, OP_STOP, OP_BATCH, OP_COPY, OP_ROWS].contains(&op) {
             return Err(bad(format!("unknown operation {op}")));
         }
-        let want = Want::from_code(word(3), word(4))
+        let hidden = word(3) & HIDDEN_FLAG != 0;
+        let want = Want::from_code(word(3) & !HIDDEN_FLAG, word(4))
             .ok_or_else(|| bad(format!("unknown reply kind {} (k {})", word(3), word(4))))?;
         let seq = word(5);
         if seq as usize >= MAX_SEQUENCES {
@@ -263,6 +273,7 @@ impl Header {
             n_tokens: word(1),
             cache_len: word(2),
             want,
+            hidden,
         })
     }
 }
@@ -297,10 +308,26 @@ fn pass_on(ctx: &RankContext, x: &[f32]) -> Result<bool, EngineError> {
     Ok(true)
 }
 
+/// The rank that sends the lead the rows' hidden states when a step asks for them: the
+/// first of the last stage (after the stage's collectives every rank of it holds them).
+fn hidden_rank(layout: &Layout) -> usize {
+    layout.stage_ranks(layout.pp - 1).start
+}
+
+/// What one rank's part of a step gives: the last stage's replies (a row per sequence's
+/// last positions), and on [`hidden_rank`] when asked, every row's output hidden state
+/// after the final norm.
+#[derive(Default)]
+struct StepOut {
+    reply: Vec<u8>,
+    hidden: Option<Vec<f32>>,
+}
+
 /// Runs this rank's part of one step of sequences that add `counts[i]` of `tokens` after
 /// what `caches[i]` holds: embed or receive, run the layers, send on or reply. Returns the
 /// last stage's replies (a row per sequence: its last position), for the lead to merge or
-/// to send.
+/// to send, and the rows' hidden states where `hidden` asks this rank for them.
+#[allow(clippy::too_many_arguments)]
 fn run_step(
     ctx: &RankContext,
     model: &Transformer,
@@ -309,19 +336,43 @@ fn run_step(
     counts: &[usize],
     last: usize,
     want: Want,
-) -> Result<Vec<u8>, EngineError> {
+    hidden: bool,
+) -> Result<StepOut, EngineError> {
     let x = stage_input(ctx, model, tokens)?;
     let x = model.forward_layers(x, counts, caches)?;
-    if pass_on(ctx, &x)? || want == Want::Nothing {
-        return Ok(Vec::new());
+    if pass_on(ctx, &x)? {
+        return Ok(StepOut::default());
     }
-    let logits = model.logits(&x, counts, last)?;
-    let first = model.plan().vocab.start as u32;
-    let width = model.plan().vocab.len();
-    Ok(logits
-        .chunks_exact(width.max(1))
-        .flat_map(|r| encode_reply(r, first, want))
-        .collect())
+    let reply = if want == Want::Nothing {
+        Vec::new()
+    } else {
+        let logits = model.logits(&x, counts, last)?;
+        let first = model.plan().vocab.start as u32;
+        let width = model.plan().vocab.len();
+        logits
+            .chunks_exact(width.max(1))
+            .flat_map(|r| encode_reply(r, first, want))
+            .collect()
+    };
+    let hidden = if hidden && ctx.rank == hidden_rank(&ctx.layout) {
+        Some(model.final_norm(x)?)
+    } else {
+        None
+    };
+    Ok(StepOut { reply, hidden })
+}
+
+/// Sends the lead a non-lead rank's part of a step's answer: its replies, then the rows'
+/// hidden states where it holds them.
+fn answer(ctx: &RankContext, out: StepOut) -> Result<(), EngineError> {
+    if !out.reply.is_empty() {
+        ctx.world.send(0, &out.reply)?;
+    }
+    if let Some(h) = out.hidden {
+        let bytes: Vec<u8> = h.iter().flat_map(|f| f.to_le_bytes()).collect();
+        ctx.world.send(0, &bytes)?;
+    }
+    Ok(())
 }
 
 /// What a last-stage rank sends the lead for one row of its vocabulary slice of the logits
@@ -381,17 +432,29 @@ enum RowsReply {
     Merged(Vec<Vec<f32>>),
 }
 
+/// The rows' hidden states of a submitted step.
+enum HiddenRows {
+    /// Not asked for.
+    Unasked,
+    /// Rank 0's own (it is the rank that gives them).
+    Here(Vec<f32>),
+    /// So many rows that [`hidden_rank`] sends.
+    Coming(usize),
+}
+
 /// A submitted step not yet collected.
 enum Submitted {
-    /// One sequence's step ([`Lead::submit`]): the sequence, what was asked, the reply.
-    One(usize, Want, Pending),
+    /// One sequence's step ([`Lead::submit`]): the sequence, what was asked, the reply, the
+    /// rows' hidden states.
+    One(usize, Want, Pending, HiddenRows),
     /// A batched step ([`Lead::submit_rows`]): what was asked, rank 0's own reply (or
-    /// every row merged already, when the lead's stage is the last), and where each row
-    /// sent goes in the order the caller gave.
+    /// every row merged already, when the lead's stage is the last), where each row
+    /// sent goes in the order the caller gave, and the rows' hidden states.
     Rows {
         want: Want,
         reply: RowsReply,
         places: Vec<usize>,
+        hidden: HiddenRows,
     },
 }
 
@@ -412,6 +475,10 @@ pub struct Lead<'a> {
     current: usize,
     /// Submitted steps not yet collected, oldest first.
     pending: VecDeque<Submitted>,
+    /// Whether steps return the rows' hidden states ([`Lead::keep_hidden`]).
+    keep_hidden: bool,
+    /// The rows' hidden states of the step collected last.
+    hidden: Vec<f32>,
     stopped: bool,
 }
 
@@ -454,7 +521,49 @@ impl<'a> Lead<'a> {
             caches: (0..n).map(|_| model.new_cache(capacity)).collect(),
             current: 0,
             pending: VecDeque::new(),
+            keep_hidden: false,
+            hidden: Vec::new(),
             stopped: false,
+        })
+    }
+
+    /// Makes every later step also return each row's output hidden state after the final
+    /// norm ([`Lead::take_hidden`]), what a multi-token-prediction layer on the lead reads:
+    /// the first rank of the last stage sends them, `hidden` values a row.
+    pub fn keep_hidden(&mut self, on: bool) {
+        self.keep_hidden = on;
+    }
+
+    /// The output hidden states after the final norm of every row of the step collected
+    /// last, a row each in the order its rows came back (empty unless
+    /// [`Lead::keep_hidden`] asked for them).
+    pub fn take_hidden(&mut self) -> Vec<f32> {
+        std::mem::take(&mut self.hidden)
+    }
+
+    /// What a step of `rows` rows gives of their hidden states, `mine` being rank 0's own.
+    fn hidden_rows(&self, mine: Option<Vec<f32>>, rows: usize) -> HiddenRows {
+        match mine {
+            _ if !self.keep_hidden => HiddenRows::Unasked,
+            Some(h) => HiddenRows::Here(h),
+            None => HiddenRows::Coming(rows),
+        }
+    }
+
+    /// The rows' hidden states of a step, received where another rank gives them.
+    fn receive_hidden(&self, rows: HiddenRows) -> Result<Vec<f32>, EngineError> {
+        Ok(match rows {
+            HiddenRows::Unasked => Vec::new(),
+            HiddenRows::Here(h) => h,
+            HiddenRows::Coming(n) => {
+                let mut buf = vec![0u8; n * self.model.config().hidden * 4];
+                self.ctx
+                    .world
+                    .recv(hidden_rank(&self.ctx.layout), &mut buf)?;
+                buf.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            }
         })
     }
 
@@ -502,6 +611,7 @@ impl<'a> Lead<'a> {
             n_tokens: from as u32,
             cache_len: len as u32,
             want: Want::Nothing,
+            hidden: false,
         };
         self.ctx.world.broadcast(&mut header.encode(), 0)?;
         copy_between(self.model, &mut self.caches, from, to, len)
@@ -563,6 +673,7 @@ impl<'a> Lead<'a> {
             n_tokens: tokens.len() as u32,
             cache_len: cache.len() as u32,
             want,
+            hidden: self.keep_hidden,
         };
         self.ctx.world.broadcast(&mut header.encode(), 0)?;
         let mut ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
@@ -575,15 +686,18 @@ impl<'a> Lead<'a> {
             &[tokens.len()],
             1,
             want,
+            self.keep_hidden,
         )?;
+        let hidden = self.hidden_rows(mine.hidden, tokens.len());
         let pending = if self.ctx.layout.pp == 1 {
             // The last stage's replies share links with the stage's collectives: take them
             // before the next step's collectives start.
-            Pending::Merged(self.gather(want, mine)?)
+            Pending::Merged(self.gather(want, mine.reply)?)
         } else {
-            Pending::Mine(mine)
+            Pending::Mine(mine.reply)
         };
-        self.pending.push_back(Submitted::One(seq, want, pending));
+        self.pending
+            .push_back(Submitted::One(seq, want, pending, hidden));
         Ok(())
     }
 
@@ -615,11 +729,12 @@ impl<'a> Lead<'a> {
     /// When nothing is pending, or a rank fails or misses the deadline.
     pub fn collect(&mut self) -> Result<(usize, Vec<f32>), EngineError> {
         match self.pending.pop_front() {
-            Some(Submitted::One(seq, want, pending)) => {
+            Some(Submitted::One(seq, want, pending, hidden)) => {
                 let logits = match pending {
                     Pending::Merged(l) => l,
                     Pending::Mine(mine) => self.gather(want, mine)?,
                 };
+                self.hidden = self.receive_hidden(hidden)?;
                 Ok((seq, logits))
             }
             Some(rows @ Submitted::Rows { .. }) => {
@@ -774,6 +889,7 @@ impl<'a> Lead<'a> {
             n_tokens: sorted.len() as u32,
             cache_len: if single { 0 } else { toks.len() as u32 },
             want,
+            hidden: self.keep_hidden,
         };
         self.ctx.world.broadcast(&mut header.encode(), 0)?;
         self.ctx.world.broadcast(&mut body, 0)?;
@@ -787,8 +903,10 @@ impl<'a> Lead<'a> {
             &sorted_counts,
             last,
             want,
+            self.keep_hidden,
         )?;
         drop(caches);
+        let hidden = self.hidden_rows(mine.hidden, toks.len());
         // back to the order given: sequence by sequence as sorted, each to its place
         let places: Vec<usize> = order
             .iter()
@@ -797,14 +915,15 @@ impl<'a> Lead<'a> {
         // With one stage, the last stage's replies share links with the next step's
         // collectives: take them now.
         let reply = if self.ctx.layout.pp == 1 {
-            RowsReply::Merged(self.gather_rows(want, &mine, toks.len())?)
+            RowsReply::Merged(self.gather_rows(want, &mine.reply, toks.len())?)
         } else {
-            RowsReply::Mine(mine)
+            RowsReply::Mine(mine.reply)
         };
         self.pending.push_back(Submitted::Rows {
             want,
             reply,
             places,
+            hidden,
         });
         Ok(())
     }
@@ -816,12 +935,13 @@ impl<'a> Lead<'a> {
     /// When nothing is pending, the oldest step is one sequence's, or a rank fails or misses
     /// the deadline.
     pub fn collect_rows(&mut self) -> Result<Vec<Vec<f32>>, EngineError> {
-        let (want, reply, places) = match self.pending.pop_front() {
+        let (want, reply, places, hidden) = match self.pending.pop_front() {
             Some(Submitted::Rows {
                 want,
                 reply,
                 places,
-            }) => (want, reply, places),
+                hidden,
+            }) => (want, reply, places, hidden),
             Some(one) => {
                 self.pending.push_front(one);
                 return Err(EngineError::InvalidInput {
@@ -838,9 +958,18 @@ impl<'a> Lead<'a> {
             RowsReply::Merged(rows) => rows,
             RowsReply::Mine(mine) => self.gather_rows(want, &mine, places.len())?,
         };
+        let hidden = self.receive_hidden(hidden)?;
         let mut out = vec![Vec::new(); places.len()];
         for (row, &place) in rows.into_iter().zip(&places) {
             out[place] = row;
+        }
+        // the hidden states too, back to the order given
+        let width = self.model.config().hidden;
+        self.hidden = vec![0.0; hidden.len()];
+        if !hidden.is_empty() {
+            for (row, &place) in hidden.chunks_exact(width).zip(&places) {
+                self.hidden[place * width..(place + 1) * width].copy_from_slice(row);
+            }
         }
         Ok(out)
     }
@@ -890,6 +1019,7 @@ impl<'a> Lead<'a> {
             n_tokens: 0,
             cache_len: 0,
             want: Want::Nothing,
+            hidden: false,
         };
         self.ctx.world.broadcast(&mut header.encode(), 0)?;
         Ok(())
@@ -1016,11 +1146,17 @@ fn serve_batch(
     }
     let mut refs = caches_of(caches, &seqs);
     let last = counts.iter().copied().max().unwrap_or(1);
-    let reply = run_step(ctx, model, &mut refs, &tokens, &counts, last, header.want)?;
-    if !reply.is_empty() {
-        ctx.world.send(0, &reply)?;
-    }
-    Ok(())
+    let out = run_step(
+        ctx,
+        model,
+        &mut refs,
+        &tokens,
+        &counts,
+        last,
+        header.want,
+        header.hidden,
+    )?;
+    answer(ctx, out)
 }
 
 /// Copies the first `len` positions of `caches[from]` into `caches[to]` (distinct).
@@ -1116,9 +1252,16 @@ pub fn serve(ctx: &RankContext, model: &Transformer, capacity: usize) -> Result<
                 ),
             });
         }
-        let reply = run_step(ctx, model, &mut [cache], &tokens, &[t], 1, header.want)?;
-        if !reply.is_empty() {
-            ctx.world.send(0, &reply)?;
-        }
+        let out = run_step(
+            ctx,
+            model,
+            &mut [cache],
+            &tokens,
+            &[t],
+            1,
+            header.want,
+            header.hidden,
+        )?;
+        answer(ctx, out)?;
     }
 }

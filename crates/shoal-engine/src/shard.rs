@@ -97,6 +97,25 @@ impl ShardPlan {
     pub fn is_full(&self, cfg: &ModelConfig) -> bool {
         *self == Self::full(cfg)
     }
+
+    /// None of the model's layers, but its embedding, final norm and whole output head: a
+    /// share that holds the multi-token-prediction layer (with `cfg.load_mtp`) beside a
+    /// split that runs the layers, for the lead to draft with.
+    pub fn prediction_only(cfg: &ModelConfig) -> Self {
+        ShardPlan {
+            layers: cfg.n_layer..cfg.n_layer,
+            ..Self::full(cfg)
+        }
+    }
+
+    /// Whether this rank holds the embedding, the final norm and the whole output head,
+    /// and its layers whole: where a multi-token-prediction layer can run.
+    pub fn holds_prediction(&self, cfg: &ModelConfig) -> bool {
+        self.first_stage
+            && self.last_stage
+            && self.vocab == (0..cfg.vocab)
+            && self.shard == LayerShard::full(cfg)
+    }
 }
 
 /// `tp` ranks per stage times `pp` stages.

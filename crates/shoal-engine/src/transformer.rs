@@ -46,6 +46,10 @@ pub(crate) trait Forward: Send + Sync {
         caches: &mut [&mut KvCache],
     ) -> Result<Vec<f32>, EngineError>;
     fn logits(&self, x: &[f32], counts: &[usize], last: usize) -> Result<Vec<f32>, EngineError>;
+    /// [`Network::final_norm`]; `Unsupported` where the share cannot give them.
+    fn final_norm(&self, _x: Vec<f32>) -> Result<Vec<f32>, EngineError> {
+        Err(no_mtp(self.backend()))
+    }
     /// [`Network::step_hidden`]; `Unsupported` where the share cannot give them.
     fn step_hidden(
         &self,
@@ -146,6 +150,10 @@ impl<B: Backend> Forward for Network<B> {
         last: usize,
     ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
         Network::step_hidden(self, tokens, counts, caches, last)
+    }
+
+    fn final_norm(&self, x: Vec<f32>) -> Result<Vec<f32>, EngineError> {
+        Network::final_norm(self, x)
     }
 
     fn new_mtp_cache(&self, capacity: usize) -> Option<KvCache> {
@@ -506,7 +514,8 @@ impl Transformer {
     }
 
     /// Whether the model drafts its own tokens with a multi-token-prediction layer
-    /// (GLM-4.5+'s `nextn` layer, loaded where this rank holds the whole model).
+    /// (GLM-4.5+'s `nextn` layer, loaded where this share holds the embedding, the whole
+    /// output head and whole layers: the whole model, or [`ShardPlan::prediction_only`]).
     pub fn has_mtp(&self) -> bool {
         self.net.new_mtp_cache(1).is_some()
     }
@@ -522,7 +531,8 @@ impl Transformer {
     /// hidden state at a position, from [`Transformer::step_hidden`], or this layer's output
     /// for a further draft) with `tokens[r]`, the token after that position. Returns the
     /// logits of the last `last` rows of each sequence (for the token two after each
-    /// position) and every row's output hidden state.
+    /// position; none when `last` is 0, for rows only read into the layer's cache) and
+    /// every row's output hidden state.
     ///
     /// # Errors
     /// Without the layer, when the lengths disagree, an id is out of range, or a cache is
@@ -588,6 +598,16 @@ impl Transformer {
         last: usize,
     ) -> Result<Vec<f32>, EngineError> {
         self.net.logits(x, counts, last)
+    }
+
+    /// The output hidden states `x` (a row each) after the final norm (last pipeline stage
+    /// only): what a multi-token-prediction layer reads.
+    ///
+    /// # Errors
+    /// When this rank is not in the last stage, `x` is not whole rows, or the backend
+    /// cannot give them.
+    pub fn final_norm(&self, x: Vec<f32>) -> Result<Vec<f32>, EngineError> {
+        self.net.final_norm(x)
     }
 }
 

@@ -565,53 +565,7 @@ fn schedule(sched: &Scheduler, ps: &[Vec<u32>], lens: &[usize]) -> Vec<Vec<u32>>
     rxs.iter().map(|rx| collect(rx).0).collect()
 }
 
-/// The ranks of `layout` over in-process channels, each loading its shard of `source`:
-/// rank 0's context and model for a scheduler to lead, and the other ranks serving (each
-/// thread ends with its `serve`'s result once the lead stops).
-fn split_ranks(
-    source: &ModelSource,
-    layout: shoal_engine::shard::Layout,
-) -> (
-    shoal_engine::parallel::RankContext,
-    LoadedModel,
-    Vec<std::thread::JoinHandle<Result<(), shoal_engine::EngineError>>>,
-) {
-    use shoal_comm::{mem_mesh, Transport};
-    use shoal_engine::parallel::{serve, RankContext};
-
-    let mut lead = None;
-    let mut workers = Vec::new();
-    for (r, t) in mem_mesh(layout.world()).into_iter().enumerate() {
-        let t: Arc<dyn Transport> = Arc::new(t);
-        let mut ctx = RankContext::over(t, layout, Duration::from_secs(60)).unwrap();
-        let source = source.clone();
-        let h = std::thread::spawn(move || {
-            let (m, plans) = LoadedModel::load_split(
-                &source,
-                layout,
-                None,
-                Default::default(),
-                r,
-                ctx.tp.clone(),
-            )
-            .unwrap();
-            ctx.plans = plans;
-            (ctx, m)
-        });
-        if r == 0 {
-            lead = Some(h);
-        } else {
-            workers.push(std::thread::spawn(move || {
-                let (ctx, m) = h.join().unwrap();
-                serve(&ctx, &m.transformer, 256)
-            }));
-        }
-    }
-    let (ctx, m) = lead.unwrap().join().unwrap();
-    (ctx, m, workers)
-}
-
-/// Runs `f` on a scheduler leading `layout`'s ranks of `source` (see [`split_ranks`]), then
+/// Runs `f` on a scheduler leading `layout`'s ranks of `source` (see [`common::split_ranks`]), then
 /// checks that the split did not fail and that every rank stopped cleanly.
 fn on_split<T>(
     source: &ModelSource,
@@ -630,7 +584,7 @@ fn on_split_with<T>(
     draft: Option<Arc<LoadedModel>>,
     f: impl FnOnce(&Scheduler) -> T,
 ) -> T {
-    let (ctx, m, workers) = split_ranks(source, layout);
+    let (ctx, m, workers) = common::split_ranks(source, layout, 256);
     let sched = match draft {
         Some(d) => Scheduler::start_split_with_draft(Arc::new(m), ctx, d, config).unwrap(),
         None => Scheduler::start_split(Arc::new(m), ctx, config).unwrap(),
@@ -769,6 +723,8 @@ fn split_lookup_decoding_gives_one_ranks_tokens() {
 /// A split step of several rows per sequence returns each row's logits in the order given:
 /// against one rank's step of the same rows, sequences given out of order and with
 /// different row counts. A planted fault (two rows swapped) is caught by the same check.
+/// Asked for them, every step also returns its rows' output hidden states after the final
+/// norm (what a prediction layer on the lead reads) in the same order, as one rank's.
 #[test]
 fn split_rows_come_back_in_order() {
     use shoal_engine::parallel::{Lead, Want};
@@ -779,17 +735,31 @@ fn split_rows_come_back_in_order() {
     let m = load(&path);
     let prompts: [Vec<u32>; 2] = [vec![5, 9, 11, 2, 7], vec![40, 41, 3]];
     // what each row gives on one rank
+    // every row's logits and output hidden state
     let rows_of = |tokens: &[u32], cache: &mut KvCache| {
-        m.transformer.forward(tokens, cache, tokens.len()).unwrap()
+        m.transformer
+            .step_hidden(tokens, &[tokens.len()], &mut [cache], tokens.len())
+            .unwrap()
     };
     let mut c0 = m.transformer.new_cache(64);
     let mut c1 = m.transformer.new_cache(64);
-    m.transformer.prefill(&prompts[0], &mut c0).unwrap();
-    m.transformer.prefill(&prompts[1], &mut c1).unwrap();
+    let prompt_hidden = [
+        rows_of(&prompts[0], &mut c0).1,
+        rows_of(&prompts[1], &mut c1).1,
+    ];
     let vocab = m.transformer.config().vocab;
+    let width = m.transformer.config().hidden;
     let (more0, more1): (Vec<u32>, Vec<u32>) = (vec![8, 1, 30, 4], vec![17, 6]);
-    let want0 = rows_of(&more0, &mut c0);
-    let want1 = rows_of(&more1, &mut c1);
+    let (want0, hidden0) = rows_of(&more0, &mut c0);
+    let (want1, hidden1) = rows_of(&more1, &mut c1);
+    let want_hidden: Vec<f32> = hidden1.iter().chain(&hidden0).copied().collect();
+    let max_diff = |a: &[f32], b: &[f32]| {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    };
     let best = |row: &[f32]| argmax(row) as u32;
     let want: Vec<u32> = want1
         .chunks(vocab)
@@ -798,12 +768,18 @@ fn split_rows_come_back_in_order() {
         .collect();
     let source = ModelSource::Gguf(path.clone());
     for (tp, pp) in [(2, 1), (1, 2)] {
-        let (ctx, m, workers) = split_ranks(&source, Layout { tp, pp });
+        let (ctx, m, workers) = common::split_ranks(&source, Layout { tp, pp }, 256);
         {
             let mut lead = Lead::with_sequences(ctx, &m.transformer, 64, 2).unwrap();
+            lead.keep_hidden(true);
             for (s, p) in prompts.iter().enumerate() {
                 lead.select(s).unwrap();
                 lead.step_with(p, Want::Nothing).unwrap();
+                let d = max_diff(&lead.take_hidden(), &prompt_hidden[s]);
+                assert!(
+                    d < 1e-4,
+                    "tp {tp} pp {pp}: prompt {s}'s hidden states {d} off"
+                );
             }
             // sequence 1 first, with 2 rows; then sequence 0 with 4
             let tokens: Vec<u32> = more1.iter().chain(&more0).copied().collect();
@@ -815,6 +791,17 @@ fn split_rows_come_back_in_order() {
             let mut planted = got.clone();
             planted.swap(1, 2);
             assert_ne!(planted, want, "a swapped row must be caught");
+            let hidden = lead.take_hidden();
+            let d = max_diff(&hidden, &want_hidden);
+            eprintln!("tp {tp} pp {pp}: hidden states within {d:.2e} of one rank's");
+            assert!(d < 1e-4, "tp {tp} pp {pp}: hidden states {d} off");
+            // the same check catches two rows swapped
+            let mut planted = hidden.clone();
+            planted[width..3 * width].rotate_left(width);
+            assert!(
+                max_diff(&planted, &want_hidden) > 1e-2,
+                "a swapped row must be caught"
+            );
             // bad counts are refused before anything is sent
             assert!(lead
                 .step_rows(&[1, 0], &tokens, &[3, 4], Want::Best)
@@ -1262,7 +1249,7 @@ fn split_sequences_share_a_prompts_start_on_every_rank() {
     let one = load(&path);
     let source = ModelSource::Gguf(path.clone());
     for (tp, pp) in [(2, 1), (1, 2)] {
-        let (ctx, m, workers) = split_ranks(&source, Layout { tp, pp });
+        let (ctx, m, workers) = common::split_ranks(&source, Layout { tp, pp }, 256);
         let config = SchedulerConfig {
             max_batch: 3,
             max_queue: 4,

@@ -10,10 +10,17 @@
 //!   reading only the token) has every draft taken; one that reads only the hidden state
 //!   drafts the next token again, and has exactly the drafts taken that the output says
 //!   (which checks that each hidden state goes with its own position);
-//! - a model without the layer is refused, naming what to use instead.
+//! - a model without the layer is refused, naming what to use instead;
+//! - on a split (tensor, pipeline and both), with the layer held on the lead and the split's
+//!   steps returning their rows' hidden states: the same tokens as one rank decoding plainly,
+//!   greedy and seeded, and for the layer that reads only the hidden state exactly the drafts
+//!   taken that the output says, two sequences at once (which checks that each row's hidden
+//!   state comes back to its own sequence and position).
 //!
 //! The llama.cpp built from the PyPI sdist loads GLM's prediction layer but does not draft
 //! with it, so it is no oracle here.
+
+mod common;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -22,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use shoal_engine::model::LoadedModel;
 use shoal_engine::scheduler::{Event, Scheduler, SchedulerConfig, SequenceRequest};
+use shoal_engine::shard::Layout;
 use shoal_engine::transformer::argmax;
 use shoal_engine::SamplerConfig;
 use shoal_model::source::ModelSource;
@@ -337,14 +345,14 @@ fn hindsighted(seed: u64) -> TinyModel {
     tm
 }
 
-#[test]
-fn the_layer_reads_each_positions_own_hidden_state() {
-    let dir = tempfile::tempdir().unwrap();
-    // a model and a last prompt token whose continuation changes a few times, then repeats
-    // one token (the model maps a token to the next whatever came before it)
-    let (m, start) = (13..40)
+/// A [`hindsighted`] model written in `dir` and two last prompt tokens whose continuation
+/// changes a few times, then repeats one token (the model maps a token to the next whatever
+/// came before it).
+fn settling_hindsighted(dir: &Path) -> (PathBuf, [u32; 2]) {
+    (13..40)
         .find_map(|seed| {
-            let m = load(&write(&hindsighted(seed), dir.path(), GgmlType::F32));
+            let path = write(&hindsighted(seed), dir, GgmlType::F32);
+            let m = load(&path);
             let t = &m.transformer;
             let next: Vec<u32> = (0..t.config().vocab as u32)
                 .map(|x| argmax(&t.forward_last(&[x], &mut t.new_cache(4)).unwrap()) as u32)
@@ -356,10 +364,34 @@ fn the_layer_reads_each_positions_own_hidden_state() {
                     next[y as usize] == y
                 })
             };
-            let start = (0..next.len() as u32).find(|&x| settles(x).is_some_and(|s| s >= 3))?;
-            Some((Arc::new(m), start))
+            let mut starts = (0..next.len() as u32).filter(|&x| settles(x).is_some_and(|s| s >= 3));
+            Some((path, [starts.next()?, starts.next()?]))
         })
-        .expect("a seed whose model settles on a token");
+        .expect("a seed whose model settles on a token")
+}
+
+/// What fixed drafts of `k` tokens with a [`hindsighted`] layer give for output `out`
+/// (drafted, taken, steps): each step runs the next token and drafts it again as often as
+/// tokens are left, and the drafts taken are the repeats that follow.
+fn hindsight_counts(out: &[u32], k: usize) -> (u64, u64, u64) {
+    let n = out.len();
+    let (mut drafted, mut taken, mut steps, mut at) = (0, 0, 0, 0);
+    while at < n - 1 {
+        let d = k.min(n - at - 2);
+        let t = (1..=d).take_while(|&j| out[at + j] == out[at]).count();
+        drafted += d as u64;
+        taken += t as u64;
+        steps += 1;
+        at += 1 + t;
+    }
+    (drafted, taken, steps)
+}
+
+#[test]
+fn the_layer_reads_each_positions_own_hidden_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, starts) = settling_hindsighted(dir.path());
+    let (m, start) = (Arc::new(load(&path)), starts[0]);
     let (k, n) = (3, 41);
     let config = SchedulerConfig {
         max_batch: 1,
@@ -381,16 +413,7 @@ fn the_layer_reads_each_positions_own_hidden_state() {
             run(&plain, request(prompt.clone(), n, SamplerConfig::default())),
             out
         );
-        // each step runs the next token and drafts it again as often as tokens are left
-        let (mut drafted, mut taken, mut steps, mut at) = (0, 0, 0, 0);
-        while at < n - 1 {
-            let d = k.min(n - at - 2);
-            let t = (1..=d).take_while(|&j| out[at + j] == out[at]).count();
-            drafted += d as u64;
-            taken += t as u64;
-            steps += 1;
-            at += 1 + t;
-        }
+        let (drafted, taken, steps) = hindsight_counts(&out, k);
         eprintln!("turn {turn}, output {out:?}: {drafted} drafted, {taken} taken in {steps} steps");
         assert_ne!(
             taken, 0,
@@ -442,4 +465,223 @@ fn a_model_without_the_layer_is_refused() {
     assert!(!plain.transformer.has_mtp());
     let e = Scheduler::start_with_mtp(plain, CONFIG).unwrap_err();
     assert!(e.to_string().contains("loaded without"), "{e}");
+}
+
+/// The tokens of every request, all submitted to `sched` at once.
+fn run_all(sched: &Scheduler, requests: Vec<SequenceRequest>) -> Vec<Vec<u32>> {
+    let rxs: Vec<_> = requests
+        .into_iter()
+        .map(|r| {
+            let (tx, rx) = mpsc::channel();
+            let t = sched
+                .submit(r, Box::new(move |e| tx.send(e).is_ok()))
+                .unwrap();
+            (t, rx)
+        })
+        .collect();
+    rxs.iter()
+        .map(|(_, rx)| {
+            let mut toks = Vec::new();
+            loop {
+                match rx
+                    .recv_timeout(Duration::from_secs(60))
+                    .expect("events within 60 s")
+                {
+                    Event::Token { id, .. } => toks.push(id),
+                    Event::Text(_) => {}
+                    Event::Done(_) => return toks,
+                    Event::Failed(e) | Event::Interrupted(e) => panic!("failed: {e}"),
+                }
+            }
+        })
+        .collect()
+}
+
+/// Runs `f` on a scheduler leading `layout`'s ranks of `path` (in-process channels) and
+/// drafting with the model's prediction layer, held on the lead apart from rank 0's share
+/// (with `config.draft_max` 0, decoding plainly); then checks that the split did not fail
+/// and that every rank stopped cleanly.
+fn on_split<T>(
+    path: &Path,
+    layout: Layout,
+    config: SchedulerConfig,
+    f: impl FnOnce(&Scheduler) -> T,
+) -> T {
+    let source = ModelSource::Gguf(path.to_path_buf());
+    let (ctx, m, workers) = common::split_ranks(&source, layout, config.ctx);
+    let sched = if config.draft_max == 0 {
+        Scheduler::start_split(Arc::new(m), ctx, config).unwrap()
+    } else {
+        let layer = Arc::new(LoadedModel::load_prediction_layer(&source).unwrap());
+        assert!(layer.transformer.has_mtp());
+        assert!(layer.transformer.plan().layers.is_empty());
+        Scheduler::start_split_with_mtp(Arc::new(m), ctx, layer, config).unwrap()
+    };
+    let out = f(&sched);
+    assert!(
+        sched.failure().is_none(),
+        "{layout:?}: {:?}",
+        sched.failure()
+    );
+    drop(sched);
+    for w in workers {
+        w.join().unwrap().unwrap();
+    }
+    out
+}
+
+/// Tensor, pipeline and both.
+const LAYOUTS: [Layout; 3] = [
+    Layout { tp: 2, pp: 1 },
+    Layout { tp: 1, pp: 2 },
+    Layout { tp: 2, pp: 2 },
+];
+
+#[test]
+fn split_drafting_with_the_prediction_layer_gives_one_ranks_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    // experts of two 32-blocks, so that two tensor-parallel ranks can cut them
+    let glm = TinyModelSpec::glm4moe(9);
+    let spec = TinyModelSpec {
+        context_length: 1024,
+        moe: glm.moe.clone().map(|m| shoal_testkit::MoeSpec {
+            expert_ffn: 64,
+            ..m
+        }),
+        ..glm
+    };
+    let tm = TinyModel::new(spec).unwrap();
+    let path = write(&tm, dir.path(), GgmlType::Q8_0);
+    let m = Arc::new(load(&path));
+    // a prompt of two chunks, and a second one that starts as the first
+    let prompt: Vec<u32> = (0..600).map(|i| (i * 17 + 3) % 320).collect();
+    let mut other = prompt.clone();
+    other.extend([5, 6, 7]);
+    let samplers = [
+        SamplerConfig::default(),
+        // a penalty: every logit of every row comes back
+        SamplerConfig {
+            temperature: 0.9,
+            seed: 5,
+            repeat_penalty: 1.1,
+            ..SamplerConfig::default()
+        },
+    ];
+    let config = SchedulerConfig {
+        prefix_cache: true,
+        ..CONFIG
+    };
+    let generate = |sched: &Scheduler| -> Vec<Vec<u32>> {
+        samplers
+            .iter()
+            .flat_map(|s| [&prompt, &other].map(|p| run(sched, request(p.clone(), 30, s.clone()))))
+            .collect()
+    };
+    let one_rank = generate(&plain_scheduler(&m, config));
+    for layout in LAYOUTS {
+        // the split decoding plainly: greedy, one rank's tokens; seeded, one rank's up to a
+        // draw on the edge between two tokens, where the split's rounding may tip it (this
+        // model's fourth request does so on tp2)
+        let plain = on_split(
+            &path,
+            layout,
+            SchedulerConfig {
+                draft_max: 0,
+                ..config
+            },
+            generate,
+        );
+        assert_eq!(plain[..2], one_rank[..2], "{layout:?}");
+        for adaptive_drafts in [false, true] {
+            let config = SchedulerConfig {
+                adaptive_drafts,
+                ..config
+            };
+            on_split(&path, layout, config, |sched| {
+                let got = generate(sched);
+                assert_eq!(got, plain, "{layout:?}, adaptive {adaptive_drafts}");
+                let (drafted, taken, steps) = draft_counts(sched, 1);
+                eprintln!(
+                    "{layout:?}, adaptive {adaptive_drafts}: {drafted} drafted, {taken} taken in {steps} steps"
+                );
+                assert!(drafted > 0, "{layout:?}: nothing drafted");
+                if !adaptive_drafts {
+                    // every step drafts 3 but the last three of each request
+                    assert!(
+                        drafted >= 3 * (steps - 12),
+                        "{drafted} drafted in {steps} steps"
+                    );
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn split_steps_return_each_rows_own_hidden_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, starts) = settling_hindsighted(dir.path());
+    let m = Arc::new(load(&path));
+    let (k, n) = (3, 41);
+    let config = SchedulerConfig {
+        max_batch: 2,
+        draft_max: k,
+        ..CONFIG
+    };
+    // two sequences at once, each continuing its own way
+    let prompts: Vec<Vec<u32>> = starts
+        .iter()
+        .enumerate()
+        .map(|(s, &start)| {
+            let mut p: Vec<u32> = (0..20 + 3 * s as u32).map(|i| (i * 7 + 2) % 320).collect();
+            p.push(start);
+            p
+        })
+        .collect();
+    let requests = || {
+        prompts
+            .iter()
+            .map(|p| request(p.clone(), n, SamplerConfig::default()))
+            .collect::<Vec<_>>()
+    };
+    let want = run_all(&plain_scheduler(&m, config), requests());
+    let (mut drafted, mut taken) = (0, 0);
+    for out in &want {
+        let (d, t, _) = hindsight_counts(out, k);
+        drafted += d;
+        taken += t;
+    }
+    eprintln!("outputs {want:?}: {drafted} drafted, {taken} taken");
+    assert!(taken > 0 && taken < drafted, "pick other prompts");
+    for layout in LAYOUTS {
+        on_split(&path, layout, config, |sched| {
+            assert_eq!(run_all(sched, requests()), want, "{layout:?}");
+            // the step's counts go out after its tokens
+            let s = sched.stats();
+            let t0 = Instant::now();
+            let counts = || {
+                (
+                    s.drafted.load(Ordering::Relaxed),
+                    s.accepted_drafts.load(Ordering::Relaxed),
+                )
+            };
+            while counts() != (drafted, taken) && t0.elapsed() < Duration::from_secs(1) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(counts(), (drafted, taken), "{layout:?}");
+        });
+    }
+}
+
+#[test]
+fn a_split_model_without_the_layer_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let tm = TinyModel::new(TinyModelSpec::qwen3moe(3)).unwrap();
+    let path = write(&tm, dir.path(), GgmlType::F32);
+    let e = LoadedModel::load_prediction_layer(&ModelSource::Gguf(path)).unwrap_err();
+    assert!(
+        e.to_string().contains("no multi-token-prediction layer"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("prompt lookup"), "{e}");
 }

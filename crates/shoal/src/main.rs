@@ -93,8 +93,9 @@ pub struct SpeculationArgs {
     /// Speculative decoding with the model's own multi-token-prediction layer (GLM-4.5 and
     /// later ship one, as `nextn` tensors): no second model, one more layer's cost per
     /// drafted token; it drafts --draft-max tokens per step, checked in one step; the output
-    /// is unchanged. For a model that one process holds whole (`run` without --tp/--pp,
-    /// `serve --model`).
+    /// is unchanged. On a split (`run --tp/--pp`) the lead holds the layer, with the
+    /// embedding and output head it reads, beside rank 0's share, and each split step
+    /// returns its rows' hidden states for it.
     #[arg(long, conflicts_with_all = ["lookup", "draft"])]
     pub mtp: bool,
     /// Tokens the draft model (or the prediction layer) drafts per step at most.

@@ -205,3 +205,19 @@ pub fn open_as(arg: &str, mtp: bool) -> anyhow::Result<LoadedModel> {
     tracing::info!(model = %model.name, ms = t0.elapsed().as_millis() as u64, "loaded");
     Ok(model)
 }
+
+/// Resolves a MODEL argument as [`open`] does and loads only its multi-token-prediction
+/// layer, with the embedding and output head it reads: what the lead of a split holds to
+/// draft with it ([`LoadedModel::load_prediction_layer`]).
+pub fn open_prediction_layer(arg: &str) -> anyhow::Result<LoadedModel> {
+    let source = shoal_model::source::resolve(arg)?;
+    let t0 = Instant::now();
+    let model = LoadedModel::load_prediction_layer(&source).with_context(|| {
+        format!(
+            "loading the prediction layer of {}",
+            source.path().display()
+        )
+    })?;
+    tracing::info!(model = %model.name, ms = t0.elapsed().as_millis() as u64, "prediction layer loaded");
+    Ok(model)
+}

@@ -404,11 +404,6 @@ fn one_request(args: &RunArgs, ctx: usize) -> SchedulerConfig {
 
 /// `run` split over ranks: rank 0 here, the others started locally or waited for.
 fn main_split(args: RunArgs) -> anyhow::Result<()> {
-    if args.speculation.mtp {
-        anyhow::bail!(
-            "--mtp drafts only where one process holds the whole model; on a split (--tp/--pp) draft with --lookup or --draft"
-        );
-    }
     let threads = args.compute.apply()?;
     let ctx_len = args.sampling.ctx() + args.sampling.max_tokens;
     let lead_rank = LeadRank::start(&args.split, &args.model, ctx_len, threads, None)?;
@@ -427,11 +422,15 @@ fn main_split(args: RunArgs) -> anyhow::Result<()> {
     let mut request = args.sampling.request(&model, prompt, 0.7)?;
     request.special_text = splitter.is_some();
     let config = one_request(&args, capacity);
-    // a draft model runs here, beside rank 0
+    // a draft model, or the model's prediction layer, runs here beside rank 0
     let scheduler = match &args.speculation.draft {
         Some(d) => {
             let draft = Arc::new(crate::models::open(d)?);
             Scheduler::start_split_with_draft(model.clone(), ctx, draft, config)?
+        }
+        None if args.speculation.mtp => {
+            let layer = Arc::new(crate::models::open_prediction_layer(&args.model)?);
+            Scheduler::start_split_with_mtp(model.clone(), ctx, layer, config)?
         }
         None => Scheduler::start_split(model.clone(), ctx, config)?,
     };

@@ -1,7 +1,7 @@
 //! `shoal run --tp/--pp` end to end: real processes over loopback TCP and shared memory,
 //! on a tiny model the test kit writes as GGUF. A split answers exactly what one process
-//! answers (plain, and speculating with prompt lookup or a draft model; one process drafting
-//! with a GLM's prediction layer answers as without it), and when a rank dies or hangs the others stop with an error naming it within
+//! answers (plain, and speculating with prompt lookup, a draft model or a GLM's own
+//! prediction layer), and when a rank dies or hangs the others stop with an error naming it within
 //! the communication deadline instead of hanging.
 
 use std::io::Read;
@@ -82,18 +82,26 @@ fn split_runs_answer_like_one_process() {
     }
 }
 
-/// `--mtp`: a GLM's own prediction layer drafts for `shoal run` on one process and the
-/// answer is unchanged; a split, and a model without the layer, are refused saying what to
-/// use instead.
+/// `--mtp`: a GLM's own prediction layer drafts for `shoal run` on one process and on
+/// splits (the lead holding the layer), and the answer is unchanged; a model without the
+/// layer is refused saying what to use instead, split or not.
 #[test]
 fn the_prediction_layer_drafts_without_changing_the_answer() {
     let dir = tempfile::tempdir().unwrap();
     let glm = dir.path().join("tiny-glm.gguf");
-    TinyModelSpec::glm4moe(5)
-        .build()
-        .unwrap()
-        .write_gguf(&glm, GgmlType::Q8_0)
-        .unwrap();
+    // experts of two 32-blocks, so that two tensor-parallel ranks can cut them
+    let spec = TinyModelSpec::glm4moe(5);
+    TinyModelSpec {
+        moe: spec.moe.clone().map(|m| shoal_testkit::MoeSpec {
+            expert_ffn: 64,
+            ..m
+        }),
+        ..spec
+    }
+    .build()
+    .unwrap()
+    .write_gguf(&glm, GgmlType::Q8_0)
+    .unwrap();
     let one = answer(&glm, &[]);
     assert!(!one.is_empty());
     assert_eq!(answer(&glm, &["--mtp"]), one, "shoal run --mtp");
@@ -108,15 +116,19 @@ fn the_prediction_layer_drafts_without_changing_the_answer() {
     assert_eq!(String::from_utf8(out.stdout).unwrap(), one);
     let log = String::from_utf8_lossy(&out.stderr);
     assert!(log.contains("drafted tokens accepted"), "{log}");
+    for extra in [
+        &["--tp", "2", "--mtp", "--fixed-drafts"][..],
+        &["--pp", "2", "--mtp", "--draft-max", "3", "--fixed-drafts"],
+        &["--tp", "2", "--pp", "2", "--mtp"],
+    ] {
+        assert_eq!(answer(&glm, extra), one, "shoal run {extra:?}");
+    }
+    let tiny = tiny_model(dir.path());
     for (model, extra, want) in [
+        (&tiny, &["--mtp"][..], "no multi-token-prediction layer"),
         (
-            &glm,
-            &["--tp", "2", "--mtp"][..],
-            "on a split (--tp/--pp) draft with",
-        ),
-        (
-            &tiny_model(dir.path()),
-            &["--mtp"],
+            &tiny,
+            &["--tp", "2", "--mtp"],
             "no multi-token-prediction layer",
         ),
     ] {

@@ -294,7 +294,7 @@ impl<B: Backend> Network<B> {
             (None, None)
         };
         let embed = if plan.first_stage { embed } else { None };
-        let mtp = if plan.is_full(&cfg) {
+        let mtp = if plan.holds_prediction(&cfg) {
             Mtp::load(&t, &cfg, &plan.shard, freq_factors.as_ref())?.map(Arc::new)
         } else {
             None
@@ -601,8 +601,9 @@ impl<B: Backend> Network<B> {
     /// its layer cache `caches[i]` holds: row `r` joins `hidden[r]` (the model's normed
     /// output at a position, or the layer's own output for a further draft) with
     /// `tokens[r]`, the token after that position. Returns the logits of the last `last`
-    /// rows of each sequence (of the token two after each position) and every row's output
-    /// hidden state (before the head's norm).
+    /// rows of each sequence (of the token two after each position; none when `last` is 0,
+    /// for rows only read into the layer's cache) and every row's output hidden state
+    /// (before the head's norm).
     ///
     /// # Errors
     /// Without the layer, when the rows disagree, an id is out of range, or a cache has no
@@ -643,9 +644,36 @@ impl<B: Backend> Network<B> {
                     &self.be, &self.cfg, table, tokens, hidden, ws, kv, &*self.tp,
                 )?;
                 let out = self.be.host(&ws.x)?.into_owned();
-                Ok((self.head_with(ws, last, norm, head)?, out))
+                let logits = if last == 0 {
+                    Vec::new()
+                } else {
+                    self.head_with(ws, last, norm, head)?
+                };
+                Ok((logits, out))
             })
         })
+    }
+
+    /// The output hidden states `x` (a row each) after the final norm (last stage only):
+    /// what a multi-token-prediction layer reads.
+    ///
+    /// # Errors
+    /// When this rank is not in the last stage or `x` is not whole rows.
+    pub fn final_norm(&self, x: Vec<f32>) -> Result<Vec<f32>, EngineError> {
+        let Some(norm) = &self.norm else {
+            return Err(EngineError::Internal {
+                what: "the final norm on a rank that is not in the last pipeline stage".into(),
+            });
+        };
+        if !x.len().is_multiple_of(self.cfg.hidden) {
+            return Err(EngineError::InvalidInput {
+                what: format!("{} hidden values in rows of {}", x.len(), self.cfg.hidden),
+            });
+        }
+        let mut out = B::Act::default();
+        self.be
+            .rms_norm(&self.be.upload(x), &norm.w, norm.eps, &mut out);
+        self.be.download(out)
     }
 
     /// The hidden states of `tokens`, a row each (first stage only).

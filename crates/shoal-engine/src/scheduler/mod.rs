@@ -308,8 +308,9 @@ enum Drafter {
     Lookup,
     /// A smaller model with the same vocabulary.
     Model(Arc<LoadedModel>),
-    /// The model's own multi-token-prediction layer.
-    Mtp,
+    /// The model's own multi-token-prediction layer, held by this model (the model itself,
+    /// or on a split's lead a share of only the layer).
+    Mtp(Arc<LoadedModel>),
 }
 
 /// Refuses drafting with `model`'s prediction layer where it has none here, or where
@@ -445,7 +446,36 @@ impl Scheduler {
         config: SchedulerConfig,
     ) -> Result<Self, EngineError> {
         check_mtp(&model, &config)?;
-        Self::spawn_drafting(model, config, None, Drafter::Mtp)
+        let layer = model.clone();
+        Self::spawn_drafting(model, config, None, Drafter::Mtp(layer))
+    }
+
+    /// Starts the scheduler thread for a split model ([`Scheduler::start_split`]) drafting
+    /// `config.draft_max` tokens per step with the model's multi-token-prediction layer,
+    /// which `layer` holds here on the lead ([`LoadedModel::load_prediction_layer`]): every
+    /// split step also returns its rows' output hidden states, which the layer reads.
+    ///
+    /// # Errors
+    /// As [`Scheduler::start_split`], and when `layer` has no such layer, is not the
+    /// model's, or speculation is off.
+    pub fn start_split_with_mtp(
+        model: Arc<LoadedModel>,
+        ctx: RankContext,
+        layer: Arc<LoadedModel>,
+        config: SchedulerConfig,
+    ) -> Result<Self, EngineError> {
+        check_split(&ctx, &config)?;
+        check_mtp(&layer, &config)?;
+        let (a, b) = (model.transformer.config(), layer.transformer.config());
+        if (a.arch, a.hidden, a.vocab, a.n_layer) != (b.arch, b.hidden, b.vocab, b.n_layer) {
+            return Err(EngineError::InvalidInput {
+                what: format!(
+                    "the prediction layer of {} does not belong to {}",
+                    layer.name, model.name
+                ),
+            });
+        }
+        Self::spawn_drafting(model, config, Some(ctx), Drafter::Mtp(layer))
     }
 
     fn spawn(
@@ -508,11 +538,15 @@ impl Scheduler {
                         },
                     };
                     let broken = split_failed(&shared);
+                    let mut lead = lead;
+                    if let (Some(lead), Drafter::Mtp(_)) = (lead.as_mut(), &drafter) {
+                        lead.keep_hidden(true);
+                    }
                     let mut w = Worker::new(model, config, shared, lead, broken);
                     match drafter {
                         Drafter::Lookup => {}
                         Drafter::Model(d) => w.draft = Some(d),
-                        Drafter::Mtp => w.mtp = true,
+                        Drafter::Mtp(layer) => w.mtp = Some(layer),
                     }
                     w.run()
                 })

@@ -1,5 +1,6 @@
 //! Drafting with the model's own multi-token-prediction layer ([`Scheduler::start_with_mtp`],
-//! GLM-4.5+'s `nextn` layer): each step of the model also gives its output hidden states,
+//! GLM-4.5+'s `nextn` layer; on a split, [`Scheduler::start_split_with_mtp`] with the
+//! layer held on the lead): each step of the model also gives its output hidden states,
 //! which a sequence keeps ([`MtpState::pending`]) until the layer has read each one with the
 //! token that followed it; to draft, the layer reads the last ones (the newest paired with
 //! the sequence's next token) and predicts the token after it, then feeds its own output
@@ -8,12 +9,13 @@
 //! soon as the draft is made.
 //!
 //! [`Scheduler::start_with_mtp`]: super::Scheduler::start_with_mtp
+//! [`Scheduler::start_split_with_mtp`]: super::Scheduler::start_split_with_mtp
 
 use std::time::{Duration, Instant};
 
 use super::worker::Sequence;
 use super::PROMPT_CHUNK;
-use crate::model::LoadedModel;
+use crate::transformer::Transformer;
 use crate::{EngineError, KvCache};
 
 /// A sequence's state of the prediction layer.
@@ -40,14 +42,13 @@ impl MtpState {
 /// chunk waits ([`catch_up`]). A sequence whose state does not reach `start` (it started
 /// from a cache whose sequence had none, or it stopped drafting) keeps none and drafts
 /// nothing.
-pub(super) fn record_hidden(model: &LoadedModel, seq: &mut Sequence, start: usize, rows: &[f32]) {
+pub(super) fn record_hidden(layer: &Transformer, seq: &mut Sequence, start: usize, rows: &[f32]) {
     if seq.draft_failed {
         return;
     }
-    let hidden = model.transformer.config().hidden;
+    let hidden = layer.config().hidden;
     if seq.mtp.is_none() && start == 0 {
-        seq.mtp = model
-            .transformer
+        seq.mtp = layer
             .new_mtp_cache(seq.cache.capacity())
             .map(|cache| MtpState {
                 cache,
@@ -66,14 +67,14 @@ pub(super) fn record_hidden(model: &LoadedModel, seq: &mut Sequence, start: usiz
             return;
         }
     }
-    catch_up(model, seq);
+    catch_up(layer, seq);
 }
 
 /// Lets the layer read the hidden states `seq` holds whose following token is known, all
 /// but the newest (which the next draft reads), once more than a prompt chunk waits: a long
 /// prompt, or a long stretch without drafts, is read a chunk at a time instead of held.
-fn catch_up(model: &LoadedModel, seq: &mut Sequence) {
-    let hidden = model.transformer.config().hidden;
+fn catch_up(layer: &Transformer, seq: &mut Sequence) {
+    let hidden = layer.config().hidden;
     let Some(m) = &seq.mtp else { return };
     if m.pending_rows(hidden) <= PROMPT_CHUNK {
         return;
@@ -91,10 +92,8 @@ fn catch_up(model: &LoadedModel, seq: &mut Sequence) {
     let tokens = context_range(seq, at + 1, rows);
     let Some(m) = &mut seq.mtp else { return };
     let head: Vec<f32> = m.pending.drain(..rows * hidden).collect();
-    if let Err(e) = model
-        .transformer
-        .mtp_step(head, &tokens, &[rows], &mut [&mut m.cache], 1)
-    {
+    // read into the layer's cache only: no logits
+    if let Err(e) = layer.mtp_step(head, &tokens, &[rows], &mut [&mut m.cache], 0) {
         give_up(seq, &e);
     }
 }
@@ -104,11 +103,11 @@ fn catch_up(model: &LoadedModel, seq: &mut Sequence) {
 /// states it has not (the newest one with the next token), then each drafted token with
 /// its own output before it.
 pub(super) fn draft(
-    model: &LoadedModel,
+    layer: &Transformer,
     seq: &mut Sequence,
     max: usize,
 ) -> Option<(Vec<u32>, Duration)> {
-    let hidden = model.transformer.config().hidden;
+    let hidden = layer.config().hidden;
     let m = seq.mtp.as_ref()?;
     let at = m.cache.len();
     let rows = m.pending_rows(hidden);
@@ -121,7 +120,7 @@ pub(super) fn draft(
     let m = seq.mtp.as_mut()?;
     let mut started = Instant::now();
     let mut run = |m: &mut MtpState| -> Result<Vec<u32>, EngineError> {
-        let t = &model.transformer;
+        let t = &layer;
         let mut pending = std::mem::take(&mut m.pending);
         // the rows before the newest: the layer reads every position, drafting or not, so
         // this is not the draft's cost
@@ -132,7 +131,7 @@ pub(super) fn draft(
                 &context[..rows - 1],
                 &[rows - 1],
                 &mut [&mut m.cache],
-                1,
+                0,
             )?;
             pending = newest;
             started = Instant::now();
@@ -171,12 +170,12 @@ pub(super) fn draft(
 /// # Errors
 /// When the layer's cache cannot be copied.
 pub(super) fn share(
-    model: &LoadedModel,
+    layer: &Transformer,
     src: &MtpState,
     n: usize,
     capacity: usize,
 ) -> Result<(usize, MtpState), EngineError> {
-    let t = &model.transformer;
+    let t = &layer;
     let (n, read, pending) = split_at(src, n, t.config().hidden);
     let mut cache = t
         .new_mtp_cache(capacity)
@@ -202,12 +201,12 @@ pub(super) fn share(
 /// # Errors
 /// When the layer's cache cannot be copied.
 pub(super) fn take_over(
-    model: &LoadedModel,
+    layer: &Transformer,
     state: &mut MtpState,
     n: usize,
     capacity: usize,
 ) -> Result<usize, EngineError> {
-    let t = &model.transformer;
+    let t = &layer;
     let (n, read, pending) = split_at(state, n, t.config().hidden);
     state.cache.truncate(read);
     state.pending.truncate(pending);

@@ -95,7 +95,12 @@ impl Worker<'_> {
                 let mut state = p.mtp;
                 let n = match &mut state {
                     Some(m) => {
-                        mtp::take_over(&self.model, m, n, capacity).map_err(|e| e.to_string())?
+                        let layer = self
+                            .mtp
+                            .as_ref()
+                            .ok_or("a prediction layer's state without the layer")?;
+                        mtp::take_over(&layer.transformer, m, n, capacity)
+                            .map_err(|e| e.to_string())?
                     }
                     None => n,
                 };
@@ -134,9 +139,18 @@ impl Worker<'_> {
                 let slot = (0..self.config.max_batch)
                     .find(|s| !held.contains(s))
                     .ok_or_else(|| "no free slot in the split model".to_string())?;
-                let from = source.and_then(|(store, _, n)| store.slot().map(|s| (s, n)));
+                let from = source.and_then(|(store, st, n)| store.slot().map(|s| (s, st, n)));
                 let n = match from {
-                    Some((from, n)) => {
+                    Some((from, from_state, n)) => {
+                        let n = match (from_state, &self.mtp) {
+                            (Some(s), Some(layer)) => {
+                                let (n, mine) = mtp::share(&layer.transformer, s, n, capacity)
+                                    .map_err(|e| e.to_string())?;
+                                state = Some(mine);
+                                n
+                            }
+                            _ => n,
+                        };
                         lead.copy_prefix(from, slot, n).map_err(|e| e.to_string())?;
                         n
                     }
@@ -162,9 +176,12 @@ impl Worker<'_> {
                 let n = match src {
                     Some((from, from_state, n)) => {
                         let n = match from_state {
-                            Some(s) if self.mtp => {
-                                let (n, mine) = mtp::share(&self.model, s, n, capacity)
-                                    .map_err(|e| e.to_string())?;
+                            Some(s) if self.mtp.is_some() => {
+                                let layer = self.mtp.as_ref().map(|m| &m.transformer);
+                                let layer =
+                                    layer.ok_or("a prediction layer's state without the layer")?;
+                                let (n, mine) =
+                                    mtp::share(layer, s, n, capacity).map_err(|e| e.to_string())?;
                                 state = Some(mine);
                                 n
                             }

@@ -25,9 +25,9 @@ impl Worker<'_> {
     /// against what follows, checked or not).
     pub(super) fn drafts(&mut self, ready: &[usize]) -> Vec<Vec<u32>> {
         let draft_model = self.draft.clone();
-        let model = self.model.clone();
+        let mtp_layer = self.mtp.clone();
         // a draft model or the prediction layer: drafts cost a step each
-        let by_model = draft_model.is_some() || self.mtp;
+        let by_model = draft_model.is_some() || mtp_layer.is_some();
         let adaptive = self.config.adaptive_drafts;
         // a split step carries at most so many tokens of a sequence
         let step_max = if self.lead.is_some() {
@@ -84,7 +84,7 @@ impl Worker<'_> {
                 for ((&i, k), &a) in ready.iter().zip(&mut k).zip(&available) {
                     let s = &mut self.active[i];
                     *k = s.probe.length(*k, a, try_seconds, step);
-                    if self.mtp && s.probe.missed() >= mtp::GIVE_UP && *k == 0 {
+                    if mtp_layer.is_some() && s.probe.missed() >= mtp::GIVE_UP && *k == 0 {
                         mtp::stop(s);
                     }
                 }
@@ -99,9 +99,10 @@ impl Worker<'_> {
             match &draft_model {
                 _ if k == 0 => drafts.push(Vec::new()),
                 Some(_) | None if by_model => {
-                    let drafted = match &draft_model {
-                        Some(d) => draft_from_model(d, s, &context_of(s), k),
-                        None => mtp::draft(&model, s, k),
+                    let drafted = match (&draft_model, &mtp_layer) {
+                        (Some(d), _) => draft_from_model(d, s, &context_of(s), k),
+                        (None, Some(layer)) => mtp::draft(&layer.transformer, s, k),
+                        (None, None) => None,
                     };
                     let (draft, spent) = drafted.unwrap_or_default();
                     if !draft.is_empty() {
@@ -140,18 +141,22 @@ impl Worker<'_> {
         }
         let last = counts.iter().copied().max().unwrap_or(1);
         let started = Instant::now();
-        let by_model = (self.draft.is_some() || self.mtp) && self.config.adaptive_drafts;
+        let mtp_layer = self.mtp.clone();
+        let by_model = (self.draft.is_some() || mtp_layer.is_some()) && self.config.adaptive_drafts;
         let model = self.model.clone();
         let vocab = model.transformer.config().vocab;
         let before: Vec<usize> = ready.iter().map(|&i| self.active[i].cache.len()).collect();
         // the model's output hidden states of every row, for the prediction layer
         let mut hidden = Vec::new();
         let result = if self.lead.is_some() {
-            self.split_rows(ready, &tokens, &counts)
-                .map(StepLogits::Rows)
+            let rows = self.split_rows(ready, &tokens, &counts);
+            if let (Ok(_), Some(_), Some(lead)) = (&rows, &mtp_layer, self.lead.as_mut()) {
+                hidden = lead.take_hidden();
+            }
+            rows.map(StepLogits::Rows)
         } else {
             let mut caches = ready_local_caches(&mut self.active);
-            if self.mtp {
+            if mtp_layer.is_some() {
                 model
                     .transformer
                     .step_hidden(&tokens, &counts, &mut caches, last)
@@ -236,10 +241,10 @@ impl Worker<'_> {
                     if let Some(dc) = &mut seq.draft_cache {
                         dc.truncate(dc.len().min(before + 1 + taken));
                     }
-                    if !hidden.is_empty() {
+                    if let (false, Some(layer)) = (hidden.is_empty(), &mtp_layer) {
                         let width = hidden.len() / (1 + draft.len());
                         let kept = &hidden[..(1 + taken) * width];
-                        mtp::record_hidden(&model, seq, before, kept);
+                        mtp::record_hidden(&layer.transformer, seq, before, kept);
                         // fixed drafts are checked whatever is taken
                         if by_model {
                             mtp::checked(seq, draft.len(), taken);

@@ -15,6 +15,7 @@ use super::{Event, Finished, SequenceRequest, TokenLogprob, PROMPT_CHUNK};
 use crate::model::LoadedModel;
 use crate::parallel::Want;
 use crate::stop::FinishReason;
+use crate::transformer::Transformer;
 use crate::{EngineError, KvCache};
 
 impl Worker<'_> {
@@ -33,6 +34,7 @@ impl Worker<'_> {
             return;
         };
         let model = self.model.clone();
+        let mtp_layer = self.mtp.clone();
         let seq = &mut self.active[i];
         let prompt_len = seq.job.request.prompt.len();
         let end = (seq.prefilled + PROMPT_CHUNK).min(prompt_len);
@@ -40,7 +42,7 @@ impl Worker<'_> {
         let start = seq.prefilled;
         let mut hidden = None;
         let result = match (&mut seq.cache, self.lead.as_mut()) {
-            (Store::Local(cache), _) if self.mtp => model
+            (Store::Local(cache), _) if mtp_layer.is_some() => model
                 .transformer
                 .step_hidden(chunk, &[chunk.len()], &mut [cache], 1)
                 .map(|(logits, rows)| {
@@ -57,6 +59,9 @@ impl Worker<'_> {
                 let r = lead
                     .select(*slot)
                     .and_then(|()| lead.step_with(chunk, want));
+                if r.is_ok() && mtp_layer.is_some() {
+                    hidden = Some(lead.take_hidden());
+                }
                 *len += chunk.len();
                 r
             }
@@ -90,8 +95,8 @@ impl Worker<'_> {
                 }
             }
         }
-        if let Some(rows) = hidden {
-            mtp::record_hidden(&model, seq, start, &rows);
+        if let (Some(rows), Some(layer)) = (hidden, &mtp_layer) {
+            mtp::record_hidden(&layer.transformer, seq, start, &rows);
         }
         let seq_ok = result.is_ok();
         let keep = match result {
@@ -141,24 +146,38 @@ impl Worker<'_> {
         self.count_step(ready.len(), ready.len());
         let started = Instant::now();
         let model = self.model.clone();
+        let mtp_layer = self.mtp.clone();
+        // where each sequence's step starts (for the prediction layer's rows)
+        let starts: Vec<usize> = ready.iter().map(|&i| self.active[i].cache.len()).collect();
         let result = if self.lead.is_some() {
-            self.split_decode(&ready, &tokens).map(StepLogits::Rows)
+            let rows = self.split_decode(&ready, &tokens);
+            if let (Ok(_), Some(layer), Some(lead)) = (&rows, &mtp_layer, self.lead.as_mut()) {
+                let hidden = lead.take_hidden();
+                record_rows(
+                    &layer.transformer,
+                    &mut self.active,
+                    &ready,
+                    &starts,
+                    &hidden,
+                );
+            }
+            rows.map(StepLogits::Rows)
         } else {
             let mut caches = ready_local_caches(&mut self.active);
-            if self.mtp {
-                let starts: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+            if let Some(layer) = &mtp_layer {
                 let counts = vec![1; tokens.len()];
                 let stepped = model
                     .transformer
                     .step_hidden(&tokens, &counts, &mut caches, 1);
                 drop(caches);
                 stepped.and_then(|(logits, hidden)| {
-                    let width = hidden.len() / tokens.len().max(1);
-                    for ((&i, start), row) in
-                        ready.iter().zip(starts).zip(hidden.chunks_exact(width))
-                    {
-                        mtp::record_hidden(&model, &mut self.active[i], start, row);
-                    }
+                    record_rows(
+                        &layer.transformer,
+                        &mut self.active,
+                        &ready,
+                        &starts,
+                        &hidden,
+                    );
                     StepLogits::flat(logits, tokens.len())
                 })
             } else {
@@ -416,6 +435,25 @@ pub(super) fn accept(model: &LoadedModel, seq: &mut Sequence, logits: &mut [f32]
     }
     seq.next = Some(id);
     true
+}
+
+/// Keeps each of the `ready` sequences' row of a one-token step's output hidden states
+/// (`hidden`, a row each in order; the step started at `starts`) for the prediction layer
+/// `layer`.
+fn record_rows(
+    layer: &Transformer,
+    active: &mut [Sequence],
+    ready: &[usize],
+    starts: &[usize],
+    hidden: &[f32],
+) {
+    let width = hidden.len() / ready.len().max(1);
+    if width == 0 {
+        return;
+    }
+    for ((&i, &start), row) in ready.iter().zip(starts).zip(hidden.chunks_exact(width)) {
+        mtp::record_hidden(layer, &mut active[i], start, row);
+    }
 }
 
 /// The local caches of the sequences with a sampled token to run, in order (the rows of a

@@ -130,8 +130,10 @@ pub(super) struct Worker<'m> {
     pub(super) broken: bool,
     /// The model that drafts tokens for speculative decoding, if any.
     pub(super) draft: Option<Arc<LoadedModel>>,
-    /// Whether the model's own prediction layer drafts them.
-    pub(super) mtp: bool,
+    /// The model's own prediction layer, when it drafts them: the model itself on one
+    /// rank, a share holding only the layer (and the embedding and head it reads) on the
+    /// lead of a split.
+    pub(super) mtp: Option<Arc<LoadedModel>>,
     /// Measured cost of a decode step by its rows (for the draft lengths).
     pub(super) step_costs: StepCosts,
     /// Seconds the draft model takes per drafted token, averaged (0 until measured).
@@ -156,7 +158,7 @@ impl<'m> Worker<'m> {
             in_flight: InFlight::default(),
             broken,
             draft: None,
-            mtp: false,
+            mtp: None,
             step_costs: StepCosts::default(),
             draft_token_seconds: 0.0,
         }

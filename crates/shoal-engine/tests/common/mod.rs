@@ -139,3 +139,54 @@ impl WeightSource for SwappedHeads {
         self.inner.block_len(name)
     }
 }
+
+/// The ranks of `layout` over in-process channels, each loading its shard of `source`:
+/// rank 0's context and model for a scheduler to lead, and the other ranks serving (each
+/// thread ends with its `serve`'s result once the lead stops), each holding caches of
+/// `capacity` positions.
+pub fn split_ranks(
+    source: &shoal_model::source::ModelSource,
+    layout: shoal_engine::shard::Layout,
+    capacity: usize,
+) -> (
+    shoal_engine::parallel::RankContext,
+    shoal_engine::model::LoadedModel,
+    Vec<std::thread::JoinHandle<Result<(), shoal_engine::EngineError>>>,
+) {
+    use shoal_comm::{mem_mesh, Transport};
+    use shoal_engine::model::LoadedModel;
+    use shoal_engine::parallel::{serve, RankContext};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let mut lead = None;
+    let mut workers = Vec::new();
+    for (r, t) in mem_mesh(layout.world()).into_iter().enumerate() {
+        let t: Arc<dyn Transport> = Arc::new(t);
+        let mut ctx = RankContext::over(t, layout, Duration::from_secs(60)).unwrap();
+        let source = source.clone();
+        let h = std::thread::spawn(move || {
+            let (m, plans) = LoadedModel::load_split(
+                &source,
+                layout,
+                None,
+                Default::default(),
+                r,
+                ctx.tp.clone(),
+            )
+            .unwrap();
+            ctx.plans = plans;
+            (ctx, m)
+        });
+        if r == 0 {
+            lead = Some(h);
+        } else {
+            workers.push(std::thread::spawn(move || {
+                let (ctx, m) = h.join().unwrap();
+                serve(&ctx, &m.transformer, capacity)
+            }));
+        }
+    }
+    let (ctx, m) = lead.unwrap().join().unwrap();
+    (ctx, m, workers)
+}
