@@ -51,8 +51,8 @@ enum Drafts {
     Lookup,
     /// A draft model.
     Model(Arc<LoadedModel>),
-    /// The model's own prediction layer.
-    Mtp,
+    /// The model's own prediction layer (on a split, the lead's share holding it).
+    Mtp(Option<Arc<LoadedModel>>),
 }
 
 impl ServedModel {
@@ -78,7 +78,7 @@ impl ServedModel {
         model: LoadedModel,
         config: SchedulerConfig,
     ) -> Result<Self, shoal_engine::EngineError> {
-        Self::build(id.into(), Arc::new(model), config, None, Drafts::Mtp)
+        Self::build(id.into(), Arc::new(model), config, None, Drafts::Mtp(None))
     }
 
     /// Starts serving `model` as `id` with speculative decoding by `draft` (a smaller model
@@ -128,6 +128,29 @@ impl ServedModel {
         Self::build(id.into(), model, config, Some(ctx), Drafts::Model(draft))
     }
 
+    /// Serves a split model ([`ServedModel::start_split`]) with speculative decoding by the
+    /// model's multi-token-prediction layer, which `layer` holds here beside rank 0 (see
+    /// [`Scheduler::start_split_with_mtp`]).
+    ///
+    /// # Errors
+    /// When `layer` holds no such layer of the model, speculation is off, or the scheduler
+    /// cannot start.
+    pub fn start_split_with_mtp(
+        id: impl Into<String>,
+        model: Arc<LoadedModel>,
+        ctx: shoal_engine::parallel::RankContext,
+        layer: Arc<LoadedModel>,
+        config: SchedulerConfig,
+    ) -> Result<Self, shoal_engine::EngineError> {
+        Self::build(
+            id.into(),
+            model,
+            config,
+            Some(ctx),
+            Drafts::Mtp(Some(layer)),
+        )
+    }
+
     fn build(
         id: String,
         model: Arc<LoadedModel>,
@@ -152,14 +175,17 @@ impl ServedModel {
         let scheduler = match (split, drafts) {
             (None, Drafts::Lookup) => Scheduler::start(model, config)?,
             (None, Drafts::Model(d)) => Scheduler::start_with_draft(model, d, config)?,
-            (None, Drafts::Mtp) => Scheduler::start_with_mtp(model, config)?,
+            (None, Drafts::Mtp(_)) => Scheduler::start_with_mtp(model, config)?,
             (Some(rc), Drafts::Lookup) => Scheduler::start_split(model, rc, config)?,
             (Some(rc), Drafts::Model(d)) => {
                 Scheduler::start_split_with_draft(model, rc, d, config)?
             }
-            (Some(_), Drafts::Mtp) => {
-                return Err(shoal_engine::EngineError::Unsupported {
-                    what: "drafting with the prediction layer on a split model".into(),
+            (Some(rc), Drafts::Mtp(Some(layer))) => {
+                Scheduler::start_split_with_mtp(model, rc, layer, config)?
+            }
+            (Some(_), Drafts::Mtp(None)) => {
+                return Err(shoal_engine::EngineError::InvalidInput {
+                    what: "drafting with the prediction layer on a split model needs the layer loaded beside rank 0 (LoadedModel::load_prediction_layer)".into(),
                 })
             }
         };

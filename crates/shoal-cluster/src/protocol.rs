@@ -20,11 +20,16 @@ use serde::{Deserialize, Serialize};
 /// The version of this protocol that this build speaks. Version 2 added split steps of
 /// several tokens per sequence (drafted tokens checked on a split instance), which a
 /// version-1 rank cannot run: a lead speculates on a split only when every node of its
-/// placement speaks [`SPLIT_SPECULATION`] or later.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// placement speaks [`SPLIT_SPECULATION`] or later. Version 3 added steps that return their
+/// rows' hidden states (the lead drafting with the model's prediction layer), which a
+/// version-2 rank refuses: a lead drafts so only when every node speaks [`SPLIT_HIDDEN`].
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The first version whose ranks run a split step of several tokens per sequence.
 pub const SPLIT_SPECULATION: u32 = 2;
+
+/// The first version whose ranks return a split step's rows' hidden states when asked.
+pub const SPLIT_HIDDEN: u32 = 3;
 
 /// The oldest version of this protocol that this build works with.
 pub const OLDEST_COMPATIBLE: u32 = 1;

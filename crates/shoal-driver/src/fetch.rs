@@ -370,10 +370,14 @@ impl Driver {
                     .get(rank / stage)
                     .map(|s| s.layers.clone())
                     .context("the rank is outside the placement")?;
+                // the layers after the model's are its prediction layers, which a lead
+                // drafting with them holds
+                let model_layers = inst.placement.stages.last().map_or(0, |s| s.layers.end);
+                let predicts = rank == 0 && self.cfg.mtp;
                 let mut chunks = header.clone();
                 for (name, start, len) in &m.tensors {
                     let wanted = match shoal_engine::arch::layer_of(name) {
-                        Some(i) => layers.contains(&i),
+                        Some(i) => layers.contains(&i) || (predicts && i >= model_layers),
                         None => true,
                     };
                     if wanted && *len > 0 {
@@ -423,7 +427,8 @@ impl Driver {
     }
 
     /// The byte ranges rank `rank` of `inst` reads, from the header of the (sparse) file at
-    /// `path`, as the executor will cut the model.
+    /// `path`, as the executor will cut the model, and on a lead that drafts with the
+    /// model's prediction layer, that layer's ([`shoal_engine::shard::prediction_ranges`]).
     fn rank_ranges(
         &self,
         inst: &Instance,
@@ -443,7 +448,13 @@ impl Driver {
         let plan = plans
             .get(rank)
             .context("the rank is outside the placement")?;
-        Ok(shoal_engine::shard::file_ranges(&cfg, src.file(), plan))
+        let mut ranges = shoal_engine::shard::file_ranges(&cfg, src.file(), plan);
+        if rank == 0 && self.cfg.mtp && cfg.mtp_layers > 0 {
+            // the lead drafts with the prediction layer, which it holds beside its share
+            ranges.extend(shoal_engine::shard::prediction_ranges(&cfg, src.file()));
+            ranges.sort_by_key(|r| r.start);
+        }
+        Ok(ranges)
     }
 
     /// Fetches the chunks of `chunks` not yet done, checking each against the manifest,

@@ -97,8 +97,15 @@ pub struct DriverConfig {
     /// shares, drafting up to `draft_max` tokens per step beside rank 0; on a split instance
     /// only when every node of its placement runs steps of several rows, as for `lookup`.
     pub draft: Option<Arc<LoadedModel>>,
-    /// Tokens the draft model drafts per step at most.
+    /// Tokens the draft model (or the prediction layer) drafts per step at most.
     pub draft_max: usize,
+    /// Drafting with the model's own multi-token-prediction layer on the instances this node
+    /// leads whose model has one (and no draft model here shares its vocabulary), up to
+    /// `draft_max` tokens per step: the lead loads the layer beside rank 0's share (fetching
+    /// its bytes with the share's where it lacks the file); on a split instance only when
+    /// every node of its placement returns the rows' hidden states
+    /// ([`shoal_cluster::protocol::SPLIT_HIDDEN`]).
+    pub mtp: bool,
 }
 
 /// The driver of one node.

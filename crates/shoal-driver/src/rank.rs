@@ -16,7 +16,7 @@ use anyhow::{bail, Context};
 use shoal_api::ServedModel;
 use shoal_cluster::instances::Instance;
 use shoal_cluster::mesh::SessionTransport;
-use shoal_cluster::protocol::SPLIT_SPECULATION;
+use shoal_cluster::protocol::{SPLIT_HIDDEN, SPLIT_SPECULATION};
 use shoal_comm::Rebindable;
 use shoal_engine::model::LoadedModel;
 use shoal_engine::parallel::{serve, RankContext};
@@ -122,19 +122,48 @@ impl Driver {
         }
     }
 
-    /// Whether every node of `inst`'s placement runs split steps of several tokens per
-    /// sequence (so that its lead may check drafted tokens); a node whose facts are unknown
-    /// counts as one that does not.
-    fn placement_speculates(&self, inst: &Instance) -> bool {
+    /// Whether every node of `inst`'s placement speaks protocol `version` or later: with
+    /// [`SPLIT_SPECULATION`] its ranks run split steps of several tokens per sequence (so
+    /// that the lead may check drafted tokens), with [`SPLIT_HIDDEN`] they also return the
+    /// rows' hidden states (so that the lead may draft with the prediction layer). A node
+    /// whose facts are unknown counts as one that does not.
+    fn placement_speaks(&self, inst: &Instance, version: u32) -> bool {
         let nodes = self.rt.block_on(self.node.nodes());
         inst.nodes().iter().all(|id| {
-            nodes.iter().any(|n| {
-                n.id == *id
-                    && n.facts
-                        .as_ref()
-                        .is_some_and(|f| f.protocol >= SPLIT_SPECULATION)
-            })
+            nodes
+                .iter()
+                .any(|n| n.id == *id && n.facts.as_ref().is_some_and(|f| f.protocol >= version))
         })
+    }
+
+    /// The model's multi-token-prediction layer for the lead of `inst` to draft with, loaded
+    /// from `path` beside rank 0's share: where this node drafts with it (`--mtp`), the
+    /// model has one and every node of the placement returns the rows' hidden states. A
+    /// failure to load it is logged and the instance served without it.
+    fn prediction_layer(
+        &self,
+        inst: &Instance,
+        model: &LoadedModel,
+        path: &Path,
+    ) -> Option<Arc<LoadedModel>> {
+        if !self.cfg.mtp || model.transformer.config().mtp_layers == 0 {
+            return None;
+        }
+        if !self.placement_speaks(inst, SPLIT_HIDDEN) {
+            tracing::info!(instance = %inst.id, "no drafting with the prediction layer: a node of the placement runs an older shoal");
+            return None;
+        }
+        let t0 = Instant::now();
+        match LoadedModel::load_prediction_layer(&ModelSource::Gguf(path.to_path_buf())) {
+            Ok(layer) => {
+                tracing::info!(instance = %inst.id, ms = t0.elapsed().as_millis() as u64, "drafting with the model's prediction layer");
+                Some(Arc::new(layer))
+            }
+            Err(e) => {
+                tracing::warn!(instance = %inst.id, "no drafting with the prediction layer: {e}");
+                None
+            }
+        }
     }
 
     fn run_rank(&self, inst: &Instance, rank: usize, handle: &RankHandle) -> anyhow::Result<()> {
@@ -222,7 +251,7 @@ impl Driver {
             .min(model.transformer.config().context_len)
             .max(2);
         if rank == 0 {
-            let speculates = self.placement_speculates(inst);
+            let speculates = self.placement_speaks(inst, SPLIT_SPECULATION);
             // the node's draft model drafts for the instances whose vocabulary it shares
             let draft = self.cfg.draft.clone().filter(|d| {
                 let fits = check_draft(&model, d);
@@ -231,10 +260,15 @@ impl Driver {
                 }
                 speculates && fits.is_ok()
             });
-            let draft_max = match &draft {
-                Some(_) => self.cfg.draft_max,
-                None if self.cfg.lookup > 0 && speculates => self.cfg.lookup,
-                None => 0,
+            // else the model's own prediction layer, where it has one
+            let layer = match (&draft, speculates) {
+                (None, true) => self.prediction_layer(inst, &model, &path),
+                _ => None,
+            };
+            let draft_max = match (&draft, &layer) {
+                (Some(_), _) | (_, Some(_)) => self.cfg.draft_max,
+                _ if self.cfg.lookup > 0 && speculates => self.cfg.lookup,
+                _ => 0,
             };
             let config = SchedulerConfig {
                 max_batch: self.cfg.parallel,
@@ -245,9 +279,10 @@ impl Driver {
                 adaptive_drafts: self.cfg.adaptive_drafts,
             };
             let id = inst.id.clone();
-            let served = Arc::new(match draft {
-                Some(d) => ServedModel::start_split_with_draft(id, model, ctx, d, config)?,
-                None => ServedModel::start_split(id, model, ctx, config)?,
+            let served = Arc::new(match (draft, layer) {
+                (Some(d), _) => ServedModel::start_split_with_draft(id, model, ctx, d, config)?,
+                (None, Some(l)) => ServedModel::start_split_with_mtp(id, model, ctx, l, config)?,
+                (None, None) => ServedModel::start_split(id, model, ctx, config)?,
             });
             let state = self
                 .state

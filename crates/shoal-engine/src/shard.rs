@@ -271,6 +271,19 @@ pub fn file_ranges(
     out
 }
 
+/// The byte ranges of `file` that the share holding only the model's first
+/// multi-token-prediction layer reads ([`ShardPlan::prediction_only`] with the layer
+/// loaded): every file's header, every tensor outside the blocks, and the layer's block
+/// (`blk.{n_layer}`). What the lead of a split that drafts with the layer fetches beside its
+/// rank's ranges, where it lacks the file.
+pub fn prediction_ranges(cfg: &ModelConfig, file: &shoal_model::gguf::GgufFile) -> Vec<Range<u64>> {
+    let plan = ShardPlan {
+        layers: cfg.n_layer..cfg.n_layer + cfg.mtp_layers.min(1),
+        ..ShardPlan::full(cfg)
+    };
+    file_ranges(cfg, file, &plan)
+}
+
 /// Contiguous layer ranges of `sizes` (one per stage), or as even as possible when `None`
 /// (earlier stages take the extra layer). [`plan`] balances by bytes instead.
 ///

@@ -264,34 +264,10 @@ fn drafting_with_the_prediction_layer_gives_the_same_tokens() {
     }
 }
 
-/// Every block's output projections zeroed make each block pass its input on, so the model
-/// maps a token to the next by its embedding alone; a prediction layer whose block passes
-/// its input on too and whose projection keeps only the token's normed embedding then
-/// predicts exactly that.
+/// The test kit's GLM whose prediction layer foresees the model
+/// ([`TinyModel::foreseeing`]): every draft it makes is taken.
 fn foresighted(seed: u64) -> TinyModel {
-    let mut tm = TinyModel::new(TinyModelSpec::glm4moe(seed)).unwrap();
-    let h = tm.spec().hidden_size;
-    let l = tm.spec().n_layers;
-    let norm = tm.weight("model.norm.weight").unwrap().clone();
-    for (name, w) in tm.weights_mut().iter_mut() {
-        if name.ends_with("o_proj.weight") || name.contains("down_proj") {
-            w.data.fill(0.0);
-        }
-        if name == &format!("model.layers.{l}.eh_proj.weight") {
-            for r in 0..h {
-                for c in 0..2 * h {
-                    w.data[r * 2 * h + c] = if c == r { 1.0 } else { 0.0 };
-                }
-            }
-        }
-        if name == &format!("model.layers.{l}.enorm.weight") {
-            w.data.fill(1.0);
-        }
-        if name == &format!("model.layers.{l}.shared_head.norm.weight") {
-            w.data.clone_from(&norm.data);
-        }
-    }
-    tm
+    TinyModel::foreseeing(TinyModelSpec::glm4moe(seed)).unwrap()
 }
 
 #[test]
@@ -684,4 +660,80 @@ fn a_split_model_without_the_layer_is_refused() {
         "{e}"
     );
     assert!(e.to_string().contains("prompt lookup"), "{e}");
+}
+
+/// A lead that lacks the model file fetches the byte ranges `shard::prediction_ranges` names
+/// beside its rank's: the prediction layer loaded from a copy holding only those (zeros
+/// elsewhere) gives the whole file's layer's logits exactly, and the copy holds none of the
+/// model's own layers. The ranges of the same share without the layer's block (a planted
+/// fault: what a lead would fetch if the block were left out) give other logits.
+#[test]
+fn the_prediction_layer_loads_from_only_its_byte_ranges() {
+    use shoal_engine::shard::{self, ShardPlan};
+    use shoal_model::gguf::GgufFile;
+
+    let dir = tempfile::tempdir().unwrap();
+    let tm = TinyModel::new(TinyModelSpec {
+        n_layers: 4,
+        ..TinyModelSpec::glm4moe(61)
+    })
+    .unwrap();
+    let path = write(&tm, dir.path(), GgmlType::F32);
+    let whole_model = load(&path);
+    let t = &whole_model.transformer;
+    let cfg = t.config().clone();
+    let n = PROMPT.len();
+    let (_, hidden) = t
+        .step_hidden(&PROMPT, &[n], &mut [&mut t.new_cache(64)], 1)
+        .unwrap();
+    let rows = hidden[..(n - 1) * cfg.hidden].to_vec();
+    let logits_of = |layer: &LoadedModel| {
+        let l = &layer.transformer;
+        let mut cache = l.new_mtp_cache(64).unwrap();
+        l.mtp_step(
+            rows.clone(),
+            &PROMPT[1..],
+            &[n - 1],
+            &mut [&mut cache],
+            n - 1,
+        )
+        .unwrap()
+        .0
+    };
+    let want = logits_of(&whole_model);
+    let whole = std::fs::read(&path).unwrap();
+    let file = GgufFile::open(&path).unwrap();
+    let sparse_copy = |ranges: Vec<std::ops::Range<u64>>, name: &str| {
+        let mut sparse = vec![0u8; whole.len()];
+        let mut kept = 0;
+        for r in ranges {
+            let (a, b) = (r.start as usize, r.end as usize);
+            sparse[a..b].copy_from_slice(&whole[a..b]);
+            kept += b - a;
+        }
+        let p = dir.path().join(name);
+        std::fs::write(&p, &sparse).unwrap();
+        (p, kept)
+    };
+    let (p, kept) = sparse_copy(shard::prediction_ranges(&cfg, &file), "prediction.gguf");
+    let layers: usize = file
+        .tensors()
+        .iter()
+        .filter(|t| shoal_engine::arch::layer_of(&t.name).is_some_and(|l| l < cfg.n_layer))
+        .map(|t| t.size as usize)
+        .sum();
+    eprintln!(
+        "the prediction layer's ranges: {kept} of {} bytes",
+        whole.len()
+    );
+    assert!(kept + layers <= whole.len(), "{kept} bytes kept");
+    let layer = LoadedModel::load_prediction_layer(&ModelSource::Gguf(p)).unwrap();
+    assert_eq!(logits_of(&layer), want);
+    // without the layer's block
+    let plan = ShardPlan::prediction_only(&cfg);
+    let (p, _) = sparse_copy(shard::file_ranges(&cfg, &file, &plan), "planted.gguf");
+    let planted = LoadedModel::load_prediction_layer(&ModelSource::Gguf(p)).unwrap();
+    let d = max_abs_diff(&logits_of(&planted), &[want]);
+    eprintln!("without the layer's block: logits {d:.2e} off");
+    assert!(d > 1e-2);
 }

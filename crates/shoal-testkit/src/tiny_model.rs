@@ -1301,6 +1301,51 @@ impl TinyModel {
         &mut self.weights
     }
 
+    /// A model with a multi-token-prediction layer (`spec.nextn_layers` > 0, as
+    /// [`TinyModelSpec::glm4moe`]) made to foresee it: every block's output projections
+    /// zeroed make each block pass its input on, so the model maps a token to the next by its
+    /// embedding alone; the prediction layer's block passes its input on too and its
+    /// projection keeps only the token's normed embedding (`enorm` of weight 1, its head
+    /// norm the model's), so it predicts exactly what the model will say and every draft it
+    /// makes is taken.
+    ///
+    /// # Errors
+    /// As [`TinyModel::new`], and when the spec has no prediction layer.
+    pub fn foreseeing(spec: TinyModelSpec) -> Result<Self, TestkitError> {
+        if spec.nextn_layers == 0 {
+            return Err(TestkitError::InvalidSpec(format!(
+                "{} has no prediction layer to foresee the model with",
+                spec.name
+            )));
+        }
+        let mut tm = TinyModel::new(spec)?;
+        let h = tm.spec().hidden_size;
+        let l = tm.spec().n_layers;
+        let norm = tm
+            .weight("model.norm.weight")
+            .ok_or_else(|| TestkitError::InvalidSpec("no final norm".into()))?
+            .clone();
+        for (name, w) in tm.weights_mut().iter_mut() {
+            if name.ends_with("o_proj.weight") || name.contains("down_proj") {
+                w.data.fill(0.0);
+            }
+            if name == &format!("model.layers.{l}.eh_proj.weight") {
+                for r in 0..h {
+                    for c in 0..2 * h {
+                        w.data[r * 2 * h + c] = if c == r { 1.0 } else { 0.0 };
+                    }
+                }
+            }
+            if name == &format!("model.layers.{l}.enorm.weight") {
+                w.data.fill(1.0);
+            }
+            if name == &format!("model.layers.{l}.shared_head.norm.weight") {
+                w.data.clone_from(&norm.data);
+            }
+        }
+        Ok(tm)
+    }
+
     /// The GGUF name of an HF tensor name of this model's architecture, if it is one.
     pub fn gguf_name(&self, hf_name: &str) -> Option<String> {
         gguf_name_for(self.spec.arch, hf_name)

@@ -93,9 +93,10 @@ pub struct SpeculationArgs {
     /// Speculative decoding with the model's own multi-token-prediction layer (GLM-4.5 and
     /// later ship one, as `nextn` tensors): no second model, one more layer's cost per
     /// drafted token; it drafts --draft-max tokens per step, checked in one step; the output
-    /// is unchanged. On a split (`run --tp/--pp`) the lead holds the layer, with the
-    /// embedding and output head it reads, beside rank 0's share, and each split step
-    /// returns its rows' hidden states for it.
+    /// is unchanged. On a split (`run --tp/--pp`, and the cluster instances `serve` leads
+    /// whose model has the layer) the lead holds the layer, with the embedding and output
+    /// head it reads, beside rank 0's share, and each split step returns its rows' hidden
+    /// states for it.
     #[arg(long, conflicts_with_all = ["lookup", "draft"])]
     pub mtp: bool,
     /// Tokens the draft model (or the prediction layer) drafts per step at most.

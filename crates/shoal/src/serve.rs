@@ -357,9 +357,9 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
              model with `shoal bench MODEL --calibrate`"
         );
     }
-    if args.speculation.mtp && args.models.is_empty() {
+    if args.speculation.mtp && args.models.is_empty() && !clustered {
         anyhow::bail!(
-            "--mtp drafts for the models given with --model; cluster instances run as splits, where the prediction layer does not draft: draft for them with --lookup or --draft"
+            "--mtp drafts for the models given with --model and for the cluster instances this node leads; give --model, or a cluster secret"
         );
     }
     let threads = rayon::current_num_threads();
@@ -504,6 +504,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
                         adaptive_drafts: !args.speculation.fixed_drafts,
                         draft: draft.clone(),
                         draft_max: args.speculation.draft_max,
+                        mtp: args.speculation.mtp,
                     },
                     offered,
                 );

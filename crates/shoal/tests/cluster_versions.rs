@@ -1,12 +1,12 @@
 //! Nodes of different cluster protocol versions. The tests play other builds of shoal with
 //! `SHOAL_PROTOCOL_VERSION` (`VERSION:OLDEST`; a build's own versions are constants):
 //!
-//! - a node whose version does not work with the cluster's (version 3 working with 3 only,
-//!   against version 2) is refused with both versions named, shown by `shoal status` and
+//! - a node whose version does not work with the cluster's (version 4 working with 4 only,
+//!   against version 3) is refused with both versions named, shown by `shoal status` and
 //!   `shoal doctor`, and kept out of the planner's view, while a newer node that works with
-//!   version 2 joins as any other;
+//!   version 3 joins as any other;
 //! - a rolling upgrade: each node of a three-node cluster serving qwen05 split in pipeline
-//!   stages is killed in turn and started again as a newer build (3, working with 1), while
+//!   stages is killed in turn and started again as a newer build (4, working with 1), while
 //!   four clients stream through an entry node; no stream is lost and every one gives the
 //!   text of the uninterrupted run (stages compute whole layers, so every placement of the
 //!   upgrade gives the same tokens; tensor splits of different widths round differently).
@@ -47,8 +47,8 @@ fn a_node_of_an_incompatible_version_is_refused_and_shown() {
             &[("SHOAL_PROTOCOL_VERSION", versions)],
         )
     };
-    let b = newer("b", "3:3");
-    let c = newer("c", "3:1");
+    let b = newer("b", "4:4");
+    let c = newer("c", "4:1");
     // a refuses b's sessions, naming b's versions; c works with a
     let refused = wait_until(Duration::from_secs(60), "a refuses b", || {
         let st = json_of(&["status", "--json", "--url", &a.url]);
@@ -57,7 +57,7 @@ fn a_node_of_an_incompatible_version_is_refused_and_shown() {
     });
     assert_eq!(
         refused["versions"],
-        json!({"version": 3, "oldest": 3}),
+        json!({"version": 4, "oldest": 4}),
         "{refused}"
     );
     wait_until(
@@ -91,7 +91,7 @@ fn a_node_of_an_incompatible_version_is_refused_and_shown() {
             .as_array()
             .unwrap()
             .iter()
-            .any(|p| p["node"] == a.id.as_str() && p["versions"]["version"] == 2),
+            .any(|p| p["node"] == a.id.as_str() && p["versions"]["version"] == 3),
         "{st_b}"
     );
     // shown: shoal status and shoal doctor name both versions
@@ -100,7 +100,7 @@ fn a_node_of_an_incompatible_version_is_refused_and_shown() {
     eprintln!("{out}");
     assert!(
         out.contains(&format!("refused node {}", b.id))
-            && out.contains("cluster protocol 3 (works with 3..), this node 2 (works with 1..)"),
+            && out.contains("cluster protocol 4 (works with 4..), this node 3 (works with 1..)"),
         "{out}"
     );
     let (_, out, _) = run(&["doctor", "--url", &a.url]);
@@ -110,11 +110,11 @@ fn a_node_of_an_incompatible_version_is_refused_and_shown() {
         .find(|l| l.contains("versions"))
         .unwrap_or_else(|| panic!("no versions finding: {out}"));
     assert!(
-        line.contains(&b.id) && line.contains("version 3 (works with 3 only)"),
+        line.contains(&b.id) && line.contains("version 4 (works with 4 only)"),
         "{out}"
     );
     assert!(
-        out.contains("this node: version 2 (works with 1 to 2)"),
+        out.contains("this node: version 3 (works with 1 to 3)"),
         "{out}"
     );
     // the planner never sees b; c is there
@@ -266,7 +266,7 @@ fn a_rolling_upgrade_under_four_streams_loses_none() {
         let new = start(
             name,
             Some(&entry_listen),
-            &[("SHOAL_PROTOCOL_VERSION", "3:1")],
+            &[("SHOAL_PROTOCOL_VERSION", "4:1")],
         );
         assert_eq!(new.id, id, "the node keeps its identity across the upgrade");
         nodes.push(new);
@@ -286,9 +286,9 @@ fn a_rolling_upgrade_under_four_streams_loses_none() {
         lost.load(Ordering::Relaxed)
     );
     assert!(failures.is_empty(), "{failures:#?}");
-    // every node now speaks version 3 and works with the entry node's 2
+    // every node now speaks version 4 and works with the entry node's 3
     let a = nodes.iter().find(|n| n.name == "a").unwrap();
     let st = json_of(&["status", "--json", "--url", &a.url]);
-    assert_eq!(st["protocol"], json!({"version": 3, "oldest": 1}), "{st}");
+    assert_eq!(st["protocol"], json!({"version": 4, "oldest": 1}), "{st}");
     assert_eq!(st["incompatible_nodes"], json!([]), "{st}");
 }

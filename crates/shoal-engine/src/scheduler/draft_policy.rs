@@ -236,7 +236,7 @@ impl Probe {
     const FIRST: usize = 8;
     const LAST: usize = 128;
     /// The share of the decoding time tries may take at most, when their cost is known.
-    const SHARE: f64 = 0.02;
+    pub(crate) const SHARE: f64 = 0.02;
 
     /// The drafted tokens to check this step: `chosen`, or one (a try) when `chosen` is none,
     /// one is `available` and the wait is over. A try that costs `try_seconds` (its draft

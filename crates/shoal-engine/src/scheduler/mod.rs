@@ -334,7 +334,7 @@ pub fn check_mtp(model: &LoadedModel, config: &SchedulerConfig) -> Result<(), En
                 )
             } else {
                 format!(
-                    "{}'s multi-token-prediction layer drafts only where one process holds the whole model on one device; draft by prompt lookup or with a draft model instead",
+                    "{}'s multi-token-prediction layer drafts only where a share holds the embedding, the whole output head and whole layers on one device (the whole model, or on a split's lead the layer alone: LoadedModel::load_prediction_layer); draft by prompt lookup or with a draft model instead",
                     model.name
                 )
             },

@@ -29,12 +29,37 @@ pub(super) struct MtpState {
     /// Tokens it drafted that were checked, and of those the ones taken.
     drafted: usize,
     taken: usize,
+    /// Seconds the layer took to read one position without drafting (the positions before
+    /// the newest, read in a batch), averaged; 0 until measured.
+    read_seconds: f64,
 }
 
 impl MtpState {
     fn pending_rows(&self, hidden: usize) -> usize {
         self.pending.len() / hidden
     }
+
+    /// Records that reading `rows` positions took `seconds`.
+    fn read(&mut self, rows: usize, seconds: f64) {
+        if rows == 0 {
+            return;
+        }
+        let per_row = seconds / rows as f64;
+        self.read_seconds = if self.read_seconds > 0.0 {
+            0.7 * self.read_seconds + 0.3 * per_row
+        } else {
+            per_row
+        };
+    }
+}
+
+/// Whether `seq`'s layer has had drafts checked and costs more than `budget` seconds to read
+/// each position: while its drafts do not pay, keeping it for a later try would cost that
+/// reading at every position in between, more than tries may take, so it stops at once.
+pub(super) fn reading_exceeds(seq: &Sequence, budget: f64) -> bool {
+    seq.mtp
+        .as_ref()
+        .is_some_and(|m| m.drafted > 0 && m.read_seconds > budget)
 }
 
 /// Keeps `rows` (the model's output hidden states at `seq`'s positions `start..`, a row of
@@ -55,6 +80,7 @@ pub(super) fn record_hidden(layer: &Transformer, seq: &mut Sequence, start: usiz
                 pending: Vec::new(),
                 drafted: 0,
                 taken: 0,
+                read_seconds: 0.0,
             });
     }
     match &mut seq.mtp {
@@ -92,9 +118,11 @@ fn catch_up(layer: &Transformer, seq: &mut Sequence) {
     let tokens = context_range(seq, at + 1, rows);
     let Some(m) = &mut seq.mtp else { return };
     let head: Vec<f32> = m.pending.drain(..rows * hidden).collect();
+    let started = Instant::now();
     // read into the layer's cache only: no logits
-    if let Err(e) = layer.mtp_step(head, &tokens, &[rows], &mut [&mut m.cache], 0) {
-        give_up(seq, &e);
+    match layer.mtp_step(head, &tokens, &[rows], &mut [&mut m.cache], 0) {
+        Ok(_) => m.read(rows, started.elapsed().as_secs_f64()),
+        Err(e) => give_up(seq, &e),
     }
 }
 
@@ -133,6 +161,7 @@ pub(super) fn draft(
                 &mut [&mut m.cache],
                 0,
             )?;
+            m.read(rows - 1, started.elapsed().as_secs_f64());
             pending = newest;
             started = Instant::now();
         }
@@ -191,6 +220,7 @@ pub(super) fn share(
             pending,
             drafted: 0,
             taken: 0,
+            read_seconds: src.read_seconds,
         },
     ))
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
-use super::draft_policy::{choose, Candidate};
+use super::draft_policy::{choose, Candidate, Probe};
 use super::mtp;
 use super::step::{accept, ready_local_caches, StepLogits};
 use super::worker::{Sequence, Store, Worker};
@@ -72,6 +72,12 @@ impl Worker<'_> {
                 })
                 .collect();
             let mut k = choose(&self.step_costs, &candidates, self.draft_token_seconds);
+            if by_model && self.draft_token_seconds == 0.0 {
+                // until a drafted token's cost is measured, one drafted token finds it out
+                for k in &mut k {
+                    *k = (*k).min(1);
+                }
+            }
             if by_model {
                 // a try costs a drafted token and the row it adds to the step
                 let step = self.step_costs.cost(ready.len());
@@ -83,8 +89,13 @@ impl Worker<'_> {
                 };
                 for ((&i, k), &a) in ready.iter().zip(&mut k).zip(&available) {
                     let s = &mut self.active[i];
+                    let chosen = *k;
                     *k = s.probe.length(*k, a, try_seconds, step);
-                    if mtp_layer.is_some() && s.probe.missed() >= mtp::GIVE_UP && *k == 0 {
+                    if mtp_layer.is_some()
+                        && *k == 0
+                        && (s.probe.missed() >= mtp::GIVE_UP
+                            || (chosen == 0 && mtp::reading_exceeds(s, Probe::SHARE * step)))
+                    {
                         mtp::stop(s);
                     }
                 }
