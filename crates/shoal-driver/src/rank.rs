@@ -153,6 +153,21 @@ impl Driver {
             tracing::info!(instance = %inst.id, "no drafting with the prediction layer: a node of the placement runs an older shoal");
             return None;
         }
+        // the planner does not count the layer in the lead's share: load it only where the
+        // memory is there
+        let need = prediction_bytes(path);
+        let available = shoal_cluster::facts::memory().map(|(_, available)| available);
+        if let (Some(need), Some(available)) = (need, available) {
+            if need + need / 4 > available {
+                tracing::info!(
+                    instance = %inst.id,
+                    need_mb = need / 1_000_000,
+                    available_mb = available / 1_000_000,
+                    "no drafting with the prediction layer: the memory for it is not there"
+                );
+                return None;
+            }
+        }
         let t0 = Instant::now();
         match LoadedModel::load_prediction_layer(&ModelSource::Gguf(path.to_path_buf())) {
             Ok(layer) => {
@@ -403,4 +418,17 @@ impl Driver {
         };
         self.fetch_slice(inst, &sources, &sha, rank, stop)
     }
+}
+
+/// The bytes of the model at `path` that its prediction layer's share holds (the layer, the
+/// embedding, the final norm and the output head); `None` where the file cannot be read.
+fn prediction_bytes(path: &Path) -> Option<u64> {
+    let file = shoal_model::gguf::GgufFile::open(path).ok()?;
+    let cfg = shoal_engine::arch::config_of_file(&file, &path.display().to_string()).ok()?;
+    Some(
+        shoal_engine::shard::prediction_ranges(&cfg, &file)
+            .iter()
+            .map(|r| r.end - r.start)
+            .sum(),
+    )
 }
