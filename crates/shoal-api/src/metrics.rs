@@ -81,6 +81,7 @@ pub struct Metrics {
     kept_bytes: Family<ModelLabels, Gauge<u64, AtomicU64>>,
     drafted: Family<ModelLabels, Gauge<u64, AtomicU64>>,
     accepted_drafts: Family<ModelLabels, Gauge<u64, AtomicU64>>,
+    drafted_ahead: Family<ModelLabels, Gauge<u64, AtomicU64>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -227,11 +228,17 @@ impl Metrics {
             "draft_tokens_accepted",
             "Of those, the tokens the model sampled too (emitted without a step of their own)",
         );
+        let drafted_ahead = count(
+            &mut r,
+            "draft_tokens_ahead",
+            "Drafted tokens a pipeline's lead made while the later stages checked the draft before them",
+        );
         Metrics {
             registry: Mutex::new(r),
             figures: Mutex::default(),
             drafted,
             accepted_drafts,
+            drafted_ahead,
             sequences,
             prefix_hits,
             cached_tokens,
@@ -371,6 +378,9 @@ impl Metrics {
         self.accepted_drafts
             .get_or_create(&m)
             .set(s.accepted_drafts.load(Relaxed));
+        self.drafted_ahead
+            .get_or_create(&m)
+            .set(s.drafted_ahead.load(Relaxed));
     }
 
     /// The exposition in the OpenMetrics text format.

@@ -1484,7 +1484,8 @@ fn draft_model_decoding_gives_the_same_tokens() {
 /// A draft model on a split's lead: its drafts are checked in one split step of every rank
 /// (tensor, pipeline and both), and greedy and seeded sampling give one rank's plain tokens,
 /// with every draft checked or as many as pay. The model itself as its own draft has every
-/// draft taken on a pipeline (whose stages compute as one rank does).
+/// draft taken on a pipeline (whose stages compute as one rank does), and every draft after
+/// the first made while the second stage checked the one before it.
 #[test]
 fn a_split_checks_a_draft_models_drafts() {
     use shoal_engine::shard::Layout;
@@ -1568,7 +1569,7 @@ fn a_split_checks_a_draft_models_drafts() {
     };
     let prompt: Vec<u32> = (0..20).map(|i| (i * 13 + 5) % 320).collect();
     let source = ModelSource::Gguf(path);
-    let (drafted, taken, steps) = on_split_with(
+    let ((drafted, taken, steps), ahead) = on_split_with(
         &source,
         Layout { tp: 1, pp: 2 },
         config,
@@ -1580,11 +1581,15 @@ fn a_split_checks_a_draft_models_drafts() {
                 &[41],
                 &SamplerConfig::default(),
             );
-            draft_counts(s, 8)
+            let counts = draft_counts(s, 8);
+            (counts, s.stats().drafted_ahead.load(Ordering::Relaxed))
         },
     );
     // 40 tokens after the first: 8 steps of 1 + 4
     assert_eq!((drafted, taken, steps), (32, 32, 8));
+    // every draft after the first was drafted while the second stage checked the one
+    // before it (past it, guessing the token after it right)
+    assert_eq!(ahead, 28);
 }
 
 /// Allows exactly the given tokens, in order.

@@ -278,6 +278,10 @@ pub struct SchedulerStats {
     pub drafted: AtomicU64,
     /// Of those, the ones the model agreed with (emitted without a step of their own).
     pub accepted_drafts: AtomicU64,
+    /// Drafted tokens the draft model made while a pipeline's later stages checked the
+    /// draft before them (past it, guessing the token the check samples), and that were
+    /// drafted by then: a step's draft that cost the lead no time of its own.
+    pub drafted_ahead: AtomicU64,
 }
 
 /// Refuses a split context that cannot lead, or more slots than a lead holds.

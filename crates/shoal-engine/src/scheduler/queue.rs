@@ -192,6 +192,7 @@ impl Worker<'_> {
             next: None,
             first_token: None,
             draft_cache: None,
+            ahead: Vec::new(),
             mtp,
             draft_failed: false,
             acceptance: Default::default(),

@@ -107,8 +107,21 @@ impl Worker<'_> {
         let mut drafts = Vec::with_capacity(ready.len());
         for ((&i, k), mut lookup) in ready.iter().zip(lengths).zip(lookups) {
             let s = &mut self.active[i];
+            // what the draft model drafted while the last check ran: its first token is
+            // the sequence's next now
+            let ahead = match std::mem::take(&mut s.ahead) {
+                a if a.len() > 1 && k > 0 => a[1..a.len().min(k + 1)].to_vec(),
+                _ => Vec::new(),
+            };
             match &draft_model {
                 _ if k == 0 => drafts.push(Vec::new()),
+                Some(_) if !ahead.is_empty() => {
+                    self.shared
+                        .stats
+                        .drafted_ahead
+                        .fetch_add(ahead.len() as u64, Ordering::Relaxed);
+                    drafts.push(ahead);
+                }
                 Some(_) | None if by_model => {
                     let drafted = match (&draft_model, &mtp_layer) {
                         (Some(d), _) => draft_from_model(d, s, &context_of(s), k),
@@ -160,7 +173,7 @@ impl Worker<'_> {
         // the model's output hidden states of every row, for the prediction layer
         let mut hidden = Vec::new();
         let result = if self.lead.is_some() {
-            let rows = self.split_rows(ready, &tokens, &counts);
+            let rows = self.check_on_split(ready, &tokens, &counts, drafts);
             if let (Ok(_), Some(_), Some(lead)) = (&rows, &mtp_layer, self.lead.as_mut()) {
                 hidden = lead.take_hidden();
             }
@@ -249,8 +262,16 @@ impl Worker<'_> {
                         Store::Local(c) => c.truncate(before + 1 + taken),
                         Store::Slot { len, .. } => *len = before + 1 + taken,
                     }
-                    if let Some(dc) = &mut seq.draft_cache {
-                        dc.truncate(dc.len().min(before + 1 + taken));
+                    // what the draft model drafted past the draft holds where the whole draft
+                    // was taken and the token sampled after it is its guess
+                    let ahead_holds = taken == draft.len()
+                        && seq.next.is_some()
+                        && seq.ahead.first() == seq.next.as_ref();
+                    if !ahead_holds {
+                        seq.ahead.clear();
+                        if let Some(dc) = &mut seq.draft_cache {
+                            dc.truncate(dc.len().min(before + 1 + taken));
+                        }
                     }
                     if let (false, Some(layer)) = (hidden.is_empty(), &mtp_layer) {
                         let width = hidden.len() / (1 + draft.len());
@@ -298,6 +319,50 @@ impl Worker<'_> {
             if !results[i].0 {
                 let seq = self.active.remove(i);
                 self.retire(seq, true);
+            }
+        }
+    }
+}
+
+impl Worker<'_> {
+    /// The split step that checks the ready sequences' drafts. On a pipeline with a draft
+    /// model, the lead's draft model drafts past each draft while the later stages check
+    /// it ([`Worker::draft_ahead`]), a time in which the lead would wait.
+    fn check_on_split(
+        &mut self,
+        ready: &[usize],
+        tokens: &[u32],
+        counts: &[usize],
+        drafts: &[Vec<u32>],
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        if !self.pipelined() || self.draft.is_none() {
+            return self.split_rows(ready, tokens, counts);
+        }
+        let (slots, want) = self.split_slots(ready, counts)?;
+        // nothing is in flight: a step that checks drafts first collects every group
+        self.lead_mut()?.submit_rows(&slots, tokens, counts, want)?;
+        self.draft_ahead(ready, drafts);
+        self.lead_mut()?.collect_rows()
+    }
+
+    /// Drafts past each ready sequence's draft (`drafts`, being checked) with the draft
+    /// model, one token more than the draft: its guess of the token the check samples after
+    /// the draft, then as many again (`Sequence::ahead`). The next draft where the check
+    /// takes the whole draft and samples the guess.
+    fn draft_ahead(&mut self, ready: &[usize], drafts: &[Vec<u32>]) {
+        let Some(d) = self.draft.clone() else {
+            return;
+        };
+        for (&i, draft) in ready.iter().zip(drafts) {
+            let s = &mut self.active[i];
+            s.ahead.clear();
+            if draft.is_empty() {
+                continue;
+            }
+            let mut context = context_of(s);
+            context.extend_from_slice(draft);
+            if let Some((ahead, _)) = draft_from_model(&d, s, &context, draft.len() + 1) {
+                s.ahead = ahead;
             }
         }
     }

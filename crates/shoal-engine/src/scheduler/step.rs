@@ -13,12 +13,12 @@ use super::mtp;
 use super::worker::{Sequence, Store, Worker};
 use super::{Event, Finished, SequenceRequest, TokenLogprob, PROMPT_CHUNK};
 use crate::model::LoadedModel;
-use crate::parallel::Want;
+use crate::parallel::{Lead, Want};
 use crate::stop::FinishReason;
 use crate::transformer::Transformer;
 use crate::{EngineError, KvCache};
 
-impl Worker<'_> {
+impl<'m> Worker<'m> {
     /// Runs the next chunk of the oldest sequence still reading its prompt; when its prompt is
     /// done, samples its first token.
     pub(super) fn prefill_one_chunk(&mut self) {
@@ -255,9 +255,24 @@ impl Worker<'_> {
         tokens: &[u32],
         counts: &[usize],
     ) -> Result<Vec<Vec<f32>>, EngineError> {
-        let lead = self.lead.as_mut().ok_or_else(|| EngineError::Internal {
+        let (slots, want) = self.split_slots(ready, counts)?;
+        self.lead_mut()?.step_rows(&slots, tokens, counts, want)
+    }
+
+    /// The lead of the split this scheduler runs.
+    pub(super) fn lead_mut(&mut self) -> Result<&mut Lead<'m>, EngineError> {
+        self.lead.as_mut().ok_or_else(|| EngineError::Internal {
             what: "a split sequence without a lead".into(),
-        })?;
+        })
+    }
+
+    /// The slots of the ready sequences in a split step of `counts[i]` tokens each (their
+    /// lengths counted on), and what the step must return for the most demanding of them.
+    pub(super) fn split_slots(
+        &mut self,
+        ready: &[usize],
+        counts: &[usize],
+    ) -> Result<(Vec<usize>, Want), EngineError> {
         let mut slots = Vec::with_capacity(ready.len());
         let mut want = Want::Best;
         for (&i, &n) in ready.iter().zip(counts) {
@@ -271,7 +286,7 @@ impl Worker<'_> {
             *len += n;
             want = widest(want, want_for(&seq.job.request));
         }
-        lead.step_rows(&slots, tokens, counts, want)
+        Ok((slots, want))
     }
 
     /// Interrupts every sequence and breaks the split (a failed split step leaves every

@@ -78,6 +78,11 @@ pub(super) struct Sequence {
     pub(super) first_token: Option<Duration>,
     /// The draft model's cache of this sequence (with a draft model, on one rank).
     pub(super) draft_cache: Option<KvCache>,
+    /// What the draft model drafted past its last draft while a pipeline's later stages
+    /// checked that draft: its guess of the token the check samples after the draft, then
+    /// more. The next draft where the check took the whole draft and sampled that guess
+    /// (then the draft cache holds their positions); else empty.
+    pub(super) ahead: Vec<u32>,
     /// The state of the model's prediction layer for this sequence (drafting with it).
     pub(super) mtp: Option<MtpState>,
     /// The draft model (or prediction layer) failed on this sequence, or cannot draft for
