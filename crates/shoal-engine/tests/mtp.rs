@@ -144,22 +144,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize, sampler: SamplerConfig) -> Seque
 }
 
 fn run(sched: &Scheduler, r: SequenceRequest) -> Vec<u32> {
-    let (tx, rx) = mpsc::channel();
-    let _t = sched
-        .submit(r, Box::new(move |e| tx.send(e).is_ok()))
-        .unwrap();
-    let mut toks = Vec::new();
-    loop {
-        match rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("events within 60 s")
-        {
-            Event::Token { id, .. } => toks.push(id),
-            Event::Text(_) => {}
-            Event::Done(_) => return toks,
-            Event::Failed(e) | Event::Interrupted(e) => panic!("failed: {e}"),
-        }
-    }
+    run_all(sched, vec![r]).remove(0)
 }
 
 /// The scheduler's (drafted, taken, decode steps), once it counted `steps` steps or a second

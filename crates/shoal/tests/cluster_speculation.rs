@@ -33,6 +33,25 @@ fn drafts_at(lead: &str) -> (u64, u64) {
     )
 }
 
+/// The greedy answer of `model` (a path, or an instance at `--url`) to `prompt`, run to
+/// `tokens` tokens: `shoal run` with `extra` flags.
+fn answer(model: &str, prompt: &str, tokens: &str, extra: &[&str]) -> String {
+    let mut args = vec![
+        "run",
+        model,
+        prompt,
+        "--temp",
+        "0",
+        "-n",
+        tokens,
+        "--ignore-eos",
+    ];
+    args.extend_from_slice(extra);
+    let (ok, out, err) = run(&args);
+    assert!(ok, "shoal run {extra:?}: {err}");
+    out
+}
+
 /// The layers of each stage of an instance's `placement` ("node[a..b] -> node[b..c]"), as
 /// `--stage-layers` takes them.
 fn stage_layers(inst: &Value) -> String {
@@ -84,36 +103,13 @@ fn a_split_instance_checks_the_lead_nodes_draft_model() {
     let lead = format!("http://{}", inst["api"].as_str().unwrap());
     let layers = stage_layers(&inst);
     // the same stages run locally, plain
-    let (ok, local, err) = run(&[
-        "run",
+    let local = answer(
         m,
         prompt,
-        "--temp",
-        "0",
-        "-n",
         "32",
-        "--ignore-eos",
-        "-t",
-        "1",
-        "--pp",
-        "2",
-        "--stage-layers",
-        &layers,
-    ]);
-    assert!(ok, "{err}");
-    let (ok, there, err) = run(&[
-        "run",
-        "qwen05",
-        prompt,
-        "--temp",
-        "0",
-        "-n",
-        "32",
-        "--ignore-eos",
-        "--url",
-        &lead,
-    ]);
-    assert!(ok, "{err}");
+        &["-t", "1", "--pp", "2", "--stage-layers", &layers],
+    );
+    let there = answer("qwen05", prompt, "32", &["--url", &lead]);
     assert_eq!(there, local, "{}", inst["placement"]);
     let (drafted, taken) = drafts_at(&lead);
     eprintln!(
@@ -177,37 +173,15 @@ fn a_split_instance_drafts_with_the_models_prediction_layer() {
     ]);
     assert_eq!(inst["pp"], 2, "{inst}");
     let lead = format!("http://{}", inst["api"].as_str().unwrap());
-    let (ok, local, err) = run(&[
-        "run",
+    let layers = stage_layers(&inst);
+    let local = answer(
         m,
         prompt,
-        "--temp",
-        "0",
-        "-n",
         "41",
-        "--ignore-eos",
-        "-t",
-        "1",
-        "--pp",
-        "2",
-        "--stage-layers",
-        &stage_layers(&inst),
-    ]);
-    assert!(ok, "{err}");
+        &["-t", "1", "--pp", "2", "--stage-layers", &layers],
+    );
     let name = path.file_stem().unwrap().to_str().unwrap();
-    let (ok, there, err) = run(&[
-        "run",
-        name,
-        prompt,
-        "--temp",
-        "0",
-        "-n",
-        "41",
-        "--ignore-eos",
-        "--url",
-        &lead,
-    ]);
-    assert!(ok, "{err}");
+    let there = answer(name, prompt, "41", &["--url", &lead]);
     assert_eq!(there, local, "{}", inst["placement"]);
     let (drafted, taken) = drafts_at(&lead);
     eprintln!(
