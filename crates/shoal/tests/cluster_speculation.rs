@@ -52,6 +52,27 @@ fn answer(model: &str, prompt: &str, tokens: &str, extra: &[&str]) -> String {
     out
 }
 
+/// `model` loaded as two pipeline stages on nodes a and b (through the node at `url`): the
+/// instance, and its lead's API address.
+fn place_on_two_stages(model: &str, ctx: &str, url: &str) -> (Value, String) {
+    let inst: Value = json(&[
+        "load",
+        model,
+        "--strategy",
+        "pipeline",
+        "--nodes",
+        "a,b",
+        "--ctx",
+        ctx,
+        "--json",
+        "--url",
+        url,
+    ]);
+    assert_eq!(inst["pp"], 2, "{inst}");
+    let lead = format!("http://{}", inst["api"].as_str().unwrap());
+    (inst, lead)
+}
+
 /// The layers of each stage of an instance's `placement` ("node[a..b] -> node[b..c]"), as
 /// `--stage-layers` takes them.
 fn stage_layers(inst: &Value) -> String {
@@ -86,21 +107,7 @@ fn a_split_instance_checks_the_lead_nodes_draft_model() {
     let b = node(dir.path(), "b", &secret, &home_b, Some(&a.listen), &extra);
     let nodes = [a, b];
     agree(&nodes);
-    let inst: Value = json(&[
-        "load",
-        "qwen05",
-        "--strategy",
-        "pipeline",
-        "--nodes",
-        "a,b",
-        "--ctx",
-        "512",
-        "--json",
-        "--url",
-        &nodes[0].url,
-    ]);
-    assert_eq!(inst["pp"], 2, "{inst}");
-    let lead = format!("http://{}", inst["api"].as_str().unwrap());
+    let (inst, lead) = place_on_two_stages("qwen05", "512", &nodes[0].url);
     let layers = stage_layers(&inst);
     // the same stages run locally, plain
     let local = answer(
@@ -158,21 +165,7 @@ fn a_split_instance_drafts_with_the_models_prediction_layer() {
     let nodes = [a, b];
     agree(&nodes);
     // the file is a path on node a; b has nothing
-    let inst: Value = json(&[
-        "load",
-        m,
-        "--strategy",
-        "pipeline",
-        "--nodes",
-        "a,b",
-        "--ctx",
-        "256",
-        "--json",
-        "--url",
-        &nodes[0].url,
-    ]);
-    assert_eq!(inst["pp"], 2, "{inst}");
-    let lead = format!("http://{}", inst["api"].as_str().unwrap());
+    let (inst, lead) = place_on_two_stages(m, "256", &nodes[0].url);
     let layers = stage_layers(&inst);
     let local = answer(
         m,
