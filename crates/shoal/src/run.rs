@@ -352,8 +352,20 @@ fn answer(
     let drafted = s.drafted.load(std::sync::atomic::Ordering::Relaxed);
     if drafted > 0 {
         let taken = s.accepted_drafts.load(std::sync::atomic::Ordering::Relaxed);
+        let ahead = s
+            .overlapped_steps
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let missed = s.discarded_steps.load(std::sync::atomic::Ordering::Relaxed);
+        let ahead = if ahead + missed > 0 {
+            format!(
+                "; {ahead} went in before the step they follow was collected, {} more on a guess that missed",
+                missed
+            )
+        } else {
+            String::new()
+        };
         eprintln!(
-            "speculation: {taken} of {drafted} drafted tokens accepted ({:.0}%), {} decode steps for {} tokens",
+            "speculation: {taken} of {drafted} drafted tokens accepted ({:.0}%), {} decode steps for {} tokens{ahead}",
             100.0 * taken as f64 / drafted as f64,
             s.decode_steps.load(std::sync::atomic::Ordering::Relaxed),
             done.finished.completion_tokens,

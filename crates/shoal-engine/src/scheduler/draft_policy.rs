@@ -116,6 +116,11 @@ impl Acceptance {
         })
     }
 
+    /// The chance that the first `n` drafted tokens are all taken.
+    pub(crate) fn all_taken(&self, n: usize) -> f64 {
+        self.chances().take(n).product()
+    }
+
     /// Tokens a step gives the sequence, expected, when it checks `k` drafted tokens: its
     /// next token and each drafted one taken.
     pub(crate) fn expected_tokens(&self, k: usize) -> f64 {
@@ -314,6 +319,24 @@ mod tests {
             }
         }
         a
+    }
+
+    #[test]
+    fn all_taken_is_the_chance_of_every_position_in_turn() {
+        assert!(
+            (Acceptance::default().all_taken(2) - 0.25).abs() < 1e-9,
+            "priors: a half each"
+        );
+        assert!((Acceptance::default().all_taken(0) - 1.0).abs() < 1e-12);
+        let sure = taken_ratio(1.0, 40);
+        assert!(sure.all_taken(8) > 0.9, "{}", sure.all_taken(8));
+        let half = taken_ratio(0.5, 40);
+        let p = half.p(0) * half.p(1) * half.p(2);
+        assert!((half.all_taken(3) - p).abs() < 1e-12);
+        // the chance falls with each position, and equals the difference of expected tokens
+        assert!(half.all_taken(4) <= half.all_taken(3));
+        let d = half.expected_tokens(3) - half.expected_tokens(2);
+        assert!((half.all_taken(3) - d).abs() < 1e-12);
     }
 
     #[test]

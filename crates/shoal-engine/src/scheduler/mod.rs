@@ -260,6 +260,10 @@ pub struct SchedulerStats {
     pub decode_steps: AtomicU64,
     /// Of those, the ones submitted to a pipeline while another was still in it.
     pub overlapped_steps: AtomicU64,
+    /// Steps submitted to a pipeline on a guess of what the step before them would sample
+    /// (checking prompt lookup's drafts) where the guess missed: their rows were thrown
+    /// away, and they are counted in neither `decode_steps` nor `overlapped_steps`.
+    pub discarded_steps: AtomicU64,
     /// Tokens decoded in those steps (their sum of batch sizes).
     pub decoded_tokens: AtomicU64,
     /// Prompt tokens run.

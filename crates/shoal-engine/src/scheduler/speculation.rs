@@ -2,7 +2,9 @@
 //! own context, with a draft model on this rank, the lead's on a split, or with the model's
 //! own prediction layer, `mtp.rs`), and one step
 //! runs its next token and its draft together (on one rank, or as one split step of every
-//! rank); the sequence keeps the drafted tokens the model samples itself.
+//! rank); the sequence keeps the drafted tokens the model samples itself. On a pipeline
+//! drafting by lookup, the next check goes in on a guess while the later stages run the last
+//! ([`Worker::check_in_chain`]).
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -156,6 +158,9 @@ impl Worker<'_> {
     /// when the model samples it, the output is what decoding one token at a time gives
     /// (up to the last bits in which a step of several rows rounds differently).
     pub(super) fn speculative_step(&mut self, ready: &[usize], drafts: &[Vec<u32>]) {
+        if self.checks_in_chain() {
+            return self.check_in_chain(ready, drafts);
+        }
         let mut tokens = Vec::new();
         let mut counts = Vec::new();
         for (&i, d) in ready.iter().zip(drafts) {
@@ -166,7 +171,6 @@ impl Worker<'_> {
         let last = counts.iter().copied().max().unwrap_or(1);
         let started = Instant::now();
         let mtp_layer = self.mtp.clone();
-        let by_model = (self.draft.is_some() || mtp_layer.is_some()) && self.config.adaptive_drafts;
         let model = self.model.clone();
         let vocab = model.transformer.config().vocab;
         let before: Vec<usize> = ready.iter().map(|&i| self.active[i].cache.len()).collect();
@@ -206,7 +210,7 @@ impl Worker<'_> {
                 return;
             }
         };
-        let mut rows = logits.rows();
+        let rows = logits.rows();
         if rows.len() != tokens.len() || rows.iter().any(|r| r.len() != vocab) {
             let msg = format!(
                 "decoding failed: {} rows of logits for {} tokens",
@@ -221,10 +225,79 @@ impl Worker<'_> {
             }
             return;
         }
-        let width = hidden.len() / tokens.len();
+        let results = self.take_checked(ready, drafts, &before, rows, &hidden);
+        let taken: usize = results.iter().map(|r| r.1).sum();
+        self.cut_slots(ready);
+        if self.config.adaptive_drafts {
+            self.step_costs
+                .record(tokens.len(), started.elapsed().as_secs_f64());
+        }
+        self.count_checked(ready.len(), drafts, taken);
+        self.retire_ended(&results);
+    }
+
+    /// Cuts each ready sequence's slot on the lead to the length its cache keeps (on the
+    /// other ranks at their next step).
+    fn cut_slots(&mut self, ready: &[usize]) {
+        if let Some(lead) = self.lead.as_mut() {
+            for &i in ready {
+                if let Store::Slot { slot, len, .. } = &self.active[i].cache {
+                    if lead.select(*slot).is_ok() {
+                        lead.truncate(*len);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Retires the sequences that ended (`results[i].0` false, for every active sequence).
+    fn retire_ended(&mut self, results: &[(bool, usize)]) {
+        for i in (0..results.len()).rev() {
+            if !results[i].0 {
+                let seq = self.active.remove(i);
+                self.retire(seq, true);
+            }
+        }
+    }
+
+    /// Counts a step of `sequences` sequences that checked `drafts` and took `taken` of them.
+    fn count_checked(&self, sequences: usize, drafts: &[Vec<u32>], taken: usize) {
+        let stats = &self.shared.stats;
+        stats.drafted.fetch_add(
+            drafts.iter().map(Vec::len).sum::<usize>() as u64,
+            Ordering::Relaxed,
+        );
+        stats
+            .accepted_drafts
+            .fetch_add(taken as u64, Ordering::Relaxed);
+        // the step's count goes last: who sees it sees the step's drafts counted
+        self.count_step(sequences, sequences + taken);
+    }
+
+    /// Takes each ready sequence's rows of a step that checked its draft (`rows`, sequence
+    /// by sequence: its next token's, then one per drafted token) as plain decoding would:
+    /// it samples row by row and goes on while the sampled token is the drafted one, and
+    /// its cache keeps the positions of the tokens it took (`before[k]`: its length before
+    /// the step). `hidden`: the rows' output hidden states (drafting with the prediction
+    /// layer; else empty). Returns, for every active sequence, whether it goes on and how
+    /// many drafted tokens it took.
+    fn take_checked(
+        &mut self,
+        ready: &[usize],
+        drafts: &[Vec<u32>],
+        before: &[usize],
+        mut rows: Vec<&mut [f32]>,
+        hidden: &[f32],
+    ) -> Vec<(bool, usize)> {
+        let model = self.model.clone();
+        let mtp_layer = self.mtp.clone();
+        let by_model = (self.draft.is_some() || mtp_layer.is_some()) && self.config.adaptive_drafts;
+        let counts: Vec<usize> = drafts.iter().map(|d| 1 + d.len()).collect();
+        let tokens: usize = counts.iter().sum();
+        let width = hidden.len() / tokens.max(1);
         let mut work: Vec<Option<Checked>> = Vec::new();
         work.resize_with(self.active.len(), || None);
-        let mut row = tokens.len();
+        let mut row = tokens;
         for (k, &i) in ready.iter().enumerate().rev() {
             row -= counts[k];
             work[i] = Some(Checked {
@@ -234,8 +307,7 @@ impl Worker<'_> {
                 before: before[k],
             });
         }
-        let results: Vec<(bool, usize)> = self
-            .active
+        self.active
             .par_iter_mut()
             .zip(work.par_iter_mut())
             .map(|(seq, w)| match w.take() {
@@ -290,37 +362,7 @@ impl Worker<'_> {
                 }
                 None => (true, 0),
             })
-            .collect();
-        let taken: usize = results.iter().map(|r| r.1).sum();
-        if let Some(lead) = self.lead.as_mut() {
-            for &i in ready {
-                if let Store::Slot { slot, len, .. } = &self.active[i].cache {
-                    if lead.select(*slot).is_ok() {
-                        lead.truncate(*len);
-                    }
-                }
-            }
-        }
-        if self.config.adaptive_drafts {
-            self.step_costs
-                .record(tokens.len(), started.elapsed().as_secs_f64());
-        }
-        let stats = &self.shared.stats;
-        stats.drafted.fetch_add(
-            drafts.iter().map(Vec::len).sum::<usize>() as u64,
-            Ordering::Relaxed,
-        );
-        stats
-            .accepted_drafts
-            .fetch_add(taken as u64, Ordering::Relaxed);
-        // the step's count goes last: who sees it sees the step's drafts counted
-        self.count_step(ready.len(), ready.len() + taken);
-        for i in (0..results.len()).rev() {
-            if !results[i].0 {
-                let seq = self.active.remove(i);
-                self.retire(seq, true);
-            }
-        }
+            .collect()
     }
 }
 
@@ -365,6 +407,212 @@ impl Worker<'_> {
                 s.ahead = ahead;
             }
         }
+    }
+}
+
+/// Steps one chain of checks runs at most before the scheduler admits, cancels and
+/// prefills again.
+const CHAIN_MAX: usize = 32;
+/// The least chance that a step's whole draft and the guess after it are taken for the next
+/// step to go in before it is collected: a guess that misses costs the later stages a step
+/// of rows thrown away, about what one that holds saves.
+const CHAIN_CHANCE: f64 = 0.5;
+
+/// A step that checks drafts, submitted to a split: what each ready sequence runs (its next
+/// token, `heads[k]`, then `drafts[k]`) and its cache length before.
+struct Check {
+    heads: Vec<u32>,
+    drafts: Vec<Vec<u32>>,
+    before: Vec<usize>,
+}
+
+impl Check {
+    fn rows(&self) -> usize {
+        self.drafts.iter().map(|d| 1 + d.len()).sum()
+    }
+}
+
+impl Worker<'_> {
+    /// Whether decode steps check prompt lookup's drafts in chains ([`Worker::check_in_chain`]):
+    /// on a pipeline, drafting by lookup.
+    pub(super) fn checks_in_chain(&self) -> bool {
+        self.config.draft_max > 0 && self.pipelined() && self.draft.is_none() && self.mtp.is_none()
+    }
+
+    /// Speculation by prompt lookup on a pipeline, whose stages would wait on each other:
+    /// while the later stages check a step's drafts, the lead already submits the next step,
+    /// as if the check took every draft and sampled the token lookup guesses after them
+    /// (that guess, then the lookup draft after it). Where the check does so for every ready
+    /// sequence, the next step's rows are what plain decoding gives and the chain goes on;
+    /// else they are collected and thrown away (the next step writes over their positions).
+    /// A step goes in ahead only where every sequence's draft and guess are likely enough
+    /// taken ([`CHAIN_CHANCE`]; always with fixed drafts), for at most [`CHAIN_MAX`] steps.
+    fn check_in_chain(&mut self, ready: &[usize], drafts: &[Vec<u32>]) {
+        let heads: Vec<u32> = ready.iter().filter_map(|&i| self.active[i].next).collect();
+        if heads.len() != ready.len() {
+            return self.fail_all("a ready sequence without its next token");
+        }
+        let vocab = self.model.transformer.config().vocab;
+        let mut collected = Instant::now();
+        let mut current = match self.submit_check(ready, heads, drafts.to_vec()) {
+            Ok(c) => c,
+            Err(e) => return self.fail_all(&format!("decoding failed: {e}")),
+        };
+        let mut results = Vec::new();
+        for round in 1..=CHAIN_MAX {
+            let ahead =
+                if round < CHAIN_MAX && self.shared.stats.queued.load(Ordering::Relaxed) == 0 {
+                    self.guess_past(ready, &current)
+                } else {
+                    None
+                };
+            let next = match ahead.map(|(heads, drafts)| self.submit_check(ready, heads, drafts)) {
+                Some(Ok(c)) => Some(c),
+                Some(Err(e)) => return self.fail_all(&format!("decoding failed: {e}")),
+                None => None,
+            };
+            let mut logits = match self.lead_mut().and_then(|l| l.collect_rows()) {
+                Ok(rows) => rows,
+                Err(e) => return self.fail_all(&format!("decoding failed: {e}")),
+            };
+            let rows: Vec<&mut [f32]> = logits.iter_mut().map(Vec::as_mut_slice).collect();
+            if rows.len() != current.rows() || rows.iter().any(|r| r.len() != vocab) {
+                let msg = format!(
+                    "decoding failed: {} rows of logits for {} tokens",
+                    rows.len(),
+                    current.rows()
+                );
+                return self.fail_all(&msg);
+            }
+            results = self.take_checked(ready, &current.drafts, &current.before, rows, &[]);
+            // a step in a chain costs the time between two collections
+            if self.config.adaptive_drafts {
+                self.step_costs
+                    .record(current.rows(), collected.elapsed().as_secs_f64());
+            }
+            collected = Instant::now();
+            let taken: usize = results.iter().map(|r| r.1).sum();
+            self.count_checked(ready.len(), &current.drafts, taken);
+            let Some(next) = next else {
+                break;
+            };
+            let holds = ready.iter().enumerate().all(|(k, &i)| {
+                let (goes_on, taken) = results[i];
+                goes_on
+                    && taken == current.drafts[k].len()
+                    && self.active[i].next == Some(next.heads[k])
+            });
+            if holds {
+                self.shared
+                    .stats
+                    .overlapped_steps
+                    .fetch_add(1, Ordering::Relaxed);
+                // taking the step's rows cut each cache to them: the next step's rows are
+                // in it too
+                for (k, &i) in ready.iter().enumerate() {
+                    if let Store::Slot { len, .. } = &mut self.active[i].cache {
+                        *len = next.before[k] + 1 + next.drafts[k].len();
+                    }
+                }
+                current = next;
+                continue;
+            }
+            // the guess missed: the step after it ran on tokens that are not the sequence's
+            self.shared
+                .stats
+                .discarded_steps
+                .fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = self.lead_mut().and_then(|l| l.collect_rows()) {
+                return self.fail_all(&format!("decoding failed: {e}"));
+            }
+            break;
+        }
+        self.cut_slots(ready);
+        self.retire_ended(&results);
+    }
+
+    /// Submits the split step that runs each ready sequence's `heads[k]` and `drafts[k]`
+    /// after what its cache holds (or will hold once the steps in flight are done).
+    fn submit_check(
+        &mut self,
+        ready: &[usize],
+        heads: Vec<u32>,
+        drafts: Vec<Vec<u32>>,
+    ) -> Result<Check, EngineError> {
+        let before: Vec<usize> = ready.iter().map(|&i| self.active[i].cache.len()).collect();
+        let counts: Vec<usize> = drafts.iter().map(|d| 1 + d.len()).collect();
+        let mut tokens = Vec::with_capacity(counts.iter().sum());
+        for (h, d) in heads.iter().zip(&drafts) {
+            tokens.push(*h);
+            tokens.extend_from_slice(d);
+        }
+        let (slots, want) = self.split_slots(ready, &counts)?;
+        self.lead_mut()?
+            .submit_rows(&slots, &tokens, &counts, want)?;
+        Ok(Check {
+            heads,
+            drafts,
+            before,
+        })
+    }
+
+    /// The step after `check` (in flight) as if it took every draft: for each ready
+    /// sequence, the token prompt lookup guesses after its draft and the lookup draft after
+    /// that guess, as long as [`Worker::drafts`] would make it. None where a sequence has no
+    /// guess, is constrained, would end by then, or (adaptive) where the chance that
+    /// every draft and guess are taken is below [`CHAIN_CHANCE`].
+    fn guess_past(&mut self, ready: &[usize], check: &Check) -> Option<(Vec<u32>, Vec<Vec<u32>>)> {
+        let adaptive = self.config.adaptive_drafts;
+        let step_max = crate::parallel::MAX_ROWS_PER_SEQUENCE - 1;
+        let mut chance = 1.0;
+        let mut heads = Vec::with_capacity(ready.len());
+        let mut lookups = Vec::with_capacity(ready.len());
+        let mut shadows = Vec::with_capacity(ready.len());
+        for (k, &i) in ready.iter().enumerate() {
+            let s = &self.active[i];
+            let drafted = check.drafts[k].len();
+            // tokens the sequence has once the check took its whole draft and sampled
+            let generated = s.generated + 1 + drafted;
+            if s.job.request.constraint.is_some() || generated >= s.job.request.max_tokens {
+                return None;
+            }
+            let room = s.cache.capacity().saturating_sub(s.cache.len() + 1);
+            let left = s.job.request.max_tokens.saturating_sub(generated + 1);
+            let max = self.config.draft_max.min(room).min(left).min(step_max);
+            let mut context = context_of(s);
+            context.extend_from_slice(&check.drafts[k]);
+            let mut lookup = crate::lookup::draft(&context, 1 + max);
+            if lookup.is_empty() {
+                return None;
+            }
+            chance *= s.acceptance.all_taken(drafted + 1);
+            shadows.push((s.generated_ids.len() + drafted, lookup.clone()));
+            heads.push(lookup.remove(0));
+            lookups.push(lookup);
+        }
+        if adaptive && chance < CHAIN_CHANCE {
+            return None;
+        }
+        if adaptive {
+            // the guesses and lookup drafts are scored against what follows, as lookup's
+            // drafts before a step are
+            for (&i, (at, lookup)) in ready.iter().zip(shadows) {
+                self.active[i].shadows.push(at, lookup);
+            }
+            let candidates: Vec<Candidate> = ready
+                .iter()
+                .zip(&lookups)
+                .map(|(&i, l)| Candidate {
+                    available: l.len(),
+                    acceptance: &self.active[i].acceptance,
+                })
+                .collect();
+            let lengths = choose(&self.step_costs, &candidates, 0.0);
+            for (l, k) in lookups.iter_mut().zip(lengths) {
+                l.truncate(k);
+            }
+        }
+        Some((heads, lookups))
     }
 }
 

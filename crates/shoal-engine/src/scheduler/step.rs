@@ -138,7 +138,8 @@ impl<'m> Worker<'m> {
         }
         if self.config.draft_max > 0 {
             let drafts = self.drafts(&ready);
-            if drafts.iter().any(|d| !d.is_empty()) {
+            // on a pipeline, a step without drafts may still go in ahead of the one before
+            if drafts.iter().any(|d| !d.is_empty()) || self.checks_in_chain() {
                 return self.speculative_step(&ready, &drafts);
             }
         }
