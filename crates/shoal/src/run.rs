@@ -349,25 +349,27 @@ fn answer(
     }
     report(&done, threads, ranks);
     let s = scheduler.stats();
-    let drafted = s.drafted.load(std::sync::atomic::Ordering::Relaxed);
-    if drafted > 0 {
-        let taken = s.accepted_drafts.load(std::sync::atomic::Ordering::Relaxed);
-        let ahead = s
-            .overlapped_steps
-            .load(std::sync::atomic::Ordering::Relaxed);
-        let missed = s.discarded_steps.load(std::sync::atomic::Ordering::Relaxed);
-        let ahead = if ahead + missed > 0 {
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    let (drafted, taken) = (load(&s.drafted), load(&s.accepted_drafts));
+    // steps that went in on a pipeline before the one they follow was collected
+    let (ahead, missed) = (load(&s.overlapped_steps), load(&s.discarded_steps));
+    if drafted > 0 || ahead + missed > 0 {
+        let share = if drafted > 0 {
+            format!(" ({:.0}%)", 100.0 * taken as f64 / drafted as f64)
+        } else {
+            String::new()
+        };
+        let chained = if ahead + missed > 0 {
             format!(
-                "; {ahead} went in before the step they follow was collected, {} more on a guess that missed",
-                missed
+                "; {ahead} went in before the step they follow was collected, {missed} more on a \
+                 guess that missed"
             )
         } else {
             String::new()
         };
         eprintln!(
-            "speculation: {taken} of {drafted} drafted tokens accepted ({:.0}%), {} decode steps for {} tokens{ahead}",
-            100.0 * taken as f64 / drafted as f64,
-            s.decode_steps.load(std::sync::atomic::Ordering::Relaxed),
+            "speculation: {taken} of {drafted} drafted tokens accepted{share}, {} decode steps for {} tokens{chained}",
+            load(&s.decode_steps),
             done.finished.completion_tokens,
         );
     }
