@@ -264,7 +264,12 @@ pub unsafe fn tile2_iq4xs<const N: usize>(
                 q[g] = _mm512_xor_si512(_mm512_shuffle_epi8(table, lo), flip);
                 q[g + 4] = _mm512_xor_si512(_mm512_shuffle_epi8(table, hi), flip);
             }
-            let sc = _mm512_cvtepi8_epi32(bytes8x2(t0, t1, SCX + 8 * ib));
+            // the rows' `d` times the sub-block scales, once for every activation row (exact
+            // in f32: a 6-bit integer times an f16), as `x86_tiled`'s kernels apply them
+            let sd = _mm512_mul_ps(
+                d,
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes8x2(t0, t1, SCX + 8 * ib))),
+            );
             for j in 0..N {
                 let y = a[j].get_unchecked(8 * b + ib);
                 let yp = y.qs.as_ptr();
@@ -276,10 +281,8 @@ pub unsafe fn tile2_iq4xs<const N: usize>(
                     _mm512_add_epi32(pp[0], pp[1]),
                     _mm512_set1_epi32(128 * y.sum),
                 );
-                // the sub-block scale on the integer sum (exact), as the reference applies it
-                let p = _mm512_mullo_epi32(p, sc);
                 acc[j] = _mm512_fmadd_ps(
-                    _mm512_mul_ps(d, _mm512_set1_ps(y.d)),
+                    _mm512_mul_ps(sd, _mm512_set1_ps(y.d)),
                     _mm512_cvtepi32_ps(p),
                     acc[j],
                 );
