@@ -679,7 +679,7 @@ fn split_lookup_decoding_gives_one_ranks_tokens() {
         cycle.iter().rev().cycle().take(30).copied().collect(),
         (0..9).map(|i| (i * 7 + 3) % 320).collect(),
     ];
-    let lens = [40usize, 33, 25];
+    let lens = [40usize, 33, 60];
     let config = |draft_max: usize| SchedulerConfig {
         max_batch: 3,
         max_queue: 4,
