@@ -447,6 +447,9 @@ impl Worker<'_> {
     /// else they are collected and thrown away (the next step writes over their positions).
     /// A step goes in ahead only where every sequence's draft and guess are likely enough
     /// taken ([`CHAIN_CHANCE`]; always with fixed drafts), for at most [`CHAIN_MAX`] steps.
+    /// Its draft lengths are chosen by what steps that went in ahead cost
+    /// ([`Worker::chain_costs`]): with the stages overlapped, a row costs another share of
+    /// the time than in a step that waits for its collection.
     fn check_in_chain(&mut self, ready: &[usize], drafts: &[Vec<u32>]) {
         let heads: Vec<u32> = ready.iter().filter_map(|&i| self.active[i].next).collect();
         if heads.len() != ready.len() {
@@ -485,10 +488,15 @@ impl Worker<'_> {
                 return self.fail_all(&msg);
             }
             results = self.take_checked(ready, &current.drafts, &current.before, rows, &[]);
-            // a step in a chain costs the time between two collections
+            // A step that went in ahead costs the time between two collections; the first
+            // of a chain, where one went in after it, no clean figure.
             if self.config.adaptive_drafts {
-                self.step_costs
-                    .record(current.rows(), collected.elapsed().as_secs_f64());
+                let seconds = collected.elapsed().as_secs_f64();
+                if round > 1 {
+                    self.chain_costs.record(current.rows(), seconds);
+                } else if next.is_none() {
+                    self.step_costs.record(current.rows(), seconds);
+                }
             }
             collected = Instant::now();
             let taken: usize = results.iter().map(|r| r.1).sum();
@@ -607,7 +615,7 @@ impl Worker<'_> {
                     acceptance: &self.active[i].acceptance,
                 })
                 .collect();
-            let lengths = choose(&self.step_costs, &candidates, 0.0);
+            let lengths = choose(&self.chain_costs, &candidates, 0.0);
             for (l, k) in lookups.iter_mut().zip(lengths) {
                 l.truncate(k);
             }

@@ -141,6 +141,10 @@ pub(super) struct Worker<'m> {
     pub(super) mtp: Option<Arc<LoadedModel>>,
     /// Measured cost of a decode step by its rows (for the draft lengths).
     pub(super) step_costs: StepCosts,
+    /// Measured cost of a step that went in ahead in a chain of checks by its rows: the time
+    /// between its collection and the one before, in which the later stages overlap the
+    /// lead's ([`Worker::check_in_chain`]'s draft lengths).
+    pub(super) chain_costs: StepCosts,
     /// Seconds the draft model takes per drafted token, averaged (0 until measured).
     pub(super) draft_token_seconds: f64,
 }
@@ -165,6 +169,7 @@ impl<'m> Worker<'m> {
             draft: None,
             mtp: None,
             step_costs: StepCosts::default(),
+            chain_costs: StepCosts::default(),
             draft_token_seconds: 0.0,
         }
     }
