@@ -36,6 +36,10 @@ TASKS=read,edit
 MODELS=codex=qwen05,claude=qwen05,qwen=qwen05,aider=qwen15
 SERVER_KIND=shoal
 TIMEOUT=900
+# the context the server gives each model (CTX in the environment; default 32768). Codex is
+# told it, so that it compacts its conversation at three quarters of it: it knows no window of
+# a model it has no metadata for.
+CTX=${CTX:-32768}
 PROGRESS_WINDOW=${PROGRESS_WINDOW:-300}
 REQUIRED_TASKS=${REQUIRED_TASKS-aider-read,aider-edit}
 while [ $# -gt 0 ]; do
@@ -103,7 +107,7 @@ used_models=$(for a in ${AGENTS//,/ }; do model_of "$a"; done | sort -u)
 if [ "$SERVER_KIND" = shoal ]; then
   args=()
   for m in $used_models; do args+=(--model "$m"); done
-  "$BIN" serve "${args[@]}" --api 127.0.0.1:0 --ctx 32768 --data-dir "$WORK/data" \
+  "$BIN" serve "${args[@]}" --api 127.0.0.1:0 --ctx "$CTX" --data-dir "$WORK/data" \
     >"$WORK/serve.out" 2>"$WORK/serve.err" &
   PIDS+=($!)
   wait_ready "${PIDS[-1]}" "$WORK/serve.out" || { tail "$WORK/serve.err" >&2; echo "shoal serve did not start" >&2; exit 1; }
@@ -115,7 +119,7 @@ elif [ "$SERVER_KIND" = llama ]; then
   for m in $used_models; do
     path=$("$BIN" models list --json | python3 -c 'import json,sys; print(next(x["path"] for x in json.load(sys.stdin) if x["key"] == sys.argv[1]))' "$m")
     port=$((port + 1))
-    "$LLAMA_BIN" -m "$path" --alias "$m" --jinja --host 127.0.0.1 --port "$port" --ctx-size 32768 \
+    "$LLAMA_BIN" -m "$path" --alias "$m" --jinja --host 127.0.0.1 --port "$port" --ctx-size "$CTX" \
       --threads "$(nproc)" >"$WORK/llama-$m.err" 2>&1 &
     PIDS+=($!)
     for _ in $(seq 1 600); do
@@ -200,6 +204,8 @@ run() {
         cat >"$home/.codex/config.toml" <<TOML
 model = "$MODEL"
 model_provider = "shoal"
+model_context_window = $CTX
+model_auto_compact_token_limit = $((CTX * 3 / 4))
 check_for_update_on_startup = false
 [model_providers.shoal]
 name = "shoal"
