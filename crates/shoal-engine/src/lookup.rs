@@ -2,9 +2,9 @@
 //! second model. The last few tokens (an n-gram, longest first) are looked for earlier in
 //! the context, and the tokens that followed their most recent earlier occurrence are the
 //! draft. Where those run into the context's end, the draft goes on as the text repeats
-//! with that period: a run of one token, or a line written over and over, drafts as far as
-//! the other. Code edits, summaries and answers that quote their input repeat long runs of it,
-//! so the model then confirms several tokens in one step (the scheduler checks every
+//! with that period: a run of one token, or a line written over and over, drafts as many
+//! tokens as asked. Code edits, summaries and answers that quote their input repeat long runs
+//! of it, so the model then confirms several tokens in one step (the scheduler checks every
 //! drafted token against the model's own choice, so the output is unchanged).
 
 /// The longest n-gram looked for.

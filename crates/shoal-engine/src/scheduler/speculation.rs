@@ -488,8 +488,8 @@ impl Worker<'_> {
                 return self.fail_all(&msg);
             }
             results = self.take_checked(ready, &current.drafts, &current.before, rows, &[]);
-            // A step that went in ahead costs the time between two collections; the first
-            // of a chain, where one went in after it, no clean figure.
+            // A step that went in ahead costs the time between two collections. The first
+            // of a chain is timed only when none went in after it: it then stood alone.
             if self.config.adaptive_drafts {
                 let seconds = collected.elapsed().as_secs_f64();
                 if round > 1 {
