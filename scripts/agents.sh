@@ -27,6 +27,7 @@
 #   scripts/agents.sh [--agents codex,claude,qwen,aider] [--tasks read,edit]
 #                     [--models codex=qwen05,claude=qwen05,qwen=qwen05,aider=qwen15]
 #                     [--server shoal|llama] [--timeout S]
+# (CTX=N in the environment: the context each model is served with, default 32768)
 # Needs a release build and the fetched models.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -18,7 +18,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{cached_model, json_of, node, run, wait_until, Node};
+use common::{cached_model, json_of, node, node_log, run, wait_until, Node};
 
 const PROMPT: &str = "Write one sentence about the sea.";
 
@@ -104,10 +104,6 @@ fn corrupt(path: &Path, like: &Path) {
     assert!(ok, "touch -r");
 }
 
-fn log(dir: &Path, name: &str) -> String {
-    std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default()
-}
-
 #[test]
 fn bad_chunks_are_fetched_from_another_node_and_a_bad_copy_stops_being_offered() {
     let Some(model) = cached_model("qwen05") else {
@@ -172,7 +168,7 @@ fn bad_chunks_are_fetched_from_another_node_and_a_bad_copy_stops_being_offered()
     assert_eq!(answer(&lead, "qwen05"), want, "both sources good");
     unload(&nodes);
     assert!(
-        !log(dir.path(), "c1").contains("failed its sha256 check"),
+        !node_log(dir.path(), "c1").contains("failed its sha256 check"),
         "no chunk failed while both copies were good"
     );
 
@@ -182,7 +178,7 @@ fn bad_chunks_are_fetched_from_another_node_and_a_bad_copy_stops_being_offered()
     let lead = load(&nodes, "c2");
     assert_eq!(answer(&lead, "qwen05"), want, "b's chunks fetched from a");
     unload(&nodes);
-    let c_log = log(dir.path(), "c2");
+    let c_log = node_log(dir.path(), "c2");
     let failed = c_log
         .lines()
         .find(|l| l.contains("failed its sha256 check"))
@@ -217,19 +213,19 @@ fn bad_chunks_are_fetched_from_another_node_and_a_bad_copy_stops_being_offered()
         assert!(
             t0.elapsed() < Duration::from_secs(30),
             "c3 never saw d's offer; d's log:\n{}",
-            log(dir.path(), "d")
+            node_log(dir.path(), "d")
         );
         std::thread::sleep(Duration::from_millis(200));
     }
     let lead = load(&nodes, "c3");
     assert_eq!(answer(&lead, "qwen05"), want, "everything fetched from a");
-    let d_log = log(dir.path(), "d");
+    let d_log = node_log(dir.path(), "d");
     let refused = d_log
         .lines()
         .find(|l| l.contains("no longer matches its sha256"))
         .unwrap_or_else(|| panic!("d's log does not say its copy is bad:\n{d_log}"));
     eprintln!("d: {refused}");
-    let c_log = log(dir.path(), "c3");
+    let c_log = node_log(dir.path(), "c3");
     let left_out = c_log
         .lines()
         .find(|l| l.contains("left out") && l.contains("no longer matches its sha256"))

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{cached_model, json_of, node, node_with_env, run, wait_until, Node};
+use common::{cached_model, json_of, node, node_with_env, run, wait_until, wait_until_else, Node};
 use serde_json::{json, Value};
 
 /// `GET path` on the node at `url`, as JSON.
@@ -192,42 +192,30 @@ fn a_rolling_upgrade_under_four_streams_loses_none() {
     assert!(ok, "load: {err}");
     let inst: Value = serde_json::from_str(&out).unwrap();
     eprintln!("placed: {}", inst["placement"]);
-    // the instance once ready at a generation of at least `generation`; else, after 120 s,
-    // a panic with what the entry node last listed and the end of each node's log
+    // the instance once ready at a generation of at least `generation`; a timeout shows
+    // what the entry node last listed and the end of each node's log
     let ready = |generation: u64| {
-        let t0 = std::time::Instant::now();
-        loop {
-            let ps = json_of(&["ps", "--json", "--url", &entry_url]);
-            let found = ps.as_array().and_then(|all| {
-                all.iter()
+        let last = std::cell::RefCell::new(Value::Null);
+        wait_until_else(
+            Duration::from_secs(120),
+            &format!("the instance is ready at generation {generation} or later"),
+            || {
+                *last.borrow_mut() = json_of(&["ps", "--json", "--url", &entry_url]);
+                let ps = last.borrow();
+                ps.as_array()?
+                    .iter()
                     .find(|i| {
                         i["id"] == "qwen05"
                             && i["state"] == "ready"
                             && i["generation"].as_u64().unwrap_or(0) >= generation
                     })
                     .cloned()
-            });
-            if let Some(i) = found {
-                return i;
-            }
-            if t0.elapsed() > Duration::from_secs(120) {
-                let logs: String = ["a", "b", "c", "e"]
-                    .iter()
-                    .map(|n| {
-                        let log = std::fs::read_to_string(dir.path().join(format!("{n}.log")))
-                            .unwrap_or_default();
-                        let lines: Vec<&str> = log.lines().collect();
-                        let tail = lines[lines.len().saturating_sub(30)..].join("\n");
-                        format!("--- {n}.log, its last 30 lines\n{tail}\n")
-                    })
-                    .collect();
-                panic!(
-                    "the instance is not ready at generation {generation} or later within \
-                     120 s; the entry node lists {ps:#}\n{logs}"
-                );
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+            },
+            || {
+                let logs = common::log_tails(dir.path(), &["a", "b", "c", "e"], 30);
+                format!("the entry node lists {:#}\n{logs}", last.borrow())
+            },
+        )
     };
     let mut info = ready(0);
     let want: Vec<String> = PROMPTS

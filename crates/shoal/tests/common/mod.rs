@@ -166,15 +166,49 @@ pub fn json_of(args: &[&str]) -> Value {
 }
 
 /// Waits for `f` to give a value, at most `limit`.
-pub fn wait_until<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+pub fn wait_until<T>(limit: Duration, what: &str, f: impl FnMut() -> Option<T>) -> T {
+    wait_until_else(limit, what, f, String::new)
+}
+
+/// [`wait_until`], whose panic at `limit` adds what `explain` then says (the state waited on,
+/// the nodes' logs).
+pub fn wait_until_else<T>(
+    limit: Duration,
+    what: &str,
+    mut f: impl FnMut() -> Option<T>,
+    explain: impl FnOnce() -> String,
+) -> T {
     let t0 = Instant::now();
     loop {
         if let Some(v) = f() {
             return v;
         }
-        assert!(t0.elapsed() < limit, "{what}: not within {limit:?}");
+        if t0.elapsed() >= limit {
+            let why = explain();
+            let sep = if why.is_empty() { "" } else { "\n" };
+            panic!("{what}: not within {limit:?}{sep}{why}");
+        }
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// The log of the node started as `name` in `dir` (every run under that name); empty when
+/// there is none.
+pub fn node_log(dir: &Path, name: &str) -> String {
+    std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default()
+}
+
+/// The last `n` lines of each named node's log in `dir`, each under a heading.
+pub fn log_tails(dir: &Path, names: &[&str], n: usize) -> String {
+    names
+        .iter()
+        .map(|name| {
+            let log = node_log(dir, name);
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines[lines.len().saturating_sub(n)..].join("\n");
+            format!("--- {name}.log, its last {n} lines\n{tail}\n")
+        })
+        .collect()
 }
 
 /// [`wait_until`], also giving how long it took.
